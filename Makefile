@@ -1,0 +1,33 @@
+# Thin wrapper over CMake: the README's quick start is `make demo` and `make test`.
+BUILD   ?= build
+JOBS    ?= 2
+CMAKE_FLAGS ?=
+SHARDFLOW_CUDA ?= AUTO
+
+.PHONY: all deps configure build demo test bench clean
+
+all: build
+
+deps:
+	@bash scripts/install_deps.sh
+
+configure: deps
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDFLOW_CUDA=$(SHARDFLOW_CUDA) $(CMAKE_FLAGS) >/dev/null
+
+build: configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# Two ranks (threads of one process, in-process collectives) train an MLP data-parallel.
+demo: build
+	$(BUILD)/examples/mlp_train --sizes 784,256,256,10 --steps 300 --global-batch 64 \
+	  --world-size 2 --optimizer adamw --lr 1e-3 --seed 1
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+bench: build
+	$(BUILD)/bench/bench_collectives
+	$(BUILD)/bench/bench_ddp
+
+clean:
+	rm -rf $(BUILD)

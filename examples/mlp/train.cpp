@@ -1,0 +1,201 @@
+#include "examples/mlp/train.hpp"
+
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "examples/mlp/model.hpp"
+#include "examples/mlp/rng.hpp"
+#include "kernels/cpu/linear.hpp"
+
+namespace shardflow::mlp {
+
+Dataset Dataset::synthetic(int in, int out, std::size_t rows, std::uint64_t seed) {
+  Dataset d;
+  d.in = in;
+  d.out = out;
+  d.rows = rows;
+  d.x.resize(rows * std::size_t(in));
+  d.y.resize(rows * std::size_t(out));
+  CounterRng xr(seed, 1001), tr(seed, 1002);
+  for (auto& v : d.x) v = xr.normal();
+  // Teacher: y = tanh(x · T) with T ~ N(0, 1/in): smooth, learnable, bounded targets.
+  std::vector<float> T(std::size_t(in) * out);
+  const float s = 1.0f / std::sqrt(float(in));
+  for (auto& v : T) v = s * tr.normal();
+  for (std::size_t r = 0; r < rows; ++r)
+    for (int o = 0; o < out; ++o) {
+      float acc = 0;
+      for (int i = 0; i < in; ++i) acc += d.x[r * in + std::size_t(i)] * T[std::size_t(i) * out + o];
+      d.y[r * out + std::size_t(o)] = std::tanh(acc);
+    }
+  return d;
+}
+
+Dataset Dataset::load(const std::string& path, int in, int out) {
+  const auto t = load_safetensors(path);
+  auto get = [&](const char* name, int width) -> const Tensor& {
+    auto it = t.find(name);
+    if (it == t.end()) throw Error("--data '" + path + "': tensor '" + name + "' is missing");
+    const auto& s = it->second.shape;
+    if (s.size() != 2 || s[1] != width)
+      throw Error("--data '" + path + "': tensor '" + name + "' has shape " + shape_str(s) + ", expected [rows, " +
+                  std::to_string(width) + "] to match --sizes");
+    return it->second;
+  };
+  const Tensor& x = get("x", in);
+  const Tensor& y = get("y", out);
+  if (x.shape[0] != y.shape[0])
+    throw Error("--data '" + path + "': x has " + std::to_string(x.shape[0]) + " rows, y has " + std::to_string(y.shape[0]));
+  if (x.shape[0] == 0) throw Error("--data '" + path + "': no rows");
+  Dataset d;
+  d.in = in;
+  d.out = out;
+  d.rows = std::size_t(x.shape[0]);
+  d.x = x.to_f32("--data '" + path + "': tensor 'x'");
+  d.y = y.to_f32("--data '" + path + "': tensor 'y'");
+  return d;
+}
+
+namespace {
+
+struct Shared {
+  const TrainOptions& opt;
+  const Dataset& data;
+  const TensorMap* init;
+  std::shared_ptr<InProcessWorld> world;
+  TrainResult result;
+  std::mutex mu;
+  std::exception_ptr error;
+};
+
+// Gathers this rank's rows of global batch `step`: rows s*B ... s*B+B-1 modulo the data size, of
+// which rank r takes the r-th contiguous B/N.
+void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y) {
+  const int local = B / N;
+  x.resize(std::size_t(local) * d.in);
+  y.resize(std::size_t(local) * d.out);
+  for (int k = 0; k < local; ++k) {
+    const std::size_t row = (std::size_t(step) * B + std::size_t(r) * local + k) % d.rows;
+    std::copy_n(d.x.begin() + std::ptrdiff_t(row * d.in), d.in, x.begin() + std::ptrdiff_t(std::size_t(k) * d.in));
+    std::copy_n(d.y.begin() + std::ptrdiff_t(row * d.out), d.out, y.begin() + std::ptrdiff_t(std::size_t(k) * d.out));
+  }
+}
+
+void run_rank(Shared& sh, int rank) {
+  const auto& opt = sh.opt;
+  const int N = opt.world_size, B = opt.global_batch, local = B / N;
+  Model model(opt.sizes);
+  if (sh.init)
+    model.load(*sh.init, "--init '" + *opt.init_path + "'");
+  else
+    model.init(opt.seed);
+
+  auto comm = sh.world->communicator(rank);
+  Runtime rt(comm, opt.runtime);
+  std::vector<Param> handles;  // [2*layer + bias]
+  for (std::size_t i = 0; i < model.layers().size(); ++i) {
+    auto& l = model.layers()[i];
+    handles.push_back(rt.register_param({Model::param_name(int(i), false), {l.out, l.in}, DType::f32, Device::cpu(), l.weight.data()}));
+    handles.push_back(rt.register_param({Model::param_name(int(i), true), {l.out}, DType::f32, Device::cpu(), l.bias.data()}));
+  }
+  rt.finalize();
+  Optimizer optim(opt.optimizer);
+  std::vector<float> x, y;
+  const double denom = double(local) * opt.sizes.back();  // this rank's loss is a mean over its rows
+
+  for (int step = 0; step < opt.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    local_batch(sh.data, step, B, N, rank, x, y);
+    rt.zero_grad();
+    float loss = model.forward(x.data(), y.data(), local);
+    model.backward(
+        y.data(), denom, [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); },
+        [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); });
+    rt.wait();  // gradients are now averaged over the ranks
+    for (std::size_t i = 0; i < model.layers().size(); ++i) {
+      auto& l = model.layers()[i];
+      optim.step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
+      optim.step(l.bias.data(), rt.grad_f32(handles[2 * i + 1]), l.bias.size(), 2 * i + 1);
+    }
+    optim.end_step();
+    if (opt.report_loss && N > 1) {
+      CollectiveOp op;
+      op.kind = CollectiveKind::allreduce;
+      op.send = op.recv = &loss;
+      op.count = 1;
+      op.scale = 1.0f / float(N);  // equal shards: the global mean is the mean of the local means
+      op.tag = "loss";
+      comm->run(op, opt.runtime.timeout);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0) {
+      if (opt.report_loss) sh.result.losses.push_back(loss);
+      sh.result.step_ms.push_back(ms);
+      if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
+    }
+  }
+  if (rank == 0) {
+    sh.result.params = model.state_dict();
+    sh.result.buckets = rt.buckets();
+  }
+}
+
+bool is_consequence(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const CommError&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+TrainResult train(const TrainOptions& opt) {
+  if (opt.world_size < 1) throw UsageError("--world-size must be >= 1");
+  if (opt.global_batch < 1) throw UsageError("--global-batch must be >= 1");
+  if (opt.global_batch % opt.world_size != 0)
+    throw UsageError("--global-batch " + std::to_string(opt.global_batch) + " is not divisible by --world-size " +
+                     std::to_string(opt.world_size) + ": every rank takes an equal share of each batch");
+  if (opt.steps < 0) throw UsageError("--steps must be >= 0");
+  opt.optimizer.validate();
+  opt.runtime.validate();
+  Model probe(opt.sizes);  // validates --sizes before threads start
+
+  std::optional<TensorMap> init;
+  if (opt.init_path) init = load_safetensors(*opt.init_path);
+  if (init) probe.load(*init, "--init '" + *opt.init_path + "'");
+  const int in = opt.sizes.front(), out = opt.sizes.back();
+  const Dataset data = opt.data_path
+                           ? Dataset::load(*opt.data_path, in, out)
+                           : Dataset::synthetic(in, out, opt.data_rows ? opt.data_rows : std::max<std::size_t>(16 * std::size_t(opt.global_batch), 4096),
+                                                opt.seed);
+
+  // Ranks are threads here: one BLAS thread each, or the GEMMs of N ranks fight over the cores.
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  kernels::set_blas_threads(std::max(1, cores / opt.world_size));
+
+  Shared sh{opt, data, init ? &*init : nullptr, InProcessWorld::create(opt.world_size, opt.runtime.timeout), {}, {}, {}};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < opt.world_size; ++r)
+    threads.emplace_back([&sh, r] {
+      try {
+        run_rank(sh, r);
+      } catch (...) {
+        std::lock_guard lock(sh.mu);
+        // Keep the root cause: a peer's "aborted" CommError is only a consequence of it.
+        if (!sh.error || is_consequence(sh.error)) sh.error = std::current_exception();
+        // Peers blocked in a collective with this rank fail promptly instead of at the timeout.
+        sh.world->communicator(r)->abort("rank " + std::to_string(r) + " failed");
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (sh.error) std::rethrow_exception(sh.error);
+  if (opt.save_path) save_safetensors(*opt.save_path, sh.result.params, {{"format", "pt"}});
+  return std::move(sh.result);
+}
+
+}  // namespace shardflow::mlp

@@ -1,0 +1,60 @@
+// Data-parallel training of the example MLP with shardflow: N ranks as threads of this process
+// (in-process backend), each with its own replica, its slice of every global batch and its own
+// shardflow::Runtime. mlp_train, the tests and bench_ddp all drive this.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardflow/optimizer.hpp"
+#include "shardflow/safetensors.hpp"
+#include "shardflow/shardflow.hpp"
+
+namespace shardflow::mlp {
+
+struct Dataset {
+  int in = 0, out = 0;
+  std::size_t rows = 0;
+  std::vector<float> x, y;  // [rows, in], [rows, out]
+
+  // Regression targets from a fixed random teacher network, so the loss has somewhere to go.
+  static Dataset synthetic(int in, int out, std::size_t rows, std::uint64_t seed);
+  // `x` [rows, in] and `y` [rows, out], float32; Error naming the file and tensor otherwise.
+  static Dataset load(const std::string& path, int in, int out);
+};
+
+struct StepReport {
+  int step = 0;
+  float loss = 0;        // mean over the global batch (all ranks)
+  double step_ms = 0;    // wall time of the step on rank 0
+};
+
+struct TrainOptions {
+  std::vector<int> sizes{784, 256, 256, 10};
+  int steps = 100;
+  int global_batch = 64;
+  int world_size = 1;
+  OptimizerConfig optimizer;
+  std::uint64_t seed = 0;
+  std::optional<std::string> init_path, data_path, save_path;
+  std::size_t data_rows = 0;  // synthetic data rows (0: max(16 * batch, 4096))
+  Config runtime;             // bucket caps, find_unused, timeout...
+  bool report_loss = true;    // an extra scalar all-reduce per step for the global loss
+  std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
+};
+
+struct TrainResult {
+  TensorMap params;             // final, full parameters (rank 0's; all ranks agree)
+  std::vector<float> losses;    // per step (empty without report_loss)
+  std::vector<double> step_ms;  // per step, rank 0
+  std::vector<BucketInfo> buckets;
+};
+
+// Throws UsageError for bad options (batch not divisible by world, ...) before any thread starts;
+// a failure on any rank is rethrown here.
+TrainResult train(const TrainOptions& opt);
+
+}  // namespace shardflow::mlp

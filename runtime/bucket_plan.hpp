@@ -1,0 +1,53 @@
+// Which gradients share a flat bucket, and where each one sits inside it.
+//
+// Note [Bucket assignment]
+// Parameters are walked in the order their gradients are expected (reverse registration order at
+// first, the observed ready order after a rebuild). Each (dtype, device) pair has its own open
+// bucket, since one collective moves one dtype on one device. A bucket closes as soon as its bytes
+// reach or pass its cap; the first bucket of each pair gets the smaller first-bucket cap so the
+// first reduction starts early in backward. Buckets are numbered by the position of their first
+// gradient in the walk: that is the order collectives are issued in on every rank.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+struct BucketEntry {
+  std::uint32_t param = 0;   // registration index
+  std::size_t offset = 0;    // in elements, inside the bucket
+  std::size_t numel = 0;
+};
+
+struct Bucket {
+  std::uint32_t index = 0;
+  DType dtype = DType::f32;
+  Device device;
+  std::size_t numel = 0;
+  std::vector<BucketEntry> entries;  // in walk order: front of the bucket fills first
+  std::size_t bytes() const { return numel * dtype_size(dtype); }
+};
+
+struct ParamLocation {
+  std::uint32_t bucket = 0;
+  std::uint32_t entry = 0;
+};
+
+struct BucketPlan {
+  std::vector<Bucket> buckets;
+  std::vector<ParamLocation> where;  // by registration index
+  std::string describe() const;      // one line per bucket, for logs
+};
+
+// `order` lists every registration index exactly once, in expected gradient order.
+BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order,
+                            std::size_t first_bucket_cap_bytes, std::size_t bucket_cap_bytes);
+
+std::vector<std::uint32_t> reverse_registration_order(std::size_t nparams);
+
+}  // namespace shardflow

@@ -1,0 +1,26 @@
+#include <future>
+
+#include "shardflow/communicator.hpp"
+#include "shardflow/errors.hpp"
+
+namespace shardflow {
+
+void Communicator::run(CollectiveOp op, std::chrono::milliseconds timeout) {
+  auto promise = std::make_shared<std::promise<void>>();
+  auto future = promise->get_future();
+  const std::string what = std::string(collective_name(op.kind)) + " '" + op.tag + "'";
+  submit(std::move(op), [promise](std::exception_ptr e) {
+    if (e)
+      promise->set_exception(e);
+    else
+      promise->set_value();
+  });
+  // The backend enforces the timeout itself and names the missing ranks; this bound only catches a
+  // backend that never answers at all.
+  if (future.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready)
+    throw TimeoutError("rank " + std::to_string(rank()) + ": " + what + " on backend " + backend_name() +
+                       " did not complete within " + std::to_string(timeout.count()) + " ms");
+  future.get();
+}
+
+}  // namespace shardflow

@@ -1,0 +1,38 @@
+#include "runtime/engine.hpp"
+
+#include <caf/all.hpp>
+
+#include <algorithm>
+#include <mutex>
+#include <thread>
+
+namespace shardflow {
+
+Engine::Engine(unsigned threads) {
+  if (threads == 0) threads = std::max(1u, std::min(2u, std::thread::hardware_concurrency()));
+  // CAF starts 4 scheduler threads by default even on 2 cores. The sharing policy answers a
+  // message sent from a non-actor thread (grad_ready from backward) an order of magnitude sooner
+  // than work stealing, whose idle workers back off into sleeps.
+  config_.set("scheduler.max-threads", std::size_t{threads});
+  config_.set("scheduler.policy", caf::atom("sharing"));
+  // CAF would otherwise read caf-application.ini from the working directory.
+  config_.set("logger.console", caf::atom("none"));
+  system_ = std::make_unique<caf::actor_system>(config_);
+}
+
+Engine::~Engine() {
+  // Runtimes stop their actors before releasing the engine; this waits for them to finish.
+  system_.reset();
+}
+
+std::shared_ptr<Engine> Engine::acquire(unsigned threads) {
+  static std::mutex mu;
+  static std::weak_ptr<Engine> current;
+  std::lock_guard lock(mu);
+  if (auto e = current.lock()) return e;
+  std::shared_ptr<Engine> e(new Engine(threads));
+  current = e;
+  return e;
+}
+
+}  // namespace shardflow

@@ -1,0 +1,80 @@
+// The collective backend interface. Every backend (in-process threads, Gloo, shared memory, NCCL)
+// implements it; the actors only ever talk to this.
+//
+// Note [Ordered asynchronous collectives]
+// submit() returns at once. Operations run in submission order on the rank's comm stream (a worker
+// thread for CPU backends, a CUDA stream for NCCL), and `done` is invoked when the operation has
+// completed on this rank — from the stream's thread, never from the caller's. Every rank must
+// submit the same operations in the same order; backends check what they can (kind, count, dtype)
+// and report a MismatchError rather than silently mixing buffers. A buffer handed to submit() must
+// not be touched until `done` has run: that is when the backend releases it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+enum class CollectiveKind : std::uint8_t { allreduce, reduce_scatter, allgather, broadcast, barrier };
+const char* collective_name(CollectiveKind k);
+
+struct CollectiveOp {
+  CollectiveKind kind = CollectiveKind::allreduce;
+  DType dtype = DType::f32;
+  // allreduce: count elements, send == recv allowed (in place).
+  // reduce_scatter: send holds world*count elements, recv receives this rank's `count`.
+  // allgather: send holds count elements, recv receives world*count (rank-major).
+  // broadcast: count elements from `root`'s send into everyone's recv (send == recv allowed).
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t count = 0;
+  int root = 0;
+  // Sums are multiplied by this before they are written out: averaging (1/world) is fused into
+  // the reduction rather than a separate pass over memory.
+  float scale = 1.0f;
+  std::string tag;  // what the op is for ("bucket 3"): errors and traces name it
+  // Held by the backend until `done` has run, so the buffers cannot be freed under a collective
+  // even if their owner goes away mid-iteration.
+  std::shared_ptr<const void> keep_alive;
+};
+
+// nullptr on success; otherwise the reason (TimeoutError, MismatchError, CommError).
+using CollectiveDone = std::function<void(std::exception_ptr)>;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string backend_name() const = 0;
+  // Whether this backend can reduce buffers that live on `d`.
+  virtual bool supports(Device d) const = 0;
+  virtual void submit(CollectiveOp op, CollectiveDone done) = 0;
+  // This rank gives up (a usage error, a failed peer): pending and future collectives of every
+  // rank fail promptly with `reason` instead of waiting for the timeout.
+  virtual void abort(const std::string& reason) = 0;
+
+  // Convenience for non-actor callers (set-up, trainers): submit and wait, rethrowing failures.
+  // The wait is bounded by `timeout` plus a grace period: the backend reports its own timeout first.
+  void run(CollectiveOp op, std::chrono::milliseconds timeout);
+};
+
+// N ranks as threads of one process; each rank passes its own buffers. Create the world once and
+// hand communicator(r) to the thread playing rank r.
+class InProcessWorld {
+ public:
+  static std::shared_ptr<InProcessWorld> create(int world_size,
+                                                std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  virtual ~InProcessWorld() = default;
+  virtual int world_size() const = 0;
+  virtual std::shared_ptr<Communicator> communicator(int rank) = 0;
+};
+
+}  // namespace shardflow

@@ -1,0 +1,44 @@
+// The single place where shardflow's knobs live. Every field has a default a trainer can keep.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+
+namespace shardflow {
+
+struct Config {
+  // Gradient buckets are formed walking parameters in reverse registration order (backward
+  // produces the last layer's gradients first). The first bucket is small so that the first
+  // reduction starts early in backward; the rest are large so that per-collective latency is
+  // amortised. A bucket closes as soon as its byte size reaches or passes its cap.
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  // 1 MiB
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;       // 25 MiB
+
+  // Gradients live inside the flat bucket buffers (no copy into / out of the bucket). Trainers
+  // write gradients where Runtime::grad() points. Off: the trainer owns gradient storage
+  // (ParamSpec::grad) and shardflow copies into and out of its buckets.
+  bool gradient_as_bucket_view = true;
+
+  // Parameters that got no gradient in an iteration are reduced as zeros when backward finishes.
+  // Off: finishing backward with unreduced parameters is an error naming them (a hang elsewhere).
+  bool find_unused_parameters = false;
+
+  // The gradient order is the same every iteration. Off (default): after the first iteration the
+  // buckets are rebuilt once from the order gradients actually became ready (rank 0's, so every
+  // rank agrees). On: keep the registration-order plan.
+  bool static_graph = false;
+
+  // Every wait that involves another rank fails after this long with an error naming the bucket
+  // and the ranks that did not arrive (PyTorch's default for NCCL is also 10 minutes).
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+
+  // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
+  // only route messages; the heavy lifting happens on comm streams and trainer threads.
+  unsigned actor_threads = 0;
+
+  // Throws UsageError naming the field when a value makes no sense.
+  void validate() const;
+};
+
+}  // namespace shardflow

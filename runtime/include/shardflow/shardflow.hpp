@@ -1,0 +1,110 @@
+// shardflow: data-parallel gradient reduction for C++ trainers. This is the one header a trainer
+// includes.
+//
+//   auto world = shardflow::InProcessWorld::create(2);            // or another backend
+//   shardflow::Runtime rt(world->communicator(rank), cfg);
+//   auto w = rt.register_param({"layers.0.weight", {256, 784}, DType::f32, Device::cpu(), w_ptr});
+//   ...                                                             // all parameters, forward order
+//   for each step:
+//     rt.zero_grad();
+//     forward; backward writing each gradient where rt.grad(p) points, then rt.grad_ready(p)
+//     rt.finish_backward();   // every gradient of this backward has been reported
+//     rt.wait();              // gradients are now averaged over all ranks
+//     optimizer step
+//
+// Reductions start while backward is still running: a bucket's all-reduce is issued as soon as
+// its gradients and those of every earlier bucket are ready, in the same order on every rank.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardflow/communicator.hpp"
+#include "shardflow/config.hpp"
+#include "shardflow/errors.hpp"
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+// A registered parameter. Cheap to copy; only valid with the Runtime that returned it.
+struct Param {
+  std::uint32_t index = ~0u;
+  std::uint32_t owner = 0;
+};
+
+struct BucketInfo {
+  std::uint32_t index = 0;
+  DType dtype = DType::f32;
+  Device device;
+  std::size_t bytes = 0;
+  std::vector<std::string> params;  // in the order they sit in the flat buffer
+};
+
+class Runtime {
+ public:
+  Runtime(std::shared_ptr<Communicator> comm, Config config = {});
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  int rank() const;
+  int world_size() const;
+  const Config& config() const;
+
+  // Registers a parameter; call in forward order, before training starts. Names must be unique.
+  Param register_param(ParamSpec spec);
+  Param param(const std::string& name) const;  // UsageError if unknown
+  std::size_t num_params() const;
+
+  // Ends registration: checks that every rank registered the same parameters (count, names,
+  // shapes, dtypes; MismatchError naming the first difference) and builds the buckets. A
+  // collective: every rank calls it. zero_grad(), grad() and grad_ready() call it when needed.
+  void finalize();
+
+  // Where the gradient of `p` lives (inside its bucket with gradient_as_bucket_view). May move
+  // once, when the buckets are rebuilt at the end of the first iteration: ask again each step.
+  void* grad(Param p);
+  float* grad_f32(Param p);  // UsageError unless p is fp32
+
+  void zero_grad();
+
+  // Backward produced p's gradient. Callable from any thread. Throws UsageError for an unknown
+  // handle or a parameter already reported in this backward pass.
+  void grad_ready(Param p);
+  void grad_ready(const std::string& name);
+
+  // Every gradient of this backward pass has been reported. With find_unused_parameters the
+  // parameters that got none are reduced as zeros; without it they are a UsageError naming them.
+  void finish_backward();
+
+  // Blocks until this iteration's reductions completed (at most Config::timeout): afterwards the
+  // gradients hold the average over all ranks. Calls finish_backward() if the trainer did not.
+  void wait();
+
+  // Gradient accumulation: while set, backward passes accumulate locally and wait() returns at
+  // once; the first backward after clearing it reduces the accumulated gradients.
+  void set_require_sync(bool sync);
+  class NoSync {
+   public:
+    explicit NoSync(Runtime& rt) : rt_(rt) { rt_.set_require_sync(false); }
+    ~NoSync() { rt_.set_require_sync(true); }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    Runtime& rt_;
+  };
+  NoSync no_sync() { return NoSync(*this); }  // auto guard = rt.no_sync();
+
+  std::uint64_t iteration() const;               // completed synchronised iterations
+  std::vector<BucketInfo> buckets() const;       // current bucket plan
+  std::vector<std::string> collective_log() const;  // every collective this rank issued, in order
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardflow

@@ -1,0 +1,45 @@
+// Element types, devices and parameter descriptions shared by the trainer API, the bucket plan and
+// the communication backends.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardflow {
+
+enum class DType : std::uint8_t { f32, bf16, f16 };
+
+std::size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+DType parse_dtype(const std::string& name);  // "fp32"/"f32"/"float32", "bf16", "fp16"/"f16"
+
+struct Device {
+  enum class Kind : std::uint8_t { cpu, cuda };
+  Kind kind = Kind::cpu;
+  int index = 0;
+
+  static Device cpu() { return {}; }
+  static Device cuda(int i) { return {Kind::cuda, i}; }
+  bool operator==(const Device&) const = default;
+  std::string str() const;  // "cpu", "cuda:1"
+};
+
+using Shape = std::vector<std::int64_t>;
+std::int64_t numel(const Shape& s);
+std::string shape_str(const Shape& s);  // "[256, 784]"
+
+// What a trainer registers: one model parameter, in forward order.
+struct ParamSpec {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
+  void* data = nullptr;  // parameter storage, owned by the trainer
+  // Gradient storage owned by the trainer. Leave null with gradient_as_bucket_view (the default):
+  // the gradient then lives inside the flat bucket and Runtime::grad() says where.
+  void* grad = nullptr;
+};
+
+}  // namespace shardflow

@@ -1,0 +1,59 @@
+#include "shardflow/optimizer.hpp"
+
+#include "kernels/cpu/optim.hpp"
+#include "shardflow/errors.hpp"
+
+namespace shardflow {
+
+OptimizerConfig::Kind OptimizerConfig::parse_kind(const std::string& s) {
+  if (s == "sgd") return Kind::sgd;
+  if (s == "adam") return Kind::adam;
+  if (s == "adamw") return Kind::adamw;
+  throw UsageError("unknown optimizer '" + s + "': expected sgd, adam or adamw");
+}
+
+float OptimizerConfig::effective_weight_decay() const {
+  if (weight_decay >= 0.0f) return weight_decay;
+  return kind == Kind::adamw ? 0.01f : 0.0f;
+}
+
+void OptimizerConfig::validate() const {
+  if (!(lr >= 0.0f)) throw UsageError("optimizer: lr must be >= 0, got " + std::to_string(lr));
+  if (!(momentum >= 0.0f)) throw UsageError("optimizer: momentum must be >= 0");
+  if (nesterov && (momentum <= 0.0f || dampening != 0.0f))
+    throw UsageError("optimizer: nesterov needs momentum > 0 and dampening 0 (as in torch.optim.SGD)");
+  if (!(beta1 >= 0.0f && beta1 < 1.0f)) throw UsageError("optimizer: beta1 must be in [0, 1)");
+  if (!(beta2 >= 0.0f && beta2 < 1.0f)) throw UsageError("optimizer: beta2 must be in [0, 1)");
+  if (!(eps >= 0.0f)) throw UsageError("optimizer: eps must be >= 0");
+}
+
+Optimizer::Optimizer(OptimizerConfig cfg) : cfg_(cfg) { cfg_.validate(); }
+
+void Optimizer::step(float* param, const float* grad, std::size_t n, std::size_t slot) {
+  if (slot >= state_.size()) state_.resize(slot + 1);
+  State& s = state_[slot];
+  const float wd = cfg_.effective_weight_decay();
+  if (cfg_.kind == OptimizerConfig::Kind::sgd) {
+    const bool first = s.a.empty();
+    if (cfg_.momentum != 0.0f && first) s.a.assign(n, 0.0f);
+    kernels::sgd_step(param, grad, s.a.empty() ? nullptr : s.a.data(), n,
+                      kernels::SgdHyper{cfg_.lr, cfg_.momentum, cfg_.dampening, wd, cfg_.nesterov}, first);
+    return;
+  }
+  if (s.a.empty()) {
+    s.a.assign(n, 0.0f);
+    s.b.assign(n, 0.0f);
+  }
+  kernels::adam_step(param, grad, s.a.data(), s.b.data(), n,
+                     kernels::AdamHyper{cfg_.lr, cfg_.beta1, cfg_.beta2, cfg_.eps, wd,
+                                        cfg_.kind == OptimizerConfig::Kind::adamw},
+                     steps_ + 1);
+}
+
+std::size_t Optimizer::state_bytes() const {
+  std::size_t b = 0;
+  for (const auto& s : state_) b += (s.a.size() + s.b.size()) * sizeof(float);
+  return b;
+}
+
+}  // namespace shardflow

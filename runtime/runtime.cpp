@@ -1,0 +1,472 @@
+// Runtime: the trainer-facing side of one rank. It owns the parameters' registration, the bucket
+// buffers and the per-iteration bookkeeping; the reduction itself is message flow between the
+// actors (actors/messages.hpp), which this file only spawns and feeds.
+#include <caf/all.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "actors/bucket_actor.hpp"
+#include "actors/comm_stream_actor.hpp"
+#include "actors/iteration_actor.hpp"
+#include "actors/messages.hpp"
+#include "runtime/bucket_plan.hpp"
+#include "runtime/collective_log.hpp"
+#include "runtime/engine.hpp"
+#include "runtime/iteration_signal.hpp"
+#include "runtime/logging.hpp"
+#include "runtime/param_registry.hpp"
+#include "shardflow/shardflow.hpp"
+
+namespace shardflow {
+namespace {
+
+std::atomic<std::uint32_t> next_owner_id{1};
+
+std::shared_ptr<std::byte> alloc_buffer(std::size_t bytes) {
+  // 64-byte aligned and zeroed: a bucket is a gradient accumulator from the start.
+  const std::size_t rounded = std::max<std::size_t>(64, (bytes + 63) / 64 * 64);
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  return std::shared_ptr<std::byte>(p, [](std::byte* q) { std::free(q); });
+}
+
+bool same_layout(const BucketPlan& a, const BucketPlan& b) {
+  if (a.buckets.size() != b.buckets.size()) return false;
+  for (std::size_t i = 0; i < a.buckets.size(); ++i) {
+    const auto &x = a.buckets[i].entries, &y = b.buckets[i].entries;
+    if (x.size() != y.size()) return false;
+    for (std::size_t e = 0; e < x.size(); ++e)
+      if (x[e].param != y[e].param) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Runtime::Impl {
+  Config cfg;
+  std::shared_ptr<Communicator> comm;
+  int rank = 0, world = 1;
+  std::uint32_t owner = 0;
+  std::shared_ptr<spdlog::logger> log;
+  std::shared_ptr<Engine> engine;
+  ParamRegistry registry;
+
+  std::mutex finalize_mu;
+  std::atomic<bool> finalized{false};
+  BucketPlan plan;
+  std::vector<std::shared_ptr<std::byte>> buffers;  // one per bucket
+  std::vector<std::byte*> grad_at;                 // by param: where its gradient lives
+
+  // Actors of the current plan (replaced once if the buckets are rebuilt).
+  caf::actor iteration_actor_h, comm_actor_h;
+  std::vector<caf::actor> bucket_actors;
+  std::shared_ptr<IterationSignal> signal;
+  std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
+
+  // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
+  // observed order is appended through an atomic cursor.
+  std::unique_ptr<std::atomic<std::uint8_t>[]> marked;
+  std::vector<std::uint8_t> touched;  // got a gradient in a no_sync pass since the last sync
+  std::vector<std::uint32_t> order;
+  std::atomic<std::uint32_t> order_pos{0};
+  std::atomic<bool> backward_finished{false};
+  std::atomic<bool> require_sync{true};
+  bool sync_pass_started = false;  // set by the first grad_ready of a synchronised pass
+  bool rebuilt = false;
+  std::uint64_t iterations = 0;
+
+  std::mutex fail_mu;
+  std::exception_ptr failure;  // sticky: once a collective failed, this rank's run is over
+  std::atomic<bool> failed{false};
+
+  // ---------------------------------------------------------------------------------------------
+  void throw_if_failed() {
+    if (!failed.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(fail_mu);
+    std::rethrow_exception(failure);
+  }
+
+  // Records the first failure, tells the peers (they fail promptly instead of waiting for the
+  // timeout) and throws it.
+  template <class E>
+  [[noreturn]] void fail(E error) {
+    log->error("{}", error.what());
+    {
+      std::lock_guard lock(fail_mu);
+      if (!failure) failure = std::make_exception_ptr(error);
+    }
+    failed.store(true, std::memory_order_release);
+    comm->abort(error.what());
+    throw error;
+  }
+
+  std::uint32_t check_handle(Param p, const char* where) const {
+    if (p.owner != owner)
+      throw UsageError(std::string(where) + ": parameter handle #" + std::to_string(p.index) +
+                       (p.owner == 0 ? " was never registered" : " belongs to another Runtime"));
+    if (p.index >= registry.size())
+      throw UsageError(std::string(where) + ": unknown parameter handle #" + std::to_string(p.index) + " (rank " +
+                       std::to_string(rank) + " has " + std::to_string(registry.size()) + " parameters)");
+    return p.index;
+  }
+
+  const std::string& name_of(std::uint32_t i) const { return registry.params()[i].name; }
+
+  // ---------------------------------------------------------------------------------------------
+  void ensure_finalized() {
+    if (finalized.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(finalize_mu);
+    if (finalized.load(std::memory_order_relaxed)) return;
+    throw_if_failed();
+    const auto n = registry.size();
+    if (n == 0) throw UsageError("rank " + std::to_string(rank) + ": no parameters registered before training started");
+    try {
+      collectives->record(CollectiveOp{CollectiveKind::allgather, DType::f32, nullptr, nullptr, 4, 0, 1.0f,
+                                       "verify parameter lists", {}});
+      verify_same_params(*comm, registry.signature(), cfg.timeout);
+    } catch (const MismatchError& e) {
+      fail(e);
+    } catch (const TimeoutError& e) {
+      fail(e);
+    } catch (const CommError& e) {
+      fail(e);
+    }
+    marked.reset(new std::atomic<std::uint8_t>[n]);
+    for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
+    touched.assign(n, 0);
+    order.assign(n, 0);
+    install_plan(make_bucket_plan(registry.params(), reverse_registration_order(n), cfg.first_bucket_cap_bytes,
+                                  cfg.bucket_cap_bytes));
+    log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
+              comm->backend_name(), world, plan.describe());
+    finalized.store(true, std::memory_order_release);
+  }
+
+  // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
+  // after a reduction, whose results the trainer is about to use) and starts its actors.
+  void install_plan(BucketPlan next) {
+    std::vector<std::shared_ptr<std::byte>> next_buffers;
+    std::vector<std::byte*> next_grad_at(registry.size(), nullptr);
+    for (const auto& b : next.buckets) {
+      next_buffers.push_back(alloc_buffer(b.bytes()));
+      const std::size_t es = dtype_size(b.dtype);
+      for (const auto& e : b.entries) {
+        std::byte* slot = next_buffers.back().get() + e.offset * es;
+        if (cfg.gradient_as_bucket_view) {
+          if (!grad_at.empty() && e.numel) std::memcpy(slot, grad_at[e.param], e.numel * es);
+          next_grad_at[e.param] = slot;
+        } else {
+          next_grad_at[e.param] = static_cast<std::byte*>(registry.params()[e.param].grad);
+        }
+      }
+    }
+    stop_actors();
+    plan = std::move(next);
+    buffers = std::move(next_buffers);
+    grad_at = std::move(next_grad_at);
+    spawn_actors();
+  }
+
+  void spawn_actors() {
+    auto& sys = engine->system();
+    signal = std::make_shared<IterationSignal>(plan.buckets.size());
+    iteration_actor_h = sys.spawn(iteration_actor, signal);
+    std::vector<CollectiveOp> ops;
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+      const auto& bk = plan.buckets[b];
+      CollectiveOp op;
+      op.kind = CollectiveKind::allreduce;
+      op.dtype = bk.dtype;
+      op.send = buffers[b].get();
+      op.recv = buffers[b].get();
+      op.count = bk.numel;
+      op.scale = 1.0f / float(world);  // the average, fused into the reduction
+      op.tag = "bucket " + std::to_string(b);
+      op.keep_alive = buffers[b];
+      ops.push_back(std::move(op));
+    }
+    comm_actor_h = sys.spawn(comm_stream_actor, comm, std::move(ops), collectives);
+    bucket_actors.clear();
+    for (const auto& bk : plan.buckets)
+      bucket_actors.push_back(
+          sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h, iteration_actor_h));
+  }
+
+  void stop_actors() {
+    for (auto& a : bucket_actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    if (comm_actor_h) caf::anon_send_exit(comm_actor_h, caf::exit_reason::user_shutdown);
+    if (iteration_actor_h) caf::anon_send_exit(iteration_actor_h, caf::exit_reason::user_shutdown);
+    bucket_actors.clear();
+    comm_actor_h = nullptr;
+    iteration_actor_h = nullptr;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Hands p's gradient to its bucket actor. In copy mode the gradient goes into the bucket here,
+  // on the caller's (backward) thread, not on a scheduler thread.
+  void send_to_bucket(std::uint32_t p, bool zero) {
+    const auto loc = plan.where[p];
+    const auto& e = plan.buckets[loc.bucket].entries[loc.entry];
+    const std::size_t es = dtype_size(plan.buckets[loc.bucket].dtype);
+    std::byte* slot = buffers[loc.bucket].get() + e.offset * es;
+    if (zero)
+      std::memset(slot, 0, e.numel * es);
+    else if (!cfg.gradient_as_bucket_view && e.numel)
+      std::memcpy(slot, grad_at[p], e.numel * es);
+    caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, p);
+  }
+
+  void reset_pass() {
+    for (std::size_t i = 0; i < registry.size(); ++i) marked[i].store(0, std::memory_order_relaxed);
+    order_pos.store(0, std::memory_order_relaxed);
+    backward_finished.store(false, std::memory_order_release);
+  }
+
+  void rebuild_from_observed_order() {
+    std::vector<std::uint32_t> observed(order.begin(), order.begin() + registry.size());
+    if (world > 1) {
+      // Rank 0's order wins, so every rank builds the same buckets.
+      CollectiveOp op;
+      op.kind = CollectiveKind::broadcast;
+      op.dtype = DType::f32;  // 32-bit words copied as they are
+      op.send = observed.data();
+      op.recv = observed.data();
+      op.count = observed.size();
+      op.root = 0;
+      op.tag = "rebuild buckets: ready order";
+      collectives->record(op);
+      comm->run(op, cfg.timeout);
+    }
+    auto next = make_bucket_plan(registry.params(), observed, cfg.first_bucket_cap_bytes, cfg.bucket_cap_bytes);
+    rebuilt = true;
+    if (same_layout(plan, next)) return;
+    install_plan(std::move(next));
+    log->info("buckets rebuilt from the observed gradient order:\n{}", plan.describe());
+  }
+};
+
+// -----------------------------------------------------------------------------------------------
+
+Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std::make_unique<Impl>()) {
+  if (!comm) throw UsageError("Runtime: communicator is null");
+  config.validate();
+  auto& I = *impl_;
+  I.cfg = config;
+  I.comm = std::move(comm);
+  I.rank = I.comm->rank();
+  I.world = I.comm->world_size();
+  I.owner = next_owner_id.fetch_add(1);
+  I.log = rank_logger(I.rank);
+  I.engine = Engine::acquire(config.actor_threads);
+}
+
+Runtime::~Runtime() {
+  auto& I = *impl_;
+  if (I.sync_pass_started && !I.failed.load()) {
+    // Peers are (or will be) inside this iteration's collectives: let them fail now rather than
+    // after the timeout. The buffers stay alive until the backend lets go of them (keep_alive).
+    I.comm->abort("rank " + std::to_string(I.rank) + "'s Runtime was destroyed in the middle of iteration " +
+                  std::to_string(I.iterations));
+  }
+  I.stop_actors();
+}
+
+int Runtime::rank() const { return impl_->rank; }
+int Runtime::world_size() const { return impl_->world; }
+const Config& Runtime::config() const { return impl_->cfg; }
+std::size_t Runtime::num_params() const { return impl_->registry.size(); }
+std::uint64_t Runtime::iteration() const { return impl_->iterations; }
+
+Param Runtime::register_param(ParamSpec spec) {
+  auto& I = *impl_;
+  std::lock_guard lock(I.finalize_mu);
+  if (I.finalized.load())
+    throw UsageError("register_param('" + spec.name + "'): registration is closed once training has started");
+  return Param{I.registry.add(std::move(spec), I.cfg.gradient_as_bucket_view, *I.comm), I.owner};
+}
+
+Param Runtime::param(const std::string& name) const {
+  auto& I = *impl_;
+  auto idx = I.registry.find(name);
+  if (!idx) {
+    std::string known;
+    for (std::size_t i = 0; i < std::min<std::size_t>(I.registry.size(), 5); ++i)
+      known += (i ? ", " : "") + I.name_of(std::uint32_t(i));
+    if (I.registry.size() > 5) known += ", ...";
+    throw UsageError("unknown parameter '" + name + "' on rank " + std::to_string(I.rank) + " (registered: " +
+                     (known.empty() ? "none" : known) + ")");
+  }
+  return Param{*idx, I.owner};
+}
+
+void Runtime::finalize() { impl_->ensure_finalized(); }
+
+void* Runtime::grad(Param p) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  return I.grad_at[I.check_handle(p, "grad")];
+}
+
+float* Runtime::grad_f32(Param p) {
+  auto& I = *impl_;
+  const auto i = I.check_handle(p, "grad_f32");
+  if (I.registry.params()[i].dtype != DType::f32)
+    throw UsageError("grad_f32: parameter '" + I.name_of(i) + "' is " + dtype_name(I.registry.params()[i].dtype) +
+                     ", use grad()");
+  return static_cast<float*>(grad(p));
+}
+
+void Runtime::zero_grad() {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  if (I.sync_pass_started)
+    throw UsageError("zero_grad() on rank " + std::to_string(I.rank) +
+                     " while this iteration's reductions are running: call wait() first");
+  if (I.cfg.gradient_as_bucket_view) {
+    for (std::size_t b = 0; b < I.buffers.size(); ++b) std::memset(I.buffers[b].get(), 0, I.plan.buckets[b].bytes());
+  } else {
+    for (std::size_t i = 0; i < I.registry.size(); ++i) {
+      const auto& s = I.registry.params()[i];
+      if (s.grad) std::memset(s.grad, 0, std::size_t(numel(s.shape)) * dtype_size(s.dtype));
+    }
+  }
+}
+
+void Runtime::grad_ready(const std::string& name) { grad_ready(param(name)); }
+
+void Runtime::grad_ready(Param p) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  const auto i = I.check_handle(p, "grad_ready");
+  if (I.backward_finished.load(std::memory_order_acquire))
+    throw UsageError("grad_ready('" + I.name_of(i) + "') on rank " + std::to_string(I.rank) +
+                     " after finish_backward(): call wait() before the next backward pass");
+  if (I.marked[i].exchange(1, std::memory_order_acq_rel))
+    throw UsageError("parameter '" + I.name_of(i) + "' was marked ready twice in iteration " +
+                     std::to_string(I.iterations) + " on rank " + std::to_string(I.rank) +
+                     ". Report each gradient once per backward pass; a parameter used several times in forward "
+                     "is reported after its gradient is complete.");
+  I.order[I.order_pos.fetch_add(1, std::memory_order_relaxed)] = i;
+  if (!I.require_sync.load(std::memory_order_relaxed)) {
+    I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
+    return;
+  }
+  I.sync_pass_started = true;
+  I.send_to_bucket(i, false);
+}
+
+void Runtime::finish_backward() {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.backward_finished.load()) return;
+  const auto n = I.registry.size();
+  if (!I.require_sync.load()) {
+    I.reset_pass();
+    return;  // accumulation pass: nothing to reduce yet; wait() returns at once
+  }
+  std::vector<std::uint32_t> missing, accumulated;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (I.marked[i].load(std::memory_order_acquire)) continue;
+    (I.touched[i] ? accumulated : missing).push_back(i);
+  }
+  if (!missing.empty() && !I.cfg.find_unused_parameters) {
+    std::string names;
+    for (std::size_t k = 0; k < missing.size() && k < 10; ++k) names += (k ? ", " : "") + I.name_of(missing[k]);
+    if (missing.size() > 10) names += ", ...";
+    I.fail(UsageError("finish_backward: " + std::to_string(missing.size()) + " parameter(s) got no gradient in iteration " +
+                      std::to_string(I.iterations) + " on rank " + std::to_string(I.rank) + ": " + names +
+                      ". Call grad_ready() for each, or set Config::find_unused_parameters = true to reduce "
+                      "parameters without a gradient as zeros."));
+  }
+  // Gradients accumulated in earlier no_sync passes are reduced as they are; parameters that got
+  // nothing at all are reduced as zeros (find_unused_parameters).
+  for (auto i : accumulated) {
+    I.order[I.order_pos.fetch_add(1)] = i;
+    I.send_to_bucket(i, false);
+  }
+  for (auto i : missing) {
+    I.order[I.order_pos.fetch_add(1)] = i;
+    I.send_to_bucket(i, true);
+  }
+  I.sync_pass_started = true;
+  I.backward_finished.store(true, std::memory_order_release);
+}
+
+void Runtime::wait() {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (!I.require_sync.load()) {
+    finish_backward();  // closes the accumulation pass
+    return;
+  }
+  finish_backward();
+  // The backend enforces Config::timeout on every collective and names the missing ranks; this
+  // deadline is a backstop for an actor or backend that never answers at all.
+  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeout + std::chrono::seconds(5);
+  switch (I.signal->wait_until(deadline)) {
+    case IterationSignal::Outcome::complete:
+      break;
+    case IterationSignal::Outcome::failed: {
+      const auto f = I.signal->failure();
+      switch (f.kind) {
+        case msg::Failure::timeout: I.fail(TimeoutError(f.what));
+        case msg::Failure::mismatch: I.fail(MismatchError(f.what));
+        case msg::Failure::usage: I.fail(UsageError(f.what));
+        default: I.fail(CommError(f.what));
+      }
+    }
+    case IterationSignal::Outcome::timed_out: {
+      std::string pending;
+      for (auto b : I.signal->pending()) pending += (pending.empty() ? "" : ", ") + std::to_string(b);
+      I.fail(TimeoutError("rank " + std::to_string(I.rank) + ": iteration " + std::to_string(I.iterations) +
+                          " did not complete within " + std::to_string(I.cfg.timeout.count()) +
+                          " ms; bucket(s) still pending: " + pending));
+    }
+  }
+  if (!I.cfg.gradient_as_bucket_view) {
+    for (const auto& b : I.plan.buckets) {
+      const std::size_t es = dtype_size(b.dtype);
+      for (const auto& e : b.entries)
+        if (e.numel) std::memcpy(I.grad_at[e.param], I.buffers[b.index].get() + e.offset * es, e.numel * es);
+    }
+  }
+  I.signal->reset();
+  I.sync_pass_started = false;
+  std::fill(I.touched.begin(), I.touched.end(), 0);
+  if (!I.rebuilt && !I.cfg.static_graph) I.rebuild_from_observed_order();
+  I.reset_pass();
+  ++I.iterations;
+}
+
+void Runtime::set_require_sync(bool sync) {
+  auto& I = *impl_;
+  if (I.sync_pass_started)
+    throw UsageError("set_require_sync/no_sync on rank " + std::to_string(I.rank) +
+                     " in the middle of a synchronised backward pass: change it between iterations");
+  I.require_sync.store(sync);
+}
+
+std::vector<BucketInfo> Runtime::buckets() const {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  std::vector<BucketInfo> out;
+  for (const auto& b : I.plan.buckets) {
+    BucketInfo info{b.index, b.dtype, b.device, b.bytes(), {}};
+    for (const auto& e : b.entries) info.params.push_back(I.name_of(e.param));
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::vector<std::string> Runtime::collective_log() const { return impl_->collectives->lines(); }
+
+}  // namespace shardflow

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs the Debian packages shardflow builds against, and only the missing ones, so that
+# `make demo` / `make test` work on a fresh Debian 12 machine and cost nothing on a prepared one.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build
+  libcaf-dev libboost-dev libspdlog-dev doctest-dev libgloo-dev
+  nlohmann-json3-dev libopenblas-dev libcli11-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "shardflow: installing missing packages: ${missing[*]}"
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    sudo_cmd=(sudo)
+  else
+    echo "shardflow: need root (or sudo) to install: ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
