@@ -1,7 +1,7 @@
 // mlp_train: trains an MLP data-parallel with shardflow and prints one line per step.
 //
-//   mlp_train --sizes 784,256,256,10 --steps 300 --global-batch 64 --world-size 2 \
-//             --optimizer adamw --lr 1e-3 [--init in.safetensors] [--data d.safetensors] \
+//   mlp_train --sizes 784,256,256,10 --steps 300 --global-batch 64 --world-size 2
+//             --optimizer adamw --lr 1e-3 [--init in.safetensors] [--data d.safetensors]
 //             [--save out.safetensors] [--seed S]
 #include <CLI/CLI.hpp>
 #include <unistd.h>

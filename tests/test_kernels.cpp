@@ -1,0 +1,167 @@
+// CPU kernels: the optimizers against closed-form torch.optim trajectories, the Linear layer
+// against finite differences, 16-bit rounding, the reduction kernel's aliasing, safetensors files.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "examples/mlp/model.hpp"
+#include "helpers.hpp"
+#include "kernels/cpu/dtype.hpp"
+#include "kernels/cpu/elementwise.hpp"
+#include "kernels/cpu/linear.hpp"
+#include "kernels/cpu/optim.hpp"
+#include "shardflow/optimizer.hpp"
+#include "shardflow/safetensors.hpp"
+
+using namespace shardflow;
+using namespace shardflow::kernels;
+
+TEST_CASE("SGD with momentum follows torch: the buffer starts as the first gradient") {
+  float p = 1.0f, g = 1.0f, buf = 0.0f;
+  SgdHyper h{0.1f, 0.9f, 0.0f, 0.0f, false};
+  sgd_step(&p, &g, &buf, 1, h, true);
+  CHECK(p == doctest::Approx(0.9).epsilon(1e-7));
+  sgd_step(&p, &g, &buf, 1, h, false);
+  CHECK(p == doctest::Approx(0.71).epsilon(1e-6));
+  sgd_step(&p, &g, &buf, 1, h, false);
+  CHECK(p == doctest::Approx(0.439).epsilon(1e-6));
+}
+
+TEST_CASE("SGD nesterov and weight decay") {
+  float p = 1.0f, g = 1.0f, buf = 0.0f;
+  SgdHyper nest{0.1f, 0.9f, 0.0f, 0.0f, true};
+  sgd_step(&p, &g, &buf, 1, nest, true);
+  CHECK(p == doctest::Approx(0.81).epsilon(1e-6));
+  sgd_step(&p, &g, &buf, 1, nest, false);
+  CHECK(p == doctest::Approx(0.539).epsilon(1e-6));
+
+  float q = 1.0f;
+  SgdHyper wd{0.1f, 0.0f, 0.0f, 0.5f, false};
+  sgd_step(&q, &g, nullptr, 1, wd, true);
+  CHECK(q == doctest::Approx(0.85).epsilon(1e-7));
+}
+
+TEST_CASE("Adam with a constant gradient moves lr per step (bias correction), AdamW decays first") {
+  float p = 1.0f, g = 2.0f, m = 0, v = 0;
+  AdamHyper h;
+  h.lr = 0.1f;
+  for (int step = 1; step <= 3; ++step) {
+    adam_step(&p, &g, &m, &v, 1, h, step);
+    CHECK(p == doctest::Approx(1.0 - 0.1 * step).epsilon(1e-5));
+  }
+  float q = 1.0f, m2 = 0, v2 = 0;
+  AdamHyper w = h;
+  w.weight_decay = 0.1f;
+  w.decoupled_weight_decay = true;
+  adam_step(&q, &g, &m2, &v2, 1, w, 1);
+  CHECK(q == doctest::Approx(1.0 * (1 - 0.1 * 0.1) - 0.1).epsilon(1e-6));
+}
+
+TEST_CASE("Optimizer defaults are torch's: AdamW decays by 0.01, Adam and SGD do not") {
+  OptimizerConfig c;
+  c.kind = OptimizerConfig::Kind::adamw;
+  CHECK(c.effective_weight_decay() == doctest::Approx(0.01));
+  c.kind = OptimizerConfig::Kind::adam;
+  CHECK(c.effective_weight_decay() == 0.0f);
+  c.weight_decay = 0.2f;
+  CHECK(c.effective_weight_decay() == doctest::Approx(0.2));
+  CHECK_THROWS_AS(OptimizerConfig::parse_kind("lamb"), UsageError);
+  OptimizerConfig bad;
+  bad.nesterov = true;  // without momentum
+  CHECK_THROWS_AS(bad.validate(), UsageError);
+}
+
+TEST_CASE("Linear backward matches finite differences of the MSE loss") {
+  const int B = 3, in = 4, out = 5;
+  mlp::Model m({in, out});
+  m.init(7);
+  std::vector<float> x(B * in), y(B * out);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 0.1f * float(int(i % 7) - 3);
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = 0.05f * float(int(i % 5) - 2);
+  std::vector<float> dW(out * in, 0.0f), db(out, 0.0f);
+  m.forward(x.data(), y.data(), B);
+  int ready_calls = 0;
+  m.backward(y.data(), double(B * out), [&](int, bool bias) { return bias ? db.data() : dW.data(); },
+             [&](int, bool) { ++ready_calls; });
+  CHECK(ready_calls == 2);
+  auto& W = m.layers()[0].weight;
+  for (std::size_t k : {std::size_t{0}, std::size_t{7}, std::size_t{19}}) {
+    const float h = 1e-2f, keep = W[k];
+    W[k] = keep + h;
+    const double up = m.forward(x.data(), y.data(), B);
+    W[k] = keep - h;
+    const double down = m.forward(x.data(), y.data(), B);
+    W[k] = keep;
+    CHECK(dW[k] == doctest::Approx((up - down) / (2 * h)).epsilon(1e-2));
+  }
+}
+
+TEST_CASE("linear_backward accumulates into the gradient, as autograd does") {
+  const int B = 2, in = 3, out = 2;
+  std::vector<float> x{1, 2, 3, 4, 5, 6}, W(out * in, 0.5f), dy{1, 0, 0, 1};
+  std::vector<float> dW(out * in, 1.0f), db(out, 1.0f);
+  linear_backward(x.data(), W.data(), dy.data(), dW.data(), db.data(), nullptr, B, in, out);
+  // dW = 1 + dy^T x: row 0 takes x row 0, row 1 takes x row 1.
+  CHECK(dW == std::vector<float>{2, 3, 4, 5, 6, 7});
+  CHECK(db == std::vector<float>{2, 2});
+}
+
+TEST_CASE("bf16 rounds to nearest even and keeps NaN; fp16 round trips") {
+  CHECK(f32_to_bf16(1.0f) == 0x3F80);
+  CHECK(f32_to_bf16(1.00390625f) == 0x3F80);   // exactly halfway: to even
+  CHECK(f32_to_bf16(1.01171875f) == 0x3F82);   // 1 + 3 * 2^-8: halfway, up to even
+  CHECK(std::isnan(bf16_to_f32(f32_to_bf16(std::nanf("")))));
+  CHECK(f16_to_f32(f32_to_f16(0.5f)) == 0.5f);
+  CHECK(f16_to_f32(f32_to_f16(65504.0f)) == 65504.0f);
+  CHECK(std::isinf(f16_to_f32(f32_to_f16(1e6f))));
+}
+
+TEST_CASE("reduce_sum may write over one of its sources, for any number of sources") {
+  for (int n = 1; n <= 5; ++n) {
+    std::vector<std::vector<float>> s(std::size_t(n), std::vector<float>(5000));
+    std::vector<const void*> ptr;
+    for (int k = 0; k < n; ++k) {
+      for (std::size_t i = 0; i < 5000; ++i) s[std::size_t(k)][i] = float(k + 1) * float(i % 13);
+      ptr.push_back(s[std::size_t(k)].data());
+    }
+    reduce_sum(DType::f32, s[std::size_t(n - 1)].data(), ptr.data(), n, 5000, 2.0f);
+    for (std::size_t i = 0; i < 5000; ++i) REQUIRE(s[std::size_t(n - 1)][i] == 2.0f * float(n * (n + 1) / 2) * float(i % 13));
+  }
+}
+
+TEST_CASE("safetensors: round trip, and malformed files are refused naming the file") {
+  const std::string path = "test_kernels_roundtrip.safetensors";
+  TensorMap t;
+  std::vector<float> a{1, 2, 3, 4, 5, 6};
+  t["layers.0.weight"] = Tensor::from_f32(a.data(), {2, 3});
+  t["empty"] = Tensor::from_f32(nullptr, {0});
+  save_safetensors(path, t, {{"format", "pt"}});
+  auto back = load_safetensors(path);
+  REQUIRE(back.size() == 2);
+  CHECK(back["layers.0.weight"].shape == Shape{2, 3});
+  CHECK(back["layers.0.weight"].to_f32("w") == a);
+  CHECK(back["empty"].numel() == 0);
+
+  {  // cut the file short: the data section no longer holds the tensor
+    std::ifstream in(path, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), std::streamsize(bytes.size() - 8));
+  }
+  try {
+    load_safetensors(path);
+    FAIL("a truncated file loaded");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find(path) != std::string::npos);
+  }
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    const char len[8] = {4, 0, 0, 0, 0, 0, 0, 0};
+    out.write(len, 8);
+    out.write("{nope", 4);
+  }
+  CHECK_THROWS_AS(load_safetensors(path), Error);
+  CHECK_THROWS_AS(load_safetensors("does-not-exist.safetensors"), Error);
+  std::remove(path.c_str());
+}
