@@ -18,6 +18,28 @@ void sgd_step(float* p, const float* g, float* buf, std::size_t n, const SgdHype
   }
 }
 
+namespace {
+
+// One loop per weight-decay mode, so the element loop has no branches and vectorises.
+template <bool kL2, bool kDecoupled>
+void adam_loop(float* p, const float* g, float* m, float* v, std::size_t n, float b1, float b2, float one_b1,
+               float one_b2, float eps, float wd, float decay, float step_size, float bc2_sqrt) {
+  for (std::size_t i = 0; i < n; ++i) {
+    float grad = g[i];
+    float param = p[i];
+    if constexpr (kDecoupled) param = param * decay;
+    if constexpr (kL2) grad = grad + wd * param;
+    const float mi = m[i] * b1 + grad * one_b1;
+    const float vi = v[i] * b2 + one_b2 * grad * grad;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    p[i] = param - step_size * (mi / denom);
+  }
+}
+
+}  // namespace
+
 void adam_step(float* p, const float* g, float* m, float* v, std::size_t n, const AdamHyper& h,
                std::int64_t step) {
   // torch computes the bias corrections as Python floats (double) and hands the tensor ops float
@@ -26,26 +48,17 @@ void adam_step(float* p, const float* g, float* m, float* v, std::size_t n, cons
   const double bc2 = 1.0 - std::pow(double(h.beta2), double(step));
   const float step_size = float(double(h.lr) / bc1);
   const float bc2_sqrt = float(std::sqrt(bc2));
-  const float b1 = h.beta1, b2 = h.beta2, one_b1 = 1.0f - h.beta1, one_b2 = 1.0f - h.beta2;
-  const float eps = h.eps, wd = h.weight_decay;
   const float decay = float(1.0 - double(h.lr) * double(h.weight_decay));
-  const bool decoupled = h.decoupled_weight_decay;
-  for (std::size_t i = 0; i < n; ++i) {
-    float grad = g[i];
-    float param = p[i];
-    if (wd != 0.0f) {
-      if (decoupled)
-        param = param * decay;
-      else
-        grad = grad + wd * param;
-    }
-    const float mi = m[i] * b1 + grad * one_b1;
-    const float vi = v[i] * b2 + one_b2 * grad * grad;
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    p[i] = param - step_size * (mi / denom);
-  }
+  const float wd = h.weight_decay;
+  auto run = [&](auto loop) {
+    loop(p, g, m, v, n, h.beta1, h.beta2, 1.0f - h.beta1, 1.0f - h.beta2, h.eps, wd, decay, step_size, bc2_sqrt);
+  };
+  if (wd == 0.0f)
+    run(adam_loop<false, false>);
+  else if (h.decoupled_weight_decay)
+    run(adam_loop<false, true>);
+  else
+    run(adam_loop<true, false>);
 }
 
 }  // namespace shardflow::kernels

@@ -12,16 +12,25 @@ void RankBarrier::arrive_and_wait(int rank, std::chrono::milliseconds timeout,
                                   const std::function<std::string()>& what) {
   std::unique_lock lock(mu_);
   if (aborted_) throw CommError(what() + ": aborted: " + reason_);
-  const std::uint64_t gen = generation_;
+  const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
   arrived_[std::size_t(rank)] = 1;
   if (++count_ == n_) {
     count_ = 0;
     std::fill(arrived_.begin(), arrived_.end(), 0);
-    ++generation_;
+    generation_.store(gen + 1, std::memory_order_release);
     lock.unlock();
     cv_.notify_all();
     return;
   }
+  // Peers usually arrive within microseconds: spin a little (yielding, so an oversubscribed core
+  // still runs the rank we wait for) before paying for a futex sleep and wake-up.
+  lock.unlock();
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  while (generation_.load(std::memory_order_acquire) == gen && !aborted_.load(std::memory_order_relaxed) &&
+         std::chrono::steady_clock::now() < spin_until)
+    std::this_thread::yield();
+  if (generation_.load(std::memory_order_acquire) != gen) return;
+  lock.lock();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (generation_ == gen && !aborted_) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == gen && !aborted_) {
@@ -30,7 +39,7 @@ void RankBarrier::arrive_and_wait(int rank, std::chrono::milliseconds timeout,
         if (!arrived_[std::size_t(r)]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       const std::string msg = what() + ": rank(s) " + missing + " did not arrive within " +
                               std::to_string(timeout.count()) + " ms (Config::timeout)";
-      aborted_ = true;
+      aborted_.store(true);
       reason_ = "rank " + std::to_string(rank) + " timed out: " + msg;
       lock.unlock();
       cv_.notify_all();
@@ -44,7 +53,7 @@ void RankBarrier::abort(const std::string& reason) {
   {
     std::lock_guard lock(mu_);
     if (aborted_) return;
-    aborted_ = true;
+    aborted_.store(true);
     reason_ = reason;
   }
   cv_.notify_all();

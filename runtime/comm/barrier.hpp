@@ -2,6 +2,7 @@
 // that did not arrive, then poisons itself so that every other waiter fails too instead of hanging.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -26,13 +27,15 @@ class RankBarrier {
   std::string abort_reason() const;
 
  private:
+  static constexpr int kSpinMicros = 50;
   const int n_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<char> arrived_;
   int count_ = 0;
-  std::uint64_t generation_ = 0;
-  bool aborted_ = false;
+  // Atomic so that waiters can spin on them without the mutex before they go to sleep.
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> aborted_{false};
   std::string reason_;
 };
 

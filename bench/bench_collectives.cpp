@@ -1,0 +1,116 @@
+// bench_collectives: algorithm and bus bandwidth of each collective of a backend, per size, next to
+// a plain memcpy of the same size. Sizes follow nccl-tests: the bytes of the largest buffer an op
+// touches per rank (allreduce: the buffer; reduce_scatter: the send buffer; allgather: the receive
+// buffer; broadcast: the buffer). Bus bandwidth scales algorithm bandwidth by what each rank must
+// move (2(n-1)/n for allreduce, (n-1)/n for reduce_scatter / allgather, 1 for broadcast), so it is
+// comparable across world sizes and with memcpy.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "shardflow/shardflow.hpp"
+
+using namespace shardflow;
+using clk = std::chrono::steady_clock;
+
+namespace {
+
+double bus_factor(CollectiveKind k, int n) {
+  switch (k) {
+    case CollectiveKind::allreduce: return 2.0 * (n - 1) / n;
+    case CollectiveKind::reduce_scatter:
+    case CollectiveKind::allgather: return double(n - 1) / n;
+    default: return 1.0;
+  }
+}
+
+// Seconds per op: the median over `reps` of rank 0's time from a common start to completion.
+double time_op(InProcessWorld& world, CollectiveKind kind, std::size_t bytes, int reps) {
+  const int n = world.world_size();
+  const std::size_t elems = bytes / 4;
+  const std::size_t block = kind == CollectiveKind::allreduce || kind == CollectiveKind::broadcast ? elems : elems / std::size_t(n);
+  std::vector<std::vector<float>> send(static_cast<std::size_t>(n)), recv(static_cast<std::size_t>(n));
+  std::vector<double> times;
+  std::barrier sync(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      auto comm = world.communicator(r);
+      auto& s = send[std::size_t(r)];
+      auto& d = recv[std::size_t(r)];
+      s.assign(kind == CollectiveKind::allgather ? block : elems, 1.0f);
+      d.assign(kind == CollectiveKind::reduce_scatter ? block : elems, 0.0f);
+      CollectiveOp op;
+      op.kind = kind;
+      op.send = s.data();
+      op.recv = kind == CollectiveKind::allreduce || kind == CollectiveKind::broadcast ? s.data() : d.data();
+      op.count = block;
+      op.tag = "bench";
+      for (int i = 0; i < reps + 2; ++i) {  // two warm-up reps: page faults, thread wake-ups
+        sync.arrive_and_wait();
+        const auto t0 = clk::now();
+        comm->run(op, std::chrono::minutes(1));
+        if (r == 0 && i >= 2) times.push_back(std::chrono::duration<double>(clk::now() - t0).count());
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+double time_memcpy(std::size_t bytes, int reps) {
+  std::vector<char> a(bytes, 1), b(bytes, 0);
+  std::vector<double> times;
+  for (int i = 0; i < reps + 2; ++i) {
+    const auto t0 = clk::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    if (i >= 2) times.push_back(std::chrono::duration<double>(clk::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+std::string human(std::size_t bytes) {
+  char buf[32];
+  if (bytes >= (1u << 20)) std::snprintf(buf, sizeof buf, "%zu MiB", bytes >> 20);
+  else std::snprintf(buf, sizeof buf, "%zu KiB", bytes >> 10);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Collective bandwidth of the in-process backend next to memcpy"};
+  std::vector<int> worlds{2, 4};
+  std::vector<std::size_t> sizes{4 << 10, 256 << 10, 4 << 20, 64 << 20};
+  int reps = 10;
+  app.add_option("--world", worlds, "world sizes")->capture_default_str();
+  app.add_option("--bytes", sizes, "buffer sizes in bytes")->capture_default_str();
+  app.add_option("--reps", reps, "timed repetitions (median reported)")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  std::printf("| backend | world | op | size | time (us) | algbw (GB/s) | busbw (GB/s) | memcpy (GB/s) | busbw / memcpy |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (int n : worlds) {
+    auto world = InProcessWorld::create(n);
+    for (auto kind : {CollectiveKind::allreduce, CollectiveKind::reduce_scatter, CollectiveKind::allgather, CollectiveKind::broadcast}) {
+      for (std::size_t bytes : sizes) {
+        const int r = bytes >= (16u << 20) ? std::max(3, reps / 2) : reps * 10;
+        const double t = time_op(*world, kind, bytes, r);
+        const double mc = double(bytes) / time_memcpy(bytes, r) / 1e9;
+        const double alg = double(bytes) / t / 1e9;
+        const double bus = alg * bus_factor(kind, n);
+        std::printf("| in-process | %d | %s | %s | %.1f | %.2f | %.2f | %.2f | %.0f %% |\n", n, collective_name(kind),
+                    human(bytes).c_str(), t * 1e6, alg, bus, mc, 100.0 * bus / mc);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
