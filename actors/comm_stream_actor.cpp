@@ -35,6 +35,7 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
   st.ready.assign(ops.size(), 0);
   st.ops = std::move(ops);
   st.log = std::move(log);
+  st.logger = rank_logger(st.comm->rank());
   return {
       [=](msg::bucket_ready_atom, std::uint32_t b) {
         auto& s = self->state;
@@ -44,6 +45,8 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
           const std::uint32_t i = s.next++;
           s.ready[i] = 0;
           s.log->record(s.ops[i]);
+          s.logger->debug("issue {} '{}': {} x {}", collective_name(s.ops[i].kind), s.ops[i].tag, s.ops[i].count,
+                          dtype_name(s.ops[i].dtype));
           // The completion runs on the backend's stream thread: it only sends a message.
           s.comm->submit(s.ops[i], [owner = s.owners[i], i](std::exception_ptr e) {
             caf::anon_send(owner, msg::reduced_atom::value, i, to_failure(e));

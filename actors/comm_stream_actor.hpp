@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/collective_log.hpp"
+#include "runtime/logging.hpp"
 #include "shardflow/communicator.hpp"
 
 namespace shardflow {
@@ -19,6 +20,7 @@ struct CommStreamState {
   std::vector<char> ready;
   std::uint32_t next = 0;  // the next bucket to issue; collectives go out strictly in this order
   std::shared_ptr<CollectiveLog> log;
+  std::shared_ptr<spdlog::logger> logger;
   static inline const char* name = "comm_stream";
 };
 

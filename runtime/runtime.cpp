@@ -77,7 +77,7 @@ struct Runtime::Impl {
   std::atomic<std::uint32_t> order_pos{0};
   std::atomic<bool> backward_finished{false};
   std::atomic<bool> require_sync{true};
-  bool sync_pass_started = false;  // set by the first grad_ready of a synchronised pass
+  std::atomic<bool> sync_pass_started{false};  // set by grad_ready of a synchronised pass (any thread)
   bool rebuilt = false;
   std::uint64_t iterations = 0;
 
@@ -358,7 +358,7 @@ void Runtime::grad_ready(Param p) {
     I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
     return;
   }
-  I.sync_pass_started = true;
+  I.sync_pass_started.store(true, std::memory_order_relaxed);
   I.send_to_bucket(i, false);
 }
 
@@ -396,7 +396,7 @@ void Runtime::finish_backward() {
     I.order[I.order_pos.fetch_add(1)] = i;
     I.send_to_bucket(i, true);
   }
-  I.sync_pass_started = true;
+  I.sync_pass_started.store(true);
   I.backward_finished.store(true, std::memory_order_release);
 }
 
@@ -440,7 +440,7 @@ void Runtime::wait() {
     }
   }
   I.signal->reset();
-  I.sync_pass_started = false;
+  I.sync_pass_started.store(false);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   if (!I.rebuilt && !I.cfg.static_graph) I.rebuild_from_observed_order();
   I.reset_pass();
