@@ -76,6 +76,9 @@ int main(int argc, char** argv) {
     std::printf("done: %d steps, loss %.6f -> %.6f, mean step %.3f ms, %zu bucket(s)\n", opt.steps,
                 res.losses.empty() ? 0.0 : double(res.losses.front()), res.losses.empty() ? 0.0 : double(res.losses.back()),
                 mean, res.buckets.size());
+    for (const auto& b : res.buckets)
+      std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
+                  b.params.front().c_str(), b.params.back().c_str());
     if (opt.save_path) std::printf("saved %s\n", opt.save_path->c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mlp_train: error: %s\n", e.what());
