@@ -7,7 +7,7 @@
 namespace shardflow {
 
 caf::behavior bucket_actor(caf::stateful_actor<BucketState>* self, std::uint32_t index, std::uint32_t nparams,
-                           caf::actor comm_stream, caf::actor iteration) {
+                           caf::actor comm_stream, caf::actor downstream, bool to_shard) {
   auto& st = self->state;
   st.index = index;
   st.expected = nparams;
@@ -16,10 +16,12 @@ caf::behavior bucket_actor(caf::stateful_actor<BucketState>* self, std::uint32_t
       [=](msg::grad_ready_atom, std::uint32_t param) {
         auto& s = self->state;
         if (s.in_flight || s.pending == 0) {
-          self->send(iteration, msg::bucket_done_atom::value, s.index,
-                     msg::Failure{msg::Failure::usage,
-                                  "gradient of parameter #" + std::to_string(param) + " arrived while bucket " +
-                                      std::to_string(s.index) + " is being reduced"});
+          msg::Failure f{msg::Failure::usage, "gradient of parameter #" + std::to_string(param) +
+                                                  " arrived while bucket " + std::to_string(s.index) + " is being reduced"};
+          if (to_shard)
+            self->send(downstream, msg::reduced_atom::value, s.index, std::move(f));
+          else
+            self->send(downstream, msg::bucket_done_atom::value, s.index, std::move(f));
           return;
         }
         if (--s.pending == 0) {
@@ -31,7 +33,10 @@ caf::behavior bucket_actor(caf::stateful_actor<BucketState>* self, std::uint32_t
         auto& s = self->state;
         s.in_flight = false;  // the collective released the buffer
         s.pending = s.expected;
-        self->send(iteration, msg::bucket_done_atom::value, b, std::move(failure));
+        if (to_shard)
+          self->send(downstream, msg::reduced_atom::value, b, std::move(failure));
+        else
+          self->send(downstream, msg::bucket_done_atom::value, b, std::move(failure));
       },
   };
 }

@@ -19,7 +19,9 @@ struct BucketState {
 // Counts its gradients in; when the last one arrives the bucket is ready and goes to the comm
 // stream. Owns the buffer's lifetime: between bucket_ready and reduced the buffer belongs to the
 // collective, and a gradient for it then is a protocol violation, reported, never written.
+// `downstream` receives reduced(b) when it is the shard actor, bucket_done(b) when it is the
+// iteration actor (`to_shard` says which).
 caf::behavior bucket_actor(caf::stateful_actor<BucketState>* self, std::uint32_t index, std::uint32_t nparams,
-                           caf::actor comm_stream, caf::actor iteration);
+                           caf::actor comm_stream, caf::actor downstream, bool to_shard);
 
 }  // namespace shardflow

@@ -27,32 +27,113 @@ msg::Failure to_failure(const std::exception_ptr& e) {
 
 }  // namespace
 
+// Note [Collective schedule]
+// Reductions go out in bucket order (R0, R1, ...). Parameter syncs (S) and the norm exchange (N)
+// need a place in the sequence that does not depend on timing:
+//   after_backward / none:   R0 .. R(B-1) [N] S0 .. S(B-1)
+//   interleaved, no clip:    R0 R1 S0 R2 S1 ... R(B-1) S(B-2) S(B-1)
+// In the interleaved schedule S(b) waits for R(b+1) to be issued and for bucket b's step: the sync
+// of an early bucket overlaps the reductions and backward of later ones. With clipping every step
+// needs the global norm, which needs every reduction, so the syncs go after N.
+std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t B, bool syncs, bool norm, bool interleave) {
+  std::vector<ScheduleEntry::Kind> k;
+  if (syncs && interleave && !norm) {
+    for (std::size_t b = 0; b < B; ++b) {
+      k.push_back(ScheduleEntry::reduce);
+      if (b >= 1) k.push_back(ScheduleEntry::sync);  // S(b-1)
+    }
+    if (B) k.push_back(ScheduleEntry::sync);  // S(B-1)
+    return k;
+  }
+  for (std::size_t b = 0; b < B; ++b) k.push_back(ScheduleEntry::reduce);
+  if (norm) k.push_back(ScheduleEntry::norm);
+  if (syncs)
+    for (std::size_t b = 0; b < B; ++b) k.push_back(ScheduleEntry::sync);
+  return k;
+}
+
 caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
-                                std::vector<CollectiveOp> ops, std::shared_ptr<CollectiveLog> log) {
+                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log) {
   auto& st = self->state;
   st.comm = std::move(comm);
-  st.owners.resize(ops.size());
-  st.ready.assign(ops.size(), 0);
-  st.ops = std::move(ops);
-  st.log = std::move(log);
   st.logger = rank_logger(st.comm->rank());
+  std::size_t buckets = 0;
+  for (const auto& e : entries)
+    if (e.kind == ScheduleEntry::reduce) ++buckets;
+  st.reduce_entry.assign(buckets, 0);
+  st.sync_entry.assign(buckets, ~0u);
+  for (std::uint32_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    if (e.kind == ScheduleEntry::reduce) {
+      st.reduce_entry[e.bucket] = i;
+      st.last_reduce_entry = i;
+    } else if (e.kind == ScheduleEntry::sync) {
+      st.sync_entry[e.bucket] = i;
+    } else {
+      st.norm_entry = i;
+    }
+  }
+  st.owners.resize(buckets);
+  st.ready.assign(entries.size(), 0);
+  st.entries = std::move(entries);
+  st.log = std::move(log);
+
+  // Issues every ready entry in schedule order.
+  auto pump = [self] {
+    auto& s = self->state;
+    while (s.next < s.entries.size() && s.ready[s.next]) {
+      const std::uint32_t i = s.next++;
+      s.ready[i] = 0;
+      const auto& e = s.entries[i];
+      if (e.ops.empty() && e.kind == ScheduleEntry::sync)  // a bucket of empty parameters: nothing to move
+        self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
+      for (std::size_t k = 0; k < e.ops.size(); ++k) {
+        const auto& op = e.ops[k];
+        s.log->record(op);
+        s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
+        const bool last = k + 1 == e.ops.size();
+        CollectiveDone done;
+        // Completions run on the backend's stream thread: they only send a message. Ops of one
+        // entry complete in order, so the last one's completion stands for the entry; an earlier
+        // failure is reported at once (the iteration keeps the first failure it hears of).
+        switch (e.kind) {
+          case ScheduleEntry::reduce:
+            done = [owner = s.owners[e.bucket], b = e.bucket](std::exception_ptr x) {
+              caf::anon_send(owner, msg::reduced_atom::value, b, to_failure(x));
+            };
+            break;
+          case ScheduleEntry::norm:
+            done = [shard = s.shard](std::exception_ptr x) { caf::anon_send(shard, msg::norm_done_atom::value, to_failure(x)); };
+            break;
+          case ScheduleEntry::sync:
+            done = [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
+              if (last || x) caf::anon_send(shard, msg::broadcast_done_atom::value, b, to_failure(x));
+            };
+            break;
+        }
+        s.comm->submit(op, std::move(done));
+      }
+      if (e.kind == ScheduleEntry::reduce && i == s.last_reduce_entry && s.shard)
+        self->send(s.shard, msg::all_issued_atom::value);
+    }
+    if (s.next == s.entries.size()) s.next = 0;  // the iteration's schedule is out: start over
+  };
+
   return {
+      [=](msg::set_peer_atom, caf::actor shard) { self->state.shard = std::move(shard); },
       [=](msg::bucket_ready_atom, std::uint32_t b) {
         auto& s = self->state;
         s.owners[b] = caf::actor_cast<caf::actor>(self->current_sender());
-        s.ready[b] = 1;
-        while (s.next < s.ops.size() && s.ready[s.next]) {
-          const std::uint32_t i = s.next++;
-          s.ready[i] = 0;
-          s.log->record(s.ops[i]);
-          s.logger->debug("issue {} '{}': {} x {}", collective_name(s.ops[i].kind), s.ops[i].tag, s.ops[i].count,
-                          dtype_name(s.ops[i].dtype));
-          // The completion runs on the backend's stream thread: it only sends a message.
-          s.comm->submit(s.ops[i], [owner = s.owners[i], i](std::exception_ptr e) {
-            caf::anon_send(owner, msg::reduced_atom::value, i, to_failure(e));
-          });
-        }
-        if (s.next == s.ops.size()) s.next = 0;  // every bucket issued: the next iteration starts over
+        s.ready[s.reduce_entry[b]] = 1;
+        pump();
+      },
+      [=](msg::step_done_atom, std::uint32_t b) {
+        self->state.ready[self->state.sync_entry[b]] = 1;
+        pump();
+      },
+      [=](msg::norm_ready_atom) {
+        self->state.ready[self->state.norm_entry] = 1;
+        pump();
       },
   };
 }

@@ -13,20 +13,36 @@
 
 namespace shardflow {
 
+// One step of a rank's collective schedule. Every rank builds the same schedule from the same plan,
+// so issuing strictly in schedule order keeps the ranks' collectives in the same order.
+struct ScheduleEntry {
+  enum Kind : std::uint8_t { reduce, norm, sync };
+  Kind kind = reduce;
+  std::uint32_t bucket = 0;
+  std::vector<CollectiveOp> ops;  // issued back to back when the entry is ready
+};
+
+// The order of a rank's collectives for one iteration (Note [Collective schedule] in
+// comm_stream_actor.cpp).
+std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t buckets, bool syncs, bool norm, bool interleave_syncs);
+
 struct CommStreamState {
   std::shared_ptr<Communicator> comm;
-  std::vector<CollectiveOp> ops;  // one per bucket, prebuilt: buffers, count, fused 1/world scale
-  std::vector<caf::actor> owners;  // the bucket actor to tell when op b completes
+  std::vector<ScheduleEntry> entries;
   std::vector<char> ready;
-  std::uint32_t next = 0;  // the next bucket to issue; collectives go out strictly in this order
+  std::vector<std::uint32_t> reduce_entry, sync_entry;  // by bucket
+  std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
+  std::vector<caf::actor> owners;  // the bucket actor to tell when its reduction completes
+  caf::actor shard;                // the shard actor, when the runtime runs the optimizer
+  std::uint32_t next = 0;          // the next entry to issue
   std::shared_ptr<CollectiveLog> log;
   std::shared_ptr<spdlog::logger> logger;
   static inline const char* name = "comm_stream";
 };
 
-// Owns the order of collectives on one rank: bucket b is issued only after buckets 0..b-1, so
-// every rank issues the same sequence whatever order gradients and messages arrive in.
+// Owns the order of collectives on one rank: entry i is issued only after entries 0..i-1, so every
+// rank issues the same sequence whatever order gradients, steps and messages arrive in.
 caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
-                                std::vector<CollectiveOp> ops, std::shared_ptr<CollectiveLog> log);
+                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log);
 
 }  // namespace shardflow

@@ -6,8 +6,15 @@
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)
 //   bucket actor b --bucket_done(b, failure)--> iteration actor  (iteration completes when all are)
 //
-// Reserved for the ZeRO shard actors: step_done(b) after a shard's optimizer step, and
-// broadcast_done(b) after its parameter sync.
+// With the runtime's optimizer (ZeRO stage 0/1/2) the bucket actor hands reduced(b) to the rank's
+// shard actor instead, and the iteration goes on:
+//
+//   shard actor --(steps bucket b's owned pieces when Config::overlap allows)
+//   shard actor --step_done(b)--> comm stream     (stage >= 1: parameters packed for the sync)
+//   comm stream --sync collective(s) in schedule order--> Communicator
+//   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> iteration actor
+//   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
+//   shard actor --norm_ready--> comm stream --norm_done--> shard actor   (clipping)
 #pragma once
 
 #include <caf/atom.hpp>
@@ -24,6 +31,10 @@ using reduced_atom = caf::atom_constant<caf::atom("reduced")>;
 using bucket_done_atom = caf::atom_constant<caf::atom("bkt_done")>;
 using step_done_atom = caf::atom_constant<caf::atom("step_done")>;
 using broadcast_done_atom = caf::atom_constant<caf::atom("bcast_done")>;
+using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
+using norm_ready_atom = caf::atom_constant<caf::atom("norm_ready")>;
+using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
+using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 
 // Why a bucket's work failed; kind none means success. Travels in reduced / bucket_done.
 struct Failure {

@@ -40,6 +40,13 @@ int main(int argc, char** argv) {
   app.add_flag("--find-unused-parameters", opt.runtime.find_unused_parameters, "reduce parameters without a gradient as zeros");
   app.add_flag("--static-graph", opt.runtime.static_graph, "keep the registration-order buckets (no rebuild)");
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
+  int zero_stage = 0;
+  std::string overlap = "none", partition = "flat";
+  app.add_option("--zero-stage", zero_stage, "0 (DDP), 1 (sharded optimizer state), 2 (+ reduce-scattered gradients)")->capture_default_str();
+  app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
+  app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
+  app.add_option("--clip-grad-norm", opt.runtime.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
+  app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
   bool quiet = false;
   app.add_flag("--quiet", quiet, "only the summary");
   CLI11_PARSE(app, argc, argv);
@@ -47,6 +54,9 @@ int main(int argc, char** argv) {
   try {
     opt.sizes = mlp::parse_sizes(sizes);
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
+    opt.runtime.zero_stage = zero_stage;
+    opt.runtime.overlap = parse_overlap(overlap);
+    opt.runtime.partition = parse_partition(partition);
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;
@@ -66,8 +76,9 @@ int main(int argc, char** argv) {
                   opt.steps, r.loss, r.step_ms, sps, tty ? "  " : "\n");
       std::fflush(stdout);
     };
-    std::printf("mlp_train: sizes %s, world %d, global batch %d, %s lr %g, %d steps\n", sizes.c_str(), opt.world_size,
-                opt.global_batch, optimizer.c_str(), double(opt.optimizer.lr), opt.steps);
+    std::printf("mlp_train: sizes %s, world %d, global batch %d x %d, %s lr %g, %d steps, zero stage %d, overlap %s, partition %s\n",
+                sizes.c_str(), opt.world_size, opt.global_batch, opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr),
+                opt.steps, zero_stage, overlap.c_str(), partition.c_str());
     auto res = mlp::train(opt);
     if (tty && !quiet) std::printf("\n");
     double total = 0;
@@ -76,6 +87,7 @@ int main(int argc, char** argv) {
     std::printf("done: %d steps, loss %.6f -> %.6f, mean step %.3f ms, %zu bucket(s)\n", opt.steps,
                 res.losses.empty() ? 0.0 : double(res.losses.front()), res.losses.empty() ? 0.0 : double(res.losses.back()),
                 mean, res.buckets.size());
+    for (std::size_t r = 0; r < res.memory.size(); ++r) std::printf("  memory rank %zu: %s\n", r, res.memory[r].str().c_str());
     for (const auto& b : res.buckets)
       std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
                   b.params.front().c_str(), b.params.back().c_str());

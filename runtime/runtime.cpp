@@ -13,27 +13,21 @@
 #include "actors/comm_stream_actor.hpp"
 #include "actors/iteration_actor.hpp"
 #include "actors/messages.hpp"
+#include "actors/shard_actor.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/collective_log.hpp"
 #include "runtime/engine.hpp"
 #include "runtime/iteration_signal.hpp"
 #include "runtime/logging.hpp"
 #include "runtime/param_registry.hpp"
+#include "runtime/shard.hpp"
+#include "runtime/shard_plan.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow {
 namespace {
 
 std::atomic<std::uint32_t> next_owner_id{1};
-
-std::shared_ptr<std::byte> alloc_buffer(std::size_t bytes) {
-  // 64-byte aligned and zeroed: a bucket is a gradient accumulator from the start.
-  const std::size_t rounded = std::max<std::size_t>(64, (bytes + 63) / 64 * 64);
-  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
-  if (!p) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
-  return std::shared_ptr<std::byte>(p, [](std::byte* q) { std::free(q); });
-}
 
 bool same_layout(const BucketPlan& a, const BucketPlan& b) {
   if (a.buckets.size() != b.buckets.size()) return false;
@@ -64,7 +58,10 @@ struct Runtime::Impl {
   std::vector<std::byte*> grad_at;                 // by param: where its gradient lives
 
   // Actors of the current plan (replaced once if the buckets are rebuilt).
-  caf::actor iteration_actor_h, comm_actor_h;
+  caf::actor iteration_actor_h, comm_actor_h, shard_actor_h;
+  // The runtime's optimizer (configure_optimizer): the groups' hyper-parameters and this rank's shard.
+  std::shared_ptr<OptimizerGroups> groups;
+  std::shared_ptr<Shard> shard;
   std::vector<caf::actor> bucket_actors;
   std::shared_ptr<IterationSignal> signal;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
@@ -151,13 +148,20 @@ struct Runtime::Impl {
   // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
   // after a reduction, whose results the trainer is about to use) and starts its actors.
   void install_plan(BucketPlan next) {
+    std::shared_ptr<Shard> next_shard;
     std::vector<std::shared_ptr<std::byte>> next_buffers;
+    if (groups) {
+      auto shard_plan = make_shard_plan(next, registry.params(), cfg.partition, world, rank, cfg.zero_stage >= 1);
+      next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups);
+      for (std::size_t b = 0; b < next.buckets.size(); ++b) next_buffers.push_back(next_shard->bucket_buffer(b));
+    } else {
+      for (const auto& b : next.buckets) next_buffers.push_back(alloc_zeroed(b.bytes()));
+    }
     std::vector<std::byte*> next_grad_at(registry.size(), nullptr);
     for (const auto& b : next.buckets) {
-      next_buffers.push_back(alloc_buffer(b.bytes()));
       const std::size_t es = dtype_size(b.dtype);
       for (const auto& e : b.entries) {
-        std::byte* slot = next_buffers.back().get() + e.offset * es;
+        std::byte* slot = next_buffers[b.index].get() + e.offset * es;
         if (cfg.gradient_as_bucket_view) {
           if (!grad_at.empty() && e.numel) std::memcpy(slot, grad_at[e.param], e.numel * es);
           next_grad_at[e.param] = slot;
@@ -166,42 +170,134 @@ struct Runtime::Impl {
         }
       }
     }
+    if (shard && next_shard) migrate_state(*shard, *next_shard);
     stop_actors();
     plan = std::move(next);
     buffers = std::move(next_buffers);
     grad_at = std::move(next_grad_at);
+    shard = std::move(next_shard);
     spawn_actors();
+  }
+
+  // Note [State migration]
+  // When the buckets are rebuilt after the first iteration, ownership moves. Each rank exports the
+  // state it owns in parameter coordinates (zeros elsewhere); summing the exports over the ranks
+  // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
+  // one-time cost of one all-reduce of the parameter count per state slot.
+  void migrate_state(const Shard& from, Shard& to) {
+    for (std::size_t slot = 0; slot < from.state_slots(); ++slot) {
+      auto full = from.export_state(slot);
+      if (from.shard_plan().sharded) {
+        CollectiveOp op;
+        op.kind = CollectiveKind::allreduce;
+        op.send = op.recv = full.data();
+        op.count = full.size();
+        op.tag = "migrate optimizer state " + std::to_string(slot);
+        collectives->record(op);
+        comm->run(op, cfg.timeout);
+      }
+      to.import_state(slot, full);
+    }
+    to.set_steps(from.steps());
+  }
+
+  // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
+  std::vector<ScheduleEntry> build_schedule() const {
+    const std::size_t B = plan.buckets.size();
+    const bool syncs = shard && shard->syncs();
+    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), cfg.overlap == Overlap::interleaved);
+    std::vector<ScheduleEntry> entries;
+    std::uint32_t rb = 0, sb = 0;
+    for (auto kind : shape) {
+      ScheduleEntry e;
+      e.kind = kind;
+      if (kind == ScheduleEntry::reduce) {
+        const auto b = rb++;
+        e.bucket = b;
+        const auto& bk = plan.buckets[b];
+        CollectiveOp op;
+        op.dtype = bk.dtype;
+        op.scale = 1.0f / float(world);  // the average, fused into the reduction
+        op.tag = "bucket " + std::to_string(b);
+        op.send = buffers[b].get();
+        if (shard && shard->reduce_scatters()) {
+          op.kind = CollectiveKind::reduce_scatter;
+          op.recv = shard->grad_shard(b).get();
+          op.count = shard->shard_plan().buckets[b].slice;
+          op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(
+              buffers[b], shard->grad_shard(b));
+        } else {
+          op.kind = CollectiveKind::allreduce;
+          op.recv = buffers[b].get();
+          op.count = bk.numel;
+          op.keep_alive = buffers[b];
+        }
+        e.ops.push_back(std::move(op));
+      } else if (kind == ScheduleEntry::norm) {
+        CollectiveOp op;
+        op.kind = CollectiveKind::allgather;
+        op.send = shard->norm_buffer().get() + rank;
+        op.recv = shard->norm_buffer().get();
+        op.count = 1;
+        op.tag = "grad norm";
+        op.keep_alive = shard->norm_buffer();
+        e.ops.push_back(std::move(op));
+      } else {
+        const auto b = sb++;
+        e.bucket = b;
+        const auto& bs = shard->shard_plan().buckets[b];
+        auto* staging = reinterpret_cast<float*>(shard->staging(b).get());
+        if (bs.flat) {
+          CollectiveOp op;
+          op.kind = CollectiveKind::allgather;
+          op.send = staging + std::size_t(rank) * bs.slice;
+          op.recv = staging;
+          op.count = bs.slice;
+          op.tag = "sync bucket " + std::to_string(b);
+          op.keep_alive = shard->staging(b);
+          e.ops.push_back(std::move(op));
+        } else {
+          for (int k = 0; k < world; ++k) {
+            if (bs.packed[std::size_t(k)] == 0) continue;
+            CollectiveOp op;
+            op.kind = CollectiveKind::broadcast;
+            op.send = op.recv = staging + bs.packed_start[std::size_t(k)];
+            op.count = bs.packed[std::size_t(k)];
+            op.root = k;
+            op.tag = "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k);
+            op.keep_alive = shard->staging(b);
+            e.ops.push_back(std::move(op));
+          }
+        }
+      }
+      entries.push_back(std::move(e));
+    }
+    return entries;
   }
 
   void spawn_actors() {
     auto& sys = engine->system();
     signal = std::make_shared<IterationSignal>(plan.buckets.size());
     iteration_actor_h = sys.spawn(iteration_actor, signal);
-    std::vector<CollectiveOp> ops;
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-      const auto& bk = plan.buckets[b];
-      CollectiveOp op;
-      op.kind = CollectiveKind::allreduce;
-      op.dtype = bk.dtype;
-      op.send = buffers[b].get();
-      op.recv = buffers[b].get();
-      op.count = bk.numel;
-      op.scale = 1.0f / float(world);  // the average, fused into the reduction
-      op.tag = "bucket " + std::to_string(b);
-      op.keep_alive = buffers[b];
-      ops.push_back(std::move(op));
+    comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives);
+    caf::actor downstream = iteration_actor_h;
+    if (shard) {
+      shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h);
+      caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
+      downstream = shard_actor_h;
     }
-    comm_actor_h = sys.spawn(comm_stream_actor, comm, std::move(ops), collectives);
     bucket_actors.clear();
     for (const auto& bk : plan.buckets)
-      bucket_actors.push_back(
-          sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h, iteration_actor_h));
+      bucket_actors.push_back(sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h,
+                                        downstream, bool(shard)));
   }
 
   void stop_actors() {
     for (auto& a : bucket_actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
     if (comm_actor_h) caf::anon_send_exit(comm_actor_h, caf::exit_reason::user_shutdown);
     if (iteration_actor_h) caf::anon_send_exit(iteration_actor_h, caf::exit_reason::user_shutdown);
+    if (shard_actor_h) caf::anon_send_exit(shard_actor_h, caf::exit_reason::user_shutdown);
+    shard_actor_h = nullptr;
     bucket_actors.clear();
     comm_actor_h = nullptr;
     iteration_actor_h = nullptr;
@@ -330,6 +426,7 @@ void Runtime::zero_grad() {
                      " while this iteration's reductions are running: call wait() first");
   if (I.cfg.gradient_as_bucket_view) {
     for (std::size_t b = 0; b < I.buffers.size(); ++b) std::memset(I.buffers[b].get(), 0, I.plan.buckets[b].bytes());
+    // (flat shards pad buckets past bytes(); the padding is never written, so it stays zero)
   } else {
     for (std::size_t i = 0; i < I.registry.size(); ++i) {
       const auto& s = I.registry.params()[i];
@@ -432,7 +529,7 @@ void Runtime::wait() {
                           " ms; bucket(s) still pending: " + pending));
     }
   }
-  if (!I.cfg.gradient_as_bucket_view) {
+  if (!I.cfg.gradient_as_bucket_view && !I.shard) {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);
       for (const auto& e : b.entries)
@@ -468,5 +565,74 @@ std::vector<BucketInfo> Runtime::buckets() const {
 }
 
 std::vector<std::string> Runtime::collective_log() const { return impl_->collectives->lines(); }
+
+void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.sync_pass_started || (I.shard && I.shard->steps() > 0))
+    throw UsageError("configure_optimizer on rank " + std::to_string(I.rank) + ": call it once, before training starts");
+  if (groups.empty()) throw UsageError("configure_optimizer: no parameter groups");
+  auto og = std::make_shared<OptimizerGroups>();
+  og->group_of.assign(I.registry.size(), ~0u);
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& oc = groups[g].optimizer;
+    oc.validate();
+    if (oc.kind != groups[0].optimizer.kind)
+      throw UsageError("configure_optimizer: group " + std::to_string(g) + " uses another optimizer kind than group 0");
+    for (Param p : groups[g].params) {
+      const auto i = I.check_handle(p, "configure_optimizer");
+      if (og->group_of[i] != ~0u)
+        throw UsageError("configure_optimizer: parameter '" + I.name_of(i) + "' is in groups " +
+                         std::to_string(og->group_of[i]) + " and " + std::to_string(g));
+      og->group_of[i] = std::uint32_t(g);
+    }
+    og->groups.push_back(oc);
+  }
+  for (std::size_t i = 0; i < I.registry.size(); ++i) {
+    if (og->group_of[i] == ~0u) og->group_of[i] = 0;
+    const auto& spec = I.registry.params()[i];
+    if (spec.dtype != DType::f32 || spec.device.kind != Device::Kind::cpu)
+      throw UsageError("configure_optimizer: parameter '" + spec.name + "' is " + dtype_name(spec.dtype) + " on " +
+                       spec.device.str() + "; the runtime optimizer steps fp32 parameters on the CPU only so far");
+  }
+  I.groups = std::move(og);
+  I.shard.reset();
+  I.install_plan(BucketPlan(I.plan));
+}
+
+void Runtime::set_lr(std::size_t group, float lr) {
+  auto& I = *impl_;
+  if (!I.groups) throw UsageError("set_lr: no optimizer configured (configure_optimizer)");
+  if (group >= I.groups->groups.size())
+    throw UsageError("set_lr: group " + std::to_string(group) + " does not exist (" + std::to_string(I.groups->groups.size()) +
+                     " group(s))");
+  if (I.sync_pass_started) throw UsageError("set_lr: change the learning rate between iterations");
+  if (!(lr >= 0.0f)) throw UsageError("set_lr: lr must be >= 0");
+  I.groups->groups[group].lr = lr;
+}
+
+float Runtime::last_grad_norm() const { return impl_->shard ? impl_->shard->last_norm() : 0.0f; }
+
+MemoryReport Runtime::memory_report() const {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  MemoryReport m;
+  for (const auto& p : I.registry.params()) m.params += std::size_t(numel(p.shape)) * dtype_size(p.dtype);
+  if (I.shard) {
+    m.grads = I.shard->grad_bytes();
+    m.optimizer_state = I.shard->state_bytes();
+    m.comm_buffers = I.shard->comm_bytes();
+  } else {
+    for (const auto& b : I.plan.buckets) m.grads += b.bytes();
+  }
+  return m;
+}
+
+std::string MemoryReport::str() const {
+  auto mib = [](std::size_t b) { return std::to_string(double(b) / 1048576.0).substr(0, 6) + " MiB"; };
+  return "params " + mib(params) + ", grads " + mib(grads) + ", optimizer state " + mib(optimizer_state) +
+         ", comm buffers " + mib(comm_buffers);
+}
 
 }  // namespace shardflow

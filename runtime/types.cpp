@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 
 #include "shardflow/communicator.hpp"
 #include "shardflow/config.hpp"
@@ -53,7 +54,34 @@ const char* collective_name(CollectiveKind k) {
   return "?";
 }
 
+Overlap parse_overlap(const std::string& s) {
+  if (s == "none") return Overlap::none;
+  if (s == "after_backward") return Overlap::after_backward;
+  if (s == "interleaved") return Overlap::interleaved;
+  throw UsageError("unknown overlap mode '" + s + "': expected none, after_backward or interleaved");
+}
+
+Partition parse_partition(const std::string& s) {
+  if (s == "param") return Partition::param;
+  if (s == "bucket") return Partition::bucket;
+  if (s == "flat") return Partition::flat;
+  throw UsageError("unknown partition '" + s + "': expected param, bucket or flat");
+}
+
+const char* overlap_name(Overlap o) {
+  return o == Overlap::none ? "none" : o == Overlap::after_backward ? "after_backward" : "interleaved";
+}
+
+const char* partition_name(Partition p) {
+  return p == Partition::param ? "param" : p == Partition::bucket ? "bucket" : "flat";
+}
+
 void Config::validate() const {
+  if (zero_stage < 0 || zero_stage > 2)
+    throw UsageError("Config::zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
+  if (clip_grad_norm < 0.0f) throw UsageError("Config::clip_grad_norm must be >= 0 (0 turns clipping off)");
+  if (clip_grad_norm > 0.0f && clip_norm_type != 2.0f && !std::isinf(clip_norm_type))
+    throw UsageError("Config::clip_norm_type must be 2 or infinity, got " + std::to_string(clip_norm_type));
   if (first_bucket_cap_bytes == 0)
     throw UsageError("Config::first_bucket_cap_bytes must be > 0 (default 1 MiB)");
   if (bucket_cap_bytes == 0) throw UsageError("Config::bucket_cap_bytes must be > 0 (default 25 MiB)");

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "examples/mlp/model.hpp"
@@ -101,25 +102,42 @@ void run_rank(Shared& sh, int rank) {
     handles.push_back(rt.register_param({Model::param_name(int(i), true), {l.out}, DType::f32, Device::cpu(), l.bias.data()}));
   }
   rt.finalize();
-  Optimizer optim(opt.optimizer);
+  std::optional<Optimizer> optim;
+  if (opt.optimizer_in_runtime)
+    rt.configure_optimizer(opt.optimizer);
+  else
+    optim.emplace(opt.optimizer);
+  {
+    std::lock_guard lock(sh.mu);
+    sh.result.memory[std::size_t(rank)] = rt.memory_report();
+  }
   std::vector<float> x, y;
-  const double denom = double(local) * opt.sizes.back();  // this rank's loss is a mean over its rows
+  const int K = opt.accumulate;
+  // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
+  // loss counts 1/K: together they equal one K-times-larger batch.
+  const double denom = double(local) * opt.sizes.back() * K;
 
   for (int step = 0; step < opt.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    local_batch(sh.data, step, B, N, rank, x, y);
     rt.zero_grad();
-    float loss = model.forward(x.data(), y.data(), local);
-    model.backward(
-        y.data(), denom, [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); },
-        [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); });
-    rt.wait();  // gradients are now averaged over the ranks
-    for (std::size_t i = 0; i < model.layers().size(); ++i) {
-      auto& l = model.layers()[i];
-      optim.step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
-      optim.step(l.bias.data(), rt.grad_f32(handles[2 * i + 1]), l.bias.size(), 2 * i + 1);
+    float loss = 0.0f;
+    for (int m = 0; m < K; ++m) {
+      local_batch(sh.data, step * K + m, B, N, rank, x, y);
+      rt.set_require_sync(m == K - 1);  // the last micro-batch reduces what all K accumulated
+      loss += model.forward(x.data(), y.data(), local) / float(K);
+      model.backward(
+          y.data(), denom, [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); },
+          [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); });
+      rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
-    optim.end_step();
+    if (optim) {
+      for (std::size_t i = 0; i < model.layers().size(); ++i) {
+        auto& l = model.layers()[i];
+        optim->step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
+        optim->step(l.bias.data(), rt.grad_f32(handles[2 * i + 1]), l.bias.size(), 2 * i + 1);
+      }
+      optim->end_step();
+    }
     if (opt.report_loss && N > 1) {
       CollectiveOp op;
       op.kind = CollectiveKind::allreduce;
@@ -132,6 +150,7 @@ void run_rank(Shared& sh, int rank) {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
       if (opt.report_loss) sh.result.losses.push_back(loss);
+      if (opt.runtime.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
       sh.result.step_ms.push_back(ms);
       if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
     }
@@ -161,6 +180,9 @@ TrainResult train(const TrainOptions& opt) {
     throw UsageError("--global-batch " + std::to_string(opt.global_batch) + " is not divisible by --world-size " +
                      std::to_string(opt.world_size) + ": every rank takes an equal share of each batch");
   if (opt.steps < 0) throw UsageError("--steps must be >= 0");
+  if (opt.accumulate < 1) throw UsageError("--accumulate must be >= 1");
+  if (!opt.optimizer_in_runtime && (opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0))
+    throw UsageError("ZeRO stages and clipping need the optimizer inside the runtime");
   opt.optimizer.validate();
   opt.runtime.validate();
   Model probe(opt.sizes);  // validates --sizes before threads start
@@ -179,6 +201,7 @@ TrainResult train(const TrainOptions& opt) {
   kernels::set_blas_threads(std::max(1, cores / opt.world_size));
 
   Shared sh{opt, data, init ? &*init : nullptr, InProcessWorld::create(opt.world_size, opt.runtime.timeout), {}, {}, {}};
+  sh.result.memory.resize(std::size_t(opt.world_size));
   std::vector<std::thread> threads;
   for (int r = 0; r < opt.world_size; ++r)
     threads.emplace_back([&sh, r] {

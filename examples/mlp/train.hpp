@@ -41,7 +41,11 @@ struct TrainOptions {
   std::uint64_t seed = 0;
   std::optional<std::string> init_path, data_path, save_path;
   std::size_t data_rows = 0;  // synthetic data rows (0: max(16 * batch, 4096))
-  Config runtime;             // bucket caps, find_unused, timeout...
+  Config runtime;             // bucket caps, find_unused, timeout, zero_stage, overlap, clipping...
+  // The optimizer runs inside shardflow (stage / overlap / partition from `runtime`). Off: the
+  // trainer steps every parameter itself after wait() (plain DDP).
+  bool optimizer_in_runtime = true;
+  int accumulate = 1;         // micro-batches (of global_batch rows) per optimizer step
   bool report_loss = true;    // an extra scalar all-reduce per step for the global loss
   std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
 };
@@ -51,6 +55,8 @@ struct TrainResult {
   std::vector<float> losses;    // per step (empty without report_loss)
   std::vector<double> step_ms;  // per step, rank 0
   std::vector<BucketInfo> buckets;
+  std::vector<MemoryReport> memory;  // per rank, at start-up
+  std::vector<float> grad_norms;     // per step (with clipping)
 };
 
 // Throws UsageError for bad options (batch not divisible by world, ...) before any thread starts;

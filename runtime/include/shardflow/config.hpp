@@ -7,6 +7,24 @@
 
 namespace shardflow {
 
+// Where the optimizer step happens relative to backward (only with Runtime::configure_optimizer).
+enum class Overlap {
+  none,            // step after every reduction completed, then parameter sync: the reference
+  after_backward,  // once the last bucket went to communication, each bucket steps as soon as its
+                   // reduction completed (in bucket order) and its sync starts right after
+  interleaved,     // each bucket steps as soon as its reduction completed, while backward runs
+};
+// How optimizer state is split over the ranks (ZeRO stage 1 and 2).
+enum class Partition {
+  param,   // whole parameters, largest first, each to the least-loaded rank (ties: lowest rank)
+  bucket,  // whole buckets, largest first, each to the least-loaded rank
+  flat,    // every bucket cut into world equal contiguous slices (padded)
+};
+Overlap parse_overlap(const std::string& s);      // "none", "after_backward", "interleaved"
+Partition parse_partition(const std::string& s);  // "param", "bucket", "flat"
+const char* overlap_name(Overlap o);
+const char* partition_name(Partition p);
+
 struct Config {
   // Gradient buckets are formed walking parameters in reverse registration order (backward
   // produces the last layer's gradients first). The first bucket is small so that the first
@@ -32,6 +50,17 @@ struct Config {
   // Every wait that involves another rank fails after this long with an error naming the bucket
   // and the ranks that did not arrive (PyTorch's default for NCCL is also 10 minutes).
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
+
+  // ZeRO. 0: every rank keeps all optimizer state (DDP). 1: each rank keeps the optimizer state of
+  // its shard; gradients are all-reduced, updated parameters synced from their owners. 2: as 1,
+  // but gradients are reduce-scattered (flat partition) so a rank only receives its shard's.
+  // Takes effect with Runtime::configure_optimizer().
+  int zero_stage = 0;
+  Overlap overlap = Overlap::none;
+  Partition partition = Partition::flat;
+  // clip_grad_norm over all parameters of all shards (0: off); norm type 2 or infinity.
+  float clip_grad_norm = 0.0f;
+  float clip_norm_type = 2.0f;
 
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
   // only route messages; the heavy lifting happens on comm streams and trainer threads.

@@ -24,6 +24,7 @@
 #include "shardflow/communicator.hpp"
 #include "shardflow/config.hpp"
 #include "shardflow/errors.hpp"
+#include "shardflow/optimizer.hpp"
 #include "shardflow/types.hpp"
 
 namespace shardflow {
@@ -40,6 +41,22 @@ struct BucketInfo {
   Device device;
   std::size_t bytes = 0;
   std::vector<std::string> params;  // in the order they sit in the flat buffer
+};
+
+// Parameters that share optimizer hyper-parameters (lr, weight decay, betas...). Every group uses
+// the same optimizer kind.
+struct ParamGroup {
+  std::vector<Param> params;
+  OptimizerConfig optimizer;
+};
+
+// Bytes this rank holds, by purpose.
+struct MemoryReport {
+  std::size_t params = 0;           // the trainer's parameter storage
+  std::size_t grads = 0;            // bucket buffers (+ reduced gradient shards in stage 2)
+  std::size_t optimizer_state = 0;  // momentum / exp_avg / exp_avg_sq of the parameters this rank owns
+  std::size_t comm_buffers = 0;     // parameter-sync staging, norm exchange
+  std::string str() const;
 };
 
 class Runtime {
@@ -97,6 +114,17 @@ class Runtime {
     Runtime& rt_;
   };
   NoSync no_sync() { return NoSync(*this); }  // auto guard = rt.no_sync();
+
+  // Hands the optimizer step to shardflow: each rank steps the parameters it owns (all of them in
+  // stage 0) as Config::overlap says, and wait() returns once every parameter is updated on every
+  // rank. Parameters in no group join group 0. Call before training starts (after registration).
+  void configure_optimizer(std::vector<ParamGroup> groups);
+  void configure_optimizer(const OptimizerConfig& all) { configure_optimizer({ParamGroup{{}, all}}); }
+  // Between iterations (learning-rate schedules).
+  void set_lr(std::size_t group, float lr);
+  // The global gradient norm of the last synchronised iteration (computed only when clipping).
+  float last_grad_norm() const;
+  MemoryReport memory_report() const;
 
   std::uint64_t iteration() const;               // completed synchronised iterations
   std::vector<BucketInfo> buckets() const;       // current bucket plan

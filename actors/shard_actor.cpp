@@ -1,0 +1,96 @@
+#include "actors/shard_actor.hpp"
+
+#include <caf/all.hpp>
+
+#include "actors/messages.hpp"
+
+namespace shardflow {
+namespace {
+
+void reset(ShardActorState& s) {
+  std::fill(s.reduced.begin(), s.reduced.end(), 0);
+  s.nreduced = s.next_step = s.nsynced = 0;
+  s.all_issued = s.norm_requested = s.norm_known = s.stepped_all = false;
+  s.clip_coef = 1.0f;
+}
+
+}  // namespace
+
+caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
+                          caf::actor comm, caf::actor iteration) {
+  auto& st = self->state;
+  st.reduced.assign(shard->plan().buckets.size(), 0);
+  st.shard = std::move(shard);
+  st.overlap = overlap;
+  st.comm = std::move(comm);
+  st.iteration = std::move(iteration);
+
+  auto try_step = [self] {
+    auto& s = self->state;
+    Shard& sh = *s.shard;
+    const std::size_t B = s.reduced.size();
+    if (sh.clips() && !s.norm_known) {
+      // The global norm needs every reduced gradient: no step before all reductions are in.
+      if (s.nreduced < B || s.norm_requested) return;
+      s.norm_requested = true;
+      if (sh.syncs()) {
+        sh.norm_buffer().get()[sh.shard_plan().rank] = float(sh.partial_norm());
+        self->send(s.comm, msg::norm_ready_atom::value);
+        return;
+      }
+      s.clip_coef = sh.finish_norm();  // stage 0: every rank sees every gradient
+      s.norm_known = true;
+    }
+    const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) ||
+                         s.nreduced == B;
+    while (allowed && s.next_step < B && s.reduced[s.next_step]) {
+      const auto b = std::uint32_t(s.next_step++);
+      sh.step(b, s.clip_coef);
+      if (sh.syncs()) {
+        sh.pack(b);
+        self->send(s.comm, msg::step_done_atom::value, b);
+      } else {
+        self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
+      }
+    }
+    if (s.next_step == B && !s.stepped_all) {
+      s.stepped_all = true;
+      sh.end_step();
+      if (!sh.syncs()) reset(s);
+    }
+  };
+
+  return {
+      [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
+        if (failure) {
+          self->send(self->state.iteration, msg::bucket_done_atom::value, b, std::move(failure));
+          return;
+        }
+        self->state.reduced[b] = 1;
+        ++self->state.nreduced;
+        try_step();
+      },
+      [=](msg::all_issued_atom) {
+        self->state.all_issued = true;
+        try_step();
+      },
+      [=](msg::norm_done_atom, msg::Failure& failure) {
+        auto& s = self->state;
+        if (failure) {
+          self->send(s.iteration, msg::bucket_done_atom::value, std::uint32_t{0}, std::move(failure));
+          return;
+        }
+        s.clip_coef = s.shard->finish_norm();
+        s.norm_known = true;
+        try_step();
+      },
+      [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
+        auto& s = self->state;
+        if (!failure) s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
+        self->send(s.iteration, msg::bucket_done_atom::value, b, std::move(failure));
+        if (++s.nsynced == s.reduced.size()) reset(s);
+      },
+  };
+}
+
+}  // namespace shardflow

@@ -1,0 +1,30 @@
+#pragma once
+
+#include <caf/fwd.hpp>
+#include <caf/stateful_actor.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "runtime/shard.hpp"
+
+namespace shardflow {
+
+struct ShardActorState {
+  std::shared_ptr<Shard> shard;
+  Overlap overlap = Overlap::none;
+  caf::actor comm, iteration;
+  std::vector<char> reduced;
+  std::size_t nreduced = 0, next_step = 0, nsynced = 0;
+  bool all_issued = false, norm_requested = false, norm_known = false, stepped_all = false;
+  float clip_coef = 1.0f;
+  static inline const char* name = "shard";
+};
+
+// A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap
+// mode allows, in bucket order; with clipping, first exchanges its share of the gradient norm.
+caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
+                          caf::actor comm, caf::actor iteration);
+
+}  // namespace shardflow

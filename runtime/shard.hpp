@@ -1,0 +1,91 @@
+// One rank's ZeRO shard: the optimizer state of the pieces it owns, and the work on them — the
+// step, its share of the gradient norm, and packing / unpacking parameters for the sync. The shard
+// actor (actors/shard_actor.cpp) decides *when*; this decides *what*. Buffers are shared_ptrs so
+// that collectives in flight keep them alive (CollectiveOp::keep_alive).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "runtime/bucket_plan.hpp"
+#include "runtime/shard_plan.hpp"
+#include "shardflow/config.hpp"
+#include "shardflow/optimizer.hpp"
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+struct OptimizerGroups {
+  std::vector<OptimizerConfig> groups;
+  std::vector<std::uint32_t> group_of;  // by parameter
+};
+
+class Shard {
+ public:
+  Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
+        std::shared_ptr<OptimizerGroups> groups);
+
+  const BucketPlan& plan() const { return plan_; }
+  const ShardPlan& shard_plan() const { return shard_; }
+  int stage() const { return stage_; }
+  // stage 2 with flat slices: gradients are reduce-scattered into a per-bucket shard buffer.
+  bool reduce_scatters() const { return stage_ == 2 && shard_.sharded && flat_; }
+  bool syncs() const { return shard_.sharded; }
+  bool clips() const { return clip_max_ > 0.0f; }
+
+  // Buffers (bytes). bucket: the gradient bucket (padded for flat); grad_shard: stage 2 only.
+  std::shared_ptr<std::byte> bucket_buffer(std::size_t b) const { return bucket_[b]; }
+  std::shared_ptr<std::byte> grad_shard(std::size_t b) const { return grad_shard_[b]; }
+  std::shared_ptr<std::byte> staging(std::size_t b) const { return staging_[b]; }
+  std::shared_ptr<float> norm_buffer() const { return norm_; }
+  void adopt_bucket_buffers(std::vector<std::shared_ptr<std::byte>> buffers) { bucket_ = std::move(buffers); }
+
+  // This rank's share of the squared 2-norm (or the max for inf) over its owned reduced gradients.
+  double partial_norm() const;
+  // Combines the ranks' partials (norm_buffer after the exchange, or this rank's alone in stage 0),
+  // records the norm and returns the clip coefficient (1: no clipping needed).
+  float finish_norm();
+  float last_norm() const { return last_norm_; }
+
+  void step(std::size_t b, float clip_coef);  // updates the owned pieces of bucket b in place
+  void end_step() { ++steps_; }
+  void pack(std::size_t b);    // owned updated parameters -> staging
+  void unpack(std::size_t b);  // other ranks' parameters: staging -> the trainer's storage
+
+  std::size_t state_bytes() const;
+  std::size_t grad_bytes() const;
+  std::size_t comm_bytes() const;
+
+  // Optimizer state in parameter coordinates (all parameters concatenated in registration order),
+  // zeros where this rank owns nothing: summing every rank's export gives the full state, from
+  // which a new partition imports its pieces (Note [State migration] in runtime.cpp).
+  std::size_t state_slots() const;  // 0 (plain SGD), 1 (momentum), 2 (Adam)
+  std::vector<float> export_state(std::size_t slot) const;
+  void import_state(std::size_t slot, const std::vector<float>& full);
+  std::int64_t steps() const { return steps_; }
+  void set_steps(std::int64_t s) { steps_ = s; }
+
+ private:
+  float* param_ptr(std::uint32_t p) const { return static_cast<float*>(params_[p].data); }
+  float* grad_ptr(std::size_t b, const ShardPiece& piece) const;
+
+  int stage_;
+  bool flat_ = false;
+  float clip_max_, clip_type_;
+  std::vector<ParamSpec> params_;
+  std::vector<std::size_t> param_base_;  // offset of each parameter in parameter coordinates
+  BucketPlan plan_;
+  ShardPlan shard_;
+  std::shared_ptr<OptimizerGroups> groups_;
+  std::vector<std::shared_ptr<std::byte>> bucket_, grad_shard_, staging_;
+  std::vector<std::vector<float>> state_a_, state_b_;  // [bucket] packed owned elements
+  std::shared_ptr<float> norm_;
+  std::int64_t steps_ = 0;
+  float last_norm_ = 0.0f;
+};
+
+std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes);
+
+}  // namespace shardflow

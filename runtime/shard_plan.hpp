@@ -1,0 +1,49 @@
+// Which rank owns (keeps optimizer state for, and updates) which elements of each bucket.
+//
+// Note [Owned pieces]
+// Ownership is described per bucket as "pieces": the intersection of a rank's owned element
+// ranges with the parameters in the bucket. A piece knows where it sits in its parameter, in the
+// bucket, and in the rank's packed shard (optimizer state and, for broadcast syncs, the staging
+// region). The three partitions differ only in how the ranges are chosen; stepping, clipping,
+// syncing and state migration all work on pieces.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/bucket_plan.hpp"
+#include "shardflow/config.hpp"
+
+namespace shardflow {
+
+struct ShardPiece {
+  std::uint32_t param = 0;
+  std::size_t param_off = 0;   // elements into the parameter
+  std::size_t bucket_off = 0;  // elements into the bucket
+  std::size_t len = 0;
+  std::size_t packed_off = 0;  // elements into the owner's packed shard of this bucket
+};
+
+struct BucketShard {
+  // flat: every rank owns [r * slice, (r + 1) * slice) of a bucket padded to world * slice.
+  bool flat = false;
+  std::size_t slice = 0;
+  std::size_t padded = 0;                         // bucket buffer length (numel, or world * slice)
+  std::vector<std::vector<ShardPiece>> pieces;    // [rank]
+  std::vector<std::size_t> packed;                // [rank] owned elements (flat: slice, padding included)
+  std::vector<std::size_t> packed_start;          // [rank] prefix sums of `packed` (broadcast staging)
+};
+
+struct ShardPlan {
+  int world = 1, rank = 0;
+  bool sharded = false;  // stage >= 1: ownership is split; stage 0: everyone owns everything
+  std::vector<BucketShard> buckets;
+  std::size_t owned_elements(int rank) const;  // optimizer-state elements rank keeps
+};
+
+ShardPlan make_shard_plan(const BucketPlan& plan, const std::vector<ParamSpec>& params, Partition partition,
+                          int world, int rank, bool sharded);
+
+}  // namespace shardflow
