@@ -1,0 +1,320 @@
+// ZeRO stages 1 and 2 with the optimizer step inside the runtime: every stage x overlap mode x
+// partition x world x optimizer lands where plain single-rank training lands; clipping and
+// accumulation keep their meaning; optimizer state is really split; and the collective sequence
+// does not depend on timing.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "examples/mlp/train.hpp"
+#include "helpers.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+mlp::TrainOptions base(OptimizerConfig::Kind kind) {
+  mlp::TrainOptions o;
+  o.sizes = {24, 40, 32, 6};
+  o.steps = 10;
+  o.global_batch = 24;
+  o.seed = 11;
+  o.optimizer.kind = kind;
+  if (kind == OptimizerConfig::Kind::sgd) {
+    o.optimizer.lr = 0.05f;
+    o.optimizer.momentum = 0.9f;
+    o.optimizer.weight_decay = 1e-3f;
+  } else {
+    o.optimizer.lr = 2e-3f;
+  }
+  // Several buckets of uneven size, so partitions differ and overlap has something to overlap.
+  o.runtime.first_bucket_cap_bytes = 1024;
+  o.runtime.bucket_cap_bytes = 3 * 1024;
+  o.runtime.timeout = 60s;
+  o.report_loss = false;
+  return o;
+}
+
+double worst_error(const TensorMap& got, const TensorMap& want) {
+  double worst = 0;
+  for (const auto& [name, t] : want) worst = std::max(worst, test::rel_error(got.at(name).to_f32(name), t.to_f32(name)));
+  return worst;
+}
+
+const char* kind_name(OptimizerConfig::Kind k) { return k == OptimizerConfig::Kind::sgd ? "sgd+momentum" : "adamw"; }
+
+}  // namespace
+
+TEST_CASE("every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW} ends where plain world-1 training ends") {
+  for (auto kind : {OptimizerConfig::Kind::sgd, OptimizerConfig::Kind::adamw}) {
+    auto ref_opts = base(kind);
+    ref_opts.optimizer_in_runtime = false;  // the trainer's own optimizer, no shardflow optimizer at all
+    const auto reference = mlp::train(ref_opts);
+    for (int stage : {0, 1, 2})
+      for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved})
+        for (auto partition : {Partition::param, Partition::bucket, Partition::flat})
+          for (int world : {1, 2, 3, 4}) {
+            if (stage == 0 && partition != Partition::flat) continue;  // nothing is partitioned
+            auto o = base(kind);
+            o.world_size = world;
+            o.runtime.zero_stage = stage;
+            o.runtime.overlap = overlap;
+            o.runtime.partition = partition;
+            const auto got = mlp::train(o);
+            const double err = worst_error(got.params, reference.params);
+            INFO(kind_name(kind) << " stage " << stage << " overlap " << overlap_name(overlap) << " partition "
+                                 << partition_name(partition) << " world " << world << ": rel error " << err);
+            CHECK(err <= 1e-5);
+          }
+  }
+}
+
+TEST_CASE("the very first iteration updates the parameters in every mode") {
+  auto before = base(OptimizerConfig::Kind::adamw);
+  before.steps = 0;
+  const auto init = mlp::train(before);
+  for (int stage : {0, 1, 2})
+    for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) {
+      auto o = base(OptimizerConfig::Kind::adamw);
+      o.steps = 1;
+      o.world_size = 2;
+      o.runtime.zero_stage = stage;
+      o.runtime.overlap = overlap;
+      const auto got = mlp::train(o);
+      for (const auto& [name, t] : init.params) {
+        INFO("stage " << stage << " overlap " << overlap_name(overlap) << " " << name);
+        // Adam's first step moves every parameter with a nonzero gradient by about lr.
+        CHECK(test::rel_error(got.params.at(name).to_f32(name), t.to_f32(name)) > 1e-4);
+      }
+    }
+}
+
+TEST_CASE("clip_grad_norm (2 and inf) over shards equals unsharded clipped training, in every overlap mode") {
+  for (float norm_type : {2.0f, INFINITY}) {
+    auto ref = base(OptimizerConfig::Kind::sgd);
+    ref.runtime.clip_grad_norm = norm_type == 2.0f ? 0.05f : 0.01f;  // below the actual norms: clipping is active
+    ref.runtime.clip_norm_type = norm_type;
+    const auto reference = mlp::train(ref);
+    REQUIRE(reference.grad_norms.size() == 10);
+    CHECK(*std::max_element(reference.grad_norms.begin(), reference.grad_norms.end()) > ref.runtime.clip_grad_norm);
+    auto unclipped = base(OptimizerConfig::Kind::sgd);
+    CHECK(worst_error(mlp::train(unclipped).params, reference.params) > 1e-4);  // clipping changed the outcome
+
+    for (int stage : {1, 2})
+      for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved})
+        for (auto partition : {Partition::param, Partition::flat})
+          for (int world : {2, 3}) {
+            auto o = ref;
+            o.world_size = world;
+            o.runtime.zero_stage = stage;
+            o.runtime.overlap = overlap;
+            o.runtime.partition = partition;
+            const auto got = mlp::train(o);
+            INFO("norm " << norm_type << " stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition)
+                         << " world " << world);
+            CHECK(worst_error(got.params, reference.params) <= 1e-5);
+            for (std::size_t s = 0; s < got.grad_norms.size(); ++s)
+              CHECK(got.grad_norms[s] == doctest::Approx(reference.grad_norms[s]).epsilon(1e-5));
+          }
+  }
+}
+
+TEST_CASE("accumulating k micro-batches equals one k-times-larger batch, with every stage") {
+  for (int stage : {0, 1, 2}) {
+    auto big = base(OptimizerConfig::Kind::adamw);
+    big.world_size = 2;
+    big.global_batch = 48;
+    big.runtime.zero_stage = stage;
+    const auto one = mlp::train(big);
+    auto acc = big;
+    acc.global_batch = 16;
+    acc.accumulate = 3;
+    acc.runtime.overlap = Overlap::interleaved;
+    const auto three = mlp::train(acc);
+    INFO("stage " << stage);
+    CHECK(worst_error(three.params, one.params) <= 1e-5);
+  }
+}
+
+TEST_CASE("optimizer state per rank: flat is total/N plus padding, param at most ceil(total/N) + the largest parameter") {
+  const std::vector<int> sizes{24, 40, 32, 6};
+  std::size_t total = 0, largest = 0;
+  for (std::size_t i = 0; i + 1 < sizes.size(); ++i) {
+    const std::size_t w = std::size_t(sizes[i]) * std::size_t(sizes[i + 1]), b = std::size_t(sizes[i + 1]);
+    total += w + b;
+    largest = std::max({largest, w, b});
+  }
+  const std::size_t slots = 2, fp32 = 4;  // Adam: exp_avg and exp_avg_sq
+  for (int world : {2, 3, 4}) {
+    for (auto partition : {Partition::flat, Partition::param, Partition::bucket}) {
+      auto o = base(OptimizerConfig::Kind::adamw);
+      o.steps = 1;
+      o.world_size = world;
+      o.runtime.zero_stage = 1;
+      o.runtime.partition = partition;
+      const auto res = mlp::train(o);
+      std::size_t sum = 0;
+      for (int r = 0; r < world; ++r) {
+        const std::size_t bytes = res.memory[std::size_t(r)].optimizer_state;
+        INFO("world " << world << " " << partition_name(partition) << " rank " << r << ": " << bytes << " bytes");
+        sum += bytes;
+        const std::size_t fair = (total + std::size_t(world) - 1) / std::size_t(world) * slots * fp32;
+        if (partition == Partition::param) CHECK(bytes <= fair + largest * slots * fp32);
+        if (partition == Partition::flat) {
+          CHECK(bytes == res.memory[0].optimizer_state);  // every rank the same
+          CHECK(bytes >= fair);
+        }
+      }
+      if (partition == Partition::flat) {
+        // Padding: each bucket rounds its slice up to 16 elements, at most 16 * world - 1 extra per bucket.
+        CHECK(sum >= total * slots * fp32);
+        CHECK(sum < (total + 16 * std::size_t(world) * 8) * slots * fp32);
+      } else {
+        CHECK(sum == total * slots * fp32);  // whole parameters / buckets: no padding, no overlap
+      }
+    }
+  }
+}
+
+namespace {
+
+// Wraps a communicator and delays every completion by a random few hundred microseconds, so
+// messages between the actors arrive in ever different interleavings.
+class JitterComm final : public Communicator {
+ public:
+  JitterComm(std::shared_ptr<Communicator> inner, unsigned seed) : inner_(std::move(inner)), rng_(seed) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend_name() const override { return "jitter(" + inner_->backend_name() + ")"; }
+  bool supports(Device d) const override { return inner_->supports(d); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+  void submit(CollectiveOp op, CollectiveDone done) override {
+    int delay;
+    {
+      std::lock_guard lock(mu_);
+      delay = std::uniform_int_distribution<int>(0, 400)(rng_);
+    }
+    inner_->submit(std::move(op), [delay, done = std::move(done)](std::exception_ptr e) {
+      std::this_thread::sleep_for(std::chrono::microseconds(delay));
+      done(e);
+    });
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+  std::mutex mu_;
+  std::mt19937 rng_;
+};
+
+struct JitterRun {
+  std::vector<std::vector<float>> params;       // [rank]
+  std::vector<std::vector<std::string>> issued;  // [rank]
+};
+
+JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int stage, bool clip) {
+  const int n = 3, P = 14, iters = 6;
+  std::vector<int> sizes;
+  for (int i = 0; i < P; ++i) sizes.push_back(29 + 53 * i);
+  const int total = std::accumulate(sizes.begin(), sizes.end(), 0);
+  JitterRun out;
+  out.params.assign(n, std::vector<float>(std::size_t(total)));
+  out.issued.resize(n);
+  auto world = InProcessWorld::create(n, 60s);
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    auto& data = out.params[std::size_t(r)];
+    for (int i = 0; i < total; ++i) data[std::size_t(i)] = 0.01f * float(i % 17);
+    Config cfg;
+    cfg.first_bucket_cap_bytes = 1024;
+    cfg.bucket_cap_bytes = 3000;
+    cfg.zero_stage = stage;
+    cfg.overlap = overlap;
+    cfg.partition = partition;
+    cfg.clip_grad_norm = clip ? 0.5f : 0.0f;
+    std::shared_ptr<Communicator> comm = world->communicator(r);
+    if (seed) comm = std::make_shared<JitterComm>(comm, seed * 31 + unsigned(r));
+    Runtime rt(comm, cfg);
+    std::vector<Param> h;
+    int off = 0;
+    for (int i = 0; i < P; ++i) {
+      h.push_back(rt.register_param({"p" + std::to_string(i), {sizes[std::size_t(i)]}, DType::f32, Device::cpu(), data.data() + off}));
+      off += sizes[std::size_t(i)];
+    }
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::adamw;
+    oc.lr = 0.01f;
+    OptimizerConfig slow = oc;
+    slow.lr = 0.002f;
+    slow.weight_decay = 0.1f;
+    rt.configure_optimizer({ParamGroup{{}, oc}, ParamGroup{{h[0], h[5], h[9]}, slow}});  // two groups
+    std::mt19937 rng(seed * 7u + unsigned(r));
+    for (int it = 0; it < iters; ++it) {
+      if (it == 3) rt.set_lr(0, 0.005f);  // a schedule changes lr mid-run
+      rt.zero_grad();
+      std::vector<int> order(P);
+      std::iota(order.begin(), order.end(), 0);
+      if (seed) std::shuffle(order.begin(), order.end(), rng);
+      else std::reverse(order.begin(), order.end());
+      for (int i : order) {
+        float* g = rt.grad_f32(h[std::size_t(i)]);
+        for (int e = 0; e < sizes[std::size_t(i)]; ++e) g[e] = 0.01f * float((i * 7 + e * 3 + r * 5 + it) % 23) - 0.1f;
+        if (seed) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 150));
+        rt.grad_ready(h[std::size_t(i)]);
+      }
+      rt.wait();
+    }
+    out.issued[std::size_t(r)] = rt.collective_log();
+  }));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("under random arrival orders and random delays every rank issues the same collectives, and the result is unchanged") {
+  for (int stage : {1, 2})
+    for (auto overlap : {Overlap::after_backward, Overlap::interleaved})
+      for (auto partition : {Partition::param, Partition::flat}) {
+        for (bool clip : {false, true}) {
+          INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition) << " clip " << clip);
+          // Seed 0: gradients reported in reverse registration order, no delays, overlap none.
+          const auto calm = run_jitter(0, Overlap::none, partition, stage, clip);
+          for (unsigned seed : {3u, 5u}) {
+            const auto jit = run_jitter(seed, overlap, partition, stage, clip);
+            for (int r = 0; r < 3; ++r) {
+              CHECK(jit.issued[std::size_t(r)] == jit.issued[0]);
+              // Every rank holds the same parameters after the syncs...
+              CHECK(std::memcmp(jit.params[std::size_t(r)].data(), jit.params[0].data(), jit.params[0].size() * 4) == 0);
+            }
+            // ...and timing changed nothing beyond rounding (the arrival order moves gradients
+            // between buckets after the rebuild, which changes no sum).
+            CHECK(test::rel_error(jit.params[0], calm.params[0]) <= 1e-6);
+          }
+        }
+      }
+}
+
+TEST_CASE("configure_optimizer refuses what it cannot do, naming it") {
+  auto world = InProcessWorld::create(1);
+  Runtime rt(world->communicator(0));
+  std::vector<float> d(8);
+  auto a = rt.register_param({"a", {4}, DType::f32, Device::cpu(), d.data()});
+  auto b = rt.register_param({"b", {4}, DType::f32, Device::cpu(), d.data() + 4});
+  OptimizerConfig sgd, adam;
+  adam.kind = OptimizerConfig::Kind::adam;
+  CHECK_THROWS_WITH_AS(rt.configure_optimizer({ParamGroup{{a}, sgd}, ParamGroup{{b}, adam}}), doctest::Contains("another optimizer kind"),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(rt.configure_optimizer({ParamGroup{{a}, sgd}, ParamGroup{{a}, sgd}}),
+                       doctest::Contains("'a' is in groups 0 and 1"), UsageError);
+  CHECK_THROWS_WITH_AS(rt.set_lr(0, 0.1f), doctest::Contains("no optimizer configured"), UsageError);
+  rt.configure_optimizer(sgd);
+  CHECK_THROWS_WITH_AS(rt.set_lr(3, 0.1f), doctest::Contains("group 3 does not exist"), UsageError);
+  Config bad;
+  bad.zero_stage = 3;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("zero_stage must be 0, 1 or 2"), UsageError);
+  CHECK_THROWS_AS(parse_overlap("eager"), UsageError);
+  CHECK_THROWS_AS(parse_partition("rows"), UsageError);
+}
