@@ -28,6 +28,7 @@ test: build
 bench: build
 	$(BUILD)/bench/bench_collectives
 	$(BUILD)/bench/bench_ddp
+	$(BUILD)/bench/bench_zero
 
 clean:
 	rm -rf $(BUILD)

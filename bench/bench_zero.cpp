@@ -1,0 +1,71 @@
+// bench_zero: MLP step time per ZeRO stage x overlap mode at world 2 (ranks as threads, in-process
+// collectives), with each rank's memory, next to world 1 with the same global batch.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "examples/mlp/train.hpp"
+
+using namespace shardflow;
+
+namespace {
+
+struct Row {
+  double median = 0, p90 = 0;
+  MemoryReport mem;
+};
+
+Row run(const std::vector<int>& sizes, int world, int stage, Overlap overlap, Partition partition, int steps, int batch) {
+  mlp::TrainOptions o;
+  o.sizes = sizes;
+  o.steps = steps;
+  o.global_batch = batch;
+  o.world_size = world;
+  o.optimizer.kind = OptimizerConfig::Kind::adamw;
+  o.optimizer.lr = 1e-3f;
+  o.runtime.zero_stage = stage;
+  o.runtime.overlap = overlap;
+  o.runtime.partition = partition;
+  o.report_loss = false;
+  auto res = mlp::train(o);
+  std::vector<double> t(res.step_ms.begin() + std::min<std::ptrdiff_t>(5, std::ptrdiff_t(res.step_ms.size()) - 1), res.step_ms.end());
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t[t.size() * 9 / 10], res.memory[0]};
+}
+
+std::string mib(std::size_t b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", double(b) / 1048576.0);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ZeRO stage x overlap step time at world 2"};
+  int steps = 60, batch = 64;
+  app.add_option("--steps", steps)->capture_default_str();
+  app.add_option("--global-batch", batch)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  const std::vector<std::pair<const char*, std::vector<int>>> models = {
+      {"784,256,256,10", {784, 256, 256, 10}},
+      {"8 x Linear(1024,1024)", {1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}},
+  };
+  std::printf("| model | world | stage | overlap | partition | step ms (median / p90) | rank 0 MiB: params / grads / optimizer state / comm |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const auto& [name, sizes] : models) {
+    const int s = sizes.front() >= 1024 ? std::max(12, steps / 4) : steps;
+    auto print = [&](int world, int stage, Overlap ov, Partition p) {
+      const Row r = run(sizes, world, stage, ov, p, s, batch);
+      std::printf("| %s | %d | %d | %s | %s | %.3f / %.3f | %s / %s / %s / %s |\n", name, world, stage, overlap_name(ov),
+                  stage ? partition_name(p) : "-", r.median, r.p90, mib(r.mem.params).c_str(), mib(r.mem.grads).c_str(),
+                  mib(r.mem.optimizer_state).c_str(), mib(r.mem.comm_buffers).c_str());
+      std::fflush(stdout);
+    };
+    print(1, 0, Overlap::none, Partition::flat);
+    for (int stage : {0, 1, 2})
+      for (auto ov : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) print(2, stage, ov, Partition::flat);
+  }
+  return 0;
+}
