@@ -43,7 +43,10 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     const auto& s = shard_.buckets[b];
     bucket_.push_back(alloc_zeroed(s.padded * 4));
     grad_shard_.push_back(rs ? alloc_zeroed(s.slice * 4) : nullptr);
-    staging_.push_back(syncs() ? alloc_zeroed(s.padded * 4) : nullptr);
+    // Note [Bucket as sync staging]: once bucket b is stepped, this rank has consumed every gradient
+    // it owns there (stage 2: they live in the shard anyway), so the bucket's own buffer carries
+    // the parameter sync — no parameter-sized staging copy per rank.
+    staging_.push_back(syncs() ? bucket_.back() : nullptr);
     state_a_.emplace_back(slots >= 1 ? s.packed[r] : 0, 0.0f);
     state_b_.emplace_back(slots >= 2 ? s.packed[r] : 0, 0.0f);
   }
@@ -151,10 +154,7 @@ std::size_t Shard::grad_bytes() const {
 }
 
 std::size_t Shard::comm_bytes() const {
-  std::size_t n = std::size_t(shard_.world) * 4;
-  for (std::size_t b = 0; b < staging_.size(); ++b)
-    if (staging_[b]) n += shard_.buckets[b].padded * 4;
-  return n;
+  return std::size_t(shard_.world) * 4;  // the norm exchange; syncs reuse the buckets
 }
 
 std::vector<float> Shard::export_state(std::size_t slot) const {

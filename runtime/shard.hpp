@@ -38,9 +38,9 @@ class Shard {
   // Buffers (bytes). bucket: the gradient bucket (padded for flat); grad_shard: stage 2 only.
   std::shared_ptr<std::byte> bucket_buffer(std::size_t b) const { return bucket_[b]; }
   std::shared_ptr<std::byte> grad_shard(std::size_t b) const { return grad_shard_[b]; }
+  // Parameter-sync staging: the bucket buffer itself (Note [Bucket as sync staging]).
   std::shared_ptr<std::byte> staging(std::size_t b) const { return staging_[b]; }
   std::shared_ptr<float> norm_buffer() const { return norm_; }
-  void adopt_bucket_buffers(std::vector<std::shared_ptr<std::byte>> buffers) { bucket_ = std::move(buffers); }
 
   // This rank's share of the squared 2-norm (or the max for inf) over its owned reduced gradients.
   double partial_norm() const;

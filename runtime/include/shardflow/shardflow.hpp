@@ -55,7 +55,7 @@ struct MemoryReport {
   std::size_t params = 0;           // the trainer's parameter storage
   std::size_t grads = 0;            // bucket buffers (+ reduced gradient shards in stage 2)
   std::size_t optimizer_state = 0;  // momentum / exp_avg / exp_avg_sq of the parameters this rank owns
-  std::size_t comm_buffers = 0;     // parameter-sync staging, norm exchange
+  std::size_t comm_buffers = 0;     // buffers only communication needs (norm exchange)
   std::string str() const;
 };
 
@@ -82,6 +82,8 @@ class Runtime {
 
   // Where the gradient of `p` lives (inside its bucket with gradient_as_bucket_view). May move
   // once, when the buckets are rebuilt at the end of the first iteration: ask again each step.
+  // With the runtime's optimizer at ZeRO stage >= 1 a bucket carries the parameter sync once it
+  // has been stepped, so gradients are not meaningful after wait() (zero_grad() clears them).
   void* grad(Param p);
   float* grad_f32(Param p);  // UsageError unless p is fp32
 
