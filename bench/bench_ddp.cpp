@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "examples/mlp/model.hpp"
+#include "bench/step_stats.hpp"
 #include "examples/mlp/train.hpp"
 
 using namespace shardflow;
@@ -26,9 +27,8 @@ Stat run(const std::vector<int>& sizes, int world, int batch, int steps, Optimiz
   o.optimizer.lr = 1e-3f;
   o.report_loss = false;  // no extra scalar all-reduce: time what a trainer pays
   auto res = mlp::train(o);
-  std::vector<double> t(res.step_ms.begin() + std::min<std::ptrdiff_t>(5, std::ptrdiff_t(res.step_ms.size()) - 1), res.step_ms.end());
-  std::sort(t.begin(), t.end());
-  return {t[t.size() / 2], t[t.size() * 9 / 10]};
+  const auto s = bench::step_stats(res.step_ms);
+  return {s.median, s.p90};
 }
 
 }  // namespace

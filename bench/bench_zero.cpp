@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "bench/step_stats.hpp"
 #include "examples/mlp/train.hpp"
 
 using namespace shardflow;
@@ -29,9 +30,8 @@ Row run(const std::vector<int>& sizes, int world, int stage, Overlap overlap, Pa
   o.runtime.partition = partition;
   o.report_loss = false;
   auto res = mlp::train(o);
-  std::vector<double> t(res.step_ms.begin() + std::min<std::ptrdiff_t>(5, std::ptrdiff_t(res.step_ms.size()) - 1), res.step_ms.end());
-  std::sort(t.begin(), t.end());
-  return {t[t.size() / 2], t[t.size() * 9 / 10], res.memory[0]};
+  const auto s = bench::step_stats(res.step_ms);
+  return {s.median, s.p90, res.memory[0]};
 }
 
 std::string mib(std::size_t b) {
