@@ -85,13 +85,14 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
       const std::uint32_t i = s.next++;
       s.ready[i] = 0;
       const auto& e = s.entries[i];
-      if (e.ops.empty() && e.kind == ScheduleEntry::sync)  // a bucket of empty parameters: nothing to move
+      auto ops = e.make_ops();
+      if (ops.empty() && e.kind == ScheduleEntry::sync)  // a bucket of empty parameters: nothing to move
         self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
-      for (std::size_t k = 0; k < e.ops.size(); ++k) {
-        const auto& op = e.ops[k];
+      for (std::size_t k = 0; k < ops.size(); ++k) {
+        auto& op = ops[k];
         s.log->record(op);
         s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
-        const bool last = k + 1 == e.ops.size();
+        const bool last = k + 1 == ops.size();
         CollectiveDone done;
         // Completions run on the backend's stream thread: they only send a message. Ops of one
         // entry complete in order, so the last one's completion stands for the entry; an earlier
@@ -111,7 +112,7 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
             };
             break;
         }
-        s.comm->submit(op, std::move(done));
+        s.comm->submit(std::move(op), std::move(done));
       }
       if (e.kind == ScheduleEntry::reduce && i == s.last_reduce_entry && s.shard)
         self->send(s.shard, msg::all_issued_atom::value);

@@ -4,6 +4,7 @@
 #include <caf/stateful_actor.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -19,7 +20,9 @@ struct ScheduleEntry {
   enum Kind : std::uint8_t { reduce, norm, sync };
   Kind kind = reduce;
   std::uint32_t bucket = 0;
-  std::vector<CollectiveOp> ops;  // issued back to back when the entry is ready
+  // Builds the entry's collectives when it is issued, not before: pooled buckets (ZeRO-2) hold a
+  // different buffer every iteration. The ops go out back to back.
+  std::function<std::vector<CollectiveOp>()> make_ops;
 };
 
 // The order of a rank's collectives for one iteration (Note [Collective schedule] in

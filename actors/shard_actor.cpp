@@ -7,9 +7,11 @@
 namespace shardflow {
 namespace {
 
+constexpr std::size_t kStagingInFlight = 2;
+
 void reset(ShardActorState& s) {
   std::fill(s.reduced.begin(), s.reduced.end(), 0);
-  s.nreduced = s.next_step = s.nsynced = 0;
+  s.nreduced = s.next_step = s.nsynced = s.staging_in_flight = 0;
   s.all_issued = s.norm_requested = s.norm_known = s.stepped_all = false;
   s.clip_coef = 1.0f;
 }
@@ -43,11 +45,15 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
     }
     const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) ||
                          s.nreduced == B;
-    while (allowed && s.next_step < B && s.reduced[s.next_step]) {
+    // Pooled staging (stage 2): at most kStagingInFlight buckets between step and synced, so the
+    // parameter syncs do not bring back the memory the gradient shards saved.
+    const bool pooled = sh.buffers().pooled();
+    while (allowed && s.next_step < B && s.reduced[s.next_step] && (!pooled || s.staging_in_flight < kStagingInFlight)) {
       const auto b = std::uint32_t(s.next_step++);
       sh.step(b, s.clip_coef);
       if (sh.syncs()) {
         sh.pack(b);
+        ++s.staging_in_flight;
         self->send(s.comm, msg::step_done_atom::value, b);
       } else {
         self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
@@ -66,8 +72,14 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
           self->send(self->state.iteration, msg::bucket_done_atom::value, b, std::move(failure));
           return;
         }
-        self->state.reduced[b] = 1;
-        ++self->state.nreduced;
+        auto& s = self->state;
+        // Stage 2: keep only this rank's shard of the reduced bucket and give the buffer back.
+        if (s.shard->keeps_grad_shard()) {
+          s.shard->extract(b);
+          s.shard->buffers().release_grad(b);
+        }
+        s.reduced[b] = 1;
+        ++s.nreduced;
         try_step();
       },
       [=](msg::all_issued_atom) {
@@ -87,8 +99,12 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
         if (!failure) s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
+        --s.staging_in_flight;
         self->send(s.iteration, msg::bucket_done_atom::value, b, std::move(failure));
-        if (++s.nsynced == s.reduced.size()) reset(s);
+        if (++s.nsynced == s.reduced.size())
+          reset(s);
+        else
+          try_step();  // a staging buffer came back: a deferred step may go
       },
   };
 }

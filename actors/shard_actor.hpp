@@ -16,7 +16,7 @@ struct ShardActorState {
   Overlap overlap = Overlap::none;
   caf::actor comm, iteration;
   std::vector<char> reduced;
-  std::size_t nreduced = 0, next_step = 0, nsynced = 0;
+  std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
   bool all_issued = false, norm_requested = false, norm_known = false, stepped_all = false;
   float clip_coef = 1.0f;
   static inline const char* name = "shard";

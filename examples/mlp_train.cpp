@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
     std::printf("done: %d steps, loss %.6f -> %.6f, mean step %.3f ms, %zu bucket(s)\n", opt.steps,
                 res.losses.empty() ? 0.0 : double(res.losses.front()), res.losses.empty() ? 0.0 : double(res.losses.back()),
                 mean, res.buckets.size());
-    for (std::size_t r = 0; r < res.memory.size(); ++r) std::printf("  memory rank %zu: %s\n", r, res.memory[r].str().c_str());
+    for (std::size_t r = 0; r < res.memory.size(); ++r)
+      std::printf("  memory rank %zu: start %s | end %s\n", r, res.memory[r].str().c_str(), res.memory_end[r].str().c_str());
     for (const auto& b : res.buckets)
       std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
                   b.params.front().c_str(), b.params.back().c_str());

@@ -14,6 +14,7 @@
 #include "actors/iteration_actor.hpp"
 #include "actors/messages.hpp"
 #include "actors/shard_actor.hpp"
+#include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/collective_log.hpp"
 #include "runtime/engine.hpp"
@@ -54,8 +55,16 @@ struct Runtime::Impl {
   std::mutex finalize_mu;
   std::atomic<bool> finalized{false};
   BucketPlan plan;
-  std::vector<std::shared_ptr<std::byte>> buffers;  // one per bucket
-  std::vector<std::byte*> grad_at;                 // by param: where its gradient lives
+  std::shared_ptr<BucketBuffers> bufs;  // the buckets' flat buffers (Note [Pooled buckets (ZeRO-2)])
+  // Gradients still to come per bucket in this synchronised pass: the trainer-side twin of the
+  // bucket actor's count, so a pooled bucket is marked "reducing" before its message goes out
+  // (Note [Pooled buckets (ZeRO-2)], backpressure).
+  std::unique_ptr<std::atomic<std::uint32_t>[]> bucket_pending;
+  // Buckets 0..ready_prefix-1 are complete; the comm stream issues their reductions without any
+  // further trainer action (it goes in bucket order), so only their buffers are sure to come back.
+  std::mutex prefix_mu;
+  std::vector<char> bucket_complete;
+  std::size_t ready_prefix = 0;
 
   // Actors of the current plan (replaced once if the buckets are rebuilt).
   caf::actor iteration_actor_h, comm_actor_h, shard_actor_h;
@@ -149,34 +158,62 @@ struct Runtime::Impl {
   // after a reduction, whose results the trainer is about to use) and starts its actors.
   void install_plan(BucketPlan next) {
     std::shared_ptr<Shard> next_shard;
-    std::vector<std::shared_ptr<std::byte>> next_buffers;
+    std::shared_ptr<BucketBuffers> next_bufs;
     if (groups) {
       auto shard_plan = make_shard_plan(next, registry.params(), cfg.partition, world, rank, cfg.zero_stage >= 1);
-      next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups);
-      for (std::size_t b = 0; b < next.buckets.size(); ++b) next_buffers.push_back(next_shard->bucket_buffer(b));
+      std::vector<std::size_t> bytes;
+      for (const auto& bs : shard_plan.buckets) bytes.push_back(bs.padded * 4);
+      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded);
+      next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups, next_bufs);
     } else {
-      for (const auto& b : next.buckets) next_buffers.push_back(alloc_zeroed(b.bytes()));
-    }
-    std::vector<std::byte*> next_grad_at(registry.size(), nullptr);
-    for (const auto& b : next.buckets) {
-      const std::size_t es = dtype_size(b.dtype);
-      for (const auto& e : b.entries) {
-        std::byte* slot = next_buffers[b.index].get() + e.offset * es;
-        if (cfg.gradient_as_bucket_view) {
-          if (!grad_at.empty() && e.numel) std::memcpy(slot, grad_at[e.param], e.numel * es);
-          next_grad_at[e.param] = slot;
-        } else {
-          next_grad_at[e.param] = static_cast<std::byte*>(registry.params()[e.param].grad);
-        }
-      }
+      std::vector<std::size_t> bytes;
+      for (const auto& b : next.buckets) bytes.push_back(b.bytes());
+      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false);
+      // Plain DDP: the trainer reads the reduced gradients after wait(); a rebuild moves them along.
+      if (bufs && cfg.gradient_as_bucket_view)
+        for (const auto& b : next.buckets)
+          for (const auto& e : b.entries)
+            if (e.numel)
+              std::memcpy(next_bufs->grad(b.index).get() + e.offset * dtype_size(b.dtype), grad_ptr(e.param),
+                          e.numel * dtype_size(b.dtype));
     }
     if (shard && next_shard) migrate_state(*shard, *next_shard);
     stop_actors();
     plan = std::move(next);
-    buffers = std::move(next_buffers);
-    grad_at = std::move(next_grad_at);
+    bufs = std::move(next_bufs);
     shard = std::move(next_shard);
+    bucket_pending.reset(new std::atomic<std::uint32_t>[plan.buckets.size()]);
+    reset_bucket_pending();
     spawn_actors();
+  }
+
+  void reset_bucket_pending() {
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) bucket_pending[b].store(std::uint32_t(plan.buckets[b].entries.size()));
+    std::lock_guard lock(prefix_mu);
+    bucket_complete.assign(plan.buckets.size(), 0);
+    ready_prefix = 0;
+  }
+
+  void bucket_completed(std::size_t b) {
+    if (!bufs->pooled()) return;
+    std::lock_guard lock(prefix_mu);
+    bucket_complete[b] = 1;
+    while (ready_prefix < bucket_complete.size() && bucket_complete[ready_prefix]) bufs->mark_reducing(ready_prefix++);
+  }
+
+  // Where p's gradient lives now: inside its bucket's buffer (taking one from the pool when the
+  // bucket has none this iteration), or the trainer's own storage without the bucket view.
+  std::byte* grad_ptr(std::uint32_t p) {
+    if (!cfg.gradient_as_bucket_view) return static_cast<std::byte*>(registry.params()[p].grad);
+    const auto loc = plan.where[p];
+    const auto& b = plan.buckets[loc.bucket];
+    return bucket_grad(loc.bucket).get() + b.entries[loc.entry].offset * dtype_size(b.dtype);
+  }
+
+  // Accumulation passes keep every bucket until the synchronised pass: no backpressure there.
+  std::shared_ptr<std::byte> bucket_grad(std::uint32_t b) {
+    const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);
+    return bufs->grad(b, limit ? cfg.max_buckets_in_flight : 0, cfg.timeout);
   }
 
   // Note [State migration]
@@ -215,60 +252,71 @@ struct Runtime::Impl {
         const auto b = rb++;
         e.bucket = b;
         const auto& bk = plan.buckets[b];
-        CollectiveOp op;
-        op.dtype = bk.dtype;
-        op.scale = 1.0f / float(world);  // the average, fused into the reduction
-        op.tag = "bucket " + std::to_string(b);
-        op.send = buffers[b].get();
-        if (shard && shard->reduce_scatters()) {
-          op.kind = CollectiveKind::reduce_scatter;
-          op.recv = shard->grad_shard(b).get();
-          op.count = shard->shard_plan().buckets[b].slice;
-          op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(
-              buffers[b], shard->grad_shard(b));
-        } else {
-          op.kind = CollectiveKind::allreduce;
-          op.recv = buffers[b].get();
-          op.count = bk.numel;
-          op.keep_alive = buffers[b];
-        }
-        e.ops.push_back(std::move(op));
+        const bool rs = shard && shard->reduce_scatters();
+        const std::size_t count = rs ? shard->shard_plan().buckets[b].slice : bk.numel;
+        const float scale = 1.0f / float(world);  // the average, fused into the reduction
+        e.make_ops = [bufs = bufs, sh = shard, b, rs, count, scale, dtype = bk.dtype] {
+          CollectiveOp op;
+          op.dtype = dtype;
+          op.scale = scale;
+          op.tag = "bucket " + std::to_string(b);
+          auto grad = bufs->grad(b);
+          op.send = grad.get();
+          op.count = count;
+          if (rs) {
+            op.kind = CollectiveKind::reduce_scatter;
+            op.recv = sh->grad_shard(b).get();
+            op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(
+                grad, sh->grad_shard(b));
+          } else {
+            op.kind = CollectiveKind::allreduce;
+            op.recv = grad.get();
+            op.keep_alive = grad;
+          }
+          return std::vector<CollectiveOp>{std::move(op)};
+        };
       } else if (kind == ScheduleEntry::norm) {
-        CollectiveOp op;
-        op.kind = CollectiveKind::allgather;
-        op.send = shard->norm_buffer().get() + rank;
-        op.recv = shard->norm_buffer().get();
-        op.count = 1;
-        op.tag = "grad norm";
-        op.keep_alive = shard->norm_buffer();
-        e.ops.push_back(std::move(op));
+        e.make_ops = [sh = shard, r = rank] {
+          CollectiveOp op;
+          op.kind = CollectiveKind::allgather;
+          op.send = sh->norm_buffer().get() + r;
+          op.recv = sh->norm_buffer().get();
+          op.count = 1;
+          op.tag = "grad norm";
+          op.keep_alive = sh->norm_buffer();
+          return std::vector<CollectiveOp>{std::move(op)};
+        };
       } else {
         const auto b = sb++;
         e.bucket = b;
-        const auto& bs = shard->shard_plan().buckets[b];
-        auto* staging = reinterpret_cast<float*>(shard->staging(b).get());
-        if (bs.flat) {
-          CollectiveOp op;
-          op.kind = CollectiveKind::allgather;
-          op.send = staging + std::size_t(rank) * bs.slice;
-          op.recv = staging;
-          op.count = bs.slice;
-          op.tag = "sync bucket " + std::to_string(b);
-          op.keep_alive = shard->staging(b);
-          e.ops.push_back(std::move(op));
-        } else {
-          for (int k = 0; k < world; ++k) {
-            if (bs.packed[std::size_t(k)] == 0) continue;
+        e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world] {
+          std::vector<CollectiveOp> ops;
+          auto staging_buf = bufs->staging(b);  // taken by the step's pack
+          auto* staging = reinterpret_cast<float*>(staging_buf.get());
+          if (bs.flat) {
             CollectiveOp op;
-            op.kind = CollectiveKind::broadcast;
-            op.send = op.recv = staging + bs.packed_start[std::size_t(k)];
-            op.count = bs.packed[std::size_t(k)];
-            op.root = k;
-            op.tag = "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k);
-            op.keep_alive = shard->staging(b);
-            e.ops.push_back(std::move(op));
+            op.kind = CollectiveKind::allgather;
+            op.send = staging + std::size_t(r) * bs.slice;
+            op.recv = staging;
+            op.count = bs.slice;
+            op.tag = "sync bucket " + std::to_string(b);
+            op.keep_alive = staging_buf;
+            ops.push_back(std::move(op));
+          } else {
+            for (int k = 0; k < W; ++k) {
+              if (bs.packed[std::size_t(k)] == 0) continue;
+              CollectiveOp op;
+              op.kind = CollectiveKind::broadcast;
+              op.send = op.recv = staging + bs.packed_start[std::size_t(k)];
+              op.count = bs.packed[std::size_t(k)];
+              op.root = k;
+              op.tag = "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k);
+              op.keep_alive = staging_buf;
+              ops.push_back(std::move(op));
+            }
           }
-        }
+          return ops;
+        };
       }
       entries.push_back(std::move(e));
     }
@@ -308,13 +356,16 @@ struct Runtime::Impl {
   // on the caller's (backward) thread, not on a scheduler thread.
   void send_to_bucket(std::uint32_t p, bool zero) {
     const auto loc = plan.where[p];
-    const auto& e = plan.buckets[loc.bucket].entries[loc.entry];
-    const std::size_t es = dtype_size(plan.buckets[loc.bucket].dtype);
-    std::byte* slot = buffers[loc.bucket].get() + e.offset * es;
+    const auto& b = plan.buckets[loc.bucket];
+    const auto& e = b.entries[loc.entry];
+    const std::size_t es = dtype_size(b.dtype);
+    std::byte* slot = bucket_grad(loc.bucket).get() + e.offset * es;
     if (zero)
       std::memset(slot, 0, e.numel * es);
     else if (!cfg.gradient_as_bucket_view && e.numel)
-      std::memcpy(slot, grad_at[p], e.numel * es);
+      std::memcpy(slot, registry.params()[p].grad, e.numel * es);
+    // Marked before the message goes out, so the release (after the reduction) always follows it.
+    if (bucket_pending[loc.bucket].fetch_sub(1) == 1) bucket_completed(loc.bucket);
     caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, p);
   }
 
@@ -406,7 +457,7 @@ void Runtime::finalize() { impl_->ensure_finalized(); }
 void* Runtime::grad(Param p) {
   auto& I = *impl_;
   I.ensure_finalized();
-  return I.grad_at[I.check_handle(p, "grad")];
+  return I.grad_ptr(I.check_handle(p, "grad"));
 }
 
 float* Runtime::grad_f32(Param p) {
@@ -425,8 +476,9 @@ void Runtime::zero_grad() {
     throw UsageError("zero_grad() on rank " + std::to_string(I.rank) +
                      " while this iteration's reductions are running: call wait() first");
   if (I.cfg.gradient_as_bucket_view) {
-    for (std::size_t b = 0; b < I.buffers.size(); ++b) std::memset(I.buffers[b].get(), 0, I.plan.buckets[b].bytes());
-    // (flat shards pad buckets past bytes(); the padding is never written, so it stays zero)
+    // Pooled buckets (ZeRO-2) hold no buffer between iterations and start zeroed; flat padding is
+    // never written, so it stays zero.
+    I.bufs->zero_held();
   } else {
     for (std::size_t i = 0; i < I.registry.size(); ++i) {
       const auto& s = I.registry.params()[i];
@@ -533,10 +585,11 @@ void Runtime::wait() {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);
       for (const auto& e : b.entries)
-        if (e.numel) std::memcpy(I.grad_at[e.param], I.buffers[b.index].get() + e.offset * es, e.numel * es);
+        if (e.numel) std::memcpy(I.registry.params()[e.param].grad, I.bufs->grad(b.index).get() + e.offset * es, e.numel * es);
     }
   }
   I.signal->reset();
+  I.reset_bucket_pending();
   I.sync_pass_started.store(false);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   if (!I.rebuilt && !I.cfg.static_graph) I.rebuild_from_observed_order();
@@ -624,7 +677,7 @@ MemoryReport Runtime::memory_report() const {
     m.optimizer_state = I.shard->state_bytes();
     m.comm_buffers = I.shard->comm_bytes();
   } else {
-    for (const auto& b : I.plan.buckets) m.grads += b.bytes();
+    m.grads = I.bufs->allocated_bytes();
   }
   return m;
 }

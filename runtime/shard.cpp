@@ -11,25 +11,16 @@
 
 namespace shardflow {
 
-std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes) {
-  // 64-byte aligned and zeroed: a bucket is a gradient accumulator from the start, and padding
-  // must reduce as zeros.
-  const std::size_t rounded = std::max<std::size_t>(64, (bytes + 63) / 64 * 64);
-  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
-  if (!p) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
-  return std::shared_ptr<std::byte>(p, [](std::byte* q) { std::free(q); });
-}
-
 Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
-             std::shared_ptr<OptimizerGroups> groups)
+             std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers)
     : stage_(stage),
       clip_max_(cfg.clip_grad_norm),
       clip_type_(cfg.clip_norm_type),
       params_(std::move(params)),
       plan_(std::move(plan)),
       shard_(std::move(shard)),
-      groups_(std::move(groups)) {
+      groups_(std::move(groups)),
+      buffers_(std::move(buffers)) {
   std::size_t base = 0;
   for (const auto& p : params_) {
     param_base_.push_back(base);
@@ -37,16 +28,10 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
   }
   const std::size_t B = plan_.buckets.size(), r = std::size_t(shard_.rank);
   flat_ = !shard_.buckets.empty() && shard_.buckets.front().flat;
-  const bool rs = reduce_scatters();
   const std::size_t slots = state_slots();
   for (std::size_t b = 0; b < B; ++b) {
     const auto& s = shard_.buckets[b];
-    bucket_.push_back(alloc_zeroed(s.padded * 4));
-    grad_shard_.push_back(rs ? alloc_zeroed(s.slice * 4) : nullptr);
-    // Note [Bucket as sync staging]: once bucket b is stepped, this rank has consumed every gradient
-    // it owns there (stage 2: they live in the shard anyway), so the bucket's own buffer carries
-    // the parameter sync — no parameter-sized staging copy per rank.
-    staging_.push_back(syncs() ? bucket_.back() : nullptr);
+    grad_shard_.push_back(keeps_grad_shard() ? alloc_zeroed(s.packed[r] * 4) : nullptr);
     state_a_.emplace_back(slots >= 1 ? s.packed[r] : 0, 0.0f);
     state_b_.emplace_back(slots >= 2 ? s.packed[r] : 0, 0.0f);
   }
@@ -55,7 +40,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
 
 float* Shard::grad_ptr(std::size_t b, const ShardPiece& piece) const {
   if (grad_shard_[b]) return reinterpret_cast<float*>(grad_shard_[b].get()) + piece.packed_off;
-  return reinterpret_cast<float*>(bucket_[b].get()) + piece.bucket_off;
+  return reinterpret_cast<float*>(buffers_->grad(b).get()) + piece.bucket_off;
 }
 
 double Shard::partial_norm() const {
@@ -108,10 +93,18 @@ void Shard::step(std::size_t b, float clip_coef) {
   }
 }
 
+void Shard::extract(std::size_t b) {
+  if (!keeps_grad_shard() || reduce_scatters()) return;
+  const float* g = reinterpret_cast<const float*>(buffers_->grad(b).get());
+  float* dst = reinterpret_cast<float*>(grad_shard_[b].get());
+  for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
+    std::memcpy(dst + piece.packed_off, g + piece.bucket_off, piece.len * 4);
+}
+
 void Shard::pack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
-  float* st = reinterpret_cast<float*>(staging_[b].get());
+  float* st = reinterpret_cast<float*>(buffers_->acquire_staging(b).get());
   for (const auto& piece : s.pieces[r]) {
     float* dst = s.flat ? st + piece.bucket_off : st + s.packed_start[r] + piece.packed_off;
     std::memcpy(dst, param_ptr(piece.param) + piece.param_off, piece.len * 4);
@@ -120,7 +113,7 @@ void Shard::pack(std::size_t b) {
 
 void Shard::unpack(std::size_t b) {
   const auto& s = shard_.buckets[b];
-  const float* st = reinterpret_cast<const float*>(staging_[b].get());
+  const float* st = reinterpret_cast<const float*>(buffers_->staging(b).get());
   for (std::size_t k = 0; k < s.pieces.size(); ++k) {
     if (int(k) == shard_.rank) continue;
     for (const auto& piece : s.pieces[k]) {
@@ -128,6 +121,7 @@ void Shard::unpack(std::size_t b) {
       std::memcpy(param_ptr(piece.param) + piece.param_off, src, piece.len * 4);
     }
   }
+  buffers_->release_staging(b);
 }
 
 std::size_t Shard::state_slots() const {
@@ -145,11 +139,9 @@ std::size_t Shard::state_bytes() const {
 }
 
 std::size_t Shard::grad_bytes() const {
-  std::size_t n = 0;
-  for (std::size_t b = 0; b < bucket_.size(); ++b) {
-    n += shard_.buckets[b].padded * 4;
-    if (grad_shard_[b]) n += shard_.buckets[b].slice * 4;
-  }
+  std::size_t n = buffers_->allocated_bytes();
+  for (std::size_t b = 0; b < grad_shard_.size(); ++b)
+    if (grad_shard_[b]) n += shard_.buckets[b].packed[std::size_t(shard_.rank)] * 4;
   return n;
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/shard_plan.hpp"
 #include "shardflow/config.hpp"
@@ -25,22 +26,23 @@ struct OptimizerGroups {
 class Shard {
  public:
   Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
-        std::shared_ptr<OptimizerGroups> groups);
+        std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers);
 
   const BucketPlan& plan() const { return plan_; }
   const ShardPlan& shard_plan() const { return shard_; }
   int stage() const { return stage_; }
-  // stage 2 with flat slices: gradients are reduce-scattered into a per-bucket shard buffer.
-  bool reduce_scatters() const { return stage_ == 2 && shard_.sharded && flat_; }
+  // Stage 2 keeps only its shard of the reduced gradients (Note [Pooled buckets (ZeRO-2)]): flat
+  // slices arrive by reduce-scatter, other partitions are extracted from the all-reduced bucket.
+  bool keeps_grad_shard() const { return stage_ == 2 && shard_.sharded; }
+  bool reduce_scatters() const { return keeps_grad_shard() && flat_; }
   bool syncs() const { return shard_.sharded; }
   bool clips() const { return clip_max_ > 0.0f; }
 
-  // Buffers (bytes). bucket: the gradient bucket (padded for flat); grad_shard: stage 2 only.
-  std::shared_ptr<std::byte> bucket_buffer(std::size_t b) const { return bucket_[b]; }
-  std::shared_ptr<std::byte> grad_shard(std::size_t b) const { return grad_shard_[b]; }
-  // Parameter-sync staging: the bucket buffer itself (Note [Bucket as sync staging]).
-  std::shared_ptr<std::byte> staging(std::size_t b) const { return staging_[b]; }
+  BucketBuffers& buffers() const { return *buffers_; }
+  std::shared_ptr<std::byte> grad_shard(std::size_t b) const { return grad_shard_[b]; }  // stage 2
   std::shared_ptr<float> norm_buffer() const { return norm_; }
+  // Stage 2, non-flat partitions: copies this rank's pieces of the all-reduced bucket into its shard.
+  void extract(std::size_t b);
 
   // This rank's share of the squared 2-norm (or the max for inf) over its owned reduced gradients.
   double partial_norm() const;
@@ -51,8 +53,8 @@ class Shard {
 
   void step(std::size_t b, float clip_coef);  // updates the owned pieces of bucket b in place
   void end_step() { ++steps_; }
-  void pack(std::size_t b);    // owned updated parameters -> staging
-  void unpack(std::size_t b);  // other ranks' parameters: staging -> the trainer's storage
+  void pack(std::size_t b);    // owned updated parameters -> staging (acquired here)
+  void unpack(std::size_t b);  // other ranks' parameters: staging -> the trainer's storage (released)
 
   std::size_t state_bytes() const;
   std::size_t grad_bytes() const;
@@ -79,13 +81,12 @@ class Shard {
   BucketPlan plan_;
   ShardPlan shard_;
   std::shared_ptr<OptimizerGroups> groups_;
-  std::vector<std::shared_ptr<std::byte>> bucket_, grad_shard_, staging_;
+  std::shared_ptr<BucketBuffers> buffers_;
+  std::vector<std::shared_ptr<std::byte>> grad_shard_;
   std::vector<std::vector<float>> state_a_, state_b_;  // [bucket] packed owned elements
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
   float last_norm_ = 0.0f;
 };
-
-std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes);
 
 }  // namespace shardflow

@@ -155,6 +155,10 @@ void run_rank(Shared& sh, int rank) {
       if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
     }
   }
+  {
+    std::lock_guard lock(sh.mu);
+    sh.result.memory_end[std::size_t(rank)] = rt.memory_report();
+  }
   if (rank == 0) {
     sh.result.params = model.state_dict();
     sh.result.buckets = rt.buckets();
@@ -202,6 +206,7 @@ TrainResult train(const TrainOptions& opt) {
 
   Shared sh{opt, data, init ? &*init : nullptr, InProcessWorld::create(opt.world_size, opt.runtime.timeout), {}, {}, {}};
   sh.result.memory.resize(std::size_t(opt.world_size));
+  sh.result.memory_end.resize(std::size_t(opt.world_size));
   std::vector<std::thread> threads;
   for (int r = 0; r < opt.world_size; ++r)
     threads.emplace_back([&sh, r] {

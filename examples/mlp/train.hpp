@@ -55,7 +55,8 @@ struct TrainResult {
   std::vector<float> losses;    // per step (empty without report_loss)
   std::vector<double> step_ms;  // per step, rank 0
   std::vector<BucketInfo> buckets;
-  std::vector<MemoryReport> memory;  // per rank, at start-up
+  std::vector<MemoryReport> memory;      // per rank, at start-up
+  std::vector<MemoryReport> memory_end;  // per rank, after training (pooled buffers at their peak)
   std::vector<float> grad_norms;     // per step (with clipping)
 };
 

@@ -58,6 +58,11 @@ struct Config {
   int zero_stage = 0;
   Overlap overlap = Overlap::none;
   Partition partition = Partition::flat;
+  // Stage 2 holds a bucket's gradient buffer only from its first gradient until its reduction is
+  // in the rank's shard. At most this many are held at once in a synchronised pass: asking for a
+  // gradient of a further bucket (Runtime::grad) waits until one is reduced. Trainers that report
+  // each gradient right after writing it need 2; the default leaves room for several threads.
+  std::size_t max_buckets_in_flight = 4;
   // clip_grad_norm over all parameters of all shards (0: off); norm type 2 or infinity.
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;

@@ -1,0 +1,130 @@
+#include "runtime/bucket_buffers.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "shardflow/errors.hpp"
+
+namespace shardflow {
+
+std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes) {
+  // 64-byte aligned and zeroed: a bucket is a gradient accumulator from the start, and padding
+  // must reduce as zeros.
+  const std::size_t rounded = std::max<std::size_t>(64, (bytes + 63) / 64 * 64);
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  return std::shared_ptr<std::byte>(p, [](std::byte* q) { std::free(q); });
+}
+
+BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled)
+    : pooled_(pooled),
+      bytes_(std::move(bytes)),
+      grad_(bytes_.size()),
+      staging_(bytes_.size()),
+      grad_cap_(bytes_.size(), 0),
+      staging_cap_(bytes_.size(), 0),
+      is_reducing_(bytes_.size(), 0) {
+  if (pooled_) return;
+  for (std::size_t b = 0; b < bytes_.size(); ++b) {
+    grad_[b] = alloc_zeroed(bytes_[b]);
+    staging_[b] = grad_[b];
+    allocated_ += bytes_[b];
+  }
+}
+
+std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capacity) {
+  const std::size_t need = bytes_[b];
+  std::size_t best = free_.size();
+  for (std::size_t i = 0; i < free_.size(); ++i)
+    if (free_[i].capacity >= need && (best == free_.size() || free_[i].capacity < free_[best].capacity)) best = i;
+  if (best == free_.size()) {
+    capacity = need;
+    allocated_ += need;
+    return alloc_zeroed(need);
+  }
+  auto buf = std::move(free_[best].buf);
+  capacity = free_[best].capacity;
+  free_.erase(free_.begin() + std::ptrdiff_t(best));
+  std::memset(buf.get(), 0, capacity);  // a fresh accumulator, padding included
+  return buf;
+}
+
+void BucketBuffers::give_back(std::shared_ptr<std::byte> buf, std::size_t capacity) {
+  // Callers release only after the collective on the buffer completed (reduced / broadcast_done),
+  // so handing it out again cannot race with a collective still reading or writing it.
+  if (buf) free_.push_back(Free{std::move(buf), capacity});
+}
+
+std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (grad_[b]) return grad_[b];
+  if (pooled_ && limit > 0 &&
+      !released_.wait_for(lock, timeout, [&] { return held_grads_ < limit || grad_[b] || reducing_ == 0; }))
+    throw TimeoutError("no gradient bucket was freed within " + std::to_string(timeout.count()) + " ms while " +
+                       std::to_string(held_grads_) + " bucket(s) were in flight (Config::max_buckets_in_flight = " +
+                       std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
+                       "or raise max_buckets_in_flight.");
+  if (!grad_[b]) {
+    grad_[b] = take(b, grad_cap_[b]);
+    ++held_grads_;
+  }
+  return grad_[b];
+}
+
+void BucketBuffers::release_grad(std::size_t b) {
+  if (!pooled_) return;
+  std::lock_guard lock(mu_);
+  if (!grad_[b]) return;
+  give_back(std::move(grad_[b]), grad_cap_[b]);
+  grad_[b] = nullptr;
+  --held_grads_;
+  if (is_reducing_[b]) {
+    is_reducing_[b] = 0;
+    --reducing_;
+  }
+  released_.notify_all();
+}
+
+void BucketBuffers::mark_reducing(std::size_t b) {
+  if (!pooled_) return;
+  std::lock_guard lock(mu_);
+  if (grad_[b] && !is_reducing_[b]) {
+    is_reducing_[b] = 1;
+    ++reducing_;
+  }
+}
+
+std::shared_ptr<std::byte> BucketBuffers::acquire_staging(std::size_t b) {
+  std::lock_guard lock(mu_);
+  if (!staging_[b]) staging_[b] = take(b, staging_cap_[b]);
+  return staging_[b];
+}
+
+std::shared_ptr<std::byte> BucketBuffers::staging(std::size_t b) const {
+  std::lock_guard lock(mu_);
+  return staging_[b];
+}
+
+void BucketBuffers::release_staging(std::size_t b) {
+  if (!pooled_) return;
+  std::lock_guard lock(mu_);
+  give_back(std::move(staging_[b]), staging_cap_[b]);
+  staging_[b] = nullptr;
+}
+
+void BucketBuffers::zero_held() {
+  std::lock_guard lock(mu_);
+  for (std::size_t b = 0; b < grad_.size(); ++b)
+    if (grad_[b]) std::memset(grad_[b].get(), 0, pooled_ ? grad_cap_[b] : bytes_[b]);
+}
+
+std::size_t BucketBuffers::allocated_bytes() const {
+  std::lock_guard lock(mu_);
+  return allocated_;
+}
+
+}  // namespace shardflow

@@ -1,0 +1,74 @@
+// The flat buffers behind the buckets, per iteration.
+//
+// Note [Pooled buckets (ZeRO-2)]
+// Without pooling (DDP, stage 0/1) every bucket has its own buffer for the life of the plan; it is
+// the gradient storage and, after the step, the parameter-sync staging. With pooling (stage 2) a
+// bucket holds a buffer only while it needs one: its gradient buffer from the first gradient
+// written into it until its reduction has landed in the rank's 1/N gradient shard, and a staging
+// buffer from its step until its parameter sync completed. Buffers come from a free list, so a
+// rank's gradient memory is "buckets in flight + 1/N", not "all buckets".
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace shardflow {
+
+class BucketBuffers {
+ public:
+  // bytes: each bucket's buffer size (padded for flat shards).
+  BucketBuffers(std::vector<std::size_t> bytes, bool pooled);
+
+  bool pooled() const { return pooled_; }
+  std::size_t bytes(std::size_t b) const { return bytes_[b]; }
+
+  // The gradient buffer of bucket b; pooled, the first call of an iteration takes a zeroed buffer.
+  // With `limit` > 0, taking one waits while `limit` gradient buffers are held *and* one of them is
+  // marked reducing (backpressure: gradient memory stays near "buckets in flight + 1/N" however far
+  // backward runs ahead of the reductions). When every held bucket is still being written, no
+  // release can come, so it takes a buffer beyond the limit instead of waiting: gradients that
+  // arrive in an order unrelated to the buckets never deadlock. TimeoutError after `timeout`.
+  std::shared_ptr<std::byte> grad(std::size_t b, std::size_t limit = 0,
+                                  std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+  void release_grad(std::size_t b);  // pooled only; no-op otherwise
+  // b's reduction will be issued with no further trainer action (b and every earlier bucket are
+  // complete): its release is on its way, so waiting for a buffer is safe.
+  void mark_reducing(std::size_t b);
+
+  // Sync staging: pooled, a separate buffer taken at the step; otherwise the bucket itself.
+  std::shared_ptr<std::byte> acquire_staging(std::size_t b);
+  std::shared_ptr<std::byte> staging(std::size_t b) const;
+  void release_staging(std::size_t b);
+
+  void zero_held();                  // zero_grad(): zeroes the gradient buffers held now
+  std::size_t allocated_bytes() const;  // everything ever allocated (pooled: the peak in flight)
+
+ private:
+  // Best fit from the free list, else a new buffer of exactly the bucket's size (buckets differ a
+  // lot: one slot size for all would make a pool of small buckets cost the largest one each).
+  std::shared_ptr<std::byte> take(std::size_t b, std::size_t& capacity);  // mu_ held
+  void give_back(std::shared_ptr<std::byte> buf, std::size_t capacity);    // mu_ held
+
+  struct Free {
+    std::shared_ptr<std::byte> buf;
+    std::size_t capacity;
+  };
+  const bool pooled_;
+  std::vector<std::size_t> bytes_;
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<std::byte>> grad_, staging_;
+  std::vector<std::size_t> grad_cap_, staging_cap_;  // capacity of the buffer each one holds
+  std::vector<Free> free_;
+  std::size_t allocated_ = 0;
+  std::size_t held_grads_ = 0, reducing_ = 0;
+  std::vector<char> is_reducing_;
+  std::condition_variable released_;
+};
+
+std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes);
+
+}  // namespace shardflow
