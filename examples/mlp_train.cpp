@@ -47,6 +47,8 @@ int main(int argc, char** argv) {
   app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
   app.add_option("--clip-grad-norm", opt.runtime.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
+  std::string param_dtype = "fp32";
+  app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
   bool quiet = false;
   app.add_flag("--quiet", quiet, "only the summary");
   CLI11_PARSE(app, argc, argv);
@@ -55,6 +57,7 @@ int main(int argc, char** argv) {
     opt.sizes = mlp::parse_sizes(sizes);
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
     opt.runtime.zero_stage = zero_stage;
+    opt.param_dtype = parse_dtype(param_dtype);
     opt.runtime.overlap = parse_overlap(overlap);
     opt.runtime.partition = parse_partition(partition);
     if (!init.empty()) opt.init_path = init;

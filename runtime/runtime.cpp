@@ -162,7 +162,8 @@ struct Runtime::Impl {
     if (groups) {
       auto shard_plan = make_shard_plan(next, registry.params(), cfg.partition, world, rank, cfg.zero_stage >= 1);
       std::vector<std::size_t> bytes;
-      for (const auto& bs : shard_plan.buckets) bytes.push_back(bs.padded * 4);
+      for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
+        bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
       next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded);
       next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups, next_bufs);
     } else {
@@ -222,7 +223,7 @@ struct Runtime::Impl {
   // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
   // one-time cost of one all-reduce of the parameter count per state slot.
   void migrate_state(const Shard& from, Shard& to) {
-    for (std::size_t slot = 0; slot < from.state_slots(); ++slot) {
+    for (std::size_t slot = 0; slot < from.migrate_slots(); ++slot) {
       auto full = from.export_state(slot);
       if (from.shard_plan().sharded) {
         CollectiveOp op;
@@ -289,14 +290,16 @@ struct Runtime::Impl {
       } else {
         const auto b = sb++;
         e.bucket = b;
-        e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world] {
+        e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world, dtype = plan.buckets[b].dtype] {
           std::vector<CollectiveOp> ops;
           auto staging_buf = bufs->staging(b);  // taken by the step's pack
-          auto* staging = reinterpret_cast<float*>(staging_buf.get());
+          std::byte* staging = staging_buf.get();
+          const std::size_t es = dtype_size(dtype);
           if (bs.flat) {
             CollectiveOp op;
             op.kind = CollectiveKind::allgather;
-            op.send = staging + std::size_t(r) * bs.slice;
+            op.dtype = dtype;
+            op.send = staging + std::size_t(r) * bs.slice * es;
             op.recv = staging;
             op.count = bs.slice;
             op.tag = "sync bucket " + std::to_string(b);
@@ -307,7 +310,8 @@ struct Runtime::Impl {
               if (bs.packed[std::size_t(k)] == 0) continue;
               CollectiveOp op;
               op.kind = CollectiveKind::broadcast;
-              op.send = op.recv = staging + bs.packed_start[std::size_t(k)];
+              op.dtype = dtype;
+              op.send = op.recv = staging + bs.packed_start[std::size_t(k)] * es;
               op.count = bs.packed[std::size_t(k)];
               op.root = k;
               op.tag = "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k);
@@ -645,9 +649,9 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
   for (std::size_t i = 0; i < I.registry.size(); ++i) {
     if (og->group_of[i] == ~0u) og->group_of[i] = 0;
     const auto& spec = I.registry.params()[i];
-    if (spec.dtype != DType::f32 || spec.device.kind != Device::Kind::cpu)
-      throw UsageError("configure_optimizer: parameter '" + spec.name + "' is " + dtype_name(spec.dtype) + " on " +
-                       spec.device.str() + "; the runtime optimizer steps fp32 parameters on the CPU only so far");
+    if (spec.device.kind != Device::Kind::cpu)
+      throw UsageError("configure_optimizer: parameter '" + spec.name + "' is on " + spec.device.str() +
+                       "; the runtime optimizer steps CPU parameters only so far");
   }
   I.groups = std::move(og);
   I.shard.reset();

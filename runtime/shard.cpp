@@ -31,24 +31,46 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
   const std::size_t slots = state_slots();
   for (std::size_t b = 0; b < B; ++b) {
     const auto& s = shard_.buckets[b];
-    grad_shard_.push_back(keeps_grad_shard() ? alloc_zeroed(s.packed[r] * 4) : nullptr);
+    grad_shard_.push_back(keeps_grad_shard() ? alloc_zeroed(s.packed[r] * esize(b)) : nullptr);
     state_a_.emplace_back(slots >= 1 ? s.packed[r] : 0, 0.0f);
     state_b_.emplace_back(slots >= 2 ? s.packed[r] : 0, 0.0f);
+    // Note [Master weights]: 16-bit parameters are stepped in fp32 masters the owner keeps; the
+    // trainer's storage gets the rounded result, which is what the sync sends.
+    master_.emplace_back(plan_.buckets[b].dtype == DType::f32 ? 0 : s.packed[r], 0.0f);
+    if (!master_.back().empty())
+      for (const auto& piece : s.pieces[r]) {
+        const void* src[1] = {param_bytes(piece.param) + piece.param_off * esize(b)};
+        kernels::convert_to_f32(plan_.buckets[b].dtype, master_.back().data() + piece.packed_off, src[0], piece.len);
+      }
   }
   norm_ = std::shared_ptr<float>(new float[std::size_t(shard_.world)](), std::default_delete<float[]>());
 }
 
-float* Shard::grad_ptr(std::size_t b, const ShardPiece& piece) const {
-  if (grad_shard_[b]) return reinterpret_cast<float*>(grad_shard_[b].get()) + piece.packed_off;
-  return reinterpret_cast<float*>(buffers_->grad(b).get()) + piece.bucket_off;
+std::byte* Shard::grad_bytes_at(std::size_t b, const ShardPiece& piece) const {
+  if (grad_shard_[b]) return grad_shard_[b].get() + piece.packed_off * esize(b);
+  return buffers_->grad(b).get() + piece.bucket_off * esize(b);
+}
+
+float* Shard::grad_f32(std::size_t b, const ShardPiece& piece) {
+  std::byte* g = grad_bytes_at(b, piece);
+  if (plan_.buckets[b].dtype == DType::f32) return reinterpret_cast<float*>(g);
+  if (scratch_.size() < piece.len) scratch_.resize(piece.len);
+  kernels::convert_to_f32(plan_.buckets[b].dtype, scratch_.data(), g, piece.len);
+  return scratch_.data();
 }
 
 double Shard::partial_norm() const {
   const bool inf = std::isinf(clip_type_);
   double acc = 0.0;
+  std::vector<float> tmp;
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
-      const float* g = grad_ptr(b, piece);
+      const float* g = reinterpret_cast<const float*>(grad_bytes_at(b, piece));
+      if (plan_.buckets[b].dtype != DType::f32) {
+        tmp.resize(piece.len);
+        kernels::convert_to_f32(plan_.buckets[b].dtype, tmp.data(), grad_bytes_at(b, piece), piece.len);
+        g = tmp.data();
+      }
       if (inf)
         for (std::size_t i = 0; i < piece.len; ++i) acc = std::max(acc, double(std::fabs(g[i])));
       else
@@ -73,12 +95,14 @@ float Shard::finish_norm() {
 }
 
 void Shard::step(std::size_t b, float clip_coef) {
+  const DType dt = plan_.buckets[b].dtype;
   const auto& pieces = shard_.buckets[b].pieces[std::size_t(shard_.rank)];
   for (const auto& piece : pieces) {
     if (piece.len == 0) continue;
     const OptimizerConfig& h = groups_->groups[groups_->group_of[piece.param]];
-    float* p = param_ptr(piece.param) + piece.param_off;
-    float* g = grad_ptr(b, piece);
+    float* p = dt == DType::f32 ? reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off
+                                : master_[b].data() + piece.packed_off;
+    float* g = grad_f32(b, piece);
     if (clip_coef < 1.0f) kernels::scale(DType::f32, g, piece.len, clip_coef);
     const float wd = h.effective_weight_decay();
     if (h.kind == OptimizerConfig::Kind::sgd) {
@@ -90,35 +114,40 @@ void Shard::step(std::size_t b, float clip_coef) {
                          kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, wd, h.kind == OptimizerConfig::Kind::adamw},
                          steps_ + 1);
     }
+    if (dt != DType::f32)  // the trainer's 16-bit storage gets the master, rounded once
+      kernels::convert_from_f32(dt, param_bytes(piece.param) + piece.param_off * esize(b), p, piece.len);
   }
 }
 
 void Shard::extract(std::size_t b) {
   if (!keeps_grad_shard() || reduce_scatters()) return;
-  const float* g = reinterpret_cast<const float*>(buffers_->grad(b).get());
-  float* dst = reinterpret_cast<float*>(grad_shard_[b].get());
+  const std::byte* g = buffers_->grad(b).get();
+  std::byte* dst = grad_shard_[b].get();
+  const std::size_t es = esize(b);
   for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-    std::memcpy(dst + piece.packed_off, g + piece.bucket_off, piece.len * 4);
+    std::memcpy(dst + piece.packed_off * es, g + piece.bucket_off * es, piece.len * es);
 }
 
 void Shard::pack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
-  float* st = reinterpret_cast<float*>(buffers_->acquire_staging(b).get());
+  const std::size_t es = esize(b);
+  std::byte* st = buffers_->acquire_staging(b).get();
   for (const auto& piece : s.pieces[r]) {
-    float* dst = s.flat ? st + piece.bucket_off : st + s.packed_start[r] + piece.packed_off;
-    std::memcpy(dst, param_ptr(piece.param) + piece.param_off, piece.len * 4);
+    const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[r] + piece.packed_off;
+    std::memcpy(st + at * es, param_bytes(piece.param) + piece.param_off * es, piece.len * es);
   }
 }
 
 void Shard::unpack(std::size_t b) {
   const auto& s = shard_.buckets[b];
-  const float* st = reinterpret_cast<const float*>(buffers_->staging(b).get());
+  const std::size_t es = esize(b);
+  const std::byte* st = buffers_->staging(b).get();
   for (std::size_t k = 0; k < s.pieces.size(); ++k) {
     if (int(k) == shard_.rank) continue;
     for (const auto& piece : s.pieces[k]) {
-      const float* src = s.flat ? st + piece.bucket_off : st + s.packed_start[k] + piece.packed_off;
-      std::memcpy(param_ptr(piece.param) + piece.param_off, src, piece.len * 4);
+      const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;
+      std::memcpy(param_bytes(piece.param) + piece.param_off * es, st + at * es, piece.len * es);
     }
   }
   buffers_->release_staging(b);
@@ -132,16 +161,22 @@ std::size_t Shard::state_slots() const {
   return 0;
 }
 
+std::size_t Shard::migrate_slots() const {
+  for (const auto& b : plan_.buckets)
+    if (b.dtype != DType::f32) return state_slots() + 1;
+  return state_slots();
+}
+
 std::size_t Shard::state_bytes() const {
   std::size_t n = 0;
-  for (std::size_t b = 0; b < state_a_.size(); ++b) n += (state_a_[b].size() + state_b_[b].size()) * 4;
+  for (std::size_t b = 0; b < state_a_.size(); ++b) n += (state_a_[b].size() + state_b_[b].size() + master_[b].size()) * 4;
   return n;
 }
 
 std::size_t Shard::grad_bytes() const {
   std::size_t n = buffers_->allocated_bytes();
   for (std::size_t b = 0; b < grad_shard_.size(); ++b)
-    if (grad_shard_[b]) n += shard_.buckets[b].packed[std::size_t(shard_.rank)] * 4;
+    if (grad_shard_[b]) n += shard_.buckets[b].packed[std::size_t(shard_.rank)] * esize(b);
   return n;
 }
 
@@ -149,11 +184,23 @@ std::size_t Shard::comm_bytes() const {
   return std::size_t(shard_.world) * 4;  // the norm exchange; syncs reuse the buckets
 }
 
+namespace {
+
+// Slot k of the migrated state: momentum / exp_avg, exp_avg_sq, then the masters.
+const std::vector<std::vector<float>>& slot_of(std::size_t slot, std::size_t nstate, const std::vector<std::vector<float>>& a,
+                                               const std::vector<std::vector<float>>& b,
+                                               const std::vector<std::vector<float>>& m) {
+  if (slot == nstate) return m;
+  return slot == 0 ? a : b;
+}
+
+}  // namespace
+
 std::vector<float> Shard::export_state(std::size_t slot) const {
   std::size_t total = 0;
   for (const auto& p : params_) total += std::size_t(numel(p.shape));
   std::vector<float> full(total, 0.0f);
-  const auto& src = slot == 0 ? state_a_ : state_b_;
+  const auto& src = slot_of(slot, state_slots(), state_a_, state_b_, master_);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
       if (!src[b].empty())
@@ -162,7 +209,7 @@ std::vector<float> Shard::export_state(std::size_t slot) const {
 }
 
 void Shard::import_state(std::size_t slot, const std::vector<float>& full) {
-  auto& dst = slot == 0 ? state_a_ : state_b_;
+  auto& dst = const_cast<std::vector<std::vector<float>>&>(slot_of(slot, state_slots(), state_a_, state_b_, master_));
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
       if (!dst[b].empty())

@@ -63,15 +63,20 @@ class Shard {
   // Optimizer state in parameter coordinates (all parameters concatenated in registration order),
   // zeros where this rank owns nothing: summing every rank's export gives the full state, from
   // which a new partition imports its pieces (Note [State migration] in runtime.cpp).
-  std::size_t state_slots() const;  // 0 (plain SGD), 1 (momentum), 2 (Adam)
+  std::size_t state_slots() const;      // 0 (plain SGD), 1 (momentum), 2 (Adam)
+  std::size_t migrate_slots() const;    // state slots, plus the fp32 master weights of 16-bit params
   std::vector<float> export_state(std::size_t slot) const;
   void import_state(std::size_t slot, const std::vector<float>& full);
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t s) { steps_ = s; }
 
  private:
-  float* param_ptr(std::uint32_t p) const { return static_cast<float*>(params_[p].data); }
-  float* grad_ptr(std::size_t b, const ShardPiece& piece) const;
+  std::byte* param_bytes(std::uint32_t p) const { return static_cast<std::byte*>(params_[p].data); }
+  std::size_t esize(std::size_t b) const { return dtype_size(plan_.buckets[b].dtype); }
+  std::byte* grad_bytes_at(std::size_t b, const ShardPiece& piece) const;
+  // The piece's reduced gradient as fp32: in place for fp32 buckets, converted into scratch_
+  // otherwise (Note [Master weights]).
+  float* grad_f32(std::size_t b, const ShardPiece& piece);
 
   int stage_;
   bool flat_ = false;
@@ -84,6 +89,8 @@ class Shard {
   std::shared_ptr<BucketBuffers> buffers_;
   std::vector<std::shared_ptr<std::byte>> grad_shard_;
   std::vector<std::vector<float>> state_a_, state_b_;  // [bucket] packed owned elements
+  std::vector<std::vector<float>> master_;             // [bucket] fp32 masters of 16-bit buckets
+  std::vector<float> scratch_;
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
   float last_norm_ = 0.0f;

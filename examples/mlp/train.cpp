@@ -8,6 +8,7 @@
 
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/rng.hpp"
+#include "kernels/cpu/elementwise.hpp"
 #include "kernels/cpu/linear.hpp"
 
 namespace shardflow::mlp {
@@ -95,12 +96,54 @@ void run_rank(Shared& sh, int rank) {
 
   auto comm = sh.world->communicator(rank);
   Runtime rt(comm, opt.runtime);
+  // Mixed precision: the registered storage is 16-bit; `model` computes in fp32 copies of it, and
+  // its fp32 gradients are added into the runtime's 16-bit gradient buffers when complete.
+  const DType pdt = opt.param_dtype;
+  const bool half = pdt != DType::f32;
+  std::vector<std::vector<std::uint16_t>> store;  // [2*layer + bias]
+  std::vector<std::vector<float>> scratch;        // fp32 gradients before they go into the bucket
   std::vector<Param> handles;  // [2*layer + bias]
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     auto& l = model.layers()[i];
-    handles.push_back(rt.register_param({Model::param_name(int(i), false), {l.out, l.in}, DType::f32, Device::cpu(), l.weight.data()}));
-    handles.push_back(rt.register_param({Model::param_name(int(i), true), {l.out}, DType::f32, Device::cpu(), l.bias.data()}));
+    for (bool bias : {false, true}) {
+      auto& v = bias ? l.bias : l.weight;
+      void* data = v.data();
+      if (half) {
+        store.emplace_back(v.size());
+        kernels::convert_from_f32(pdt, store.back().data(), v.data(), v.size());
+        kernels::convert_to_f32(pdt, v.data(), store.back().data(), v.size());  // start from what 16 bits hold
+        scratch.emplace_back(v.size());
+        data = store.back().data();
+      }
+      const Shape shape = bias ? Shape{l.out} : Shape{l.out, l.in};
+      handles.push_back(rt.register_param({Model::param_name(int(i), bias), shape, pdt, Device::cpu(), data}));
+    }
   }
+  auto refresh_working = [&] {  // the runtime updated the 16-bit storage: recompute the fp32 copies
+    if (!half) return;
+    for (std::size_t i = 0; i < model.layers().size(); ++i) {
+      auto& l = model.layers()[i];
+      kernels::convert_to_f32(pdt, l.weight.data(), store[2 * i].data(), l.weight.size());
+      kernels::convert_to_f32(pdt, l.bias.data(), store[2 * i + 1].data(), l.bias.size());
+    }
+  };
+  auto grad_slot = [&](int l, bool b) -> float* {
+    const auto k = std::size_t(2 * l + b);
+    if (!half) return rt.grad_f32(handles[k]);
+    std::fill(scratch[k].begin(), scratch[k].end(), 0.0f);
+    return scratch[k].data();
+  };
+  auto grad_done = [&](int l, bool b) {
+    const auto k = std::size_t(2 * l + b);
+    if (half) {  // accumulate into the 16-bit bucket (autograd semantics), rounding once
+      auto* g = static_cast<std::uint16_t*>(rt.grad(handles[k]));
+      std::vector<float> acc(scratch[k].size());
+      kernels::convert_to_f32(pdt, acc.data(), g, acc.size());
+      for (std::size_t e = 0; e < acc.size(); ++e) acc[e] += scratch[k][e];
+      kernels::convert_from_f32(pdt, g, acc.data(), acc.size());
+    }
+    rt.grad_ready(handles[k]);
+  };
   rt.finalize();
   std::optional<Optimizer> optim;
   if (opt.optimizer_in_runtime)
@@ -125,11 +168,10 @@ void run_rank(Shared& sh, int rank) {
       local_batch(sh.data, step * K + m, B, N, rank, x, y);
       rt.set_require_sync(m == K - 1);  // the last micro-batch reduces what all K accumulated
       loss += model.forward(x.data(), y.data(), local) / float(K);
-      model.backward(
-          y.data(), denom, [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); },
-          [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); });
+      model.backward(y.data(), denom, grad_slot, grad_done);
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
+    refresh_working();
     if (optim) {
       for (std::size_t i = 0; i < model.layers().size(); ++i) {
         auto& l = model.layers()[i];
@@ -185,8 +227,8 @@ TrainResult train(const TrainOptions& opt) {
                      std::to_string(opt.world_size) + ": every rank takes an equal share of each batch");
   if (opt.steps < 0) throw UsageError("--steps must be >= 0");
   if (opt.accumulate < 1) throw UsageError("--accumulate must be >= 1");
-  if (!opt.optimizer_in_runtime && (opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0))
-    throw UsageError("ZeRO stages and clipping need the optimizer inside the runtime");
+  if (!opt.optimizer_in_runtime && (opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
+    throw UsageError("ZeRO stages, clipping and 16-bit parameters need the optimizer inside the runtime");
   opt.optimizer.validate();
   opt.runtime.validate();
   Model probe(opt.sizes);  // validates --sizes before threads start

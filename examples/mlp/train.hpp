@@ -46,6 +46,9 @@ struct TrainOptions {
   // trainer steps every parameter itself after wait() (plain DDP).
   bool optimizer_in_runtime = true;
   int accumulate = 1;         // micro-batches (of global_batch rows) per optimizer step
+  // Parameters and gradients as the runtime sees them. 16-bit: the runtime keeps fp32 masters in
+  // the shard; the trainer computes in fp32 copies of the 16-bit parameters.
+  DType param_dtype = DType::f32;
   bool report_loss = true;    // an extra scalar all-reduce per step for the global loss
   std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
 };

@@ -1,5 +1,6 @@
 #include "kernels/cpu/elementwise.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -73,6 +74,36 @@ void reduce_sum(DType t, void* dst, const void* const* srcs, int nsrc, std::size
     case DType::f16:
       reduce_16<f16_to_f32, f32_to_f16>(static_cast<std::uint16_t*>(dst),
                                         reinterpret_cast<const std::uint16_t* const*>(srcs), nsrc, count, scale);
+      return;
+  }
+}
+
+void convert_to_f32(DType t, float* dst, const void* src, std::size_t count) {
+  const auto* h = static_cast<const std::uint16_t*>(src);
+  switch (t) {
+    case DType::f32:
+      if (count) std::copy_n(static_cast<const float*>(src), count, dst);
+      return;
+    case DType::bf16:
+      for (std::size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(h[i]);
+      return;
+    case DType::f16:
+      for (std::size_t i = 0; i < count; ++i) dst[i] = f16_to_f32(h[i]);
+      return;
+  }
+}
+
+void convert_from_f32(DType t, void* dst, const float* src, std::size_t count) {
+  auto* h = static_cast<std::uint16_t*>(dst);
+  switch (t) {
+    case DType::f32:
+      if (count) std::copy_n(src, count, static_cast<float*>(dst));
+      return;
+    case DType::bf16:
+      for (std::size_t i = 0; i < count; ++i) h[i] = f32_to_bf16(src[i]);
+      return;
+    case DType::f16:
+      for (std::size_t i = 0; i < count; ++i) h[i] = f32_to_f16(src[i]);
       return;
   }
 }

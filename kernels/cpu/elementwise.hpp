@@ -13,6 +13,10 @@ namespace shardflow::kernels {
 // dst may alias any one source.
 void reduce_sum(DType t, void* dst, const void* const* srcs, int nsrc, std::size_t count, float scale);
 
+// dst[i] = float(src[i]) for a buffer of type t; and back, rounding to nearest even.
+void convert_to_f32(DType t, float* dst, const void* src, std::size_t count);
+void convert_from_f32(DType t, void* dst, const float* src, std::size_t count);
+
 // x[i] *= s
 void scale(DType t, void* x, std::size_t count, float s);
 
