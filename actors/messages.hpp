@@ -17,10 +17,12 @@
 //   shard actor --norm_ready--> comm stream --norm_done--> shard actor   (clipping)
 #pragma once
 
+#include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
 #include <caf/meta/type_name.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace shardflow::msg {
@@ -35,6 +37,7 @@ using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
 using norm_ready_atom = caf::atom_constant<caf::atom("norm_ready")>;
 using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
+using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
 
 // Why a bucket's work failed; kind none means success. Travels in reduced / bucket_done.
 struct Failure {
@@ -50,3 +53,9 @@ typename Inspector::result_type inspect(Inspector& f, Failure& x) {
 }
 
 }  // namespace shardflow::msg
+
+namespace shardflow {
+struct OptimizerGroups;
+}
+// An immutable snapshot shared between the runtime and the shard actor of the same process.
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::OptimizerGroups>)

@@ -4,6 +4,8 @@
 
 #include "actors/messages.hpp"
 
+#include <cstring>
+
 namespace shardflow {
 namespace {
 
@@ -16,11 +18,19 @@ void reset(ShardActorState& s) {
   s.clip_coef = 1.0f;
 }
 
+// The bucket is done with (stepped, synced): ready to accumulate the next iteration's gradients.
+void zero_bucket(Shard& sh, std::uint32_t b) {
+  auto buf = sh.buffers().grad(b);
+  std::memset(buf.get(), 0, sh.buffers().bytes(b));
+}
+
 }  // namespace
 
 caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
-                          caf::actor comm, caf::actor iteration) {
+                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order) {
   auto& st = self->state;
+  st.zero_on_done = zero_on_done;
+  st.order = std::move(order);
   st.reduced.assign(shard->plan().buckets.size(), 0);
   st.shard = std::move(shard);
   st.overlap = overlap;
@@ -48,14 +58,27 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
     // Pooled staging (stage 2): at most kStagingInFlight buckets between step and synced, so the
     // parameter syncs do not bring back the memory the gradient shards saved.
     const bool pooled = sh.buffers().pooled();
-    while (allowed && s.next_step < B && s.reduced[s.next_step] && (!pooled || s.staging_in_flight < kStagingInFlight)) {
-      const auto b = std::uint32_t(s.next_step++);
+    if (s.next_step == 0 && !s.snapshots.empty()) {  // this iteration's hyper-parameters
+      const auto it = std::uint64_t(sh.steps());
+      std::size_t pick = s.snapshots.size();
+      for (std::size_t i = 0; i < s.snapshots.size(); ++i)
+        if (s.snapshots[i].first <= it) pick = i;
+      if (pick < s.snapshots.size()) {
+        sh.set_groups(s.snapshots[pick].second);
+        s.snapshots.erase(s.snapshots.begin(), s.snapshots.begin() + std::ptrdiff_t(pick) + 1);
+      }
+    }
+    auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
+    while (allowed && s.next_step < B && s.reduced[bucket_at(s.next_step)] &&
+           (!pooled || s.staging_in_flight < kStagingInFlight)) {
+      const auto b = bucket_at(s.next_step++);
       sh.step(b, s.clip_coef);
       if (sh.syncs()) {
         sh.pack(b);
         ++s.staging_in_flight;
         self->send(s.comm, msg::step_done_atom::value, b);
       } else {
+        if (s.zero_on_done) zero_bucket(sh, b);
         self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
       }
     }
@@ -67,6 +90,9 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
   };
 
   return {
+      [=](msg::set_groups_atom, std::uint64_t from_iteration, std::shared_ptr<const OptimizerGroups> groups) {
+        self->state.snapshots.emplace_back(from_iteration, std::move(groups));
+      },
       [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
         if (failure) {
           self->send(self->state.iteration, msg::bucket_done_atom::value, b, std::move(failure));
@@ -99,6 +125,7 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
         if (!failure) s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
+        if (!failure && s.zero_on_done) zero_bucket(*s.shard, b);
         --s.staging_in_flight;
         self->send(s.iteration, msg::bucket_done_atom::value, b, std::move(failure));
         if (++s.nsynced == s.reduced.size())

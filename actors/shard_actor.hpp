@@ -19,12 +19,18 @@ struct ShardActorState {
   std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
   bool all_issued = false, norm_requested = false, norm_known = false, stepped_all = false;
   float clip_coef = 1.0f;
+  bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
+  std::vector<std::uint32_t> order;  // the order buckets are stepped in: the syncs' schedule order
+  // Note [Hyper-parameter snapshots]: set_lr between iterations k and k+1 sends a snapshot tagged
+  // k+1. With forward prefetch iteration k may still be stepping then, so each iteration takes the
+  // newest snapshot whose tag is not beyond its own number when it starts stepping.
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<const OptimizerGroups>>> snapshots;
   static inline const char* name = "shard";
 };
 
 // A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap
 // mode allows, in bucket order; with clipping, first exchanges its share of the gradient norm.
 caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
-                          caf::actor comm, caf::actor iteration);
+                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order);
 
 }  // namespace shardflow

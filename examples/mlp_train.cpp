@@ -47,6 +47,7 @@ int main(int argc, char** argv) {
   app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
   app.add_option("--clip-grad-norm", opt.runtime.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
+  app.add_flag("--forward-prefetch", opt.runtime.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");
   std::string param_dtype = "fp32";
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
   bool quiet = false;

@@ -1,5 +1,9 @@
-// The bridge from the actors back to the trainer thread: the iteration actor marks buckets done
-// here, and Runtime::wait() blocks on it (a trainer thread may block; a CAF scheduler thread never).
+// The bridge from the actors back to trainer threads: the iteration actor counts each bucket's
+// completions here; Runtime::wait() and wait_param() block on it (a trainer thread may block; a
+// CAF scheduler thread never).
+//
+// Counts only grow (one per bucket per synchronised iteration), so a waiter for iteration k is
+// never confused by completions of iteration k+1, which forward prefetch lets start early.
 #pragma once
 
 #include <chrono>
@@ -20,21 +24,33 @@ class IterationSignal {
   void bucket_done(std::uint32_t b, const msg::Failure& f) {
     {
       std::lock_guard lock(mu_);
-      if (b < done_.size() && !done_[b]) {
-        done_[b] = 1;
-        ++ndone_;
+      if (f) {
+        if (!failure_) failure_ = f;  // the first failure wins; later ones are consequences
+      } else if (b < done_.size()) {
+        ++done_[b];
       }
-      if (f && !failure_) failure_ = f;  // the first failure wins; later ones are consequences
     }
     cv_.notify_all();
   }
 
   enum class Outcome { complete, failed, timed_out };
 
-  Outcome wait_until(std::chrono::steady_clock::time_point deadline) {
+  // Until every bucket completed `target` iterations.
+  Outcome wait_all(std::uint64_t target, std::chrono::steady_clock::time_point deadline) {
     std::unique_lock lock(mu_);
-    if (!cv_.wait_until(lock, deadline, [&] { return failure_ || ndone_ == done_.size(); }))
-      return Outcome::timed_out;
+    auto all = [&] {
+      for (auto d : done_)
+        if (d < target) return false;
+      return true;
+    };
+    if (!cv_.wait_until(lock, deadline, [&] { return failure_ || all(); })) return Outcome::timed_out;
+    return failure_ ? Outcome::failed : Outcome::complete;
+  }
+
+  // Until bucket b completed `target` iterations.
+  Outcome wait_bucket(std::uint32_t b, std::uint64_t target, std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_until(lock, deadline, [&] { return failure_ || done_[b] >= target; })) return Outcome::timed_out;
     return failure_ ? Outcome::failed : Outcome::complete;
   }
 
@@ -43,26 +59,18 @@ class IterationSignal {
     return failure_;
   }
 
-  std::vector<std::uint32_t> pending() const {
+  std::vector<std::uint32_t> pending(std::uint64_t target) const {
     std::lock_guard lock(mu_);
     std::vector<std::uint32_t> out;
     for (std::uint32_t b = 0; b < done_.size(); ++b)
-      if (!done_[b]) out.push_back(b);
+      if (done_[b] < target) out.push_back(b);
     return out;
-  }
-
-  void reset() {
-    std::lock_guard lock(mu_);
-    std::fill(done_.begin(), done_.end(), 0);
-    ndone_ = 0;
-    failure_ = {};
   }
 
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<char> done_;
-  std::size_t ndone_ = 0;
+  std::vector<std::uint64_t> done_;
   msg::Failure failure_;
 };
 

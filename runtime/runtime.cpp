@@ -73,6 +73,14 @@ struct Runtime::Impl {
   std::shared_ptr<Shard> shard;
   std::vector<caf::actor> bucket_actors;
   std::shared_ptr<IterationSignal> signal;
+  std::uint64_t signal_target = 0;  // synchronised iterations handed to the current actors
+
+  // Forward prefetch (Note [Forward prefetch]).
+  std::mutex forward_mu;
+  bool observing_forward = false;       // recording the first-use order of buckets in forward
+  std::vector<char> forward_seen;
+  std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
+  bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
 
   // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
@@ -212,7 +220,14 @@ struct Runtime::Impl {
   }
 
   // Accumulation passes keep every bucket until the synchronised pass: no backpressure there.
+  // With forward prefetch the bucket may still be busy with the last iteration (stepping, or its
+  // buffer carrying the sync): gradients are written only once it is done.
   std::shared_ptr<std::byte> bucket_grad(std::uint32_t b) {
+    if (prefetch_active) {
+      const auto deadline = std::chrono::steady_clock::now() + cfg.timeout + std::chrono::seconds(5);
+      check_outcome(signal->wait_bucket(b, signal_target, deadline), signal_target,
+                    "bucket " + std::to_string(b) + " of the last iteration");
+    }
     const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);
     return bufs->grad(b, limit ? cfg.max_buckets_in_flight : 0, cfg.timeout);
   }
@@ -243,7 +258,9 @@ struct Runtime::Impl {
   std::vector<ScheduleEntry> build_schedule() const {
     const std::size_t B = plan.buckets.size();
     const bool syncs = shard && shard->syncs();
-    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), cfg.overlap == Overlap::interleaved);
+    // Syncs in the observed forward order go after every reduction (they are needed in an order
+    // unrelated to the order steps finish in).
+    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), cfg.overlap == Overlap::interleaved && sync_order.empty());
     std::vector<ScheduleEntry> entries;
     std::uint32_t rb = 0, sb = 0;
     for (auto kind : shape) {
@@ -288,7 +305,7 @@ struct Runtime::Impl {
           return std::vector<CollectiveOp>{std::move(op)};
         };
       } else {
-        const auto b = sb++;
+        const auto b = sync_order.empty() ? sb++ : sync_order[sb++];
         e.bucket = b;
         e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world, dtype = plan.buckets[b].dtype] {
           std::vector<CollectiveOp> ops;
@@ -330,11 +347,17 @@ struct Runtime::Impl {
   void spawn_actors() {
     auto& sys = engine->system();
     signal = std::make_shared<IterationSignal>(plan.buckets.size());
+    signal_target = 0;
     iteration_actor_h = sys.spawn(iteration_actor, signal);
     comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives);
     caf::actor downstream = iteration_actor_h;
     if (shard) {
-      shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h);
+      // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
+      // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
+      const bool zero_on_done = cfg.forward_prefetch && !bufs->pooled();
+      // Steps go in the order the syncs are scheduled: a sync never waits for a step that waits for
+      // staging held by a later sync (pooled staging is limited).
+      shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order);
       caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
       downstream = shard_actor_h;
     }
@@ -379,6 +402,69 @@ struct Runtime::Impl {
     backward_finished.store(false, std::memory_order_release);
   }
 
+  // Blocks until every bucket completed `target` synchronised iterations; fails the run otherwise.
+  void await_iterations(std::uint64_t target) {
+    // The backend enforces Config::timeout on every collective and names the missing ranks; this
+    // deadline is a backstop for an actor or backend that never answers at all.
+    const auto deadline = std::chrono::steady_clock::now() + cfg.timeout + std::chrono::seconds(5);
+    check_outcome(signal->wait_all(target, deadline), target, "iteration " + std::to_string(iterations));
+  }
+
+  void check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what) {
+    switch (outcome) {
+      case IterationSignal::Outcome::complete:
+        return;
+      case IterationSignal::Outcome::failed: {
+        const auto f = signal->failure();
+        switch (f.kind) {
+          case msg::Failure::timeout: fail(TimeoutError(f.what));
+          case msg::Failure::mismatch: fail(MismatchError(f.what));
+          case msg::Failure::usage: fail(UsageError(f.what));
+          default: fail(CommError(f.what));
+        }
+      }
+      case IterationSignal::Outcome::timed_out: {
+        std::string pending;
+        for (auto b : signal->pending(target)) pending += (pending.empty() ? "" : ", ") + std::to_string(b);
+        fail(TimeoutError("rank " + std::to_string(rank) + ": " + what + " did not complete within " +
+                          std::to_string(cfg.timeout.count()) + " ms; bucket(s) still pending: " + pending));
+      }
+    }
+  }
+
+  // Note [Forward prefetch]
+  // With Config::forward_prefetch, wait() returns once backward is handed over, and the trainer
+  // calls wait_param(p) before its forward uses p. The first iteration waits fully (buckets are
+  // rebuilt after it); in the second the runtime records the order in which forward first asks
+  // for each bucket; at its end rank 0's order is broadcast and the syncs are issued in it from
+  // then on, so the parameters the next forward needs first arrive first.
+  void establish_sync_order() {
+    std::vector<std::uint32_t> order;
+    {
+      std::lock_guard lock(forward_mu);
+      observing_forward = false;
+      order = forward_order;
+    }
+    std::vector<char> have(plan.buckets.size(), 0);
+    for (auto b : order) have[b] = 1;
+    for (std::size_t b = plan.buckets.size(); b-- > 0;)  // never asked for: forward runs back to front
+      if (!have[b]) order.push_back(std::uint32_t(b));
+    if (world > 1) {
+      CollectiveOp op;
+      op.kind = CollectiveKind::broadcast;
+      op.dtype = DType::f32;  // 32-bit words copied as they are
+      op.send = op.recv = order.data();
+      op.count = order.size();
+      op.tag = "forward order";
+      collectives->record(op);
+      comm->run(op, cfg.timeout);
+    }
+    sync_order = std::move(order);
+    prefetch_active = true;
+    stop_actors();
+    spawn_actors();
+  }
+
   void rebuild_from_observed_order() {
     std::vector<std::uint32_t> observed(order.begin(), order.begin() + registry.size());
     if (world > 1) {
@@ -419,6 +505,11 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
 
 Runtime::~Runtime() {
   auto& I = *impl_;
+  if (I.prefetch_active && !I.failed.load() && !I.sync_pass_started) {
+    // The last iteration may still be updating the trainer's parameters: let it land before the
+    // trainer frees them.
+    I.signal->wait_all(I.signal_target, std::chrono::steady_clock::now() + I.cfg.timeout);
+  }
   if (I.sync_pass_started && !I.failed.load()) {
     // Peers are (or will be) inside this iteration's collectives: let them fail now rather than
     // after the timeout. The buffers stay alive until the backend lets go of them (keep_alive).
@@ -481,8 +572,9 @@ void Runtime::zero_grad() {
                      " while this iteration's reductions are running: call wait() first");
   if (I.cfg.gradient_as_bucket_view) {
     // Pooled buckets (ZeRO-2) hold no buffer between iterations and start zeroed; flat padding is
-    // never written, so it stays zero.
-    I.bufs->zero_held();
+    // never written, so it stays zero. With forward prefetch the shard zeroes each bucket when it
+    // is done with it (it may still be busy now).
+    if (!(I.shard && I.cfg.forward_prefetch)) I.bufs->zero_held();
   } else {
     for (std::size_t i = 0; i < I.registry.size(); ++i) {
       const auto& s = I.registry.params()[i];
@@ -562,29 +654,11 @@ void Runtime::wait() {
     return;
   }
   finish_backward();
-  // The backend enforces Config::timeout on every collective and names the missing ranks; this
-  // deadline is a backstop for an actor or backend that never answers at all.
-  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeout + std::chrono::seconds(5);
-  switch (I.signal->wait_until(deadline)) {
-    case IterationSignal::Outcome::complete:
-      break;
-    case IterationSignal::Outcome::failed: {
-      const auto f = I.signal->failure();
-      switch (f.kind) {
-        case msg::Failure::timeout: I.fail(TimeoutError(f.what));
-        case msg::Failure::mismatch: I.fail(MismatchError(f.what));
-        case msg::Failure::usage: I.fail(UsageError(f.what));
-        default: I.fail(CommError(f.what));
-      }
-    }
-    case IterationSignal::Outcome::timed_out: {
-      std::string pending;
-      for (auto b : I.signal->pending()) pending += (pending.empty() ? "" : ", ") + std::to_string(b);
-      I.fail(TimeoutError("rank " + std::to_string(I.rank) + ": iteration " + std::to_string(I.iterations) +
-                          " did not complete within " + std::to_string(I.cfg.timeout.count()) +
-                          " ms; bucket(s) still pending: " + pending));
-    }
-  }
+  ++I.signal_target;
+  const bool prefetching = I.prefetch_active;
+  // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
+  // this one finishes while the next forward runs (Note [Forward prefetch]).
+  I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
   if (!I.cfg.gradient_as_bucket_view && !I.shard) {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);
@@ -592,13 +666,48 @@ void Runtime::wait() {
         if (e.numel) std::memcpy(I.registry.params()[e.param].grad, I.bufs->grad(b.index).get() + e.offset * es, e.numel * es);
     }
   }
-  I.signal->reset();
   I.reset_bucket_pending();
   I.sync_pass_started.store(false);
   std::fill(I.touched.begin(), I.touched.end(), 0);
-  if (!I.rebuilt && !I.cfg.static_graph) I.rebuild_from_observed_order();
+  const bool prefetch_wanted = I.cfg.forward_prefetch && I.shard;
+  if (!I.rebuilt && !I.cfg.static_graph) {
+    I.rebuild_from_observed_order();
+  } else if (prefetch_wanted && !I.prefetch_active && I.observing_forward) {
+    I.establish_sync_order();
+  }
+  if (prefetch_wanted && !I.prefetch_active && !I.observing_forward) {
+    std::lock_guard lock(I.forward_mu);
+    I.observing_forward = true;  // the next forward's first-use order decides the sync order
+    I.forward_seen.assign(I.plan.buckets.size(), 0);
+    I.forward_order.clear();
+  }
   I.reset_pass();
   ++I.iterations;
+}
+
+void Runtime::wait_param(Param p) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  const auto b = I.plan.where[I.check_handle(p, "wait_param")].bucket;
+  if (I.observing_forward) {
+    std::lock_guard lock(I.forward_mu);
+    if (I.observing_forward && !I.forward_seen[b]) {
+      I.forward_seen[b] = 1;
+      I.forward_order.push_back(b);
+    }
+  }
+  if (!I.prefetch_active) return;  // wait() waited for everything
+  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeout + std::chrono::seconds(5);
+  I.check_outcome(I.signal->wait_bucket(b, I.signal_target, deadline), I.signal_target,
+                  "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
+}
+
+void Runtime::wait_all_params() {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.prefetch_active) I.await_iterations(I.signal_target);
 }
 
 void Runtime::set_require_sync(bool sync) {
@@ -666,7 +775,14 @@ void Runtime::set_lr(std::size_t group, float lr) {
                      " group(s))");
   if (I.sync_pass_started) throw UsageError("set_lr: change the learning rate between iterations");
   if (!(lr >= 0.0f)) throw UsageError("set_lr: lr must be >= 0");
-  I.groups->groups[group].lr = lr;
+  // The runtime's copy changes now; the shard gets an immutable snapshot for the iterations from
+  // the next one on (Note [Hyper-parameter snapshots]).
+  auto next = std::make_shared<OptimizerGroups>(*I.groups);
+  next->groups[group].lr = lr;
+  I.groups = next;
+  if (I.shard_actor_h)
+    caf::anon_send(I.shard_actor_h, msg::set_groups_atom::value, std::uint64_t(I.iterations),
+                   std::shared_ptr<const OptimizerGroups>(next));
 }
 
 float Runtime::last_grad_norm() const { return impl_->shard ? impl_->shard->last_norm() : 0.0f; }

@@ -53,6 +53,8 @@ class Shard {
 
   void step(std::size_t b, float clip_coef);  // updates the owned pieces of bucket b in place
   void end_step() { ++steps_; }
+  // The hyper-parameters this iteration steps with (set_lr snapshots; Note [Hyper-parameter snapshots]).
+  void set_groups(std::shared_ptr<const OptimizerGroups> g) { groups_ = std::move(g); }
   void pack(std::size_t b);    // owned updated parameters -> staging (acquired here)
   void unpack(std::size_t b);  // other ranks' parameters: staging -> the trainer's storage (released)
 
@@ -85,7 +87,7 @@ class Shard {
   std::vector<std::size_t> param_base_;  // offset of each parameter in parameter coordinates
   BucketPlan plan_;
   ShardPlan shard_;
-  std::shared_ptr<OptimizerGroups> groups_;
+  std::shared_ptr<const OptimizerGroups> groups_;
   std::shared_ptr<BucketBuffers> buffers_;
   std::vector<std::shared_ptr<std::byte>> grad_shard_;
   std::vector<std::vector<float>> state_a_, state_b_;  // [bucket] packed owned elements

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <string>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -217,7 +218,7 @@ struct JitterRun {
   std::vector<std::vector<std::string>> issued;  // [rank]
 };
 
-JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int stage, bool clip) {
+JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int stage, bool clip, bool prefetch = false) {
   const int n = 3, P = 14, iters = 6;
   std::vector<int> sizes;
   for (int i = 0; i < P; ++i) sizes.push_back(29 + 53 * i);
@@ -237,6 +238,7 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
     cfg.partition = partition;
     cfg.clip_grad_norm = clip ? 0.5f : 0.0f;
     cfg.max_buckets_in_flight = 2;  // the tightest backpressure (stage 2)
+    cfg.forward_prefetch = prefetch;
     std::shared_ptr<Communicator> comm = world->communicator(r);
     if (seed) comm = std::make_shared<JitterComm>(comm, seed * 31 + unsigned(r));
     Runtime rt(comm, cfg);
@@ -269,6 +271,7 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
       }
       rt.wait();
     }
+    rt.wait_all_params();  // with prefetch the last iteration's syncs may still be going out
     out.issued[std::size_t(r)] = rt.collective_log();
   }));
   return out;
@@ -285,7 +288,8 @@ TEST_CASE("under random arrival orders and random delays every rank issues the s
           // Seed 0: gradients reported in reverse registration order, no delays, overlap none.
           const auto calm = run_jitter(0, Overlap::none, partition, stage, clip);
           for (unsigned seed : {3u, 5u}) {
-            const auto jit = run_jitter(seed, overlap, partition, stage, clip);
+            // Seed 5 also prefetches: the updates land while the next iteration has started.
+            const auto jit = run_jitter(seed, overlap, partition, stage, clip, seed == 5);
             for (int r = 0; r < 3; ++r) {
               CHECK(jit.issued[std::size_t(r)] == jit.issued[0]);
               // Every rank holds the same parameters after the syncs...
@@ -477,4 +481,58 @@ TEST_CASE("bf16 master weights keep updates smaller than bf16 can represent, on 
       for (auto h : store[std::size_t(r)]) REQUIRE(h == kernels::f32_to_bf16(1.0f - 10 * 1e-3f));
     CHECK(kernels::f32_to_bf16(1.0f - 10 * 1e-3f) != kernels::f32_to_bf16(1.0f));
   }
+}
+
+TEST_CASE("forward prefetch: every stage x overlap x partition x world ends where plain training ends") {
+  for (auto kind : {OptimizerConfig::Kind::sgd, OptimizerConfig::Kind::adamw}) {
+    auto ref_opts = base(kind);
+    ref_opts.optimizer_in_runtime = false;
+    const auto reference = mlp::train(ref_opts);
+    for (int stage : {0, 1, 2})
+      for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved})
+        for (auto partition : {Partition::param, Partition::flat})
+          for (int world : {2, 3}) {
+            if (stage == 0 && partition != Partition::flat) continue;
+            auto o = base(kind);
+            o.world_size = world;
+            o.runtime.zero_stage = stage;
+            o.runtime.overlap = overlap;
+            o.runtime.partition = partition;
+            o.runtime.forward_prefetch = true;
+            o.report_loss = true;  // the trainer's own all-reduce must not race the prefetched syncs
+            const auto got = mlp::train(o);
+            INFO(kind_name(kind) << " stage " << stage << " " << overlap_name(overlap) << " "
+                                 << partition_name(partition) << " world " << world);
+            CHECK(worst_error(got.params, reference.params) <= 1e-5);
+          }
+  }
+}
+
+TEST_CASE("forward prefetch syncs in the observed forward order: the first layer's bucket first") {
+  auto o = base(OptimizerConfig::Kind::adamw);
+  o.world_size = 2;
+  o.runtime.zero_stage = 1;
+  o.runtime.forward_prefetch = true;
+  const auto res = mlp::train(o);
+  std::string first_layer_bucket;
+  for (const auto& b : res.buckets)
+    for (const auto& name : b.params)
+      if (name == "layers.0.weight") first_layer_bucket = "sync bucket " + std::to_string(b.index) + " ";
+  REQUIRE(!first_layer_bucket.empty());
+  REQUIRE(res.buckets.size() >= 3);
+  // The forward order was agreed on once, then every iteration's first sync is layer 0's bucket.
+  CHECK(std::count_if(res.collectives.begin(), res.collectives.end(),
+                      [](const std::string& l) { return l.find("forward order") != std::string::npos; }) == 1);
+  std::size_t checked = 0;
+  bool after_sync = true;  // the first sync line after each run of reductions
+  for (const auto& line : res.collectives) {
+    const bool sync = line.find("sync bucket") != std::string::npos;
+    if (sync && after_sync) {
+      CAPTURE(line);
+      if (checked > 1) CHECK(line.find(first_layer_bucket) != std::string::npos);  // from iteration 3 on
+      ++checked;
+    }
+    after_sync = !sync;
+  }
+  CHECK(checked == std::size_t(o.steps));
 }

@@ -65,12 +65,13 @@ TensorMap Model::state_dict() const {
   return out;
 }
 
-float Model::forward(const float* x, const float* y, int rows) {
+float Model::forward(const float* x, const float* y, int rows, const std::function<void(int)>& before_layer) {
   x_ = x;
   rows_ = rows;
   const float* in = x;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     auto& l = layers_[i];
+    if (before_layer) before_layer(int(i));
     acts_[i].resize(std::size_t(rows) * l.out);
     kernels::linear_forward(in, l.weight.data(), l.bias.data(), acts_[i].data(), rows, l.in, l.out);
     if (i + 1 < layers_.size()) kernels::relu_forward(acts_[i].data(), acts_[i].data(), acts_[i].size());

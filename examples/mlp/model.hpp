@@ -34,8 +34,9 @@ class Model {
   TensorMap state_dict() const;
 
   // Forward on `rows` rows of x [rows, sizes[0]]; keeps the activations for backward and returns
-  // the loss mean over this batch.
-  float forward(const float* x, const float* y, int rows);
+  // the loss mean over this batch. `before_layer(i)` runs right before layer i reads its
+  // parameters (forward prefetch waits for their update there).
+  float forward(const float* x, const float* y, int rows, const std::function<void(int)>& before_layer = {});
 
   // Backward through the last forward. Gradients accumulate into grads(layer, is_bias) and
   // `ready(layer, is_bias)` is called as soon as each one is complete, last layer first — the

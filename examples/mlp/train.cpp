@@ -119,14 +119,21 @@ void run_rank(Shared& sh, int rank) {
       handles.push_back(rt.register_param({Model::param_name(int(i), bias), shape, pdt, Device::cpu(), data}));
     }
   }
-  auto refresh_working = [&] {  // the runtime updated the 16-bit storage: recompute the fp32 copies
+  auto refresh_layer = [&](std::size_t i) {  // the runtime updated the 16-bit storage: fp32 copies anew
     if (!half) return;
-    for (std::size_t i = 0; i < model.layers().size(); ++i) {
-      auto& l = model.layers()[i];
-      kernels::convert_to_f32(pdt, l.weight.data(), store[2 * i].data(), l.weight.size());
-      kernels::convert_to_f32(pdt, l.bias.data(), store[2 * i + 1].data(), l.bias.size());
-    }
+    auto& l = model.layers()[i];
+    kernels::convert_to_f32(pdt, l.weight.data(), store[2 * i].data(), l.weight.size());
+    kernels::convert_to_f32(pdt, l.bias.data(), store[2 * i + 1].data(), l.bias.size());
   };
+  const bool prefetch = opt.runtime.forward_prefetch;
+  // Forward prefetch: a layer's parameters may still be arriving; wait for them right before use.
+  std::function<void(int)> before_layer;
+  if (prefetch)
+    before_layer = [&](int i) {
+      rt.wait_param(handles[std::size_t(2 * i)]);
+      rt.wait_param(handles[std::size_t(2 * i + 1)]);
+      refresh_layer(std::size_t(i));
+    };
   auto grad_slot = [&](int l, bool b) -> float* {
     const auto k = std::size_t(2 * l + b);
     if (!half) return rt.grad_f32(handles[k]);
@@ -167,11 +174,12 @@ void run_rank(Shared& sh, int rank) {
     for (int m = 0; m < K; ++m) {
       local_batch(sh.data, step * K + m, B, N, rank, x, y);
       rt.set_require_sync(m == K - 1);  // the last micro-batch reduces what all K accumulated
-      loss += model.forward(x.data(), y.data(), local) / float(K);
+      loss += model.forward(x.data(), y.data(), local, before_layer) / float(K);
       model.backward(y.data(), denom, grad_slot, grad_done);
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
-    refresh_working();
+    if (!prefetch)
+      for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
     if (optim) {
       for (std::size_t i = 0; i < model.layers().size(); ++i) {
         auto& l = model.layers()[i];
@@ -181,6 +189,7 @@ void run_rank(Shared& sh, int rank) {
       optim->end_step();
     }
     if (opt.report_loss && N > 1) {
+      if (prefetch) rt.wait_all_params();  // our own collective must not race the runtime's syncs
       CollectiveOp op;
       op.kind = CollectiveKind::allreduce;
       op.send = op.recv = &loss;
@@ -197,6 +206,8 @@ void run_rank(Shared& sh, int rank) {
       if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
     }
   }
+  rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
+  for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
   {
     std::lock_guard lock(sh.mu);
     sh.result.memory_end[std::size_t(rank)] = rt.memory_report();
@@ -204,6 +215,7 @@ void run_rank(Shared& sh, int rank) {
   if (rank == 0) {
     sh.result.params = model.state_dict();
     sh.result.buckets = rt.buckets();
+    sh.result.collectives = rt.collective_log();
   }
 }
 

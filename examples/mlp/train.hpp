@@ -61,6 +61,7 @@ struct TrainResult {
   std::vector<MemoryReport> memory;      // per rank, at start-up
   std::vector<MemoryReport> memory_end;  // per rank, after training (pooled buffers at their peak)
   std::vector<float> grad_norms;     // per step (with clipping)
+  std::vector<std::string> collectives;  // rank 0's issued collectives
 };
 
 // Throws UsageError for bad options (batch not divisible by world, ...) before any thread starts;

@@ -58,6 +58,10 @@ struct Config {
   int zero_stage = 0;
   Overlap overlap = Overlap::none;
   Partition partition = Partition::flat;
+  // Parameter syncs only need to complete before the next forward uses the parameters: wait()
+  // returns early and the trainer calls Runtime::wait_param(p) in forward. Syncs go out in the
+  // forward order the runtime observed (rank 0's). Needs configure_optimizer().
+  bool forward_prefetch = false;
   // Stage 2 holds a bucket's gradient buffer only from its first gradient until its reduction is
   // in the rank's shard. At most this many are held at once in a synchronised pass: asking for a
   // gradient of a further bucket (Runtime::grad) waits until one is reduced. Trainers that report

@@ -102,6 +102,14 @@ class Runtime {
   // gradients hold the average over all ranks. Calls finish_backward() if the trainer did not.
   void wait();
 
+  // With Config::forward_prefetch: blocks until p holds its update from the last iteration. Call it
+  // in forward before p is used, for every parameter (wait() then returns without waiting for the
+  // updates, so they overlap the next forward). Without prefetch it returns at once.
+  void wait_param(Param p);
+  // Every parameter's update landed. Needed before a collective of the trainer's own on the same
+  // communicator (it would race the runtime's syncs), before saving, and at the end of training.
+  void wait_all_params();
+
   // Gradient accumulation: while set, backward passes accumulate locally and wait() returns at
   // once; the first backward after clearing it reduces the accumulated gradients.
   void set_require_sync(bool sync);
