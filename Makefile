@@ -17,10 +17,11 @@ configure: deps
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# Two ranks (threads of one process, in-process collectives) train an MLP data-parallel.
+# Two ranks (threads of one process, in-process collectives) train an MLP data-parallel with
+# ZeRO-1: each rank keeps half of AdamW's state and steps its buckets as their reductions land.
 demo: build
 	$(BUILD)/examples/mlp_train --sizes 784,256,256,10 --steps 300 --global-batch 64 \
-	  --world-size 2 --optimizer adamw --lr 1e-3 --seed 1
+	  --world-size 2 --optimizer adamw --lr 1e-3 --seed 1 --zero-stage 1 --overlap interleaved
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
