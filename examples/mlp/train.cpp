@@ -144,10 +144,13 @@ void run_rank(Shared& sh, int rank) {
     const auto k = std::size_t(2 * l + b);
     if (half) {  // accumulate into the 16-bit bucket (autograd semantics), rounding once
       auto* g = static_cast<std::uint16_t*>(rt.grad(handles[k]));
-      std::vector<float> acc(scratch[k].size());
-      kernels::convert_to_f32(pdt, acc.data(), g, acc.size());
-      for (std::size_t e = 0; e < acc.size(); ++e) acc[e] += scratch[k][e];
-      kernels::convert_from_f32(pdt, g, acc.data(), acc.size());
+      auto& sc = scratch[k];  // reused in place: scratch += bucket, then back into the bucket
+      for (std::size_t e = 0; e < sc.size(); ++e) {
+        float have;
+        kernels::convert_to_f32(pdt, &have, g + e, 1);
+        sc[e] += have;
+      }
+      kernels::convert_from_f32(pdt, g, sc.data(), sc.size());
     }
     rt.grad_ready(handles[k]);
   };
