@@ -85,7 +85,9 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
       const std::uint32_t i = s.next++;
       s.ready[i] = 0;
       const auto& e = s.entries[i];
-      auto ops = e.make_ops();
+      auto issue = e.make_ops();
+      auto& ops = issue.ops;
+      auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
       if (ops.empty() && e.kind == ScheduleEntry::sync)  // a bucket of empty parameters: nothing to move
         self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
       for (std::size_t k = 0; k < ops.size(); ++k) {
@@ -99,7 +101,8 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
         // failure is reported at once (the iteration keeps the first failure it hears of).
         switch (e.kind) {
           case ScheduleEntry::reduce:
-            done = [owner = s.owners[e.bucket], b = e.bucket](std::exception_ptr x) {
+            done = [owner = s.owners[e.bucket], b = e.bucket, on_complete](std::exception_ptr x) {
+              if (!x && *on_complete) (*on_complete)();
               caf::anon_send(owner, msg::reduced_atom::value, b, to_failure(x));
             };
             break;

@@ -21,8 +21,14 @@ struct ScheduleEntry {
   Kind kind = reduce;
   std::uint32_t bucket = 0;
   // Builds the entry's collectives when it is issued, not before: pooled buckets (ZeRO-2) hold a
-  // different buffer every iteration. The ops go out back to back.
-  std::function<std::vector<CollectiveOp>()> make_ops;
+  // different buffer every iteration. The ops go out back to back; `on_complete` (if any) runs on
+  // the stream thread once the last one completed, before anyone is told (casting a 16-bit
+  // reduction back into fp32, Config::comm_dtype).
+  struct Issue {
+    std::vector<CollectiveOp> ops;
+    std::function<void()> on_complete;
+  };
+  std::function<Issue()> make_ops;
 };
 
 // The order of a rank's collectives for one iteration (Note [Collective schedule] in

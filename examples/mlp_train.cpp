@@ -48,7 +48,8 @@ int main(int argc, char** argv) {
   app.add_option("--clip-grad-norm", opt.runtime.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
   app.add_flag("--forward-prefetch", opt.runtime.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");
-  std::string param_dtype = "fp32";
+  std::string param_dtype = "fp32", comm_dtype = "fp32";
+  app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
   bool quiet = false;
   app.add_flag("--quiet", quiet, "only the summary");
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
     opt.runtime.zero_stage = zero_stage;
     opt.param_dtype = parse_dtype(param_dtype);
+    opt.runtime.comm_dtype = parse_dtype(comm_dtype);
     opt.runtime.overlap = parse_overlap(overlap);
     opt.runtime.partition = parse_partition(partition);
     if (!init.empty()) opt.init_path = init;

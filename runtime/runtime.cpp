@@ -14,6 +14,7 @@
 #include "actors/iteration_actor.hpp"
 #include "actors/messages.hpp"
 #include "actors/shard_actor.hpp"
+#include "kernels/cpu/elementwise.hpp"
 #include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/collective_log.hpp"
@@ -273,28 +274,42 @@ struct Runtime::Impl {
         const bool rs = shard && shard->reduce_scatters();
         const std::size_t count = rs ? shard->shard_plan().buckets[b].slice : bk.numel;
         const float scale = 1.0f / float(world);  // the average, fused into the reduction
-        e.make_ops = [bufs = bufs, sh = shard, b, rs, count, scale, dtype = bk.dtype] {
+        // Config::comm_dtype: fp32 gradients travel as 16-bit (cast at issue, back on completion).
+        const DType wire = shard ? shard->sync_dtype(b) : bk.dtype;
+        e.make_ops = [bufs = bufs, sh = shard, b, rs, count, scale, dtype = bk.dtype, wire] {
+          ScheduleEntry::Issue issue;
           CollectiveOp op;
-          op.dtype = dtype;
+          op.dtype = wire;
           op.scale = scale;
           op.tag = "bucket " + std::to_string(b);
           auto grad = bufs->grad(b);
-          op.send = grad.get();
           op.count = count;
-          if (rs) {
-            op.kind = CollectiveKind::reduce_scatter;
-            op.recv = sh->grad_shard(b).get();
-            op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(
-                grad, sh->grad_shard(b));
+          std::shared_ptr<std::byte> send = grad, recv = rs ? sh->grad_shard(b) : grad;
+          if (wire != dtype) {
+            // Cast the whole (padded) bucket; the result comes back into the fp32 buffer it left.
+            auto wire_buf = sh->wire_buffer(b);
+            const std::size_t n = sh->shard_plan().buckets[b].padded;
+            kernels::convert_from_f32(wire, wire_buf.get(), reinterpret_cast<const float*>(grad.get()), n);
+            const std::size_t out = rs ? count : n;
+            std::byte* out_wire = rs ? wire_buf.get() + n * dtype_size(wire) : wire_buf.get();
+            issue.on_complete = [wire, out_wire, out, recv, wire_buf] {
+              kernels::convert_to_f32(wire, reinterpret_cast<float*>(recv.get()), out_wire, out);
+            };
+            send = wire_buf;
+            recv = wire_buf;
+            op.recv = out_wire;
           } else {
-            op.kind = CollectiveKind::allreduce;
-            op.recv = grad.get();
-            op.keep_alive = grad;
+            op.recv = recv.get();
           }
-          return std::vector<CollectiveOp>{std::move(op)};
+          op.send = send.get();
+          op.kind = rs ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
+          op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(send, recv);
+          issue.ops.push_back(std::move(op));
+          return issue;
         };
       } else if (kind == ScheduleEntry::norm) {
         e.make_ops = [sh = shard, r = rank] {
+          ScheduleEntry::Issue issue;
           CollectiveOp op;
           op.kind = CollectiveKind::allgather;
           op.send = sh->norm_buffer().get() + r;
@@ -302,13 +317,15 @@ struct Runtime::Impl {
           op.count = 1;
           op.tag = "grad norm";
           op.keep_alive = sh->norm_buffer();
-          return std::vector<CollectiveOp>{std::move(op)};
+          issue.ops.push_back(std::move(op));
+          return issue;
         };
       } else {
         const auto b = sync_order.empty() ? sb++ : sync_order[sb++];
         e.bucket = b;
-        e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world, dtype = plan.buckets[b].dtype] {
-          std::vector<CollectiveOp> ops;
+        e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world, dtype = shard->sync_dtype(b)] {
+          ScheduleEntry::Issue issue;
+          auto& ops = issue.ops;
           auto staging_buf = bufs->staging(b);  // taken by the step's pack
           std::byte* staging = staging_buf.get();
           const std::size_t es = dtype_size(dtype);
@@ -336,7 +353,7 @@ struct Runtime::Impl {
               ops.push_back(std::move(op));
             }
           }
-          return ops;
+          return issue;
         };
       }
       entries.push_back(std::move(e));

@@ -16,6 +16,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     : stage_(stage),
       clip_max_(cfg.clip_grad_norm),
       clip_type_(cfg.clip_norm_type),
+      comm_dtype_(cfg.comm_dtype),
       params_(std::move(params)),
       plan_(std::move(plan)),
       shard_(std::move(shard)),
@@ -36,7 +37,12 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     state_b_.emplace_back(slots >= 2 ? s.packed[r] : 0, 0.0f);
     // Note [Master weights]: 16-bit parameters are stepped in fp32 masters the owner keeps; the
     // trainer's storage gets the rounded result, which is what the sync sends.
-    master_.emplace_back(plan_.buckets[b].dtype == DType::f32 ? 0 : s.packed[r], 0.0f);
+    // (fp32 parameters get masters too when they travel as 16 bits: Config::comm_dtype.)
+    const bool masters = sync_dtype(b) != DType::f32 || plan_.buckets[b].dtype != DType::f32;
+    master_.emplace_back(masters ? s.packed[r] : 0, 0.0f);
+    wire_.push_back(plan_.buckets[b].dtype == DType::f32 && comm_dtype_ != DType::f32
+                        ? alloc_zeroed((s.padded + s.slice) * dtype_size(comm_dtype_))
+                        : nullptr);
     if (!master_.back().empty())
       for (const auto& piece : s.pieces[r]) {
         const void* src[1] = {param_bytes(piece.param) + piece.param_off * esize(b)};
@@ -100,8 +106,9 @@ void Shard::step(std::size_t b, float clip_coef) {
   for (const auto& piece : pieces) {
     if (piece.len == 0) continue;
     const OptimizerConfig& h = groups_->groups[groups_->group_of[piece.param]];
-    float* p = dt == DType::f32 ? reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off
-                                : master_[b].data() + piece.packed_off;
+    const bool master = !master_[b].empty();
+    float* p = master ? master_[b].data() + piece.packed_off
+                      : reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off;
     float* g = grad_f32(b, piece);
     if (clip_coef < 1.0f) kernels::scale(DType::f32, g, piece.len, clip_coef);
     const float wd = h.effective_weight_decay();
@@ -114,8 +121,13 @@ void Shard::step(std::size_t b, float clip_coef) {
                          kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, wd, h.kind == OptimizerConfig::Kind::adamw},
                          steps_ + 1);
     }
-    if (dt != DType::f32)  // the trainer's 16-bit storage gets the master, rounded once
+    if (dt != DType::f32) {  // the trainer's 16-bit storage gets the master, rounded once
       kernels::convert_from_f32(dt, param_bytes(piece.param) + piece.param_off * esize(b), p, piece.len);
+    } else if (master) {
+      // fp32 storage, 16-bit wire: keep exactly what the other ranks will receive.
+      kernels::round_to(sync_dtype(b), reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off, p,
+                        piece.len);
+    }
   }
 }
 
@@ -131,23 +143,31 @@ void Shard::extract(std::size_t b) {
 void Shard::pack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
-  const std::size_t es = esize(b);
+  const std::size_t es = esize(b), ws = dtype_size(sync_dtype(b));
   std::byte* st = buffers_->acquire_staging(b).get();
   for (const auto& piece : s.pieces[r]) {
     const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[r] + piece.packed_off;
-    std::memcpy(st + at * es, param_bytes(piece.param) + piece.param_off * es, piece.len * es);
+    const std::byte* src = param_bytes(piece.param) + piece.param_off * es;
+    if (ws == es)
+      std::memcpy(st + at * ws, src, piece.len * es);
+    else  // fp32 storage on a 16-bit wire (the values are already 16-bit exact)
+      kernels::convert_from_f32(sync_dtype(b), st + at * ws, reinterpret_cast<const float*>(src), piece.len);
   }
 }
 
 void Shard::unpack(std::size_t b) {
   const auto& s = shard_.buckets[b];
-  const std::size_t es = esize(b);
+  const std::size_t es = esize(b), ws = dtype_size(sync_dtype(b));
   const std::byte* st = buffers_->staging(b).get();
   for (std::size_t k = 0; k < s.pieces.size(); ++k) {
     if (int(k) == shard_.rank) continue;
     for (const auto& piece : s.pieces[k]) {
       const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;
-      std::memcpy(param_bytes(piece.param) + piece.param_off * es, st + at * es, piece.len * es);
+      std::byte* dst = param_bytes(piece.param) + piece.param_off * es;
+      if (ws == es)
+        std::memcpy(dst, st + at * ws, piece.len * es);
+      else
+        kernels::convert_to_f32(sync_dtype(b), reinterpret_cast<float*>(dst), st + at * ws, piece.len);
     }
   }
   buffers_->release_staging(b);
@@ -162,8 +182,8 @@ std::size_t Shard::state_slots() const {
 }
 
 std::size_t Shard::migrate_slots() const {
-  for (const auto& b : plan_.buckets)
-    if (b.dtype != DType::f32) return state_slots() + 1;
+  for (const auto& m : master_)
+    if (!m.empty()) return state_slots() + 1;
   return state_slots();
 }
 
@@ -181,7 +201,10 @@ std::size_t Shard::grad_bytes() const {
 }
 
 std::size_t Shard::comm_bytes() const {
-  return std::size_t(shard_.world) * 4;  // the norm exchange; syncs reuse the buckets
+  std::size_t n = std::size_t(shard_.world) * 4;  // the norm exchange; syncs reuse the buckets
+  for (std::size_t b = 0; b < wire_.size(); ++b)
+    if (wire_[b]) n += (shard_.buckets[b].padded + shard_.buckets[b].slice) * dtype_size(comm_dtype_);
+  return n;
 }
 
 namespace {

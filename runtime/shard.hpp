@@ -39,6 +39,10 @@ class Shard {
   bool clips() const { return clip_max_ > 0.0f; }
 
   BucketBuffers& buffers() const { return *buffers_; }
+  // What bucket b's reduction and sync travel as: its dtype, or Config::comm_dtype for fp32.
+  DType sync_dtype(std::size_t b) const { return plan_.buckets[b].dtype == DType::f32 ? comm_dtype_ : plan_.buckets[b].dtype; }
+  // 16-bit staging of an fp32 bucket's reduction: the padded bucket, then (stage 2) the received slice.
+  std::shared_ptr<std::byte> wire_buffer(std::size_t b) const { return wire_[b]; }
   std::shared_ptr<std::byte> grad_shard(std::size_t b) const { return grad_shard_[b]; }  // stage 2
   std::shared_ptr<float> norm_buffer() const { return norm_; }
   // Stage 2, non-flat partitions: copies this rank's pieces of the all-reduced bucket into its shard.
@@ -93,6 +97,8 @@ class Shard {
   std::vector<std::vector<float>> state_a_, state_b_;  // [bucket] packed owned elements
   std::vector<std::vector<float>> master_;             // [bucket] fp32 masters of 16-bit buckets
   std::vector<float> scratch_;
+  DType comm_dtype_ = DType::f32;
+  std::vector<std::shared_ptr<std::byte>> wire_;
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
   float last_norm_ = 0.0f;

@@ -79,6 +79,8 @@ const char* partition_name(Partition p) {
 void Config::validate() const {
   if (zero_stage < 0 || zero_stage > 2)
     throw UsageError("Config::zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
+  if (comm_dtype != DType::f32 && comm_dtype != DType::bf16 && comm_dtype != DType::f16)
+    throw UsageError("Config::comm_dtype must be fp32, bf16 or fp16");
   if (max_buckets_in_flight < 2)
     throw UsageError("Config::max_buckets_in_flight must be >= 2 (one bucket being written, one being reduced)");
   if (clip_grad_norm < 0.0f) throw UsageError("Config::clip_grad_norm must be >= 0 (0 turns clipping off)");

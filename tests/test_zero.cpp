@@ -14,6 +14,7 @@
 #include "examples/mlp/train.hpp"
 #include "helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
+#include "kernels/cpu/elementwise.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;
@@ -535,4 +536,64 @@ TEST_CASE("forward prefetch syncs in the observed forward order: the first layer
     after_sync = !sync;
   }
   CHECK(checked == std::size_t(o.steps));
+}
+
+TEST_CASE("16-bit communication of fp32 parameters: every stage and mode matches stage 0 on the same wire, and tracks fp32") {
+  for (DType wire : {DType::bf16, DType::f16}) {
+    auto fp32 = base(OptimizerConfig::Kind::adamw);
+    fp32.world_size = 2;
+    const auto full = mlp::train(fp32);
+    for (int world : {2, 3}) {
+      auto ref = base(OptimizerConfig::Kind::adamw);
+      ref.world_size = world;
+      ref.runtime.comm_dtype = wire;
+      const auto reference = mlp::train(ref);
+      INFO(dtype_name(wire) << " wire, world " << world);
+      CHECK(worst_error(reference.params, full.params) < (wire == DType::bf16 ? 5e-2 : 5e-3));
+      for (int stage : {1, 2})
+        for (auto overlap : {Overlap::none, Overlap::interleaved})
+          for (auto partition : {Partition::param, Partition::flat}) {
+            auto o = ref;
+            o.runtime.zero_stage = stage;
+            o.runtime.overlap = overlap;
+            o.runtime.partition = partition;
+            INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition));
+            CHECK(worst_error(mlp::train(o).params, reference.params) <= 1e-5);
+          }
+    }
+  }
+}
+
+TEST_CASE("on a bf16 wire every rank holds bitwise the same, bf16-exact fp32 parameters") {
+  const int n = 3, numel = 1000;
+  auto world = InProcessWorld::create(n, 30s);
+  std::vector<std::vector<float>> params(n, std::vector<float>(2 * numel, 0.3f));
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    Config cfg;
+    cfg.zero_stage = 1;
+    cfg.comm_dtype = DType::bf16;
+    cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = numel * 4;
+    Runtime rt(world->communicator(r), cfg);
+    auto a = rt.register_param({"a", {numel}, DType::f32, Device::cpu(), params[std::size_t(r)].data()});
+    auto b = rt.register_param({"b", {numel}, DType::f32, Device::cpu(), params[std::size_t(r)].data() + numel});
+    OptimizerConfig adam;
+    adam.kind = OptimizerConfig::Kind::adam;
+    adam.lr = 0.003f;
+    rt.configure_optimizer(adam);
+    for (int it = 0; it < 5; ++it) {
+      rt.zero_grad();
+      for (Param p : {b, a}) {
+        float* g = rt.grad_f32(p);
+        for (int e = 0; e < numel; ++e) g[e] = 0.001f * float((e * 7 + r * 3 + it + int(p.index)) % 29) - 0.01f;
+        rt.grad_ready(p);
+      }
+      rt.wait();
+    }
+  }));
+  for (int r = 1; r < n; ++r)
+    CHECK(std::memcmp(params[std::size_t(r)].data(), params[0].data(), params[0].size() * 4) == 0);
+  std::vector<float> rounded(params[0].size());
+  kernels::round_to(DType::bf16, rounded.data(), params[0].data(), rounded.size());
+  CHECK(rounded == params[0]);
+  CHECK(params[0][0] != 0.3f);  // and training moved them
 }

@@ -108,6 +108,20 @@ void convert_from_f32(DType t, void* dst, const float* src, std::size_t count) {
   }
 }
 
+void round_to(DType t, float* dst, const float* src, std::size_t count) {
+  switch (t) {
+    case DType::f32:
+      if (count && dst != src) std::copy_n(src, count, dst);
+      return;
+    case DType::bf16:
+      for (std::size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
+      return;
+    case DType::f16:
+      for (std::size_t i = 0; i < count; ++i) dst[i] = f16_to_f32(f32_to_f16(src[i]));
+      return;
+  }
+}
+
 void scale(DType t, void* x, std::size_t count, float s) {
   const void* src[1] = {x};
   reduce_sum(t, x, src, 1, count, s);

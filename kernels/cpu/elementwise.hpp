@@ -17,6 +17,9 @@ void reduce_sum(DType t, void* dst, const void* const* srcs, int nsrc, std::size
 void convert_to_f32(DType t, float* dst, const void* src, std::size_t count);
 void convert_from_f32(DType t, void* dst, const float* src, std::size_t count);
 
+// dst[i] = src[i] rounded to the nearest value type t can hold, kept as fp32.
+void round_to(DType t, float* dst, const float* src, std::size_t count);
+
 // x[i] *= s
 void scale(DType t, void* x, std::size_t count, float s);
 

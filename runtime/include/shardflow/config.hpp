@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <string>
 
+#include "shardflow/types.hpp"
+
 namespace shardflow {
 
 // Where the optimizer step happens relative to backward (only with Runtime::configure_optimizer).
@@ -58,6 +60,12 @@ struct Config {
   int zero_stage = 0;
   Overlap overlap = Overlap::none;
   Partition partition = Partition::flat;
+  // What fp32 parameters' gradients and parameter syncs travel as (the optional 16-bit
+  // communication of FairScale's broadcast_fp16 and DeepSpeed's fp16 reduction). bf16/fp16: the
+  // owner steps an fp32 master and every rank's fp32 storage holds the same 16-bit-rounded value,
+  // so ranks never drift apart. Needs configure_optimizer(); 16-bit parameters always travel as
+  // themselves.
+  DType comm_dtype = DType::f32;
   // Parameter syncs only need to complete before the next forward uses the parameters: wait()
   // returns early and the trainer calls Runtime::wait_param(p) in forward. Syncs go out in the
   // forward order the runtime observed (rank 0's). Needs configure_optimizer().
