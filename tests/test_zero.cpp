@@ -484,15 +484,15 @@ TEST_CASE("bf16 master weights keep updates smaller than bf16 can represent, on 
   }
 }
 
-TEST_CASE("forward prefetch: every stage x overlap x partition x world ends where plain training ends") {
+TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW} ends where plain training ends") {
   for (auto kind : {OptimizerConfig::Kind::sgd, OptimizerConfig::Kind::adamw}) {
     auto ref_opts = base(kind);
     ref_opts.optimizer_in_runtime = false;
     const auto reference = mlp::train(ref_opts);
     for (int stage : {0, 1, 2})
       for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved})
-        for (auto partition : {Partition::param, Partition::flat})
-          for (int world : {2, 3}) {
+        for (auto partition : {Partition::param, Partition::bucket, Partition::flat})
+          for (int world : {1, 2, 3, 4}) {
             if (stage == 0 && partition != Partition::flat) continue;
             auto o = base(kind);
             o.world_size = world;
