@@ -165,3 +165,42 @@ TEST_CASE("safetensors: round trip, and malformed files are refused naming the f
   CHECK_THROWS_AS(load_safetensors("does-not-exist.safetensors"), Error);
   std::remove(path.c_str());
 }
+
+TEST_CASE("fp16 conversions agree bit for bit with the compiler's _Float16: every half, and a sweep of floats") {
+  std::size_t bad = 0;
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    _Float16 ref;
+    const std::uint16_t hh = std::uint16_t(h);
+    std::memcpy(&ref, &hh, 2);
+    const float want = float(ref), got = f16_to_f32(hh);
+    if (std::isnan(want) ? !std::isnan(got) : std::memcmp(&want, &got, 4) != 0) ++bad;
+  }
+  CHECK(bad == 0);
+  bad = 0;
+  std::size_t checked = 0;
+  auto check = [&](std::uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    const _Float16 ref = static_cast<_Float16>(f);
+    std::uint16_t want;
+    std::memcpy(&want, &ref, 2);
+    const std::uint16_t got = f32_to_f16(f);
+    const bool nan = std::isnan(f);
+    if (nan ? (got & 0x7c00u) != 0x7c00u || (got & 0x3ffu) == 0 : got != want) ++bad;
+    ++checked;
+  };
+  for (std::uint64_t u = 0; u < (std::uint64_t{1} << 32); u += 4093) check(std::uint32_t(u));  // ~1M floats
+  // Around every half's rounding boundary: the halfway points and their neighbours.
+  for (std::uint32_t h = 0; h < 0x7c00; ++h) {
+    const float lo = f16_to_f32(std::uint16_t(h)), hi = f16_to_f32(std::uint16_t(h + 1));
+    const float mid = lo + (hi - lo) / 2;
+    std::uint32_t m;
+    std::memcpy(&m, &mid, 4);
+    for (std::uint32_t d : {m - 1, m, m + 1}) {
+      check(d);
+      check(d | 0x80000000u);
+    }
+  }
+  INFO(checked << " floats checked");
+  CHECK(bad == 0);
+}
