@@ -1,0 +1,210 @@
+// The Gloo backend. Gloo's collectives block, so they run on the rank's StreamWorker (the CPU comm
+// stream), never on a CAF or trainer thread. Gloo sums; the average is applied right after on the
+// same thread (Gloo's algorithms take no scale).
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/dtype.hpp"
+#include "kernels/cpu/elementwise.hpp"
+#include "runtime/comm/stream_worker.hpp"
+#include "shardflow/errors.hpp"
+#include "shardflow/gloo.hpp"
+#include "shardflow/store.hpp"
+
+namespace shardflow {
+namespace {
+
+// Gloo's rendezvous on the shardflow store.
+class StoreAdapter final : public gloo::rendezvous::Store {
+ public:
+  StoreAdapter(std::unique_ptr<TcpStoreClient> client, std::string prefix, std::chrono::milliseconds timeout)
+      : client_(std::move(client)), prefix_(std::move(prefix)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    client_->set(prefix_ + key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const auto v = client_->get(prefix_ + key);
+    return {v.begin(), v.end()};
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    client_->wait(full, timeout);
+  }
+
+ private:
+  std::unique_ptr<TcpStoreClient> client_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+};
+
+// Reduce functions for Gloo: fp32 natively, 16-bit through fp32 (each pairwise sum rounds once).
+template <class Load, class Store>
+void sum16(void* c, const void* a, const void* b, size_t n, Load load, Store store) {
+  auto* out = static_cast<std::uint16_t*>(c);
+  const auto* x = static_cast<const std::uint16_t*>(a);
+  const auto* y = static_cast<const std::uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = store(load(x[i]) + load(y[i]));
+}
+void sum_bf16(void* c, const void* a, const void* b, size_t n) { sum16(c, a, b, n, kernels::bf16_to_f32, kernels::f32_to_bf16); }
+void sum_f16(void* c, const void* a, const void* b, size_t n) { sum16(c, a, b, n, kernels::f16_to_f32, kernels::f32_to_f16); }
+void sum_f32(void* c, const void* a, const void* b, size_t n) {
+  auto* out = static_cast<float*>(c);
+  const auto* x = static_cast<const float*>(a);
+  const auto* y = static_cast<const float*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = x[i] + y[i];
+}
+
+class GlooComm final : public Communicator {
+ public:
+  explicit GlooComm(const GlooOptions& o)
+      : rank_(o.rank), world_(o.world_size), timeout_(o.timeout), stream_([this](const CollectiveOp& op) { execute(op); }) {
+    if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
+      throw UsageError("gloo: rank " + std::to_string(o.rank) + " is outside world size " + std::to_string(o.world_size));
+    auto client = std::make_unique<TcpStoreClient>(o.store_host, o.store_port, o.token, o.timeout);
+    StoreAdapter store(std::move(client), o.key_prefix, o.timeout);
+    gloo::transport::tcp::attr attr;
+    attr.hostname = o.hostname;
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(o.rank, o.world_size);
+    ctx->setTimeout(o.timeout);
+    try {
+      ctx->connectFullMesh(store, device);
+    } catch (const std::exception& e) {
+      throw CommError("gloo: rank " + std::to_string(o.rank) + " could not connect to its " +
+                      std::to_string(o.world_size - 1) + " peer(s): " + e.what());
+    }
+    context_ = std::move(ctx);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string backend_name() const override { return "gloo"; }
+  bool supports(Device d) const override { return d.kind == Device::Kind::cpu; }
+  void submit(CollectiveOp op, CollectiveDone done) override { stream_.push(std::move(op), std::move(done)); }
+  // Gloo cannot interrupt a collective in progress; later ones fail at once, and peers learn of a
+  // dead process from its closed connections (or their timeout).
+  void abort(const std::string& reason) override {
+    std::lock_guard lock(abort_mu_);
+    if (!aborted_) abort_reason_ = reason;
+    aborted_ = true;
+  }
+
+ private:
+  void execute(const CollectiveOp& op) {
+    {
+      std::lock_guard lock(abort_mu_);
+      if (aborted_) throw CommError("gloo rank " + std::to_string(rank_) + ": " + op.tag + ": aborted: " + abort_reason_);
+    }
+    const std::size_t es = dtype_size(op.dtype);
+    const auto tag = std::uint32_t(seq_++);
+    try {
+      switch (op.kind) {
+        case CollectiveKind::barrier: {
+          gloo::BarrierOptions o(context_);
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          gloo::barrier(o);
+          return;
+        }
+        case CollectiveKind::allreduce:
+          if (op.send != op.recv && op.count) std::memcpy(op.recv, op.send, op.count * es);
+          allreduce(op.recv, op.count, op.dtype, tag);
+          if (op.scale != 1.0f) kernels::scale(op.dtype, op.recv, op.count, op.scale);
+          return;
+        case CollectiveKind::reduce_scatter: {
+          // Gloo's new-style API has no reduce-scatter: all-reduce a copy, keep this rank's block.
+          // Twice the traffic of a true reduce-scatter (Gloo's ReduceScatterHalvingDoubling needs
+          // buffers fixed at construction).
+          const std::size_t total = op.count * std::size_t(world_);
+          scratch_.resize(total * es);
+          if (total) std::memcpy(scratch_.data(), op.send, total * es);
+          allreduce(scratch_.data(), total, op.dtype, tag);
+          if (op.count) std::memcpy(op.recv, scratch_.data() + std::size_t(rank_) * op.count * es, op.count * es);
+          if (op.scale != 1.0f) kernels::scale(op.dtype, op.recv, op.count, op.scale);
+          return;
+        }
+        case CollectiveKind::allgather: {
+          if (op.count == 0) return;
+          gloo::AllgatherOptions o(context_);
+          o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
+          o.setOutput(static_cast<std::uint8_t*>(op.recv), op.count * es * std::size_t(world_));
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          gloo::allgather(o);
+          return;
+        }
+        case CollectiveKind::broadcast: {
+          if (op.count == 0) return;
+          gloo::BroadcastOptions o(context_);
+          if (rank_ == op.root) o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
+          o.setOutput(static_cast<std::uint8_t*>(op.recv), op.count * es);
+          o.setRoot(op.root);
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          gloo::broadcast(o);
+          return;
+        }
+      }
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      const std::string msg = "gloo rank " + std::to_string(rank_) + ": " + collective_name(op.kind) + " #" +
+                              std::to_string(tag) + " ('" + op.tag + "') failed: " + what;
+      if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) throw TimeoutError(msg);
+      throw CommError(msg);
+    }
+  }
+
+  void allreduce(void* buf, std::size_t count, DType t, std::uint32_t tag) {
+    if (count == 0) return;
+    gloo::AllreduceOptions o(context_);
+    // Gloo sizes elements by the output pointer's type; the reduce function matches it.
+    switch (t) {
+      case DType::f32:
+        o.setOutput(static_cast<float*>(buf), count);
+        o.setReduceFunction(&sum_f32);
+        break;
+      case DType::bf16:
+        o.setOutput(static_cast<std::uint16_t*>(buf), count);
+        o.setReduceFunction(&sum_bf16);
+        break;
+      case DType::f16:
+        o.setOutput(static_cast<std::uint16_t*>(buf), count);
+        o.setReduceFunction(&sum_f16);
+        break;
+    }
+    o.setTag(tag);
+    o.setTimeout(timeout_);
+    gloo::allreduce(o);
+  }
+
+  const int rank_, world_;
+  const std::chrono::milliseconds timeout_;
+  std::shared_ptr<gloo::Context> context_;
+  std::uint64_t seq_ = 0;  // stream thread only
+  std::vector<std::uint8_t> scratch_;
+  std::mutex abort_mu_;
+  bool aborted_ = false;
+  std::string abort_reason_;
+  StreamWorker stream_;  // last: its thread uses the members above
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_gloo_communicator(const GlooOptions& options) {
+  return std::make_shared<GlooComm>(options);
+}
+
+}  // namespace shardflow
