@@ -14,7 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include "shardflow/gloo.hpp"
 #include "shardflow/shardflow.hpp"
+#include "shardflow/store.hpp"
 
 using namespace shardflow;
 using clk = std::chrono::steady_clock;
@@ -31,8 +33,8 @@ double bus_factor(CollectiveKind k, int n) {
 }
 
 // Seconds per op: the median over `reps` of rank 0's time from a common start to completion.
-double time_op(InProcessWorld& world, CollectiveKind kind, std::size_t bytes, int reps) {
-  const int n = world.world_size();
+double time_op(const std::vector<std::shared_ptr<Communicator>>& comms, CollectiveKind kind, std::size_t bytes, int reps) {
+  const int n = int(comms.size());
   const std::size_t elems = bytes / 4;
   const std::size_t block = kind == CollectiveKind::allreduce || kind == CollectiveKind::broadcast ? elems : elems / std::size_t(n);
   std::vector<std::vector<float>> send(static_cast<std::size_t>(n)), recv(static_cast<std::size_t>(n));
@@ -41,7 +43,7 @@ double time_op(InProcessWorld& world, CollectiveKind kind, std::size_t bytes, in
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
-      auto comm = world.communicator(r);
+      auto comm = comms[std::size_t(r)];
       auto& s = send[std::size_t(r)];
       auto& d = recv[std::size_t(r)];
       s.assign(kind == CollectiveKind::allgather ? block : elems, 1.0f);
@@ -86,7 +88,9 @@ std::string human(std::size_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Collective bandwidth of the in-process backend next to memcpy"};
+  CLI::App app{"Collective bandwidth of a backend next to memcpy"};
+  std::string backend = "in-process";
+  app.add_option("--backend", backend, "in-process | gloo (ranks are threads; gloo connects them over loopback TCP)")->capture_default_str();
   std::vector<int> worlds{2, 4};
   std::vector<std::size_t> sizes{4 << 10, 256 << 10, 4 << 20, 64 << 20};
   int reps = 10;
@@ -97,16 +101,43 @@ int main(int argc, char** argv) {
 
   std::printf("| backend | world | op | size | time (us) | algbw (GB/s) | busbw (GB/s) | memcpy (GB/s) | busbw / memcpy |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  std::unique_ptr<TcpStoreServer> store;
+  if (backend == "gloo") {
+    StoreServerOptions so;
+    so.token = "bench";
+    store = std::make_unique<TcpStoreServer>(so);
+  } else if (backend != "in-process") {
+    std::fprintf(stderr, "bench_collectives: unknown backend '%s'\n", backend.c_str());
+    return 1;
+  }
   for (int n : worlds) {
-    auto world = InProcessWorld::create(n);
+    std::vector<std::shared_ptr<Communicator>> comms(static_cast<std::size_t>(n));
+    std::shared_ptr<InProcessWorld> world;
+    if (backend == "gloo") {
+      std::vector<std::thread> ts;
+      for (int r = 0; r < n; ++r)
+        ts.emplace_back([&, r] {
+          GlooOptions o;
+          o.rank = r;
+          o.world_size = n;
+          o.store_port = store->port();
+          o.token = "bench";
+          o.key_prefix = "w" + std::to_string(n) + "/";
+          comms[std::size_t(r)] = make_gloo_communicator(o);
+        });
+      for (auto& t : ts) t.join();
+    } else {
+      world = InProcessWorld::create(n);
+      for (int r = 0; r < n; ++r) comms[std::size_t(r)] = world->communicator(r);
+    }
     for (auto kind : {CollectiveKind::allreduce, CollectiveKind::reduce_scatter, CollectiveKind::allgather, CollectiveKind::broadcast}) {
       for (std::size_t bytes : sizes) {
         const int r = bytes >= (16u << 20) ? std::max(3, reps / 2) : reps * 10;
-        const double t = time_op(*world, kind, bytes, r);
+        const double t = time_op(comms, kind, bytes, r);
         const double mc = double(bytes) / time_memcpy(bytes, r) / 1e9;
         const double alg = double(bytes) / t / 1e9;
         const double bus = alg * bus_factor(kind, n);
-        std::printf("| in-process | %d | %s | %s | %.1f | %.2f | %.2f | %.2f | %.0f %% |\n", n, collective_name(kind),
+        std::printf("| %s | %d | %s | %s | %.1f | %.2f | %.2f | %.2f | %.0f %% |\n", backend.c_str(), n, collective_name(kind),
                     human(bytes).c_str(), t * 1e6, alg, bus, mc, 100.0 * bus / mc);
         std::fflush(stdout);
       }
