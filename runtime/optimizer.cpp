@@ -29,25 +29,27 @@ void OptimizerConfig::validate() const {
 
 Optimizer::Optimizer(OptimizerConfig cfg) : cfg_(cfg) { cfg_.validate(); }
 
+void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
+                  std::size_t n, bool first, std::int64_t step) {
+  const float wd = h.effective_weight_decay();
+  if (h.kind == OptimizerConfig::Kind::sgd) {
+    kernels::sgd_step(param, grad, h.momentum != 0.0f ? state0 : nullptr, n,
+                      kernels::SgdHyper{h.lr, h.momentum, h.dampening, wd, h.nesterov}, first);
+    return;
+  }
+  kernels::adam_step(param, grad, state0, state1, n,
+                     kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, wd, h.kind == OptimizerConfig::Kind::adamw},
+                     step);
+}
+
 void Optimizer::step(float* param, const float* grad, std::size_t n, std::size_t slot) {
   if (slot >= state_.size()) state_.resize(slot + 1);
   State& s = state_[slot];
-  const float wd = cfg_.effective_weight_decay();
-  if (cfg_.kind == OptimizerConfig::Kind::sgd) {
-    const bool first = s.a.empty();
-    if (cfg_.momentum != 0.0f && first) s.a.assign(n, 0.0f);
-    kernels::sgd_step(param, grad, s.a.empty() ? nullptr : s.a.data(), n,
-                      kernels::SgdHyper{cfg_.lr, cfg_.momentum, cfg_.dampening, wd, cfg_.nesterov}, first);
-    return;
-  }
-  if (s.a.empty()) {
-    s.a.assign(n, 0.0f);
-    s.b.assign(n, 0.0f);
-  }
-  kernels::adam_step(param, grad, s.a.data(), s.b.data(), n,
-                     kernels::AdamHyper{cfg_.lr, cfg_.beta1, cfg_.beta2, cfg_.eps, wd,
-                                        cfg_.kind == OptimizerConfig::Kind::adamw},
-                     steps_ + 1);
+  const bool first = s.a.empty();
+  if (first && (cfg_.kind != OptimizerConfig::Kind::sgd || cfg_.momentum != 0.0f)) s.a.assign(n, 0.0f);
+  if (s.b.empty() && cfg_.kind != OptimizerConfig::Kind::sgd) s.b.assign(n, 0.0f);
+  apply_update(cfg_, param, grad, s.a.empty() ? nullptr : s.a.data(), s.b.empty() ? nullptr : s.b.data(), n, first,
+               steps_ + 1);
 }
 
 std::size_t Optimizer::state_bytes() const {

@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "kernels/cpu/elementwise.hpp"
-#include "kernels/cpu/optim.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -111,16 +110,9 @@ void Shard::step(std::size_t b, float clip_coef) {
                       : reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off;
     float* g = grad_f32(b, piece);
     if (clip_coef < 1.0f) kernels::scale(DType::f32, g, piece.len, clip_coef);
-    const float wd = h.effective_weight_decay();
-    if (h.kind == OptimizerConfig::Kind::sgd) {
-      float* buf = h.momentum != 0.0f ? state_a_[b].data() + piece.packed_off : nullptr;
-      kernels::sgd_step(p, g, buf, piece.len, kernels::SgdHyper{h.lr, h.momentum, h.dampening, wd, h.nesterov},
-                        steps_ == 0);
-    } else {
-      kernels::adam_step(p, g, state_a_[b].data() + piece.packed_off, state_b_[b].data() + piece.packed_off, piece.len,
-                         kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, wd, h.kind == OptimizerConfig::Kind::adamw},
-                         steps_ + 1);
-    }
+    float* s0 = state_a_[b].empty() ? nullptr : state_a_[b].data() + piece.packed_off;
+    float* s1 = state_b_[b].empty() ? nullptr : state_b_[b].data() + piece.packed_off;
+    apply_update(h, p, g, s0, s1, piece.len, steps_ == 0, steps_ + 1);
     if (dt != DType::f32) {  // the trainer's 16-bit storage gets the master, rounded once
       kernels::convert_from_f32(dt, param_bytes(piece.param) + piece.param_off * esize(b), p, piece.len);
     } else if (master) {

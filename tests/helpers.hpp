@@ -58,6 +58,20 @@ bool is(const std::exception_ptr& e) {
   }
 }
 
+// A collective as the tests issue them (tag "test").
+inline CollectiveOp make(CollectiveKind k, const void* send, void* recv, std::size_t count, float scale = 1.0f,
+                         int root = 0) {
+  CollectiveOp op;
+  op.kind = k;
+  op.send = send;
+  op.recv = recv;
+  op.count = count;
+  op.scale = scale;
+  op.root = root;
+  op.tag = "test";
+  return op;
+}
+
 // ||a - b|| / ||b||
 inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

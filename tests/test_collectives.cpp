@@ -17,20 +17,10 @@ using namespace std::chrono_literals;
 
 namespace {
 
+using test::make;
+
 // Small integers: every sum is exact in fp32, so "element-wise" can mean bitwise.
 float value(int rank, std::size_t i) { return float((rank + 1) * int(i % 61) - 7 * rank); }
-
-CollectiveOp make(CollectiveKind k, const void* send, void* recv, std::size_t count, float scale = 1.0f, int root = 0) {
-  CollectiveOp op;
-  op.kind = k;
-  op.send = send;
-  op.recv = recv;
-  op.count = count;
-  op.scale = scale;
-  op.root = root;
-  op.tag = "test";
-  return op;
-}
 
 const std::size_t k64MiB = (std::size_t{64} << 20) / sizeof(float);
 

@@ -14,6 +14,8 @@ using namespace std::chrono_literals;
 
 namespace {
 
+using test::make;
+
 std::vector<std::shared_ptr<Communicator>> gloo_world(TcpStoreServer& server, int n, const std::string& prefix) {
   std::vector<std::shared_ptr<Communicator>> comms(static_cast<std::size_t>(n));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
@@ -36,18 +38,6 @@ StoreServerOptions store_opts() {
 }
 
 float value(int rank, std::size_t i) { return float((rank + 1) * int(i % 53) - 5 * rank); }
-
-CollectiveOp make(CollectiveKind k, const void* send, void* recv, std::size_t count, float scale = 1.0f, int root = 0) {
-  CollectiveOp op;
-  op.kind = k;
-  op.send = send;
-  op.recv = recv;
-  op.count = count;
-  op.scale = scale;
-  op.root = root;
-  op.tag = "test";
-  return op;
-}
 
 }  // namespace
 

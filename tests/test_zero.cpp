@@ -49,6 +49,23 @@ double worst_error(const TensorMap& got, const TensorMap& want) {
   return worst;
 }
 
+// Runs `ref` at stages 1-2 x overlap {none, interleaved} x partition {param, flat} and hands each
+// result to `check` (with its INFO in scope).
+template <class Check>
+void for_each_sharded(const mlp::TrainOptions& ref, Check check) {
+  for (int stage : {1, 2})
+    for (auto overlap : {Overlap::none, Overlap::interleaved})
+      for (auto partition : {Partition::param, Partition::flat}) {
+        auto o = ref;
+        o.runtime.zero_stage = stage;
+        o.runtime.overlap = overlap;
+        o.runtime.partition = partition;
+        const auto got = mlp::train(o);
+        INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition));
+        check(got);
+      }
+}
+
 const char* kind_name(OptimizerConfig::Kind k) { return k == OptimizerConfig::Kind::sgd ? "sgd+momentum" : "adamw"; }
 
 }  // namespace
@@ -435,21 +452,13 @@ TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard; every stage and mo
       // mantissa, and Adam's sign-like updates amplify rounding differences a little).
       INFO(dtype_name(dt) << " world " << world);
       CHECK(worst_error(reference.params, full.params) < (dt == DType::bf16 ? 5e-2 : 5e-3));
-      for (int stage : {1, 2})
-        for (auto overlap : {Overlap::none, Overlap::interleaved})
-          for (auto partition : {Partition::param, Partition::flat}) {
-            auto o = ref;
-            o.runtime.zero_stage = stage;
-            o.runtime.overlap = overlap;
-            o.runtime.partition = partition;
-            const auto got = mlp::train(o);
-            INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition));
-            CHECK(worst_error(got.params, reference.params) <= 1e-5);
-            // Optimizer state: exp_avg, exp_avg_sq and the fp32 master of every owned element.
-            std::size_t state = 0;
-            for (const auto& m : got.memory) state += m.optimizer_state;
-            CHECK(state >= 3 * 4 * (24 * 40 + 40 + 40 * 32 + 32 + 32 * 6 + 6));
-          }
+      for_each_sharded(ref, [&](const mlp::TrainResult& got) {
+        CHECK(worst_error(got.params, reference.params) <= 1e-5);
+        // Optimizer state: exp_avg, exp_avg_sq and the fp32 master of every owned element.
+        std::size_t state = 0;
+        for (const auto& m : got.memory) state += m.optimizer_state;
+        CHECK(state >= 3 * 4 * (24 * 40 + 40 + 40 * 32 + 32 + 32 * 6 + 6));
+      });
     }
   }
 }
@@ -550,16 +559,9 @@ TEST_CASE("16-bit communication of fp32 parameters: every stage and mode matches
       const auto reference = mlp::train(ref);
       INFO(dtype_name(wire) << " wire, world " << world);
       CHECK(worst_error(reference.params, full.params) < (wire == DType::bf16 ? 5e-2 : 5e-3));
-      for (int stage : {1, 2})
-        for (auto overlap : {Overlap::none, Overlap::interleaved})
-          for (auto partition : {Partition::param, Partition::flat}) {
-            auto o = ref;
-            o.runtime.zero_stage = stage;
-            o.runtime.overlap = overlap;
-            o.runtime.partition = partition;
-            INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition));
-            CHECK(worst_error(mlp::train(o).params, reference.params) <= 1e-5);
-          }
+      for_each_sharded(ref, [&](const mlp::TrainResult& got) {
+        CHECK(worst_error(got.params, reference.params) <= 1e-5);
+      });
     }
   }
 }

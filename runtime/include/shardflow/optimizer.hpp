@@ -30,6 +30,13 @@ struct OptimizerConfig {
   void validate() const;  // UsageError naming the bad field
 };
 
+// One update of n elements by `h`'s rule: the mapping onto the kernels that the trainer-side
+// Optimizer and the ZeRO shard share. state0: momentum buffer (SGD, may be null without momentum)
+// or exp_avg; state1: exp_avg_sq (Adam). `first`: torch seeds the momentum buffer with the first
+// gradient; `step`: Adam's bias-correction step, counting from 1.
+void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
+                  std::size_t n, bool first, std::int64_t step);
+
 class Optimizer {
  public:
   explicit Optimizer(OptimizerConfig cfg);
