@@ -1,7 +1,6 @@
 // The in-process backend: N ranks are threads of one process and each passes its own buffers.
-// Data really moves between the ranks' buffers, with the same algorithm shape a shared-memory
-// backend uses: every rank reduces one contiguous chunk of the op (so the work is spread over the
-// ranks' comm streams), then copies the other ranks' finished chunks.
+// Data really moves between the ranks' buffers, with the algorithms the shared-memory backend
+// uses too (Note [Peer all-reduce]), reading the peers' own buffers directly.
 //
 // Note [In-process op protocol]
 //   1. entry barrier: every rank has published its op (kind, count, dtype, buffers) in its slot;
@@ -11,13 +10,12 @@
 //      be reading that buffer.
 // Sums run in rank order, so every rank gets bitwise the same result, whatever the timing.
 
-#include <algorithm>
-#include <cstring>
+#include <array>
 #include <memory>
 #include <vector>
 
-#include "kernels/cpu/elementwise.hpp"
 #include "runtime/comm/barrier.hpp"
+#include "runtime/comm/peer_collective.hpp"
 #include "runtime/comm/stream_worker.hpp"
 #include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
@@ -27,14 +25,8 @@ namespace {
 
 struct Slot {
   CollectiveOp op;
-  std::uint64_t seq = 0;
+  peer::OpSig sig;
 };
-
-std::string describe(const Slot& s) {
-  return std::string(collective_name(s.op.kind)) + " of " + std::to_string(s.op.count) + " " +
-         dtype_name(s.op.dtype) + (s.op.kind == CollectiveKind::broadcast ? " from root " + std::to_string(s.op.root) : "") +
-         " ('" + s.op.tag + "')";
-}
 
 class World {
  public:
@@ -44,100 +36,60 @@ class World {
   void abort(const std::string& reason) { barrier_.abort(reason); }
 
   void execute(int rank, const CollectiveOp& op, std::uint64_t seq) {
-    slots_[std::size_t(rank)] = Slot{op, seq};
+    const auto parity = std::size_t(seq & 1);
+    slots_[std::size_t(rank)][parity] = Slot{op, peer::OpSig::of(op, seq)};
     auto what = [&] {
       return "rank " + std::to_string(rank) + ": in-process " + collective_name(op.kind) + " #" +
              std::to_string(seq) + " ('" + op.tag + "')";
     };
-    sync(rank, what);
-    check_matching(rank, what);
+    const peer::Sync sync = [&] { barrier_.arrive_and_wait(rank, timeout_, what); };
+    sync();
+    check_matching(parity);
 
-    const std::size_t esize = dtype_size(op.dtype);
+    std::vector<const void*> send(static_cast<std::size_t>(n_));
+    std::vector<void*> recv(static_cast<std::size_t>(n_));
+    for (int i = 0; i < n_; ++i) {
+      send[std::size_t(i)] = slots_[std::size_t(i)][parity].op.send;
+      recv[std::size_t(i)] = slots_[std::size_t(i)][parity].op.recv;
+    }
+    const std::size_t es = dtype_size(op.dtype);
     switch (op.kind) {
       case CollectiveKind::barrier:
         return;  // the entry barrier was the whole op
-      case CollectiveKind::allreduce: {
-        auto [lo, hi] = chunk(op.count, rank);
-        std::vector<const void*> srcs(static_cast<std::size_t>(n_));
-        for (int i = 0; i < n_; ++i) srcs[std::size_t(i)] = byte_ptr(slots_[std::size_t(i)].op.send) + lo * esize;
-        kernels::reduce_sum(op.dtype, byte_ptr(op.recv) + lo * esize, srcs.data(), n_, hi - lo, op.scale);
-        sync(rank, what);
-        for (int j = 0; j < n_; ++j) {
-          if (j == rank) continue;
-          auto [jlo, jhi] = chunk(op.count, j);
-          copy(byte_ptr(op.recv) + jlo * esize, byte_ptr(slots_[std::size_t(j)].op.recv) + jlo * esize,
-               (jhi - jlo) * esize);
-        }
+      case CollectiveKind::allreduce:
+        peer::allreduce(op.dtype, op.count, op.scale, rank, n_, send, recv, op.recv, sync);
         break;
-      }
-      case CollectiveKind::reduce_scatter: {
-        std::vector<const void*> srcs(static_cast<std::size_t>(n_));
-        for (int i = 0; i < n_; ++i)
-          srcs[std::size_t(i)] = byte_ptr(slots_[std::size_t(i)].op.send) + std::size_t(rank) * op.count * esize;
-        kernels::reduce_sum(op.dtype, op.recv, srcs.data(), n_, op.count, op.scale);
+      case CollectiveKind::reduce_scatter:
+        peer::reduce_scatter(op.dtype, op.count, op.count, op.scale, rank, n_, send, op.recv);
         break;
-      }
       case CollectiveKind::allgather:
-        for (int j = 0; j < n_; ++j)
-          copy(byte_ptr(op.recv) + std::size_t(j) * op.count * esize, slots_[std::size_t(j)].op.send, op.count * esize);
+        peer::allgather(op.dtype, op.count, op.count, n_, send, op.recv);
         break;
       case CollectiveKind::broadcast:
-        copy(op.recv, slots_[std::size_t(op.root)].op.send, op.count * esize);
+        peer::copy(op.recv, send[std::size_t(op.root)], op.count * es);
         break;
     }
-    sync(rank, what);  // Note [In-process op protocol] step 4
+    sync();  // Note [In-process op protocol] step 4
   }
 
  private:
-  static char* byte_ptr(void* p) { return static_cast<char*>(p); }
-  static const char* byte_ptr(const void* p) { return static_cast<const char*>(p); }
-  static void copy(void* dst, const void* src, std::size_t bytes) {
-    if (bytes && dst != src) std::memcpy(dst, src, bytes);
-  }
-
-  // Rank r's chunk of an allreduce, boundaries aligned to 16 elements (64 bytes of fp32) so that no
-  // two ranks write the same cache line.
-  std::pair<std::size_t, std::size_t> chunk(std::size_t count, int r) const {
-    auto edge = [&](int k) -> std::size_t {
-      if (k >= n_) return count;
-      return std::min(count, (count * std::size_t(k) / std::size_t(n_)) & ~std::size_t{15});
-    };
-    return {edge(r), edge(r + 1)};
-  }
-
-  template <class What>
-  void sync(int rank, const What& what) {
-    barrier_.arrive_and_wait(rank, timeout_, what);
-  }
-
-  // Every rank runs the same comparison against rank 0, so they all fail together (no rank is left
-  // waiting in a data phase the others skipped).
-  template <class What>
-  void check_matching(int rank, const What& what) {
-    const Slot& ref = slots_[0];
-    for (int r = 1; r < n_; ++r) {
-      const Slot& s = slots_[std::size_t(r)];
-      if (s.seq != ref.seq || s.op.kind != ref.op.kind || s.op.count != ref.op.count ||
-          s.op.dtype != ref.op.dtype || s.op.root != ref.op.root) {
-        const std::string msg = "collective mismatch: rank 0 issued " + describe(ref) + " as op #" +
-                                std::to_string(ref.seq) + ", rank " + std::to_string(r) + " issued " +
-                                describe(s) + " as op #" + std::to_string(s.seq) +
-                                ". Every rank must issue the same collectives in the same order.";
-        sync(rank, what);  // everyone has read the slots before anyone leaves
-        barrier_.abort(msg);
-        throw MismatchError(msg);
-      }
+  // Every rank runs the same comparison, so they all fail together (no rank is left waiting in a
+  // data phase the others skipped).
+  void check_matching(std::size_t parity) {
+    std::vector<peer::OpSig> sigs;
+    for (const auto& s : slots_) sigs.push_back(s[parity].sig);
+    if (auto msg = peer::mismatch(sigs.data(), n_)) {
+      barrier_.abort(*msg);  // every rank reaches the same verdict; later ops fail at once
+      throw MismatchError(*msg);
     }
-    const auto& op = slots_[std::size_t(rank)].op;
-    if (op.kind == CollectiveKind::broadcast && (op.root < 0 || op.root >= n_))
-      throw UsageError(what() + ": broadcast root " + std::to_string(op.root) + " is not a rank of world " +
-                       std::to_string(n_));
   }
 
   const int n_;
   const std::chrono::milliseconds timeout_;
   RankBarrier barrier_;
-  std::vector<Slot> slots_;
+  // Indexed by op number parity: a rank that finished op k may publish op k+1 while a slower peer
+  // still compares op k's signatures (a barrier op has no exit barrier).
+  std::vector<std::array<Slot, 2>> slots_;
 };
 
 class InProcessComm final : public Communicator {

@@ -1,0 +1,351 @@
+// The shared-memory backend. Rank 0 creates one POSIX shared-memory segment per communicator:
+// a header (barrier, abort flag and reason), one slot per rank (pid, the barrier generation it
+// reached, the signatures of its current and next op) and one staging area per rank. Every op
+// copies this rank's input into its staging area, then runs the peer algorithms
+// (peer_collective.hpp) over all staging areas, piece by piece for ops larger than a staging area.
+//
+// Note [Shared-memory barrier]
+// A central counter and a generation word in the segment. The last rank to arrive resets the
+// counter and bumps the generation; the others spin briefly, then sleep on the generation with a
+// futex (shared, not FUTEX_PRIVATE: the waiters are different processes) in slices of at most
+// 50 ms. Between slices a waiter checks the abort flag, its deadline (Config::timeout: naming the
+// ranks that have not arrived) and — every 100 ms — whether the missing ranks' processes still
+// exist, so a rank killed with SIGKILL is reported within a fraction of a second, not at timeout.
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "runtime/comm/peer_collective.hpp"
+#include "runtime/comm/stream_worker.hpp"
+#include "shardflow/errors.hpp"
+#include "shardflow/shm.hpp"
+#include "shardflow/store.hpp"
+
+namespace shardflow {
+namespace {
+
+constexpr std::uint32_t kMagic = 0x31464d53;  // "SMF1"
+constexpr int kMaxRanks = 512;
+
+struct alignas(64) RankSlot {
+  std::atomic<std::int32_t> pid;
+  std::atomic<std::uint32_t> arrived;  // the barrier generation this rank last reached
+  // Indexed by op number parity: a rank that finished op k may write op k+1's signature while a
+  // slower peer still compares op k's (a barrier op has no exit barrier).
+  peer::OpSig sig[2];
+};
+
+struct alignas(64) Header {
+  std::uint32_t magic;
+  std::int32_t world;
+  std::uint64_t staging_bytes;
+  std::uint64_t staging_offset;
+  alignas(64) std::atomic<std::uint32_t> abort_claim;
+  std::atomic<std::uint32_t> aborted;
+  char reason[2048];
+  alignas(64) std::atomic<std::uint32_t> count;
+  alignas(64) std::atomic<std::uint32_t> generation;  // the futex word
+};
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free && std::atomic<std::int32_t>::is_always_lock_free,
+              "atomics in shared memory must be lock-free (address-free)");
+
+std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::nanoseconds for_at_most) {
+  timespec ts{};
+  ts.tv_sec = time_t(for_at_most.count() / 1000000000);
+  ts.tv_nsec = long(for_at_most.count() % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// Gone, or a zombie nobody has reaped yet: either way it will never arrive.
+bool process_dead(std::int32_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) == -1 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+}
+
+std::string host_identity() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(boot, id);
+  return std::string(name) + " (boot " + id + ")";
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+class Segment {
+ public:
+  Segment(const std::string& name, bool create, std::size_t bytes) : name_(name) {
+    const int fd = ::shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+    if (fd < 0) throw CommError("shm: cannot " + std::string(create ? "create" : "open") + " shared memory '" + name + "': " + errno_text());
+    if (create && ::ftruncate(fd, off_t(bytes)) != 0) {
+      const auto why = errno_text();
+      ::close(fd);
+      ::shm_unlink(name.c_str());
+      throw CommError("shm: cannot size '" + name + "' to " + std::to_string(bytes >> 20) + " MiB: " + why +
+                      " (is /dev/shm large enough? ShmOptions::staging_bytes sets the per-rank share)");
+    }
+    struct stat st {};
+    ::fstat(fd, &st);
+    bytes_ = std::size_t(st.st_size);
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) throw CommError("shm: cannot map '" + name + "': " + errno_text());
+    base_ = static_cast<char*>(p);
+  }
+  ~Segment() { ::munmap(base_, bytes_); }
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  char* base() const { return base_; }
+  std::size_t bytes() const { return bytes_; }
+  void unlink() { ::shm_unlink(name_.c_str()); }
+
+ private:
+  std::string name_;
+  char* base_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class ShmComm final : public Communicator {
+ public:
+  explicit ShmComm(const ShmOptions& o)
+      : rank_(o.rank), n_(o.world_size), timeout_(o.timeout), stream_([this](const CollectiveOp& op) { execute(op); }) {
+    if (n_ < 1 || rank_ < 0 || rank_ >= n_)
+      throw UsageError("shm: rank " + std::to_string(rank_) + " is outside world size " + std::to_string(n_));
+    if (n_ > kMaxRanks) throw UsageError("shm: world size " + std::to_string(n_) + " exceeds " + std::to_string(kMaxRanks));
+    if (o.staging_bytes < 4096) throw UsageError("shm: ShmOptions::staging_bytes must be at least 4096");
+    segment_ = rendezvous(o);
+    header_ = reinterpret_cast<Header*>(segment_->base());
+    slots_ = reinterpret_cast<RankSlot*>(segment_->base() + sizeof(Header));
+    staging_bytes_ = header_->staging_bytes;
+    for (int r = 0; r < n_; ++r)
+      staging_.push_back(segment_->base() + header_->staging_offset + std::size_t(r) * staging_bytes_);
+  }
+
+  ~ShmComm() override {
+    // Peers would otherwise wait for our share of their collective until they notice we are gone.
+    if (stream_.busy()) abort("rank " + std::to_string(rank_) + "'s communicator was destroyed with collectives pending");
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return n_; }
+  std::string backend_name() const override { return "shm"; }
+  bool supports(Device d) const override { return d.kind == Device::Kind::cpu; }
+  void submit(CollectiveOp op, CollectiveDone done) override { stream_.push(std::move(op), std::move(done)); }
+  void abort(const std::string& reason) override { abort_world("rank " + std::to_string(rank_) + " aborted: " + reason); }
+
+ private:
+  std::unique_ptr<Segment> rendezvous(const ShmOptions& o) {
+    TcpStoreClient client(o.store_host, o.store_port, o.token, o.timeout);
+    PrefixStore store(client, o.key_prefix);
+    const std::string me = host_identity();
+    const std::size_t staging = round_up(o.staging_bytes, 4096);
+    const std::size_t staging_offset = round_up(sizeof(Header) + sizeof(RankSlot) * std::size_t(n_), 4096);
+    std::unique_ptr<Segment> seg;
+    if (rank_ == 0) {
+      std::random_device rd;
+      const std::string name = "/shardflow-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
+      seg = std::make_unique<Segment>(name, true, staging_offset + staging * std::size_t(n_));
+      auto* h = new (seg->base()) Header{};  // the pages are zero: every atomic starts at 0
+      h->world = n_;
+      h->staging_bytes = staging;
+      h->staging_offset = staging_offset;
+      h->magic = kMagic;
+      store.set("host/0", me);
+      store.set("segment", name);
+    } else {
+      const std::string host0 = store.get("host/0");
+      if (host0 != me)
+        throw CommError("shm: rank " + std::to_string(rank_) + " runs on " + me + ", rank 0 on " + host0 +
+                        ": the shm backend needs every rank on one host (use gloo across hosts)");
+      const std::string name = store.get("segment");
+      seg = std::make_unique<Segment>(name, false, 0);
+      const auto* h = reinterpret_cast<const Header*>(seg->base());
+      if (seg->bytes() < sizeof(Header) || h->magic != kMagic)
+        throw CommError("shm: segment '" + name + "' is not a shardflow segment");
+      if (h->world != n_)
+        throw MismatchError("shm: rank " + std::to_string(rank_) + " was started with world size " + std::to_string(n_) +
+                            ", rank 0 with " + std::to_string(h->world));
+    }
+    auto* slots = reinterpret_cast<RankSlot*>(seg->base() + sizeof(Header));
+    slots[rank_].pid.store(::getpid(), std::memory_order_release);
+    // Once every rank has mapped the segment its name is no longer needed: unlinking it now means
+    // no crash can leave it behind in /dev/shm.
+    if (store.add("attached", 1) == n_) store.set("ready", "1");
+    store.wait({"ready"}, o.timeout);
+    if (rank_ == 0) seg->unlink();
+    return seg;
+  }
+
+  template <class What>
+  [[noreturn]] void fail_aborted(const What& what) {
+    throw CommError(what() + ": aborted: " + std::string(header_->reason));
+  }
+
+  void abort_world(const std::string& reason) {
+    std::uint32_t expected = 0;
+    if (header_->abort_claim.compare_exchange_strong(expected, 1)) {
+      std::strncpy(header_->reason, reason.c_str(), sizeof(header_->reason) - 1);
+      header_->aborted.store(1, std::memory_order_release);
+    }
+    futex_wake_all(&header_->generation);
+  }
+
+  // Note [Shared-memory barrier]
+  template <class What>
+  void sync(const What& what) {
+    Header& h = *header_;
+    if (h.aborted.load(std::memory_order_acquire)) fail_aborted(what);
+    const std::uint32_t gen = h.generation.load(std::memory_order_acquire);
+    slots_[rank_].arrived.store(gen + 1, std::memory_order_relaxed);
+    if (h.count.fetch_add(1, std::memory_order_acq_rel) + 1 == std::uint32_t(n_)) {
+      h.count.store(0, std::memory_order_relaxed);
+      h.generation.store(gen + 1, std::memory_order_release);
+      futex_wake_all(&h.generation);
+      return;
+    }
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    while (h.generation.load(std::memory_order_acquire) == gen && clock::now() - start < std::chrono::microseconds(50))
+      std::this_thread::yield();
+    auto next_liveness = start + std::chrono::milliseconds(100);
+    const auto deadline = start + timeout_;
+    while (h.generation.load(std::memory_order_acquire) == gen) {
+      if (h.aborted.load(std::memory_order_acquire)) fail_aborted(what);
+      const auto now = clock::now();
+      if (now >= deadline) {
+        const std::string msg = what() + ": rank(s) " + missing(gen) + " did not arrive within " +
+                                std::to_string(timeout_.count()) + " ms (Config::timeout)";
+        abort_world("rank " + std::to_string(rank_) + " timed out: " + msg);
+        throw TimeoutError(msg);
+      }
+      if (now >= next_liveness) {
+        next_liveness = now + std::chrono::milliseconds(100);
+        for (int r = 0; r < n_; ++r) {
+          const auto pid = slots_[r].pid.load(std::memory_order_acquire);
+          if (slots_[r].arrived.load(std::memory_order_acquire) != gen + 1 && process_dead(pid)) {
+            const std::string msg = what() + ": rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                                    ") died before it reached this collective";
+            abort_world(msg);
+            throw CommError(msg);
+          }
+        }
+      }
+      futex_wait(&h.generation, gen, std::min<clock::duration>(std::chrono::milliseconds(50), deadline - now));
+    }
+  }
+
+  std::string missing(std::uint32_t gen) const {
+    std::string out;
+    for (int r = 0; r < n_; ++r)
+      if (slots_[r].arrived.load(std::memory_order_acquire) != gen + 1) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    return out;
+  }
+
+  void execute(const CollectiveOp& op) {
+    const std::uint64_t seq = seq_++;
+    const auto parity = std::size_t(seq & 1);
+    slots_[rank_].sig[parity] = peer::OpSig::of(op, seq);
+    auto what = [&] {
+      return "rank " + std::to_string(rank_) + ": shm " + collective_name(op.kind) + " #" + std::to_string(seq) + " ('" +
+             op.tag + "')";
+    };
+    const peer::Sync sync = [&] { this->sync(what); };
+    const std::size_t es = dtype_size(op.dtype);
+    // Elements of one piece: an all-reduce or all-gather piece fills a staging area; a
+    // reduce-scatter piece holds one block per rank.
+    const std::size_t cap = op.kind == CollectiveKind::reduce_scatter ? staging_bytes_ / es / std::size_t(n_) : staging_bytes_ / es;
+    const std::size_t pieces = op.kind == CollectiveKind::barrier || op.count == 0 ? 0 : (op.count + cap - 1) / cap;
+    std::vector<const void*> send(staging_.begin(), staging_.end());
+    char* const mine = static_cast<char*>(staging_[std::size_t(rank_)]);
+    for (std::size_t p = 0; p == 0 || p < pieces; ++p) {
+      const std::size_t off = p * cap, len = pieces ? std::min(cap, op.count - off) : 0;
+      if (pieces) stage_in(op, off, len, mine);  // our own area: free since the last op's exit barrier
+      sync();  // inputs are staged; for the first piece also the entry barrier of the op
+      if (p == 0) check_matching(parity);
+      if (!pieces) return;
+      auto* out = static_cast<char*>(op.recv);
+      switch (op.kind) {
+        case CollectiveKind::allreduce:
+          peer::allreduce(op.dtype, len, op.scale, rank_, n_, send, staging_, out + off * es, sync);
+          break;
+        case CollectiveKind::reduce_scatter:
+          peer::reduce_scatter(op.dtype, len, len, op.scale, rank_, n_, send, out + off * es);
+          break;
+        case CollectiveKind::allgather:
+          peer::allgather(op.dtype, len, op.count, n_, send, out + off * es);
+          break;
+        case CollectiveKind::broadcast:
+          peer::copy(out + off * es, staging_[std::size_t(op.root)], len * es);
+          break;
+        case CollectiveKind::barrier:
+          break;
+      }
+      sync();  // nobody reads a staging area any more: it may be refilled
+    }
+  }
+
+  void stage_in(const CollectiveOp& op, std::size_t off, std::size_t len, char* mine) const {
+    const std::size_t es = dtype_size(op.dtype);
+    const auto* in = static_cast<const char*>(op.send);
+    switch (op.kind) {
+      case CollectiveKind::reduce_scatter:
+        for (int j = 0; j < n_; ++j)
+          peer::copy(mine + std::size_t(j) * len * es, in + (std::size_t(j) * op.count + off) * es, len * es);
+        break;
+      case CollectiveKind::broadcast:
+        if (rank_ == op.root) peer::copy(mine, in + off * es, len * es);
+        break;
+      default:
+        peer::copy(mine, in + off * es, len * es);
+    }
+  }
+
+  void check_matching(std::size_t parity) {
+    std::vector<peer::OpSig> sigs(static_cast<std::size_t>(n_));
+    for (int r = 0; r < n_; ++r) sigs[std::size_t(r)] = slots_[r].sig[parity];
+    if (auto msg = peer::mismatch(sigs.data(), n_)) {
+      abort_world(*msg);  // every rank reaches the same verdict; later ops fail at once
+      throw MismatchError(*msg);
+    }
+  }
+
+  const int rank_, n_;
+  const std::chrono::milliseconds timeout_;
+  std::unique_ptr<Segment> segment_;
+  Header* header_ = nullptr;
+  RankSlot* slots_ = nullptr;
+  std::vector<void*> staging_;
+  std::size_t staging_bytes_ = 0;
+  std::uint64_t seq_ = 0;  // stream thread only
+  StreamWorker stream_;    // last: its thread uses the members above
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_shm_communicator(const ShmOptions& options) {
+  return std::make_shared<ShmComm>(options);
+}
+
+}  // namespace shardflow

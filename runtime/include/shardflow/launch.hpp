@@ -1,0 +1,56 @@
+// One process per rank: where a process learns its rank, and how it joins the others.
+//
+//   auto env  = shardflow::LaunchEnv::detect();        // shardflow run, torchrun, srun or mpirun
+//   auto comm = shardflow::init_process_group(env, {"auto", std::chrono::minutes(10)});
+//   shardflow::Runtime rt(comm, cfg);
+//
+// Note [Who runs the store]
+// Rendezvous goes through the shardflow TCP store at MASTER_ADDR:MASTER_PORT. Under `shardflow
+// run` the launcher of node 0 serves it (SHARDFLOW_STORE_HOSTED=1) with a fresh per-job token in
+// SHARDFLOW_STORE_TOKEN. Under srun, mpirun or torchrun rank 0 serves it; the token is
+// SHARDFLOW_STORE_TOKEN when set, else derived from the scheduler's job id. torchrun's own agent
+// already listens on MASTER_PORT, so there the store takes MASTER_PORT + 1. SHARDFLOW_STORE_PORT
+// overrides the port in every case.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "shardflow/communicator.hpp"
+
+namespace shardflow {
+
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  std::uint16_t store_port = 0;   // where the store listens (Note [Who runs the store])
+  bool store_hosted = false;      // a launcher serves the store; rank 0 must not
+  std::string token;
+  std::string source = "none";    // "shardflow run", "torchrun", "slurm", "openmpi" or "none"
+
+  // Reads the environment of this process; `getenv` replaces ::getenv (tests). UsageError naming
+  // the variable when a value is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
+  static LaunchEnv detect(const std::function<const char*(const char*)>& getenv = {});
+  bool launched() const { return source != "none"; }
+  bool single_host() const { return local_world_size == world_size; }
+  std::string describe() const;
+};
+
+struct ProcessGroupOptions {
+  // "gloo", "shm", or "auto": shm when every rank is on this host, else gloo.
+  std::string backend = "auto";
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
+
+// Joins the job's other ranks (a collective: every rank calls it, in the same order if more than
+// once). Ranks that asked for different backends get a MismatchError naming both, before any
+// backend rendezvous could hang. The returned communicator keeps the store alive.
+std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& options = {});
+
+}  // namespace shardflow

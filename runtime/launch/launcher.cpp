@@ -1,0 +1,338 @@
+#include "runtime/launch/launcher.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "runtime/launch/output_relay.hpp"
+#include "shardflow/errors.hpp"
+#include "shardflow/store.hpp"
+
+namespace shardflow::launch {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+struct Rank {
+  int global = 0, local = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;  // waitpid status once exited
+  int out_fd = -1, err_fd = -1;
+  std::unique_ptr<OutputRelay> out, err;
+};
+
+std::string random_token() {
+  std::random_device rd;
+  char buf[33];
+  std::snprintf(buf, sizeof(buf), "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  return buf;
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* abbrev = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) + (abbrev ? std::string(" (SIG") + abbrev + ")" : "");
+  }
+  return "stopped (status " + std::to_string(status) + ")";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+void say(const std::string& line) {
+  const std::string s = "shardflow run: " + line + "\n";
+  [[maybe_unused]] auto w = ::write(STDERR_FILENO, s.data(), s.size());
+}
+
+class Supervisor {
+ public:
+  Supervisor(const LaunchSpec& spec) : spec_(spec) {}
+
+  int run() {
+    validate();
+    const int world = spec_.nproc_per_node * spec_.nnodes;
+    std::string token = spec_.token;
+    if (token.empty()) token = random_token();
+    // Signals arrive through a descriptor, in the same poll loop as the ranks' output. Blocked
+    // before the store's thread exists, so that it inherits the mask and never takes them.
+    sigset_t mask, old;
+    sigemptyset(&mask);
+    for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
+    pthread_sigmask(SIG_BLOCK, &mask, &old);
+    sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC);
+    if (sigfd_ < 0) throw Error("signalfd: " + std::string(std::strerror(errno)));
+
+    int port = spec_.master_port;
+    if (spec_.node_rank == 0) {
+      StoreServerOptions so;
+      so.host = spec_.nnodes == 1 ? "127.0.0.1" : "0.0.0.0";
+      so.port = std::uint16_t(port < 0 ? (spec_.nnodes == 1 ? 0 : 29500) : port);
+      so.token = token;
+      store_ = std::make_unique<TcpStoreServer>(so);
+      port = store_->port();
+    }
+
+    std::string started;
+    for (int l = 0; l < spec_.nproc_per_node; ++l) {
+      auto& r = ranks_.emplace_back();
+      r.local = l;
+      r.global = spec_.node_rank * spec_.nproc_per_node + l;
+      spawn(r, world, port, token, old);
+      started += (started.empty() ? "" : ", ") + ("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ")");
+    }
+    say("started " + started + "; world " + std::to_string(world) + ", store " + spec_.master_addr + ":" +
+        std::to_string(port) + (spec_.node_rank == 0 ? " (served here)" : ""));
+    supervise();
+    return finish();
+  }
+
+ private:
+  void validate() const {
+    if (spec_.command.empty()) throw UsageError("shardflow run: no program given (shardflow run [options] -- prog args...)");
+    if (spec_.nproc_per_node < 1) throw UsageError("shardflow run: --nproc-per-node must be >= 1");
+    if (spec_.nnodes < 1) throw UsageError("shardflow run: --nnodes must be >= 1");
+    if (spec_.node_rank < 0 || spec_.node_rank >= spec_.nnodes)
+      throw UsageError("shardflow run: --node-rank " + std::to_string(spec_.node_rank) + " is not below --nnodes " +
+                       std::to_string(spec_.nnodes));
+    if (spec_.master_port > 65535 || spec_.master_port < -1 || spec_.master_port == 0)
+      throw UsageError("shardflow run: --master-port must be in [1, 65535]");
+    if (spec_.nnodes > 1 && spec_.token.empty())
+      throw UsageError("shardflow run: with --nnodes > 1 every node's launcher needs the same --token (or SHARDFLOW_STORE_TOKEN)");
+    if (spec_.nnodes > 1 && spec_.node_rank != 0 && spec_.master_port < 0)
+      throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
+  }
+
+  void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
+    int out[2], err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) throw Error("pipe: " + std::string(std::strerror(errno)));
+    std::map<std::string, std::string> env = {
+        {"RANK", std::to_string(r.global)},
+        {"WORLD_SIZE", std::to_string(world)},
+        {"LOCAL_RANK", std::to_string(r.local)},
+        {"LOCAL_WORLD_SIZE", std::to_string(spec_.nproc_per_node)},
+        {"GROUP_RANK", std::to_string(spec_.node_rank)},
+        {"MASTER_ADDR", spec_.master_addr},
+        {"MASTER_PORT", std::to_string(port)},
+        {"SHARDFLOW_LAUNCHER", "1"},
+        {"SHARDFLOW_STORE_HOSTED", "1"},
+        {"SHARDFLOW_STORE_TOKEN", token},
+        {"SHARDFLOW_STORE_PORT", std::to_string(port)},
+    };
+    // N ranks share the node's cores: without a hint every rank's BLAS would use all of them.
+    if (!std::getenv("OMP_NUM_THREADS")) {
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / unsigned(spec_.nproc_per_node)));
+    }
+    // Everything the child needs is built before fork: the store's thread runs in this process,
+    // so between fork and exec the child may only make async-signal-safe calls (no malloc).
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      if (!env.count(kv.substr(0, kv.find('=')))) env_strings.push_back(kv);
+    }
+    for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+    std::vector<char*> envp, argv;
+    for (auto& kv : env_strings) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+    for (const auto& a : spec_.command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const std::string exec_failed = "shardflow run: cannot execute '" + spec_.command[0] + "'\n";
+
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) throw Error("fork: " + std::string(std::strerror(errno)));
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl took effect
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
+      ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+      ::execvpe(argv[0], argv.data(), envp.data());
+      [[maybe_unused]] auto w = ::write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also here: no race with the first kill(-pid)
+    ::close(out[1]);
+    ::close(err[1]);
+    r.pid = pid;
+    r.running = true;
+    r.out_fd = out[0];
+    r.err_fd = err[0];
+    const std::string prefix = spec_.prefix_output ? "[rank " + std::to_string(r.global) + "] " : "";
+    r.out = std::make_unique<OutputRelay>(STDOUT_FILENO, prefix);
+    r.err = std::make_unique<OutputRelay>(STDERR_FILENO, prefix);
+  }
+
+  void signal_all(int sig) {
+    for (auto& r : ranks_)
+      if (r.running) ::kill(-r.pid, sig);
+  }
+
+  // Stops the job: SIGTERM now, SIGKILL once the grace period has passed.
+  void begin_stop(int sig) {
+    if (stop_deadline_) return;
+    signal_all(sig);
+    stop_deadline_ = clock::now() + spec_.kill_grace;
+  }
+
+  void reap() {
+    for (;;) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) return;
+      for (auto& r : ranks_) {
+        if (r.pid != pid) continue;
+        r.running = false;
+        r.status = status;
+        const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && !first_failure_ && !interrupted_) {
+          first_failure_ = r.global;
+          say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") " + describe_status(status) +
+              "; stopping the other rank(s)");
+          begin_stop(SIGTERM);
+        }
+        // The rank's group may still hold children of its own; they go with it.
+        if (stop_deadline_) ::kill(-pid, SIGKILL);
+      }
+    }
+  }
+
+  void on_signal() {
+    signalfd_siginfo si{};
+    while (::read(sigfd_, &si, sizeof(si)) == ssize_t(sizeof(si))) {
+      const int sig = int(si.ssi_signo);
+      if (sig == SIGCHLD) {
+        reap();
+        continue;
+      }
+      if (interrupted_) {  // a second Ctrl-C: no more patience
+        say("second " + std::string(sigabbrev_np(sig)) + ": killing every rank");
+        signal_all(SIGKILL);
+        continue;
+      }
+      interrupted_ = sig;
+      say("got SIG" + std::string(sigabbrev_np(sig)) + ": forwarding it to every rank");
+      signal_all(sig);
+      stop_deadline_ = clock::now() + spec_.kill_grace;
+    }
+  }
+
+  bool any_running() const {
+    for (const auto& r : ranks_)
+      if (r.running) return true;
+    return false;
+  }
+
+  void supervise() {
+    // Non-blocking signal reads: on_signal drains every queued signal.
+    ::fcntl(sigfd_, F_SETFL, ::fcntl(sigfd_, F_GETFL) | O_NONBLOCK);
+    char buf[65536];
+    std::optional<clock::time_point> drain_until;
+    for (;;) {
+      std::vector<pollfd> fds{{sigfd_, POLLIN, 0}};
+      std::vector<std::pair<int*, OutputRelay*>> pipes;
+      for (auto& r : ranks_) {
+        for (auto [fd, relay] : {std::pair{&r.out_fd, r.out.get()}, std::pair{&r.err_fd, r.err.get()}})
+          if (*fd >= 0) {
+            fds.push_back({*fd, POLLIN, 0});
+            pipes.emplace_back(fd, relay);
+          }
+      }
+      const bool running = any_running();
+      if (!running && pipes.empty()) return;
+      if (!running && !drain_until) drain_until = clock::now() + std::chrono::seconds(2);
+      if (drain_until && clock::now() >= *drain_until) break;  // a grandchild holds a pipe open: let it be
+      int wait_ms = 200;
+      if (stop_deadline_ && running) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*stop_deadline_ - clock::now()).count();
+        if (left <= 0) {
+          if (!killed_) say("grace period over: killing the remaining rank(s)");
+          killed_ = true;
+          signal_all(SIGKILL);
+        }
+        wait_ms = int(std::clamp<long>(left, 10, 200));
+      }
+      const int n = ::poll(fds.data(), fds.size(), wait_ms);
+      if (n < 0 && errno != EINTR) throw Error("poll: " + std::string(std::strerror(errno)));
+      if (n <= 0) {
+        reap();  // belt and braces: SIGCHLDs coalesce
+        continue;
+      }
+      if (fds[0].revents) on_signal();
+      for (std::size_t i = 1; i < fds.size(); ++i) {
+        if (!fds[i].revents) continue;
+        auto [fd, relay] = pipes[i - 1];
+        const ssize_t got = ::read(*fd, buf, sizeof(buf));
+        if (got > 0) {
+          relay->feed(buf, std::size_t(got));
+        } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+          relay->flush();
+          ::close(*fd);
+          *fd = -1;
+        }
+      }
+    }
+    for (auto& r : ranks_) {
+      r.out->flush();
+      r.err->flush();
+    }
+  }
+
+  int finish() {
+    if (interrupted_) {
+      say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)));
+      return 128 + interrupted_;
+    }
+    if (!first_failure_) return 0;
+    const Rank* failed = nullptr;
+    std::string others;
+    for (const auto& r : ranks_) {
+      if (r.global == *first_failure_)
+        failed = &r;
+      else
+        others += "; rank " + std::to_string(r.global) + " " + describe_status(r.status);
+    }
+    say("FAILED: rank " + std::to_string(failed->global) + " (local rank " + std::to_string(failed->local) + ", pid " +
+        std::to_string(failed->pid) + ") " + describe_status(failed->status) + others);
+    return exit_code_of(failed->status);
+  }
+
+  const LaunchSpec& spec_;
+  std::unique_ptr<TcpStoreServer> store_;
+  std::vector<Rank> ranks_;
+  int sigfd_ = -1;
+  int interrupted_ = 0;
+  bool killed_ = false;
+  std::optional<int> first_failure_;
+  std::optional<clock::time_point> stop_deadline_;
+};
+
+}  // namespace
+
+int run(const LaunchSpec& spec) {
+  Supervisor s(spec);
+  return s.run();
+}
+
+}  // namespace shardflow::launch

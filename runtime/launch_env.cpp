@@ -1,0 +1,122 @@
+// Where a process learns its rank: `shardflow run` and torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Slurm's srun (SLURM_PROCID, SLURM_NTASKS,
+// SLURM_LOCALID, SLURM_NNODES, SLURM_TASKS_PER_NODE) and Open MPI's mpirun
+// (OMPI_COMM_WORLD_RANK / SIZE / LOCAL_RANK / LOCAL_SIZE). The first family present wins, in that
+// order: torchrun inside a Slurm allocation sets RANK and is what the user meant.
+#include <algorithm>
+#include <charconv>
+#include <limits>
+#include <cstdlib>
+
+#include "shardflow/errors.hpp"
+#include "shardflow/launch.hpp"
+
+namespace shardflow {
+namespace {
+
+class Env {
+ public:
+  explicit Env(const std::function<const char*(const char*)>& getenv) : getenv_(getenv) {}
+  const char* raw(const char* name) const {
+    const char* v = getenv_ ? getenv_(name) : std::getenv(name);
+    return v && *v ? v : nullptr;
+  }
+  bool has(const char* name) const { return raw(name) != nullptr; }
+  std::string str(const char* name, std::string fallback = {}) const {
+    const char* v = raw(name);
+    return v ? std::string(v) : fallback;
+  }
+  long integer(const char* name, long fallback, long min, long max) const {
+    const char* v = raw(name);
+    if (!v) return fallback;
+    long out = 0;
+    const std::string s(v);
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    if (ec != std::errc() || end != s.data() + s.size())
+      throw UsageError("environment variable " + std::string(name) + "='" + s + "' is not an integer");
+    if (out < min || out > max)
+      throw UsageError("environment variable " + std::string(name) + "=" + s + " is outside [" + std::to_string(min) +
+                       ", " + std::to_string(max) + "]");
+    return out;
+  }
+  long required(const char* name, const char* because, long min, long max) const {
+    if (!has(name)) throw UsageError("environment variable " + std::string(name) + " is not set (" + because + ")");
+    return integer(name, 0, min, max);
+  }
+
+ private:
+  const std::function<const char*(const char*)>& getenv_;
+};
+
+// "4(x2),3" -> 4: Slurm's tasks on the first node(s); only its relation to the world size matters.
+int leading_count(const std::string& s) {
+  int v = 0;
+  std::from_chars(s.data(), s.data() + s.size(), v);
+  return v;
+}
+
+constexpr long kMaxWorld = 1 << 20;
+
+}  // namespace
+
+LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& getenv) {
+  const Env env(getenv);
+  LaunchEnv e;
+  long port = 29500;  // torchrun's default
+  if (env.has("RANK") || env.has("WORLD_SIZE")) {
+    e.source = env.has("SHARDFLOW_LAUNCHER") ? "shardflow run" : "torchrun";
+    e.world_size = int(env.required("WORLD_SIZE", "RANK is set", 1, kMaxWorld));
+    e.rank = int(env.required("RANK", "WORLD_SIZE is set", 0, kMaxWorld));
+    e.local_rank = int(env.integer("LOCAL_RANK", e.rank, 0, kMaxWorld));
+    e.local_world_size = int(env.integer("LOCAL_WORLD_SIZE", e.world_size, 1, kMaxWorld));
+    port = env.integer("MASTER_PORT", port, 1, 65535);
+    // torchrun's agent serves its own store on MASTER_PORT (Note [Who runs the store]).
+    if (e.source == "torchrun") ++port;
+    e.token = env.str("SHARDFLOW_STORE_TOKEN", "torchrun-" + env.str("TORCHELASTIC_RUN_ID", std::to_string(port)));
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {
+    e.source = "openmpi";
+    e.world_size = int(env.required("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK is set", 1, kMaxWorld));
+    e.rank = int(env.integer("OMPI_COMM_WORLD_RANK", 0, 0, kMaxWorld));
+    e.local_rank = int(env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, 0, kMaxWorld));
+    e.local_world_size = int(env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1, kMaxWorld));
+    port = env.integer("MASTER_PORT", port, 1, 65535);
+    e.token = env.str("SHARDFLOW_STORE_TOKEN", "ompi-" + env.str("PMIX_NAMESPACE", env.str("OMPI_MCA_ess_base_jobid", "job")));
+  } else if (env.has("SLURM_PROCID")) {
+    e.source = "slurm";
+    e.world_size = int(env.required("SLURM_NTASKS", "SLURM_PROCID is set", 1, kMaxWorld));
+    e.rank = int(env.integer("SLURM_PROCID", 0, 0, kMaxWorld));
+    e.local_rank = int(env.integer("SLURM_LOCALID", 0, 0, kMaxWorld));
+    const long nodes = env.integer("SLURM_NNODES", 1, 1, kMaxWorld);
+    e.local_world_size = nodes == 1 ? e.world_size : std::max(1, leading_count(env.str("SLURM_TASKS_PER_NODE", "1")));
+    // Jobs that share a node must not share a port: spread them by job id unless told.
+    const long job = env.integer("SLURM_JOB_ID", 0, 0, std::numeric_limits<long>::max());
+    port = env.integer("MASTER_PORT", 20000 + job % 20000, 1, 65535);
+    e.token = env.str("SHARDFLOW_STORE_TOKEN", "slurm-" + std::to_string(job) + "-" + env.str("SLURM_STEP_ID", "0"));
+  } else {
+    return e;  // a single process: world 1
+  }
+  auto bad = [&](const std::string& why) { throw UsageError("launch environment (" + e.source + "): " + why); };
+  if (e.rank >= e.world_size)
+    bad("rank " + std::to_string(e.rank) + " is not below the world size " + std::to_string(e.world_size));
+  if (e.local_world_size > e.world_size)
+    bad("local world size " + std::to_string(e.local_world_size) + " exceeds the world size " + std::to_string(e.world_size));
+  if (e.local_rank >= e.local_world_size)
+    bad("local rank " + std::to_string(e.local_rank) + " is not below the local world size " + std::to_string(e.local_world_size));
+  e.store_hosted = env.str("SHARDFLOW_STORE_HOSTED") == "1";
+  if (e.store_hosted && !env.has("SHARDFLOW_STORE_TOKEN"))
+    bad("SHARDFLOW_STORE_HOSTED=1 but SHARDFLOW_STORE_TOKEN is not set: start the job with `shardflow run`");
+  e.store_port = std::uint16_t(env.integer("SHARDFLOW_STORE_PORT", port, 1, 65535));
+  if (env.has("MASTER_ADDR"))
+    e.master_addr = env.str("MASTER_ADDR");
+  else if (!e.single_host())
+    bad("MASTER_ADDR is not set, and the ranks span several hosts: set it to the address of rank 0's host");
+  return e;
+}
+
+std::string LaunchEnv::describe() const {
+  return "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " (local " + std::to_string(local_rank) +
+         " of " + std::to_string(local_world_size) + ", from " + source + "; store " + master_addr + ":" +
+         std::to_string(store_port) + (store_hosted ? " served by the launcher" : " served by rank 0") + ")";
+}
+
+}  // namespace shardflow

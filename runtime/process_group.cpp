@@ -1,0 +1,101 @@
+// init_process_group: the store (served by rank 0 unless a launcher serves it), a backend
+// agreement check over it, then the backend's own rendezvous.
+#include <unistd.h>
+
+#include <atomic>
+
+#include "shardflow/errors.hpp"
+#include "shardflow/gloo.hpp"
+#include "shardflow/launch.hpp"
+#include "shardflow/shm.hpp"
+#include "shardflow/store.hpp"
+
+namespace shardflow {
+namespace {
+
+// The backend's communicator, plus the store server it may still need (rank 0 serves peers that
+// are slower to finish their rendezvous than rank 0 is).
+class GroupComm final : public Communicator {
+ public:
+  GroupComm(std::unique_ptr<TcpStoreServer> server, std::shared_ptr<Communicator> inner)
+      : server_(std::move(server)), inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend_name() const override { return inner_->backend_name(); }
+  bool supports(Device d) const override { return inner_->supports(d); }
+  void submit(CollectiveOp op, CollectiveDone done) override { inner_->submit(std::move(op), std::move(done)); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+
+ private:
+  std::unique_ptr<TcpStoreServer> server_;
+  std::shared_ptr<Communicator> inner_;  // destroyed first: its threads may still use the store
+};
+
+std::atomic<int> groups_created{0};
+
+std::string this_host() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
+  if (o.backend != "auto" && o.backend != "gloo" && o.backend != "shm")
+    throw UsageError("init_process_group: backend '" + o.backend + "' is not one of auto, gloo, shm");
+  if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
+  std::unique_ptr<TcpStoreServer> server;
+  std::string store_host = env.master_addr;
+  if (!env.store_hosted && env.rank == 0) {
+    StoreServerOptions so;
+    so.host = env.single_host() ? "127.0.0.1" : "0.0.0.0";  // loopback unless peers live elsewhere
+    so.port = env.store_port;
+    so.token = env.token;
+    try {
+      server = std::make_unique<TcpStoreServer>(so);
+    } catch (const Error& e) {
+      throw CommError("rank 0 cannot serve the rendezvous store: " + std::string(e.what()) +
+                      " (another job on this port? set MASTER_PORT or SHARDFLOW_STORE_PORT)");
+    }
+    store_host = "127.0.0.1";
+  }
+  const std::string prefix = "pg" + std::to_string(groups_created++) + "/";
+  {
+    TcpStoreClient client(store_host, env.store_port, env.token, o.timeout);
+    PrefixStore store(client, prefix);
+    store.set("backend/" + std::to_string(env.rank), o.backend + " " + std::to_string(env.world_size));
+    const std::string mine = store.get("backend/" + std::to_string(env.rank));
+    const std::string root = store.get("backend/0");
+    if (root != mine)
+      throw MismatchError("rank " + std::to_string(env.rank) + " asked for backend/world '" + mine + "' but rank 0 for '" +
+                          root + "': every rank must pass the same backend and world size");
+  }
+  const std::string backend = o.backend != "auto" ? o.backend : env.single_host() ? "shm" : "gloo";
+  std::shared_ptr<Communicator> inner;
+  if (backend == "shm") {
+    ShmOptions so;
+    so.rank = env.rank;
+    so.world_size = env.world_size;
+    so.store_host = store_host;
+    so.store_port = env.store_port;
+    so.token = env.token;
+    so.key_prefix = prefix + "shm/";
+    so.timeout = o.timeout;
+    inner = make_shm_communicator(so);
+  } else {
+    GlooOptions go;
+    go.rank = env.rank;
+    go.world_size = env.world_size;
+    go.store_host = store_host;
+    go.store_port = env.store_port;
+    go.token = env.token;
+    go.key_prefix = prefix + "gloo/";
+    go.hostname = env.single_host() ? "127.0.0.1" : this_host();
+    go.timeout = o.timeout;
+    inner = make_gloo_communicator(go);
+  }
+  return std::make_shared<GroupComm>(std::move(server), std::move(inner));
+}
+
+}  // namespace shardflow
