@@ -11,10 +11,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
 #include "shardflow/gloo.hpp"
+#include "shardflow/launch.hpp"
 #include "shardflow/shardflow.hpp"
 #include "shardflow/store.hpp"
 
@@ -32,38 +34,66 @@ double bus_factor(CollectiveKind k, int n) {
   }
 }
 
-// Seconds per op: the median over `reps` of rank 0's time from a common start to completion.
-double time_op(const std::vector<std::shared_ptr<Communicator>>& comms, CollectiveKind kind, std::size_t bytes, int reps) {
-  const int n = int(comms.size());
+// One rank's timings of `reps` ops (after two warm-up reps: page faults, thread wake-ups), each
+// from a common start (`sync`) to completion on this rank.
+// `registered`: buffers from comm.allocate() (the runtime's buckets are), else plain vectors.
+std::vector<double> time_rank(Communicator& comm, CollectiveKind kind, std::size_t bytes, int reps,
+                              const std::function<void()>& sync, bool registered) {
+  const int n = comm.world_size();
   const std::size_t elems = bytes / 4;
   const std::size_t block = kind == CollectiveKind::allreduce || kind == CollectiveKind::broadcast ? elems : elems / std::size_t(n);
-  std::vector<std::vector<float>> send(static_cast<std::size_t>(n)), recv(static_cast<std::size_t>(n));
+  const std::size_t ns = kind == CollectiveKind::allgather ? block : elems;
+  const std::size_t nd = kind == CollectiveKind::reduce_scatter ? block : elems;
+  std::vector<float> sv, dv;
+  std::shared_ptr<std::byte> sr, dr;
+  float *s = nullptr, *d = nullptr;
+  if (registered) {
+    sr = comm.allocate(ns * 4);
+    dr = comm.allocate(nd * 4);
+    s = reinterpret_cast<float*>(sr.get());
+    d = reinterpret_cast<float*>(dr.get());
+  } else {
+    sv.resize(ns);
+    dv.resize(nd);
+    s = sv.data();
+    d = dv.data();
+  }
+  std::fill_n(s, ns, 1.0f);
+  CollectiveOp op;
+  op.kind = kind;
+  op.send = s;
+  op.recv = kind == CollectiveKind::allreduce || kind == CollectiveKind::broadcast ? s : d;
+  op.count = block;
+  op.tag = "bench";
   std::vector<double> times;
+  for (int i = 0; i < reps + 2; ++i) {
+    sync();
+    const auto t0 = clk::now();
+    comm.run(op, std::chrono::minutes(1));
+    if (i >= 2) times.push_back(std::chrono::duration<double>(clk::now() - t0).count());
+  }
+  return times;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Ranks as threads of this process: rank 0's median.
+double time_op(const std::vector<std::shared_ptr<Communicator>>& comms, CollectiveKind kind, std::size_t bytes, int reps,
+               bool registered) {
+  const int n = int(comms.size());
   std::barrier sync(n);
+  std::vector<double> times;
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
-      auto comm = comms[std::size_t(r)];
-      auto& s = send[std::size_t(r)];
-      auto& d = recv[std::size_t(r)];
-      s.assign(kind == CollectiveKind::allgather ? block : elems, 1.0f);
-      d.assign(kind == CollectiveKind::reduce_scatter ? block : elems, 0.0f);
-      CollectiveOp op;
-      op.kind = kind;
-      op.send = s.data();
-      op.recv = kind == CollectiveKind::allreduce || kind == CollectiveKind::broadcast ? s.data() : d.data();
-      op.count = block;
-      op.tag = "bench";
-      for (int i = 0; i < reps + 2; ++i) {  // two warm-up reps: page faults, thread wake-ups
-        sync.arrive_and_wait();
-        const auto t0 = clk::now();
-        comm->run(op, std::chrono::minutes(1));
-        if (r == 0 && i >= 2) times.push_back(std::chrono::duration<double>(clk::now() - t0).count());
-      }
+      auto t = time_rank(*comms[std::size_t(r)], kind, bytes, reps, [&] { sync.arrive_and_wait(); }, registered);
+      if (r == 0) times = std::move(t);
     });
   for (auto& t : threads) t.join();
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return median(times);
 }
 
 double time_memcpy(std::size_t bytes, int reps) {
@@ -74,8 +104,7 @@ double time_memcpy(std::size_t bytes, int reps) {
     std::memcpy(b.data(), a.data(), bytes);
     if (i >= 2) times.push_back(std::chrono::duration<double>(clk::now() - t0).count());
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return median(times);
 }
 
 std::string human(std::size_t bytes) {
@@ -90,17 +119,46 @@ std::string human(std::size_t bytes) {
 int main(int argc, char** argv) {
   CLI::App app{"Collective bandwidth of a backend next to memcpy"};
   std::string backend = "in-process";
-  app.add_option("--backend", backend, "in-process | gloo (ranks are threads; gloo connects them over loopback TCP)")->capture_default_str();
+  app.add_option("--backend", backend,
+                 "in-process | gloo (ranks are threads; gloo connects them over loopback TCP). Under `shardflow run` every "
+                 "process is one rank: shm | gloo")->capture_default_str();
   std::vector<int> worlds{2, 4};
   std::vector<std::size_t> sizes{4 << 10, 256 << 10, 4 << 20, 64 << 20};
   int reps = 10;
+  bool plain = false;
+  app.add_flag("--plain-buffers", plain, "time ordinary buffers instead of comm.allocate()'d ones (shm then stages every op)");
   app.add_option("--world", worlds, "world sizes")->capture_default_str();
   app.add_option("--bytes", sizes, "buffer sizes in bytes")->capture_default_str();
   app.add_option("--reps", reps, "timed repetitions (median reported)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  std::printf("| backend | world | op | size | time (us) | algbw (GB/s) | busbw (GB/s) | memcpy (GB/s) | busbw / memcpy |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  auto kinds = {CollectiveKind::allreduce, CollectiveKind::reduce_scatter, CollectiveKind::allgather, CollectiveKind::broadcast};
+  auto reps_for = [&](std::size_t bytes) { return bytes >= (16u << 20) ? std::max(3, reps / 2) : reps * 10; };
+  auto report = [&](int n, CollectiveKind kind, std::size_t bytes, double t) {
+    const double mc = double(bytes) / time_memcpy(bytes, reps_for(bytes)) / 1e9;
+    const double alg = double(bytes) / t / 1e9;
+    const double bus = alg * bus_factor(kind, n);
+    std::printf("| %s%s | %d | %s | %s | %.1f | %.2f | %.2f | %.2f | %.0f %% |\n", backend.c_str(), plain ? " (plain)" : "", n, collective_name(kind),
+                human(bytes).c_str(), t * 1e6, alg, bus, mc, 100.0 * bus / mc);
+    std::fflush(stdout);
+  };
+  const LaunchEnv env = LaunchEnv::detect();
+  if (env.rank == 0) {
+    std::printf("| backend | world | op | size | time (us) | algbw (GB/s) | busbw (GB/s) | memcpy (GB/s) | busbw / memcpy |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  }
+  if (env.launched()) {  // one rank per process: rank 0 reports its own medians
+    auto comm = init_process_group(env, ProcessGroupOptions{backend, std::chrono::minutes(2)});
+    CollectiveOp barrier;
+    barrier.kind = CollectiveKind::barrier;
+    barrier.tag = "bench sync";
+    for (auto kind : kinds)
+      for (std::size_t bytes : sizes) {
+        const auto t = time_rank(*comm, kind, bytes, reps_for(bytes), [&] { comm->run(barrier, std::chrono::minutes(1)); }, !plain);
+        if (env.rank == 0) report(env.world_size, kind, bytes, median(t));
+      }
+    return 0;
+  }
   std::unique_ptr<TcpStoreServer> store;
   if (backend == "gloo") {
     StoreServerOptions so;
@@ -130,18 +188,8 @@ int main(int argc, char** argv) {
       world = InProcessWorld::create(n);
       for (int r = 0; r < n; ++r) comms[std::size_t(r)] = world->communicator(r);
     }
-    for (auto kind : {CollectiveKind::allreduce, CollectiveKind::reduce_scatter, CollectiveKind::allgather, CollectiveKind::broadcast}) {
-      for (std::size_t bytes : sizes) {
-        const int r = bytes >= (16u << 20) ? std::max(3, reps / 2) : reps * 10;
-        const double t = time_op(comms, kind, bytes, r);
-        const double mc = double(bytes) / time_memcpy(bytes, r) / 1e9;
-        const double alg = double(bytes) / t / 1e9;
-        const double bus = alg * bus_factor(kind, n);
-        std::printf("| %s | %d | %s | %s | %.1f | %.2f | %.2f | %.2f | %.0f %% |\n", backend.c_str(), n, collective_name(kind),
-                    human(bytes).c_str(), t * 1e6, alg, bus, mc, 100.0 * bus / mc);
-        std::fflush(stdout);
-      }
-    }
+    for (auto kind : kinds)
+      for (std::size_t bytes : sizes) report(n, kind, bytes, time_op(comms, kind, bytes, reps_for(bytes), !plain));
   }
   return 0;
 }

@@ -3,6 +3,9 @@
 //   mlp_train --sizes 784,256,256,10 --steps 300 --global-batch 64 --world-size 2
 //             --optimizer adamw --lr 1e-3 [--init in.safetensors] [--data d.safetensors]
 //             [--save out.safetensors] [--seed S]
+//
+// Started plainly, its ranks are threads over the in-process backend. Started by `shardflow run`
+// (or torchrun, srun, mpirun) every process is one rank: --backend shm|gloo|auto.
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
@@ -11,10 +14,12 @@
 
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/train.hpp"
+#include "kernels/cpu/linear.hpp"
+#include "shardflow/launch.hpp"
 
 int main(int argc, char** argv) {
   using namespace shardflow;
-  CLI::App app{"Data-parallel MLP training on shardflow (ranks are threads, in-process collectives)"};
+  CLI::App app{"Data-parallel MLP training on shardflow (ranks as threads, or one process per rank under `shardflow run`)"};
   mlp::TrainOptions opt;
   std::string sizes = "784,256,256,10", optimizer = "sgd", init, data, save;
   double first_bucket_mb = 1.0, bucket_mb = 25.0, timeout_s = 600;
@@ -51,6 +56,10 @@ int main(int argc, char** argv) {
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
+  std::string backend = "auto";
+  app.add_option("--backend", backend,
+                 "auto | in-process | shm | gloo (auto: in-process threads when started plainly; under a launcher shm on one "
+                 "host, else gloo)")->capture_default_str();
   bool quiet = false;
   app.add_flag("--quiet", quiet, "only the summary");
   CLI11_PARSE(app, argc, argv);
@@ -72,6 +81,25 @@ int main(int argc, char** argv) {
     if (timeout_s <= 0) throw UsageError("--timeout must be positive");
     opt.runtime.timeout = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
 
+    const LaunchEnv env = LaunchEnv::detect();
+    std::shared_ptr<Communicator> comm;
+    if (env.launched()) {
+      if (backend == "in-process")
+        throw UsageError("--backend in-process runs the ranks as threads of one process; under a launcher use shm or gloo");
+      if (app.count("--world-size") && opt.world_size != env.world_size)
+        throw UsageError("--world-size " + std::to_string(opt.world_size) + " but the launcher started " +
+                         std::to_string(env.world_size) + " rank(s)");
+      opt.world_size = env.world_size;
+      // The launcher shares the cores out (OMP_NUM_THREADS); OpenBLAS reads it at load time, but
+      // say it once more in case another library set it first.
+      if (const char* omp = std::getenv("OMP_NUM_THREADS")) kernels::set_blas_threads(std::max(1, std::atoi(omp)));
+      comm = init_process_group(env, ProcessGroupOptions{backend, opt.runtime.timeout});
+      if (env.rank != 0) quiet = true;  // rank 0 reports for the job
+    } else if (backend != "auto" && backend != "in-process") {
+      throw UsageError("--backend " + backend + " needs one process per rank: start mlp_train with `shardflow run --nproc-per-node N --`");
+    }
+    const bool report = !env.launched() || env.rank == 0;
+
     const bool tty = isatty(STDOUT_FILENO);
     const int width = std::to_string(opt.steps).size();
     opt.on_step = [&](const mlp::StepReport& r) {
@@ -82,10 +110,13 @@ int main(int argc, char** argv) {
                   opt.steps, r.loss, r.step_ms, sps, tty ? "  " : "\n");
       std::fflush(stdout);
     };
-    std::printf("mlp_train: sizes %s, world %d, global batch %d x %d, %s lr %g, %d steps, zero stage %d, overlap %s, partition %s\n",
-                sizes.c_str(), opt.world_size, opt.global_batch, opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr),
-                opt.steps, zero_stage, overlap.c_str(), partition.c_str());
-    auto res = mlp::train(opt);
+    if (report)
+      std::printf("mlp_train: sizes %s, world %d (%s), global batch %d x %d, %s lr %g, %d steps, zero stage %d, overlap %s, partition %s\n",
+                  sizes.c_str(), opt.world_size, comm ? comm->backend_name().c_str() : "in-process threads", opt.global_batch,
+                  opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr), opt.steps, zero_stage, overlap.c_str(),
+                  partition.c_str());
+    auto res = comm ? mlp::train_rank(opt, comm) : mlp::train(opt);
+    if (!report) return 0;
     if (tty && !quiet) std::printf("\n");
     double total = 0;
     for (double ms : res.step_ms) total += ms;
@@ -94,13 +125,15 @@ int main(int argc, char** argv) {
                 res.losses.empty() ? 0.0 : double(res.losses.front()), res.losses.empty() ? 0.0 : double(res.losses.back()),
                 mean, res.buckets.size());
     for (std::size_t r = 0; r < res.memory.size(); ++r)
-      std::printf("  memory rank %zu: start %s | end %s\n", r, res.memory[r].str().c_str(), res.memory_end[r].str().c_str());
+      std::printf("  memory rank %zu: start %s | end %s\n", comm ? std::size_t(comm->rank()) : r, res.memory[r].str().c_str(),
+                  res.memory_end[r].str().c_str());
     for (const auto& b : res.buckets)
       std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
                   b.params.front().c_str(), b.params.back().c_str());
     if (opt.save_path) std::printf("saved %s\n", opt.save_path->c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mlp_train: error: %s\n", e.what());
+    std::fflush(stderr);
     return 1;
   }
   return 0;

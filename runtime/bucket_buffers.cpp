@@ -20,8 +20,9 @@ std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes) {
   return std::shared_ptr<std::byte>(p, [](std::byte* q) { std::free(q); });
 }
 
-BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled)
+BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Allocate allocate)
     : pooled_(pooled),
+      allocate_(allocate ? std::move(allocate) : Allocate(alloc_zeroed)),
       bytes_(std::move(bytes)),
       grad_(bytes_.size()),
       staging_(bytes_.size()),
@@ -30,7 +31,7 @@ BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled)
       is_reducing_(bytes_.size(), 0) {
   if (pooled_) return;
   for (std::size_t b = 0; b < bytes_.size(); ++b) {
-    grad_[b] = alloc_zeroed(bytes_[b]);
+    grad_[b] = allocate_(bytes_[b]);
     staging_[b] = grad_[b];
     allocated_ += bytes_[b];
   }
@@ -44,7 +45,7 @@ std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capac
   if (best == free_.size()) {
     capacity = need;
     allocated_ += need;
-    return alloc_zeroed(need);
+    return allocate_(need);
   }
   auto buf = std::move(free_[best].buf);
   capacity = free_[best].capacity;

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -20,8 +21,10 @@ namespace shardflow {
 
 class BucketBuffers {
  public:
-  // bytes: each bucket's buffer size (padded for flat shards).
-  BucketBuffers(std::vector<std::size_t> bytes, bool pooled);
+  using Allocate = std::function<std::shared_ptr<std::byte>(std::size_t)>;  // zeroed, 64-byte aligned
+  // bytes: each bucket's buffer size (padded for flat shards). `allocate`: the communicator's
+  // (Communicator::allocate), so that collectives on the buckets need no staging copy.
+  BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Allocate allocate);
 
   bool pooled() const { return pooled_; }
   std::size_t bytes(std::size_t b) const { return bytes_[b]; }
@@ -58,6 +61,7 @@ class BucketBuffers {
     std::size_t capacity;
   };
   const bool pooled_;
+  Allocate allocate_;
   std::vector<std::size_t> bytes_;
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<std::byte>> grad_, staging_;

@@ -47,6 +47,11 @@ bool same_layout(const BucketPlan& a, const BucketPlan& b) {
 struct Runtime::Impl {
   Config cfg;
   std::shared_ptr<Communicator> comm;
+  // Bucket memory from the backend (Communicator::allocate): shared memory for shm, so that its
+  // collectives read the peers' buckets in place.
+  BucketBuffers::Allocate allocator() const {
+    return [c = comm](std::size_t n) { return c->allocate(n); };
+  }
   int rank = 0, world = 1;
   std::uint32_t owner = 0;
   std::shared_ptr<spdlog::logger> log;
@@ -173,12 +178,12 @@ struct Runtime::Impl {
       std::vector<std::size_t> bytes;
       for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
         bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
-      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded);
+      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded, allocator());
       next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups, next_bufs);
     } else {
       std::vector<std::size_t> bytes;
       for (const auto& b : next.buckets) bytes.push_back(b.bytes());
-      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false);
+      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false, allocator());
       // Plain DDP: the trainer reads the reduced gradients after wait(); a rebuild moves them along.
       if (bufs && cfg.gradient_as_bucket_view)
         for (const auto& b : next.buckets)

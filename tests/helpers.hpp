@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <exception>
+#include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,6 +72,67 @@ inline CollectiveOp make(CollectiveKind k, const void* send, void* recv, std::si
   op.root = root;
   op.tag = "test";
   return op;
+}
+
+// Runs every collective (all-reduce scaled by 0.5, reduce-scatter, all-gather, broadcast from the
+// last rank, barrier) of `count` elements per rank on `comms` (one thread per rank) and returns
+// how many output elements differ from the exact answer. `registered(r)`: rank r's buffers come
+// from comm.allocate() rather than the heap.
+inline std::size_t wrong_elements(const std::vector<std::shared_ptr<Communicator>>& comms, std::size_t count,
+                                  const std::function<bool(int)>& registered = {}) {
+  const int n = int(comms.size());
+  auto value = [](int rank, std::size_t i) { return float((rank + 1) * int(i % 53) - 5 * rank); };
+  struct Buffers {
+    std::vector<std::shared_ptr<std::byte>> owned;
+    float* get(Communicator& c, bool reg, std::size_t elems, std::vector<float>& heap) {
+      if (!reg) {
+        heap.assign(elems, -1.0f);
+        return heap.data();
+      }
+      owned.push_back(c.allocate(std::max<std::size_t>(elems, 1) * 4));
+      auto* p = reinterpret_cast<float*>(owned.back().get());
+      std::fill_n(p, elems, -1.0f);
+      return p;
+    }
+  };
+  const auto N = static_cast<std::size_t>(n);
+  std::vector<float*> ar(N), rs_in(N), rs_out(N), ag_in(N), ag_out(N), bc(N);
+  std::vector<Buffers> bufs(N);
+  std::vector<std::vector<float>> heap(N * 6);
+  require_all_ok(run_ranks(n, [&](int r) {
+    const auto R = std::size_t(r);
+    auto& c = *comms[R];
+    const bool reg = registered && registered(r);
+    ar[R] = bufs[R].get(c, reg, count, heap[6 * R]);
+    bc[R] = bufs[R].get(c, reg, count, heap[6 * R + 1]);
+    ag_in[R] = bufs[R].get(c, reg, count, heap[6 * R + 2]);
+    ag_out[R] = bufs[R].get(c, reg, count * N, heap[6 * R + 3]);
+    rs_in[R] = bufs[R].get(c, reg, count * N, heap[6 * R + 4]);
+    rs_out[R] = bufs[R].get(c, reg, count, heap[6 * R + 5]);
+    for (std::size_t i = 0; i < count; ++i) ar[R][i] = bc[R][i] = ag_in[R][i] = value(r, i);
+    for (std::size_t i = 0; i < count * N; ++i) rs_in[R][i] = value(r, i);
+    c.run(make(CollectiveKind::allreduce, ar[R], ar[R], count, 0.5f), std::chrono::seconds(30));
+    c.run(make(CollectiveKind::reduce_scatter, rs_in[R], rs_out[R], count), std::chrono::seconds(30));
+    c.run(make(CollectiveKind::allgather, ag_in[R], ag_out[R], count), std::chrono::seconds(30));
+    c.run(make(CollectiveKind::broadcast, bc[R], bc[R], count, 1.0f, n - 1), std::chrono::seconds(30));
+    c.run(make(CollectiveKind::barrier, nullptr, nullptr, 0), std::chrono::seconds(30));
+  }));
+  std::size_t bad = 0;
+  for (int r = 0; r < n; ++r) {
+    const auto R = std::size_t(r);
+    for (std::size_t i = 0; i < count; ++i) {
+      float sum = 0, rs = 0;
+      for (int k = 0; k < n; ++k) {
+        sum += value(k, i);
+        rs += value(k, R * count + i);
+      }
+      bad += ar[R][i] != sum * 0.5f;
+      bad += rs_out[R][i] != rs;
+      bad += bc[R][i] != value(n - 1, i);
+      for (int k = 0; k < n; ++k) bad += ag_out[R][std::size_t(k) * count + i] != value(k, i);
+    }
+  }
+  return bad;
 }
 
 // ||a - b|| / ||b||

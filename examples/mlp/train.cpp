@@ -66,7 +66,6 @@ struct Shared {
   const TrainOptions& opt;
   const Dataset& data;
   const TensorMap* init;
-  std::shared_ptr<InProcessWorld> world;
   TrainResult result;
   std::mutex mu;
   std::exception_ptr error;
@@ -85,7 +84,9 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
   }
 }
 
-void run_rank(Shared& sh, int rank) {
+// `slot`: where this rank's memory reports go in the result (its rank when ranks are threads, 0
+// when this process is one rank of many).
+void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
   const auto& opt = sh.opt;
   const int N = opt.world_size, B = opt.global_batch, local = B / N;
   Model model(opt.sizes);
@@ -94,7 +95,6 @@ void run_rank(Shared& sh, int rank) {
   else
     model.init(opt.seed);
 
-  auto comm = sh.world->communicator(rank);
   Runtime rt(comm, opt.runtime);
   // Mixed precision: the registered storage is 16-bit; `model` computes in fp32 copies of it, and
   // its fp32 gradients are added into the runtime's 16-bit gradient buffers when complete.
@@ -162,7 +162,7 @@ void run_rank(Shared& sh, int rank) {
     optim.emplace(opt.optimizer);
   {
     std::lock_guard lock(sh.mu);
-    sh.result.memory[std::size_t(rank)] = rt.memory_report();
+    sh.result.memory[slot] = rt.memory_report();
   }
   std::vector<float> x, y;
   const int K = opt.accumulate;
@@ -213,7 +213,7 @@ void run_rank(Shared& sh, int rank) {
   for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
   {
     std::lock_guard lock(sh.mu);
-    sh.result.memory_end[std::size_t(rank)] = rt.memory_report();
+    sh.result.memory_end[slot] = rt.memory_report();
   }
   if (rank == 0) {
     sh.result.params = model.state_dict();
@@ -232,13 +232,18 @@ bool is_consequence(const std::exception_ptr& e) {
   }
 }
 
-}  // namespace
+// Checks the options and loads (or makes) the data and the initial parameters: before any rank
+// starts, so that bad input fails with one message instead of N.
+struct Prepared {
+  std::optional<TensorMap> init;
+  Dataset data;
+};
 
-TrainResult train(const TrainOptions& opt) {
+Prepared prepare(const TrainOptions& opt) {
   if (opt.world_size < 1) throw UsageError("--world-size must be >= 1");
   if (opt.global_batch < 1) throw UsageError("--global-batch must be >= 1");
   if (opt.global_batch % opt.world_size != 0)
-    throw UsageError("--global-batch " + std::to_string(opt.global_batch) + " is not divisible by --world-size " +
+    throw UsageError("--global-batch " + std::to_string(opt.global_batch) + " is not divisible by the world size " +
                      std::to_string(opt.world_size) + ": every rank takes an equal share of each batch");
   if (opt.steps < 0) throw UsageError("--steps must be >= 0");
   if (opt.accumulate < 1) throw UsageError("--accumulate must be >= 1");
@@ -248,38 +253,65 @@ TrainResult train(const TrainOptions& opt) {
   opt.runtime.validate();
   Model probe(opt.sizes);  // validates --sizes before threads start
 
-  std::optional<TensorMap> init;
-  if (opt.init_path) init = load_safetensors(*opt.init_path);
-  if (init) probe.load(*init, "--init '" + *opt.init_path + "'");
+  Prepared p;
+  if (opt.init_path) p.init = load_safetensors(*opt.init_path);
+  if (p.init) probe.load(*p.init, "--init '" + *opt.init_path + "'");
   const int in = opt.sizes.front(), out = opt.sizes.back();
-  const Dataset data = opt.data_path
-                           ? Dataset::load(*opt.data_path, in, out)
-                           : Dataset::synthetic(in, out, opt.data_rows ? opt.data_rows : std::max<std::size_t>(16 * std::size_t(opt.global_batch), 4096),
-                                                opt.seed);
+  p.data = opt.data_path
+               ? Dataset::load(*opt.data_path, in, out)
+               : Dataset::synthetic(in, out, opt.data_rows ? opt.data_rows : std::max<std::size_t>(16 * std::size_t(opt.global_batch), 4096),
+                                    opt.seed);
+  return p;
+}
 
+}  // namespace
+
+TrainResult train(const TrainOptions& opt) {
+  const Prepared prep = prepare(opt);
   // Ranks are threads here: one BLAS thread each, or the GEMMs of N ranks fight over the cores.
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   kernels::set_blas_threads(std::max(1, cores / opt.world_size));
 
-  Shared sh{opt, data, init ? &*init : nullptr, InProcessWorld::create(opt.world_size, opt.runtime.timeout), {}, {}, {}};
+  const auto world = InProcessWorld::create(opt.world_size, opt.runtime.timeout);
+  Shared sh{opt, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
   sh.result.memory.resize(std::size_t(opt.world_size));
   sh.result.memory_end.resize(std::size_t(opt.world_size));
   std::vector<std::thread> threads;
   for (int r = 0; r < opt.world_size; ++r)
-    threads.emplace_back([&sh, r] {
+    threads.emplace_back([&sh, &world, r] {
       try {
-        run_rank(sh, r);
+        run_rank(sh, r, world->communicator(r), std::size_t(r));
       } catch (...) {
         std::lock_guard lock(sh.mu);
         // Keep the root cause: a peer's "aborted" CommError is only a consequence of it.
         if (!sh.error || is_consequence(sh.error)) sh.error = std::current_exception();
         // Peers blocked in a collective with this rank fail promptly instead of at the timeout.
-        sh.world->communicator(r)->abort("rank " + std::to_string(r) + " failed");
+        world->communicator(r)->abort("rank " + std::to_string(r) + " failed");
       }
     });
   for (auto& t : threads) t.join();
   if (sh.error) std::rethrow_exception(sh.error);
   if (opt.save_path) save_safetensors(*opt.save_path, sh.result.params, {{"format", "pt"}});
+  return std::move(sh.result);
+}
+
+TrainResult train_rank(const TrainOptions& options, const std::shared_ptr<Communicator>& comm) {
+  if (!comm) throw UsageError("train_rank: communicator is null");
+  if (options.world_size != comm->world_size())
+    throw UsageError("--world-size " + std::to_string(options.world_size) + " differs from the launched world size " +
+                     std::to_string(comm->world_size()));
+  const Prepared prep = prepare(options);
+  Shared sh{options, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
+  sh.result.memory.resize(1);
+  sh.result.memory_end.resize(1);
+  try {
+    run_rank(sh, comm->rank(), comm, 0);
+  } catch (const std::exception& e) {
+    // Peers blocked in a collective with this rank fail promptly instead of at the timeout.
+    comm->abort("rank " + std::to_string(comm->rank()) + " failed: " + e.what());
+    throw;
+  }
+  if (options.save_path && comm->rank() == 0) save_safetensors(*options.save_path, sh.result.params, {{"format", "pt"}});
   return std::move(sh.result);
 }
 

@@ -1,6 +1,6 @@
-// Data-parallel training of the example MLP with shardflow: N ranks as threads of this process
-// (in-process backend), each with its own replica, its slice of every global batch and its own
-// shardflow::Runtime. mlp_train, the tests and bench_ddp all drive this.
+// Data-parallel training of the example MLP with shardflow: N ranks, each with its own replica,
+// its slice of every global batch and its own shardflow::Runtime — as threads of this process
+// (train) or as one rank per process (train_rank). mlp_train, the tests and bench_ddp drive this.
 #pragma once
 
 #include <cstdint>
@@ -64,8 +64,14 @@ struct TrainResult {
   std::vector<std::string> collectives;  // rank 0's issued collectives
 };
 
-// Throws UsageError for bad options (batch not divisible by world, ...) before any thread starts;
-// a failure on any rank is rethrown here.
+// Ranks as threads of this process over the in-process backend. Throws UsageError for bad options
+// (batch not divisible by world, ...) before any thread starts; a failure on any rank is rethrown.
 TrainResult train(const TrainOptions& opt);
+
+// This process is rank comm->rank() of a multi-process job (shardflow run, srun, mpirun): one
+// replica, this rank's slice of every batch. opt.world_size must equal the communicator's. The
+// result's params, buckets and losses are filled on rank 0; memory reports hold this rank's only.
+// On failure the communicator is aborted (peers fail at once) and the error rethrown.
+TrainResult train_rank(const TrainOptions& opt, const std::shared_ptr<Communicator>& comm);
 
 }  // namespace shardflow::mlp

@@ -1,9 +1,12 @@
 #include <future>
 
 #include "shardflow/communicator.hpp"
+#include "runtime/bucket_buffers.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
+
+std::shared_ptr<std::byte> Communicator::allocate(std::size_t bytes) { return alloc_zeroed(bytes); }
 
 void Communicator::run(CollectiveOp op, std::chrono::milliseconds timeout) {
   auto promise = std::make_shared<std::promise<void>>();

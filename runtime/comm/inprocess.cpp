@@ -60,7 +60,8 @@ class World {
         peer::allreduce(op.dtype, op.count, op.scale, rank, n_, send, recv, op.recv, sync);
         break;
       case CollectiveKind::reduce_scatter:
-        peer::reduce_scatter(op.dtype, op.count, op.count, op.scale, rank, n_, send, op.recv);
+        for (auto& b : send) b = static_cast<const char*>(b) + std::size_t(rank) * op.count * es;  // our block
+        peer::reduce_scatter(op.dtype, op.count, op.scale, n_, send, op.recv);
         break;
       case CollectiveKind::allgather:
         peer::allgather(op.dtype, op.count, op.count, n_, send, op.recv);

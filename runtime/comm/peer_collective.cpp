@@ -68,12 +68,8 @@ void allreduce(DType t, std::size_t count, float scale, int rank, int n, const s
   }
 }
 
-void reduce_scatter(DType t, std::size_t count, std::size_t stride, float scale, int rank, int n,
-                    const std::vector<const void*>& send, void* out) {
-  const std::size_t es = dtype_size(t);
-  std::vector<const void*> srcs(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) srcs[std::size_t(i)] = bytes(send[std::size_t(i)]) + std::size_t(rank) * stride * es;
-  kernels::reduce_sum(t, out, srcs.data(), n, count, scale);
+void reduce_scatter(DType t, std::size_t count, float scale, int n, const std::vector<const void*>& blocks, void* out) {
+  kernels::reduce_sum(t, out, blocks.data(), n, count, scale);
 }
 
 void allgather(DType t, std::size_t count, std::size_t out_stride, int n, const std::vector<const void*>& send,

@@ -50,10 +50,9 @@ using Sync = std::function<void()>;
 // peer still reads).
 void allreduce(DType t, std::size_t count, float scale, int rank, int n, const std::vector<const void*>& send,
                const std::vector<void*>& recv, void* out, const Sync& sync);
-// Reduce-scatter: rank i's block j starts at send[i] + j * stride elements; `count` elements of
-// block `rank` are summed into out.
-void reduce_scatter(DType t, std::size_t count, std::size_t stride, float scale, int rank, int n,
-                    const std::vector<const void*>& send, void* out);
+// Reduce-scatter: blocks[i] is rank i's block for this rank; `count` elements of each are summed
+// into out.
+void reduce_scatter(DType t, std::size_t count, float scale, int n, const std::vector<const void*>& blocks, void* out);
 // All-gather: rank j's `count` elements go to out + j * out_stride elements.
 void allgather(DType t, std::size_t count, std::size_t out_stride, int n, const std::vector<const void*>& send,
                void* out);

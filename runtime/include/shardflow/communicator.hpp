@@ -56,6 +56,11 @@ class Communicator {
   virtual std::string backend_name() const = 0;
   // Whether this backend can reduce buffers that live on `d`.
   virtual bool supports(Device d) const = 0;
+  // Zeroed, 64-byte aligned host memory that this backend moves without an extra copy: the shm
+  // backend hands out shared memory its peers map, so a collective on it reads the peers' bytes
+  // in place instead of staging them. Any buffer works with submit(); these are just faster.
+  // The runtime allocates its bucket buffers here. Default: ordinary memory.
+  virtual std::shared_ptr<std::byte> allocate(std::size_t bytes);
   virtual void submit(CollectiveOp op, CollectiveDone done) = 0;
   // This rank gives up (a usage error, a failed peer): pending and future collectives of every
   // rank fail promptly with `reason` instead of waiting for the timeout.

@@ -1,0 +1,256 @@
+// One process per rank: `shardflow run` starting mlp_train over shm and Gloo, the launch
+// environments of torchrun / Slurm / Open MPI, and what happens when a rank dies or the ranks
+// disagree about the model.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "examples/mlp/train.hpp"
+#include "helpers.hpp"
+#include "shardflow/launch.hpp"
+#include "shardflow/safetensors.hpp"
+#include "subprocess.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+using test::Child;
+
+namespace {
+
+const std::string kLauncher = SHARDFLOW_LAUNCHER_PATH;
+const std::string kTrainer = MLP_TRAIN_PATH;
+
+std::string scratch(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardflow_test_launch_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return (dir / name).string();
+}
+
+// The MLP flags every scenario shares: small, a few steps, AdamW (state that must be sharded right).
+std::vector<std::string> mlp_args(int zero_stage) {
+  return {"--sizes", "24,40,40,6", "--steps", "6", "--global-batch", "12", "--optimizer", "adamw", "--lr", "0.01",
+          "--zero-stage", std::to_string(zero_stage), "--overlap", zero_stage ? "interleaved" : "none", "--first-bucket-mb",
+          "0.004", "--bucket-mb", "0.004", "--quiet", "--timeout", "20"};
+}
+
+TensorMap in_process(int world, int zero_stage) {
+  mlp::TrainOptions o;
+  o.sizes = {24, 40, 40, 6};
+  o.steps = 6;
+  o.global_batch = 12;
+  o.world_size = world;
+  o.optimizer.kind = OptimizerConfig::Kind::adamw;
+  o.optimizer.lr = 0.01f;
+  o.optimizer.weight_decay = 0.01f;
+  o.runtime.zero_stage = zero_stage;
+  o.runtime.overlap = zero_stage ? Overlap::interleaved : Overlap::none;
+  o.runtime.first_bucket_cap_bytes = o.runtime.bucket_cap_bytes = std::size_t(0.004 * 1048576.0);
+  return mlp::train(o).params;
+}
+
+std::vector<std::string> launch(int nproc, std::vector<std::string> prog) {
+  std::vector<std::string> argv{kLauncher, "run", "--nproc-per-node", std::to_string(nproc), "--kill-grace", "2", "--"};
+  argv.insert(argv.end(), prog.begin(), prog.end());
+  return argv;
+}
+
+std::map<std::string, std::string> no_launch_env() {
+  // The test itself may run under a launcher: the children must not inherit its ranks.
+  return {{"RANK", ""}, {"WORLD_SIZE", ""}, {"SLURM_PROCID", ""}, {"OMPI_COMM_WORLD_RANK", ""}};
+}
+
+}  // namespace
+
+// shm sums in rank order like the in-process backend: the same bits. Gloo's ring sums in another
+// order at world 3: equal to float rounding.
+TEST_CASE("shardflow run: mlp_train over shm and gloo, worlds 2 and 3, ZeRO 0/1/2 -> the in-process parameters") {
+  for (int world : {2, 3})
+    for (int stage : {0, 1, 2}) {
+      const TensorMap want = in_process(world, stage);
+      for (std::string backend : {"shm", "gloo"}) {
+        CAPTURE(world);
+        CAPTURE(stage);
+        CAPTURE(backend);
+        const std::string out = scratch(backend + "_w" + std::to_string(world) + "_z" + std::to_string(stage) + ".safetensors");
+        auto args = mlp_args(stage);
+        args.insert(args.begin(), kTrainer);
+        for (auto a : {"--backend", backend.c_str(), "--save", out.c_str()}) args.push_back(a);
+        Child job(launch(world, args), no_launch_env());
+        const auto st = job.wait(120s);
+        INFO(job.output());
+        REQUIRE(test::exited_ok(st));
+        CHECK(job.output().find("[rank 0] mlp_train: sizes 24,40,40,6, world " + std::to_string(world) + " (" + backend + ")") !=
+              std::string::npos);
+        const TensorMap got = load_safetensors(out);
+        REQUIRE(got.size() == want.size());
+        for (const auto& [name, t] : want) {
+          CAPTURE(name);
+          REQUIRE(got.count(name));
+          if (backend == "shm")
+            CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+          else
+            CHECK(test::rel_error(got.at(name).to_f32("got"), t.to_f32("want")) <= 1e-6);
+        }
+      }
+    }
+}
+
+TEST_CASE("shardflow run: kill -9 of one rank mid-training -> the launcher stops the rest and names the rank") {
+  auto args = mlp_args(1);
+  args.insert(args.begin(), kTrainer);
+  args[std::size_t(std::find(args.begin(), args.end(), "--steps") - args.begin()) + 1] = "100000";
+  args.erase(std::find(args.begin(), args.end(), "--quiet"));
+  for (auto a : {"--backend", "shm"}) args.push_back(a);
+  Child job(launch(2, args), no_launch_env());
+  REQUIRE(job.read_until("3/100000", 60s));
+  const auto at = job.output().find("rank 1 (pid ");
+  REQUIRE(at != std::string::npos);
+  const pid_t victim = pid_t(std::atoi(job.output().c_str() + at + 12));
+  REQUIRE(victim > 0);
+  const double killed_at = job.seconds_since_start();
+  ::kill(victim, SIGKILL);
+  const auto st = job.wait(30s);
+  INFO(job.output());
+  REQUIRE(test::failed(st));
+  CHECK(job.seconds() - killed_at < 10.0);
+  CHECK(job.output().find("FAILED: rank 1 (local rank 1, pid " + std::to_string(victim) + ") was killed by signal 9") !=
+        std::string::npos);
+  CHECK(WEXITSTATUS(*st) == 128 + 9);
+}
+
+TEST_CASE("without a launcher: kill -9 of rank 1 -> rank 0 exits non-zero within the timeout, naming the peer (shm and gloo)") {
+  for (std::string backend : {"shm", "gloo"}) {
+    CAPTURE(backend);
+    const std::string port = std::to_string(20000 + (::getpid() * 7 + (backend == "shm")) % 20000);
+    auto args = mlp_args(0);
+    args.insert(args.begin(), kTrainer);
+    args[std::size_t(std::find(args.begin(), args.end(), "--steps") - args.begin()) + 1] = "100000";
+    args[std::size_t(std::find(args.begin(), args.end(), "--timeout") - args.begin()) + 1] = "5";
+    for (auto a : {"--backend", backend.c_str()}) args.push_back(a);
+    auto env = [&](int rank) {
+      return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
+                                                {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port},
+                                                {"SHARDFLOW_STORE_TOKEN", "kill-test"}, {"SHARDFLOW_LAUNCHER", "1"}};
+    };
+    Child r0(args, env(0));
+    Child r1(args, env(1));
+    std::this_thread::sleep_for(1500ms);  // well into training
+    ::kill(r1.pid(), SIGKILL);
+    const double killed_at = r0.seconds_since_start();
+    const auto st = r0.wait(30s);
+    INFO(r0.output());
+    REQUIRE(st.has_value());
+    CHECK(test::failed(st));
+    CHECK(r0.seconds() - killed_at < 5.0 + 3.0);  // Config::timeout + a few seconds
+    CHECK(r0.output().find("mlp_train: error:") != std::string::npos);
+    if (backend == "shm") CHECK(r0.output().find("rank 1 (pid " + std::to_string(r1.pid()) + ") died") != std::string::npos);
+  }
+}
+
+TEST_CASE("shardflow run: two ranks with different models -> a clear error naming the difference, no training") {
+  // Rank 1 builds a wider hidden layer than rank 0.
+  const std::string script = "if [ \"$RANK\" = 0 ]; then h=40; else h=48; fi; exec \"" + kTrainer +
+                             "\" --sizes 24,$h,6 --steps 3 --global-batch 12 --backend gloo --timeout 20";
+  Child job(launch(2, {"/bin/sh", "-c", script}), no_launch_env());
+  const auto st = job.wait(60s);
+  INFO(job.output());
+  REQUIRE(test::failed(st));
+  CHECK(job.output().find("layers.0.weight") != std::string::npos);
+  CHECK(job.output().find("step 1/") == std::string::npos);
+}
+
+TEST_CASE("shardflow run: a failing rank's exit status and SIGINT are passed on") {
+  SUBCASE("rank 1 exits 3 -> launcher exits 3, names rank 1") {
+    Child job(launch(2, {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 30"}), no_launch_env());
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(st.has_value());
+    CHECK(WEXITSTATUS(*st) == 3);
+    CHECK(job.output().find("FAILED: rank 1 (local rank 1") != std::string::npos);
+    CHECK(job.seconds() < 10);
+  }
+  SUBCASE("SIGINT to the launcher reaches every rank; exit 130") {
+    Child job(launch(2, {"/bin/sh", "-c", "trap 'echo rank $RANK got INT; exit 0' INT; while true; do sleep 0.05; done"}),
+              no_launch_env());
+    REQUIRE(job.read_until("started rank 0", 10s));
+    std::this_thread::sleep_for(300ms);
+    ::kill(job.pid(), SIGINT);
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(st.has_value());
+    CHECK(WEXITSTATUS(*st) == 130);
+    CHECK(job.output().find("[rank 0] rank 0 got INT") != std::string::npos);
+    CHECK(job.output().find("[rank 1] rank 1 got INT") != std::string::npos);
+  }
+  SUBCASE("rank environment: torchrun's variables and the prefix") {
+    Child job(launch(3, {"/bin/sh", "-c", "echo $RANK/$WORLD_SIZE $LOCAL_RANK/$LOCAL_WORLD_SIZE $MASTER_ADDR"}), no_launch_env());
+    REQUIRE(test::exited_ok(job.wait(20s)));
+    for (int r = 0; r < 3; ++r)
+      CHECK(job.output().find("[rank " + std::to_string(r) + "] " + std::to_string(r) + "/3 " + std::to_string(r) + "/3 127.0.0.1") !=
+            std::string::npos);
+  }
+}
+
+TEST_CASE("launch environment: torchrun, Slurm and Open MPI variables; malformed values named") {
+  auto detect = [](std::map<std::string, std::string> vars) {
+    return LaunchEnv::detect([vars](const char* k) -> const char* {
+      auto it = vars.find(k);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    });
+  };
+  SUBCASE("nothing set: one process, world 1") {
+    const auto e = detect({});
+    CHECK(!e.launched());
+    CHECK(e.world_size == 1);
+  }
+  SUBCASE("torchrun: the store moves off the agent's MASTER_PORT") {
+    const auto e = detect({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                           {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RUN_ID", "abc"}});
+    CHECK(e.source == "torchrun");
+    CHECK(e.rank == 3);
+    CHECK(e.world_size == 8);
+    CHECK(e.local_rank == 1);
+    CHECK(!e.single_host());
+    CHECK(e.master_addr == "10.0.0.1");
+    CHECK(e.store_port == 29501);
+    CHECK(e.token == "torchrun-abc");
+  }
+  SUBCASE("shardflow run: the launcher serves the store") {
+    const auto e = detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SHARDFLOW_LAUNCHER", "1"}, {"SHARDFLOW_STORE_HOSTED", "1"},
+                           {"SHARDFLOW_STORE_TOKEN", "tok"}, {"MASTER_PORT", "4000"}});
+    CHECK(e.source == "shardflow run");
+    CHECK(e.store_hosted);
+    CHECK(e.store_port == 4000);
+    CHECK(e.token == "tok");
+    CHECK(e.single_host());
+  }
+  SUBCASE("srun: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, port from the job id") {
+    const auto e = detect({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_NNODES", "2"},
+                           {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_JOB_ID", "123456"}, {"MASTER_ADDR", "node01"}});
+    CHECK(e.source == "slurm");
+    CHECK(e.rank == 5);
+    CHECK(e.world_size == 8);
+    CHECK(e.local_world_size == 4);
+    CHECK(e.store_port == 20000 + 123456 % 20000);
+    CHECK(e.token == "slurm-123456-0");
+  }
+  SUBCASE("mpirun: OMPI_COMM_WORLD_*") {
+    const auto e = detect({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+    CHECK(e.source == "openmpi");
+    CHECK(e.rank == 2);
+    CHECK(e.single_host());
+    CHECK(e.master_addr == "127.0.0.1");
+  }
+  SUBCASE("errors name the variable") {
+    CHECK_THROWS_WITH_AS(detect({{"RANK", "x1"}, {"WORLD_SIZE", "2"}}), doctest::Contains("RANK='x1' is not an integer"), UsageError);
+    CHECK_THROWS_WITH_AS(detect({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), doctest::Contains("rank 2 is not below the world size 2"),
+                         UsageError);
+    CHECK_THROWS_WITH_AS(detect({{"RANK", "0"}}), doctest::Contains("WORLD_SIZE is not set"), UsageError);
+    CHECK_THROWS_WITH_AS(detect({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_NNODES", "2"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}}),
+                         doctest::Contains("MASTER_ADDR is not set"), UsageError);
+  }
+}

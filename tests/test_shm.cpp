@@ -1,0 +1,123 @@
+// The shared-memory backend: every collective element by element (worlds 2 and 3, ops larger than
+// the staging area so they run in pieces, registered and heap buffers mixed across ranks), and
+// its failures: mismatched ops, a rank that never comes, an abort. Ranks are threads here, each
+// with its own communicator and mapping of the segment; test_launch runs them as processes.
+#include <doctest/doctest.h>
+
+#include "helpers.hpp"
+#include "shardflow/shm.hpp"
+#include "shardflow/store.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct ShmWorld {
+  TcpStoreServer store{[] {
+    StoreServerOptions o;
+    o.token = "t";
+    return o;
+  }()};
+  std::vector<std::shared_ptr<Communicator>> comms;
+
+  ShmWorld(int n, std::size_t staging_bytes, std::chrono::milliseconds timeout = 30s) : comms(static_cast<std::size_t>(n)) {
+    test::require_all_ok(test::run_ranks(n, [&](int r) {
+      ShmOptions o;
+      o.rank = r;
+      o.world_size = n;
+      o.store_port = store.port();
+      o.token = "t";
+      o.timeout = timeout;
+      o.staging_bytes = staging_bytes;
+      comms[std::size_t(r)] = make_shm_communicator(o);
+    }));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("shm: every collective, element by element, worlds 2 and 3, in pieces, registered and heap buffers mixed") {
+  for (int n : {2, 3}) {
+    ShmWorld w(n, 4096);  // 1024 floats a piece: the larger ops run in many pieces
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1001}, std::size_t{3} << 12}) {
+      CAPTURE(n);
+      CAPTURE(count);
+      SUBCASE("heap buffers (staged)") { CHECK(test::wrong_elements(w.comms, count) == 0); }
+      SUBCASE("registered buffers (in place)") { CHECK(test::wrong_elements(w.comms, count, [](int) { return true; }) == 0); }
+      SUBCASE("mixed: even ranks registered") {
+        CHECK(test::wrong_elements(w.comms, count, [](int r) { return r % 2 == 0; }) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("shm: ranks issuing different collectives fail alike, naming both ops") {
+  ShmWorld w(2, 1 << 16);
+  std::vector<float> a(64, 1.0f), b(32, 1.0f);
+  auto errors = test::run_ranks(2, [&](int r) {
+    auto& buf = r == 0 ? a : b;
+    w.comms[std::size_t(r)]->run(test::make(CollectiveKind::allreduce, buf.data(), buf.data(), buf.size()), 10s);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[std::size_t(r)]);
+    CHECK(test::is<MismatchError>(errors[std::size_t(r)]));
+    CHECK(test::message_of(errors[std::size_t(r)]).find("allreduce of 64 fp32") != std::string::npos);
+    CHECK(test::message_of(errors[std::size_t(r)]).find("allreduce of 32 fp32") != std::string::npos);
+  }
+}
+
+TEST_CASE("shm: a rank that never submits -> the others time out naming it; an abort fails the peers at once") {
+  SUBCASE("timeout") {
+    ShmWorld w(3, 1 << 16, 400ms);
+    std::vector<float> x(16, 1.0f);
+    auto errors = test::run_ranks(2, [&](int r) {
+      w.comms[std::size_t(r)]->run(test::make(CollectiveKind::allreduce, x.data(), x.data(), 0), 5s);
+    });
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(errors[std::size_t(r)]);
+      const auto msg = test::message_of(errors[std::size_t(r)]);
+      CHECK(msg.find("rank(s) 2 did not arrive") != std::string::npos);
+    }
+  }
+  SUBCASE("abort") {
+    ShmWorld w(2, 1 << 16);
+    std::vector<float> x(16, 1.0f);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::exception_ptr error;
+    std::thread waiter([&] {
+      try {
+        w.comms[0]->run(test::make(CollectiveKind::allreduce, x.data(), x.data(), x.size()), 20s);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    });
+    std::this_thread::sleep_for(100ms);
+    w.comms[1]->abort("the trainer on rank 1 hit a NaN");
+    waiter.join();
+    REQUIRE(error);
+    CHECK(test::is<CommError>(error));
+    CHECK(test::message_of(error).find("the trainer on rank 1 hit a NaN") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  }
+}
+
+TEST_CASE("shm: a rank started with another world size is refused, naming both sizes") {
+  TcpStoreServer store([] {
+    StoreServerOptions o;
+    o.token = "t";
+    return o;
+  }());
+  auto errors = test::run_ranks(2, [&](int r) {
+    ShmOptions o;
+    o.rank = r;
+    o.world_size = r == 0 ? 2 : 3;
+    o.store_port = store.port();
+    o.token = "t";
+    o.timeout = 2s;
+    make_shm_communicator(o);
+  });
+  REQUIRE(errors[1]);
+  CHECK(test::message_of(errors[1]).find("rank 1 was started with world size 3, rank 0 with 2") != std::string::npos);
+}
