@@ -205,7 +205,7 @@ TEST_CASE("mlp trainer: a batch that does not split evenly, a bad data file") {
   o.sizes = {4, 3};
   o.global_batch = 10;
   o.world_size = 3;
-  CHECK_THROWS_WITH_AS(mlp::train(o), doctest::Contains("--global-batch 10 is not divisible by --world-size 3"), UsageError);
+  CHECK_THROWS_WITH_AS(mlp::train(o), doctest::Contains(doctest::Contains("--global-batch 10 is not divisible by the world size 3")), UsageError);
   o.world_size = 2;
   o.data_path = "no-such-file.safetensors";
   CHECK_THROWS_WITH_AS(mlp::train(o), doctest::Contains("no-such-file.safetensors"), Error);
