@@ -1,13 +1,157 @@
-// CUDA kernels on a real device against the CPU reference. Without a GPU (or without CUDA in the
-// build) it says why and exits 77, which ctest reports as skipped.
+// CUDA kernels on a real device against the CPU reference, on fresh random inputs (the seed is
+// printed). Without a GPU (or without CUDA in the build) it says why and exits 77, which ctest
+// reports as skipped. The optimizer steps must match bit for bit (Note [Bitwise CPU parity]).
 #include <cstdio>
+#include <random>
+#include <string>
 #include <vector>
 
+#include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
+#include "kernels/cpu/optim.hpp"
 #include "kernels/cuda/device.hpp"
 
 #ifdef SHARDFLOW_WITH_CUDA_RUNTIME
 #include <cuda_runtime.h>
+
+#include "kernels/cuda/optim.cuh"
+
+namespace {
+
+using namespace shardflow;
+int failures = 0, passes = 0;
+
+void report(const std::string& what, std::size_t bad, std::size_t n) {
+  std::printf("%-60s %zu of %zu differ\n", what.c_str(), bad, n);
+  (bad ? failures : passes)++;
+}
+
+template <class T>
+T* upload(const std::vector<T>& v) {
+  T* d = nullptr;
+  cudaMalloc(&d, std::max<std::size_t>(v.size(), 1) * sizeof(T));
+  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+template <class T>
+std::vector<T> download(const T* d, std::size_t n) {
+  std::vector<T> v(n);
+  cudaDeviceSynchronize();
+  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+std::size_t differ(const std::vector<float>& a, const std::vector<float>& b) {
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
+  return bad;
+}
+
+void check_optimizers(std::mt19937& rng, std::size_t n) {
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  std::vector<float> p(n), g(n);
+  for (auto& v : p) v = N(rng);
+  for (auto& v : g) v = 0.1f * N(rng);
+  for (int kind = 0; kind < 4; ++kind) {  // sgd+momentum+nesterov+wd, adam, adam+l2, adamw
+    std::vector<float> cp = p, ca(n, 0.0f), cb(n, 0.0f);
+    float *dp = upload(p), *dg = upload(g), *da = upload(ca), *db = upload(cb);
+    cuda::ShardBuffers b;
+    b.master = dp;
+    b.grad = dg;
+    b.state_a = da;
+    b.state_b = db;
+    b.n = n;
+    kernels::SgdHyper sh{0.05f, 0.9f, 0.1f, 0.01f, true};
+    kernels::AdamHyper ah{1e-3f, 0.9f, 0.999f, 1e-8f, kind == 1 ? 0.0f : 0.02f, kind == 3};
+    for (int step = 1; step <= 3; ++step) {
+      if (kind == 0) {
+        kernels::sgd_step(cp.data(), g.data(), ca.data(), n, sh, step == 1);
+        cuda::launch_sgd_step(b, sh, step == 1, nullptr);
+      } else {
+        kernels::adam_step(cp.data(), g.data(), ca.data(), cb.data(), n, ah, step);
+        cuda::launch_adam_step(b, ah, step, nullptr);
+      }
+    }
+    const char* names[] = {"sgd (momentum, nesterov, dampening, wd)", "adam", "adam + L2", "adamw"};
+    report(std::string(names[kind]) + ", 3 steps, params", differ(download(dp, n), cp), n);
+    report(std::string(names[kind]) + ", 3 steps, state", differ(download(da, n), ca), n);
+    cudaFree(dp), cudaFree(dg), cudaFree(da), cudaFree(db);
+  }
+}
+
+void check_master_weights(std::mt19937& rng, std::size_t n) {
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  for (DType t : {DType::bf16, DType::f16}) {
+    std::vector<float> master(n), g(n), m(n, 0.0f), v(n, 0.0f);
+    for (auto& x : master) x = N(rng);
+    for (auto& x : g) x = 0.1f * N(rng);
+    std::vector<std::uint16_t> g16(n), p16(n);
+    kernels::convert_from_f32(t, g16.data(), g.data(), n);
+    kernels::convert_to_f32(t, g.data(), g16.data(), n);  // the CPU sees what the 16-bit gradient holds
+    float *dm = upload(master), *da = upload(m), *db = upload(v);
+    std::uint16_t *dg = upload(g16), *dp = upload(p16);
+    cuda::ShardBuffers b;
+    b.master = dm;
+    b.param16 = dp;
+    b.param_dtype = t;
+    b.grad = dg;
+    b.grad_dtype = t;
+    b.grad_scale = 0.5f;
+    b.state_a = da;
+    b.state_b = db;
+    b.n = n;
+    kernels::AdamHyper ah{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true};
+    std::vector<float> half_g(n);
+    for (std::size_t i = 0; i < n; ++i) half_g[i] = g[i] * 0.5f;
+    kernels::adam_step(master.data(), half_g.data(), m.data(), v.data(), n, ah, 1);
+    cuda::launch_adam_step(b, ah, 1, nullptr);
+    const std::string name = std::string("adamw, ") + dtype_name(t) + " params, fp32 masters, grad scale 0.5";
+    report(name + ": masters", differ(download(dm, n), master), n);
+    std::vector<std::uint16_t> want(n);
+    kernels::convert_from_f32(t, want.data(), master.data(), n);
+    const auto got = download(dp, n);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) bad += got[i] != want[i];
+    report(name + ": rounded params", bad, n);
+    cudaFree(dm), cudaFree(da), cudaFree(db), cudaFree(dg), cudaFree(dp);
+  }
+}
+
+void check_elementwise(std::mt19937& rng, std::size_t n) {
+  std::normal_distribution<float> N(0.0f, 3.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = N(rng);
+  float* dx = upload(x);
+  std::vector<float> want = x;
+  kernels::scale(DType::f32, want.data(), n, 0.25f);
+  cuda::launch_scale(DType::f32, dx, n, 0.25f, nullptr);
+  report("scale fp32", differ(download(dx, n), want), n);
+  for (DType t : {DType::bf16, DType::f16}) {
+    std::vector<std::uint16_t> want16(n);
+    kernels::convert_from_f32(t, want16.data(), want.data(), n);
+    std::uint16_t* d16 = nullptr;
+    cudaMalloc(&d16, n * 2);
+    cuda::launch_cast(t, d16, DType::f32, dx, n, nullptr);
+    const auto got = download(d16, n);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i) bad += got[i] != want16[i];
+    report(std::string("cast fp32 -> ") + dtype_name(t), bad, n);
+    cudaFree(d16);
+  }
+  float* dnorm = nullptr;
+  cudaMalloc(&dnorm, 4);
+  cudaMemset(dnorm, 0, 4);
+  cuda::launch_sq_norm(DType::f32, dx, n, dnorm, nullptr);
+  double ref = 0;
+  for (float v : want) ref += double(v) * v;
+  const float got = download(dnorm, 1)[0];
+  const double rel = std::abs(got - ref) / ref;
+  std::printf("%-60s %.3g relative error\n", "squared norm fp32", rel);
+  (rel < 1e-5 ? passes : failures)++;
+  cudaFree(dnorm);
+  cudaFree(dx);
+}
+
+}  // namespace
 #endif
 
 int main() {
@@ -18,21 +162,17 @@ int main() {
   }
 #ifdef SHARDFLOW_WITH_CUDA_RUNTIME
   std::printf("%s\n", cuda::describe().c_str());
-  const std::size_t n = (1u << 20) + 3;
-  std::vector<float> host(n), want(n);
-  for (std::size_t i = 0; i < n; ++i) host[i] = want[i] = 0.001f * float(i % 1000) - 0.3f;
-  kernels::scale(DType::f32, want.data(), n, 0.25f);
-  float* dev = nullptr;
-  if (cudaMalloc(&dev, n * 4) != cudaSuccess) return 1;
-  cudaMemcpy(dev, host.data(), n * 4, cudaMemcpyHostToDevice);
-  cuda::scale_f32_sync(dev, n, 0.25f);
-  cudaMemcpy(host.data(), dev, n * 4, cudaMemcpyDeviceToHost);
-  cudaFree(dev);
-  std::size_t bad = 0;
-  for (std::size_t i = 0; i < n; ++i) bad += host[i] != want[i];
-  std::printf("scale_f32: %zu of %zu elements differ from the CPU\n", bad, n);
-  std::printf("%d passed, %d failed\n", bad == 0, bad != 0);
-  return bad ? 1 : 0;
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (std::size_t n : {std::size_t{1}, std::size_t{1000003}}) {
+    check_optimizers(rng, n);
+    check_master_weights(rng, n);
+    check_elementwise(rng, n);
+  }
+  if (cudaGetLastError() != cudaSuccess) ++failures;
+  std::printf("%d passed, %d failed\n", passes, failures);
+  return failures ? 1 : 0;
 #else
   return 77;
 #endif

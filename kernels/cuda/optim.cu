@@ -1,0 +1,157 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "kernels/cuda/optim.cuh"
+
+namespace shardflow::cuda {
+namespace {
+
+__device__ __forceinline__ float load(const void* p, DType t, std::size_t i) {
+  switch (t) {
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::f16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store(void* p, DType t, std::size_t i, float v) {
+  switch (t) {
+    case DType::bf16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case DType::f16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
+
+#define SF_GRID_STRIDE(i, n) \
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < (n); i += std::size_t(gridDim.x) * blockDim.x)
+
+// Grid-stride loops with a grid capped at a few waves: one launch shape serves any shard size.
+unsigned blocks_for(std::size_t n, unsigned threads) {
+  std::size_t b = (n + threads - 1) / threads;
+  return unsigned(b > 8192 ? 8192 : (b == 0 ? 1 : b));
+}
+
+__global__ void sgd_kernel(ShardBuffers b, kernels::SgdHyper h, bool first) {
+  const float damp = __fadd_rn(1.0f, -h.dampening);
+  SF_GRID_STRIDE(i, b.n) {
+    float p = b.master[i];
+    float d = __fmul_rn(load(b.grad, b.grad_dtype, i), b.grad_scale);
+    if (h.weight_decay != 0.0f) d = __fadd_rn(d, __fmul_rn(h.weight_decay, p));
+    if (h.momentum != 0.0f) {
+      const float m = first ? d : __fadd_rn(__fmul_rn(b.state_a[i], h.momentum), __fmul_rn(damp, d));
+      b.state_a[i] = m;
+      d = h.nesterov ? __fadd_rn(d, __fmul_rn(h.momentum, m)) : m;
+    }
+    p = __fadd_rn(p, -__fmul_rn(h.lr, d));
+    b.master[i] = p;
+    if (b.param16) store(b.param16, b.param_dtype, i, p);
+  }
+}
+
+struct AdamScalars {
+  float b1, b2, one_b1, one_b2, eps, wd, decay, step_size, bc2_sqrt;
+  bool l2, decoupled;
+};
+
+__global__ void adam_kernel(ShardBuffers b, AdamScalars s) {
+  SF_GRID_STRIDE(i, b.n) {
+    float g = __fmul_rn(load(b.grad, b.grad_dtype, i), b.grad_scale);
+    float p = b.master[i];
+    if (s.decoupled) p = __fmul_rn(p, s.decay);
+    if (s.l2) g = __fadd_rn(g, __fmul_rn(s.wd, p));
+    const float m = __fadd_rn(__fmul_rn(b.state_a[i], s.b1), __fmul_rn(g, s.one_b1));
+    const float v = __fadd_rn(__fmul_rn(b.state_b[i], s.b2), __fmul_rn(__fmul_rn(s.one_b2, g), g));
+    b.state_a[i] = m;
+    b.state_b[i] = v;
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
+    p = __fadd_rn(p, -__fmul_rn(s.step_size, __fdiv_rn(m, denom)));
+    b.master[i] = p;
+    if (b.param16) store(b.param16, b.param_dtype, i, p);
+  }
+}
+
+__global__ void scale_kernel(DType t, void* x, std::size_t n, float s) {
+  SF_GRID_STRIDE(i, n) store(x, t, i, load(x, t, i) * s);
+}
+
+__global__ void cast_kernel(DType dt, void* dst, DType st, const void* src, std::size_t n) {
+  SF_GRID_STRIDE(i, n) store(dst, dt, i, load(src, st, i));
+}
+
+// Each block reduces its grid-stride share in shared memory, then adds one value to *out.
+__global__ void sq_norm_kernel(DType t, const void* x, std::size_t n, float* out) {
+  __shared__ float partial[256];
+  float acc = 0.0f;
+  SF_GRID_STRIDE(i, n) {
+    const float v = load(x, t, i);
+    acc += v * v;
+  }
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) atomicAdd(out, partial[0]);
+}
+
+constexpr unsigned kThreads = 256;
+
+}  // namespace
+
+void launch_sgd_step(const ShardBuffers& b, const kernels::SgdHyper& h, bool first, cudaStream_t stream) {
+  if (b.n == 0) return;
+  sgd_kernel<<<blocks_for(b.n, kThreads), kThreads, 0, stream>>>(b, h, first);
+}
+
+void launch_adam_step(const ShardBuffers& b, const kernels::AdamHyper& h, std::int64_t step, cudaStream_t stream) {
+  if (b.n == 0) return;
+  // Note [Bitwise CPU parity]: the scalars exactly as kernels/cpu/optim.cpp derives them.
+  const double bc1 = 1.0 - std::pow(double(h.beta1), double(step));
+  const double bc2 = 1.0 - std::pow(double(h.beta2), double(step));
+  AdamScalars s{};
+  s.b1 = h.beta1;
+  s.b2 = h.beta2;
+  s.one_b1 = 1.0f - h.beta1;
+  s.one_b2 = 1.0f - h.beta2;
+  s.eps = h.eps;
+  s.wd = h.weight_decay;
+  s.decay = float(1.0 - double(h.lr) * double(h.weight_decay));
+  s.step_size = float(double(h.lr) / bc1);
+  s.bc2_sqrt = float(std::sqrt(bc2));
+  s.l2 = h.weight_decay != 0.0f && !h.decoupled_weight_decay;
+  s.decoupled = h.weight_decay != 0.0f && h.decoupled_weight_decay;
+  adam_kernel<<<blocks_for(b.n, kThreads), kThreads, 0, stream>>>(b, s);
+}
+
+void launch_scale(DType t, void* x, std::size_t n, float s, cudaStream_t stream) {
+  if (n) scale_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(t, x, n, s);
+}
+
+void launch_cast(DType dt, void* dst, DType st, const void* src, std::size_t n, cudaStream_t stream) {
+  if (n) cast_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(dt, dst, st, src, n);
+}
+
+void launch_sq_norm(DType t, const void* x, std::size_t n, float* out, cudaStream_t stream) {
+  if (n) sq_norm_kernel<<<blocks_for(n, kThreads) > 1024 ? 1024 : blocks_for(n, kThreads), kThreads, 0, stream>>>(t, x, n, out);
+}
+
+void launch_gather(void* flat, const void* const* srcs, const std::size_t* bytes, int n, cudaStream_t stream) {
+  auto* out = static_cast<char*>(flat);
+  for (int i = 0; i < n; ++i) {
+    cudaMemcpyAsync(out, srcs[i], bytes[i], cudaMemcpyDeviceToDevice, stream);
+    out += bytes[i];
+  }
+}
+
+void launch_scatter(const void* flat, void* const* dsts, const std::size_t* bytes, int n, cudaStream_t stream) {
+  const auto* in = static_cast<const char*>(flat);
+  for (int i = 0; i < n; ++i) {
+    cudaMemcpyAsync(dsts[i], in, bytes[i], cudaMemcpyDeviceToDevice, stream);
+    in += bytes[i];
+  }
+}
+
+}  // namespace shardflow::cuda
