@@ -15,12 +15,12 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     : stage_(stage),
       clip_max_(cfg.clip_grad_norm),
       clip_type_(cfg.clip_norm_type),
-      comm_dtype_(cfg.comm_dtype),
       params_(std::move(params)),
       plan_(std::move(plan)),
       shard_(std::move(shard)),
       groups_(std::move(groups)),
-      buffers_(std::move(buffers)) {
+      buffers_(std::move(buffers)),
+      comm_dtype_(cfg.comm_dtype) {
   std::size_t base = 0;
   for (const auto& p : params_) {
     param_base_.push_back(base);
