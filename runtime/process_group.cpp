@@ -73,27 +73,23 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
                           root + "': every rank must pass the same backend and world size");
   }
   const std::string backend = o.backend != "auto" ? o.backend : env.single_host() ? "shm" : "gloo";
+  StoreRendezvous where;
+  where.rank = env.rank;
+  where.world_size = env.world_size;
+  where.store_host = store_host;
+  where.store_port = env.store_port;
+  where.token = env.token;
+  where.key_prefix = prefix + backend + "/";
+  where.timeout = o.timeout;
   std::shared_ptr<Communicator> inner;
   if (backend == "shm") {
     ShmOptions so;
-    so.rank = env.rank;
-    so.world_size = env.world_size;
-    so.store_host = store_host;
-    so.store_port = env.store_port;
-    so.token = env.token;
-    so.key_prefix = prefix + "shm/";
-    so.timeout = o.timeout;
+    static_cast<StoreRendezvous&>(so) = where;
     inner = make_shm_communicator(so);
   } else {
     GlooOptions go;
-    go.rank = env.rank;
-    go.world_size = env.world_size;
-    go.store_host = store_host;
-    go.store_port = env.store_port;
-    go.token = env.token;
-    go.key_prefix = prefix + "gloo/";
+    static_cast<StoreRendezvous&>(go) = where;
     go.hostname = env.single_host() ? "127.0.0.1" : this_host();
-    go.timeout = o.timeout;
     inner = make_gloo_communicator(go);
   }
   return std::make_shared<GroupComm>(std::move(server), std::move(inner));

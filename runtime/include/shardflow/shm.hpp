@@ -9,17 +9,12 @@
 #include <string>
 
 #include "shardflow/communicator.hpp"
+#include "shardflow/store.hpp"
 
 namespace shardflow {
 
-struct ShmOptions {
-  int rank = 0;
-  int world_size = 1;
-  std::string store_host = "127.0.0.1";
-  std::uint16_t store_port = 0;
-  std::string token;
-  std::string key_prefix = "shm/";
-  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+struct ShmOptions : StoreRendezvous {
+  ShmOptions() { key_prefix = "shm/"; }
   // Each rank's staging area in the segment; larger ops run in pieces of this size (three barriers
   // a piece). The segment takes world_size times this from /dev/shm.
   std::size_t staging_bytes = std::size_t{16} << 20;

@@ -61,6 +61,18 @@ class TcpStoreClient {
   std::unique_ptr<Impl> impl_;
 };
 
+// How a backend's rank finds its peers: its place in the world and the store the world meets at.
+// Backend options (GlooOptions, ShmOptions) extend it.
+struct StoreRendezvous {
+  int rank = 0;
+  int world_size = 1;
+  std::string store_host = "127.0.0.1";
+  std::uint16_t store_port = 0;
+  std::string token;
+  std::string key_prefix;  // several communicators can share one store
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
+
 // Every key gets `prefix` in front: several jobs or phases share one server without clashing.
 class PrefixStore {
  public:
