@@ -60,6 +60,22 @@ bool is(const std::exception_ptr& e) {
   }
 }
 
+// A world of n ranks (threads) meeting at the store on `port` (token "t"): each rank gets a copy of
+// `base` (backend options extending StoreRendezvous) with its rank filled in, and make(options).
+template <class Options, class Make>
+std::vector<std::shared_ptr<Communicator>> store_world(int n, std::uint16_t port, const Options& base, Make make) {
+  std::vector<std::shared_ptr<Communicator>> comms(static_cast<std::size_t>(n));
+  require_all_ok(run_ranks(n, [&](int r) {
+    Options o = base;
+    o.rank = r;
+    o.world_size = n;
+    o.store_port = port;
+    o.token = "t";
+    comms[std::size_t(r)] = make(o);
+  }));
+  return comms;
+}
+
 // A collective as the tests issue them (tag "test").
 inline CollectiveOp make(CollectiveKind k, const void* send, void* recv, std::size_t count, float scale = 1.0f,
                          int root = 0) {

@@ -46,6 +46,16 @@ std::size_t differ(const std::vector<float>& a, const std::vector<float>& b) {
   return bad;
 }
 
+cuda::ShardBuffers shard(float* master, const void* grad, float* state_a, float* state_b, std::size_t n) {
+  cuda::ShardBuffers b;
+  b.master = master;
+  b.grad = grad;
+  b.state_a = state_a;
+  b.state_b = state_b;
+  b.n = n;
+  return b;
+}
+
 void check_optimizers(std::mt19937& rng, std::size_t n) {
   std::normal_distribution<float> N(0.0f, 1.0f);
   std::vector<float> p(n), g(n);
@@ -54,12 +64,7 @@ void check_optimizers(std::mt19937& rng, std::size_t n) {
   for (int kind = 0; kind < 4; ++kind) {  // sgd+momentum+nesterov+wd, adam, adam+l2, adamw
     std::vector<float> cp = p, ca(n, 0.0f), cb(n, 0.0f);
     float *dp = upload(p), *dg = upload(g), *da = upload(ca), *db = upload(cb);
-    cuda::ShardBuffers b;
-    b.master = dp;
-    b.grad = dg;
-    b.state_a = da;
-    b.state_b = db;
-    b.n = n;
+    const cuda::ShardBuffers b = shard(dp, dg, da, db, n);
     kernels::SgdHyper sh{0.05f, 0.9f, 0.1f, 0.01f, true};
     kernels::AdamHyper ah{1e-3f, 0.9f, 0.999f, 1e-8f, kind == 1 ? 0.0f : 0.02f, kind == 3};
     for (int step = 1; step <= 3; ++step) {
@@ -89,16 +94,11 @@ void check_master_weights(std::mt19937& rng, std::size_t n) {
     kernels::convert_to_f32(t, g.data(), g16.data(), n);  // the CPU sees what the 16-bit gradient holds
     float *dm = upload(master), *da = upload(m), *db = upload(v);
     std::uint16_t *dg = upload(g16), *dp = upload(p16);
-    cuda::ShardBuffers b;
-    b.master = dm;
+    cuda::ShardBuffers b = shard(dm, dg, da, db, n);
     b.param16 = dp;
     b.param_dtype = t;
-    b.grad = dg;
     b.grad_dtype = t;
     b.grad_scale = 0.5f;
-    b.state_a = da;
-    b.state_b = db;
-    b.n = n;
     kernels::AdamHyper ah{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true};
     std::vector<float> half_g(n);
     for (std::size_t i = 0; i < n; ++i) half_g[i] = g[i] * 0.5f;

@@ -17,18 +17,10 @@ namespace {
 using test::make;
 
 std::vector<std::shared_ptr<Communicator>> gloo_world(TcpStoreServer& server, int n, const std::string& prefix) {
-  std::vector<std::shared_ptr<Communicator>> comms(static_cast<std::size_t>(n));
-  test::require_all_ok(test::run_ranks(n, [&](int r) {
-    GlooOptions o;
-    o.rank = r;
-    o.world_size = n;
-    o.store_port = server.port();
-    o.token = "t";
-    o.key_prefix = prefix;
-    o.timeout = 30s;
-    comms[std::size_t(r)] = make_gloo_communicator(o);
-  }));
-  return comms;
+  GlooOptions o;
+  o.key_prefix = prefix;
+  o.timeout = 30s;
+  return test::store_world(n, server.port(), o, make_gloo_communicator);
 }
 
 StoreServerOptions store_opts() {

@@ -21,17 +21,11 @@ struct ShmWorld {
   }()};
   std::vector<std::shared_ptr<Communicator>> comms;
 
-  ShmWorld(int n, std::size_t staging_bytes, std::chrono::milliseconds timeout = 30s) : comms(static_cast<std::size_t>(n)) {
-    test::require_all_ok(test::run_ranks(n, [&](int r) {
-      ShmOptions o;
-      o.rank = r;
-      o.world_size = n;
-      o.store_port = store.port();
-      o.token = "t";
-      o.timeout = timeout;
-      o.staging_bytes = staging_bytes;
-      comms[std::size_t(r)] = make_shm_communicator(o);
-    }));
+  ShmWorld(int n, std::size_t staging_bytes, std::chrono::milliseconds timeout = 30s) {
+    ShmOptions o;
+    o.timeout = timeout;
+    o.staging_bytes = staging_bytes;
+    comms = test::store_world(n, store.port(), o, make_shm_communicator);
   }
 };
 
