@@ -20,9 +20,10 @@ std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes) {
   return std::shared_ptr<std::byte>(p, [](std::byte* q) { std::free(q); });
 }
 
-BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Allocate allocate)
+BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Allocate allocate, Zero zero)
     : pooled_(pooled),
       allocate_(allocate ? std::move(allocate) : Allocate(alloc_zeroed)),
+      zero_(zero ? std::move(zero) : Zero([](std::byte* p, std::size_t n) { std::memset(p, 0, n); })),
       bytes_(std::move(bytes)),
       grad_(bytes_.size()),
       staging_(bytes_.size()),
@@ -50,7 +51,7 @@ std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capac
   auto buf = std::move(free_[best].buf);
   capacity = free_[best].capacity;
   free_.erase(free_.begin() + std::ptrdiff_t(best));
-  std::memset(buf.get(), 0, capacity);  // a fresh accumulator, padding included
+  zero_(buf.get(), capacity);  // a fresh accumulator, padding included
   return buf;
 }
 
@@ -120,7 +121,7 @@ void BucketBuffers::release_staging(std::size_t b) {
 void BucketBuffers::zero_held() {
   std::lock_guard lock(mu_);
   for (std::size_t b = 0; b < grad_.size(); ++b)
-    if (grad_[b]) std::memset(grad_[b].get(), 0, pooled_ ? grad_cap_[b] : bytes_[b]);
+    if (grad_[b]) zero_(grad_[b].get(), pooled_ ? grad_cap_[b] : bytes_[b]);
 }
 
 std::size_t BucketBuffers::allocated_bytes() const {

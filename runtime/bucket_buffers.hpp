@@ -22,9 +22,11 @@ namespace shardflow {
 class BucketBuffers {
  public:
   using Allocate = std::function<std::shared_ptr<std::byte>(std::size_t)>;  // zeroed, 64-byte aligned
+  using Zero = std::function<void(std::byte*, std::size_t)>;
   // bytes: each bucket's buffer size (padded for flat shards). `allocate`: the communicator's
-  // (Communicator::allocate), so that collectives on the buckets need no staging copy.
-  BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Allocate allocate);
+  // (Communicator::allocate), so that collectives on the buckets need no staging copy. `zero`:
+  // how a held buffer is cleared (memset; an async memset on the compute stream for GPU buckets).
+  BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Allocate allocate, Zero zero = {});
 
   bool pooled() const { return pooled_; }
   std::size_t bytes(std::size_t b) const { return bytes_[b]; }
@@ -62,6 +64,7 @@ class BucketBuffers {
   };
   const bool pooled_;
   Allocate allocate_;
+  Zero zero_;
   std::vector<std::size_t> bytes_;
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<std::byte>> grad_, staging_;

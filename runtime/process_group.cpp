@@ -6,7 +6,9 @@
 
 #include "shardflow/errors.hpp"
 #include "shardflow/gloo.hpp"
+#include "kernels/cuda/device.hpp"
 #include "shardflow/launch.hpp"
+#include "shardflow/nccl.hpp"
 #include "shardflow/shm.hpp"
 #include "shardflow/store.hpp"
 
@@ -43,8 +45,8 @@ std::string this_host() {
 }  // namespace
 
 std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
-  if (o.backend != "auto" && o.backend != "gloo" && o.backend != "shm")
-    throw UsageError("init_process_group: backend '" + o.backend + "' is not one of auto, gloo, shm");
+  if (o.backend != "auto" && o.backend != "gloo" && o.backend != "shm" && o.backend != "nccl")
+    throw UsageError("init_process_group: backend '" + o.backend + "' is not one of auto, gloo, shm, nccl");
   if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
   std::unique_ptr<TcpStoreServer> server;
   std::string store_host = env.master_addr;
@@ -82,7 +84,13 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   where.key_prefix = prefix + backend + "/";
   where.timeout = o.timeout;
   std::shared_ptr<Communicator> inner;
-  if (backend == "shm") {
+  if (backend == "nccl") {
+    NcclOptions no;
+    static_cast<StoreRendezvous&>(no) = where;
+    const int devices = cuda::device_count();
+    no.device = devices > 0 ? env.local_rank % devices : 0;  // one GPU per process on each node
+    inner = make_nccl_communicator(no);
+  } else if (backend == "shm") {
     ShmOptions so;
     static_cast<StoreRendezvous&>(so) = where;
     inner = make_shm_communicator(so);

@@ -18,6 +18,7 @@
 #include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/collective_log.hpp"
+#include "runtime/device_memory.hpp"
 #include "runtime/engine.hpp"
 #include "runtime/iteration_signal.hpp"
 #include "runtime/logging.hpp"
@@ -51,6 +52,14 @@ struct Runtime::Impl {
   // collectives read the peers' buckets in place.
   BucketBuffers::Allocate allocator() const {
     return [c = comm](std::size_t n) { return c->allocate(n); };
+  }
+  // Where the buckets live: the parameters' device (all of a Runtime's parameters share one), and
+  // for CUDA the trainer's compute stream that bucket copies, zeroing and events go on.
+  std::shared_ptr<MemoryOps> mem = std::make_shared<MemoryOps>();  // shared with the zeroer and events
+  bool device_bound = false;  // set by the first registered parameter
+  std::shared_ptr<BucketEvents> events;  // per bucket of the current plan (no-ops on the CPU)
+  BucketBuffers::Zero zeroer() const {
+    return [m = mem](std::byte* p, std::size_t n) { m->zero(p, n); };
   }
   int rank = 0, world = 1;
   std::uint32_t owner = 0;
@@ -178,25 +187,26 @@ struct Runtime::Impl {
       std::vector<std::size_t> bytes;
       for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
         bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
-      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded, allocator());
+      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded, allocator(), zeroer());
       next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups, next_bufs);
     } else {
       std::vector<std::size_t> bytes;
       for (const auto& b : next.buckets) bytes.push_back(b.bytes());
-      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false, allocator());
+      next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false, allocator(), zeroer());
       // Plain DDP: the trainer reads the reduced gradients after wait(); a rebuild moves them along.
       if (bufs && cfg.gradient_as_bucket_view)
         for (const auto& b : next.buckets)
           for (const auto& e : b.entries)
             if (e.numel)
-              std::memcpy(next_bufs->grad(b.index).get() + e.offset * dtype_size(b.dtype), grad_ptr(e.param),
-                          e.numel * dtype_size(b.dtype));
+              mem->copy(next_bufs->grad(b.index).get() + e.offset * dtype_size(b.dtype), grad_ptr(e.param),
+                       e.numel * dtype_size(b.dtype));
     }
     if (shard && next_shard) migrate_state(*shard, *next_shard);
     stop_actors();
     plan = std::move(next);
     bufs = std::move(next_bufs);
     shard = std::move(next_shard);
+    events = std::make_shared<BucketEvents>(mem, plan.buckets.size());
     bucket_pending.reset(new std::atomic<std::uint32_t>[plan.buckets.size()]);
     reset_bucket_pending();
     spawn_actors();
@@ -281,9 +291,10 @@ struct Runtime::Impl {
         const float scale = 1.0f / float(world);  // the average, fused into the reduction
         // Config::comm_dtype: fp32 gradients travel as 16-bit (cast at issue, back on completion).
         const DType wire = shard ? shard->sync_dtype(b) : bk.dtype;
-        e.make_ops = [bufs = bufs, sh = shard, b, rs, count, scale, dtype = bk.dtype, wire] {
+        e.make_ops = [bufs = bufs, sh = shard, ev = events, b, rs, count, scale, dtype = bk.dtype, wire] {
           ScheduleEntry::Issue issue;
           CollectiveOp op;
+          op.wait_event = ev->get(b);  // GPU buckets: after the backward kernels that wrote them
           op.dtype = wire;
           op.scale = scale;
           op.tag = "bucket " + std::to_string(b);
@@ -410,11 +421,16 @@ struct Runtime::Impl {
     const std::size_t es = dtype_size(b.dtype);
     std::byte* slot = bucket_grad(loc.bucket).get() + e.offset * es;
     if (zero)
-      std::memset(slot, 0, e.numel * es);
+      mem->zero(slot, e.numel * es);
     else if (!cfg.gradient_as_bucket_view && e.numel)
-      std::memcpy(slot, registry.params()[p].grad, e.numel * es);
+      mem->copy(slot, registry.params()[p].grad, e.numel * es);
     // Marked before the message goes out, so the release (after the reduction) always follows it.
-    if (bucket_pending[loc.bucket].fetch_sub(1) == 1) bucket_completed(loc.bucket);
+    // The bucket's last gradient records its event on the compute stream: every gradient of the
+    // bucket was enqueued there before this point (each grad_ready comes after its kernels).
+    if (bucket_pending[loc.bucket].fetch_sub(1) == 1) {
+      events->record(loc.bucket);
+      bucket_completed(loc.bucket);
+    }
     caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, p);
   }
 
@@ -552,7 +568,15 @@ Param Runtime::register_param(ParamSpec spec) {
   std::lock_guard lock(I.finalize_mu);
   if (I.finalized.load())
     throw UsageError("register_param('" + spec.name + "'): registration is closed once training has started");
-  return Param{I.registry.add(std::move(spec), I.cfg.gradient_as_bucket_view, *I.comm), I.owner};
+  if (I.device_bound && !(spec.device == I.mem->device) && I.comm->supports(spec.device))
+    throw UsageError("register_param('" + spec.name + "'): parameter is on " + spec.device.str() + " but '" +
+                     I.name_of(0) + "' is on " + I.mem->device.str() +
+                     "; one Runtime reduces the parameters of one device (use one Runtime per device)");
+  const Device device = spec.device;
+  auto index = Param{I.registry.add(std::move(spec), I.cfg.gradient_as_bucket_view, *I.comm), I.owner};
+  I.mem->device = device;
+  I.device_bound = true;
+  return index;
 }
 
 Param Runtime::param(const std::string& name) const {
@@ -570,6 +594,13 @@ Param Runtime::param(const std::string& name) const {
 }
 
 void Runtime::finalize() { impl_->ensure_finalized(); }
+
+void Runtime::set_stream(void* cuda_stream) {
+  auto& I = *impl_;
+  if (I.sync_pass_started)
+    throw UsageError("set_stream on rank " + std::to_string(I.rank) + " in the middle of a backward pass: change it between iterations");
+  I.mem->stream = cuda_stream;
+}
 
 void* Runtime::grad(Param p) {
   auto& I = *impl_;
@@ -600,7 +631,7 @@ void Runtime::zero_grad() {
   } else {
     for (std::size_t i = 0; i < I.registry.size(); ++i) {
       const auto& s = I.registry.params()[i];
-      if (s.grad) std::memset(s.grad, 0, std::size_t(numel(s.shape)) * dtype_size(s.dtype));
+      if (s.grad) I.mem->zero(s.grad, std::size_t(numel(s.shape)) * dtype_size(s.dtype));
     }
   }
 }
@@ -685,7 +716,7 @@ void Runtime::wait() {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);
       for (const auto& e : b.entries)
-        if (e.numel) std::memcpy(I.registry.params()[e.param].grad, I.bufs->grad(b.index).get() + e.offset * es, e.numel * es);
+        if (e.numel) I.mem->copy(I.registry.params()[e.param].grad, I.bufs->grad(b.index).get() + e.offset * es, e.numel * es);
     }
   }
   I.reset_bucket_pending();

@@ -3,6 +3,7 @@
 namespace shardflow {
 
 StreamWorker::StreamWorker(Execute exec) : exec_(std::move(exec)), thread_([this] { loop(); }) {}
+StreamWorker::StreamWorker(Enqueue enqueue) : enqueue_(std::move(enqueue)), thread_([this] { loop(); }) {}
 
 StreamWorker::~StreamWorker() {
   {
@@ -39,7 +40,10 @@ void StreamWorker::loop() {
     }
     std::exception_ptr error;
     try {
-      exec_(item.first);
+      if (enqueue_)
+        enqueue_(item.first, item.second);  // takes item.second over unless it throws
+      else
+        exec_(item.first);
     } catch (...) {
       error = std::current_exception();
     }

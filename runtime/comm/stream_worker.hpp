@@ -18,8 +18,13 @@ namespace shardflow {
 class StreamWorker {
  public:
   using Execute = std::function<void(const CollectiveOp&)>;  // throws on failure
+  // For backends whose ops finish later than they are enqueued (device streams): the function
+  // takes `done` over (moves it out) once the op is on its way, and it runs on completion. If it
+  // throws with `done` still in place, the worker reports the failure.
+  using Enqueue = std::function<void(CollectiveOp&, CollectiveDone&)>;
 
   explicit StreamWorker(Execute exec);
+  explicit StreamWorker(Enqueue enqueue);
   ~StreamWorker();  // finishes queued work, then joins
   StreamWorker(const StreamWorker&) = delete;
   StreamWorker& operator=(const StreamWorker&) = delete;
@@ -32,6 +37,7 @@ class StreamWorker {
   void loop();
 
   Execute exec_;
+  Enqueue enqueue_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<CollectiveOp, CollectiveDone>> queue_;

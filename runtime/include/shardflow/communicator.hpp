@@ -43,6 +43,11 @@ struct CollectiveOp {
   // Held by the backend until `done` has run, so the buffers cannot be freed under a collective
   // even if their owner goes away mid-iteration.
   std::shared_ptr<const void> keep_alive;
+  // Device backends (nccl, in-process on a GPU): a cudaEvent_t recorded on the stream that produced
+  // `send` (the trainer's compute stream). The backend's comm stream waits for it on the device
+  // before the collective runs: the host never synchronises. CPU backends ignore it (there the
+  // host has already finished writing). Only needs to stay valid until submit() returns.
+  void* wait_event = nullptr;
 };
 
 // nullptr on success; otherwise the reason (TimeoutError, MismatchError, CommError).
@@ -77,6 +82,12 @@ class InProcessWorld {
  public:
   static std::shared_ptr<InProcessWorld> create(int world_size,
                                                 std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  // The same over the memory of one GPU (NCCL refuses two ranks on one device): each rank has its
+  // own CUDA stream, reads its peers' device buffers with kernels, and waits for them with events,
+  // so the ranks' collectives overlap each other and compute as they would on N GPUs. Buffers must
+  // be device memory (Communicator::allocate hands some out); host buffers are staged.
+  static std::shared_ptr<InProcessWorld> create_on_device(int world_size, int device,
+                                                          std::chrono::milliseconds timeout = std::chrono::minutes(10));
   virtual ~InProcessWorld() = default;
   virtual int world_size() const = 0;
   virtual std::shared_ptr<Communicator> communicator(int rank) = 0;

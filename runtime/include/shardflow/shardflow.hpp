@@ -75,6 +75,14 @@ class Runtime {
   Param param(const std::string& name) const;  // UsageError if unknown
   std::size_t num_params() const;
 
+  // CUDA parameters: the stream backward runs on (a cudaStream_t; default null, the legacy default
+  // stream). When a bucket's last gradient is reported, an event is recorded on it, and the
+  // bucket's collective runs after that event on the device: the host never waits for backward.
+  // Zeroing, and the copies into and out of buckets without gradient_as_bucket_view, go on this
+  // stream too. After wait() the reduced gradients can be used by work on this stream. All of a
+  // Runtime's parameters live on one device. Change it between iterations only.
+  void set_stream(void* cuda_stream);
+
   // Ends registration: checks that every rank registered the same parameters (count, names,
   // shapes, dtypes; MismatchError naming the first difference) and builds the buckets. A
   // collective: every rank calls it. zero_grad(), grad() and grad_ready() call it when needed.
