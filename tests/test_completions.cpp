@@ -1,0 +1,199 @@
+// The completion watcher behind the device backends (Note [Device completions]), driven by fake
+// "events" so that it is checked on every machine, GPU or not.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "runtime/comm/completion_queue.hpp"
+#include "shardflow/errors.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+using State = CompletionQueue::State;
+
+namespace {
+
+// A fake device event: pending until fired.
+struct FakeEvent {
+  std::atomic<int> state{0};  // 0 pending, 1 done, 2 failed
+  CompletionQueue::Poll poll() {
+    return [this](std::string& err) {
+      const int s = state.load();
+      if (s == 2) err = "an illegal memory access was encountered";
+      return s == 0 ? State::pending : s == 1 ? State::done : State::failed;
+    };
+  }
+};
+
+struct Recorder {
+  std::mutex mu;
+  std::vector<std::string> order;
+  std::vector<std::exception_ptr> errors;
+  CollectiveDone done(std::string name) {
+    return [this, name](std::exception_ptr e) {
+      std::lock_guard lock(mu);
+      order.push_back(name);
+      errors.push_back(e);
+    };
+  }
+  std::size_t count() {
+    std::lock_guard lock(mu);
+    return order.size();
+  }
+  bool wait_for(std::size_t n, std::chrono::milliseconds limit = 5s) {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (count() < n && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+    return count() >= n;
+  }
+};
+
+std::string message(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
+  return {};
+}
+
+CompletionQueue::Options options(std::chrono::milliseconds timeout = 10s) {
+  CompletionQueue::Options o;
+  o.who = "rank 1 (test)";
+  o.timeout = timeout;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("device completions: ops are reported in submission order even when a later one finishes first") {
+  CompletionQueue q(options());
+  Recorder r;
+  FakeEvent a, b, c;
+  q.push("allreduce 'bucket 0'", a.poll(), r.done("bucket 0"));
+  q.push("allreduce 'bucket 1'", b.poll(), r.done("bucket 1"));
+  q.push("allreduce 'bucket 2'", c.poll(), r.done("bucket 2"));
+  c.state = 1;
+  b.state = 1;
+  std::this_thread::sleep_for(20ms);
+  CHECK(r.count() == 0);  // bucket 0 still runs: a stream completes in order, so nothing is reported
+  a.state = 1;
+  REQUIRE(r.wait_for(3));
+  CHECK(r.order == std::vector<std::string>{"bucket 0", "bucket 1", "bucket 2"});
+  for (auto& e : r.errors) CHECK(!e);
+  CHECK(!q.busy());
+}
+
+TEST_CASE("device completions: keep_alive is held until the op's completion has run") {
+  CompletionQueue q(options());
+  FakeEvent a;
+  auto buffer = std::make_shared<int>(7);
+  std::weak_ptr<int> watch = buffer;
+  std::promise<bool> alive_in_done;
+  q.push("allgather 'sync bucket 0'", a.poll(), [&](std::exception_ptr) { alive_in_done.set_value(!watch.expired()); }, buffer);
+  buffer.reset();
+  std::this_thread::sleep_for(10ms);
+  CHECK(!watch.expired());
+  a.state = 1;
+  CHECK(alive_in_done.get_future().get());
+  for (int i = 0; i < 500 && !watch.expired(); ++i) std::this_thread::sleep_for(1ms);
+  CHECK(watch.expired());
+}
+
+TEST_CASE("device completions: an op that never completes fails after the timeout naming it; the backend is aborted, later ops fail at once") {
+  auto o = options(150ms);
+  std::promise<std::string> aborted;
+  o.on_failure = [&](const std::string& reason) { aborted.set_value(reason); };
+  CompletionQueue q(o);
+  Recorder r;
+  FakeEvent stuck, behind;
+  const auto start = std::chrono::steady_clock::now();
+  q.push("allreduce 'bucket 3'", stuck.poll(), r.done("bucket 3"));
+  q.push("allreduce 'bucket 4'", behind.poll(), r.done("bucket 4"));
+  REQUIRE(r.wait_for(2));
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took >= 150ms);
+  CHECK(took < 2s);
+  CHECK_THROWS_AS(std::rethrow_exception(r.errors[0]), TimeoutError);
+  CHECK(message(r.errors[0]).find("rank 1 (test): allreduce 'bucket 3' did not complete within 150 ms") != std::string::npos);
+  CHECK(message(r.errors[1]).find("bucket 3") != std::string::npos);  // the cause, not a second timeout
+  CHECK(aborted.get_future().get().find("bucket 3") != std::string::npos);
+  // Sticky: a new op fails on the spot instead of waiting for another timeout.
+  FakeEvent later;
+  q.push("allreduce 'bucket 0'", later.poll(), r.done("next iteration"));
+  REQUIRE(r.count() == 3);
+  CHECK(message(r.errors[2]).find("bucket 3") != std::string::npos);
+}
+
+TEST_CASE("device completions: the timeout runs from when an op became the oldest, not from its submission") {
+  CompletionQueue q(options(300ms));
+  Recorder r;
+  FakeEvent slow, next;
+  q.push("allreduce 'bucket 0'", slow.poll(), r.done("bucket 0"));
+  q.push("allreduce 'bucket 1'", next.poll(), r.done("bucket 1"));
+  std::this_thread::sleep_for(200ms);
+  slow.state = 1;  // 200 ms: inside its own timeout
+  std::this_thread::sleep_for(200ms);  // bucket 1 has waited 400 ms since submission, 200 ms as the oldest
+  next.state = 1;
+  REQUIRE(r.wait_for(2));
+  CHECK(!r.errors[0]);
+  CHECK(!r.errors[1]);
+}
+
+TEST_CASE("device completions: a backend error (a peer died) fails every pending op with the backend's reason") {
+  auto o = options();
+  std::atomic<bool> broken{false};
+  o.health = [&]() -> std::optional<std::string> {
+    if (broken) return "NCCL reports remote process exited or there was a network error";
+    return std::nullopt;
+  };
+  CompletionQueue q(o);
+  Recorder r;
+  FakeEvent a, b;
+  q.push("reduce_scatter 'bucket 2'", a.poll(), r.done("a"));
+  q.push("allgather 'sync bucket 2'", b.poll(), r.done("b"));
+  std::this_thread::sleep_for(10ms);
+  broken = true;
+  REQUIRE(r.wait_for(2, 2s));
+  CHECK_THROWS_AS(std::rethrow_exception(r.errors[0]), CommError);
+  CHECK(message(r.errors[0]).find("reduce_scatter 'bucket 2' cannot complete: NCCL reports remote process exited") !=
+        std::string::npos);
+}
+
+TEST_CASE("device completions: a failed op reports the device's message") {
+  CompletionQueue q(options());
+  Recorder r;
+  FakeEvent a;
+  q.push("allreduce 'bucket 5'", a.poll(), r.done("a"));
+  a.state = 2;
+  REQUIRE(r.wait_for(1));
+  CHECK(message(r.errors[0]).find("allreduce 'bucket 5' failed on the device: an illegal memory access") != std::string::npos);
+}
+
+TEST_CASE("device completions: abort fails pending ops promptly with the reason; destroying the queue never hangs") {
+  Recorder r;
+  FakeEvent a, b;
+  {
+    CompletionQueue q(options());
+    q.push("allreduce 'bucket 0'", a.poll(), r.done("a"));
+    q.fail("rank 0 aborted: finish_backward: 1 parameter(s) got no gradient");
+    REQUIRE(r.wait_for(1, 1s));
+    CHECK(message(r.errors[0]).find("got no gradient") != std::string::npos);
+    q.push("allreduce 'bucket 1'", b.poll(), r.done("b"));  // never watched: destroyed right away
+  }
+  CHECK(r.count() == 2);
+  Recorder r2;
+  FakeEvent never;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    CompletionQueue q(options());
+    q.push("allreduce 'bucket 0'", never.poll(), r2.done("a"));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 1s);
+  REQUIRE(r2.count() == 1);
+  CHECK(message(r2.errors[0]).find("destroyed with 1 collective(s) pending") != std::string::npos);
+}
