@@ -14,6 +14,7 @@
 
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/train.hpp"
+#include "kernels/cuda/device.hpp"
 #include "kernels/cpu/linear.hpp"
 #include "shardflow/launch.hpp"
 
@@ -56,9 +57,13 @@ int main(int argc, char** argv) {
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
+  std::string device = "cpu";
+  app.add_option("--device", device,
+                 "cpu | cuda | cuda:N: where the model, its gradients and the buckets live (cuda: cuBLAS, ranks as threads "
+                 "on one GPU, or one process per GPU over nccl under a launcher)")->capture_default_str();
   std::string backend = "auto";
   app.add_option("--backend", backend,
-                 "auto | in-process | shm | gloo (auto: in-process threads when started plainly; under a launcher shm on one "
+                 "auto | in-process | shm | gloo | nccl (auto: in-process threads when started plainly; under a launcher shm on one "
                  "host, else gloo)")->capture_default_str();
   bool quiet = false;
   app.add_flag("--quiet", quiet, "only the summary");
@@ -81,6 +86,24 @@ int main(int argc, char** argv) {
     if (timeout_s <= 0) throw UsageError("--timeout must be positive");
     opt.runtime.timeout = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
 
+    if (device == "cpu") {
+      opt.device = Device::cpu();
+    } else if (device == "cuda" || device.rfind("cuda:", 0) == 0) {
+      int idx = 0;
+      if (device.size() > 5) {
+        try {
+          std::size_t used = 0;
+          idx = std::stoi(device.substr(5), &used);
+          if (used != device.size() - 5 || idx < 0) throw std::invalid_argument(device);
+        } catch (const std::exception&) {
+          throw UsageError("--device '" + device + "': expected cpu, cuda or cuda:N");
+        }
+      }
+      opt.device = Device::cuda(idx);
+      opt.optimizer_in_runtime = false;  // the trainer steps on the GPU (see TrainOptions::device)
+    } else {
+      throw UsageError("--device '" + device + "': expected cpu, cuda or cuda:N");
+    }
     const LaunchEnv env = LaunchEnv::detect();
     std::shared_ptr<Communicator> comm;
     if (env.launched()) {
@@ -93,9 +116,17 @@ int main(int argc, char** argv) {
       // The launcher shares the cores out (OMP_NUM_THREADS); OpenBLAS reads it at load time, but
       // say it once more in case another library set it first.
       if (const char* omp = std::getenv("OMP_NUM_THREADS")) kernels::set_blas_threads(std::max(1, std::atoi(omp)));
+      // One GPU per process: NCCL, on cuda:LOCAL_RANK (the launcher's local rank picks the GPU).
+      if (opt.device.kind == Device::Kind::cuda) {
+        if (backend != "auto" && backend != "nccl")
+          throw UsageError("--device cuda under a launcher reduces over nccl; --backend " + backend + " moves CPU memory");
+        backend = "nccl";
+        opt.device = Device::cuda(env.local_rank % std::max(1, cuda::device_count()));  // as init_process_group picks
+      }
       comm = init_process_group(env, ProcessGroupOptions{backend, opt.runtime.timeout});
       if (env.rank != 0) quiet = true;  // rank 0 reports for the job
     } else if (backend != "auto" && backend != "in-process") {
+      // (nccl too: it needs one process per GPU.)
       throw UsageError("--backend " + backend + " needs one process per rank: start mlp_train with `shardflow run --nproc-per-node N --`");
     }
     const bool report = !env.launched() || env.rank == 0;
@@ -110,9 +141,11 @@ int main(int argc, char** argv) {
                   opt.steps, r.loss, r.step_ms, sps, tty ? "  " : "\n");
       std::fflush(stdout);
     };
+    const std::string where = std::string(comm ? comm->backend_name() : "in-process threads") +
+                              (opt.device.kind == Device::Kind::cuda ? " on " + opt.device.str() : "");
     if (report)
       std::printf("mlp_train: sizes %s, world %d (%s), global batch %d x %d, %s lr %g, %d steps, zero stage %d, overlap %s, partition %s\n",
-                  sizes.c_str(), opt.world_size, comm ? comm->backend_name().c_str() : "in-process threads", opt.global_batch,
+                  sizes.c_str(), opt.world_size, where.c_str(), opt.global_batch,
                   opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr), opt.steps, zero_stage, overlap.c_str(),
                   partition.c_str());
     auto res = comm ? mlp::train_rank(opt, comm) : mlp::train(opt);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "examples/mlp/train.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "kernels/cuda/device.hpp"
 #include "shardflow/nccl.hpp"
@@ -322,6 +323,38 @@ void runtime_on_device_world(int n) {
                                         ": every gradient is the average, bit for bit");
 }
 
+// mlp_train --device cuda: cuBLAS forward/backward, buckets on the GPU, the step on the device.
+// World 1 and 2 (two ranks on the one GPU) end where the CPU trainer ends, up to the matmuls'
+// summation order.
+void mlp_on_device() {
+  mlp::TrainOptions o;
+  o.sizes = {64, 128, 128, 8};
+  o.steps = 20;
+  o.global_batch = 32;
+  o.optimizer.kind = OptimizerConfig::Kind::adamw;
+  o.optimizer.lr = 1e-3f;
+  o.optimizer_in_runtime = false;
+  o.runtime.timeout = 60s;
+  o.runtime.bucket_cap_bytes = 32 << 10;
+  o.runtime.first_bucket_cap_bytes = 8 << 10;
+  const auto cpu = mlp::train(o);
+  for (int world : {1, 2}) {
+    auto d = o;
+    d.world_size = world;
+    d.device = Device::cuda(0);
+    const auto gpu = mlp::train(d);
+    double worst = 0;
+    for (const auto& [name, t] : cpu.params) {
+      const auto a = t.to_f32(name), b = gpu.params.at(name).to_f32(name);
+      for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::abs(a[i] - b[i])));
+    }
+    char line[200];
+    std::snprintf(line, sizeof(line), "mlp --device cuda world %d: loss %.5f -> %.5f (cpu %.5f), max |param diff| %.2e", world,
+                  double(gpu.losses.front()), double(gpu.losses.back()), double(cpu.losses.back()), worst);
+    check(worst < 1e-3 && gpu.losses.back() < gpu.losses.front(), line);
+  }
+}
+
 }  // namespace
 #endif
 
@@ -346,6 +379,7 @@ int main() {
   guarded("errors", errors_on_device);
   if (nccl_compiled()) guarded("nccl", nccl_world1);
   for (int n : {1, 2, 4}) guarded("runtime", [&] { runtime_on_device_world(n); });
+  guarded("mlp", mlp_on_device);
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 #else

@@ -6,6 +6,7 @@
 #include <optional>
 #include <thread>
 
+#include "examples/mlp/device_model.hpp"
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/rng.hpp"
 #include "kernels/cpu/elementwise.hpp"
@@ -222,6 +223,90 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   }
 }
 
+// run_rank on a GPU: the same schedule, with the model's kernels, the bucket events and the
+// optimizer step all on the model's stream (Runtime::set_stream).
+void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
+  const auto& opt = sh.opt;
+  const int N = opt.world_size, B = opt.global_batch, local = B / N;
+  Model model(opt.sizes);
+  if (sh.init)
+    model.load(*sh.init, "--init '" + *opt.init_path + "'");
+  else
+    model.init(opt.seed);
+  DeviceModel dm(model, opt.device.index);
+  Runtime rt(comm, opt.runtime);
+  rt.set_stream(dm.stream());
+  std::vector<Param> handles;  // [2*layer + bias]
+  for (std::size_t i = 0; i < model.layers().size(); ++i) {
+    const auto& l = model.layers()[i];
+    for (bool bias : {false, true})
+      handles.push_back(rt.register_param({Model::param_name(int(i), bias), bias ? Shape{l.out} : Shape{l.out, l.in},
+                                           DType::f32, opt.device, dm.param(int(i), bias)}));
+  }
+  rt.finalize();
+  {
+    std::lock_guard lock(sh.mu);
+    sh.result.memory[slot] = rt.memory_report();
+  }
+  auto grad_slot = [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); };
+  auto grad_done = [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); };
+  std::vector<float> x, y;
+  const int K = opt.accumulate;
+  const double denom = double(local) * opt.sizes.back() * K;
+  for (int step = 0; step < opt.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rt.zero_grad();
+    float loss = 0.0f;
+    for (int m = 0; m < K; ++m) {
+      local_batch(sh.data, step * K + m, B, N, rank, x, y);
+      rt.set_require_sync(m == K - 1);
+      dm.forward(x.data(), y.data(), local);
+      dm.backward(denom, grad_slot, grad_done);
+      rt.wait();
+      if (opt.report_loss) loss += dm.loss() / float(K);
+    }
+    for (std::size_t i = 0; i < model.layers().size(); ++i)
+      for (bool bias : {false, true}) {
+        const auto k = 2 * i + bias;
+        const auto& l = model.layers()[i];
+        dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]), bias ? l.bias.size() : l.weight.size(), k,
+                step + 1);
+      }
+    if (opt.report_loss && N > 1) {
+      CollectiveOp op;
+      op.kind = CollectiveKind::allreduce;
+      op.send = op.recv = &loss;  // host memory: the device backends stage it
+      op.count = 1;
+      op.scale = 1.0f / float(N);
+      op.tag = "loss";
+      comm->run(op, opt.runtime.timeout);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0) {
+      if (opt.report_loss) sh.result.losses.push_back(loss);
+      sh.result.step_ms.push_back(ms);
+      if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
+    }
+  }
+  dm.download(model);
+  {
+    std::lock_guard lock(sh.mu);
+    sh.result.memory_end[slot] = rt.memory_report();
+  }
+  if (rank == 0) {
+    sh.result.params = model.state_dict();
+    sh.result.buckets = rt.buckets();
+    sh.result.collectives = rt.collective_log();
+  }
+}
+
+void run_any_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
+  if (sh.opt.device.kind == Device::Kind::cuda)
+    run_rank_device(sh, rank, comm, slot);
+  else
+    run_rank(sh, rank, comm, slot);
+}
+
 bool is_consequence(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -247,6 +332,14 @@ Prepared prepare(const TrainOptions& opt) {
                      std::to_string(opt.world_size) + ": every rank takes an equal share of each batch");
   if (opt.steps < 0) throw UsageError("--steps must be >= 0");
   if (opt.accumulate < 1) throw UsageError("--accumulate must be >= 1");
+  if (opt.device.kind == Device::Kind::cuda) {
+    if (opt.optimizer_in_runtime || opt.param_dtype != DType::f32 || opt.runtime.forward_prefetch ||
+        opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0)
+      throw UsageError("--device cuda: the trainer steps on the GPU after wait() (ZeRO stage 0, fp32 parameters, no "
+                       "clipping or --forward-prefetch); the runtime's sharded optimizer steps CPU shards so far");
+    if (!device_model_compiled())
+      throw UsageError("--device cuda: this build has no CUDA (configure where nvcc and cuBLAS exist, SHARDFLOW_CUDA=ON)");
+  }
   if (!opt.optimizer_in_runtime && (opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
     throw UsageError("ZeRO stages, clipping and 16-bit parameters need the optimizer inside the runtime");
   opt.optimizer.validate();
@@ -272,7 +365,9 @@ TrainResult train(const TrainOptions& opt) {
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   kernels::set_blas_threads(std::max(1, cores / opt.world_size));
 
-  const auto world = InProcessWorld::create(opt.world_size, opt.runtime.timeout);
+  const auto world = opt.device.kind == Device::Kind::cuda
+                         ? InProcessWorld::create_on_device(opt.world_size, opt.device.index, opt.runtime.timeout)
+                         : InProcessWorld::create(opt.world_size, opt.runtime.timeout);
   Shared sh{opt, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
   sh.result.memory.resize(std::size_t(opt.world_size));
   sh.result.memory_end.resize(std::size_t(opt.world_size));
@@ -280,7 +375,7 @@ TrainResult train(const TrainOptions& opt) {
   for (int r = 0; r < opt.world_size; ++r)
     threads.emplace_back([&sh, &world, r] {
       try {
-        run_rank(sh, r, world->communicator(r), std::size_t(r));
+        run_any_rank(sh, r, world->communicator(r), std::size_t(r));
       } catch (...) {
         std::lock_guard lock(sh.mu);
         // Keep the root cause: a peer's "aborted" CommError is only a consequence of it.
@@ -305,7 +400,7 @@ TrainResult train_rank(const TrainOptions& options, const std::shared_ptr<Commun
   sh.result.memory.resize(1);
   sh.result.memory_end.resize(1);
   try {
-    run_rank(sh, comm->rank(), comm, 0);
+    run_any_rank(sh, comm->rank(), comm, 0);
   } catch (const std::exception& e) {
     // Peers blocked in a collective with this rank fail promptly instead of at the timeout.
     comm->abort("rank " + std::to_string(comm->rank()) + " failed: " + e.what());

@@ -50,6 +50,11 @@ struct TrainOptions {
   // the shard; the trainer computes in fp32 copies of the 16-bit parameters.
   DType param_dtype = DType::f32;
   bool report_loss = true;    // an extra scalar all-reduce per step for the global loss
+  // cuda: the model runs with cuBLAS on this GPU (DeviceModel), the buckets live there, the ranks
+  // are threads over the in-process backend on that one GPU (train) or processes over NCCL
+  // (train_rank); the trainer steps the parameters on the device after wait(). Needs the
+  // optimizer outside the runtime and fp32 parameters.
+  Device device = Device::cpu();
   std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
 };
 
