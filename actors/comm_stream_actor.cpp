@@ -115,6 +115,11 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
             };
             break;
         }
+        if (const auto t0 = s.log->issued())  // Note [Timeline]: the span ends when completion is heard of
+          done = [log = s.log, kind = op.kind, tag = op.tag, t0, inner = std::move(done)](std::exception_ptr x) {
+            log->completed(kind, tag, t0);
+            inner(x);
+          };
         s.comm->submit(std::move(op), std::move(done));
       }
       if (e.kind == ScheduleEntry::reduce && i == s.last_reduce_entry && s.shard)

@@ -57,6 +57,9 @@ int main(int argc, char** argv) {
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
+  app.add_option("--trace", opt.runtime.trace_path,
+                 "write a Chrome trace (ui.perfetto.dev) of every rank's gradients, collectives and waits; {rank} in the "
+                 "path: one file per rank (needed under a launcher)");
   std::string device = "cpu";
   app.add_option("--device", device,
                  "cpu | cuda | cuda:N: where the model, its gradients and the buckets live (cuda: cuBLAS, ranks as threads "

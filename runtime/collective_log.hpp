@@ -3,10 +3,12 @@
 #pragma once
 
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "runtime/timeline.hpp"
 #include "shardflow/communicator.hpp"
 
 namespace shardflow {
@@ -20,6 +22,13 @@ class CollectiveLog {
     lines_.push_back(std::move(line));
     if (lines_.size() > kKeep) lines_.pop_front();  // long trainings keep the recent past only
   }
+  // With a timeline (Config::trace_path), each collective also becomes a span from its issue to
+  // its completion: call issued() when it goes out and completed() from its done callback.
+  void set_timeline(std::shared_ptr<Timeline> t) { timeline_ = std::move(t); }
+  Timeline::Time issued() const { return timeline_ ? Timeline::now() : 0; }
+  void completed(CollectiveKind kind, const std::string& tag, Timeline::Time begin) const {
+    if (timeline_) timeline_->span(std::string(collective_name(kind)) + " " + tag, "comm", begin, Timeline::now());
+  }
   std::vector<std::string> lines() const {
     std::lock_guard lock(mu_);
     return {lines_.begin(), lines_.end()};
@@ -29,6 +38,7 @@ class CollectiveLog {
   mutable std::mutex mu_;
   static constexpr std::size_t kKeep = 1 << 16;
   std::deque<std::string> lines_;
+  std::shared_ptr<Timeline> timeline_;
 };
 
 }  // namespace shardflow

@@ -25,6 +25,7 @@
 #include "runtime/param_registry.hpp"
 #include "runtime/shard.hpp"
 #include "runtime/shard_plan.hpp"
+#include "runtime/timeline.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow {
@@ -97,6 +98,7 @@ struct Runtime::Impl {
   std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
   bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
+  std::shared_ptr<Timeline> timeline;  // Config::trace_path (Note [Timeline])
 
   // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
   // observed order is appended through an atomic cursor.
@@ -539,6 +541,10 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   I.owner = next_owner_id.fetch_add(1);
   I.log = rank_logger(I.rank);
   I.engine = Engine::acquire(config.actor_threads);
+  if (!config.trace_path.empty()) {
+    I.timeline = std::make_shared<Timeline>(I.rank, config.trace_path);
+    I.collectives->set_timeline(I.timeline);
+  }
 }
 
 Runtime::~Runtime() {
@@ -555,6 +561,7 @@ Runtime::~Runtime() {
                   std::to_string(I.iterations));
   }
   I.stop_actors();
+  if (I.timeline) I.timeline->close();  // the trace file is complete once the last rank's Runtime is gone
 }
 
 int Runtime::rank() const { return impl_->rank; }
@@ -657,6 +664,7 @@ void Runtime::grad_ready(Param p) {
     return;
   }
   I.sync_pass_started.store(true, std::memory_order_relaxed);
+  if (I.timeline) I.timeline->instant("grad_ready " + I.name_of(i), "backward");
   I.send_to_bucket(i, false);
 }
 
@@ -707,11 +715,13 @@ void Runtime::wait() {
     return;
   }
   finish_backward();
+  const auto waited_from = I.timeline ? Timeline::now() : 0;
   ++I.signal_target;
   const bool prefetching = I.prefetch_active;
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
   // this one finishes while the next forward runs (Note [Forward prefetch]).
   I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
+  if (I.timeline) I.timeline->span("wait (iteration " + std::to_string(I.iterations) + ")", "trainer", waited_from, Timeline::now());
   if (!I.cfg.gradient_as_bucket_view && !I.shard) {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);

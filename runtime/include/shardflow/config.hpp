@@ -79,6 +79,12 @@ struct Config {
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;
 
+  // Writes a Chrome trace (chrome://tracing, ui.perfetto.dev) of what each rank did when: every
+  // grad_ready, every collective from issue to completion, every wait(). Ranks that are threads of
+  // one process share the file (written when the last Runtime goes); "{rank}" in the path gives
+  // each rank its own, which one-process-per-rank jobs need. Empty: off.
+  std::string trace_path;
+
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
   // only route messages; the heavy lifting happens on comm streams and trainer threads.
   unsigned actor_threads = 0;
