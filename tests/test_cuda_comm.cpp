@@ -3,7 +3,11 @@
 // Runtime reducing CUDA buckets after its per-bucket events. Without a GPU it says why and exits
 // 77 (ctest: skipped). f32 sums are compared bit for bit (the in-process kernel sums in rank order
 // with round-to-nearest adds, like the CPU); NCCL within a tolerance (its order is its own).
+#include <nlohmann/json.hpp>
+
 #include <cmath>
+#include <fstream>
+#include <map>
 #include <cstdio>
 #include <functional>
 #include <random>
@@ -323,6 +327,23 @@ void runtime_on_device_world(int n) {
                                         ": every gradient is the average, bit for bit");
 }
 
+// In the trace: some collective is still in flight when its rank reports another gradient, on
+// every rank — the reduction overlaps backward.
+bool reductions_overlap_backward(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return false;
+  const auto t = nlohmann::json::parse(in).at("traceEvents");
+  std::map<int, bool> overlapped;
+  for (const auto& span : t) {
+    if (span.at("ph") != "X" || span.at("tid") != "comm") continue;
+    const std::int64_t b = span.at("ts"), e = b + span.at("dur").get<std::int64_t>();
+    for (const auto& g : t)
+      if (g.at("ph") == "i" && g.at("pid") == span.at("pid") && g.at("ts") >= b && g.at("ts") <= e)
+        overlapped[span.at("pid").get<int>()] = true;
+  }
+  return overlapped[0] && overlapped[1];
+}
+
 // mlp_train --device cuda: cuBLAS forward/backward, buckets on the GPU, the step on the device.
 // World 1 and 2 (two ranks on the one GPU) end where the CPU trainer ends, up to the matmuls'
 // summation order.
@@ -342,7 +363,10 @@ void mlp_on_device() {
     auto d = o;
     d.world_size = world;
     d.device = Device::cuda(0);
+    const std::string trace = "/tmp/shardflow_cuda_trace_" + std::to_string(world) + ".json";
+    d.runtime.trace_path = trace;
     const auto gpu = mlp::train(d);
+    if (world == 2) check(reductions_overlap_backward(trace), "two ranks on one GPU: reductions in flight while backward reports gradients (" + trace + ")");
     double worst = 0;
     for (const auto& [name, t] : cpu.params) {
       const auto a = t.to_f32(name), b = gpu.params.at(name).to_f32(name);
