@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "examples/mlp/train.hpp"
+#include "kernels/cuda/device.hpp"
 #include "helpers.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/safetensors.hpp"
@@ -160,6 +161,19 @@ TEST_CASE("shardflow run: two ranks with different models -> a clear error namin
   REQUIRE(test::failed(st));
   CHECK(job.output().find("layers.0.weight") != std::string::npos);
   CHECK(job.output().find("step 1/") == std::string::npos);
+}
+
+TEST_CASE("shardflow run: --device cuda where there is no GPU -> every rank stops with an error naming NCCL, no hang") {
+  if (cuda::device_count() > 0) return;  // on a GPU machine this job would train (test_cuda_comm covers it)
+  auto args = mlp_args(0);
+  args.insert(args.begin(), {kTrainer, "--device", "cuda"});
+  Child job(launch(2, args), no_launch_env());
+  const auto st = job.wait(60s);
+  INFO(job.output());
+  REQUIRE(test::failed(st));
+  CHECK(job.output().find("FAILED: rank") != std::string::npos);
+  CHECK(job.output().find("nccl") != std::string::npos);  // "sees no CUDA device" or "built without NCCL"
+  CHECK(job.seconds() < 30);
 }
 
 TEST_CASE("shardflow run: a failing rank's exit status and SIGINT are passed on") {
