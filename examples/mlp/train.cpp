@@ -85,6 +85,41 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
   }
 }
 
+// The end of a step on any device: the global loss (an all-reduce of this rank's mean; host memory,
+// which device backends stage) and rank 0's report.
+void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, const Runtime& rt, int step, float loss,
+              std::chrono::steady_clock::time_point t0) {
+  const auto& opt = sh.opt;
+  if (opt.report_loss && opt.world_size > 1) {
+    CollectiveOp op;
+    op.kind = CollectiveKind::allreduce;
+    op.send = op.recv = &loss;
+    op.count = 1;
+    op.scale = 1.0f / float(opt.world_size);  // equal shards: the global mean is the mean of the local means
+    op.tag = "loss";
+    comm->run(op, opt.runtime.timeout);
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (rank != 0) return;
+  if (opt.report_loss) sh.result.losses.push_back(loss);
+  if (opt.runtime.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
+  sh.result.step_ms.push_back(ms);
+  if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
+}
+
+// After the last step: memory at the end, and rank 0's parameters, buckets and collectives.
+void finish_rank(Shared& sh, int rank, const Runtime& rt, const Model& model, std::size_t slot) {
+  {
+    std::lock_guard lock(sh.mu);
+    sh.result.memory_end[slot] = rt.memory_report();
+  }
+  if (rank == 0) {
+    sh.result.params = model.state_dict();
+    sh.result.buckets = rt.buckets();
+    sh.result.collectives = rt.collective_log();
+  }
+}
+
 // `slot`: where this rank's memory reports go in the result (its rank when ranks are threads, 0
 // when this process is one rank of many).
 void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
@@ -192,35 +227,12 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
       }
       optim->end_step();
     }
-    if (opt.report_loss && N > 1) {
-      if (prefetch) rt.wait_all_params();  // our own collective must not race the runtime's syncs
-      CollectiveOp op;
-      op.kind = CollectiveKind::allreduce;
-      op.send = op.recv = &loss;
-      op.count = 1;
-      op.scale = 1.0f / float(N);  // equal shards: the global mean is the mean of the local means
-      op.tag = "loss";
-      comm->run(op, opt.runtime.timeout);
-    }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (rank == 0) {
-      if (opt.report_loss) sh.result.losses.push_back(loss);
-      if (opt.runtime.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
-      sh.result.step_ms.push_back(ms);
-      if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
-    }
+    if (opt.report_loss && N > 1 && prefetch) rt.wait_all_params();  // our collective must not race the syncs
+    end_step(sh, rank, comm, rt, step, loss, t0);
   }
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
-  {
-    std::lock_guard lock(sh.mu);
-    sh.result.memory_end[slot] = rt.memory_report();
-  }
-  if (rank == 0) {
-    sh.result.params = model.state_dict();
-    sh.result.buckets = rt.buckets();
-    sh.result.collectives = rt.collective_log();
-  }
+  finish_rank(sh, rank, rt, model, slot);
 }
 
 // run_rank on a GPU: the same schedule, with the model's kernels, the bucket events and the
@@ -272,32 +284,10 @@ void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& 
         dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]), bias ? l.bias.size() : l.weight.size(), k,
                 step + 1);
       }
-    if (opt.report_loss && N > 1) {
-      CollectiveOp op;
-      op.kind = CollectiveKind::allreduce;
-      op.send = op.recv = &loss;  // host memory: the device backends stage it
-      op.count = 1;
-      op.scale = 1.0f / float(N);
-      op.tag = "loss";
-      comm->run(op, opt.runtime.timeout);
-    }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (rank == 0) {
-      if (opt.report_loss) sh.result.losses.push_back(loss);
-      sh.result.step_ms.push_back(ms);
-      if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
-    }
+    end_step(sh, rank, comm, rt, step, loss, t0);
   }
   dm.download(model);
-  {
-    std::lock_guard lock(sh.mu);
-    sh.result.memory_end[slot] = rt.memory_report();
-  }
-  if (rank == 0) {
-    sh.result.params = model.state_dict();
-    sh.result.buckets = rt.buckets();
-    sh.result.collectives = rt.collective_log();
-  }
+  finish_rank(sh, rank, rt, model, slot);
 }
 
 void run_any_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {

@@ -24,6 +24,7 @@
 #include "runtime/comm/barrier.hpp"
 #include "runtime/comm/device_comm.hpp"
 #include "runtime/comm/peer_collective.hpp"
+#include "runtime/comm/rank_world.hpp"
 #include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
 
@@ -172,27 +173,6 @@ class DeviceInProcessComm final : public DeviceComm {
   std::shared_ptr<DeviceWorld> world_;
 };
 
-class DeviceWorldImpl final : public InProcessWorld {
- public:
-  DeviceWorldImpl(int n, int device, std::chrono::milliseconds timeout)
-      : world_(std::make_shared<DeviceWorld>(n, device, timeout)), comms_(std::size_t(n)) {}
-  int world_size() const override { return world_->size(); }
-  std::shared_ptr<Communicator> communicator(int rank) override {
-    if (rank < 0 || rank >= world_->size())
-      throw UsageError("InProcessWorld::communicator: rank " + std::to_string(rank) + " is outside world size " +
-                       std::to_string(world_->size()));
-    std::lock_guard lock(mu_);
-    auto& c = comms_[std::size_t(rank)];
-    if (!c) c = std::make_shared<DeviceInProcessComm>(world_, rank);
-    return c;
-  }
-
- private:
-  std::shared_ptr<DeviceWorld> world_;
-  std::mutex mu_;
-  std::vector<std::shared_ptr<Communicator>> comms_;
-};
-
 }  // namespace
 
 std::shared_ptr<InProcessWorld> InProcessWorld::create_on_device(int world_size, int device,
@@ -204,7 +184,7 @@ std::shared_ptr<InProcessWorld> InProcessWorld::create_on_device(int world_size,
   if (device < 0 || device >= devices)
     throw UsageError("InProcessWorld::create_on_device: cuda:" + std::to_string(device) + " does not exist (" +
                      std::to_string(devices) + " CUDA device(s) visible: " + cuda::describe() + ")");
-  return std::make_shared<DeviceWorldImpl>(world_size, device, timeout);
+  return std::make_shared<RankWorld<DeviceWorld, DeviceInProcessComm>>(std::make_shared<DeviceWorld>(world_size, device, timeout));
 }
 
 }  // namespace shardflow

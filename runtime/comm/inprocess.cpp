@@ -16,6 +16,7 @@
 
 #include "runtime/comm/barrier.hpp"
 #include "runtime/comm/peer_collective.hpp"
+#include "runtime/comm/rank_world.hpp"
 #include "runtime/comm/stream_worker.hpp"
 #include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
@@ -118,35 +119,12 @@ class InProcessComm final : public Communicator {
   StreamWorker stream_;    // last: its thread uses the members above
 };
 
-class InProcessWorldImpl final : public InProcessWorld {
- public:
-  InProcessWorldImpl(int n, std::chrono::milliseconds timeout)
-      : world_(std::make_shared<World>(n, timeout)), comms_(std::size_t(n)) {}
-
-  int world_size() const override { return world_->size(); }
-
-  std::shared_ptr<Communicator> communicator(int rank) override {
-    if (rank < 0 || rank >= world_->size())
-      throw UsageError("InProcessWorld::communicator: rank " + std::to_string(rank) + " is outside world size " +
-                       std::to_string(world_->size()));
-    std::lock_guard lock(mu_);
-    auto& c = comms_[std::size_t(rank)];
-    if (!c) c = std::make_shared<InProcessComm>(world_, rank);
-    return c;
-  }
-
- private:
-  std::shared_ptr<World> world_;
-  std::mutex mu_;
-  std::vector<std::shared_ptr<Communicator>> comms_;
-};
-
 }  // namespace
 
 std::shared_ptr<InProcessWorld> InProcessWorld::create(int world_size, std::chrono::milliseconds timeout) {
   if (world_size < 1) throw UsageError("InProcessWorld::create: world_size must be >= 1, got " + std::to_string(world_size));
   if (timeout.count() <= 0) throw UsageError("InProcessWorld::create: timeout must be positive");
-  return std::make_shared<InProcessWorldImpl>(world_size, timeout);
+  return std::make_shared<RankWorld<World, InProcessComm>>(std::make_shared<World>(world_size, timeout));
 }
 
 }  // namespace shardflow
