@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "collective_op.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow::test {
@@ -74,20 +75,6 @@ std::vector<std::shared_ptr<Communicator>> store_world(int n, std::uint16_t port
     comms[std::size_t(r)] = make(o);
   }));
   return comms;
-}
-
-// A collective as the tests issue them (tag "test").
-inline CollectiveOp make(CollectiveKind k, const void* send, void* recv, std::size_t count, float scale = 1.0f,
-                         int root = 0) {
-  CollectiveOp op;
-  op.kind = k;
-  op.send = send;
-  op.recv = recv;
-  op.count = count;
-  op.scale = scale;
-  op.root = root;
-  op.tag = "test";
-  return op;
 }
 
 // Runs every collective (all-reduce scaled by 0.5, reduce-scatter, all-gather, broadcast from the

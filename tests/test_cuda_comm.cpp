@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "collective_op.hpp"
 #include "examples/mlp/train.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "kernels/cuda/device.hpp"
@@ -63,18 +64,6 @@ std::size_t differ(const std::vector<float>& a, const std::vector<float>& b, flo
   return bad;
 }
 
-CollectiveOp op_of(CollectiveKind k, const void* send, void* recv, std::size_t count, float scale = 1.0f, int root = 0) {
-  CollectiveOp op;
-  op.kind = k;
-  op.send = send;
-  op.recv = recv;
-  op.count = count;
-  op.scale = scale;
-  op.root = root;
-  op.tag = "test";
-  return op;
-}
-
 void on_ranks(int n, const std::function<void(int)>& f) {
   std::vector<std::thread> t;
   for (int r = 0; r < n; ++r) t.emplace_back([&, r] {
@@ -100,7 +89,7 @@ void in_process_collectives(int n, std::size_t count) {
   std::vector<std::size_t> bad(static_cast<std::size_t>(n), 0);
   on_ranks(n, [&](int r) {
     float* d = upload(in[std::size_t(r)]);
-    world->communicator(r)->run(op_of(CollectiveKind::allreduce, d, d, want.size(), 1.0f / float(n)), 60s);
+    world->communicator(r)->run(test::make(CollectiveKind::allreduce, d, d, want.size(), 1.0f / float(n)), 60s);
     bad[std::size_t(r)] = differ(download(d, want.size()), want);
     cudaFree(d);
   });
@@ -109,7 +98,7 @@ void in_process_collectives(int n, std::size_t count) {
   on_ranks(n, [&](int r) {
     float* d = upload(in[std::size_t(r)]);
     float* out = upload(std::vector<float>(count));
-    world->communicator(r)->run(op_of(CollectiveKind::reduce_scatter, d, out, count), 60s);
+    world->communicator(r)->run(test::make(CollectiveKind::reduce_scatter, d, out, count), 60s);
     std::vector<float> w(count);
     std::vector<const void*> blocks;
     for (int i = 0; i < n; ++i) blocks.push_back(in[std::size_t(i)].data() + std::size_t(r) * count);
@@ -123,12 +112,12 @@ void in_process_collectives(int n, std::size_t count) {
   on_ranks(n, [&](int r) {
     float* d = upload(std::vector<float>(count * std::size_t(n), -1.0f));
     cudaMemcpy(d + std::size_t(r) * count, in[std::size_t(r)].data(), count * 4, cudaMemcpyHostToDevice);
-    world->communicator(r)->run(op_of(CollectiveKind::allgather, d + std::size_t(r) * count, d, count), 60s);
+    world->communicator(r)->run(test::make(CollectiveKind::allgather, d + std::size_t(r) * count, d, count), 60s);
     std::vector<float> w;
     for (int i = 0; i < n; ++i) w.insert(w.end(), in[std::size_t(i)].begin(), in[std::size_t(i)].begin() + std::ptrdiff_t(count));
     bad[std::size_t(r)] = differ(download(d, w.size()), w);
     float* b = upload(in[std::size_t(r)]);
-    world->communicator(r)->run(op_of(CollectiveKind::broadcast, b, b, count, 1.0f, n - 1), 60s);
+    world->communicator(r)->run(test::make(CollectiveKind::broadcast, b, b, count, 1.0f, n - 1), 60s);
     const auto& root = in[std::size_t(n - 1)];
     bad[std::size_t(r)] += differ(download(b, count), std::vector<float>(root.begin(), root.begin() + std::ptrdiff_t(count)));
     cudaFree(d);
@@ -156,7 +145,7 @@ void waits_for_the_producer_event() {
     cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     cudaMemcpyAsync(d, pinned, n * 4, cudaMemcpyHostToDevice, s);
     cudaEventRecord(e, s);
-    auto op = op_of(CollectiveKind::allreduce, d, d, n);
+    auto op = test::make(CollectiveKind::allreduce, d, d, n);
     op.wait_event = e;
     world->communicator(r)->run(op, 60s);
     result[r] = download(d, n);
@@ -179,7 +168,7 @@ void errors_on_device() {
     on_ranks(2, [&](int r) {
       float* d = upload(std::vector<float>(16, 1.0f));
       try {
-        world->communicator(r)->run(op_of(CollectiveKind::allreduce, d, d, r == 0 ? 10 : 11), 60s);
+        world->communicator(r)->run(test::make(CollectiveKind::allreduce, d, d, r == 0 ? 10 : 11), 60s);
       } catch (const MismatchError& e) {
         msg[r] = e.what();
       }
@@ -194,7 +183,7 @@ void errors_on_device() {
     std::string msg;
     const auto start = std::chrono::steady_clock::now();
     try {
-      world->communicator(0)->run(op_of(CollectiveKind::allreduce, d, d, 16), 300ms);
+      world->communicator(0)->run(test::make(CollectiveKind::allreduce, d, d, 16), 300ms);
     } catch (const TimeoutError& e) {
       msg = e.what();
     }
@@ -207,7 +196,7 @@ void errors_on_device() {
   {
     auto comm = InProcessWorld::create_on_device(1, 0, 60s)->communicator(0);
     std::vector<float> host{1, 2, 3, 4};
-    comm->run(op_of(CollectiveKind::allreduce, host.data(), host.data(), 4, 0.5f), 60s);
+    comm->run(test::make(CollectiveKind::allreduce, host.data(), host.data(), 4, 0.5f), 60s);
     check(host == std::vector<float>{0.5f, 1, 1.5f, 2}, "device communicator stages host buffers");
   }
 }
@@ -227,14 +216,14 @@ void nccl_world1() {
   const std::size_t n = 1000003;
   auto x = random_vec(n, 3);
   float* d = upload(x);
-  comm->run(op_of(CollectiveKind::allreduce, d, d, n, 0.5f), 60s);
+  comm->run(test::make(CollectiveKind::allreduce, d, d, n, 0.5f), 60s);
   auto want = x;
   kernels::scale(DType::f32, want.data(), n, 0.5f);
   check(differ(download(d, n), want, 1e-7f) == 0, "nccl world 1: all-reduce with a pre-multiplied scale");
-  comm->run(op_of(CollectiveKind::barrier, nullptr, nullptr, 0), 60s);
+  comm->run(test::make(CollectiveKind::barrier, nullptr, nullptr, 0), 60s);
   check(true, "nccl world 1: barrier");
   std::vector<float> host{1, 2, 3};
-  comm->run(op_of(CollectiveKind::broadcast, host.data(), host.data(), 3), 60s);
+  comm->run(test::make(CollectiveKind::broadcast, host.data(), host.data(), 3), 60s);
   check(host == std::vector<float>{1, 2, 3}, "nccl world 1: broadcast of host memory (staged)");
   cudaFree(d);
 
