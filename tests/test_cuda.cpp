@@ -9,6 +9,7 @@
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "kernels/cpu/optim.hpp"
+#include "gpu_suite.hpp"
 #include "kernels/cuda/device.hpp"
 
 #ifdef SHARDFLOW_WITH_CUDA_RUNTIME
@@ -19,11 +20,8 @@
 namespace {
 
 using namespace shardflow;
-int failures = 0, passes = 0;
-
 void report(const std::string& what, std::size_t bad, std::size_t n) {
-  std::printf("%-60s %zu of %zu differ\n", what.c_str(), bad, n);
-  (bad ? failures : passes)++;
+  test::gpu_check(bad == 0, what + ": " + std::to_string(bad) + " of " + std::to_string(n) + " differ");
 }
 
 template <class T>
@@ -145,8 +143,7 @@ void check_elementwise(std::mt19937& rng, std::size_t n) {
   for (float v : want) ref += double(v) * v;
   const float got = download(dnorm, 1)[0];
   const double rel = std::abs(got - ref) / ref;
-  std::printf("%-60s %.3g relative error\n", "squared norm fp32", rel);
-  (rel < 1e-5 ? passes : failures)++;
+  test::gpu_check(rel < 1e-5, "squared norm fp32: " + std::to_string(rel) + " relative error");
   cudaFree(dnorm);
   cudaFree(dx);
 }
@@ -155,25 +152,18 @@ void check_elementwise(std::mt19937& rng, std::size_t n) {
 #endif
 
 int main() {
-  using namespace shardflow;
-  if (!cuda::compiled_with_cuda() || cuda::device_count() == 0) {
-    std::printf("SKIP: %s\n", cuda::describe().c_str());
-    return 77;
-  }
+  return shardflow::test::gpu_main([] {
 #ifdef SHARDFLOW_WITH_CUDA_RUNTIME
-  std::printf("%s\n", cuda::describe().c_str());
-  const unsigned seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
-  std::mt19937 rng(seed);
-  for (std::size_t n : {std::size_t{1}, std::size_t{1000003}}) {
-    check_optimizers(rng, n);
-    check_master_weights(rng, n);
-    check_elementwise(rng, n);
-  }
-  if (cudaGetLastError() != cudaSuccess) ++failures;
-  std::printf("%d passed, %d failed\n", passes, failures);
-  return failures ? 1 : 0;
-#else
-  return 77;
+    using namespace shardflow;
+    const unsigned seed = std::random_device{}();
+    std::printf("seed %u\n", seed);
+    std::mt19937 rng(seed);
+    for (std::size_t n : {std::size_t{1}, std::size_t{1000003}}) {
+      check_optimizers(rng, n);
+      check_master_weights(rng, n);
+      check_elementwise(rng, n);
+    }
+    test::gpu_check(cudaGetLastError() == cudaSuccess, "no CUDA error pending");
 #endif
+  });
 }

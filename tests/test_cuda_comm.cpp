@@ -18,6 +18,7 @@
 #include "collective_op.hpp"
 #include "examples/mlp/train.hpp"
 #include "kernels/cpu/elementwise.hpp"
+#include "gpu_suite.hpp"
 #include "kernels/cuda/device.hpp"
 #include "shardflow/nccl.hpp"
 #include "shardflow/shardflow.hpp"
@@ -30,12 +31,7 @@ namespace {
 
 using namespace shardflow;
 using namespace std::chrono_literals;
-int failures = 0, passes = 0;
-
-void check(bool ok, const std::string& what) {
-  std::printf("%-4s %s\n", ok ? "ok" : "FAIL", what.c_str());
-  (ok ? passes : failures)++;
-}
+void check(bool ok, const std::string& what) { test::gpu_check(ok, what); }
 
 std::vector<float> random_vec(std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
@@ -372,30 +368,24 @@ void mlp_on_device() {
 #endif
 
 int main() {
-  using namespace shardflow;
-  if (!cuda::compiled_with_cuda() || cuda::device_count() == 0) {
-    std::printf("SKIP: %s\n", cuda::describe().c_str());
-    return 77;
-  }
+  return shardflow::test::gpu_main([] {
 #ifdef SHARDFLOW_WITH_CUDA_RUNTIME
-  std::printf("%s\n", cuda::describe().c_str());
-  auto guarded = [](const char* name, const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      check(false, std::string(name) + " threw: " + e.what());
-    }
-  };
-  for (int n : {1, 2, 3}) guarded("in-process collectives", [&] { in_process_collectives(n, 1000003); });
-  guarded("in-process small", [] { in_process_collectives(3, 5); });
-  guarded("producer event", waits_for_the_producer_event);
-  guarded("errors", errors_on_device);
-  if (nccl_compiled()) guarded("nccl", nccl_world1);
-  for (int n : {1, 2, 4}) guarded("runtime", [&] { runtime_on_device_world(n); });
-  guarded("mlp", mlp_on_device);
-  std::printf("%d passed, %d failed\n", passes, failures);
-  return failures ? 1 : 0;
-#else
-  return 77;
+    using namespace shardflow;
+    // Each part on its own: one that throws is one failure, the others still run.
+    auto guarded = [](const char* name, const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const std::exception& e) {
+        check(false, std::string(name) + " threw: " + e.what());
+      }
+    };
+    for (int n : {1, 2, 3}) guarded("in-process collectives", [&] { in_process_collectives(n, 1000003); });
+    guarded("in-process small", [] { in_process_collectives(3, 5); });
+    guarded("producer event", waits_for_the_producer_event);
+    guarded("errors", errors_on_device);
+    if (nccl_compiled()) guarded("nccl", nccl_world1);
+    for (int n : {1, 2, 4}) guarded("runtime", [&] { runtime_on_device_world(n); });
+    guarded("mlp", mlp_on_device);
 #endif
+  });
 }

@@ -120,16 +120,48 @@ void finish_rank(Shared& sh, int rank, const Runtime& rt, const Model& model, st
   }
 }
 
+Model initial_model(const Shared& sh) {
+  Model model(sh.opt.sizes);
+  if (sh.init)
+    model.load(*sh.init, "--init '" + *sh.opt.init_path + "'");
+  else
+    model.init(sh.opt.seed);
+  return model;
+}
+
+// The step loop every trainer shares: per step, K micro-batches of this rank's rows (only the last
+// one synchronised: it reduces what all K accumulated), `update` once the gradients are reduced,
+// then the global loss and rank 0's report. `micro(x, y, rows, denom)` runs forward and backward
+// and returns the micro-batch's loss.
+using MicroBatch = std::function<float(const float* x, const float* y, int rows, double loss_denominator)>;
+void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, Runtime& rt, const MicroBatch& micro,
+                 const std::function<void(int step)>& update) {
+  const auto& opt = sh.opt;
+  const int N = opt.world_size, B = opt.global_batch, local = B / N, K = opt.accumulate;
+  // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
+  // loss counts 1/K: together they equal one K-times-larger batch.
+  const double denom = double(local) * opt.sizes.back() * K;
+  std::vector<float> x, y;
+  for (int step = 0; step < opt.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rt.zero_grad();
+    float loss = 0.0f;
+    for (int m = 0; m < K; ++m) {
+      local_batch(sh.data, step * K + m, B, N, rank, x, y);
+      rt.set_require_sync(m == K - 1);
+      loss += micro(x.data(), y.data(), local, denom) / float(K);
+      rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
+    }
+    update(step);
+    end_step(sh, rank, comm, rt, step, loss, t0);
+  }
+}
+
 // `slot`: where this rank's memory reports go in the result (its rank when ranks are threads, 0
 // when this process is one rank of many).
 void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
   const auto& opt = sh.opt;
-  const int N = opt.world_size, B = opt.global_batch, local = B / N;
-  Model model(opt.sizes);
-  if (sh.init)
-    model.load(*sh.init, "--init '" + *opt.init_path + "'");
-  else
-    model.init(opt.seed);
+  Model model = initial_model(sh);
 
   Runtime rt(comm, opt.runtime);
   // Mixed precision: the registered storage is 16-bit; `model` computes in fp32 copies of it, and
@@ -200,36 +232,27 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
     std::lock_guard lock(sh.mu);
     sh.result.memory[slot] = rt.memory_report();
   }
-  std::vector<float> x, y;
-  const int K = opt.accumulate;
-  // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
-  // loss counts 1/K: together they equal one K-times-larger batch.
-  const double denom = double(local) * opt.sizes.back() * K;
-
-  for (int step = 0; step < opt.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    rt.zero_grad();
-    float loss = 0.0f;
-    for (int m = 0; m < K; ++m) {
-      local_batch(sh.data, step * K + m, B, N, rank, x, y);
-      rt.set_require_sync(m == K - 1);  // the last micro-batch reduces what all K accumulated
-      loss += model.forward(x.data(), y.data(), local, before_layer) / float(K);
-      model.backward(y.data(), denom, grad_slot, grad_done);
-      rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
-    }
-    if (!prefetch)
-      for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
-    if (optim) {
-      for (std::size_t i = 0; i < model.layers().size(); ++i) {
-        auto& l = model.layers()[i];
-        optim->step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
-        optim->step(l.bias.data(), rt.grad_f32(handles[2 * i + 1]), l.bias.size(), 2 * i + 1);
-      }
-      optim->end_step();
-    }
-    if (opt.report_loss && N > 1 && prefetch) rt.wait_all_params();  // our collective must not race the syncs
-    end_step(sh, rank, comm, rt, step, loss, t0);
-  }
+  train_steps(
+      sh, rank, comm, rt,
+      [&](const float* x, const float* y, int rows, double denom) {
+        const float loss = model.forward(x, y, rows, before_layer);
+        model.backward(y, denom, grad_slot, grad_done);
+        return loss;
+      },
+      [&](int) {
+        if (!prefetch)
+          for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
+        if (optim) {
+          for (std::size_t i = 0; i < model.layers().size(); ++i) {
+            auto& l = model.layers()[i];
+            optim->step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
+            optim->step(l.bias.data(), rt.grad_f32(handles[2 * i + 1]), l.bias.size(), 2 * i + 1);
+          }
+          optim->end_step();
+        }
+        // The global loss is our own collective: it must not race the runtime's syncs.
+        if (opt.report_loss && opt.world_size > 1 && prefetch) rt.wait_all_params();
+      });
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
   finish_rank(sh, rank, rt, model, slot);
@@ -239,12 +262,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
 // optimizer step all on the model's stream (Runtime::set_stream).
 void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
   const auto& opt = sh.opt;
-  const int N = opt.world_size, B = opt.global_batch, local = B / N;
-  Model model(opt.sizes);
-  if (sh.init)
-    model.load(*sh.init, "--init '" + *opt.init_path + "'");
-  else
-    model.init(opt.seed);
+  Model model = initial_model(sh);
   DeviceModel dm(model, opt.device.index);
   Runtime rt(comm, opt.runtime);
   rt.set_stream(dm.stream());
@@ -262,30 +280,22 @@ void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& 
   }
   auto grad_slot = [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); };
   auto grad_done = [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); };
-  std::vector<float> x, y;
-  const int K = opt.accumulate;
-  const double denom = double(local) * opt.sizes.back() * K;
-  for (int step = 0; step < opt.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    rt.zero_grad();
-    float loss = 0.0f;
-    for (int m = 0; m < K; ++m) {
-      local_batch(sh.data, step * K + m, B, N, rank, x, y);
-      rt.set_require_sync(m == K - 1);
-      dm.forward(x.data(), y.data(), local);
-      dm.backward(denom, grad_slot, grad_done);
-      rt.wait();
-      if (opt.report_loss) loss += dm.loss() / float(K);
-    }
-    for (std::size_t i = 0; i < model.layers().size(); ++i)
-      for (bool bias : {false, true}) {
-        const auto k = 2 * i + bias;
-        const auto& l = model.layers()[i];
-        dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]), bias ? l.bias.size() : l.weight.size(), k,
-                step + 1);
-      }
-    end_step(sh, rank, comm, rt, step, loss, t0);
-  }
+  train_steps(
+      sh, rank, comm, rt,
+      [&](const float* x, const float* y, int rows, double denom) {
+        dm.forward(x, y, rows);
+        dm.backward(denom, grad_slot, grad_done);
+        return opt.report_loss ? dm.loss() : 0.0f;  // waits for this rank's backward, not for the reductions
+      },
+      [&](int step) {
+        for (std::size_t i = 0; i < model.layers().size(); ++i)
+          for (bool bias : {false, true}) {
+            const auto k = 2 * i + bias;
+            const auto& l = model.layers()[i];
+            dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]), bias ? l.bias.size() : l.weight.size(),
+                    k, step + 1);
+          }
+      });
   dm.download(model);
   finish_rank(sh, rank, rt, model, slot);
 }
