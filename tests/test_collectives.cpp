@@ -166,7 +166,7 @@ TEST_CASE("bf16 and fp16 allreduce accumulate in fp32 and round once") {
   const int n = 4;
   const std::size_t count = 1001;
   for (DType t : {DType::bf16, DType::f16}) {
-    CAPTURE(dtype_name(t));
+    CAPTURE(std::string(dtype_name(t)));
     auto to16 = [&](float f) { return t == DType::bf16 ? f32_to_bf16(f) : f32_to_f16(f); };
     auto from16 = [&](std::uint16_t h) { return t == DType::bf16 ? bf16_to_f32(h) : f16_to_f32(h); };
     auto world = InProcessWorld::create(n, 60s);

@@ -61,7 +61,7 @@ void for_each_sharded(const mlp::TrainOptions& ref, Check check) {
         o.runtime.overlap = overlap;
         o.runtime.partition = partition;
         const auto got = mlp::train(o);
-        INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition));
+        INFO("stage " << stage << " " << std::string(overlap_name(overlap)) << " " << std::string(partition_name(partition)));
         check(got);
       }
 }
@@ -87,8 +87,8 @@ TEST_CASE("every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW}
             o.runtime.partition = partition;
             const auto got = mlp::train(o);
             const double err = worst_error(got.params, reference.params);
-            INFO(kind_name(kind) << " stage " << stage << " overlap " << overlap_name(overlap) << " partition "
-                                 << partition_name(partition) << " world " << world << ": rel error " << err);
+            INFO(std::string(kind_name(kind)) << " stage " << stage << " overlap " << std::string(overlap_name(overlap)) << " partition "
+                                 << std::string(partition_name(partition)) << " world " << world << ": rel error " << err);
             CHECK(err <= 1e-5);
           }
   }
@@ -107,7 +107,7 @@ TEST_CASE("the very first iteration updates the parameters in every mode") {
       o.runtime.overlap = overlap;
       const auto got = mlp::train(o);
       for (const auto& [name, t] : init.params) {
-        INFO("stage " << stage << " overlap " << overlap_name(overlap) << " " << name);
+        INFO("stage " << stage << " overlap " << std::string(overlap_name(overlap)) << " " << name);
         // Adam's first step moves every parameter with a nonzero gradient by about lr.
         CHECK(test::rel_error(got.params.at(name).to_f32(name), t.to_f32(name)) > 1e-4);
       }
@@ -135,7 +135,7 @@ TEST_CASE("clip_grad_norm (2 and inf) over shards equals unsharded clipped train
             o.runtime.overlap = overlap;
             o.runtime.partition = partition;
             const auto got = mlp::train(o);
-            INFO("norm " << norm_type << " stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition)
+            INFO("norm " << norm_type << " stage " << stage << " " << std::string(overlap_name(overlap)) << " " << std::string(partition_name(partition))
                          << " world " << world);
             CHECK(worst_error(got.params, reference.params) <= 1e-5);
             for (std::size_t s = 0; s < got.grad_norms.size(); ++s)
@@ -181,7 +181,7 @@ TEST_CASE("optimizer state per rank: flat is total/N plus padding, param at most
       std::size_t sum = 0;
       for (int r = 0; r < world; ++r) {
         const std::size_t bytes = res.memory[std::size_t(r)].optimizer_state;
-        INFO("world " << world << " " << partition_name(partition) << " rank " << r << ": " << bytes << " bytes");
+        INFO("world " << world << " " << std::string(partition_name(partition)) << " rank " << r << ": " << bytes << " bytes");
         sum += bytes;
         const std::size_t fair = (total + std::size_t(world) - 1) / std::size_t(world) * slots * fp32;
         if (partition == Partition::param) CHECK(bytes <= fair + largest * slots * fp32);
@@ -302,7 +302,7 @@ TEST_CASE("under random arrival orders and random delays every rank issues the s
     for (auto overlap : {Overlap::after_backward, Overlap::interleaved})
       for (auto partition : {Partition::param, Partition::flat}) {
         for (bool clip : {false, true}) {
-          INFO("stage " << stage << " " << overlap_name(overlap) << " " << partition_name(partition) << " clip " << clip);
+          INFO("stage " << stage << " " << std::string(overlap_name(overlap)) << " " << std::string(partition_name(partition)) << " clip " << clip);
           // Seed 0: gradients reported in reverse registration order, no delays, overlap none.
           const auto calm = run_jitter(0, Overlap::none, partition, stage, clip);
           for (unsigned seed : {3u, 5u}) {
@@ -381,7 +381,7 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard;
   };
   const std::size_t bucket = numel * 4, all = std::size_t(P) * bucket;
   for (auto overlap : {Overlap::none, Overlap::interleaved}) {
-    INFO(overlap_name(overlap));
+    INFO(std::string(overlap_name(overlap)));
     CHECK(grads_bytes(1, overlap) == all);
     const std::size_t s2 = grads_bytes(2, overlap);
     // The 1/N shard, plus at most 2 gradient buckets and 2 sync staging buckets in flight.
@@ -450,7 +450,7 @@ TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard; every stage and mo
       const auto reference = mlp::train(ref);
       // 16-bit storage, fp32 masters: ten Adam steps stay near fp32 training (bf16 keeps 8 bits of
       // mantissa, and Adam's sign-like updates amplify rounding differences a little).
-      INFO(dtype_name(dt) << " world " << world);
+      INFO(std::string(dtype_name(dt)) << " world " << world);
       CHECK(worst_error(reference.params, full.params) < (dt == DType::bf16 ? 5e-2 : 5e-3));
       for_each_sharded(ref, [&](const mlp::TrainResult& got) {
         CHECK(worst_error(got.params, reference.params) <= 1e-5);
@@ -511,8 +511,8 @@ TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SG
             o.runtime.forward_prefetch = true;
             o.report_loss = true;  // the trainer's own all-reduce must not race the prefetched syncs
             const auto got = mlp::train(o);
-            INFO(kind_name(kind) << " stage " << stage << " " << overlap_name(overlap) << " "
-                                 << partition_name(partition) << " world " << world);
+            INFO(std::string(kind_name(kind)) << " stage " << stage << " " << std::string(overlap_name(overlap)) << " "
+                                 << std::string(partition_name(partition)) << " world " << world);
             CHECK(worst_error(got.params, reference.params) <= 1e-5);
           }
   }
@@ -557,7 +557,7 @@ TEST_CASE("16-bit communication of fp32 parameters: every stage and mode matches
       ref.world_size = world;
       ref.runtime.comm_dtype = wire;
       const auto reference = mlp::train(ref);
-      INFO(dtype_name(wire) << " wire, world " << world);
+      INFO(std::string(dtype_name(wire)) << " wire, world " << world);
       CHECK(worst_error(reference.params, full.params) < (wire == DType::bf16 ? 5e-2 : 5e-3));
       for_each_sharded(ref, [&](const mlp::TrainResult& got) {
         CHECK(worst_error(got.params, reference.params) <= 1e-5);
