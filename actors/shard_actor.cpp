@@ -73,6 +73,13 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
            (!pooled || s.staging_in_flight < kStagingInFlight)) {
       const auto b = bucket_at(s.next_step++);
       sh.step(b, s.clip_coef);
+      // The step count advances before the last bucket is reported: without syncs that report ends
+      // the iteration, and the trainer may read the count at once (state migration when the
+      // buckets are rebuilt after wait()). Counting after the send raced with that read.
+      if (s.next_step == B && !s.stepped_all) {
+        s.stepped_all = true;
+        sh.end_step();
+      }
       if (sh.syncs()) {
         sh.pack(b);
         ++s.staging_in_flight;
@@ -82,11 +89,11 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
         self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
       }
     }
-    if (s.next_step == B && !s.stepped_all) {
+    if (s.next_step == B && !s.stepped_all) {  // no buckets at all
       s.stepped_all = true;
       sh.end_step();
-      if (!sh.syncs()) reset(s);
     }
+    if (s.next_step == B && !sh.syncs()) reset(s);
   };
 
   return {
