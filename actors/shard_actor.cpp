@@ -4,8 +4,6 @@
 
 #include "actors/messages.hpp"
 
-#include <cstring>
-
 namespace shardflow {
 namespace {
 
@@ -15,13 +13,7 @@ void reset(ShardActorState& s) {
   std::fill(s.reduced.begin(), s.reduced.end(), 0);
   s.nreduced = s.next_step = s.nsynced = s.staging_in_flight = 0;
   s.all_issued = s.norm_requested = s.norm_known = s.stepped_all = false;
-  s.clip_coef = 1.0f;
-}
-
-// The bucket is done with (stepped, synced): ready to accumulate the next iteration's gradients.
-void zero_bucket(Shard& sh, std::uint32_t b) {
-  auto buf = sh.buffers().grad(b);
-  std::memset(buf.get(), 0, sh.buffers().bytes(b));
+  s.clip_coef = ClipCoef{};
 }
 
 }  // namespace
@@ -45,8 +37,8 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       // The global norm needs every reduced gradient: no step before all reductions are in.
       if (s.nreduced < B || s.norm_requested) return;
       s.norm_requested = true;
+      sh.partial_norm();  // the exchange waits for its event (Note [Shard streams])
       if (sh.syncs()) {
-        sh.norm_buffer().get()[sh.shard_plan().rank] = float(sh.partial_norm());
         self->send(s.comm, msg::norm_ready_atom::value);
         return;
       }
@@ -85,7 +77,8 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
         ++s.staging_in_flight;
         self->send(s.comm, msg::step_done_atom::value, b);
       } else {
-        if (s.zero_on_done) zero_bucket(sh, b);
+        if (s.zero_on_done) sh.zero_bucket(b);
+        sh.mark_done(b);
         self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
       }
     }
@@ -107,10 +100,7 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
         }
         auto& s = self->state;
         // Stage 2: keep only this rank's shard of the reduced bucket and give the buffer back.
-        if (s.shard->keeps_grad_shard()) {
-          s.shard->extract(b);
-          s.shard->buffers().release_grad(b);
-        }
+        s.shard->take_grad_shard(b);
         s.reduced[b] = 1;
         ++s.nreduced;
         try_step();
@@ -131,8 +121,11 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       },
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
-        if (!failure) s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
-        if (!failure && s.zero_on_done) zero_bucket(*s.shard, b);
+        if (!failure) {
+          s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
+          if (s.zero_on_done) s.shard->zero_bucket(b);
+          s.shard->mark_done(b);
+        }
         --s.staging_in_flight;
         self->send(s.iteration, msg::bucket_done_atom::value, b, std::move(failure));
         if (++s.nsynced == s.reduced.size())

@@ -18,7 +18,7 @@ struct ShardActorState {
   std::vector<char> reduced;
   std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
   bool all_issued = false, norm_requested = false, norm_known = false, stepped_all = false;
-  float clip_coef = 1.0f;
+  ClipCoef clip_coef;
   bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
   std::vector<std::uint32_t> order;  // the order buckets are stepped in: the syncs' schedule order
   // Note [Hyper-parameter snapshots]: set_lr between iterations k and k+1 sends a snapshot tagged

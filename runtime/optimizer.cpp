@@ -1,6 +1,7 @@
 #include "shardflow/optimizer.hpp"
 
 #include "kernels/cpu/optim.hpp"
+#include "runtime/optimizer_hyper.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -29,17 +30,21 @@ void OptimizerConfig::validate() const {
 
 Optimizer::Optimizer(OptimizerConfig cfg) : cfg_(cfg) { cfg_.validate(); }
 
+kernels::SgdHyper sgd_hyper(const OptimizerConfig& h) {
+  return kernels::SgdHyper{h.lr, h.momentum, h.dampening, h.effective_weight_decay(), h.nesterov};
+}
+
+kernels::AdamHyper adam_hyper(const OptimizerConfig& h) {
+  return kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, h.effective_weight_decay(),
+                            h.kind == OptimizerConfig::Kind::adamw};
+}
+
 void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
                   std::size_t n, bool first, std::int64_t step) {
-  const float wd = h.effective_weight_decay();
-  if (h.kind == OptimizerConfig::Kind::sgd) {
-    kernels::sgd_step(param, grad, h.momentum != 0.0f ? state0 : nullptr, n,
-                      kernels::SgdHyper{h.lr, h.momentum, h.dampening, wd, h.nesterov}, first);
-    return;
-  }
-  kernels::adam_step(param, grad, state0, state1, n,
-                     kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, wd, h.kind == OptimizerConfig::Kind::adamw},
-                     step);
+  if (h.kind == OptimizerConfig::Kind::sgd)
+    kernels::sgd_step(param, grad, h.momentum != 0.0f ? state0 : nullptr, n, sgd_hyper(h), first);
+  else
+    kernels::adam_step(param, grad, state0, state1, n, adam_hyper(h), step);
 }
 
 void Optimizer::step(float* param, const float* grad, std::size_t n, std::size_t slot) {

@@ -190,7 +190,8 @@ struct Runtime::Impl {
       for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
         bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
       next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded, allocator(), zeroer());
-      next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups, next_bufs);
+      next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups,
+                                           next_bufs, mem);
     } else {
       std::vector<std::size_t> bytes;
       for (const auto& b : next.buckets) bytes.push_back(b.bytes());
@@ -245,6 +246,7 @@ struct Runtime::Impl {
       const auto deadline = std::chrono::steady_clock::now() + cfg.timeout + std::chrono::seconds(5);
       check_outcome(signal->wait_bucket(b, signal_target, deadline), signal_target,
                     "bucket " + std::to_string(b) + " of the last iteration");
+      if (shard) shard->join_bucket(b);  // zeroed on the shard's stream (Note [Shard streams])
     }
     const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);
     return bufs->grad(b, limit ? cfg.max_buckets_in_flight : 0, cfg.timeout);
@@ -307,11 +309,11 @@ struct Runtime::Impl {
             // Cast the whole (padded) bucket; the result comes back into the fp32 buffer it left.
             auto wire_buf = sh->wire_buffer(b);
             const std::size_t n = sh->shard_plan().buckets[b].padded;
-            kernels::convert_from_f32(wire, wire_buf.get(), reinterpret_cast<const float*>(grad.get()), n);
+            op.wait_event = sh->to_wire(b, ev->get(b));
             const std::size_t out = rs ? count : n;
             std::byte* out_wire = rs ? wire_buf.get() + n * dtype_size(wire) : wire_buf.get();
-            issue.on_complete = [wire, out_wire, out, recv, wire_buf] {
-              kernels::convert_to_f32(wire, reinterpret_cast<float*>(recv.get()), out_wire, out);
+            issue.on_complete = [sh, b, out_wire, out, recv, wire_buf] {
+              sh->from_wire(b, reinterpret_cast<float*>(recv.get()), out_wire, out);
             };
             send = wire_buf;
             recv = wire_buf;
@@ -334,6 +336,7 @@ struct Runtime::Impl {
           op.recv = sh->norm_buffer().get();
           op.count = 1;
           op.tag = "grad norm";
+          op.wait_event = sh->norm_event();
           op.keep_alive = sh->norm_buffer();
           issue.ops.push_back(std::move(op));
           return issue;
@@ -341,7 +344,8 @@ struct Runtime::Impl {
       } else {
         const auto b = sync_order.empty() ? sb++ : sync_order[sb++];
         e.bucket = b;
-        e.make_ops = [bufs = bufs, bs = shard->shard_plan().buckets[b], b, r = rank, W = world, dtype = shard->sync_dtype(b)] {
+        e.make_ops = [bufs = bufs, sh = shard, bs = shard->shard_plan().buckets[b], b, r = rank, W = world,
+                      dtype = shard->sync_dtype(b)] {
           ScheduleEntry::Issue issue;
           auto& ops = issue.ops;
           auto staging_buf = bufs->staging(b);  // taken by the step's pack
@@ -355,6 +359,7 @@ struct Runtime::Impl {
             op.recv = staging;
             op.count = bs.slice;
             op.tag = "sync bucket " + std::to_string(b);
+            op.wait_event = sh->pack_event(b);
             op.keep_alive = staging_buf;
             ops.push_back(std::move(op));
           } else {
@@ -367,6 +372,7 @@ struct Runtime::Impl {
               op.count = bs.packed[std::size_t(k)];
               op.root = k;
               op.tag = "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k);
+              op.wait_event = sh->pack_event(b);
               op.keep_alive = staging_buf;
               ops.push_back(std::move(op));
             }
@@ -722,6 +728,8 @@ void Runtime::wait() {
   // this one finishes while the next forward runs (Note [Forward prefetch]).
   I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
   if (I.timeline) I.timeline->span("wait (iteration " + std::to_string(I.iterations) + ")", "trainer", waited_from, Timeline::now());
+  // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
+  if (I.shard && !prefetching) I.shard->join_compute();
   if (!I.cfg.gradient_as_bucket_view && !I.shard) {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);
@@ -764,13 +772,17 @@ void Runtime::wait_param(Param p) {
   const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeout + std::chrono::seconds(5);
   I.check_outcome(I.signal->wait_bucket(b, I.signal_target, deadline), I.signal_target,
                   "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
+  if (I.shard) I.shard->join_bucket(b);  // GPU: the compute stream waits for the bucket's update
 }
 
 void Runtime::wait_all_params() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
-  if (I.prefetch_active) I.await_iterations(I.signal_target);
+  if (I.prefetch_active) {
+    I.await_iterations(I.signal_target);
+    if (I.shard) I.shard->join_compute();
+  }
 }
 
 void Runtime::set_require_sync(bool sync) {
@@ -818,13 +830,8 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
     }
     og->groups.push_back(oc);
   }
-  for (std::size_t i = 0; i < I.registry.size(); ++i) {
+  for (std::size_t i = 0; i < I.registry.size(); ++i)
     if (og->group_of[i] == ~0u) og->group_of[i] = 0;
-    const auto& spec = I.registry.params()[i];
-    if (spec.device.kind != Device::Kind::cpu)
-      throw UsageError("configure_optimizer: parameter '" + spec.name + "' is on " + spec.device.str() +
-                       "; the runtime optimizer steps CPU parameters only so far");
-  }
   I.groups = std::move(og);
   I.shard.reset();
   I.install_plan(BucketPlan(I.plan));

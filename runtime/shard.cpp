@@ -5,13 +5,13 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kernels/cpu/elementwise.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
 
 Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
-             std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers)
+             std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
+             std::shared_ptr<const MemoryOps> mem)
     : stage_(stage),
       clip_max_(cfg.clip_grad_norm),
       clip_type_(cfg.clip_norm_type),
@@ -20,6 +20,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
       shard_(std::move(shard)),
       groups_(std::move(groups)),
       buffers_(std::move(buffers)),
+      ops_(make_shard_ops(std::move(mem))),
       comm_dtype_(cfg.comm_dtype) {
   std::size_t base = 0;
   for (const auto& p : params_) {
@@ -27,124 +28,115 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     base += std::size_t(numel(p.shape));
   }
   const std::size_t B = plan_.buckets.size(), r = std::size_t(shard_.rank);
+  ops_->make_events(per_bucket * B + 3);
   flat_ = !shard_.buckets.empty() && shard_.buckets.front().flat;
   const std::size_t slots = state_slots();
   for (std::size_t b = 0; b < B; ++b) {
     const auto& s = shard_.buckets[b];
-    grad_shard_.push_back(keeps_grad_shard() ? alloc_zeroed(s.packed[r] * esize(b)) : nullptr);
-    state_a_.emplace_back(slots >= 1 ? s.packed[r] : 0, 0.0f);
-    state_b_.emplace_back(slots >= 2 ? s.packed[r] : 0, 0.0f);
+    grad_shard_.push_back(keeps_grad_shard() ? ops_->alloc(s.packed[r] * esize(b)) : nullptr);
+    state_a_.push_back(floats(slots >= 1 ? s.packed[r] : 0));
+    state_b_.push_back(floats(slots >= 2 ? s.packed[r] : 0));
     // Note [Master weights]: 16-bit parameters are stepped in fp32 masters the owner keeps; the
     // trainer's storage gets the rounded result, which is what the sync sends.
     // (fp32 parameters get masters too when they travel as 16 bits: Config::comm_dtype.)
     const bool masters = sync_dtype(b) != DType::f32 || plan_.buckets[b].dtype != DType::f32;
-    master_.emplace_back(masters ? s.packed[r] : 0, 0.0f);
+    master_.push_back(floats(masters ? s.packed[r] : 0));
     wire_.push_back(plan_.buckets[b].dtype == DType::f32 && comm_dtype_ != DType::f32
-                        ? alloc_zeroed((s.padded + s.slice) * dtype_size(comm_dtype_))
+                        ? ops_->alloc((s.padded + s.slice) * dtype_size(comm_dtype_))
                         : nullptr);
     if (!master_.back().empty())
-      for (const auto& piece : s.pieces[r]) {
-        const void* src[1] = {param_bytes(piece.param) + piece.param_off * esize(b)};
-        kernels::convert_to_f32(plan_.buckets[b].dtype, master_.back().data() + piece.packed_off, src[0], piece.len);
-      }
+      for (const auto& piece : s.pieces[r])
+        ops_->cast(DType::f32, master_.back().data() + piece.packed_off, plan_.buckets[b].dtype,
+                   param_bytes(piece.param) + piece.param_off * esize(b), piece.len);
   }
-  norm_ = std::shared_ptr<float>(new float[std::size_t(shard_.world)](), std::default_delete<float[]>());
+  auto norm = ops_->alloc(std::size_t(shard_.world) * sizeof(float));
+  norm_ = std::shared_ptr<float>(norm, reinterpret_cast<float*>(norm.get()));
 }
+
+Shard::Floats Shard::floats(std::size_t n) { return Floats{n ? ops_->alloc(n * sizeof(float)) : nullptr, n}; }
 
 std::byte* Shard::grad_bytes_at(std::size_t b, const ShardPiece& piece) const {
   if (grad_shard_[b]) return grad_shard_[b].get() + piece.packed_off * esize(b);
   return buffers_->grad(b).get() + piece.bucket_off * esize(b);
 }
 
-float* Shard::grad_f32(std::size_t b, const ShardPiece& piece) {
-  std::byte* g = grad_bytes_at(b, piece);
-  if (plan_.buckets[b].dtype == DType::f32) return reinterpret_cast<float*>(g);
-  if (scratch_.size() < piece.len) scratch_.resize(piece.len);
-  kernels::convert_to_f32(plan_.buckets[b].dtype, scratch_.data(), g, piece.len);
-  return scratch_.data();
+cuda::Event Shard::to_wire(std::size_t b, cuda::Event bucket_ready) {
+  ops_->after(bucket_ready);
+  const std::size_t n = shard_.buckets[b].padded;  // the whole padded bucket
+  ops_->cast(sync_dtype(b), wire_[b].get(), DType::f32, buffers_->grad(b).get(), n);
+  return ops_->record(slot(wire_slot, b));
 }
 
-double Shard::partial_norm() const {
-  const bool inf = std::isinf(clip_type_);
-  double acc = 0.0;
-  std::vector<float> tmp;
+void Shard::from_wire(std::size_t b, float* dst, const std::byte* from, std::size_t n) {
+  ops_->cast(DType::f32, dst, sync_dtype(b), from, n);
+}
+
+void Shard::partial_norm() {
+  std::vector<ShardOps::NormPart> parts;
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
-    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
-      const float* g = reinterpret_cast<const float*>(grad_bytes_at(b, piece));
-      if (plan_.buckets[b].dtype != DType::f32) {
-        tmp.resize(piece.len);
-        kernels::convert_to_f32(plan_.buckets[b].dtype, tmp.data(), grad_bytes_at(b, piece), piece.len);
-        g = tmp.data();
-      }
-      if (inf)
-        for (std::size_t i = 0; i < piece.len; ++i) acc = std::max(acc, double(std::fabs(g[i])));
-      else
-        for (std::size_t i = 0; i < piece.len; ++i) acc += double(g[i]) * double(g[i]);
-    }
-  return acc;
+    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
+      parts.push_back({plan_.buckets[b].dtype, grad_bytes_at(b, piece), piece.len});
+  ops_->partial_norm(parts, std::isinf(clip_type_), norm_.get() + shard_.rank);
+  ops_->record(norm_slot());
 }
 
-float Shard::finish_norm() {
-  const bool inf = std::isinf(clip_type_);
-  double total = 0.0;
-  if (shard_.sharded) {
-    for (int r = 0; r < shard_.world; ++r) total = inf ? std::max(total, double(norm_.get()[r])) : total + double(norm_.get()[r]);
-  } else {
-    total = partial_norm();
-  }
-  const double norm = inf ? total : std::sqrt(total);
-  last_norm_ = float(norm);
-  // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when below 1.
-  const double coef = double(clip_max_) / (norm + 1e-6);
-  return coef < 1.0 ? float(coef) : 1.0f;
+ClipCoef Shard::finish_norm() {
+  // Sharded, the exchange filled every rank's slot; otherwise every rank saw every gradient.
+  const float* partials = shard_.sharded ? norm_.get() : norm_.get() + shard_.rank;
+  return ops_->clip_coef(partials, shard_.sharded ? shard_.world : 1, std::isinf(clip_type_), clip_max_);
 }
 
-void Shard::step(std::size_t b, float clip_coef) {
+void Shard::step(std::size_t b, ClipCoef clip) {
   const DType dt = plan_.buckets[b].dtype;
-  const auto& pieces = shard_.buckets[b].pieces[std::size_t(shard_.rank)];
-  for (const auto& piece : pieces) {
+  const bool master = !master_[b].empty();
+  for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
     if (piece.len == 0) continue;
-    const OptimizerConfig& h = groups_->groups[groups_->group_of[piece.param]];
-    const bool master = !master_[b].empty();
-    float* p = master ? master_[b].data() + piece.packed_off
-                      : reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off;
-    float* g = grad_f32(b, piece);
-    if (clip_coef < 1.0f) kernels::scale(DType::f32, g, piece.len, clip_coef);
-    float* s0 = state_a_[b].empty() ? nullptr : state_a_[b].data() + piece.packed_off;
-    float* s1 = state_b_[b].empty() ? nullptr : state_b_[b].data() + piece.packed_off;
-    apply_update(h, p, g, s0, s1, piece.len, steps_ == 0, steps_ + 1);
-    if (dt != DType::f32) {  // the trainer's 16-bit storage gets the master, rounded once
-      kernels::convert_from_f32(dt, param_bytes(piece.param) + piece.param_off * esize(b), p, piece.len);
-    } else if (master) {
-      // fp32 storage, 16-bit wire: keep exactly what the other ranks will receive.
-      kernels::round_to(sync_dtype(b), reinterpret_cast<float*>(param_bytes(piece.param)) + piece.param_off, p,
-                        piece.len);
-    }
+    ShardOps::Update u;
+    std::byte* param = param_bytes(piece.param) + piece.param_off * esize(b);
+    u.master = master ? master_[b].data() + piece.packed_off : reinterpret_cast<float*>(param);
+    if (master) u.param = param;  // refreshed from the master: 16-bit storage, or a 16-bit wire
+    u.param_dtype = dt;
+    u.round_as = sync_dtype(b);
+    u.grad = grad_bytes_at(b, piece);
+    u.grad_dtype = dt;
+    u.clip = clip;
+    u.state_a = state_a_[b].empty() ? nullptr : state_a_[b].data() + piece.packed_off;
+    u.state_b = state_b_[b].empty() ? nullptr : state_b_[b].data() + piece.packed_off;
+    u.n = piece.len;
+    u.first = steps_ == 0;
+    u.step = steps_ + 1;
+    ops_->update(groups_->groups[groups_->group_of[piece.param]], u);
   }
 }
 
-void Shard::extract(std::size_t b) {
-  if (!keeps_grad_shard() || reduce_scatters()) return;
-  const std::byte* g = buffers_->grad(b).get();
-  std::byte* dst = grad_shard_[b].get();
-  const std::size_t es = esize(b);
-  for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-    std::memcpy(dst + piece.packed_off * es, g + piece.bucket_off * es, piece.len * es);
+void Shard::take_grad_shard(std::size_t b) {
+  if (!keeps_grad_shard()) return;
+  if (!reduce_scatters()) {
+    const std::byte* g = buffers_->grad(b).get();
+    std::byte* dst = grad_shard_[b].get();
+    const std::size_t es = esize(b);
+    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
+      ops_->copy(dst + piece.packed_off * es, g + piece.bucket_off * es, piece.len * es);
+    // The trainer may write its next gradients into this buffer as soon as the pool has it back.
+    ops_->fence_compute(actor_fence());
+  }
+  buffers_->release_grad(b);
 }
+
+void Shard::zero_bucket(std::size_t b) { ops_->zero(buffers_->grad(b).get(), buffers_->bytes(b)); }
 
 void Shard::pack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
-  const std::size_t es = esize(b), ws = dtype_size(sync_dtype(b));
+  const std::size_t es = esize(b);
   std::byte* st = buffers_->acquire_staging(b).get();
   for (const auto& piece : s.pieces[r]) {
     const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[r] + piece.packed_off;
-    const std::byte* src = param_bytes(piece.param) + piece.param_off * es;
-    if (ws == es)
-      std::memcpy(st + at * ws, src, piece.len * es);
-    else  // fp32 storage on a 16-bit wire (the values are already 16-bit exact)
-      kernels::convert_from_f32(sync_dtype(b), st + at * ws, reinterpret_cast<const float*>(src), piece.len);
+    // fp32 storage on a 16-bit wire: the values are already 16-bit exact (step rounded them).
+    ops_->cast(sync_dtype(b), st + at * dtype_size(sync_dtype(b)), plan_.buckets[b].dtype,
+               param_bytes(piece.param) + piece.param_off * es, piece.len);
   }
+  ops_->record(slot(pack_slot, b));
 }
 
 void Shard::unpack(std::size_t b) {
@@ -155,15 +147,17 @@ void Shard::unpack(std::size_t b) {
     if (int(k) == shard_.rank) continue;
     for (const auto& piece : s.pieces[k]) {
       const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;
-      std::byte* dst = param_bytes(piece.param) + piece.param_off * es;
-      if (ws == es)
-        std::memcpy(dst, st + at * ws, piece.len * es);
-      else
-        kernels::convert_to_f32(sync_dtype(b), reinterpret_cast<float*>(dst), st + at * ws, piece.len);
+      ops_->cast(plan_.buckets[b].dtype, param_bytes(piece.param) + piece.param_off * es, sync_dtype(b), st + at * ws,
+                 piece.len);
     }
   }
+  if (buffers_->pooled()) ops_->fence_compute(actor_fence());  // as in take_grad_shard
   buffers_->release_staging(b);
 }
+
+void Shard::mark_done(std::size_t b) { ops_->record(slot(done_slot, b)); }
+void Shard::join_compute() { ops_->fence_compute(trainer_fence()); }
+void Shard::join_bucket(std::size_t b) { ops_->compute_after(slot(done_slot, b)); }
 
 std::size_t Shard::state_slots() const {
   const auto& h = groups_->groups.front();
@@ -181,7 +175,7 @@ std::size_t Shard::migrate_slots() const {
 
 std::size_t Shard::state_bytes() const {
   std::size_t n = 0;
-  for (std::size_t b = 0; b < state_a_.size(); ++b) n += (state_a_[b].size() + state_b_[b].size() + master_[b].size()) * 4;
+  for (std::size_t b = 0; b < state_a_.size(); ++b) n += (state_a_[b].n + state_b_[b].n + master_[b].n) * 4;
   return n;
 }
 
@@ -199,36 +193,37 @@ std::size_t Shard::comm_bytes() const {
   return n;
 }
 
-namespace {
-
-// Slot k of the migrated state: momentum / exp_avg, exp_avg_sq, then the masters.
-const std::vector<std::vector<float>>& slot_of(std::size_t slot, std::size_t nstate, const std::vector<std::vector<float>>& a,
-                                               const std::vector<std::vector<float>>& b,
-                                               const std::vector<std::vector<float>>& m) {
-  if (slot == nstate) return m;
-  return slot == 0 ? a : b;
+const std::vector<Shard::Floats>& Shard::slot_buffers(std::size_t slot) const {
+  // Slot k of the migrated state: momentum / exp_avg, exp_avg_sq, then the masters.
+  if (slot == state_slots()) return master_;
+  return slot == 0 ? state_a_ : state_b_;
 }
-
-}  // namespace
 
 std::vector<float> Shard::export_state(std::size_t slot) const {
   std::size_t total = 0;
   for (const auto& p : params_) total += std::size_t(numel(p.shape));
-  std::vector<float> full(total, 0.0f);
-  const auto& src = slot_of(slot, state_slots(), state_a_, state_b_, master_);
-  for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+  std::vector<float> full(total, 0.0f), packed;
+  const auto& src = slot_buffers(slot);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (src[b].empty()) continue;
+    packed.resize(src[b].n);
+    ops_->download(packed.data(), src[b].data(), src[b].n * sizeof(float));
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-      if (!src[b].empty())
-        std::memcpy(full.data() + param_base_[piece.param] + piece.param_off, src[b].data() + piece.packed_off, piece.len * 4);
+      std::memcpy(full.data() + param_base_[piece.param] + piece.param_off, packed.data() + piece.packed_off, piece.len * 4);
+  }
   return full;
 }
 
 void Shard::import_state(std::size_t slot, const std::vector<float>& full) {
-  auto& dst = const_cast<std::vector<std::vector<float>>&>(slot_of(slot, state_slots(), state_a_, state_b_, master_));
-  for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+  const auto& dst = slot_buffers(slot);
+  std::vector<float> packed;
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (dst[b].empty()) continue;
+    packed.assign(dst[b].n, 0.0f);
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-      if (!dst[b].empty())
-        std::memcpy(dst[b].data() + piece.packed_off, full.data() + param_base_[piece.param] + piece.param_off, piece.len * 4);
+      std::memcpy(packed.data() + piece.packed_off, full.data() + param_base_[piece.param] + piece.param_off, piece.len * 4);
+    ops_->upload(dst[b].data(), packed.data(), dst[b].n * sizeof(float));
+  }
 }
 
 }  // namespace shardflow

@@ -1,7 +1,8 @@
 // One rank's ZeRO shard: the optimizer state of the pieces it owns, and the work on them — the
 // step, its share of the gradient norm, and packing / unpacking parameters for the sync. The shard
-// actor (actors/shard_actor.cpp) decides *when*; this decides *what*. Buffers are shared_ptrs so
-// that collectives in flight keep them alive (CollectiveOp::keep_alive).
+// actor (actors/shard_actor.cpp) decides *when*; this decides *what*, and its ShardOps *how*
+// (host loops, or kernels on the shard's CUDA stream: Note [Shard streams]). Buffers are
+// shared_ptrs so that collectives in flight keep them alive (CollectiveOp::keep_alive).
 #pragma once
 
 #include <cstddef>
@@ -11,6 +12,8 @@
 
 #include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
+#include "runtime/device_memory.hpp"
+#include "runtime/shard_ops.hpp"
 #include "runtime/shard_plan.hpp"
 #include "shardflow/config.hpp"
 #include "shardflow/optimizer.hpp"
@@ -25,8 +28,10 @@ struct OptimizerGroups {
 
 class Shard {
  public:
+  // `mem`: where the parameters live (all on one device) and the trainer's compute stream.
   Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
-        std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers);
+        std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
+        std::shared_ptr<const MemoryOps> mem);
 
   const BucketPlan& plan() const { return plan_; }
   const ShardPlan& shard_plan() const { return shard_; }
@@ -45,22 +50,38 @@ class Shard {
   std::shared_ptr<std::byte> wire_buffer(std::size_t b) const { return wire_[b]; }
   std::shared_ptr<std::byte> grad_shard(std::size_t b) const { return grad_shard_[b]; }  // stage 2
   std::shared_ptr<float> norm_buffer() const { return norm_; }
-  // Stage 2, non-flat partitions: copies this rank's pieces of the all-reduced bucket into its shard.
-  void extract(std::size_t b);
+  // Casts bucket b's fp32 gradients (written before `bucket_ready`, the compute stream's event)
+  // into its wire buffer; returns the event the reduction waits for (null on the CPU).
+  cuda::Event to_wire(std::size_t b, cuda::Event bucket_ready);
+  // The reduction landed in the wire buffer at `from`: `n` values back into fp32 `dst`.
+  void from_wire(std::size_t b, float* dst, const std::byte* from, std::size_t n);
+  // Stage 2, after bucket b's reduction: keeps this rank's shard of it (non-flat partitions copy
+  // their pieces out of the all-reduced bucket) and gives the bucket's buffer back to the pool.
+  void take_grad_shard(std::size_t b);
+  void zero_bucket(std::size_t b);  // done with the bucket: ready for the next gradients
 
-  // This rank's share of the squared 2-norm (or the max for inf) over its owned reduced gradients.
-  double partial_norm() const;
+  // This rank's share of the squared 2-norm (or the max for inf) over its owned reduced gradients,
+  // into its slot of norm_buffer; norm_event() is what the exchange waits for (null on the CPU).
+  void partial_norm();
+  cuda::Event norm_event() const { return ops_->event(norm_slot()); }
   // Combines the ranks' partials (norm_buffer after the exchange, or this rank's alone in stage 0),
   // records the norm and returns the clip coefficient (1: no clipping needed).
-  float finish_norm();
-  float last_norm() const { return last_norm_; }
+  ClipCoef finish_norm();
+  float last_norm() const { return ops_->last_norm(); }
 
-  void step(std::size_t b, float clip_coef);  // updates the owned pieces of bucket b in place
+  void step(std::size_t b, ClipCoef clip);  // updates the owned pieces of bucket b in place
   void end_step() { ++steps_; }
   // The hyper-parameters this iteration steps with (set_lr snapshots; Note [Hyper-parameter snapshots]).
   void set_groups(std::shared_ptr<const OptimizerGroups> g) { groups_ = std::move(g); }
-  void pack(std::size_t b);    // owned updated parameters -> staging (acquired here)
+  // Owned updated parameters -> staging (acquired here); pack_event(b) is what the sync waits for.
+  void pack(std::size_t b);
+  cuda::Event pack_event(std::size_t b) const { return ops_->event(slot(pack_slot, b)); }
   void unpack(std::size_t b);  // other ranks' parameters: staging -> the trainer's storage (released)
+  void mark_done(std::size_t b);  // bucket b's parameters are final for this iteration
+  // The trainer's compute stream waits for the shard's work: all of it (wait()), or what bucket b
+  // needs (wait_param with forward prefetch). No-ops on the CPU.
+  void join_compute();
+  void join_bucket(std::size_t b);
 
   std::size_t state_bytes() const;
   std::size_t grad_bytes() const;
@@ -77,12 +98,25 @@ class Shard {
   void set_steps(std::int64_t s) { steps_ = s; }
 
  private:
+  // Per bucket, packed owned elements as fp32 (empty: none kept), in the shard's memory.
+  struct Floats {
+    std::shared_ptr<std::byte> mem;
+    std::size_t n = 0;
+    float* data() const { return reinterpret_cast<float*>(mem.get()); }
+    bool empty() const { return n == 0; }
+  };
+  Floats floats(std::size_t n);
+  // Event slots (ShardOps::record): per bucket, then the norm and the two compute fences.
+  enum Slot : std::size_t { pack_slot, done_slot, wire_slot, per_bucket };
+  std::size_t slot(Slot k, std::size_t b) const { return std::size_t(k) * plan_.buckets.size() + b; }
+  std::size_t norm_slot() const { return per_bucket * plan_.buckets.size(); }
+  std::size_t actor_fence() const { return norm_slot() + 1; }
+  std::size_t trainer_fence() const { return norm_slot() + 2; }
+
   std::byte* param_bytes(std::uint32_t p) const { return static_cast<std::byte*>(params_[p].data); }
   std::size_t esize(std::size_t b) const { return dtype_size(plan_.buckets[b].dtype); }
   std::byte* grad_bytes_at(std::size_t b, const ShardPiece& piece) const;
-  // The piece's reduced gradient as fp32: in place for fp32 buckets, converted into scratch_
-  // otherwise (Note [Master weights]).
-  float* grad_f32(std::size_t b, const ShardPiece& piece);
+  const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
 
   int stage_;
   bool flat_ = false;
@@ -94,14 +128,13 @@ class Shard {
   std::shared_ptr<const OptimizerGroups> groups_;
   std::shared_ptr<BucketBuffers> buffers_;
   std::vector<std::shared_ptr<std::byte>> grad_shard_;
-  std::vector<std::vector<float>> state_a_, state_b_;  // [bucket] packed owned elements
-  std::vector<std::vector<float>> master_;             // [bucket] fp32 masters of 16-bit buckets
-  std::vector<float> scratch_;
+  std::unique_ptr<ShardOps> ops_;
+  std::vector<Floats> state_a_, state_b_;  // [bucket] momentum / exp_avg, exp_avg_sq
+  std::vector<Floats> master_;             // [bucket] fp32 masters (Note [Master weights])
   DType comm_dtype_ = DType::f32;
   std::vector<std::shared_ptr<std::byte>> wire_;
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
-  float last_norm_ = 0.0f;
 };
 
 }  // namespace shardflow

@@ -14,6 +14,7 @@ __global__ void sgd_kernel(ShardBuffers b, kernels::SgdHyper h, bool first) {
   SF_GRID_STRIDE(i, b.n) {
     float p = b.master[i];
     float d = __fmul_rn(load(b.grad, b.grad_dtype, i), b.grad_scale);
+    if (b.grad_scale_ptr) d = __fmul_rn(d, *b.grad_scale_ptr);
     if (h.weight_decay != 0.0f) d = __fadd_rn(d, __fmul_rn(h.weight_decay, p));
     if (h.momentum != 0.0f) {
       const float m = first ? d : __fadd_rn(__fmul_rn(b.state_a[i], h.momentum), __fmul_rn(damp, d));
@@ -34,6 +35,7 @@ struct AdamScalars {
 __global__ void adam_kernel(ShardBuffers b, AdamScalars s) {
   SF_GRID_STRIDE(i, b.n) {
     float g = __fmul_rn(load(b.grad, b.grad_dtype, i), b.grad_scale);
+    if (b.grad_scale_ptr) g = __fmul_rn(g, *b.grad_scale_ptr);
     float p = b.master[i];
     if (s.decoupled) p = __fmul_rn(p, s.decay);
     if (s.l2) g = __fadd_rn(g, __fmul_rn(s.wd, p));
@@ -73,7 +75,42 @@ __global__ void sq_norm_kernel(DType t, const void* x, std::size_t n, float* out
   if (threadIdx.x == 0) atomicAdd(out, partial[0]);
 }
 
+// Non-negative floats order like their bit patterns: atomicMax on the bits is a float max.
+__global__ void abs_max_kernel(DType t, const void* x, std::size_t n, float* out) {
+  __shared__ float partial[256];
+  float acc = 0.0f;
+  SF_GRID_STRIDE(i, n) acc = fmaxf(acc, fabsf(load(x, t, i)));
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) partial[threadIdx.x] = fmaxf(partial[threadIdx.x], partial[threadIdx.x + s]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned*>(out), __float_as_uint(partial[0]));
+}
+
+__global__ void round_kernel(DType t, float* dst, const float* src, std::size_t n) {
+  SF_GRID_STRIDE(i, n) {
+    float v = src[i];
+    if (t == DType::bf16) v = __bfloat162float(__float2bfloat16_rn(v));
+    if (t == DType::f16) v = __half2float(__float2half_rn(v));
+    dst[i] = v;
+  }
+}
+
+// One thread: `count` is the world size.
+__global__ void clip_coef_kernel(const float* partials, int count, bool inf, float max_norm, float* coef, float* norm) {
+  double total = 0.0;
+  for (int r = 0; r < count; ++r) total = inf ? fmax(total, double(partials[r])) : total + double(partials[r]);
+  const double n = inf ? total : sqrt(total);
+  *norm = float(n);
+  const double c = double(max_norm) / (n + 1e-6);  // torch.nn.utils.clip_grad_norm_
+  *coef = c < 1.0 ? float(c) : 1.0f;
+}
+
 constexpr unsigned kThreads = 256;
+// Reductions end in one atomic per block: a grid of at most 1024 blocks keeps those few.
+unsigned reduce_blocks(std::size_t n) { return blocks_for(n, kThreads) > 1024 ? 1024 : blocks_for(n, kThreads); }
 
 }  // namespace
 
@@ -111,7 +148,20 @@ void launch_cast(DType dt, void* dst, DType st, const void* src, std::size_t n, 
 }
 
 void launch_sq_norm(DType t, const void* x, std::size_t n, float* out, cudaStream_t stream) {
-  if (n) sq_norm_kernel<<<blocks_for(n, kThreads) > 1024 ? 1024 : blocks_for(n, kThreads), kThreads, 0, stream>>>(t, x, n, out);
+  if (n) sq_norm_kernel<<<reduce_blocks(n), kThreads, 0, stream>>>(t, x, n, out);
+}
+
+void launch_abs_max(DType t, const void* x, std::size_t n, float* out, cudaStream_t stream) {
+  if (n) abs_max_kernel<<<reduce_blocks(n), kThreads, 0, stream>>>(t, x, n, out);
+}
+
+void launch_round_to(DType t, float* dst, const float* src, std::size_t n, cudaStream_t stream) {
+  if (n) round_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(t, dst, src, n);
+}
+
+void launch_clip_coef(const float* partials, int count, bool inf, float max_norm, float* coef, float* norm,
+                      cudaStream_t stream) {
+  clip_coef_kernel<<<1, 1, 0, stream>>>(partials, count, inf, max_norm, coef, norm);
 }
 
 void launch_gather(void* flat, const void* const* srcs, const std::size_t* bytes, int n, cudaStream_t stream) {
