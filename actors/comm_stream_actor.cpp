@@ -25,6 +25,32 @@ msg::Failure to_failure(const std::exception_ptr& e) {
   }
 }
 
+// What the completion of entry e's op tells its actor. Completions run on the backend's stream
+// thread: they only send a message. Ops of one entry complete in order, so the last one's
+// completion stands for the entry; an earlier failure is reported at once (the iteration keeps
+// the first failure it hears of). `on_complete` (reductions) runs first: a failure there (a CUDA
+// cast, say) fails the bucket like a failed collective.
+CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, bool last,
+                              std::shared_ptr<std::function<void()>> on_complete) {
+  switch (e.kind) {
+    case ScheduleEntry::reduce:
+      return [owner = s.owners[e.bucket], b = e.bucket, on_complete](std::exception_ptr x) {
+        if (!x && on_complete && *on_complete) try {
+            (*on_complete)();
+          } catch (...) {
+            x = std::current_exception();
+          }
+        caf::anon_send(owner, msg::reduced_atom::value, b, to_failure(x));
+      };
+    case ScheduleEntry::norm:
+      return [shard = s.shard](std::exception_ptr x) { caf::anon_send(shard, msg::norm_done_atom::value, to_failure(x)); };
+    default:
+      return [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
+        if (last || x) caf::anon_send(shard, msg::broadcast_done_atom::value, b, to_failure(x));
+      };
+  }
+}
+
 }  // namespace
 
 // Note [Collective schedule]
@@ -85,7 +111,13 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
       const std::uint32_t i = s.next++;
       s.ready[i] = 0;
       const auto& e = s.entries[i];
-      auto issue = e.make_ops();
+      ScheduleEntry::Issue issue;
+      try {
+        issue = e.make_ops();
+      } catch (...) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
+        completion_for(s, e, true, nullptr)(std::current_exception());
+        continue;
+      }
       auto& ops = issue.ops;
       auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
       if (ops.empty() && e.kind == ScheduleEntry::sync)  // a bucket of empty parameters: nothing to move
@@ -94,27 +126,7 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
         auto& op = ops[k];
         s.log->record(op);
         s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
-        const bool last = k + 1 == ops.size();
-        CollectiveDone done;
-        // Completions run on the backend's stream thread: they only send a message. Ops of one
-        // entry complete in order, so the last one's completion stands for the entry; an earlier
-        // failure is reported at once (the iteration keeps the first failure it hears of).
-        switch (e.kind) {
-          case ScheduleEntry::reduce:
-            done = [owner = s.owners[e.bucket], b = e.bucket, on_complete](std::exception_ptr x) {
-              if (!x && *on_complete) (*on_complete)();
-              caf::anon_send(owner, msg::reduced_atom::value, b, to_failure(x));
-            };
-            break;
-          case ScheduleEntry::norm:
-            done = [shard = s.shard](std::exception_ptr x) { caf::anon_send(shard, msg::norm_done_atom::value, to_failure(x)); };
-            break;
-          case ScheduleEntry::sync:
-            done = [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
-              if (last || x) caf::anon_send(shard, msg::broadcast_done_atom::value, b, to_failure(x));
-            };
-            break;
-        }
+        CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
         if (const auto t0 = s.log->issued())  // Note [Timeline]: the span ends when completion is heard of
           done = [log = s.log, kind = op.kind, tag = op.tag, t0, inner = std::move(done)](std::exception_ptr x) {
             log->completed(kind, tag, t0);

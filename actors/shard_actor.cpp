@@ -16,6 +16,11 @@ void reset(ShardActorState& s) {
   s.clip_coef = ClipCoef{};
 }
 
+msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std::exception& e) {
+  return {msg::Failure::comm,
+          "rank " + std::to_string(s.shard->shard_plan().rank) + ": optimizer shard, bucket " + std::to_string(b) + ": " + e.what()};
+}
+
 }  // namespace
 
 caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
@@ -89,6 +94,16 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
     if (s.next_step == B && !sh.syncs()) reset(s);
   };
 
+  // The shard's own work failing (a CUDA error on a GPU shard) fails the iteration with a message
+  // that names the rank and the bucket, instead of killing the actor and leaving wait() to time out.
+  auto guarded = [self](std::uint32_t b, const auto& work) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      self->send(self->state.iteration, msg::bucket_done_atom::value, b, shard_failure(self->state, b, e));
+    }
+  };
+
   return {
       [=](msg::set_groups_atom, std::uint64_t from_iteration, std::shared_ptr<const OptimizerGroups> groups) {
         self->state.snapshots.emplace_back(from_iteration, std::move(groups));
@@ -98,16 +113,18 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
           self->send(self->state.iteration, msg::bucket_done_atom::value, b, std::move(failure));
           return;
         }
-        auto& s = self->state;
-        // Stage 2: keep only this rank's shard of the reduced bucket and give the buffer back.
-        s.shard->take_grad_shard(b);
-        s.reduced[b] = 1;
-        ++s.nreduced;
-        try_step();
+        guarded(b, [&] {
+          auto& s = self->state;
+          // Stage 2: keep only this rank's shard of the reduced bucket and give the buffer back.
+          s.shard->take_grad_shard(b);
+          s.reduced[b] = 1;
+          ++s.nreduced;
+          try_step();
+        });
       },
       [=](msg::all_issued_atom) {
         self->state.all_issued = true;
-        try_step();
+        guarded(0, try_step);
       },
       [=](msg::norm_done_atom, msg::Failure& failure) {
         auto& s = self->state;
@@ -115,23 +132,27 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
           self->send(s.iteration, msg::bucket_done_atom::value, std::uint32_t{0}, std::move(failure));
           return;
         }
-        s.clip_coef = s.shard->finish_norm();
-        s.norm_known = true;
-        try_step();
+        guarded(0, [&] {
+          s.clip_coef = s.shard->finish_norm();
+          s.norm_known = true;
+          try_step();
+        });
       },
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
-        if (!failure) {
-          s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
-          if (s.zero_on_done) s.shard->zero_bucket(b);
-          s.shard->mark_done(b);
-        }
+        if (!failure) try {
+            s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
+            if (s.zero_on_done) s.shard->zero_bucket(b);
+            s.shard->mark_done(b);
+          } catch (const std::exception& e) {
+            failure = shard_failure(s, b, e);
+          }
         --s.staging_in_flight;
         self->send(s.iteration, msg::bucket_done_atom::value, b, std::move(failure));
         if (++s.nsynced == s.reduced.size())
           reset(s);
         else
-          try_step();  // a staging buffer came back: a deferred step may go
+          guarded(b, try_step);  // a staging buffer came back: a deferred step may go
       },
   };
 }

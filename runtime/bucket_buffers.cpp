@@ -38,7 +38,7 @@ BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Alloca
   }
 }
 
-std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capacity) {
+std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capacity, bool zero) {
   const std::size_t need = bytes_[b];
   std::size_t best = free_.size();
   for (std::size_t i = 0; i < free_.size(); ++i)
@@ -51,7 +51,7 @@ std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capac
   auto buf = std::move(free_[best].buf);
   capacity = free_[best].capacity;
   free_.erase(free_.begin() + std::ptrdiff_t(best));
-  zero_(buf.get(), capacity);  // a fresh accumulator, padding included
+  if (zero) zero_(buf.get(), capacity);  // a fresh accumulator, padding included
   return buf;
 }
 
@@ -71,7 +71,7 @@ std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit,
                        std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
                        "or raise max_buckets_in_flight.");
   if (!grad_[b]) {
-    grad_[b] = take(b, grad_cap_[b]);
+    grad_[b] = take(b, grad_cap_[b], true);
     ++held_grads_;
   }
   return grad_[b];
@@ -102,7 +102,9 @@ void BucketBuffers::mark_reducing(std::size_t b) {
 
 std::shared_ptr<std::byte> BucketBuffers::acquire_staging(std::size_t b) {
   std::lock_guard lock(mu_);
-  if (!staging_[b]) staging_[b] = take(b, staging_cap_[b]);
+  // Not zeroed: the pack writes every element a sync reads. (On a GPU the zeroing would go on the
+  // compute stream and race with the pack on the shard's: Note [Shard streams].)
+  if (!staging_[b]) staging_[b] = take(b, staging_cap_[b], false);
   return staging_[b];
 }
 

@@ -55,7 +55,7 @@ class BucketBuffers {
  private:
   // Best fit from the free list, else a new buffer of exactly the bucket's size (buckets differ a
   // lot: one slot size for all would make a pool of small buckets cost the largest one each).
-  std::shared_ptr<std::byte> take(std::size_t b, std::size_t& capacity);  // mu_ held
+  std::shared_ptr<std::byte> take(std::size_t b, std::size_t& capacity, bool zero);  // mu_ held
   void give_back(std::shared_ptr<std::byte> buf, std::size_t capacity);    // mu_ held
 
   struct Free {

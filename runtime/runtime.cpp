@@ -51,8 +51,14 @@ struct Runtime::Impl {
   std::shared_ptr<Communicator> comm;
   // Bucket memory from the backend (Communicator::allocate): shared memory for shm, so that its
   // collectives read the peers' buckets in place.
+  // Weak: buffers (and the shard holding them) may be released last on a backend thread, which
+  // must never be the one to destroy the communicator that owns the thread.
   BucketBuffers::Allocate allocator() const {
-    return [c = comm](std::size_t n) { return c->allocate(n); };
+    return [w = std::weak_ptr<Communicator>(comm)](std::size_t n) {
+      const auto c = w.lock();
+      if (!c) throw CommError("bucket memory requested after the communicator was destroyed");
+      return c->allocate(n);
+    };
   }
   // Where the buckets live: the parameters' device (all of a Runtime's parameters share one), and
   // for CUDA the trainer's compute stream that bucket copies, zeroing and events go on.
