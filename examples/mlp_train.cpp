@@ -103,7 +103,6 @@ int main(int argc, char** argv) {
         }
       }
       opt.device = Device::cuda(idx);
-      opt.optimizer_in_runtime = false;  // the trainer steps on the GPU (see TrainOptions::device)
     } else {
       throw UsageError("--device '" + device + "': expected cpu, cuda or cuda:N");
     }

@@ -1,6 +1,8 @@
 // CUDA kernels on a real device against the CPU reference, on fresh random inputs (the seed is
 // printed). Without a GPU (or without CUDA in the build) it says why and exits 77, which ctest
 // reports as skipped. The optimizer steps must match bit for bit (Note [Bitwise CPU parity]).
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -148,6 +150,57 @@ void check_elementwise(std::mt19937& rng, std::size_t n) {
   cudaFree(dx);
 }
 
+// What the runtime's CUDA shard adds: the clip coefficient read on the device (grad_scale_ptr),
+// the inf-norm partial, rounding fp32 to a 16-bit wire, and the coefficient kernel itself.
+void check_clipping(std::mt19937& rng, std::size_t n) {
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  std::vector<float> p(n), g(n), a(n, 0.0f), b(n, 0.0f);
+  for (auto& v : p) v = N(rng);
+  for (auto& v : g) v = N(rng);
+  // Partials of two "ranks", the coefficient from them as Shard::finish_norm computes it on the CPU.
+  const std::vector<float> partials = {float(n) * 0.7f, float(n) * 0.4f};
+  float* dpart = upload(partials);
+  float* dscalars = nullptr;
+  cudaMalloc(&dscalars, 8);
+  for (bool inf : {false, true}) {
+    const double total = inf ? std::max(partials[0], partials[1]) : double(partials[0]) + double(partials[1]);
+    const double norm = inf ? total : std::sqrt(total);
+    const double c = 1.0 / (norm + 1e-6);
+    const float want_coef = c < 1.0 ? float(c) : 1.0f;
+    cuda::launch_clip_coef(dpart, 2, inf, 1.0f, dscalars, dscalars + 1, nullptr);
+    const auto got = download(dscalars, 2);
+    test::gpu_check(got[0] == want_coef && got[1] == float(norm),
+                    std::string("clip coefficient (") + (inf ? "inf" : "2") + "-norm) as the CPU computes it");
+  }
+  // A step whose gradient is scaled by the device coefficient equals the CPU's scale-then-step.
+  std::vector<float> cp = p, cg = g;
+  float *dp = upload(p), *dg = upload(g), *da = upload(a), *db = upload(b);
+  cuda::ShardBuffers sb = shard(dp, dg, da, db, n);
+  sb.grad_scale_ptr = dscalars;  // the inf-norm coefficient from above
+  const float coef = download(dscalars, 1)[0];
+  kernels::scale(DType::f32, cg.data(), n, coef);
+  kernels::AdamHyper ah{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true};
+  kernels::adam_step(cp.data(), cg.data(), a.data(), b.data(), n, ah, 1);
+  cuda::launch_adam_step(sb, ah, 1, nullptr);
+  report("adamw with the clip coefficient read on the device", differ(download(dp, n), cp), n);
+  // Partial inf-norm: exact (a max has no rounding).
+  float* dmax = nullptr;
+  cudaMalloc(&dmax, 4);
+  cudaMemset(dmax, 0, 4);
+  cuda::launch_abs_max(DType::f32, dg, n, dmax, nullptr);
+  float want_max = 0.0f;
+  for (float v : g) want_max = std::max(want_max, std::abs(v));
+  test::gpu_check(download(dmax, 1)[0] == want_max, "max |g| (partial inf-norm)");
+  // fp32 kept at what a 16-bit wire carries.
+  for (DType t : {DType::bf16, DType::f16}) {
+    std::vector<float> want(n);
+    kernels::round_to(t, want.data(), g.data(), n);
+    cuda::launch_round_to(t, dp, dg, n, nullptr);
+    report(std::string("round fp32 to ") + dtype_name(t), differ(download(dp, n), want), n);
+  }
+  cudaFree(dp), cudaFree(dg), cudaFree(da), cudaFree(db), cudaFree(dmax), cudaFree(dpart), cudaFree(dscalars);
+}
+
 }  // namespace
 #endif
 
@@ -162,6 +215,7 @@ int main() {
       check_optimizers(rng, n);
       check_master_weights(rng, n);
       check_elementwise(rng, n);
+      check_clipping(rng, n);
     }
     test::gpu_check(cudaGetLastError() == cudaSuccess, "no CUDA error pending");
 #endif

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <cstdio>
@@ -312,6 +313,144 @@ void runtime_on_device_world(int n) {
                                         ": every gradient is the average, bit for bit");
 }
 
+// The Runtime's sharded optimizer with its shard on the GPU (Note [Shard streams]) against the same
+// Runtime on CPU memory: the same gradients at the same ranks, the same config. Parameters of mixed
+// sizes (one of 3 elements: some ranks own nothing of it), fp32 or bf16 storage.
+struct ZeroCase {
+  std::string name;
+  Config cfg;
+  DType dtype = DType::f32;
+  float tol = 0.0f;  // 0: bit for bit (the kernels and the device reduction follow the CPU's order)
+};
+
+std::vector<std::vector<float>> train_zero(const ZeroCase& c, int n, bool on_gpu) {
+  const std::vector<std::size_t> sizes = {50000, 1000, 3, 20001};
+  auto world = on_gpu ? InProcessWorld::create_on_device(n, 0, 60s) : InProcessWorld::create(n, 60s);
+  std::vector<std::vector<float>> out(sizes.size());
+  const std::size_t es = dtype_size(c.dtype);
+  on_ranks(n, [&](int r) {
+    Config cfg = c.cfg;
+    cfg.timeout = 60s;
+    cfg.bucket_cap_bytes = 64 << 10;
+    cfg.first_bucket_cap_bytes = 16 << 10;
+    Runtime rt(world->communicator(r), cfg);
+    cudaStream_t s = nullptr;
+    if (on_gpu) {
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      rt.set_stream(s);
+    }
+    // Storage: device memory, or host vectors; initial values the same on every rank.
+    std::vector<void*> data;
+    std::vector<std::vector<std::byte>> host;
+    std::vector<Param> hs;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      auto init = random_vec(sizes[i], unsigned(7 + i));
+      std::vector<std::byte> bytes(sizes[i] * es);
+      if (c.dtype == DType::f32)
+        std::memcpy(bytes.data(), init.data(), bytes.size());
+      else
+        kernels::convert_from_f32(c.dtype, bytes.data(), init.data(), sizes[i]);
+      if (on_gpu) {
+        void* d = nullptr;
+        cudaMalloc(&d, bytes.size());
+        cudaMemcpy(d, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+        data.push_back(d);
+      } else {
+        host.push_back(std::move(bytes));
+        data.push_back(host.back().data());
+      }
+      hs.push_back(rt.register_param({"p" + std::to_string(i), {std::int64_t(sizes[i])}, c.dtype,
+                                      on_gpu ? Device::cuda(0) : Device::cpu(), data.back()}));
+    }
+    rt.finalize();
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::adamw;
+    oc.lr = 1e-2f;
+    rt.configure_optimizer(oc);
+    for (int it = 0; it < 4; ++it) {
+      rt.zero_grad();
+      for (std::size_t i = sizes.size(); i-- > 0;) {
+        if (cfg.forward_prefetch) rt.wait_param(hs[i]);
+        auto g = random_vec(sizes[i], unsigned(10000 * it + 100 * int(i) + r));
+        std::vector<std::byte> gb(sizes[i] * es);
+        if (c.dtype == DType::f32)
+          std::memcpy(gb.data(), g.data(), gb.size());
+        else
+          kernels::convert_from_f32(c.dtype, gb.data(), g.data(), sizes[i]);
+        if (on_gpu) {
+          cudaMemcpyAsync(rt.grad(hs[i]), gb.data(), gb.size(), cudaMemcpyHostToDevice, s);
+          cudaStreamSynchronize(s);  // gb goes out of scope
+        } else {
+          std::memcpy(rt.grad(hs[i]), gb.data(), gb.size());
+        }
+        rt.grad_ready(hs[i]);
+      }
+      rt.wait();
+    }
+    rt.wait_all_params();
+    if (r == 0)
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        std::vector<std::byte> bytes(sizes[i] * es);
+        if (on_gpu) {
+          cudaMemcpyAsync(bytes.data(), data[i], bytes.size(), cudaMemcpyDeviceToHost, s);
+          cudaStreamSynchronize(s);
+        } else {
+          std::memcpy(bytes.data(), data[i], bytes.size());
+        }
+        out[i].resize(sizes[i]);
+        kernels::convert_to_f32(c.dtype, out[i].data(), bytes.data(), sizes[i]);
+      }
+    if (on_gpu) {
+      cudaStreamSynchronize(s);
+      for (auto* d : data) cudaFree(d);
+      cudaStreamDestroy(s);
+    }
+  });
+  return out;
+}
+
+void zero_on_device() {
+  std::vector<ZeroCase> cases;
+  for (int stage : {1, 2})
+    for (auto part : {Partition::flat, Partition::param})
+      for (auto ov : {Overlap::none, Overlap::interleaved}) {
+        ZeroCase c;
+        c.cfg.zero_stage = stage;
+        c.cfg.partition = part;
+        c.cfg.overlap = ov;
+        c.name = "stage " + std::to_string(stage) + (part == Partition::flat ? " flat" : " param") +
+                 (ov == Overlap::none ? " none" : " interleaved");
+        cases.push_back(c);
+      }
+  auto with = [&](std::string name, auto&& edit, float tol = 0.0f) {
+    ZeroCase c;
+    c.cfg.zero_stage = 2;
+    c.name = std::move(name);
+    c.tol = tol;
+    edit(c);
+    cases.push_back(c);
+  };
+  // The norm partials are float atomics on the device: the clip coefficient may differ in its last bits.
+  with("stage 2 clip 2-norm", [](ZeroCase& c) { c.cfg.clip_grad_norm = 1.0f; }, 1e-5f);
+  with("stage 1 clip inf-norm", [](ZeroCase& c) { c.cfg.zero_stage = 1; c.cfg.clip_grad_norm = 0.5f; c.cfg.clip_norm_type = INFINITY; }, 1e-5f);
+  with("stage 0 clip 2-norm (every rank steps everything)", [](ZeroCase& c) { c.cfg.zero_stage = 0; c.cfg.clip_grad_norm = 1.0f; }, 1e-5f);
+  with("stage 2 bf16 wire", [](ZeroCase& c) { c.cfg.comm_dtype = DType::bf16; });
+  with("stage 2 bf16 parameters, fp32 masters", [](ZeroCase& c) { c.dtype = DType::bf16; });
+  with("stage 1 forward prefetch", [](ZeroCase& c) { c.cfg.zero_stage = 1; c.cfg.forward_prefetch = true; });
+  for (const auto& c : cases)
+    for (int n : {2, 3}) {
+      const auto cpu = train_zero(c, n, false), gpu = train_zero(c, n, true);
+      std::size_t bad = 0, total = 0;
+      for (std::size_t i = 0; i < cpu.size(); ++i) {
+        bad += differ(gpu[i], cpu[i], c.tol);
+        total += cpu[i].size();
+      }
+      check(bad == 0, "ZeRO on the GPU, world " + std::to_string(n) + ", " + c.name + ": parameters match the CPU shard (" +
+                          std::to_string(bad) + " of " + std::to_string(total) + " differ" +
+                          (c.tol == 0.0f ? ", bit for bit)" : ", tolerance " + std::to_string(c.tol) + ")"));
+    }
+}
+
 // In the trace: some collective is still in flight when its rank reports another gradient, on
 // every rank — the reduction overlaps backward.
 bool reductions_overlap_backward(const std::string& path) {
@@ -343,6 +482,17 @@ void mlp_on_device() {
   o.runtime.timeout = 60s;
   o.runtime.bucket_cap_bytes = 32 << 10;
   o.runtime.first_bucket_cap_bytes = 8 << 10;
+  auto compare = [](const mlp::TrainResult& cpu, const mlp::TrainResult& gpu, const std::string& what) {
+    double worst = 0;
+    for (const auto& [name, t] : cpu.params) {
+      const auto a = t.to_f32(name), b = gpu.params.at(name).to_f32(name);
+      for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::abs(a[i] - b[i])));
+    }
+    char line[300];
+    std::snprintf(line, sizeof(line), "mlp --device cuda %s: loss %.5f -> %.5f (cpu %.5f), max |param diff| %.2e", what.c_str(),
+                  double(gpu.losses.front()), double(gpu.losses.back()), double(cpu.losses.back()), worst);
+    check(worst < 1e-3 && gpu.losses.back() < gpu.losses.front(), line);
+  };
   const auto cpu = mlp::train(o);
   for (int world : {1, 2}) {
     auto d = o;
@@ -352,15 +502,21 @@ void mlp_on_device() {
     d.runtime.trace_path = trace;
     const auto gpu = mlp::train(d);
     if (world == 2) check(reductions_overlap_backward(trace), "two ranks on one GPU: reductions in flight while backward reports gradients (" + trace + ")");
-    double worst = 0;
-    for (const auto& [name, t] : cpu.params) {
-      const auto a = t.to_f32(name), b = gpu.params.at(name).to_f32(name);
-      for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::abs(a[i] - b[i])));
-    }
-    char line[200];
-    std::snprintf(line, sizeof(line), "mlp --device cuda world %d: loss %.5f -> %.5f (cpu %.5f), max |param diff| %.2e", world,
-                  double(gpu.losses.front()), double(gpu.losses.back()), double(cpu.losses.back()), worst);
-    check(worst < 1e-3 && gpu.losses.back() < gpu.losses.front(), line);
+    compare(cpu, gpu, "world " + std::to_string(world) + ", trainer-side AdamW");
+  }
+  // The runtime's sharded optimizer stepping on the GPU, as the trainer uses it.
+  auto z = o;
+  z.optimizer_in_runtime = true;
+  z.world_size = 2;
+  z.runtime.zero_stage = 2;
+  z.runtime.overlap = Overlap::interleaved;
+  z.runtime.clip_grad_norm = 1.0f;
+  const auto zcpu = mlp::train(z);
+  for (bool prefetch : {false, true}) {
+    auto d = z;
+    d.device = Device::cuda(0);
+    d.runtime.forward_prefetch = prefetch;
+    compare(zcpu, mlp::train(d), std::string("world 2, ZeRO-2 interleaved, clipping") + (prefetch ? ", forward prefetch" : ""));
   }
 }
 
@@ -385,6 +541,7 @@ int main() {
     guarded("errors", errors_on_device);
     if (nccl_compiled()) guarded("nccl", nccl_world1);
     for (int n : {1, 2, 4}) guarded("runtime", [&] { runtime_on_device_world(n); });
+    guarded("zero", zero_on_device);
     guarded("mlp", mlp_on_device);
 #endif
   });

@@ -195,18 +195,14 @@ void DeviceModel::step(const OptimizerConfig& h, float* param, const float* grad
   b.grad = grad;
   b.state_a = st.a.p;
   b.n = n;
-  const float wd = h.effective_weight_decay();
-  if (h.kind == OptimizerConfig::Kind::sgd) {
-    cuda::launch_sgd_step(b, kernels::SgdHyper{h.lr, h.momentum, h.dampening, wd, h.nesterov}, fresh, I.stream);
-  } else {
+  if (h.kind != OptimizerConfig::Kind::sgd) {
     if (st.b.n == 0) {
       st.b.ensure(n);
       check(cudaMemsetAsync(st.b.p, 0, n * 4, I.stream), "zero state");
     }
     b.state_b = st.b.p;
-    cuda::launch_adam_step(b, kernels::AdamHyper{h.lr, h.beta1, h.beta2, h.eps, wd, h.kind == OptimizerConfig::Kind::adamw},
-                           step, I.stream);
   }
+  cuda::launch_update(h, b, fresh, step, I.stream);  // the runtime's CUDA shard steps with the same call
 }
 
 void DeviceModel::download(Model& host) const {

@@ -258,8 +258,9 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   finish_rank(sh, rank, rt, model, slot);
 }
 
-// run_rank on a GPU: the same schedule, with the model's kernels, the bucket events and the
-// optimizer step all on the model's stream (Runtime::set_stream).
+// run_rank on a GPU: the same schedule, with the model's kernels and the bucket events on the
+// model's stream (Runtime::set_stream); the runtime's optimizer steps its shard on the device, or
+// (optimizer_in_runtime off) the trainer steps every parameter there after wait().
 void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
   const auto& opt = sh.opt;
   Model model = initial_model(sh);
@@ -274,28 +275,40 @@ void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& 
                                            DType::f32, opt.device, dm.param(int(i), bias)}));
   }
   rt.finalize();
+  if (opt.optimizer_in_runtime) rt.configure_optimizer(opt.optimizer);
   {
     std::lock_guard lock(sh.mu);
     sh.result.memory[slot] = rt.memory_report();
   }
+  const bool prefetch = opt.runtime.forward_prefetch;
+  std::function<void(int)> before_layer;  // forward prefetch: the compute stream waits per layer
+  if (prefetch)
+    before_layer = [&](int i) {
+      rt.wait_param(handles[std::size_t(2 * i)]);
+      rt.wait_param(handles[std::size_t(2 * i + 1)]);
+    };
   auto grad_slot = [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); };
   auto grad_done = [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); };
   train_steps(
       sh, rank, comm, rt,
       [&](const float* x, const float* y, int rows, double denom) {
-        dm.forward(x, y, rows);
+        dm.forward(x, y, rows, before_layer);
         dm.backward(denom, grad_slot, grad_done);
         return opt.report_loss ? dm.loss() : 0.0f;  // waits for this rank's backward, not for the reductions
       },
       [&](int step) {
-        for (std::size_t i = 0; i < model.layers().size(); ++i)
-          for (bool bias : {false, true}) {
-            const auto k = 2 * i + bias;
-            const auto& l = model.layers()[i];
-            dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]), bias ? l.bias.size() : l.weight.size(),
-                    k, step + 1);
-          }
+        if (!opt.optimizer_in_runtime)
+          for (std::size_t i = 0; i < model.layers().size(); ++i)
+            for (bool bias : {false, true}) {
+              const auto k = 2 * i + bias;
+              const auto& l = model.layers()[i];
+              dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]),
+                      bias ? l.bias.size() : l.weight.size(), k, step + 1);
+            }
+        // The global loss is our own collective: it must not race the runtime's syncs.
+        if (opt.report_loss && opt.world_size > 1 && prefetch) rt.wait_all_params();
       });
+  rt.wait_all_params();  // the last iteration's updates, before the parameters are read back
   dm.download(model);
   finish_rank(sh, rank, rt, model, slot);
 }
@@ -333,10 +346,9 @@ Prepared prepare(const TrainOptions& opt) {
   if (opt.steps < 0) throw UsageError("--steps must be >= 0");
   if (opt.accumulate < 1) throw UsageError("--accumulate must be >= 1");
   if (opt.device.kind == Device::Kind::cuda) {
-    if (opt.optimizer_in_runtime || opt.param_dtype != DType::f32 || opt.runtime.forward_prefetch ||
-        opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0)
-      throw UsageError("--device cuda: the trainer steps on the GPU after wait() (ZeRO stage 0, fp32 parameters, no "
-                       "clipping or --forward-prefetch); the runtime's sharded optimizer steps CPU shards so far");
+    if (opt.param_dtype != DType::f32)
+      throw UsageError("--device cuda: the example's GPU model computes in fp32 parameters (--param-dtype fp32); "
+                       "16-bit parameters are supported by its CPU trainer");
     if (!device_model_compiled())
       throw UsageError("--device cuda: this build has no CUDA (configure where nvcc and cuBLAS exist, SHARDFLOW_CUDA=ON)");
   }

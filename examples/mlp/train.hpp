@@ -52,8 +52,9 @@ struct TrainOptions {
   bool report_loss = true;    // an extra scalar all-reduce per step for the global loss
   // cuda: the model runs with cuBLAS on this GPU (DeviceModel), the buckets live there, the ranks
   // are threads over the in-process backend on that one GPU (train) or processes over NCCL
-  // (train_rank); the trainer steps the parameters on the device after wait(). Needs the
-  // optimizer outside the runtime and fp32 parameters.
+  // (train_rank); the runtime's optimizer steps its shard on the device (every ZeRO stage,
+  // clipping, prefetch), or the trainer steps every parameter there after wait() when
+  // optimizer_in_runtime is off. fp32 parameters.
   Device device = Device::cpu();
   std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
 };
