@@ -619,6 +619,10 @@ void Runtime::set_stream(void* cuda_stream) {
   if (I.sync_pass_started)
     throw UsageError("set_stream on rank " + std::to_string(I.rank) + " in the middle of a backward pass: change it between iterations");
   I.mem->stream = cuda_stream;
+  if (I.shard) {  // GPU shards: the new stream and the shard's are ordered both ways from here on
+    I.shard->follow_compute();
+    I.shard->join_compute();
+  }
 }
 
 void* Runtime::grad(Param p) {

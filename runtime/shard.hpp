@@ -82,6 +82,9 @@ class Shard {
   // needs (wait_param with forward prefetch). No-ops on the CPU.
   void join_compute();
   void join_bucket(std::size_t b);
+  // The other way: the shard's stream waits for the compute stream (Runtime::set_stream switched
+  // streams: what the trainer enqueued on the new one comes before the shard's next work).
+  void follow_compute() { ops_->after_compute(); }
 
   std::size_t state_bytes() const;
   std::size_t grad_bytes() const;

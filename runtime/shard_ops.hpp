@@ -85,6 +85,7 @@ class ShardOps {
   virtual cuda::Event record(std::size_t slot) { return nullptr; }  // after the work enqueued so far
   virtual cuda::Event event(std::size_t slot) const { return nullptr; }
   virtual void after(cuda::Event e) {}                               // the shard's stream waits for e
+  virtual void after_compute() {}  // the shard's stream waits for what the compute stream has now
   virtual void compute_after(std::size_t slot) {}                    // the compute stream waits for slot
   void fence_compute(std::size_t slot) {  // the compute stream waits for everything enqueued so far
     record(slot);

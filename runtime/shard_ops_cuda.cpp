@@ -31,10 +31,7 @@ class CudaShardOps final : public ShardOps {
     scalars_ = cuda::device_alloc(device_, 2 * sizeof(float));  // [0] clip coefficient, [1] norm
     norm_host_ = cuda::pinned_alloc(sizeof(float));
     // The trainer initialised its parameters on the compute stream: masters are copied after that.
-    auto e = cuda::event_create(device_);
-    cuda::event_record(e, mem_->stream);
-    cuda::stream_wait_event(stream_, e);
-    cuda::event_destroy(e);  // released once the wait is done with it (CUDA keeps it alive)
+    after_compute();
   }
   ~CudaShardOps() override {
     // Buffers the stream still writes are freed after this (cudaFree waits for the device).
@@ -115,6 +112,13 @@ class CudaShardOps final : public ShardOps {
     return events_[slot];
   }
   cuda::Event event(std::size_t slot) const override { return events_.at(slot); }
+  void after_compute() override {
+    cuda::set_device(device_);
+    auto e = cuda::event_create(device_);
+    cuda::event_record(e, mem_->stream);
+    cuda::stream_wait_event(stream_, e);
+    cuda::event_destroy(e);  // released once the wait is done with it (CUDA keeps it alive)
+  }
   void after(cuda::Event e) override {
     if (!e) return;
     cuda::set_device(device_);
