@@ -751,6 +751,7 @@ void Runtime::wait() {
   I.sync_pass_started.store(false);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.forward_prefetch && I.shard;
+  const Shard* stepped_by = I.shard.get();
   if (!I.rebuilt && !I.cfg.static_graph) {
     I.rebuild_from_observed_order();
   } else if (prefetch_wanted && !I.prefetch_active && I.observing_forward) {
@@ -762,6 +763,9 @@ void Runtime::wait() {
     I.forward_seen.assign(I.plan.buckets.size(), 0);
     I.forward_order.clear();
   }
+  // A rebuilt shard copied its masters and state on its own stream: the compute stream waits for
+  // that too, so that wait()'s promise holds for whichever shard the next iteration uses.
+  if (I.shard && I.shard.get() != stepped_by && !prefetching) I.shard->join_compute();
   I.reset_pass();
   ++I.iterations;
 }

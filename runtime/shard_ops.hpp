@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -95,6 +96,13 @@ class ShardOps {
 
 // A CPU or CUDA shard for the buckets' device (`mem`: the device and the compute stream).
 std::unique_ptr<ShardOps> make_shard_ops(std::shared_ptr<const MemoryOps> mem);
+std::unique_ptr<ShardOps> make_cpu_shard_ops();
 std::unique_ptr<ShardOps> make_cuda_shard_ops(std::shared_ptr<const MemoryOps> mem);  // shard_ops_cuda.cpp
+
+// Tests only: shards made from now on get their ops from `f` (empty: by device, as above). A
+// suite wraps the CPU ops with fake events to check the protocol of Note [Shard streams] on a
+// machine without a GPU.
+using ShardOpsFactory = std::function<std::unique_ptr<ShardOps>(std::shared_ptr<const MemoryOps>)>;
+void set_shard_ops_factory_for_tests(ShardOpsFactory f);
 
 }  // namespace shardflow

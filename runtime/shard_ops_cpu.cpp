@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 
 #include "kernels/cpu/elementwise.hpp"
 #include "runtime/bucket_buffers.hpp"
@@ -87,11 +88,25 @@ class CpuShardOps final : public ShardOps {
   float last_norm_ = 0.0f;
 };
 
+std::mutex factory_mu;
+ShardOpsFactory factory_for_tests;
+
 }  // namespace
 
+std::unique_ptr<ShardOps> make_cpu_shard_ops() { return std::make_unique<CpuShardOps>(); }
+
 std::unique_ptr<ShardOps> make_shard_ops(std::shared_ptr<const MemoryOps> mem) {
+  {
+    std::lock_guard lock(factory_mu);
+    if (factory_for_tests) return factory_for_tests(std::move(mem));
+  }
   if (mem->on_gpu()) return make_cuda_shard_ops(std::move(mem));
-  return std::make_unique<CpuShardOps>();
+  return make_cpu_shard_ops();
+}
+
+void set_shard_ops_factory_for_tests(ShardOpsFactory f) {
+  std::lock_guard lock(factory_mu);
+  factory_for_tests = std::move(f);
 }
 
 }  // namespace shardflow
