@@ -114,8 +114,10 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
       ScheduleEntry::Issue issue;
       try {
         issue = e.make_ops();
-      } catch (...) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
-        completion_for(s, e, true, nullptr)(std::current_exception());
+      } catch (const std::exception& x) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
+        const std::string what = e.kind == ScheduleEntry::norm ? "the grad norm exchange" : "bucket " + std::to_string(e.bucket);
+        completion_for(s, e, true, nullptr)(std::make_exception_ptr(
+            CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + what + "'s collective: " + x.what())));
         continue;
       }
       auto& ops = issue.ops;

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "helpers.hpp"
 #include "runtime/shard_ops.hpp"
+#include "shardflow/errors.hpp"
 #include "shardflow/shardflow.hpp"
 
 using namespace shardflow;
@@ -257,4 +259,99 @@ TEST_CASE("shard streams: forward prefetch and stage 0 keep the same ordering") 
   }
   CHECK(traced.params == plain.params);
   check_protocol(t);  // wait() still makes the compute stream wait for the steps
+}
+
+namespace {
+
+// The CPU ops, except that one rank's device "faults" at its n-th update or wire cast.
+class FaultyOps final : public ShardOps {
+ public:
+  FaultyOps(bool faulty, std::atomic<int>& countdown) : faulty_(faulty), countdown_(countdown), cpu_(make_cpu_shard_ops()) {}
+  bool on_gpu() const override { return false; }
+  std::shared_ptr<std::byte> alloc(std::size_t bytes) override { return cpu_->alloc(bytes); }
+  void copy(void* d, const void* s, std::size_t n) override { cpu_->copy(d, s, n); }
+  void zero(void* d, std::size_t n) override { cpu_->zero(d, n); }
+  void cast(DType dt, void* d, DType st, const void* s, std::size_t n) override {
+    if (dt != DType::f32 && st == DType::f32) fault("bf16 cast");  // the wire cast at issue
+    cpu_->cast(dt, d, st, s, n);
+  }
+  void download(void* h, const void* s, std::size_t n) override { cpu_->download(h, s, n); }
+  void upload(void* d, const void* h, std::size_t n) override { cpu_->upload(d, h, n); }
+  void update(const OptimizerConfig& h, const Update& u) override {
+    fault("adamw kernel");
+    cpu_->update(h, u);
+  }
+  void partial_norm(const std::vector<NormPart>& p, bool inf, float* out) override { cpu_->partial_norm(p, inf, out); }
+  ClipCoef clip_coef(const float* p, int n, bool inf, float m) override { return cpu_->clip_coef(p, n, inf, m); }
+  float last_norm() override { return cpu_->last_norm(); }
+
+ private:
+  void fault(const char* what) {
+    if (faulty_ && countdown_.fetch_sub(1) == 1)
+      throw CommError(std::string("simulated device fault in the ") + what + " (cudaErrorIllegalAddress)");
+  }
+  bool faulty_;
+  std::atomic<int>& countdown_;
+  std::unique_ptr<ShardOps> cpu_;
+};
+
+// Runs world 2 with rank 1's shard faulting; returns each rank's error message.
+std::vector<std::string> run_with_fault(Config cfg, int fault_after) {
+  std::atomic<int> countdown{fault_after};
+  set_shard_ops_factory_for_tests([&](std::shared_ptr<const MemoryOps>) -> std::unique_ptr<ShardOps> {
+    return std::make_unique<FaultyOps>(building_rank == 1, countdown);
+  });
+  cfg.timeout = 20s;
+  auto world = InProcessWorld::create(2, cfg.timeout);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = test::run_ranks(2, [&](int r) {
+    building_rank = r;
+    std::vector<float> a(1500, 0.5f), b(1500, 0.25f);
+    Config c = cfg;
+    c.bucket_cap_bytes = 4000;
+    c.first_bucket_cap_bytes = 4000;
+    Runtime rt(world->communicator(r), c);
+    auto pa = rt.register_param({"a", {1500}, DType::f32, Device::cpu(), a.data()});
+    auto pb = rt.register_param({"b", {1500}, DType::f32, Device::cpu(), b.data()});
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::adamw;
+    rt.configure_optimizer(oc);
+    for (int it = 0; it < 4; ++it) {
+      rt.zero_grad();
+      for (auto p : {pb, pa}) {
+        float* g = rt.grad_f32(p);
+        for (int i = 0; i < 1500; ++i) g[i] = 0.01f * float(i % 7);
+        rt.grad_ready(p);
+      }
+      rt.wait();
+    }
+  });
+  set_shard_ops_factory_for_tests({});
+  CHECK(std::chrono::steady_clock::now() - t0 < cfg.timeout);  // failed promptly, nobody waited it out
+  return {test::message_of(result[0]), test::message_of(result[1])};
+}
+
+}  // namespace
+
+TEST_CASE("shard streams: a device fault in one rank's optimizer step fails that rank naming the bucket, and its peer promptly") {
+  Config cfg;
+  cfg.zero_stage = 1;
+  const auto msgs = run_with_fault(cfg, 3);
+  INFO("rank 0: " << msgs[0]);
+  INFO("rank 1: " << msgs[1]);
+  CHECK(msgs[1].find("rank 1: optimizer shard, bucket") != std::string::npos);
+  CHECK(msgs[1].find("simulated device fault in the adamw kernel") != std::string::npos);
+  CHECK(!msgs[0].empty());
+}
+
+TEST_CASE("shard streams: a device fault casting a bucket to its 16-bit wire fails the reduction instead of hanging it") {
+  Config cfg;
+  cfg.zero_stage = 2;
+  cfg.comm_dtype = DType::bf16;
+  const auto msgs = run_with_fault(cfg, 2);
+  INFO("rank 0: " << msgs[0]);
+  INFO("rank 1: " << msgs[1]);
+  CHECK(msgs[1].find("rank 1: preparing bucket") != std::string::npos);
+  CHECK(msgs[1].find("simulated device fault in the bf16 cast") != std::string::npos);
+  CHECK(!msgs[0].empty());
 }
