@@ -40,22 +40,39 @@ struct Trace {
 
 thread_local int building_rank = -1;  // the rank whose Runtime makes a shard on this thread
 
-// CPU work as usual; events are addresses of this object's slots (distinct, never dereferenced).
-class TracingOps final : public ShardOps {
+// The CPU shard ops, with a hook before each piece of work the shard enqueues: the fakes below
+// override only what they watch or break.
+class CpuBackedOps : public ShardOps {
  public:
-  TracingOps(Trace& t, int rank) : t_(t), rank_(rank), cpu_(make_cpu_shard_ops()) {}
+  enum class Work { copy, zero, cast, cast_to_16, upload, update, norm };
   bool on_gpu() const override { return false; }
   std::shared_ptr<std::byte> alloc(std::size_t bytes) override { return cpu_->alloc(bytes); }
-  void copy(void* d, const void* s, std::size_t n) override { did(), cpu_->copy(d, s, n); }
-  void zero(void* d, std::size_t n) override { did(), cpu_->zero(d, n); }
-  void cast(DType dt, void* d, DType st, const void* s, std::size_t n) override { did(), cpu_->cast(dt, d, st, s, n); }
+  void copy(void* d, const void* s, std::size_t n) override { on_work(Work::copy), cpu_->copy(d, s, n); }
+  void zero(void* d, std::size_t n) override { on_work(Work::zero), cpu_->zero(d, n); }
+  void cast(DType dt, void* d, DType st, const void* s, std::size_t n) override {
+    on_work(dt != DType::f32 && st == DType::f32 ? Work::cast_to_16 : Work::cast);
+    cpu_->cast(dt, d, st, s, n);
+  }
   void download(void* h, const void* s, std::size_t n) override { cpu_->download(h, s, n); }
-  void upload(void* d, const void* h, std::size_t n) override { did(), cpu_->upload(d, h, n); }
-  void update(const OptimizerConfig& h, const Update& u) override { did(), cpu_->update(h, u); }
-  void partial_norm(const std::vector<NormPart>& p, bool inf, float* out) override { did(), cpu_->partial_norm(p, inf, out); }
-  ClipCoef clip_coef(const float* p, int n, bool inf, float m) override { return did(), cpu_->clip_coef(p, n, inf, m); }
+  void upload(void* d, const void* h, std::size_t n) override { on_work(Work::upload), cpu_->upload(d, h, n); }
+  void update(const OptimizerConfig& h, const Update& u) override { on_work(Work::update), cpu_->update(h, u); }
+  void partial_norm(const std::vector<NormPart>& p, bool inf, float* out) override {
+    on_work(Work::norm), cpu_->partial_norm(p, inf, out);
+  }
+  ClipCoef clip_coef(const float* p, int n, bool inf, float m) override { return on_work(Work::norm), cpu_->clip_coef(p, n, inf, m); }
   float last_norm() override { return cpu_->last_norm(); }
 
+ protected:
+  virtual void on_work(Work) {}
+
+ private:
+  std::unique_ptr<ShardOps> cpu_ = make_cpu_shard_ops();
+};
+
+// CPU work as usual; events are addresses of this object's slots (distinct, never dereferenced).
+class TracingOps final : public CpuBackedOps {
+ public:
+  TracingOps(Trace& t, int rank) : t_(t), rank_(rank) {}
   void make_events(std::size_t n) override { slots_.assign(n, 0); }
   cuda::Event record(std::size_t slot) override {
     t_.add(Trace::record, rank_, event(slot));
@@ -65,10 +82,9 @@ class TracingOps final : public ShardOps {
   void compute_after(std::size_t slot) override { t_.add(Trace::compute_after, rank_, event(slot)); }
 
  private:
-  void did() { t_.add(Trace::work, rank_); }
+  void on_work(Work) override { t_.add(Trace::work, rank_); }
   Trace& t_;
   int rank_;
-  std::unique_ptr<ShardOps> cpu_;
   std::vector<char> slots_;
 };
 
@@ -264,35 +280,19 @@ TEST_CASE("shard streams: forward prefetch and stage 0 keep the same ordering") 
 namespace {
 
 // The CPU ops, except that one rank's device "faults" at its n-th update or wire cast.
-class FaultyOps final : public ShardOps {
+class FaultyOps final : public CpuBackedOps {
  public:
-  FaultyOps(bool faulty, std::atomic<int>& countdown) : faulty_(faulty), countdown_(countdown), cpu_(make_cpu_shard_ops()) {}
-  bool on_gpu() const override { return false; }
-  std::shared_ptr<std::byte> alloc(std::size_t bytes) override { return cpu_->alloc(bytes); }
-  void copy(void* d, const void* s, std::size_t n) override { cpu_->copy(d, s, n); }
-  void zero(void* d, std::size_t n) override { cpu_->zero(d, n); }
-  void cast(DType dt, void* d, DType st, const void* s, std::size_t n) override {
-    if (dt != DType::f32 && st == DType::f32) fault("bf16 cast");  // the wire cast at issue
-    cpu_->cast(dt, d, st, s, n);
-  }
-  void download(void* h, const void* s, std::size_t n) override { cpu_->download(h, s, n); }
-  void upload(void* d, const void* h, std::size_t n) override { cpu_->upload(d, h, n); }
-  void update(const OptimizerConfig& h, const Update& u) override {
-    fault("adamw kernel");
-    cpu_->update(h, u);
-  }
-  void partial_norm(const std::vector<NormPart>& p, bool inf, float* out) override { cpu_->partial_norm(p, inf, out); }
-  ClipCoef clip_coef(const float* p, int n, bool inf, float m) override { return cpu_->clip_coef(p, n, inf, m); }
-  float last_norm() override { return cpu_->last_norm(); }
+  FaultyOps(bool faulty, std::atomic<int>& countdown) : faulty_(faulty), countdown_(countdown) {}
 
  private:
-  void fault(const char* what) {
-    if (faulty_ && countdown_.fetch_sub(1) == 1)
-      throw CommError(std::string("simulated device fault in the ") + what + " (cudaErrorIllegalAddress)");
+  void on_work(Work w) override {
+    if (!faulty_ || (w != Work::update && w != Work::cast_to_16)) return;
+    if (countdown_.fetch_sub(1) == 1)
+      throw CommError(std::string("simulated device fault in the ") + (w == Work::update ? "adamw kernel" : "bf16 cast") +
+                      " (cudaErrorIllegalAddress)");
   }
   bool faulty_;
   std::atomic<int>& countdown_;
-  std::unique_ptr<ShardOps> cpu_;
 };
 
 // Runs world 2 with rank 1's shard faulting; returns each rank's error message.
