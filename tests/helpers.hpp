@@ -42,6 +42,15 @@ inline std::string message_of(const std::exception_ptr& e) {
   }
 }
 
+// Registers `count` fp32 parameters "p0".."p<count-1>" of `numel` elements each, laid end to end
+// in `flat` (which holds count * numel floats).
+inline std::vector<Param> register_flat(Runtime& rt, float* flat, int count, std::int64_t numel) {
+  std::vector<Param> h;
+  for (int i = 0; i < count; ++i)
+    h.push_back(rt.register_param({"p" + std::to_string(i), {numel}, DType::f32, Device::cpu(), flat + std::size_t(i) * std::size_t(numel)}));
+  return h;
+}
+
 // Fails the test with the rank's message if any rank threw.
 inline void require_all_ok(const std::vector<std::exception_ptr>& errors) {
   for (std::size_t r = 0; r < errors.size(); ++r) {

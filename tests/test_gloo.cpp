@@ -53,10 +53,7 @@ TEST_CASE("gloo: ZeRO-1 training over Gloo ends with the parameters of the in-pr
       cfg.overlap = Overlap::interleaved;
       cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = 2 * numel * 4;
       Runtime rt(comms[std::size_t(r)], cfg);
-      std::vector<Param> h;
-      for (int i = 0; i < P; ++i)
-        h.push_back(rt.register_param({"p" + std::to_string(i), {numel}, DType::f32, Device::cpu(),
-                                       params[std::size_t(r)].data() + std::size_t(i) * numel}));
+      const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig adam;
       adam.kind = OptimizerConfig::Kind::adamw;
       adam.lr = 0.01f;

@@ -358,10 +358,7 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard;
       cfg.overlap = overlap;
       cfg.max_buckets_in_flight = 2;
       Runtime rt(world->communicator(r), cfg);
-      std::vector<Param> h;
-      for (int i = 0; i < P; ++i)
-        h.push_back(rt.register_param({"p" + std::to_string(i), {numel}, DType::f32, Device::cpu(),
-                                       params[std::size_t(r)].data() + std::size_t(i) * numel}));
+      const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig sgd;
       sgd.lr = 0.1f;
       rt.configure_optimizer(sgd);
@@ -402,10 +399,7 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
       cfg.max_buckets_in_flight = 2;
       cfg.timeout = 30s;
       Runtime rt(world->communicator(r), cfg);
-      std::vector<Param> h;
-      for (int i = 0; i < P; ++i)
-        h.push_back(rt.register_param({"p" + std::to_string(i), {numel}, DType::f32, Device::cpu(),
-                                       params[std::size_t(r)].data() + std::size_t(i) * numel}));
+      const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig adam;
       adam.kind = OptimizerConfig::Kind::adam;
       rt.configure_optimizer(adam);
@@ -438,7 +432,14 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
   CHECK(test::rel_error(stage2, run(1)) <= 1e-6);
 }
 
-TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard; every stage and mode matches stage 0, and training tracks fp32") {
+namespace {
+
+// 16-bit training at worlds 2 and 3, for bf16 and fp16 (`make16` puts the type into the options):
+// stage 0 stays near fp32 training (bf16 keeps 8 bits of mantissa, and Adam's sign-like updates
+// amplify rounding differences a little), and every sharded stage and mode matches stage 0 (then
+// `extra` looks at that run too).
+template <class Make16, class Extra>
+void sixteen_bit_tracks_fp32(const char* what, Make16 make16, Extra extra) {
   for (DType dt : {DType::bf16, DType::f16}) {
     auto fp32 = base(OptimizerConfig::Kind::adamw);
     fp32.world_size = 2;
@@ -446,21 +447,29 @@ TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard; every stage and mo
     for (int world : {2, 3}) {
       auto ref = base(OptimizerConfig::Kind::adamw);
       ref.world_size = world;
-      ref.param_dtype = dt;
+      make16(ref, dt);
       const auto reference = mlp::train(ref);
-      // 16-bit storage, fp32 masters: ten Adam steps stay near fp32 training (bf16 keeps 8 bits of
-      // mantissa, and Adam's sign-like updates amplify rounding differences a little).
-      INFO(std::string(dtype_name(dt)) << " world " << world);
+      INFO(std::string(dtype_name(dt)) << what << " world " << world);
       CHECK(worst_error(reference.params, full.params) < (dt == DType::bf16 ? 5e-2 : 5e-3));
       for_each_sharded(ref, [&](const mlp::TrainResult& got) {
         CHECK(worst_error(got.params, reference.params) <= 1e-5);
+        extra(got);
+      });
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard; every stage and mode matches stage 0, and training tracks fp32") {
+  sixteen_bit_tracks_fp32(
+      " parameters,", [](mlp::TrainOptions& o, DType dt) { o.param_dtype = dt; },
+      [](const mlp::TrainResult& got) {
         // Optimizer state: exp_avg, exp_avg_sq and the fp32 master of every owned element.
         std::size_t state = 0;
         for (const auto& m : got.memory) state += m.optimizer_state;
         CHECK(state >= 3 * 4 * (24 * 40 + 40 + 40 * 32 + 32 + 32 * 6 + 6));
       });
-    }
-  }
 }
 
 TEST_CASE("bf16 master weights keep updates smaller than bf16 can represent, on every stage") {
@@ -548,22 +557,8 @@ TEST_CASE("forward prefetch syncs in the observed forward order: the first layer
 }
 
 TEST_CASE("16-bit communication of fp32 parameters: every stage and mode matches stage 0 on the same wire, and tracks fp32") {
-  for (DType wire : {DType::bf16, DType::f16}) {
-    auto fp32 = base(OptimizerConfig::Kind::adamw);
-    fp32.world_size = 2;
-    const auto full = mlp::train(fp32);
-    for (int world : {2, 3}) {
-      auto ref = base(OptimizerConfig::Kind::adamw);
-      ref.world_size = world;
-      ref.runtime.comm_dtype = wire;
-      const auto reference = mlp::train(ref);
-      INFO(std::string(dtype_name(wire)) << " wire, world " << world);
-      CHECK(worst_error(reference.params, full.params) < (wire == DType::bf16 ? 5e-2 : 5e-3));
-      for_each_sharded(ref, [&](const mlp::TrainResult& got) {
-        CHECK(worst_error(got.params, reference.params) <= 1e-5);
-      });
-    }
-  }
+  sixteen_bit_tracks_fp32(
+      " wire,", [](mlp::TrainOptions& o, DType dt) { o.runtime.comm_dtype = dt; }, [](const mlp::TrainResult&) {});
 }
 
 TEST_CASE("on a bf16 wire every rank holds bitwise the same, bf16-exact fp32 parameters") {
