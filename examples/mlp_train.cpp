@@ -66,8 +66,14 @@ int main(int argc, char** argv) {
                  "on one GPU, or one process per GPU over nccl under a launcher)")->capture_default_str();
   std::string backend = "auto";
   app.add_option("--backend", backend,
-                 "auto | in-process | shm | gloo | nccl (auto: in-process threads when started plainly; under a launcher shm on one "
-                 "host, else gloo)")->capture_default_str();
+                 "auto | in-process | sim | shm | gloo | nccl (auto: in-process threads when started plainly; under a launcher shm "
+                 "on one host, else gloo; sim: a simulated link over the in-process backend, or over auto under a launcher)")
+      ->capture_default_str();
+  SimLink sim;
+  app.add_option("--sim-latency-us", sim.latency_us, "sim link: alpha, microseconds per message step")->capture_default_str();
+  app.add_option("--sim-gbytes-per-s", sim.gbytes_per_s, "sim link: beta, GB/s (10^9 bytes per second)")->capture_default_str();
+  app.add_option("--sim-world", sim.sim_world, "sim link: charge the time of an N-rank ring (0: the real world size)")
+      ->capture_default_str();
   bool quiet = false;
   app.add_flag("--quiet", quiet, "only the summary");
   CLI11_PARSE(app, argc, argv);
@@ -106,6 +112,9 @@ int main(int argc, char** argv) {
     } else {
       throw UsageError("--device '" + device + "': expected cpu, cuda or cuda:N");
     }
+    const bool simulated = backend == "sim";
+    if (!simulated && (app.count("--sim-latency-us") || app.count("--sim-gbytes-per-s") || app.count("--sim-world")))
+      throw UsageError("--sim-latency-us, --sim-gbytes-per-s and --sim-world describe the simulated link: add --backend sim");
     const LaunchEnv env = LaunchEnv::detect();
     std::shared_ptr<Communicator> comm;
     if (env.launched()) {
@@ -125,8 +134,12 @@ int main(int argc, char** argv) {
         backend = "nccl";
         opt.device = Device::cuda(env.local_rank % std::max(1, cuda::device_count()));  // as init_process_group picks
       }
-      comm = init_process_group(env, ProcessGroupOptions{backend, opt.runtime.timeout});
+      comm = init_process_group(env, ProcessGroupOptions{simulated ? "auto" : backend, opt.runtime.timeout});
+      if (simulated) comm = simulate_link(std::move(comm), sim);
       if (env.rank != 0) quiet = true;  // rank 0 reports for the job
+    } else if (simulated) {
+      sim.validate(opt.world_size);
+      opt.sim = sim;  // ranks as threads, each behind its link
     } else if (backend != "auto" && backend != "in-process") {
       // (nccl too: it needs one process per GPU.)
       throw UsageError("--backend " + backend + " needs one process per rank: start mlp_train with `shardflow run --nproc-per-node N --`");
@@ -143,7 +156,7 @@ int main(int argc, char** argv) {
                   opt.steps, r.loss, r.step_ms, sps, tty ? "  " : "\n");
       std::fflush(stdout);
     };
-    const std::string where = std::string(comm ? comm->backend_name() : "in-process threads") +
+    const std::string where = std::string(comm ? comm->backend_name() : simulated ? "in-process threads, sim link" : "in-process threads") +
                               (opt.device.kind == Device::Kind::cuda ? " on " + opt.device.str() : "");
     if (report)
       std::printf("mlp_train: sizes %s, world %d (%s), global batch %d x %d, %s lr %g, %d steps, zero stage %d, overlap %s, partition %s\n",

@@ -345,7 +345,9 @@ Prepared prepare(const TrainOptions& opt) {
                      std::to_string(opt.world_size) + ": every rank takes an equal share of each batch");
   if (opt.steps < 0) throw UsageError("--steps must be >= 0");
   if (opt.accumulate < 1) throw UsageError("--accumulate must be >= 1");
+  if (opt.sim) opt.sim->validate(opt.world_size);
   if (opt.device.kind == Device::Kind::cuda) {
+    if (opt.sim) throw UsageError("--backend sim simulates a link between CPU ranks; --device cuda moves device memory");
     if (opt.param_dtype != DType::f32)
       throw UsageError("--device cuda: the example's GPU model computes in fp32 parameters (--param-dtype fp32); "
                        "16-bit parameters are supported by its CPU trainer");
@@ -379,7 +381,8 @@ TrainResult train(const TrainOptions& opt) {
 
   const auto world = opt.device.kind == Device::Kind::cuda
                          ? InProcessWorld::create_on_device(opt.world_size, opt.device.index, opt.runtime.timeout)
-                         : InProcessWorld::create(opt.world_size, opt.runtime.timeout);
+                     : opt.sim ? make_sim_world(opt.world_size, *opt.sim, opt.runtime.timeout)
+                               : InProcessWorld::create(opt.world_size, opt.runtime.timeout);
   Shared sh{opt, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
   sh.result.memory.resize(std::size_t(opt.world_size));
   sh.result.memory_end.resize(std::size_t(opt.world_size));

@@ -56,6 +56,9 @@ struct TrainOptions {
   // clipping, prefetch), or the trainer steps every parameter there after wait() when
   // optimizer_in_runtime is off. fp32 parameters.
   Device device = Device::cpu();
+  // Ranks as threads behind a simulated link (Note [Simulated link]): the in-process backend moves
+  // the data, completions wait for the modelled link. CPU only.
+  std::optional<SimLink> sim;
   std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
 };
 

@@ -25,6 +25,7 @@
 #include "shardflow/config.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/optimizer.hpp"
+#include "shardflow/sim.hpp"
 #include "shardflow/types.hpp"
 
 namespace shardflow {

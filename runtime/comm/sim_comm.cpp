@@ -1,0 +1,174 @@
+// The simulated link (Note [Simulated link] in shardflow/sim.hpp): the data moves through the
+// wrapped backend; a timer thread releases each completion when the modelled link is done with it.
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "shardflow/errors.hpp"
+#include "shardflow/sim.hpp"
+
+namespace shardflow {
+namespace {
+std::string num(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", v);
+  return b;
+}
+}  // namespace
+
+void SimLink::validate(int real_world) const {
+  if (!(latency_us >= 0.0)) throw UsageError("sim link: latency must be >= 0 microseconds, got " + num(latency_us));
+  if (!(gbytes_per_s > 0.0))
+    throw UsageError("sim link: bandwidth must be > 0 GB/s, got " + num(gbytes_per_s));
+  if (sim_world != 0 && sim_world < real_world)
+    throw UsageError("sim link: simulated world " + std::to_string(sim_world) + " is smaller than the real world " +
+                     std::to_string(real_world) + " (it charges an N-rank ring to the real ranks: N >= world size)");
+  if (sim_world < 0) throw UsageError("sim link: simulated world must be >= 0 (0: the real world size)");
+}
+
+std::chrono::nanoseconds SimLink::cost(CollectiveKind kind, std::size_t bytes, int world) const {
+  const double N = sim_world > 0 ? sim_world : world;
+  if (N <= 1) return std::chrono::nanoseconds(0);
+  const double alpha = latency_us * 1e3;            // ns
+  const double per_byte = 1.0 / gbytes_per_s;      // ns per byte (10^9 bytes/s = 1 byte/ns)
+  const double B = double(bytes);
+  double ns = 0;
+  switch (kind) {
+    case CollectiveKind::allreduce: ns = 2 * (N - 1) * (alpha + B / N * per_byte); break;
+    case CollectiveKind::reduce_scatter:
+    case CollectiveKind::allgather: ns = (N - 1) * (alpha + B / N * per_byte); break;
+    case CollectiveKind::broadcast: ns = (N - 1) * alpha + B * per_byte; break;
+    case CollectiveKind::barrier: ns = 2 * (N - 1) * alpha; break;
+  }
+  return std::chrono::nanoseconds(std::int64_t(ns));
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Completions waiting for the link, in issue order. Shared with the wrapped backend's callbacks,
+// which may outlive the communicator (then they deliver at once).
+struct LinkQueue {
+  struct Held {
+    Clock::time_point due;
+    CollectiveDone done;
+    std::exception_ptr error;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Held> held;
+  Clock::time_point link_free{};
+  bool stopped = false;
+
+  // Called by the wrapped backend when the real data movement finished (in issue order).
+  void arrived(std::chrono::nanoseconds cost, CollectiveDone done, std::exception_ptr error) {
+    std::unique_lock lock(mu);
+    if (stopped) {
+      lock.unlock();
+      if (done) done(error);
+      return;
+    }
+    const auto now = Clock::now();
+    Clock::time_point due = now;
+    if (!error) {  // a failure is reported at once; it did not occupy the link
+      due = std::max(now, link_free) + cost;
+      link_free = due;
+    }
+    held.push_back(Held{due, std::move(done), error});
+    cv.notify_one();
+  }
+
+  void run() {
+    std::unique_lock lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return stopped || !held.empty(); });
+      if (held.empty()) return;
+      if (!stopped && Clock::now() < held.front().due) {
+        cv.wait_until(lock, held.front().due);  // a timer: the waiting costs no CPU
+        continue;
+      }
+      Held h = std::move(held.front());
+      held.pop_front();
+      lock.unlock();
+      if (h.done) h.done(h.error);  // a message send: cheap
+      lock.lock();
+    }
+  }
+};
+
+class SimComm final : public Communicator {
+ public:
+  SimComm(std::shared_ptr<Communicator> inner, SimLink link)
+      : inner_(std::move(inner)), link_(link), queue_(std::make_shared<LinkQueue>()), timer_([q = queue_] { q->run(); }) {}
+  ~SimComm() override {
+    {
+      std::lock_guard lock(queue_->mu);
+      queue_->stopped = true;  // what is still held is delivered now, later arrivals at once
+    }
+    queue_->cv.notify_all();
+    timer_.join();
+  }
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend_name() const override { return "sim(" + inner_->backend_name() + ")"; }
+  bool supports(Device d) const override { return inner_->supports(d); }
+  std::shared_ptr<std::byte> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+
+  void submit(CollectiveOp op, CollectiveDone done) override {
+    const std::size_t es = dtype_size(op.dtype);
+    const int W = inner_->world_size();
+    std::size_t bytes = op.count * es;
+    if (op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::allgather) bytes *= std::size_t(W);
+    const auto cost = link_.cost(op.kind, bytes, W);
+    inner_->submit(std::move(op), [q = queue_, cost, done = std::move(done)](std::exception_ptr e) mutable {
+      q->arrived(cost, std::move(done), e);
+    });
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+  const SimLink link_;
+  std::shared_ptr<LinkQueue> queue_;
+  std::thread timer_;
+};
+
+// Ranks as threads: the in-process world, each rank's communicator behind its own link.
+class SimWorld final : public InProcessWorld {
+ public:
+  SimWorld(std::shared_ptr<InProcessWorld> inner, SimLink link)
+      : inner_(std::move(inner)), link_(link), comms_(std::size_t(inner_->world_size())) {}
+  int world_size() const override { return inner_->world_size(); }
+  std::shared_ptr<Communicator> communicator(int rank) override {
+    auto real = inner_->communicator(rank);  // validates the rank
+    std::lock_guard lock(mu_);
+    auto& c = comms_[std::size_t(rank)];
+    if (!c) c = simulate_link(std::move(real), link_);
+    return c;
+  }
+
+ private:
+  std::shared_ptr<InProcessWorld> inner_;
+  SimLink link_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<Communicator>> comms_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> simulate_link(std::shared_ptr<Communicator> inner, SimLink link) {
+  if (!inner) throw UsageError("simulate_link: the wrapped communicator is null");
+  link.validate(inner->world_size());
+  return std::make_shared<SimComm>(std::move(inner), link);
+}
+
+std::shared_ptr<InProcessWorld> make_sim_world(int world_size, SimLink link, std::chrono::milliseconds timeout) {
+  link.validate(world_size);
+  return std::make_shared<SimWorld>(InProcessWorld::create(world_size, timeout), link);
+}
+
+}  // namespace shardflow
