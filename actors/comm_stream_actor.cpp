@@ -79,8 +79,10 @@ std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t B, bool syncs, bool 
 }
 
 caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
-                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log) {
+                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
+                                std::uint64_t first_iteration) {
   auto& st = self->state;
+  st.iteration = first_iteration;
   st.comm = std::move(comm);
   st.logger = rank_logger(st.comm->rank());
   std::size_t buckets = 0;
@@ -129,17 +131,29 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
         s.log->record(op);
         s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
         CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
-        if (const auto t0 = s.log->issued())  // Note [Timeline]: the span ends when completion is heard of
-          done = [log = s.log, kind = op.kind, tag = op.tag, t0, inner = std::move(done)](std::exception_ptr x) {
-            log->completed(kind, tag, t0);
+        if (const auto t0 = s.log->issued()) {  // Note [Timeline]: the span ends when completion is heard of
+          CollectiveOp what;  // the op's description, without its buffers
+          what.kind = op.kind;
+          what.dtype = op.dtype;
+          what.count = op.count;
+          what.tag = op.tag;
+          const char* cat = e.kind == ScheduleEntry::sync ? "sync" : "reduce";
+          const std::int64_t bucket = e.kind == ScheduleEntry::norm ? -1 : std::int64_t(e.bucket);
+          done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration), t0,
+                  inner = std::move(done)](std::exception_ptr x) {
+            log->completed(what, world, cat, bucket, it, t0);
             inner(x);
           };
+        }
         s.comm->submit(std::move(op), std::move(done));
       }
       if (e.kind == ScheduleEntry::reduce && i == s.last_reduce_entry && s.shard)
         self->send(s.shard, msg::all_issued_atom::value);
     }
-    if (s.next == s.entries.size()) s.next = 0;  // the iteration's schedule is out: start over
+    if (s.next == s.entries.size()) {  // the iteration's schedule is out: start over
+      s.next = 0;
+      ++s.iteration;
+    }
   };
 
   return {

@@ -44,6 +44,7 @@ struct CommStreamState {
   std::vector<caf::actor> owners;  // the bucket actor to tell when its reduction completes
   caf::actor shard;                // the shard actor, when the runtime runs the optimizer
   std::uint32_t next = 0;          // the next entry to issue
+  std::uint64_t iteration = 0;     // the runtime's synchronised iteration being issued (timeline)
   std::shared_ptr<CollectiveLog> log;
   std::shared_ptr<spdlog::logger> logger;
   static inline const char* name = "comm_stream";
@@ -52,6 +53,7 @@ struct CommStreamState {
 // Owns the order of collectives on one rank: entry i is issued only after entries 0..i-1, so every
 // rank issues the same sequence whatever order gradients, steps and messages arrive in.
 caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
-                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log);
+                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
+                                std::uint64_t first_iteration);
 
 }  // namespace shardflow

@@ -24,8 +24,10 @@ msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std:
 }  // namespace
 
 caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
-                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order) {
+                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order,
+                          std::shared_ptr<Timeline> timeline) {
   auto& st = self->state;
+  st.timeline = std::move(timeline);
   st.zero_on_done = zero_on_done;
   st.order = std::move(order);
   st.reduced.assign(shard->plan().buckets.size(), 0);
@@ -69,6 +71,7 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
     while (allowed && s.next_step < B && s.reduced[bucket_at(s.next_step)] &&
            (!pooled || s.staging_in_flight < kStagingInFlight)) {
       const auto b = bucket_at(s.next_step++);
+      const auto t0 = Timeline::now();
       sh.step(b, s.clip_coef);
       // The step count advances before the last bucket is reported: without syncs that report ends
       // the iteration, and the trainer may read the count at once (state migration when the
@@ -77,8 +80,12 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
         s.stepped_all = true;
         sh.end_step();
       }
+      if (sh.syncs()) sh.pack(b);
+      const auto t1 = Timeline::now();
+      s.timeline->stats().optimizer(t0, t1);
+      s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
+                       SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.stepped_all ? 1 : 0), -1});
       if (sh.syncs()) {
-        sh.pack(b);
         ++s.staging_in_flight;
         self->send(s.comm, msg::step_done_atom::value, b);
       } else {
@@ -141,7 +148,10 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
         if (!failure) try {
+            const auto t0 = Timeline::now();
             s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
+            s.timeline->span("unpack bucket " + std::to_string(b), "sync", Lane::optimizer, t0, Timeline::now(),
+                             SpanArgs{std::int64_t(b), -1, nullptr, -1, -1});
             if (s.zero_on_done) s.shard->zero_bucket(b);
             s.shard->mark_done(b);
           } catch (const std::exception& e) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/shard.hpp"
+#include "runtime/timeline.hpp"
 
 namespace shardflow {
 
@@ -25,12 +26,14 @@ struct ShardActorState {
   // k+1. With forward prefetch iteration k may still be stepping then, so each iteration takes the
   // newest snapshot whose tag is not beyond its own number when it starts stepping.
   std::vector<std::pair<std::uint64_t, std::shared_ptr<const OptimizerGroups>>> snapshots;
+  std::shared_ptr<Timeline> timeline;  // steps and unpacks as spans, optimizer time (stats)
   static inline const char* name = "shard";
 };
 
 // A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap
 // mode allows, in bucket order; with clipping, first exchanges its share of the gradient norm.
 caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
-                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order);
+                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order,
+                          std::shared_ptr<Timeline> timeline);
 
 }  // namespace shardflow

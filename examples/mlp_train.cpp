@@ -9,7 +9,12 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sys/wait.h>
 #include <iostream>
 
 #include "examples/mlp/model.hpp"
@@ -74,8 +79,14 @@ int main(int argc, char** argv) {
   app.add_option("--sim-gbytes-per-s", sim.gbytes_per_s, "sim link: beta, GB/s (10^9 bytes per second)")->capture_default_str();
   app.add_option("--sim-world", sim.sim_world, "sim link: charge the time of an N-rank ring (0: the real world size)")
       ->capture_default_str();
-  bool quiet = false;
+  bool quiet = false, plot = false;
   app.add_flag("--quiet", quiet, "only the summary");
+  int log_every = 0;
+  app.add_option("--log-every", log_every, "print the progress line every N steps (0: about 20 lines per run; on a terminal it is redrawn each step)");
+  std::string stats_json;
+  app.add_option("--stats-json", stats_json,
+                 "write rank 0's runtime figures (Runtime::stats(): per step and the median after the first five) as JSON");
+  app.add_flag("--plot", plot, "with --trace: draw the trace as a PNG Gantt chart beside it (tools/trace_plot.py, python3-matplotlib)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -111,6 +122,13 @@ int main(int argc, char** argv) {
       opt.device = Device::cuda(idx);
     } else {
       throw UsageError("--device '" + device + "': expected cpu, cuda or cuda:N");
+    }
+    if (plot && opt.runtime.trace_path.empty()) throw UsageError("--plot draws the trace: add --trace FILE");
+    if (log_every < 0) throw UsageError("--log-every must be >= 0");
+    if (!stats_json.empty()) {  // fail before training, not after it
+      std::FILE* f = std::fopen(stats_json.c_str(), "a");
+      if (!f) throw UsageError("--stats-json '" + stats_json + "': cannot write: " + std::strerror(errno));
+      std::fclose(f);
     }
     const bool simulated = backend == "sim";
     if (!simulated && (app.count("--sim-latency-us") || app.count("--sim-gbytes-per-s") || app.count("--sim-world")))
@@ -148,12 +166,18 @@ int main(int argc, char** argv) {
 
     const bool tty = isatty(STDOUT_FILENO);
     const int width = std::to_string(opt.steps).size();
+    const int every = log_every > 0 ? log_every : std::max(1, opt.steps / 20);
+    double smoothed_ms = 0;  // exponential moving average of the step time: samples/s and the ETA
     opt.on_step = [&](const mlp::StepReport& r) {
-      if (quiet) return;
-      const double sps = r.step_ms > 0 ? opt.global_batch * 1000.0 / r.step_ms : 0;
-      // On a terminal the line is redrawn in place; in a log every step keeps its own line.
-      std::printf("%sstep %*d/%d  loss %.6f  %7.3f ms  %9.0f samples/s%s", tty ? "\r" : "", width, r.step + 1,
-                  opt.steps, r.loss, r.step_ms, sps, tty ? "  " : "\n");
+      smoothed_ms = r.step == 0 ? r.step_ms : 0.9 * smoothed_ms + 0.1 * r.step_ms;
+      const bool last = r.step + 1 == opt.steps;
+      // On a terminal the line is redrawn in place every step; in a log every N-th step (and the
+      // last) keeps its own line.
+      if (quiet || (!tty && !last && (r.step + 1) % every != 0)) return;
+      const double sps = smoothed_ms > 0 ? opt.global_batch * double(opt.accumulate) * 1000.0 / smoothed_ms : 0;
+      const double eta_s = smoothed_ms * double(opt.steps - r.step - 1) / 1000.0;
+      std::printf("%sstep %*d/%d  loss %.6f  %7.3f ms (exposed %6.3f ms)  %9.0f samples/s  ETA %6.1f s%s", tty ? "\r" : "", width,
+                  r.step + 1, opt.steps, r.loss, r.step_ms, r.stats.exposed_ms, sps, eta_s, tty ? "  " : "\n");
       std::fflush(stdout);
     };
     const std::string where = std::string(comm ? comm->backend_name() : simulated ? "in-process threads, sim link" : "in-process threads") +
@@ -179,6 +203,30 @@ int main(int argc, char** argv) {
       std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
                   b.params.front().c_str(), b.params.back().c_str());
     if (opt.save_path) std::printf("saved %s\n", opt.save_path->c_str());
+    const auto& m = res.stats.median;
+    std::printf("runtime (rank 0, median): iteration %.3f ms, compute %.3f ms, exposed %.3f ms, link %.3f ms (hidden %.3f ms), "
+                "optimizer %.3f ms, %zu/%zu bucket(s) done inside backward\n",
+                m.iteration_ms, m.compute_ms, m.exposed_ms, m.link_ms, m.hidden_ms, m.optimizer_ms, m.buckets_done_in_backward, m.buckets);
+    if (!stats_json.empty()) {
+      std::ofstream out(stats_json);
+      out << res.stats.to_json() << "\n";
+      if (!out) throw Error("--stats-json '" + stats_json + "': write failed");
+      std::printf("stats %s\n", stats_json.c_str());
+    }
+    if (plot) {
+      std::string trace = opt.runtime.trace_path;
+      const auto dot = trace.rfind('.');
+      const bool has_ext = dot != std::string::npos && trace.find('/', dot) == std::string::npos;
+      if (const auto at = trace.find("{rank}"); at != std::string::npos)
+        trace.replace(at, 6, "0");
+      else if (env.launched() && env.world_size > 1)  // each rank wrote <stem>.rank<r>.json: draw rank 0's
+        trace = (has_ext ? trace.substr(0, dot) : trace) + ".rank0" + (has_ext ? trace.substr(dot) : ".json");
+      const std::string png = (has_ext ? opt.runtime.trace_path.substr(0, dot) : opt.runtime.trace_path) + ".png";
+      const std::string cmd = "python3 '" SHARDFLOW_TOOLS_DIR "/trace_plot.py' '" + trace + "' -o '" + png + "'";
+      const int rc = std::system(cmd.c_str());
+      if (rc != 0) throw Error("--plot: tools/trace_plot.py failed (exit " + std::to_string(WEXITSTATUS(rc)) + "); see its message above");
+      std::printf("plot %s\n", png.c_str());
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mlp_train: error: %s\n", e.what());
     std::fflush(stderr);

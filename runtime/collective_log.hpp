@@ -22,12 +22,15 @@ class CollectiveLog {
     lines_.push_back(std::move(line));
     if (lines_.size() > kKeep) lines_.pop_front();  // long trainings keep the recent past only
   }
-  // With a timeline (Config::trace_path), each collective also becomes a span from its issue to
-  // its completion: call issued() when it goes out and completed() from its done callback.
+  // Each collective also becomes a span on the rank's timeline (Note [Timeline]) and counts in its
+  // figures: call issued() when it goes out and completed() from its done callback.
   void set_timeline(std::shared_ptr<Timeline> t) { timeline_ = std::move(t); }
   Timeline::Time issued() const { return timeline_ ? Timeline::now() : 0; }
-  void completed(CollectiveKind kind, const std::string& tag, Timeline::Time begin) const {
-    if (timeline_) timeline_->span(std::string(collective_name(kind)) + " " + tag, "comm", begin, Timeline::now());
+  void completed(const CollectiveOp& op, int world, const char* cat, std::int64_t bucket, std::int64_t iteration,
+                 Timeline::Time begin) const {
+    if (!timeline_) return;
+    timeline_->collective(std::string(collective_name(op.kind)) + " " + op.tag, cat, int(op.kind), collective_bytes(op, world), begin,
+                          Timeline::now(), SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1});
   }
   std::vector<std::string> lines() const {
     std::lock_guard lock(mu_);

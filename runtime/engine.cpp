@@ -1,5 +1,7 @@
 #include "runtime/engine.hpp"
 
+#include "runtime/thread_priority.hpp"
+
 #include <caf/all.hpp>
 
 #include <algorithm>
@@ -7,6 +9,14 @@
 #include <thread>
 
 namespace shardflow {
+namespace {
+// CAF's scheduler workers route every message of the runtime: Note [Runtime threads first].
+struct RuntimeThreadHook final : caf::thread_hook {
+  void init(caf::actor_system&) override {}
+  void thread_started() override { runtime_thread_started("sf-actors"); }
+  void thread_terminates() override {}
+};
+}  // namespace
 
 Engine::Engine(unsigned threads) {
   if (threads == 0) threads = std::max(1u, std::min(2u, std::thread::hardware_concurrency()));
@@ -17,6 +27,7 @@ Engine::Engine(unsigned threads) {
   config_.set("scheduler.policy", caf::atom("sharing"));
   // CAF would otherwise read caf-application.ini from the working directory.
   config_.set("logger.console", caf::atom("none"));
+  config_.add_thread_hook<RuntimeThreadHook>();
   system_ = std::make_unique<caf::actor_system>(config_);
 }
 

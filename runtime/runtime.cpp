@@ -26,6 +26,7 @@
 #include "runtime/shard.hpp"
 #include "runtime/shard_plan.hpp"
 #include "runtime/timeline.hpp"
+#include "shardflow/launch.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow {
@@ -104,7 +105,30 @@ struct Runtime::Impl {
   std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
   bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
-  std::shared_ptr<Timeline> timeline;  // Config::trace_path (Note [Timeline])
+  // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
+  std::shared_ptr<Timeline> timeline;
+  bool closing_iteration = false;  // inside wait(), after the iteration completed: actors spawned now start the next one
+  std::size_t done_in_backward = 0;  // buckets complete when finish_backward ran (stats)
+
+  // A trainer-thread wait on the runtime: exposed time (stats) and a span on the compute lane.
+  template <class F>
+  auto blocked(const char* what, std::int64_t bucket, F&& f) {
+    const auto t0 = Timeline::now();
+    struct Done {
+      Timeline& tl;
+      const char* what;
+      std::int64_t bucket;
+      Timeline::Time t0;
+      std::uint64_t it;
+      ~Done() {
+        const auto t1 = Timeline::now();
+        if (t1 - t0 < 5) return;  // did not block
+        tl.stats().blocked(t0, t1);
+        tl.span(what, "wait", Lane::compute, t0, t1, SpanArgs{bucket, -1, nullptr, std::int64_t(it), -1});
+      }
+    } done{*timeline, what, bucket, t0, iterations};
+    return f();
+  }
 
   // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
   // observed order is appended through an atomic cursor.
@@ -250,12 +274,13 @@ struct Runtime::Impl {
   std::shared_ptr<std::byte> bucket_grad(std::uint32_t b) {
     if (prefetch_active) {
       const auto deadline = std::chrono::steady_clock::now() + cfg.timeout + std::chrono::seconds(5);
-      check_outcome(signal->wait_bucket(b, signal_target, deadline), signal_target,
-                    "bucket " + std::to_string(b) + " of the last iteration");
+      const auto outcome = blocked("wait for bucket (last iteration)", b, [&] { return signal->wait_bucket(b, signal_target, deadline); });
+      check_outcome(outcome, signal_target, "bucket " + std::to_string(b) + " of the last iteration");
       if (shard) shard->join_bucket(b);  // zeroed on the shard's stream (Note [Shard streams])
     }
     const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);
-    return bufs->grad(b, limit ? cfg.max_buckets_in_flight : 0, cfg.timeout);
+    if (!limit) return bufs->grad(b, 0, cfg.timeout);
+    return blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, cfg.max_buckets_in_flight, cfg.timeout); });
   }
 
   // Note [State migration]
@@ -301,7 +326,7 @@ struct Runtime::Impl {
         const float scale = 1.0f / float(world);  // the average, fused into the reduction
         // Config::comm_dtype: fp32 gradients travel as 16-bit (cast at issue, back on completion).
         const DType wire = shard ? shard->sync_dtype(b) : bk.dtype;
-        e.make_ops = [bufs = bufs, sh = shard, ev = events, b, rs, count, scale, dtype = bk.dtype, wire] {
+        e.make_ops = [bufs = bufs, sh = shard, ev = events, b, rs, count, scale, dtype = bk.dtype, wire, tl = timeline] {
           ScheduleEntry::Issue issue;
           CollectiveOp op;
           op.wait_event = ev->get(b);  // GPU buckets: after the backward kernels that wrote them
@@ -315,11 +340,17 @@ struct Runtime::Impl {
             // Cast the whole (padded) bucket; the result comes back into the fp32 buffer it left.
             auto wire_buf = sh->wire_buffer(b);
             const std::size_t n = sh->shard_plan().buckets[b].padded;
+            const auto c0 = Timeline::now();
             op.wait_event = sh->to_wire(b, ev->get(b));
+            tl->span("cast bucket " + std::to_string(b) + " to " + dtype_name(wire), "cast", Lane::cast_to, c0, Timeline::now(),
+                     SpanArgs{std::int64_t(b), std::int64_t(n * 4), dtype_name(wire), -1, -1});
             const std::size_t out = rs ? count : n;
             std::byte* out_wire = rs ? wire_buf.get() + n * dtype_size(wire) : wire_buf.get();
-            issue.on_complete = [sh, b, out_wire, out, recv, wire_buf] {
+            issue.on_complete = [sh, b, out_wire, out, recv, wire_buf, tl, wire] {
+              const auto c1 = Timeline::now();
               sh->from_wire(b, reinterpret_cast<float*>(recv.get()), out_wire, out);
+              tl->span("cast bucket " + std::to_string(b) + " from " + dtype_name(wire), "cast", Lane::cast_from, c1, Timeline::now(),
+                       SpanArgs{std::int64_t(b), std::int64_t(out * 4), "fp32", -1, -1});
             };
             send = wire_buf;
             recv = wire_buf;
@@ -396,7 +427,7 @@ struct Runtime::Impl {
     signal = std::make_shared<IterationSignal>(plan.buckets.size());
     signal_target = 0;
     iteration_actor_h = sys.spawn(iteration_actor, signal);
-    comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives);
+    comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, iterations + (closing_iteration ? 1 : 0));
     caf::actor downstream = iteration_actor_h;
     if (shard) {
       // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
@@ -404,7 +435,7 @@ struct Runtime::Impl {
       const bool zero_on_done = cfg.forward_prefetch && !bufs->pooled();
       // Steps go in the order the syncs are scheduled: a sync never waits for a step that waits for
       // staging held by a later sync (pooled staging is limited).
-      shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order);
+      shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order, timeline);
       caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
       downstream = shard_actor_h;
     }
@@ -446,6 +477,18 @@ struct Runtime::Impl {
       bucket_completed(loc.bucket);
     }
     caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, p);
+  }
+
+  // A synchronised iteration ended: its figures, and its span on the iteration lane.
+  void end_iteration() {
+    const auto t = Timeline::now();
+    auto& st = timeline->stats();
+    st.end_iteration(t, iterations, plan.buckets.size(), done_in_backward);
+    if (timeline->tracing()) {
+      const auto& last = st.last();
+      timeline->span("iteration " + std::to_string(iterations), "iteration", Lane::iteration,
+                     t - Timeline::Time(last.iteration_ms * 1e3), t, SpanArgs{-1, -1, nullptr, std::int64_t(iterations), -1});
+    }
   }
 
   void reset_pass() {
@@ -553,10 +596,21 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   I.owner = next_owner_id.fetch_add(1);
   I.log = rank_logger(I.rank);
   I.engine = Engine::acquire(config.actor_threads);
+  std::string trace_file;
   if (!config.trace_path.empty()) {
-    I.timeline = std::make_shared<Timeline>(I.rank, config.trace_path);
-    I.collectives->set_timeline(I.timeline);
+    // Ranks that are threads of one process share a file; a rank that is a process of its own
+    // writes its own (Note [Timeline]).
+    bool own_process = false;
+    try {
+      const auto env = LaunchEnv::detect();
+      own_process = env.launched() && env.world_size > 1;
+    } catch (const std::exception&) {
+      // a malformed launch environment is the process group's error to report, not the trace's
+    }
+    trace_file = resolve_trace_path(config.trace_path, I.rank, own_process);
   }
+  I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
+  I.collectives->set_timeline(I.timeline);
 }
 
 Runtime::~Runtime() {
@@ -573,7 +627,7 @@ Runtime::~Runtime() {
                   std::to_string(I.iterations));
   }
   I.stop_actors();
-  if (I.timeline) I.timeline->close();  // the trace file is complete once the last rank's Runtime is gone
+  I.timeline->close();  // the trace file is complete once the last rank's Runtime is gone
 }
 
 int Runtime::rank() const { return impl_->rank; }
@@ -643,6 +697,7 @@ float* Runtime::grad_f32(Param p) {
 void Runtime::zero_grad() {
   auto& I = *impl_;
   I.ensure_finalized();
+  I.timeline->stats().touch(Timeline::now());
   if (I.sync_pass_started)
     throw UsageError("zero_grad() on rank " + std::to_string(I.rank) +
                      " while this iteration's reductions are running: call wait() first");
@@ -660,6 +715,30 @@ void Runtime::zero_grad() {
 }
 
 void Runtime::grad_ready(const std::string& name) { grad_ready(param(name)); }
+
+RuntimeStats Runtime::stats() const { return impl_->timeline->stats().snapshot(); }
+IterationStats Runtime::last_stats() const { return impl_->timeline->stats().last(); }
+
+namespace {
+const char* trainer_cat(const char* cat) {
+  static const char* const known[] = {"forward", "backward", "step"};
+  for (const char* k : known)
+    if (cat && std::strcmp(cat, k) == 0) return k;
+  throw UsageError(std::string("Runtime::span: category '") + (cat ? cat : "(null)") + "' is not one of forward, backward, step");
+}
+}  // namespace
+
+Runtime::Span Runtime::span(std::string name, const char* cat) {
+  const auto t = Timeline::now();
+  impl_->timeline->stats().touch(t);
+  return Span(this, std::move(name), trainer_cat(cat), t);
+}
+
+Runtime::Span::~Span() {
+  if (!rt_) return;
+  auto& tl = *rt_->impl_->timeline;
+  tl.span(std::move(name_), cat_, Lane::compute, begin_, Timeline::now(), SpanArgs{-1, -1, nullptr, std::int64_t(rt_->impl_->iterations), -1});
+}
 
 void Runtime::grad_ready(Param p) {
   auto& I = *impl_;
@@ -679,8 +758,11 @@ void Runtime::grad_ready(Param p) {
     I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
     return;
   }
+  if (!I.sync_pass_started.load(std::memory_order_relaxed)) I.timeline->stats().touch(Timeline::now());
   I.sync_pass_started.store(true, std::memory_order_relaxed);
-  if (I.timeline) I.timeline->instant("grad_ready " + I.name_of(i), "backward");
+  if (I.timeline->tracing())
+    I.timeline->instant("grad_ready " + I.name_of(i), "backward", Lane::compute,
+                        SpanArgs{std::int64_t(I.plan.where[i].bucket), -1, nullptr, std::int64_t(I.iterations), -1});
   I.send_to_bucket(i, false);
 }
 
@@ -719,6 +801,8 @@ void Runtime::finish_backward() {
     I.send_to_bucket(i, true);
   }
   I.sync_pass_started.store(true);
+  // How many buckets were already reduced, stepped and synced when backward ended (stats()).
+  I.done_in_backward = I.plan.buckets.size() - I.signal->pending(I.signal_target + 1).size();
   I.backward_finished.store(true, std::memory_order_release);
 }
 
@@ -731,13 +815,11 @@ void Runtime::wait() {
     return;
   }
   finish_backward();
-  const auto waited_from = I.timeline ? Timeline::now() : 0;
   ++I.signal_target;
   const bool prefetching = I.prefetch_active;
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
   // this one finishes while the next forward runs (Note [Forward prefetch]).
-  I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
-  if (I.timeline) I.timeline->span("wait (iteration " + std::to_string(I.iterations) + ")", "trainer", waited_from, Timeline::now());
+  I.blocked("wait (iteration)", -1, [&] { I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target); });
   // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
   if (I.shard && !prefetching) I.shard->join_compute();
   if (!I.cfg.gradient_as_bucket_view && !I.shard) {
@@ -752,11 +834,19 @@ void Runtime::wait() {
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
+  I.closing_iteration = true;
   if (!I.rebuilt && !I.cfg.static_graph) {
+    const auto r0 = Timeline::now();
     I.rebuild_from_observed_order();
+    I.timeline->span("rebuild buckets", "rebuild", Lane::compute, r0, Timeline::now(),
+                     SpanArgs{-1, -1, nullptr, std::int64_t(I.iterations), -1});
   } else if (prefetch_wanted && !I.prefetch_active && I.observing_forward) {
+    const auto r0 = Timeline::now();
     I.establish_sync_order();
+    I.timeline->span("forward order for prefetch", "rebuild", Lane::compute, r0, Timeline::now(),
+                     SpanArgs{-1, -1, nullptr, std::int64_t(I.iterations), -1});
   }
+  I.closing_iteration = false;
   if (prefetch_wanted && !I.prefetch_active && !I.observing_forward) {
     std::lock_guard lock(I.forward_mu);
     I.observing_forward = true;  // the next forward's first-use order decides the sync order
@@ -767,6 +857,7 @@ void Runtime::wait() {
   // that too, so that wait()'s promise holds for whichever shard the next iteration uses.
   if (I.shard && I.shard.get() != stepped_by && !prefetching) I.shard->join_compute();
   I.reset_pass();
+  I.end_iteration();
   ++I.iterations;
 }
 
@@ -784,7 +875,8 @@ void Runtime::wait_param(Param p) {
   }
   if (!I.prefetch_active) return;  // wait() waited for everything
   const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeout + std::chrono::seconds(5);
-  I.check_outcome(I.signal->wait_bucket(b, I.signal_target, deadline), I.signal_target,
+  const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.signal_target, deadline); });
+  I.check_outcome(outcome, I.signal_target,
                   "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
   if (I.shard) I.shard->join_bucket(b);  // GPU: the compute stream waits for the bucket's update
 }
@@ -794,7 +886,7 @@ void Runtime::wait_all_params() {
   I.ensure_finalized();
   I.throw_if_failed();
   if (I.prefetch_active) {
-    I.await_iterations(I.signal_target);
+    I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.signal_target); });
     if (I.shard) I.shard->join_compute();
   }
 }

@@ -104,6 +104,7 @@ TEST_CASE("shardflow run: kill -9 of one rank mid-training -> the launcher stops
   args.insert(args.begin(), kTrainer);
   args[std::size_t(std::find(args.begin(), args.end(), "--steps") - args.begin()) + 1] = "100000";
   args.erase(std::find(args.begin(), args.end(), "--quiet"));
+  for (auto a : {"--log-every", "1"}) args.push_back(a);  // a progress line per step: the test waits for step 3
   for (auto a : {"--backend", "shm"}) args.push_back(a);
   Child job(launch(2, args), no_launch_env());
   REQUIRE(job.read_until("3/100000", 60s));

@@ -104,7 +104,7 @@ void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, c
   if (opt.report_loss) sh.result.losses.push_back(loss);
   if (opt.runtime.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
   sh.result.step_ms.push_back(ms);
-  if (opt.on_step) opt.on_step(StepReport{step, loss, ms});
+  if (opt.on_step) opt.on_step(StepReport{step, loss, ms, rt.last_stats()});
 }
 
 // After the last step: memory at the end, and rank 0's parameters, buckets and collectives.
@@ -117,6 +117,7 @@ void finish_rank(Shared& sh, int rank, const Runtime& rt, const Model& model, st
     sh.result.params = model.state_dict();
     sh.result.buckets = rt.buckets();
     sh.result.collectives = rt.collective_log();
+    sh.result.stats = rt.stats();
   }
 }
 
@@ -235,7 +236,12 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   train_steps(
       sh, rank, comm, rt,
       [&](const float* x, const float* y, int rows, double denom) {
-        const float loss = model.forward(x, y, rows, before_layer);
+        float loss;
+        {
+          auto span = rt.span("forward", "forward");
+          loss = model.forward(x, y, rows, before_layer);
+        }
+        auto span = rt.span("backward", "backward");
         model.backward(y, denom, grad_slot, grad_done);
         return loss;
       },
@@ -243,6 +249,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
         if (!prefetch)
           for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
         if (optim) {
+          auto span = rt.span("trainer's optimizer step", "step");
           for (std::size_t i = 0; i < model.layers().size(); ++i) {
             auto& l = model.layers()[i];
             optim->step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
@@ -292,8 +299,14 @@ void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& 
   train_steps(
       sh, rank, comm, rt,
       [&](const float* x, const float* y, int rows, double denom) {
-        dm.forward(x, y, rows, before_layer);
-        dm.backward(denom, grad_slot, grad_done);
+        {
+          auto span = rt.span("forward (enqueue)", "forward");
+          dm.forward(x, y, rows, before_layer);
+        }
+        {
+          auto span = rt.span("backward (enqueue)", "backward");
+          dm.backward(denom, grad_slot, grad_done);
+        }
         return opt.report_loss ? dm.loss() : 0.0f;  // waits for this rank's backward, not for the reductions
       },
       [&](int step) {

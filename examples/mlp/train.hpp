@@ -30,6 +30,7 @@ struct StepReport {
   int step = 0;
   float loss = 0;        // mean over the global batch (all ranks)
   double step_ms = 0;    // wall time of the step on rank 0
+  IterationStats stats;  // rank 0's runtime figures for the step's synchronised iteration
 };
 
 struct TrainOptions {
@@ -71,6 +72,7 @@ struct TrainResult {
   std::vector<MemoryReport> memory_end;  // per rank, after training (pooled buffers at their peak)
   std::vector<float> grad_norms;     // per step (with clipping)
   std::vector<std::string> collectives;  // rank 0's issued collectives
+  RuntimeStats stats;                    // rank 0's Runtime::stats() at the end
 };
 
 // Ranks as threads of this process over the in-process backend. Throws UsageError for bad options

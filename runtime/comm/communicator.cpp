@@ -6,6 +6,11 @@
 
 namespace shardflow {
 
+std::size_t collective_bytes(const CollectiveOp& op, int world) {
+  const std::size_t b = op.count * dtype_size(op.dtype);
+  return op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::allgather ? b * std::size_t(world) : b;
+}
+
 std::shared_ptr<std::byte> Communicator::allocate(std::size_t bytes) { return alloc_zeroed(bytes); }
 
 void Communicator::run(CollectiveOp op, std::chrono::milliseconds timeout) {

@@ -1,4 +1,5 @@
 #include "runtime/comm/completion_queue.hpp"
+#include "runtime/thread_priority.hpp"
 
 #include <algorithm>
 #include <vector>
@@ -64,6 +65,7 @@ void CompletionQueue::fail_locked(std::exception_ptr e, std::unique_lock<std::mu
 }
 
 void CompletionQueue::loop() {
+  runtime_thread_started("sf-completions");
   if (opt_.on_start) {
     try {
       opt_.on_start();

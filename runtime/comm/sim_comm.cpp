@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "runtime/thread_priority.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/sim.hpp"
 
@@ -82,6 +83,7 @@ struct LinkQueue {
   }
 
   void run() {
+    runtime_thread_started("sf-sim-link");
     std::unique_lock lock(mu);
     for (;;) {
       cv.wait(lock, [&] { return stopped || !held.empty(); });
@@ -120,11 +122,8 @@ class SimComm final : public Communicator {
   void abort(const std::string& reason) override { inner_->abort(reason); }
 
   void submit(CollectiveOp op, CollectiveDone done) override {
-    const std::size_t es = dtype_size(op.dtype);
     const int W = inner_->world_size();
-    std::size_t bytes = op.count * es;
-    if (op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::allgather) bytes *= std::size_t(W);
-    const auto cost = link_.cost(op.kind, bytes, W);
+    const auto cost = link_.cost(op.kind, collective_bytes(op, W), W);
     inner_->submit(std::move(op), [q = queue_, cost, done = std::move(done)](std::exception_ptr e) mutable {
       q->arrived(cost, std::move(done), e);
     });

@@ -1,5 +1,7 @@
 #include "runtime/comm/stream_worker.hpp"
 
+#include "runtime/thread_priority.hpp"
+
 namespace shardflow {
 
 StreamWorker::StreamWorker(Execute exec) : exec_(std::move(exec)), thread_([this] { loop(); }) {}
@@ -28,6 +30,7 @@ bool StreamWorker::busy() const {
 }
 
 void StreamWorker::loop() {
+  runtime_thread_started("sf-comm-stream");
   for (;;) {
     std::pair<CollectiveOp, CollectiveDone> item;
     {

@@ -50,6 +50,10 @@ struct CollectiveOp {
   void* wait_event = nullptr;
 };
 
+// The bytes a collective moves as a whole: the buffer (all-reduce, broadcast), the full unscattered
+// or gathered buffer (reduce-scatter, all-gather: world * count elements).
+std::size_t collective_bytes(const CollectiveOp& op, int world);
+
 // nullptr on success; otherwise the reason (TimeoutError, MismatchError, CommError).
 using CollectiveDone = std::function<void(std::exception_ptr)>;
 

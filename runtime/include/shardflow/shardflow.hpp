@@ -16,6 +16,7 @@
 // its gradients and those of every earlier bucket are ready, in the same order on every rank.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -58,6 +59,29 @@ struct MemoryReport {
   std::size_t optimizer_state = 0;  // momentum / exp_avg / exp_avg_sq of the parameters this rank owns
   std::size_t comm_buffers = 0;     // buffers only communication needs (norm exchange)
   std::string str() const;
+};
+
+// What one synchronised iteration cost and how much of the communication hid behind compute
+// (Runtime::stats()). An iteration runs from the end of one wait() to the end of the next.
+struct IterationStats {
+  std::uint64_t iteration = 0;
+  double iteration_ms = 0;
+  double compute_ms = 0;    // the trainer's own time: the iteration minus exposed_ms
+  double link_ms = 0;       // time the rank's comm stream was busy with the runtime's collectives
+  double hidden_ms = 0;     // link time while the trainer computed
+  double exposed_ms = 0;    // time the trainer was held up by the runtime: wait(), wait_param(),
+                            // backpressure in grad(): from the last grad_ready (or the end of
+                            // forward, with prefetch) until it may go on
+  double optimizer_ms = 0;  // the shard's steps (host time; on a GPU: enqueueing)
+  std::size_t buckets = 0;
+  std::size_t buckets_done_in_backward = 0;  // reduced, stepped and synced before backward ended
+  std::array<std::uint64_t, 5> bytes{};      // bytes moved per CollectiveKind (allreduce, ...)
+};
+struct RuntimeStats {
+  std::vector<IterationStats> steps;  // the most recent iterations (up to 10,000)
+  IterationStats median;              // each field's median over the steps after the first five
+  // {"median": {"iteration_ms": ..., "exposed_ms": ..., ...}, "steps": [...]}
+  std::string to_json() const;
 };
 
 class Runtime {
@@ -144,6 +168,32 @@ class Runtime {
   // The global gradient norm of the last synchronised iteration (computed only when clipping).
   float last_grad_norm() const;
   MemoryReport memory_report() const;
+
+  RuntimeStats stats() const;
+  IterationStats last_stats() const;  // the last synchronised iteration's figures (cheap)
+
+  // The trainer's own work on the timeline (Note [Timeline]): forward, backward, its own optimizer
+  // step. cat is "forward", "backward" or "step"; the span lasts until the object goes. Call it on
+  // the thread that runs the work; spans of one thread may nest but not partially overlap.
+  //   { auto s = rt.span("forward", "forward"); model.forward(...); }
+  class Span {
+   public:
+    Span(Span&& o) noexcept : rt_(o.rt_), name_(std::move(o.name_)), cat_(o.cat_), begin_(o.begin_) { o.rt_ = nullptr; }
+    Span(const Span&) = delete;
+    Span& operator=(const Span&) = delete;
+    Span& operator=(Span&&) = delete;
+    ~Span();
+
+   private:
+    friend class Runtime;
+    Span(Runtime* rt, std::string name, const char* cat, std::int64_t begin)
+        : rt_(rt), name_(std::move(name)), cat_(cat), begin_(begin) {}
+    Runtime* rt_;
+    std::string name_;
+    const char* cat_;
+    std::int64_t begin_;
+  };
+  Span span(std::string name, const char* cat);
 
   std::uint64_t iteration() const;               // completed synchronised iterations
   std::vector<BucketInfo> buckets() const;       // current bucket plan

@@ -1,0 +1,144 @@
+#include "runtime/overlap_stats.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+namespace shardflow {
+namespace {
+
+constexpr std::size_t kKeepSteps = 10000;
+
+using Time = OverlapStats::Time;
+
+// Total length of the union of `v` clipped to [lo, hi].
+template <class I>
+Time covered(std::vector<I> v, Time lo, Time hi) {
+  for (auto& i : v) {
+    i.begin = std::max(i.begin, lo);
+    i.end = std::min(i.end, hi);
+  }
+  std::sort(v.begin(), v.end(), [](const I& a, const I& b) { return a.begin < b.begin; });
+  Time total = 0, cur_b = 0, cur_e = -1;
+  for (const auto& i : v) {
+    if (i.end <= i.begin) continue;
+    if (i.begin > cur_e) {
+      if (cur_e > cur_b) total += cur_e - cur_b;
+      cur_b = i.begin;
+      cur_e = i.end;
+    } else {
+      cur_e = std::max(cur_e, i.end);
+    }
+  }
+  if (cur_e > cur_b) total += cur_e - cur_b;
+  return total;
+}
+
+// Length of the union of `a` minus what the union of `b` covers, both clipped to [lo, hi].
+template <class I>
+Time outside(const std::vector<I>& a, const std::vector<I>& b, Time lo, Time hi) {
+  std::vector<I> both = a;
+  both.insert(both.end(), b.begin(), b.end());
+  return covered(both, lo, hi) - covered(b, lo, hi);
+}
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  link_.push_back({begin, end});
+  if (kind >= 0 && kind < int(bytes_.size())) bytes_[std::size_t(kind)] += bytes;
+}
+
+void OverlapStats::blocked(Time begin, Time end) {
+  std::lock_guard lock(mu_);
+  if (window_start_ < 0) window_start_ = begin;
+  blocked_.push_back({begin, end});
+}
+
+void OverlapStats::optimizer(Time begin, Time end) {
+  std::lock_guard lock(mu_);
+  optimizer_.push_back({begin, end});
+}
+
+void OverlapStats::touch(Time t) {
+  std::lock_guard lock(mu_);
+  if (window_start_ < 0) window_start_ = t;
+}
+
+void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward) {
+  std::lock_guard lock(mu_);
+  const Time lo = window_start_ < 0 ? t : window_start_, hi = t;
+  IterationStats s;
+  s.iteration = iteration;
+  s.iteration_ms = double(hi - lo) / 1e3;
+  s.exposed_ms = double(covered(blocked_, lo, hi)) / 1e3;
+  s.compute_ms = s.iteration_ms - s.exposed_ms;
+  s.link_ms = double(covered(link_, lo, hi)) / 1e3;
+  s.hidden_ms = double(outside(link_, blocked_, lo, hi)) / 1e3;
+  s.optimizer_ms = double(covered(optimizer_, lo, hi)) / 1e3;
+  s.buckets = buckets;
+  s.buckets_done_in_backward = done_in_backward;
+  s.bytes = bytes_;
+  bytes_ = {};
+  // Intervals still running past the window's end count in the next one.
+  auto keep = [hi](std::vector<Interval>& v) { std::erase_if(v, [hi](const Interval& i) { return i.end <= hi; }); };
+  keep(link_);
+  keep(blocked_);
+  keep(optimizer_);
+  window_start_ = hi;
+  steps_.push_back(s);
+  if (steps_.size() > kKeepSteps) steps_.erase(steps_.begin());
+}
+
+RuntimeStats OverlapStats::snapshot() const {
+  std::lock_guard lock(mu_);
+  RuntimeStats r;
+  r.steps = steps_;
+  // Median over the steps after the first five (warm-up, the bucket rebuild); all of them when
+  // there are no more than five.
+  const std::size_t skip = steps_.size() > 5 ? 5 : 0;
+  auto med = [&](auto field) {
+    std::vector<double> v;
+    for (std::size_t i = skip; i < steps_.size(); ++i) v.push_back(double(field(steps_[i])));
+    return median_of(std::move(v));
+  };
+  auto& m = r.median;
+  m.iteration = steps_.empty() ? 0 : steps_.back().iteration;
+  m.iteration_ms = med([](const IterationStats& s) { return s.iteration_ms; });
+  m.compute_ms = med([](const IterationStats& s) { return s.compute_ms; });
+  m.link_ms = med([](const IterationStats& s) { return s.link_ms; });
+  m.hidden_ms = med([](const IterationStats& s) { return s.hidden_ms; });
+  m.exposed_ms = med([](const IterationStats& s) { return s.exposed_ms; });
+  m.optimizer_ms = med([](const IterationStats& s) { return s.optimizer_ms; });
+  m.buckets = std::size_t(med([](const IterationStats& s) { return s.buckets; }));
+  m.buckets_done_in_backward = std::size_t(med([](const IterationStats& s) { return s.buckets_done_in_backward; }));
+  for (std::size_t k = 0; k < m.bytes.size(); ++k) m.bytes[k] = std::uint64_t(med([k](const IterationStats& s) { return s.bytes[k]; }));
+  return r;
+}
+
+namespace {
+nlohmann::json to_json(const IterationStats& s) {
+  nlohmann::json bytes = nlohmann::json::object();
+  for (std::size_t k = 0; k < s.bytes.size(); ++k) bytes[collective_name(CollectiveKind(k))] = s.bytes[k];
+  return {{"iteration", s.iteration},       {"iteration_ms", s.iteration_ms}, {"compute_ms", s.compute_ms},
+          {"link_ms", s.link_ms},           {"hidden_ms", s.hidden_ms},       {"exposed_ms", s.exposed_ms},
+          {"optimizer_ms", s.optimizer_ms}, {"buckets", s.buckets},           {"buckets_done_in_backward", s.buckets_done_in_backward},
+          {"bytes", bytes}};
+}
+}  // namespace
+
+std::string RuntimeStats::to_json() const {
+  nlohmann::json steps_j = nlohmann::json::array();
+  for (const auto& s : steps) steps_j.push_back(shardflow::to_json(s));
+  return nlohmann::json{{"median", shardflow::to_json(median)}, {"steps", steps_j}}.dump(1);
+}
+
+}  // namespace shardflow

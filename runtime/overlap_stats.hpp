@@ -1,0 +1,50 @@
+// The figures behind Runtime::stats(): per synchronised iteration, how long the trainer computed,
+// how long it was held up by the runtime (exposed), how long the link was busy and how much of that
+// hid behind compute, how long the optimizer ran, and the bytes each collective kind moved.
+//
+// Every figure is a measure of intervals within the iteration's window (from the end of the last
+// wait() to the end of this one): exposed = time the trainer thread was blocked in a runtime wait
+// (wait(), wait_param(), backpressure in grad()), compute = the window minus exposed, link = busy
+// comm-stream time, hidden = link time outside the blocked intervals. Collectives that straddle a
+// window boundary count where they complete (forward prefetch: a sync issued in one iteration and
+// completed in the next forward is hidden behind that forward).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "shardflow/shardflow.hpp"
+
+namespace shardflow {
+
+class OverlapStats {
+ public:
+  using Time = std::int64_t;  // microseconds
+  void link(Time begin, Time end, int kind, std::size_t bytes);
+  void blocked(Time begin, Time end);
+  void optimizer(Time begin, Time end);
+  // The trainer started working on an iteration (first call of a window opens it).
+  void touch(Time t);
+  // A synchronised iteration ended at `t`; `done_in_backward` of `buckets` were complete when
+  // backward finished.
+  void end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward);
+  RuntimeStats snapshot() const;
+  IterationStats last() const {
+    std::lock_guard lock(mu_);
+    return steps_.empty() ? IterationStats{} : steps_.back();
+  }
+
+ private:
+  struct Interval {
+    Time begin, end;
+  };
+  mutable std::mutex mu_;
+  Time window_start_ = -1;
+  std::vector<Interval> link_, blocked_, optimizer_;
+  std::array<std::uint64_t, 5> bytes_{};
+  std::vector<IterationStats> steps_;
+};
+
+}  // namespace shardflow
