@@ -33,7 +33,8 @@ struct ScheduleEntry {
 
 // The order of a rank's collectives for one iteration (Note [Collective schedule] in
 // comm_stream_actor.cpp).
-std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t buckets, bool syncs, bool norm, bool interleave_syncs);
+std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t buckets, bool syncs, bool norm, bool interleave_syncs,
+                                                std::size_t lag = 0);
 
 struct CommStreamState {
   std::shared_ptr<Communicator> comm;

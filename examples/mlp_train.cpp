@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
   app.add_option("--zero-stage", zero_stage, "0 (DDP), 1 (sharded optimizer state), 2 (+ reduce-scattered gradients)")->capture_default_str();
   app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
   app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
+  app.add_option("--interleave-lag", opt.runtime.interleave_lag,
+                 "interleaved: bucket b's sync goes after the reduction of bucket b+lag (0: as soon as stepped; 1: keeps the link "
+                 "busy when it is the bottleneck)")->capture_default_str();
   app.add_option("--clip-grad-norm", opt.runtime.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
   app.add_flag("--forward-prefetch", opt.runtime.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");
@@ -222,7 +225,10 @@ int main(int argc, char** argv) {
       else if (env.launched() && env.world_size > 1)  // each rank wrote <stem>.rank<r>.json: draw rank 0's
         trace = (has_ext ? trace.substr(0, dot) : trace) + ".rank0" + (has_ext ? trace.substr(dot) : ".json");
       const std::string png = (has_ext ? opt.runtime.trace_path.substr(0, dot) : opt.runtime.trace_path) + ".png";
-      const std::string cmd = "python3 '" SHARDFLOW_TOOLS_DIR "/trace_plot.py' '" + trace + "' -o '" + png + "'";
+      // Debian's python3 (python3-matplotlib) rather than whatever python3 comes first on the PATH.
+      const std::string python = ::access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
+      const std::string cmd = python + " '" SHARDFLOW_TOOLS_DIR "/trace_plot.py' '" + trace + "' -o '" + png + "'";
+      std::fflush(stdout);
       const int rc = std::system(cmd.c_str());
       if (rc != 0) throw Error("--plot: tools/trace_plot.py failed (exit " + std::to_string(WEXITSTATUS(rc)) + "); see its message above");
       std::printf("plot %s\n", png.c_str());

@@ -311,7 +311,8 @@ struct Runtime::Impl {
     const bool syncs = shard && shard->syncs();
     // Syncs in the observed forward order go after every reduction (they are needed in an order
     // unrelated to the order steps finish in).
-    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), cfg.overlap == Overlap::interleaved && sync_order.empty());
+    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), cfg.overlap == Overlap::interleaved && sync_order.empty(),
+                                      cfg.interleave_lag);
     std::vector<ScheduleEntry> entries;
     std::uint32_t rb = 0, sb = 0;
     for (auto kind : shape) {

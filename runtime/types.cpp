@@ -89,6 +89,7 @@ void Config::validate() const {
   if (first_bucket_cap_bytes == 0)
     throw UsageError("Config::first_bucket_cap_bytes must be > 0 (default 1 MiB)");
   if (bucket_cap_bytes == 0) throw UsageError("Config::bucket_cap_bytes must be > 0 (default 25 MiB)");
+  if (interleave_lag > 64) throw UsageError("Config::interleave_lag must be <= 64, got " + std::to_string(interleave_lag));
   if (timeout.count() <= 0) throw UsageError("Config::timeout must be positive (default 10 min)");
 }
 

@@ -7,6 +7,7 @@ packages=(
   build-essential cmake ninja-build
   libcaf-dev libboost-dev libspdlog-dev doctest-dev libgloo-dev
   nlohmann-json3-dev libopenblas-dev libcli11-dev
+  python3 python3-matplotlib
 )
 
 missing=()

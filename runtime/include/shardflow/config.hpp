@@ -59,6 +59,12 @@ struct Config {
   // Takes effect with Runtime::configure_optimizer().
   int zero_stage = 0;
   Overlap overlap = Overlap::none;
+  // Interleaved overlap: bucket b's parameter sync goes out right after the reduction of bucket
+  // b + interleave_lag (the same order on every rank; Note [Collective schedule]). 0: each sync as
+  // soon as its step is done, so when backward is slower per bucket than the link, every bucket but
+  // the last is done before backward ends. 1: the next reduction keeps the link busy while a bucket
+  // steps, better when the link is the bottleneck.
+  std::size_t interleave_lag = 0;
   Partition partition = Partition::flat;
   // What fp32 parameters' gradients and parameter syncs travel as (the optional 16-bit
   // communication of FairScale's broadcast_fp16 and DeepSpeed's fp16 reduction). bf16/fp16: the

@@ -1,0 +1,39 @@
+// A trainer whose forward and backward take a set time without using a core (they sleep), over the
+// simulated link: how much communication the runtime hides is then a property of the runtime
+// alone, not of how the machine's cores are shared. Each layer is one parameter in a bucket of its
+// own; backward reports the layers last to first. The overlap tests and bench_overlap drive it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "shardflow/shardflow.hpp"
+
+namespace shardflow::synthetic {
+
+struct Options {
+  int world = 2;
+  int layers = 4;
+  std::size_t numel = 65536;  // fp32 elements per layer (= per bucket)
+  std::chrono::microseconds forward_per_layer{500};
+  std::chrono::microseconds backward_per_layer{2000};
+  int iterations = 12;
+  Config runtime;  // stage, overlap, prefetch, clipping, trace; bucket caps and static_graph are set here
+  OptimizerConfig optimizer;
+  SimLink link;
+};
+
+struct Result {
+  std::vector<RuntimeStats> stats;           // per rank
+  std::vector<std::vector<float>> params;    // per rank, every layer end to end
+};
+
+Result run(Options opt);
+
+// The model's time on the link for one bucket's reduction and for its sync (stage >= 1, flat).
+std::chrono::nanoseconds reduce_time(const Options& opt);
+std::chrono::nanoseconds sync_time(const Options& opt);
+
+}  // namespace shardflow::synthetic

@@ -1,0 +1,289 @@
+// Overlap, proven on the simulated link (the link costs time but no CPU, the synthetic trainer's
+// compute sleeps): what each overlap mode hides behind backward and the next forward, read from
+// Runtime::stats() and from the trace. Every check here fails when the overlap breaks (a shard that
+// steps only after the last bucket leaves 0 buckets done in backward and the exposed time of
+// `none`).
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "examples/mlp/train.hpp"
+#include "examples/synthetic/trainer.hpp"
+#include "helpers.hpp"
+
+using namespace shardflow;
+using namespace std::chrono;
+
+namespace {
+
+double ms(nanoseconds t) { return double(t.count()) / 1e6; }
+
+// 4 layers of 256 KiB over a 0.25 GB/s link with 10 us latency; backward spends 3x a bucket's link
+// time (reduction + sync) per bucket, plus 0.3 ms.
+synthetic::Options scenario(int world, int stage, Overlap overlap) {
+  synthetic::Options o;
+  o.world = world;
+  o.layers = 4;
+  o.numel = 65536;
+  o.iterations = 12;
+  o.link = SimLink{10.0, 0.25, 0};
+  o.runtime.zero_stage = stage;
+  o.runtime.overlap = overlap;
+  o.runtime.timeout = seconds(30);
+  o.optimizer.kind = OptimizerConfig::Kind::adamw;
+  o.optimizer.lr = 1e-3f;
+  const auto per_bucket = synthetic::reduce_time(o) + synthetic::sync_time(o);
+  o.backward_per_layer = duration_cast<microseconds>(3 * per_bucket) + microseconds(300);
+  o.forward_per_layer = microseconds(300);
+  return o;
+}
+
+// Slack for message hops and thread wake-ups on a loaded 2-core machine (ctest -j2).
+constexpr double kSlackMs = 1.5;
+
+std::string trace_path(const std::string& what) {
+  return "/tmp/shardflow_overlap_" + what + "_" + std::to_string(::getpid()) + ".json";
+}
+
+struct Span {
+  std::string name, cat;
+  int tid;
+  std::int64_t ts, dur;
+  nlohmann::json args;
+  std::int64_t end() const { return ts + dur; }
+};
+
+// Rank r's complete spans and instants from a trace file.
+std::map<int, std::vector<Span>> read_trace(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  const auto j = nlohmann::json::parse(in);
+  std::map<int, std::vector<Span>> by_rank;
+  for (const auto& e : j.at("traceEvents")) {
+    const std::string ph = e.at("ph");
+    if (ph == "M") continue;
+    by_rank[e.at("pid").get<int>()].push_back(Span{e.at("name"), e.value("cat", ""), e.at("tid").get<int>(), e.at("ts").get<std::int64_t>(),
+                                                   ph == "X" ? e.at("dur").get<std::int64_t>() : 0,
+                                                   e.value("args", nlohmann::json::object())});
+  }
+  return by_rank;
+}
+
+std::vector<Span> with_cat(const std::vector<Span>& v, const std::string& cat) {
+  std::vector<Span> out;
+  for (const auto& s : v)
+    if (s.cat == cat) out.push_back(s);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("world 2 and 3, stages 1 and 2, interleaved: every bucket but the last is reduced, stepped and synced inside backward") {
+  for (int world : {2, 3})
+    for (int stage : {1, 2}) {
+      auto o = scenario(world, stage, Overlap::interleaved);
+      const auto res = synthetic::run(o);
+      for (int r = 0; r < world; ++r) {
+        const auto& m = res.stats[std::size_t(r)].median;
+        // Exposed: the last bucket's reduction, its step and its sync, and nothing more.
+        const double bound = ms(synthetic::reduce_time(o) + synthetic::sync_time(o)) + m.optimizer_ms / o.layers + kSlackMs;
+        INFO("world " << world << ", stage " << stage << ", rank " << r << ": exposed " << m.exposed_ms << " ms (bound " << bound
+                      << "), link " << m.link_ms << " ms, hidden " << m.hidden_ms << " ms, done in backward " << m.buckets_done_in_backward);
+        CHECK(m.buckets == 4);
+        CHECK(m.buckets_done_in_backward == 3);
+        CHECK(m.exposed_ms <= bound);
+        // Most of the link time hid behind backward (3 of 4 buckets' worth).
+        CHECK(m.hidden_ms >= 0.6 * m.link_ms);
+      }
+    }
+}
+
+TEST_CASE("none and after_backward keep the promises of their names; interleaved exposes less than both") {
+  for (int stage : {1, 2}) {
+    std::map<Overlap, double> exposed;
+    for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) {
+      auto o = scenario(2, stage, overlap);
+      o.runtime.trace_path = trace_path(std::string("modes_") + overlap_name(overlap));
+      const auto res = synthetic::run(o);
+      const auto& m = res.stats[0].median;
+      exposed[overlap] = m.exposed_ms;
+      INFO("stage " << stage << ", " << std::string(overlap_name(overlap)) << ": exposed " << m.exposed_ms << " ms, done in backward "
+                    << m.buckets_done_in_backward);
+      const auto trace = read_trace(o.runtime.trace_path);
+      std::remove(o.runtime.trace_path.c_str());
+      const auto& spans = trace.at(0);
+      // Per iteration: when the last gradient was reported, when the last reduction completed, when
+      // the first step began.
+      std::map<std::int64_t, std::int64_t> backward_end, last_reduce_end, first_step;
+      for (const auto& s : spans) {
+        const std::int64_t it = s.args.value("iteration", std::int64_t(-1));
+        if (s.cat == "backward" && s.dur == 0) backward_end[it] = std::max(backward_end[it], s.ts);
+        if (s.cat == "reduce") last_reduce_end[it] = std::max(last_reduce_end[it], s.end());
+        if (s.cat == "step" && !first_step.count(it)) first_step[it] = s.ts;
+      }
+      int checked = 0;
+      for (std::int64_t it = 2; it < o.iterations; ++it) {
+        CAPTURE(it);
+        REQUIRE(first_step.count(it));
+        if (overlap == Overlap::interleaved) {
+          CHECK(first_step[it] < backward_end[it]);  // stepping while backward still reports gradients
+        } else if (overlap == Overlap::after_backward) {
+          CHECK(first_step[it] >= backward_end[it]);     // not before backward handed everything over
+          CHECK(first_step[it] < last_reduce_end[it]);         // but before the last reduction is in
+        } else {
+          CHECK(first_step[it] >= last_reduce_end[it]);  // none: only once every reduction completed
+        }
+        ++checked;
+      }
+      CHECK(checked == o.iterations - 2);
+      if (overlap != Overlap::interleaved) {
+        CHECK(m.buckets_done_in_backward == 0);
+        // Every sync waits for backward's end: at least the last reduction and all four syncs.
+        CHECK(m.exposed_ms >= 0.9 * ms(synthetic::reduce_time(o) + 4 * synthetic::sync_time(o)));
+      }
+    }
+    CHECK(exposed[Overlap::interleaved] < exposed[Overlap::after_backward]);
+    CHECK(exposed[Overlap::interleaved] < exposed[Overlap::none]);
+  }
+}
+
+TEST_CASE("forward prefetch: the syncs of later layers complete during the next forward") {
+  for (int stage : {1, 2}) {
+    auto o = scenario(2, stage, Overlap::interleaved);
+    o.runtime.forward_prefetch = true;
+    o.forward_per_layer = duration_cast<microseconds>(2 * synthetic::sync_time(o)) + microseconds(300);
+    o.runtime.trace_path = trace_path("prefetch");
+    const auto res = synthetic::run(o);
+    const auto trace = read_trace(o.runtime.trace_path);
+    std::remove(o.runtime.trace_path.c_str());
+    const auto& spans = trace.at(0);
+    std::vector<Span> forwards;
+    for (const auto& s : spans)
+      if (s.cat == "forward" && s.dur > 0) forwards.push_back(s);
+    int in_forward = 0, syncs = 0;
+    for (const auto& s : with_cat(spans, "sync")) {
+      if (s.tid != 2) continue;  // the comm stream's sync collectives (not the unpacks)
+      ++syncs;
+      for (const auto& f : forwards)
+        if (s.end() > f.ts && s.end() <= f.end()) ++in_forward;
+    }
+    const auto& m = res.stats[0].median;
+    INFO("stage " << stage << ": " << in_forward << " of " << syncs << " syncs completed inside a forward; exposed " << m.exposed_ms
+                  << " ms, hidden " << m.hidden_ms << " of " << m.link_ms << " ms");
+    // From the third iteration on (the first waits fully, the second records forward's order) the
+    // syncs go out in forward order after backward: every layer but the first arrives in forward.
+    CHECK(in_forward >= (o.iterations - 3) * (o.layers - 1));
+    CHECK(m.exposed_ms <= ms(synthetic::reduce_time(o) + synthetic::sync_time(o)) + m.optimizer_ms + kSlackMs);
+  }
+}
+
+TEST_CASE("clipping: reductions overlap backward; steps and syncs wait for the global norm after it") {
+  auto o = scenario(2, 1, Overlap::interleaved);
+  o.runtime.clip_grad_norm = 1.0f;
+  o.runtime.trace_path = trace_path("clip");
+  const auto res = synthetic::run(o);
+  const auto trace = read_trace(o.runtime.trace_path);
+  std::remove(o.runtime.trace_path.c_str());
+  const auto& m = res.stats[0].median;
+  INFO("exposed " << m.exposed_ms << " ms, done in backward " << m.buckets_done_in_backward);
+  // Every step needs the norm, which needs every reduction: nothing is stepped inside backward ...
+  CHECK(m.buckets_done_in_backward == 0);
+  // ... but the reductions of all buckets but the last completed while backward ran.
+  std::map<std::int64_t, std::int64_t> backward_end;
+  std::map<std::int64_t, int> reduced_in_backward;
+  for (const auto& s : trace.at(0))
+    if (s.cat == "backward" && s.dur > 0) backward_end[s.args.value("iteration", std::int64_t(-1))] = s.end();
+  for (const auto& s : with_cat(trace.at(0), "reduce")) {
+    const auto it = s.args.value("iteration", std::int64_t(-1));
+    if (s.args.contains("bucket") && s.end() <= backward_end[it]) ++reduced_in_backward[it];
+  }
+  for (std::int64_t it = 2; it < o.iterations; ++it) {
+    CAPTURE(it);
+    CHECK(reduced_in_backward[it] == 3);
+  }
+}
+
+TEST_CASE("the trace of a world-2 run parses, has every category, and its spans agree with stats()") {
+  mlp::TrainOptions opt;
+  opt.sizes = {64, 128, 128, 128, 10};
+  opt.steps = 10;
+  opt.global_batch = 16;
+  opt.world_size = 2;
+  opt.optimizer.kind = OptimizerConfig::Kind::adamw;
+  opt.runtime.zero_stage = 1;
+  opt.runtime.overlap = Overlap::interleaved;
+  opt.runtime.comm_dtype = DType::bf16;  // casts
+  opt.runtime.first_bucket_cap_bytes = 16384;
+  opt.runtime.bucket_cap_bytes = 65536;
+  opt.runtime.trace_path = trace_path("world2");
+  opt.sim = SimLink{5.0, 1.0, 0};
+  const auto res = mlp::train(opt);
+  const auto trace = read_trace(opt.runtime.trace_path);
+  {
+    std::ifstream in(opt.runtime.trace_path);
+    const auto j = nlohmann::json::parse(in);
+    std::set<std::pair<int, int>> named;  // Perfetto needs numeric tids with thread names
+    for (const auto& e : j.at("traceEvents"))
+      if (e.at("name") == "thread_name") named.insert({e.at("pid").get<int>(), e.at("tid").get<int>()});
+    for (const auto& [rank, spans] : trace)
+      for (const auto& s : spans) CHECK(named.count({rank, s.tid}));
+  }
+  std::remove(opt.runtime.trace_path.c_str());
+  REQUIRE(trace.size() == 2);
+  for (const auto& [rank, spans] : trace) {
+    CAPTURE(rank);
+    std::set<std::string> cats;
+    for (const auto& s : spans) cats.insert(s.cat);
+    for (const char* c : {"forward", "backward", "reduce", "cast", "step", "sync", "wait", "rebuild", "iteration"}) {
+      CAPTURE(c);
+      CHECK(cats.count(c));
+    }
+    // No partially overlapping complete slices on one lane (nesting is fine).
+    std::map<int, std::vector<Span>> lanes;
+    for (const auto& s : spans)
+      if (s.dur > 0) lanes[s.tid].push_back(s);
+    for (auto& [tid, v] : lanes) {
+      std::sort(v.begin(), v.end(), [](const Span& a, const Span& b) { return a.ts < b.ts || (a.ts == b.ts && a.dur > b.dur); });
+      std::vector<std::int64_t> open;  // ends of the enclosing slices
+      for (const auto& s : v) {
+        while (!open.empty() && open.back() <= s.ts) open.pop_back();
+        CAPTURE(tid);
+        CAPTURE(s.name);
+        if (!open.empty()) CHECK(s.end() <= open.back());
+        open.push_back(s.end());
+      }
+    }
+  }
+  // Rank 0's spans, summed per iteration window, give the figures stats() computed.
+  const auto& spans = trace.at(0);
+  auto sum_in = [&](const std::string& cat, int tid, std::int64_t lo, std::int64_t hi) {
+    std::int64_t t = 0;
+    for (const auto& s : spans)
+      if (s.cat == cat && s.tid == tid && s.dur > 0) t += std::max<std::int64_t>(0, std::min(hi, s.end()) - std::max(lo, s.ts));
+    return double(t) / 1e3;
+  };
+  int compared = 0;
+  for (const auto& it : with_cat(spans, "iteration")) {
+    const auto k = std::size_t(it.args.at("iteration").get<std::int64_t>());
+    REQUIRE(k < res.stats.steps.size());
+    const auto& st = res.stats.steps[k];
+    CAPTURE(k);
+    CHECK(double(it.dur) / 1e3 == doctest::Approx(st.iteration_ms).epsilon(0.001));
+    CHECK(sum_in("wait", 1, it.ts, it.end()) == doctest::Approx(st.exposed_ms).epsilon(0.01));
+    CHECK(sum_in("reduce", 2, it.ts, it.end()) + sum_in("sync", 2, it.ts, it.end()) == doctest::Approx(st.link_ms).epsilon(0.01));
+    CHECK(sum_in("step", 3, it.ts, it.end()) == doctest::Approx(st.optimizer_ms).epsilon(0.01));
+    ++compared;
+  }
+  CHECK(compared == opt.steps);
+}
+
+TEST_CASE("an unwritable trace path is an error at start, naming the path") {
+  auto world = InProcessWorld::create(1);
+  Config cfg;
+  cfg.trace_path = "/nonexistent-dir/trace.json";
+  CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), cfg), doctest::Contains("/nonexistent-dir/trace.json"), UsageError);
+}
