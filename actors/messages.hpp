@@ -36,6 +36,7 @@ using broadcast_done_atom = caf::atom_constant<caf::atom("bcast_done")>;
 using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
 using norm_ready_atom = caf::atom_constant<caf::atom("norm_ready")>;
 using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
+using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard actor to itself
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
 

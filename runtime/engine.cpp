@@ -25,6 +25,9 @@ Engine::Engine(unsigned threads) {
   // than work stealing, whose idle workers back off into sleeps.
   config_.set("scheduler.max-threads", std::size_t{threads});
   config_.set("scheduler.policy", caf::atom("sharing"));
+  // One message per turn: an actor with more work (a shard stepping its next bucket) goes to the
+  // back of the queue, so the comm stream's actor is never held behind it (Note [One step per message]).
+  config_.set("scheduler.max-throughput", std::size_t{1});
   // CAF would otherwise read caf-application.ini from the working directory.
   config_.set("logger.console", caf::atom("none"));
   config_.add_thread_hook<RuntimeThreadHook>();

@@ -95,7 +95,7 @@ TEST_CASE("one collective at a time per link, in issue order, each done when the
     INFO("rank " << r << ", one op " << each_ms << " ms");
     for (int k = 0; k < 4; ++k) {
       CHECK(done_at[std::size_t(r)][std::size_t(k)] >= (k + 1) * each_ms);  // the link is serial
-      if (k) CHECK(done_at[std::size_t(r)][std::size_t(k)] - done_at[std::size_t(r)][std::size_t(k - 1)] >= each_ms * 0.99);
+      if (k) CHECK(done_at[std::size_t(r)][std::size_t(k)] - done_at[std::size_t(r)][std::size_t(k - 1)] >= each_ms - 0.1);  // timer wake-up jitter
     }
   }
   CHECK(wall < 4 * each_ms + 400);  // the model's time plus scheduling slack on a loaded machine

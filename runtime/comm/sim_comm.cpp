@@ -5,6 +5,7 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "runtime/thread_priority.hpp"
 #include "shardflow/errors.hpp"
@@ -50,6 +51,37 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Ranks as threads share when each issued the k-th collective, so that the link's clock starts
+// when the last rank issued it (the earliest a real ring could start) rather than when the real
+// data movement finished, whose own time would otherwise be charged on top of the model's.
+class IssueBoard {
+ public:
+  explicit IssueBoard(int world) : world_(world) {}
+  void issued(std::uint64_t seq, Clock::time_point t) {
+    std::lock_guard lock(mu_);
+    auto& e = entries_[seq];
+    e.last = std::max(e.last, t);
+  }
+  // Every rank issued `seq` (its data moved): when the last did. Forgets it once all ranks asked.
+  Clock::time_point last_issue(std::uint64_t seq) {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(seq);
+    if (it == entries_.end()) return Clock::time_point{};
+    const auto t = it->second.last;
+    if (++it->second.asked == world_) entries_.erase(it);
+    return t;
+  }
+
+ private:
+  struct Entry {
+    Clock::time_point last{};
+    int asked = 0;
+  };
+  const int world_;
+  std::mutex mu_;
+  std::unordered_map<std::uint64_t, Entry> entries_;
+};
+
 // Completions waiting for the link, in issue order. Shared with the wrapped backend's callbacks,
 // which may outlive the communicator (then they deliver at once).
 struct LinkQueue {
@@ -65,7 +97,8 @@ struct LinkQueue {
   bool stopped = false;
 
   // Called by the wrapped backend when the real data movement finished (in issue order).
-  void arrived(std::chrono::nanoseconds cost, CollectiveDone done, std::exception_ptr error) {
+  // `ready`: when every rank had issued the op, if known (ranks as threads), else now.
+  void arrived(std::chrono::nanoseconds cost, Clock::time_point ready, CollectiveDone done, std::exception_ptr error) {
     std::unique_lock lock(mu);
     if (stopped) {
       lock.unlock();
@@ -75,7 +108,7 @@ struct LinkQueue {
     const auto now = Clock::now();
     Clock::time_point due = now;
     if (!error) {  // a failure is reported at once; it did not occupy the link
-      due = std::max(now, link_free) + cost;
+      due = std::max(std::min(ready, now), link_free) + cost;
       link_free = due;
     }
     held.push_back(Held{due, std::move(done), error});
@@ -103,8 +136,9 @@ struct LinkQueue {
 
 class SimComm final : public Communicator {
  public:
-  SimComm(std::shared_ptr<Communicator> inner, SimLink link)
-      : inner_(std::move(inner)), link_(link), queue_(std::make_shared<LinkQueue>()), timer_([q = queue_] { q->run(); }) {}
+  SimComm(std::shared_ptr<Communicator> inner, SimLink link, std::shared_ptr<IssueBoard> board = nullptr)
+      : inner_(std::move(inner)), link_(link), board_(std::move(board)), queue_(std::make_shared<LinkQueue>()),
+        timer_([q = queue_] { q->run(); }) {}
   ~SimComm() override {
     {
       std::lock_guard lock(queue_->mu);
@@ -124,14 +158,21 @@ class SimComm final : public Communicator {
   void submit(CollectiveOp op, CollectiveDone done) override {
     const int W = inner_->world_size();
     const auto cost = link_.cost(op.kind, collective_bytes(op, W), W);
-    inner_->submit(std::move(op), [q = queue_, cost, done = std::move(done)](std::exception_ptr e) mutable {
-      q->arrived(cost, std::move(done), e);
+    // The op's number and its place in the wrapped backend's queue are taken together.
+    std::lock_guard lock(submit_mu_);
+    const std::uint64_t seq = seq_++;
+    if (board_) board_->issued(seq, Clock::now());
+    inner_->submit(std::move(op), [q = queue_, b = board_, seq, cost, done = std::move(done)](std::exception_ptr e) mutable {
+      q->arrived(cost, b ? b->last_issue(seq) : Clock::now(), std::move(done), e);
     });
   }
 
  private:
   std::shared_ptr<Communicator> inner_;
   const SimLink link_;
+  std::shared_ptr<IssueBoard> board_;
+  std::mutex submit_mu_;
+  std::uint64_t seq_ = 0;
   std::shared_ptr<LinkQueue> queue_;
   std::thread timer_;
 };
@@ -140,19 +181,21 @@ class SimComm final : public Communicator {
 class SimWorld final : public InProcessWorld {
  public:
   SimWorld(std::shared_ptr<InProcessWorld> inner, SimLink link)
-      : inner_(std::move(inner)), link_(link), comms_(std::size_t(inner_->world_size())) {}
+      : inner_(std::move(inner)), link_(link), board_(std::make_shared<IssueBoard>(inner_->world_size())),
+        comms_(std::size_t(inner_->world_size())) {}
   int world_size() const override { return inner_->world_size(); }
   std::shared_ptr<Communicator> communicator(int rank) override {
     auto real = inner_->communicator(rank);  // validates the rank
     std::lock_guard lock(mu_);
     auto& c = comms_[std::size_t(rank)];
-    if (!c) c = simulate_link(std::move(real), link_);
+    if (!c) c = std::make_shared<SimComm>(std::move(real), link_, board_);
     return c;
   }
 
  private:
   std::shared_ptr<InProcessWorld> inner_;
   SimLink link_;
+  std::shared_ptr<IssueBoard> board_;
   std::mutex mu_;
   std::vector<std::shared_ptr<Communicator>> comms_;
 };

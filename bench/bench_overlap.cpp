@@ -1,0 +1,139 @@
+// bench_overlap: how much of the link time each overlap mode hides, over a sweep of link time /
+// compute time, on the simulated link with the synthetic trainer (compute sleeps, the link is a
+// timer: the figures are the runtime's, not the machine's core sharing).
+//
+//   efficiency = (T_compute + T_comm - T_iteration) / min(T_compute, T_comm)
+//
+// T_comm: the link model's time for one iteration's collectives (every bucket's reduction and
+// sync). T_compute: the same mode's iteration over an instant link (forward, backward, the
+// optimizer steps and the runtime's own overhead). T_iteration: the median iteration over the
+// simulated link. 1 = everything hidden, 0 = nothing.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "examples/synthetic/trainer.hpp"
+
+using namespace shardflow;
+using namespace std::chrono;
+
+namespace {
+
+struct Mode {
+  std::string name;
+  Overlap overlap;
+  bool prefetch;
+  std::size_t lag;
+};
+
+double iteration_ms(synthetic::Options o) {
+  const auto res = synthetic::run(o);
+  return res.stats[0].median.iteration_ms;
+}
+
+// T_comm per iteration at bandwidth beta: a + b / beta.
+double comm_ms(synthetic::Options o, double beta) {
+  o.link.gbytes_per_s = beta;
+  return double(o.layers) * double((synthetic::reduce_time(o) + synthetic::sync_time(o)).count()) / 1e6;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Overlap efficiency per mode over a sweep of link time / compute time (sim link, sleeping compute)"};
+  synthetic::Options base;
+  base.layers = 16;
+  base.numel = 65536;
+  int fwd_us = 250, bwd_us = 500, world = 2;
+  std::vector<double> ratios{0.25, 0.5, 1, 2, 4};
+  std::vector<int> stages{1, 2};
+  double latency_us = 10;
+  std::string json_out, trace_dir;
+  app.add_option("--layers", base.layers, "layers = buckets")->capture_default_str();
+  app.add_option("--numel", base.numel, "fp32 elements per layer")->capture_default_str();
+  app.add_option("--forward-us", fwd_us, "forward time per layer")->capture_default_str();
+  app.add_option("--backward-us", bwd_us, "backward time per layer")->capture_default_str();
+  app.add_option("--iterations", base.iterations, "iterations per point (median after the first five)")->capture_default_str();
+  app.add_option("--world", world, "ranks (threads)")->capture_default_str();
+  app.add_option("--latency-us", latency_us, "link latency (alpha)")->capture_default_str();
+  app.add_option("--ratios", ratios, "link time / compute time")->capture_default_str();
+  app.add_option("--stages", stages, "ZeRO stages")->capture_default_str();
+  app.add_option("--json", json_out, "write every point as JSON (bench/plot_overlap.py draws it)");
+  app.add_option("--trace-dir", trace_dir, "write each point's Chrome trace there (stage<s>_<mode>_<ratio>.json)");
+  CLI11_PARSE(app, argc, argv);
+  base.iterations = std::max(base.iterations, 8);
+  base.world = world;
+  base.forward_per_layer = microseconds(fwd_us);
+  base.backward_per_layer = microseconds(bwd_us);
+  base.optimizer.kind = OptimizerConfig::Kind::adamw;
+  base.optimizer.lr = 1e-3f;
+  base.runtime.timeout = seconds(60);
+
+  const std::vector<Mode> modes{{"none", Overlap::none, false, 0},
+                                {"after_backward", Overlap::after_backward, false, 0},
+                                {"interleaved", Overlap::interleaved, false, 0},
+                                {"interleaved lag 1", Overlap::interleaved, false, 1},
+                                {"interleaved + prefetch", Overlap::interleaved, true, 0}};
+  std::printf("bench_overlap: world %d, %d layers x %.2f MiB, compute %.2f ms (forward %d us + backward %d us per layer), AdamW, "
+              "latency %.0f us\n",
+              world, base.layers, double(base.numel * 4) / 1048576.0, double(base.layers * (fwd_us + bwd_us)) / 1e3, fwd_us, bwd_us,
+              latency_us);
+  std::ostringstream js;
+  js << "{\"world\": " << world << ", \"layers\": " << base.layers << ", \"bytes_per_layer\": " << base.numel * 4
+     << ", \"points\": [";
+  bool first = true;
+  for (int stage : stages) {
+    std::printf("\nstage %d     ratio:", stage);
+    for (double r : ratios) std::printf("  %6.2f", r);
+    std::printf("   (efficiency; T_iteration ms in brackets)\n");
+    for (const auto& m : modes) {
+      auto o = base;
+      o.runtime.zero_stage = stage;
+      o.runtime.overlap = m.overlap;
+      o.runtime.forward_prefetch = m.prefetch;
+      o.runtime.interleave_lag = m.lag;
+      o.link = SimLink{0.0, 1e6, 0};  // instant
+      const double t_compute = iteration_ms(o);
+      o.link.latency_us = latency_us;
+      const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
+      std::printf("  %-22s", m.name.c_str());
+      std::string iters;
+      for (double r : ratios) {
+        const double target = r * t_compute;
+        if (target <= a) {
+          std::printf("  %6s", "-");  // the latency alone is longer than asked
+          continue;
+        }
+        o.link.gbytes_per_s = b / (target - a);
+        if (!trace_dir.empty()) {
+          std::string mode = m.name;
+          for (auto& c : mode)
+            if (c == ' ' || c == '+') c = '_';
+          o.runtime.trace_path = trace_dir + "/stage" + std::to_string(stage) + "_" + mode + "_" + std::to_string(r).substr(0, 4) + ".json";
+        }
+        const double t_comm = comm_ms(o, o.link.gbytes_per_s);
+        const double t_iter = iteration_ms(o);
+        o.runtime.trace_path.clear();
+        const double eff = (t_compute + t_comm - t_iter) / std::min(t_compute, t_comm);
+        std::printf("  %6.3f", eff);
+        char buf[32];
+        std::snprintf(buf, sizeof buf, " %.1f", t_iter);
+        iters += buf;
+        js << (first ? "" : ",") << "\n  {\"stage\": " << stage << ", \"mode\": \"" << m.name << "\", \"ratio\": " << r
+           << ", \"gbytes_per_s\": " << o.link.gbytes_per_s << ", \"t_compute_ms\": " << t_compute << ", \"t_comm_ms\": " << t_comm
+           << ", \"t_iteration_ms\": " << t_iter << ", \"efficiency\": " << eff << "}";
+        first = false;
+      }
+      std::printf("   [T_compute %.1f;%s]\n", t_compute, iters.c_str());
+      std::fflush(stdout);
+    }
+  }
+  js << "\n]}\n";
+  if (!json_out.empty()) {
+    std::ofstream(json_out) << js.str();
+    std::printf("\nwrote %s\n", json_out.c_str());
+  }
+  return 0;
+}
