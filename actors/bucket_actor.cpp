@@ -13,18 +13,19 @@ caf::behavior bucket_actor(caf::stateful_actor<BucketState>* self, std::uint32_t
   st.expected = nparams;
   st.pending = nparams;
   return {
-      [=](msg::grad_ready_atom, std::uint32_t param) {
+      [=](msg::grad_ready_atom, std::uint32_t count) {
         auto& s = self->state;
-        if (s.in_flight || s.pending == 0) {
-          msg::Failure f{msg::Failure::usage, "gradient of parameter #" + std::to_string(param) +
-                                                  " arrived while bucket " + std::to_string(s.index) + " is being reduced"};
+        if (s.in_flight || count > s.pending) {
+          msg::Failure f{msg::Failure::usage, std::to_string(count) + " gradient(s) arrived while bucket " + std::to_string(s.index) +
+                                                  " is being reduced"};
           if (to_shard)
             self->send(downstream, msg::reduced_atom::value, s.index, std::move(f));
           else
             self->send(downstream, msg::bucket_done_atom::value, s.index, std::move(f));
           return;
         }
-        if (--s.pending == 0) {
+        s.pending -= count;
+        if (s.pending == 0) {
           s.in_flight = true;
           self->send(comm_stream, msg::bucket_ready_atom::value, s.index);
         }

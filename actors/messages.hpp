@@ -1,6 +1,6 @@
 // How shardflow's actors talk. Per rank:
 //
-//   trainer thread --grad_ready(param)--> bucket actor b
+//   trainer thread --grad_ready(n)--> bucket actor b               (the bucket's last n gradients are in)
 //   bucket actor b --bucket_ready(b)----> comm stream actor      (all of b's gradients are in)
 //   comm stream    --submit in bucket order--> Communicator      (same order on every rank)
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)

@@ -10,6 +10,7 @@
 // simulated link. 1 = everything hidden, 0 = nothing.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -27,6 +28,11 @@ struct Mode {
   bool prefetch;
   std::size_t lag;
 };
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
 
 double iteration_ms(synthetic::Options o) {
   const auto res = synthetic::run(o);
@@ -51,6 +57,7 @@ int main(int argc, char** argv) {
   std::vector<int> stages{1, 2};
   double latency_us = 10;
   std::string json_out, trace_dir;
+  int reps = 3;
   app.add_option("--layers", base.layers, "layers = buckets")->capture_default_str();
   app.add_option("--numel", base.numel, "fp32 elements per layer")->capture_default_str();
   app.add_option("--forward-us", fwd_us, "forward time per layer")->capture_default_str();
@@ -60,6 +67,7 @@ int main(int argc, char** argv) {
   app.add_option("--latency-us", latency_us, "link latency (alpha)")->capture_default_str();
   app.add_option("--ratios", ratios, "link time / compute time")->capture_default_str();
   app.add_option("--stages", stages, "ZeRO stages")->capture_default_str();
+  app.add_option("--reps", reps, "A B A B repetitions of each mode's baseline and ratios (medians)")->capture_default_str();
   app.add_option("--json", json_out, "write every point as JSON (bench/plot_overlap.py draws it)");
   app.add_option("--trace-dir", trace_dir, "write each point's Chrome trace there (stage<s>_<mode>_<ratio>.json)");
   CLI11_PARSE(app, argc, argv);
@@ -94,35 +102,53 @@ int main(int argc, char** argv) {
       o.runtime.overlap = m.overlap;
       o.runtime.forward_prefetch = m.prefetch;
       o.runtime.interleave_lag = m.lag;
-      o.link = SimLink{0.0, 1e6, 0};  // instant
-      const double t_compute = iteration_ms(o);
-      o.link.latency_us = latency_us;
-      const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
+      // A B A B: the instant-link baseline and every ratio, `reps` times over; medians.
+      std::vector<double> computes;
+      std::vector<std::vector<double>> iters_ms(ratios.size());
+      std::vector<double> betas(ratios.size(), 0.0);
+      for (int rep = 0; rep < reps; ++rep) {
+        o.link = SimLink{0.0, 1e6, 0};  // instant
+        o.runtime.trace_path.clear();
+        computes.push_back(iteration_ms(o));
+        o.link.latency_us = latency_us;
+        const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
+        const double t_compute_now = median(computes);
+        for (std::size_t i = 0; i < ratios.size(); ++i) {
+          if (rep == 0) {
+            const double target = ratios[i] * t_compute_now;
+            betas[i] = target > a ? b / (target - a) : 0.0;  // 0: the latency alone is longer than asked
+          }
+          if (betas[i] == 0.0) continue;
+          o.link.gbytes_per_s = betas[i];
+          o.runtime.trace_path.clear();
+          if (!trace_dir.empty() && rep == reps - 1) {
+            std::string mode = m.name;
+            for (auto& c : mode)
+              if (c == ' ' || c == '+') c = '_';
+            o.runtime.trace_path =
+                trace_dir + "/stage" + std::to_string(stage) + "_" + mode + "_" + std::to_string(ratios[i]).substr(0, 4) + ".json";
+          }
+          iters_ms[i].push_back(iteration_ms(o));
+        }
+      }
+      const double t_compute = median(computes);
       std::printf("  %-22s", m.name.c_str());
       std::string iters;
-      for (double r : ratios) {
-        const double target = r * t_compute;
-        if (target <= a) {
-          std::printf("  %6s", "-");  // the latency alone is longer than asked
+      for (std::size_t i = 0; i < ratios.size(); ++i) {
+        if (betas[i] == 0.0) {
+          std::printf("  %6s", "-");
           continue;
         }
-        o.link.gbytes_per_s = b / (target - a);
-        if (!trace_dir.empty()) {
-          std::string mode = m.name;
-          for (auto& c : mode)
-            if (c == ' ' || c == '+') c = '_';
-          o.runtime.trace_path = trace_dir + "/stage" + std::to_string(stage) + "_" + mode + "_" + std::to_string(r).substr(0, 4) + ".json";
-        }
-        const double t_comm = comm_ms(o, o.link.gbytes_per_s);
-        const double t_iter = iteration_ms(o);
-        o.runtime.trace_path.clear();
+        o.link.gbytes_per_s = betas[i];
+        const double t_comm = comm_ms(o, betas[i]);
+        const double t_iter = median(iters_ms[i]);
         const double eff = (t_compute + t_comm - t_iter) / std::min(t_compute, t_comm);
         std::printf("  %6.3f", eff);
         char buf[32];
         std::snprintf(buf, sizeof buf, " %.1f", t_iter);
         iters += buf;
-        js << (first ? "" : ",") << "\n  {\"stage\": " << stage << ", \"mode\": \"" << m.name << "\", \"ratio\": " << r
-           << ", \"gbytes_per_s\": " << o.link.gbytes_per_s << ", \"t_compute_ms\": " << t_compute << ", \"t_comm_ms\": " << t_comm
+        js << (first ? "" : ",") << "\n  {\"stage\": " << stage << ", \"mode\": \"" << m.name << "\", \"ratio\": " << ratios[i]
+           << ", \"gbytes_per_s\": " << betas[i] << ", \"t_compute_ms\": " << t_compute << ", \"t_comm_ms\": " << t_comm
            << ", \"t_iteration_ms\": " << t_iter << ", \"efficiency\": " << eff << "}";
         first = false;
       }

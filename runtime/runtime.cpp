@@ -476,8 +476,11 @@ struct Runtime::Impl {
     if (bucket_pending[loc.bucket].fetch_sub(1) == 1) {
       events->record(loc.bucket);
       bucket_completed(loc.bucket);
+      // One message per bucket, not per gradient: the count of this pass is already exact here
+      // (each parameter is reported once, checked by `marked`), and a message per gradient cost
+      // 1 us each in scheduler turns (bench_overhead: 1,000 gradients in 100 buckets).
+      caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, std::uint32_t(b.entries.size()));
     }
-    caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, p);
   }
 
   // A synchronised iteration ended: its figures, and its span on the iteration lane.
