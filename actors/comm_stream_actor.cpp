@@ -66,13 +66,16 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, 
 // The price: R(b+1) queues behind S(b), so when the link is the bottleneck it idles while bucket b
 // steps; lag 1 keeps the next reduction on the link during that step. With clipping every step
 // needs the global norm, which needs every reduction, so the syncs go after N.
-std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t B, bool syncs, bool norm, bool interleave, std::size_t lag) {
+// With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
+// prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
+std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t B, bool syncs, bool norm, bool interleave, std::size_t lag,
+                                                std::size_t interleaved) {
   std::vector<ScheduleEntry::Kind> k;
   if (syncs && interleave && !norm) {
     std::size_t synced = 0;
     for (std::size_t b = 0; b < B; ++b) {
       k.push_back(ScheduleEntry::reduce);
-      if (b >= lag) {
+      if (b >= lag && synced < interleaved) {
         k.push_back(ScheduleEntry::sync);  // S(b - lag)
         ++synced;
       }

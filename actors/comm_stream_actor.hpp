@@ -33,8 +33,10 @@ struct ScheduleEntry {
 
 // The order of a rank's collectives for one iteration (Note [Collective schedule] in
 // comm_stream_actor.cpp).
+// interleave_syncs: the first `interleaved` syncs (in sync order) go out between the reductions,
+// S(i) after R(i + lag); the others after the last reduction.
 std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t buckets, bool syncs, bool norm, bool interleave_syncs,
-                                                std::size_t lag = 0);
+                                                std::size_t lag = 0, std::size_t interleaved = ~std::size_t{0});
 
 struct CommStreamState {
   std::shared_ptr<Communicator> comm;

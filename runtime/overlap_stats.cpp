@@ -51,9 +51,10 @@ double median_of(std::vector<double> v) {
 
 }  // namespace
 
-void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes) {
+void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, bool sync) {
   std::lock_guard lock(mu_);
   link_.push_back({begin, end});
+  (sync ? sync_us_ : reduce_us_) += end - begin;
   if (kind >= 0 && kind < int(bytes_.size())) bytes_[std::size_t(kind)] += bytes;
 }
 
@@ -66,6 +67,28 @@ void OverlapStats::blocked(Time begin, Time end) {
 void OverlapStats::optimizer(Time begin, Time end) {
   std::lock_guard lock(mu_);
   optimizer_.push_back({begin, end});
+}
+
+void OverlapStats::backward_started(Time t) {
+  std::lock_guard lock(mu_);
+  if (window_start_ < 0) window_start_ = t;
+  if (first_grad_ < 0) first_grad_ = t;
+}
+
+void OverlapStats::backward_ended(Time t) {
+  std::lock_guard lock(mu_);
+  backward_end_ = t;
+}
+
+OverlapStats::Open OverlapStats::open_window() const {
+  std::lock_guard lock(mu_);
+  Open o;
+  // The trainer's own backward: without the time it was held up (stage 2 backpressure).
+  if (first_grad_ >= 0 && backward_end_ >= first_grad_)
+    o.backward_ms = double(backward_end_ - first_grad_ - covered(blocked_, first_grad_, backward_end_)) / 1e3;
+  o.reduce_ms = double(reduce_us_) / 1e3;
+  o.sync_ms = double(sync_us_) / 1e3;
+  return o;
 }
 
 void OverlapStats::touch(Time t) {
@@ -88,6 +111,8 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   s.buckets_done_in_backward = done_in_backward;
   s.bytes = bytes_;
   bytes_ = {};
+  sync_us_ = reduce_us_ = 0;
+  first_grad_ = backward_end_ = -1;
   // Intervals still running past the window's end count in the next one.
   auto keep = [hi](std::vector<Interval>& v) { std::erase_if(v, [hi](const Interval& i) { return i.end <= hi; }); };
   keep(link_);

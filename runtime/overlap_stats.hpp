@@ -22,7 +22,16 @@ namespace shardflow {
 class OverlapStats {
  public:
   using Time = std::int64_t;  // microseconds
-  void link(Time begin, Time end, int kind, std::size_t bytes);
+  void link(Time begin, Time end, int kind, std::size_t bytes, bool sync = false);
+  // The first gradient of a synchronised pass (forward and zero_grad ended), and finish_backward.
+  void backward_started(Time t);
+  void backward_ended(Time t);
+  // The open window so far: the trainer's backward, and the link time of its reductions and of
+  // parameter syncs (forward prefetch sizes its split from these: Note [Forward prefetch]).
+  struct Open {
+    double backward_ms = 0, reduce_ms = 0, sync_ms = 0;
+  };
+  Open open_window() const;
   void blocked(Time begin, Time end);
   void optimizer(Time begin, Time end);
   // The trainer started working on an iteration (first call of a window opens it).
@@ -41,7 +50,8 @@ class OverlapStats {
     Time begin, end;
   };
   mutable std::mutex mu_;
-  Time window_start_ = -1;
+  Time window_start_ = -1, first_grad_ = -1, backward_end_ = -1;
+  Time sync_us_ = 0, reduce_us_ = 0;
   std::vector<Interval> link_, blocked_, optimizer_;
   std::array<std::uint64_t, 5> bytes_{};
   std::vector<IterationStats> steps_;

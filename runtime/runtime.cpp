@@ -103,6 +103,7 @@ struct Runtime::Impl {
   bool observing_forward = false;       // recording the first-use order of buckets in forward
   std::vector<char> forward_seen;
   std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
+  std::size_t prefetch_early = 0;  // with prefetch: syncs interleaved into backward (the first of sync_order)
   bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
   // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
@@ -311,8 +312,10 @@ struct Runtime::Impl {
     const bool syncs = shard && shard->syncs();
     // Syncs in the observed forward order go after every reduction (they are needed in an order
     // unrelated to the order steps finish in).
-    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), cfg.overlap == Overlap::interleaved && sync_order.empty(),
-                                      cfg.interleave_lag);
+    const bool prefetching = !sync_order.empty();
+    const bool interleave = cfg.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
+    // With prefetch only the first prefetch_early syncs interleave (Note [Forward prefetch]).
+    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), interleave, cfg.interleave_lag, prefetching ? prefetch_early : B);
     std::vector<ScheduleEntry> entries;
     std::uint32_t rb = 0, sb = 0;
     for (auto kind : shape) {
@@ -537,6 +540,15 @@ struct Runtime::Impl {
   // rebuilt after it); in the second the runtime records the order in which forward first asks
   // for each bucket; at its end rank 0's order is broadcast and the syncs are issued in it from
   // then on, so the parameters the next forward needs first arrive first.
+  // Syncs after backward overlap the next forward; but when backward leaves the link idle between
+  // reductions (compute-bound), syncs sent then (interleaved as Config::interleave_lag says) are
+  // free, and fewer are left for the forward to wait on. So the sync order is: K
+  // buckets in backward's order, then the rest in forward order. K (Config::
+  // prefetch_syncs_in_backward, or chosen here from this iteration, rank 0's) is how many syncs
+  // fit in backward's idle link time: backward's length minus its reductions' link time. When the
+  // link is the bottleneck that is none, and every sync overlaps the next forward (sending syncs
+  // in backward then would only push the forward's first sync further back: measured, 4 ms of
+  // idle link per iteration at link/compute 4).
   void establish_sync_order() {
     std::vector<std::uint32_t> order;
     {
@@ -544,10 +556,12 @@ struct Runtime::Impl {
       observing_forward = false;
       order = forward_order;
     }
-    std::vector<char> have(plan.buckets.size(), 0);
+    const std::size_t B = plan.buckets.size();
+    std::vector<char> have(B, 0);
     for (auto b : order) have[b] = 1;
-    for (std::size_t b = plan.buckets.size(); b-- > 0;)  // never asked for: forward runs back to front
+    for (std::size_t b = B; b-- > 0;)  // never asked for: forward runs back to front
       if (!have[b]) order.push_back(std::uint32_t(b));
+    order.push_back(std::uint32_t(choose_early_syncs(order)));  // rank 0's choice travels with its order
     if (world > 1) {
       CollectiveOp op;
       op.kind = CollectiveKind::broadcast;
@@ -558,10 +572,40 @@ struct Runtime::Impl {
       collectives->record(op);
       comm->run(op, cfg.timeout);
     }
-    sync_order = std::move(order);
+    prefetch_early = std::min<std::size_t>(order.back(), B);
+    order.pop_back();
+    // Early syncs in bucket (backward) order, then the rest in forward order.
+    std::vector<char> late(B, 0);
+    for (std::size_t i = 0; i < B - prefetch_early; ++i) late[order[i]] = 1;
+    sync_order.clear();
+    for (std::uint32_t b = 0; b < B; ++b)
+      if (!late[b]) sync_order.push_back(b);
+    for (std::size_t i = 0; i < B - prefetch_early; ++i) sync_order.push_back(order[i]);
+    log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward", prefetch_early, B,
+              B - prefetch_early);
     prefetch_active = true;
     stop_actors();
     spawn_actors();
+  }
+
+  std::size_t choose_early_syncs(const std::vector<std::uint32_t>& forward) const {
+    const std::size_t B = plan.buckets.size();
+    if (cfg.overlap != Overlap::interleaved || !shard || !shard->syncs()) return 0;
+    if (cfg.prefetch_syncs_in_backward >= 0) return std::min<std::size_t>(std::size_t(cfg.prefetch_syncs_in_backward), B);
+    const auto open = timeline->stats().open_window();
+    std::vector<double> bytes(B);
+    double total = 0;
+    for (std::size_t b = 0; b < B; ++b) total += bytes[b] = double(shard->shard_plan().buckets[b].padded) * dtype_size(shard->sync_dtype(b));
+    if (total <= 0 || open.sync_ms <= 0) return 0;
+    const double ms_per_byte = open.sync_ms / total;
+    const double idle = open.backward_ms - open.reduce_ms;
+    // The syncs forward needs last (backward's first buckets) go first; the one forward needs first
+    // cannot go before backward ends anyway.
+    std::size_t k = 0;
+    double t = 0;
+    while (k + 1 < B && (t += bytes[k] * ms_per_byte) <= idle) ++k;
+    (void)forward;
+    return k;
   }
 
   void rebuild_from_observed_order() {
@@ -762,7 +806,7 @@ void Runtime::grad_ready(Param p) {
     I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
     return;
   }
-  if (!I.sync_pass_started.load(std::memory_order_relaxed)) I.timeline->stats().touch(Timeline::now());
+  if (!I.sync_pass_started.load(std::memory_order_relaxed)) I.timeline->stats().backward_started(Timeline::now());
   I.sync_pass_started.store(true, std::memory_order_relaxed);
   if (I.timeline->tracing())
     I.timeline->instant("grad_ready " + I.name_of(i), "backward", Lane::compute,
@@ -805,6 +849,7 @@ void Runtime::finish_backward() {
     I.send_to_bucket(i, true);
   }
   I.sync_pass_started.store(true);
+  I.timeline->stats().backward_ended(Timeline::now());
   // How many buckets were already reduced, stepped and synced when backward ended (stats()).
   I.done_in_backward = I.plan.buckets.size() - I.signal->pending(I.signal_target + 1).size();
   I.backward_finished.store(true, std::memory_order_release);

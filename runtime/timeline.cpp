@@ -158,7 +158,7 @@ void Timeline::collective(std::string name, const char* cat, int kind, std::size
     if (begin > completed) begin = completed;
     comm_free_ = completed;
   }
-  stats_.link(begin, completed, kind, bytes);
+  stats_.link(begin, completed, kind, bytes, std::strcmp(cat, "sync") == 0);
   args.issued_us = issued;
   args.bytes = std::int64_t(bytes);
   span(std::move(name), cat, Lane::comm, begin, completed, args);

@@ -89,6 +89,9 @@ void Config::validate() const {
   if (first_bucket_cap_bytes == 0)
     throw UsageError("Config::first_bucket_cap_bytes must be > 0 (default 1 MiB)");
   if (bucket_cap_bytes == 0) throw UsageError("Config::bucket_cap_bytes must be > 0 (default 25 MiB)");
+  if (prefetch_syncs_in_backward < -1)
+    throw UsageError("Config::prefetch_syncs_in_backward must be -1 (auto), 0 or a bucket count, got " +
+                     std::to_string(prefetch_syncs_in_backward));
   if (interleave_lag > 64) throw UsageError("Config::interleave_lag must be <= 64, got " + std::to_string(interleave_lag));
   if (timeout.count() <= 0) throw UsageError("Config::timeout must be positive (default 10 min)");
 }

@@ -151,10 +151,11 @@ TEST_CASE("none and after_backward keep the promises of their names; interleaved
   }
 }
 
-TEST_CASE("forward prefetch: the syncs of later layers complete during the next forward") {
+TEST_CASE("forward prefetch, every sync after backward: the syncs of later layers complete during the next forward") {
   for (int stage : {1, 2}) {
     auto o = scenario(2, stage, Overlap::interleaved);
     o.runtime.forward_prefetch = true;
+    o.runtime.prefetch_syncs_in_backward = 0;
     o.forward_per_layer = duration_cast<microseconds>(2 * synthetic::sync_time(o)) + microseconds(300);
     o.runtime.trace_path = trace_path("prefetch");
     const auto res = synthetic::run(o);
@@ -178,6 +179,23 @@ TEST_CASE("forward prefetch: the syncs of later layers complete during the next 
     // syncs go out in forward order after backward: every layer but the first arrives in forward.
     CHECK(in_forward >= (o.iterations - 3) * (o.layers - 1));
     CHECK(m.exposed_ms <= ms(synthetic::reduce_time(o) + synthetic::sync_time(o)) + m.optimizer_ms + kSlackMs);
+  }
+}
+
+TEST_CASE("forward prefetch, split chosen by the runtime: backward has idle link time, so syncs go there and nothing is left to wait for") {
+  for (int stage : {1, 2}) {
+    auto o = scenario(2, stage, Overlap::interleaved);
+    o.runtime.forward_prefetch = true;  // prefetch_syncs_in_backward -1: measured in iteration 2
+    const auto res = synthetic::run(o);
+    for (int r = 0; r < 2; ++r) {
+      const auto& m = res.stats[std::size_t(r)].median;
+      INFO("stage " << stage << ", rank " << r << ": exposed " << m.exposed_ms << " ms, hidden " << m.hidden_ms << " of " << m.link_ms
+                    << " ms, done in backward " << m.buckets_done_in_backward);
+      // Backward spends 3x the link time per bucket: every sync but the last fits between the
+      // reductions, as with interleaved alone; the last bucket's reduction, step and sync remain.
+      CHECK(m.buckets_done_in_backward == 3);
+      CHECK(m.exposed_ms <= ms(synthetic::reduce_time(o) + synthetic::sync_time(o)) + m.optimizer_ms + kSlackMs);
+    }
   }
 }
 

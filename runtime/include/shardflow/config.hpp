@@ -76,6 +76,12 @@ struct Config {
   // returns early and the trainer calls Runtime::wait_param(p) in forward. Syncs go out in the
   // forward order the runtime observed (rank 0's). Needs configure_optimizer().
   bool forward_prefetch = false;
+  // With forward prefetch and interleaved overlap: how many buckets' syncs go out during backward
+  // (interleaved with the reductions as interleave_lag says), the others after
+  // backward in forward order, overlapping the next forward. -1 (default): chosen from what
+  // iteration 2 measured (rank 0's): the syncs that fit in the forward's time stay after backward,
+  // the rest go into backward; 0: all after backward.
+  int prefetch_syncs_in_backward = -1;
   // Stage 2 holds a bucket's gradient buffer only from its first gradient until its reduction is
   // in the rank's shard. At most this many are held at once in a synchronised pass: asking for a
   // gradient of a further bucket (Runtime::grad) waits until one is reduced. Trainers that report
