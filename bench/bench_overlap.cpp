@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   double latency_us = 10;
   std::string json_out, trace_dir;
   int reps = 3;
+  std::vector<std::string> only;
   app.add_option("--layers", base.layers, "layers = buckets")->capture_default_str();
   app.add_option("--numel", base.numel, "fp32 elements per layer")->capture_default_str();
   app.add_option("--forward-us", fwd_us, "forward time per layer")->capture_default_str();
@@ -65,8 +66,10 @@ int main(int argc, char** argv) {
   app.add_option("--iterations", base.iterations, "iterations per point (median after the first five)")->capture_default_str();
   app.add_option("--world", world, "ranks (threads)")->capture_default_str();
   app.add_option("--latency-us", latency_us, "link latency (alpha)")->capture_default_str();
-  app.add_option("--ratios", ratios, "link time / compute time")->capture_default_str();
-  app.add_option("--stages", stages, "ZeRO stages")->capture_default_str();
+  app.add_option("--ratios", ratios, "link time / compute time (comma separated)")->delimiter(',')->capture_default_str();
+  app.add_option("--stages", stages, "ZeRO stages (comma separated)")->delimiter(',')->capture_default_str();
+  app.add_option("--modes", only, "only these modes (comma separated: none, after_backward, interleaved, \"interleaved lag 1\", "
+                 "\"interleaved + prefetch\")")->delimiter(',');
   app.add_option("--reps", reps, "A B A B repetitions of each mode's baseline and ratios (medians)")->capture_default_str();
   app.add_option("--json", json_out, "write every point as JSON (bench/plot_overlap.py draws it)");
   app.add_option("--trace-dir", trace_dir, "write each point's Chrome trace there (stage<s>_<mode>_<ratio>.json)");
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
     for (double r : ratios) std::printf("  %6.2f", r);
     std::printf("   (efficiency; T_iteration ms in brackets)\n");
     for (const auto& m : modes) {
+      if (!only.empty() && std::find(only.begin(), only.end(), m.name) == only.end()) continue;
       auto o = base;
       o.runtime.zero_stage = stage;
       o.runtime.overlap = m.overlap;

@@ -1,13 +1,24 @@
-"""PyTorch DDP reference on this machine, for bench/RESULTS.md: the same MLPs and batch as
-bench_ddp, world 1 (plain) and world 2 (DDP over Gloo, two processes, loopback).
+"""shardflow side by side with PyTorch on this machine, in one run: the same MLPs (4 x Linear(256,256)
+and 8 x Linear(1024,1024), ReLU between), 32 rows per rank, Adam, the same OpenBLAS, one BLAS thread
+per rank, configurations alternated A B A B ... over --reps rounds, medians of per-run medians.
 
-    /usr/bin/python3 bench/torch_ddp_reference.py [--steps 80]
+    /usr/bin/python3 bench/torch_ddp_reference.py [--build build] [--reps 3]
 
-Needs Debian's python3-torch (optional; nothing in the build or tests depends on it).
+Rows: torch world 1; torch DDP world 2 (Gloo); torch DDP + ZeroRedundancyOptimizer world 2 (Gloo);
+shardflow world 1; shardflow world 2 (one process per rank under `shardflow run`, shm backend) per
+ZeRO stage; and the machine's floor: two independent shardflow world-1 processes running at once
+(on 2 cores two busy processes each run slower than one alone: world 2 is judged against that).
+Step time: torch, wall time of zero_grad + forward + backward + step; shardflow, its own iteration
+time (Runtime::stats(): end of one wait() to the end of the next, which includes the loss
+all-reduce the trainer adds). Needs Debian's python3-torch (optional; nothing in the build or the
+tests depends on it).
 """
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -15,14 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODELS = {
-    "784,256,256,10": [784, 256, 256, 10],
-    "4 x Linear(256,256)": [256] * 5,
-    "8 x Linear(1024,1024)": [1024] * 9,
-}
+MODELS = {"4 x Linear(256,256)": [256] * 5, "8 x Linear(1024,1024)": [1024] * 9}
+BATCH = 32  # rows per rank
 
 
 def make(sizes):
+    torch.manual_seed(0)
     mods = []
     for i in range(len(sizes) - 1):
         mods.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
@@ -31,8 +40,8 @@ def make(sizes):
     return torch.nn.Sequential(*mods)
 
 
-def steps_ms(model, opt, sizes, batch, steps):
-    x, y = torch.randn(batch, sizes[0]), torch.randn(batch, sizes[-1])
+def steps_ms(model, opt, sizes, steps):
+    x, y = torch.randn(BATCH, sizes[0]), torch.randn(BATCH, sizes[-1])
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -40,48 +49,105 @@ def steps_ms(model, opt, sizes, batch, steps):
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
         times.append((time.perf_counter() - t0) * 1e3)
-    times = sorted(times[5:])
-    return statistics.median(times)
+    return statistics.median(times[5:])
 
 
-def worker(rank, world, store_path, sizes, batch, steps, optname, out):
+def torch_worker(rank, world, store, sizes, steps, zero, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = torch.nn.parallel.DistributedDataParallel(make(sizes))
-    opt = (torch.optim.SGD(model.parameters(), lr=1e-3) if optname == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=1e-3))
-    ms = steps_ms(model, opt, sizes, batch // world, steps)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ms = steps_ms(model, opt, sizes, steps)
     if rank == 0:
         out.put(ms)
     dist.destroy_process_group()
 
 
+def torch_world1(sizes, steps):
+    torch.set_num_threads(1)
+    model = make(sizes)
+    return steps_ms(model, torch.optim.Adam(model.parameters(), lr=1e-3), sizes, steps)
+
+
+def torch_world2(sizes, steps, zero):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=torch_worker, args=(r, 2, os.path.join(d, "store"), sizes, steps, zero, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        ms = q.get()
+        for p in procs:
+            p.join()
+    return ms
+
+
+def mlp_args(build, sizes, steps, world, stage, stats):
+    return [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join(map(str, sizes)), "--steps", str(steps),
+            "--global-batch", str(BATCH * world), "--optimizer", "adam", "--lr", "1e-3", "--quiet", "--stats-json", stats,
+            "--zero-stage", str(stage), "--overlap", "interleaved" if stage else "none"]
+
+
+def iteration_ms(stats):
+    with open(stats) as f:
+        return json.load(f)["median"]["iteration_ms"]
+
+
+def shardflow_world1(build, sizes, steps, copies=1):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as d:
+        procs = []
+        for c in range(copies):  # copies > 1: independent processes at once (the floor)
+            stats = os.path.join(d, f"s{c}.json")
+            procs.append((subprocess.Popen(mlp_args(build, sizes, steps, 1, 0, stats), env=env, stdout=subprocess.DEVNULL), stats))
+        for p, _ in procs:
+            if p.wait() != 0:
+                sys.exit("torch_ddp_reference: mlp_train failed")
+        return statistics.mean(iteration_ms(s) for _, s in procs)
+
+
+def shardflow_world2(build, sizes, steps, stage):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as d:
+        stats = os.path.join(d, "s.json")
+        cmd = [os.path.join(build, "bin/shardflow"), "run", "--nproc-per-node", "2", "--no-prefix", "--"] + \
+            mlp_args(build, sizes, steps, 2, stage, stats) + ["--backend", "shm"]
+        if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+            sys.exit("torch_ddp_reference: shardflow run failed")
+        return iteration_ms(stats)
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--global-batch", type=int, default=64)
-    args = ap.parse_args()
-    print("| model | optimizer | global batch | torch world 1 (ms, median) | torch DDP world 2 (ms, median) |")
-    print("|---|---|---|---|---|")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    print(f"torch {torch.__version__}, {a.reps} rounds A B A B, medians; ms per step")
     for name, sizes in MODELS.items():
-        steps = args.steps if sizes[0] < 1024 else max(10, args.steps // 3)
-        for optname in ("sgd", "adam"):
-            torch.set_num_threads(os.cpu_count())
-            model = make(sizes)
-            opt = (torch.optim.SGD(model.parameters(), lr=1e-3) if optname == "sgd"
-                   else torch.optim.Adam(model.parameters(), lr=1e-3))
-            w1 = steps_ms(model, opt, sizes, args.global_batch, steps)
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            with tempfile.TemporaryDirectory() as d:
-                procs = [ctx.Process(target=worker, args=(r, 2, os.path.join(d, "store"), sizes, args.global_batch,
-                                                          steps, optname, q)) for r in range(2)]
-                for p in procs:
-                    p.start()
-                w2 = q.get()
-                for p in procs:
-                    p.join()
-            print(f"| {name} | {optname} | {args.global_batch} | {w1:.3f} | {w2:.3f} |", flush=True)
+        steps = 200 if sizes[0] < 1024 else 40
+        configs = [
+            ("torch world 1", lambda: torch_world1(sizes, steps)),
+            ("torch DDP world 2", lambda: torch_world2(sizes, steps, False)),
+            ("torch DDP + ZeroRedundancyOptimizer world 2", lambda: torch_world2(sizes, steps, True)),
+            ("shardflow world 1", lambda: shardflow_world1(a.build, sizes, steps)),
+            ("floor: 2 x shardflow world 1 at once", lambda: shardflow_world1(a.build, sizes, steps, copies=2)),
+        ] + [(f"shardflow world 2 shm, ZeRO-{st}", (lambda st=st: shardflow_world2(a.build, sizes, steps, st))) for st in (0, 1, 2)]
+        runs = {c: [] for c, _ in configs}
+        for _ in range(a.reps):
+            for c, f in configs:
+                runs[c].append(f())
+        med = {c: statistics.median(v) for c, v in runs.items()}
+        floor, zero = med["floor: 2 x shardflow world 1 at once"], med["torch DDP + ZeroRedundancyOptimizer world 2"]
+        print(f"\n{name} (Adam, {BATCH} rows per rank, {steps} steps)")
+        print("| configuration | ms / step (median) | runs | / floor | / torch ZeRO |")
+        print("|---|---|---|---|---|")
+        for c, _ in configs:
+            print(f"| {c} | {med[c]:.3f} | {' '.join(f'{x:.2f}' for x in runs[c])} | {med[c] / floor:.2f} | {med[c] / zero:.3f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -314,8 +314,11 @@ struct Runtime::Impl {
     // unrelated to the order steps finish in).
     const bool prefetching = !sync_order.empty();
     const bool interleave = cfg.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
-    // With prefetch only the first prefetch_early syncs interleave (Note [Forward prefetch]).
-    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), interleave, cfg.interleave_lag, prefetching ? prefetch_early : B);
+    // With prefetch only the first prefetch_early syncs interleave, each after the next bucket's
+    // reduction (Note [Forward prefetch]): a reduction never queues behind a step then, and the
+    // sync left over for after backward is needed second by forward, which waits for the first.
+    const auto shape = schedule_shape(B, syncs, syncs && shard->clips(), interleave, prefetching ? std::max<std::size_t>(1, cfg.interleave_lag) : cfg.interleave_lag,
+                                      prefetching ? prefetch_early : B);
     std::vector<ScheduleEntry> entries;
     std::uint32_t rb = 0, sb = 0;
     for (auto kind : shape) {
@@ -541,8 +544,8 @@ struct Runtime::Impl {
   // for each bucket; at its end rank 0's order is broadcast and the syncs are issued in it from
   // then on, so the parameters the next forward needs first arrive first.
   // Syncs after backward overlap the next forward; but when backward leaves the link idle between
-  // reductions (compute-bound), syncs sent then (interleaved as Config::interleave_lag says) are
-  // free, and fewer are left for the forward to wait on. So the sync order is: K
+  // reductions (compute-bound), syncs sent then (interleaved, each after the next bucket's
+  // reduction) are free, and fewer are left for the forward to wait on. So the sync order is: K
   // buckets in backward's order, then the rest in forward order. K (Config::
   // prefetch_syncs_in_backward, or chosen here from this iteration, rank 0's) is how many syncs
   // fit in backward's idle link time: backward's length minus its reductions' link time. When the

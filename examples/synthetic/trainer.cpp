@@ -3,6 +3,8 @@
 #include <sys/prctl.h>
 
 #include <exception>
+#include <fstream>
+#include <sstream>
 #include <mutex>
 #include <thread>
 
@@ -17,11 +19,46 @@ std::chrono::nanoseconds sync_time(const Options& opt) {
   return opt.runtime.zero_stage >= 1 ? opt.link.cost(CollectiveKind::allgather, opt.numel * 4, opt.world) : std::chrono::nanoseconds(0);
 }
 
+std::vector<std::pair<std::string, std::size_t>> load_param_list(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UsageError("parameter list '" + path + "': cannot open");
+  std::vector<std::pair<std::string, std::size_t>> out;
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (const auto c = line.find('#'); c != std::string::npos) line.erase(c);
+    std::istringstream ls(line);
+    std::string name;
+    long long numel = 0;
+    if (!(ls >> name)) continue;
+    if (!(ls >> numel) || numel <= 0)
+      throw UsageError("parameter list '" + path + "' line " + std::to_string(n) + ": expected 'name numel' with numel > 0");
+    out.emplace_back(name, std::size_t(numel));
+  }
+  if (out.empty()) throw UsageError("parameter list '" + path + "': no parameters");
+  return out;
+}
+
 Result run(Options opt) {
-  if (opt.world < 1 || opt.layers < 1 || opt.numel == 0 || opt.iterations < 1)
-    throw UsageError("synthetic trainer: world, layers, numel and iterations must be positive");
-  opt.runtime.first_bucket_cap_bytes = opt.runtime.bucket_cap_bytes = opt.numel * 4;  // one layer per bucket
+  const bool custom = !opt.params.empty();
+  if (!custom) {
+    if (opt.world < 1 || opt.layers < 1 || opt.numel == 0 || opt.iterations < 1)
+      throw UsageError("synthetic trainer: world, layers, numel and iterations must be positive");
+    for (int l = 0; l < opt.layers; ++l) opt.params.emplace_back("layers." + std::to_string(l) + ".weight", opt.numel);
+    opt.runtime.first_bucket_cap_bytes = opt.runtime.bucket_cap_bytes = opt.numel * 4;  // one layer per bucket
+    opt.forward_total = opt.forward_per_layer * opt.layers;
+    opt.backward_total = opt.backward_per_layer * opt.layers;
+  }
   opt.runtime.static_graph = true;  // backward's order is fixed: no rebuild
+  std::size_t total = 0;
+  std::vector<std::size_t> offset;
+  for (const auto& [name, n] : opt.params) {
+    offset.push_back(total);
+    total += n;
+  }
+  // Each parameter's share of forward and backward.
+  auto share = [&](std::chrono::microseconds t, std::size_t n) {
+    return std::chrono::nanoseconds(std::int64_t(double(t.count()) * 1e3 * double(n) / double(total)));
+  };
   const auto world = make_sim_world(opt.world, opt.link, opt.runtime.timeout);
   Result res;
   res.stats.resize(std::size_t(opt.world));
@@ -34,31 +71,41 @@ Result run(Options opt) {
       try {
         // Sleeps as long as asked: the default 50 us timer slack would add up over 2 sleeps a layer.
         prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
-        const auto L = std::size_t(opt.layers);
-        std::vector<float> params(L * opt.numel);
+        const auto L = opt.params.size();
+        std::vector<float> params(total);
         for (std::size_t i = 0; i < params.size(); ++i) params[i] = 0.01f * float(int(i % 97) - 48);  // the same on every rank
         Runtime rt(world->communicator(r), opt.runtime);
         std::vector<Param> layer;
         for (std::size_t l = 0; l < L; ++l)
-          layer.push_back(rt.register_param({"layers." + std::to_string(l) + ".weight", {std::int64_t(opt.numel)}, DType::f32,
-                                             Device::cpu(), params.data() + l * opt.numel}));
+          layer.push_back(rt.register_param({opt.params[l].first, {std::int64_t(opt.params[l].second)}, DType::f32, Device::cpu(),
+                                             params.data() + offset[l]}));
         rt.configure_optimizer(opt.optimizer);
+        using Clock = std::chrono::steady_clock;
         for (int it = 0; it < opt.iterations; ++it) {
           rt.zero_grad();
           {
             auto span = rt.span("forward", "forward");
+            // Deadlines accumulate, so that short shares do not each pay a sleep's overshoot; time
+            // the runtime held the trainer up moves them on.
+            auto due = Clock::now();
             for (std::size_t l = 0; l < L; ++l) {
+              const auto t0 = Clock::now();
               rt.wait_param(layer[l]);  // forward prefetch: this layer's update from the last step
-              std::this_thread::sleep_for(opt.forward_per_layer);
+              due += (Clock::now() - t0) + share(opt.forward_total, opt.params[l].second);
+              std::this_thread::sleep_until(due);
             }
           }
           {
             auto span = rt.span("backward", "backward");
+            auto due = Clock::now();
             for (std::size_t l = L; l-- > 0;) {
-              std::this_thread::sleep_for(opt.backward_per_layer);
-              float* g = rt.grad_f32(layer[l]);
+              due += share(opt.backward_total, opt.params[l].second);
+              std::this_thread::sleep_until(due);
+              const auto t0 = Clock::now();
+              float* g = rt.grad_f32(layer[l]);  // stage 2: may wait for a bucket buffer (backpressure)
+              due += Clock::now() - t0;
               const float v = 1e-3f * float((r + 1) * (it % 5 + 1)) * float(l + 1);
-              for (std::size_t i = 0; i < opt.numel; ++i) g[i] = v * float(int(i % 13) - 6);
+              for (std::size_t i = 0; i < opt.params[l].second; ++i) g[i] = v * float(int(i % 13) - 6);
               rt.grad_ready(layer[l]);
             }
           }

@@ -23,7 +23,15 @@ struct Options {
   Config runtime;  // stage, overlap, prefetch, clipping, trace; bucket caps and static_graph are set here
   OptimizerConfig optimizer;
   SimLink link;
+  // A model of its own instead of `layers` x `numel`: parameters in forward order (name, numel),
+  // bucketed by runtime's caps; forward and backward take forward_total / backward_total, shared
+  // out in proportion to each parameter's size (a transformer's FLOPs follow its parameters).
+  std::vector<std::pair<std::string, std::size_t>> params;
+  std::chrono::microseconds forward_total{0}, backward_total{0};
 };
+
+// Parameters from a text file: one "name numel" per line, '#' comments (bench/gpt2_124m.params).
+std::vector<std::pair<std::string, std::size_t>> load_param_list(const std::string& path);
 
 struct Result {
   std::vector<RuntimeStats> stats;           // per rank

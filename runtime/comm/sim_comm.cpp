@@ -27,6 +27,7 @@ void SimLink::validate(int real_world) const {
   if (sim_world != 0 && sim_world < real_world)
     throw UsageError("sim link: simulated world " + std::to_string(sim_world) + " is smaller than the real world " +
                      std::to_string(real_world) + " (it charges an N-rank ring to the real ranks: N >= world size)");
+  if (!(charge_factor > 0.0)) throw UsageError("sim link: charge factor must be > 0, got " + num(charge_factor));
   if (sim_world < 0) throw UsageError("sim link: simulated world must be >= 0 (0: the real world size)");
 }
 
@@ -35,7 +36,7 @@ std::chrono::nanoseconds SimLink::cost(CollectiveKind kind, std::size_t bytes, i
   if (N <= 1) return std::chrono::nanoseconds(0);
   const double alpha = latency_us * 1e3;            // ns
   const double per_byte = 1.0 / gbytes_per_s;      // ns per byte (10^9 bytes/s = 1 byte/ns)
-  const double B = double(bytes);
+  const double B = double(bytes) * charge_factor;
   double ns = 0;
   switch (kind) {
     case CollectiveKind::allreduce: ns = 2 * (N - 1) * (alpha + B / N * per_byte); break;

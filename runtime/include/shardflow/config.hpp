@@ -77,7 +77,7 @@ struct Config {
   // forward order the runtime observed (rank 0's). Needs configure_optimizer().
   bool forward_prefetch = false;
   // With forward prefetch and interleaved overlap: how many buckets' syncs go out during backward
-  // (interleaved with the reductions as interleave_lag says), the others after
+  // (interleaved with the reductions, each after the next bucket's: lag max(1, interleave_lag)), the others after
   // backward in forward order, overlapping the next forward. -1 (default): chosen from what
   // iteration 2 measured (rank 0's): the syncs that fit in the forward's time stay after backward,
   // the rest go into backward; 0: all after backward.

@@ -30,6 +30,9 @@ struct SimLink {
   // N in the model: 0 charges the real world size; larger values project an N-rank ring while the
   // real ranks run (must not be smaller than the real world).
   int sim_world = 0;
+  // Each byte moved is charged as this many: projections of a large model run on scaled-down
+  // buffers (the link's time is that of the full model; the real data stay small). 1: off.
+  double charge_factor = 1.0;
   // Throws UsageError naming the field for negative latency, non-positive bandwidth, or a
   // sim_world below `real_world`.
   void validate(int real_world) const;
