@@ -170,6 +170,9 @@ int main(int argc, char** argv) {
     const bool tty = isatty(STDOUT_FILENO);
     const int width = std::to_string(opt.steps).size();
     const int every = log_every > 0 ? log_every : std::max(1, opt.steps / 20);
+    // The global loss only when it is printed (and all of them at the end): in between, forward
+    // prefetch's syncs run on past wait() without the trainer's own all-reduce waiting for them.
+    opt.loss_every = every;
     double smoothed_ms = 0;  // exponential moving average of the step time: samples/s and the ETA
     opt.on_step = [&](const mlp::StepReport& r) {
       smoothed_ms = r.step == 0 ? r.step_ms : 0.9 * smoothed_ms + 0.1 * r.step_ms;

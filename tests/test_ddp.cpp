@@ -299,3 +299,17 @@ TEST_CASE("trace: world 2 as threads writes one Chrome trace with both ranks' gr
   }
   std::remove(path.c_str());
 }
+
+TEST_CASE("the example's global loss every 5 steps (forward prefetch running on) gives every step's loss as every step does") {
+  auto o = small_run(2, OptimizerConfig::Kind::adamw);
+  o.steps = 12;
+  o.runtime.zero_stage = 1;
+  o.runtime.overlap = Overlap::interleaved;
+  o.runtime.forward_prefetch = true;
+  const auto each = mlp::train(o);
+  o.loss_every = 5;
+  const auto batched = mlp::train(o);
+  REQUIRE(each.losses.size() == 12);
+  CHECK(batched.losses == each.losses);
+  for (const auto& [name, t] : each.params) CHECK(batched.params.at(name).data == t.data);
+}

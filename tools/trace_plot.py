@@ -119,7 +119,7 @@ def main():
             if cat == "wait":  # exposed: shaded across the rank's lanes
                 x0, x1 = (max(b, lo) - lo) / 1e3, (min(b + d, hi) - lo) / 1e3
                 ax.add_patch(Rectangle((x0, top - 0.5), x1 - x0, bottom - top + 1, color="#F4CCCC", alpha=0.45, lw=0, zorder=0))
-                ax.barh(y, d / 1e3, left=(b - lo) / 1e3, height=0.5, color=COLORS["wait"], hatch="//", edgecolor="#C44E52", lw=0.3)
+                ax.barh(y, d / 1e3, left=(b - lo) / 1e3, height=0.5, color=COLORS["wait"], hatch="//", edgecolor="#C44E52", lw=0.3, zorder=3)
                 continue
             # Nested spans (the trainer's waits inside backward) are drawn thinner on top.
             ax.barh(y, d / 1e3, left=(b - lo) / 1e3, height=0.8, color=COLORS.get(cat, "#BBBBBB"), edgecolor="white", lw=0.3)

@@ -85,26 +85,38 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
   }
 }
 
-// The end of a step on any device: the global loss (an all-reduce of this rank's mean; host memory,
-// which device backends stage) and rank 0's report.
-void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, const Runtime& rt, int step, float loss,
-              std::chrono::steady_clock::time_point t0) {
+// The global mean of this rank's per-step losses (an all-reduce; host memory, which device backends
+// stage). Our own collective on the runtime's communicator: it must not race the runtime's
+// parameter syncs, which forward prefetch leaves running past wait().
+void global_loss(const TrainOptions& opt, const std::shared_ptr<Communicator>& comm, Runtime& rt, float* loss, std::size_t n) {
+  if (opt.runtime.forward_prefetch) rt.wait_all_params();
+  CollectiveOp op;
+  op.kind = CollectiveKind::allreduce;
+  op.send = op.recv = loss;
+  op.count = n;
+  op.scale = 1.0f / float(opt.world_size);  // equal shards: the global mean is the mean of the local means
+  op.tag = "loss";
+  comm->run(op, opt.runtime.timeout);
+}
+
+// The end of a step on any device: the global loss every loss_every steps, and rank 0's report.
+void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, Runtime& rt, int step, float loss,
+              std::chrono::steady_clock::time_point t0, std::vector<float>& local_losses, float& last_global) {
   const auto& opt = sh.opt;
-  if (opt.report_loss && opt.world_size > 1) {
-    CollectiveOp op;
-    op.kind = CollectiveKind::allreduce;
-    op.send = op.recv = &loss;
-    op.count = 1;
-    op.scale = 1.0f / float(opt.world_size);  // equal shards: the global mean is the mean of the local means
-    op.tag = "loss";
-    comm->run(op, opt.runtime.timeout);
+  local_losses.push_back(loss);
+  const bool reduce_now = (step + 1) % std::max(1, opt.loss_every) == 0 || step + 1 == opt.steps;
+  if (opt.report_loss && opt.world_size > 1 && reduce_now) {
+    global_loss(opt, comm, rt, &loss, 1);
+    last_global = loss;
+    if (opt.loss_every <= 1) local_losses.back() = loss;  // already global: no reduction at the end
+  } else if (opt.world_size == 1 || !opt.report_loss) {
+    last_global = loss;
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (rank != 0) return;
-  if (opt.report_loss) sh.result.losses.push_back(loss);
   if (opt.runtime.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
   sh.result.step_ms.push_back(ms);
-  if (opt.on_step) opt.on_step(StepReport{step, loss, ms, rt.last_stats()});
+  if (opt.on_step) opt.on_step(StepReport{step, last_global, ms, rt.last_stats()});
 }
 
 // After the last step: memory at the end, and rank 0's parameters, buckets and collectives.
@@ -142,7 +154,8 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
   // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
   // loss counts 1/K: together they equal one K-times-larger batch.
   const double denom = double(local) * opt.sizes.back() * K;
-  std::vector<float> x, y;
+  std::vector<float> x, y, local_losses;
+  float last_global = 0.0f;
   for (int step = 0; step < opt.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     rt.zero_grad();
@@ -154,7 +167,12 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
     update(step);
-    end_step(sh, rank, comm, rt, step, loss, t0);
+    end_step(sh, rank, comm, rt, step, loss, t0, local_losses, last_global);
+  }
+  // Every step's global loss, in one collective at the end (the same sums as per step).
+  if (opt.report_loss) {
+    if (opt.world_size > 1 && opt.loss_every > 1 && !local_losses.empty()) global_loss(opt, comm, rt, local_losses.data(), local_losses.size());
+    if (rank == 0) sh.result.losses = local_losses;
   }
 }
 
@@ -257,8 +275,6 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
           }
           optim->end_step();
         }
-        // The global loss is our own collective: it must not race the runtime's syncs.
-        if (opt.report_loss && opt.world_size > 1 && prefetch) rt.wait_all_params();
       });
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
@@ -318,8 +334,6 @@ void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& 
               dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]),
                       bias ? l.bias.size() : l.weight.size(), k, step + 1);
             }
-        // The global loss is our own collective: it must not race the runtime's syncs.
-        if (opt.report_loss && opt.world_size > 1 && prefetch) rt.wait_all_params();
       });
   rt.wait_all_params();  // the last iteration's updates, before the parameters are read back
   dm.download(model);

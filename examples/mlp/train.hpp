@@ -50,7 +50,11 @@ struct TrainOptions {
   // Parameters and gradients as the runtime sees them. 16-bit: the runtime keeps fp32 masters in
   // the shard; the trainer computes in fp32 copies of the 16-bit parameters.
   DType param_dtype = DType::f32;
-  bool report_loss = true;    // an extra scalar all-reduce per step for the global loss
+  bool report_loss = true;    // the global loss: an extra all-reduce
+  // ... every this many steps (and the last); the others are all-reduced together at the end, so
+  // TrainResult::losses is the same. Between, forward prefetch's syncs are not waited for (our
+  // collective must not race them). on_step sees the last global loss.
+  int loss_every = 1;
   // cuda: the model runs with cuBLAS on this GPU (DeviceModel), the buckets live there, the ranks
   // are threads over the in-process backend on that one GPU (train) or processes over NCCL
   // (train_rank); the runtime's optimizer steps its shard on the device (every ZeRO stage,
