@@ -30,6 +30,8 @@ bench: build
 	$(BUILD)/bench/bench_collectives
 	$(BUILD)/bench/bench_ddp
 	$(BUILD)/bench/bench_zero
+	$(BUILD)/bench/bench_overlap
+	$(BUILD)/bench/bench_overhead
 
 clean:
 	rm -rf $(BUILD)
