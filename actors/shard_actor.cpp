@@ -72,11 +72,14 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       return allowed && s.next_step < B && s.reduced[bucket_at(s.next_step)] && (!pooled || s.staging_in_flight < kStagingInFlight);
     };
     // Note [One step per message]
-    // One bucket per message: after each step the actor hands its scheduler thread back (a
-    // step_next message to itself; the engine runs one message per turn), so the comm stream can
-    // issue that bucket's sync while the next bucket steps. Stepping every ready bucket in one go
-    // kept both scheduler threads busy with two ranks' shards and held every sync back until all
-    // steps were done (measured: 0.8 ms of idle link per iteration at 16 buckets).
+    // One bucket per message: after each step the actor hands its scheduler thread back, so the
+    // comm stream can issue that bucket's sync while the next bucket steps. Stepping every ready
+    // bucket in one go kept both scheduler threads busy with two ranks' shards and held every sync
+    // back until all steps were done (measured: 0.8 ms of idle link per iteration at 16 buckets).
+    // The step_next message to itself goes through CAF's clock (a delayed send of 0), so that the
+    // actor's mailbox is empty when this message is done and the thread takes the next actor's
+    // turn; a plain send would be processed in the same turn. (One message per turn for every
+    // actor would do it too, but cost 3x on the runtime's overhead: bench_overhead.)
     if (can_step()) {
       const auto b = bucket_at(s.next_step++);
       const auto t0 = Timeline::now();
@@ -102,7 +105,7 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
         self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
       }
       if (can_step()) {
-        self->send(self, msg::step_next_atom::value);
+        self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
         return;
       }
     }

@@ -5,6 +5,7 @@
 #include <caf/all.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <thread>
 
@@ -25,9 +26,10 @@ Engine::Engine(unsigned threads) {
   // than work stealing, whose idle workers back off into sleeps.
   config_.set("scheduler.max-threads", std::size_t{threads});
   config_.set("scheduler.policy", caf::atom("sharing"));
-  // One message per turn: an actor with more work (a shard stepping its next bucket) goes to the
-  // back of the queue, so the comm stream's actor is never held behind it (Note [One step per message]).
-  config_.set("scheduler.max-throughput", std::size_t{1});
+  // Messages an actor handles per turn (CAF's default: no limit). For experiments only: the shard
+  // actor yields between steps by itself (Note [One step per message]).
+  if (const char* t = std::getenv("SHARDFLOW_ACTOR_THROUGHPUT"))
+    config_.set("scheduler.max-throughput", std::size_t(std::max(1, std::atoi(t))));
   // CAF would otherwise read caf-application.ini from the working directory.
   config_.set("logger.console", caf::atom("none"));
   config_.add_thread_hook<RuntimeThreadHook>();
