@@ -564,7 +564,7 @@ struct Runtime::Impl {
     for (auto b : order) have[b] = 1;
     for (std::size_t b = B; b-- > 0;)  // never asked for: forward runs back to front
       if (!have[b]) order.push_back(std::uint32_t(b));
-    order.push_back(std::uint32_t(choose_early_syncs(order)));  // rank 0's choice travels with its order
+    order.push_back(std::uint32_t(choose_early_syncs()));  // rank 0's choice travels with its order
     if (world > 1) {
       CollectiveOp op;
       op.kind = CollectiveKind::broadcast;
@@ -591,7 +591,7 @@ struct Runtime::Impl {
     spawn_actors();
   }
 
-  std::size_t choose_early_syncs(const std::vector<std::uint32_t>& forward) const {
+  std::size_t choose_early_syncs() const {
     const std::size_t B = plan.buckets.size();
     if (cfg.overlap != Overlap::interleaved || !shard || !shard->syncs()) return 0;
     if (cfg.prefetch_syncs_in_backward >= 0) return std::min<std::size_t>(std::size_t(cfg.prefetch_syncs_in_backward), B);
@@ -607,7 +607,6 @@ struct Runtime::Impl {
     std::size_t k = 0;
     double t = 0;
     while (k + 1 < B && (t += bytes[k] * ms_per_byte) <= idle) ++k;
-    (void)forward;
     return k;
   }
 
