@@ -2,11 +2,14 @@
 // environments of torchrun / Slurm / Open MPI, and what happens when a rank dies or the ranks
 // disagree about the model.
 #include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
 
 #include <signal.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <set>
 
 #include "examples/mlp/train.hpp"
 #include "kernels/cuda/device.hpp"
@@ -150,6 +153,53 @@ TEST_CASE("without a launcher: kill -9 of rank 1 -> rank 0 exits non-zero within
     CHECK(r0.output().find("mlp_train: error:") != std::string::npos);
     if (backend == "shm") CHECK(r0.output().find("rank 1 (pid " + std::to_string(r1.pid()) + ") died") != std::string::npos);
   }
+}
+
+TEST_CASE("shardflow run: --trace without {rank} -> each rank writes <stem>.rank<r>.json, over the sim link too; trace_merge.py joins them") {
+  const std::string trace = scratch("trace.json");
+  auto args = mlp_args(1);
+  args.insert(args.begin(), kTrainer);
+  for (auto a : {"--backend", "sim", "--sim-latency-us", "5", "--sim-gbytes-per-s", "2", "--trace", trace.c_str()}) args.push_back(a);
+  Child job(launch(2, args), no_launch_env());
+  const auto st = job.wait(60s);
+  INFO(job.output());
+  REQUIRE(test::exited_ok(st));
+  CHECK(job.output().find("world 2 (sim(shm))") != std::string::npos);
+  CHECK(!std::filesystem::exists(trace));
+  for (int r : {0, 1}) {
+    const std::string file = scratch("trace.rank" + std::to_string(r) + ".json");
+    CAPTURE(file);
+    std::ifstream in(file);
+    REQUIRE(in.good());
+    const auto j = nlohmann::json::parse(in);
+    int reductions = 0;
+    for (const auto& e : j.at("traceEvents")) {
+      CHECK(e.at("pid").get<int>() == r);  // each file holds its own rank
+      reductions += e.value("cat", "") == "reduce";
+    }
+    CHECK(reductions > 0);
+  }
+  // The merge tool, where a python3 exists (the project's set-up installs it).
+  if (std::system("command -v python3 > /dev/null 2>&1") == 0) {
+    const std::string merged = scratch("merged.json");
+    const std::string cmd = "python3 " SHARDFLOW_SOURCE_DIR "/tools/trace_merge.py " + scratch("trace.rank0.json") + " " +
+                            scratch("trace.rank1.json") + " -o " + merged + " > /dev/null";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    std::ifstream in(merged);
+    const auto j = nlohmann::json::parse(in);
+    std::set<int> ranks;
+    for (const auto& e : j.at("traceEvents")) ranks.insert(e.at("pid").get<int>());
+    CHECK(ranks == std::set<int>{0, 1});
+  }
+}
+
+TEST_CASE("an unwritable --trace path stops mlp_train before training, naming the path") {
+  Child job({kTrainer, "--sizes", "8,4", "--steps", "3", "--trace", "/nonexistent-dir/t.json"}, no_launch_env());
+  const auto st = job.wait(30s);
+  INFO(job.output());
+  REQUIRE(test::failed(st));
+  CHECK(job.output().find("/nonexistent-dir/t.json") != std::string::npos);
+  CHECK(job.output().find("step 1/") == std::string::npos);
 }
 
 TEST_CASE("shardflow run: two ranks with different models -> a clear error naming the difference, no training") {
