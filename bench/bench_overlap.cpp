@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
   std::vector<int> stages{1, 2};
   double latency_us = 10;
   std::string json_out, trace_dir;
-  int reps = 3;
+  int reps = 3, prefetch_early = -1;
+  std::size_t in_flight = Config{}.max_buckets_in_flight;
   std::vector<std::string> only;
   app.add_option("--layers", base.layers, "layers = buckets")->capture_default_str();
   app.add_option("--numel", base.numel, "fp32 elements per layer")->capture_default_str();
@@ -70,6 +71,9 @@ int main(int argc, char** argv) {
   app.add_option("--stages", stages, "ZeRO stages (comma separated)")->delimiter(',')->capture_default_str();
   app.add_option("--modes", only, "only these modes (comma separated: none, after_backward, interleaved, \"interleaved lag 1\", "
                  "\"interleaved + prefetch\")")->delimiter(',');
+  app.add_option("--prefetch-syncs-in-backward", prefetch_early, "Config::prefetch_syncs_in_backward (-1: chosen by the runtime)")
+      ->capture_default_str();
+  app.add_option("--max-buckets-in-flight", in_flight, "Config::max_buckets_in_flight (stage 2's backpressure)")->capture_default_str();
   app.add_option("--reps", reps, "A B A B repetitions of each mode's baseline and ratios (medians)")->capture_default_str();
   app.add_option("--json", json_out, "write every point as JSON (bench/plot_overlap.py draws it)");
   app.add_option("--trace-dir", trace_dir, "write each point's Chrome trace there (stage<s>_<mode>_<ratio>.json)");
@@ -81,6 +85,8 @@ int main(int argc, char** argv) {
   base.optimizer.kind = OptimizerConfig::Kind::adamw;
   base.optimizer.lr = 1e-3f;
   base.runtime.timeout = seconds(60);
+  base.runtime.prefetch_syncs_in_backward = prefetch_early;
+  base.runtime.max_buckets_in_flight = in_flight;
 
   const std::vector<Mode> modes{{"none", Overlap::none, false, 0},
                                 {"after_backward", Overlap::after_backward, false, 0},
