@@ -91,10 +91,13 @@ struct Config {
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;
 
-  // Writes a Chrome trace (chrome://tracing, ui.perfetto.dev) of what each rank did when: every
-  // grad_ready, every collective from issue to completion, every wait(). Ranks that are threads of
-  // one process share the file (written when the last Runtime goes); "{rank}" in the path gives
-  // each rank its own, which one-process-per-rank jobs need. Empty: off.
+  // Writes a Chrome trace (chrome://tracing, ui.perfetto.dev) of what each rank did when (Note
+  // [Timeline]): forward/backward spans the trainer adds (Runtime::span), every grad_ready, each
+  // collective while it held the comm stream, casts, the shard's steps, every wait, each
+  // iteration, the rebuild. Ranks that are threads of one process share the file (written when
+  // the last Runtime goes); a rank that is a process of its own (under a launcher) writes
+  // <stem>.rank<r>.json beside the path, or where "{rank}" says. A path that cannot be written is
+  // a UsageError from the Runtime's constructor. Empty: off (Runtime::stats() works either way).
   std::string trace_path;
 
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
