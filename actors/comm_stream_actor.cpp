@@ -143,20 +143,19 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
         s.log->record(op);
         s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
         CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
-        if (const auto t0 = s.log->issued()) {  // Note [Timeline]: the span ends when completion is heard of
-          CollectiveOp what;  // the op's description, without its buffers
-          what.kind = op.kind;
-          what.dtype = op.dtype;
-          what.count = op.count;
-          what.tag = op.tag;
-          const char* cat = e.kind == ScheduleEntry::sync ? "sync" : "reduce";
-          const std::int64_t bucket = e.kind == ScheduleEntry::norm ? -1 : std::int64_t(e.bucket);
-          done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration), t0,
-                  inner = std::move(done)](std::exception_ptr x) {
-            log->completed(what, world, cat, bucket, it, t0);
-            inner(x);
-          };
-        }
+        // Note [Timeline]: the link figures (and the span, when tracing) end when completion is heard of.
+        CollectiveOp what;  // the op's description, without its buffers
+        what.kind = op.kind;
+        what.dtype = op.dtype;
+        what.count = op.count;
+        if (s.log->tracing()) what.tag = op.tag;
+        const char* cat = e.kind == ScheduleEntry::sync ? "sync" : "reduce";
+        const std::int64_t bucket = e.kind == ScheduleEntry::norm ? -1 : std::int64_t(e.bucket);
+        done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration),
+                t0 = Timeline::now(), inner = std::move(done)](std::exception_ptr x) {
+          log->completed(what, world, cat, bucket, it, t0);
+          inner(x);
+        };
         s.comm->submit(std::move(op), std::move(done));
       }
       if (e.kind == ScheduleEntry::reduce && i == s.last_reduce_entry && s.shard)

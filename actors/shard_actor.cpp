@@ -94,8 +94,9 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
       if (sh.syncs()) sh.pack(b);
       const auto t1 = Timeline::now();
       s.timeline->stats().optimizer(t0, t1);
-      s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
-                       SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.stepped_all ? 1 : 0), -1});
+      if (s.timeline->tracing())
+        s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
+                         SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.stepped_all ? 1 : 0), -1});
       if (sh.syncs()) {
         ++s.staging_in_flight;
         self->send(s.comm, msg::step_done_atom::value, b);
@@ -166,8 +167,9 @@ caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::share
         if (!failure) try {
             const auto t0 = Timeline::now();
             s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
-            s.timeline->span("unpack bucket " + std::to_string(b), "sync", Lane::optimizer, t0, Timeline::now(),
-                             SpanArgs{std::int64_t(b), -1, nullptr, -1, -1});
+            if (s.timeline->tracing())
+              s.timeline->span("unpack bucket " + std::to_string(b), "sync", Lane::optimizer, t0, Timeline::now(),
+                               SpanArgs{std::int64_t(b), -1, nullptr, -1, -1});
             if (s.zero_on_done) s.shard->zero_bucket(b);
             s.shard->mark_done(b);
           } catch (const std::exception& e) {

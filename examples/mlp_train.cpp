@@ -220,14 +220,12 @@ int main(int argc, char** argv) {
       std::printf("stats %s\n", stats_json.c_str());
     }
     if (plot) {
-      std::string trace = opt.runtime.trace_path;
-      const auto dot = trace.rfind('.');
-      const bool has_ext = dot != std::string::npos && trace.find('/', dot) == std::string::npos;
-      if (const auto at = trace.find("{rank}"); at != std::string::npos)
-        trace.replace(at, 6, "0");
-      else if (env.launched() && env.world_size > 1)  // each rank wrote <stem>.rank<r>.json: draw rank 0's
-        trace = (has_ext ? trace.substr(0, dot) : trace) + ".rank0" + (has_ext ? trace.substr(dot) : ".json");
-      const std::string png = (has_ext ? opt.runtime.trace_path.substr(0, dot) : opt.runtime.trace_path) + ".png";
+      // Rank 0's file: the one every rank shares, or its own under a launcher.
+      const std::string trace = trace_file_for(opt.runtime.trace_path, 0, env.launched() && env.world_size > 1);
+      const std::string& given = opt.runtime.trace_path;
+      const auto dot = given.rfind('.');
+      const bool has_ext = dot != std::string::npos && given.find('/', dot) == std::string::npos;
+      const std::string png = (has_ext ? given.substr(0, dot) : given) + ".png";
       // Debian's python3 (python3-matplotlib) rather than whatever python3 comes first on the PATH.
       const std::string python = ::access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
       const std::string cmd = python + " '" SHARDFLOW_TOOLS_DIR "/trace_plot.py' '" + trace + "' -o '" + png + "'";

@@ -23,14 +23,15 @@ class CollectiveLog {
     if (lines_.size() > kKeep) lines_.pop_front();  // long trainings keep the recent past only
   }
   // Each collective also becomes a span on the rank's timeline (Note [Timeline]) and counts in its
-  // figures: call issued() when it goes out and completed() from its done callback.
+  // figures: completed() from its done callback, with the time it went out.
   void set_timeline(std::shared_ptr<Timeline> t) { timeline_ = std::move(t); }
-  Timeline::Time issued() const { return timeline_ ? Timeline::now() : 0; }
+  bool tracing() const { return timeline_ && timeline_->tracing(); }
+  // `op`: the collective's description (its buffers are not read; the tag only when tracing).
   void completed(const CollectiveOp& op, int world, const char* cat, std::int64_t bucket, std::int64_t iteration,
                  Timeline::Time begin) const {
     if (!timeline_) return;
-    timeline_->collective(std::string(collective_name(op.kind)) + " " + op.tag, cat, int(op.kind), collective_bytes(op, world), begin,
-                          Timeline::now(), SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1});
+    timeline_->collective([&] { return std::string(collective_name(op.kind)) + " " + op.tag; }, cat, int(op.kind),
+                          collective_bytes(op, world), begin, Timeline::now(), SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1});
   }
   std::vector<std::string> lines() const {
     std::lock_guard lock(mu_);

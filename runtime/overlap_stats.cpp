@@ -34,14 +34,6 @@ Time covered(std::vector<I> v, Time lo, Time hi) {
   return total;
 }
 
-// Length of the union of `a` minus what the union of `b` covers, both clipped to [lo, hi].
-template <class I>
-Time outside(const std::vector<I>& a, const std::vector<I>& b, Time lo, Time hi) {
-  std::vector<I> both = a;
-  both.insert(both.end(), b.begin(), b.end());
-  return covered(both, lo, hi) - covered(b, lo, hi);
-}
-
 double median_of(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -102,10 +94,13 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   IterationStats s;
   s.iteration = iteration;
   s.iteration_ms = double(hi - lo) / 1e3;
-  s.exposed_ms = double(covered(blocked_, lo, hi)) / 1e3;
+  const Time exposed = covered(blocked_, lo, hi);
+  std::vector<Interval> link_or_blocked = link_;
+  link_or_blocked.insert(link_or_blocked.end(), blocked_.begin(), blocked_.end());
+  s.exposed_ms = double(exposed) / 1e3;
   s.compute_ms = s.iteration_ms - s.exposed_ms;
   s.link_ms = double(covered(link_, lo, hi)) / 1e3;
-  s.hidden_ms = double(outside(link_, blocked_, lo, hi)) / 1e3;
+  s.hidden_ms = double(covered(link_or_blocked, lo, hi) - exposed) / 1e3;  // link time outside the blocked intervals
   s.optimizer_ms = double(covered(optimizer_, lo, hi)) / 1e3;
   s.buckets = buckets;
   s.buckets_done_in_backward = done_in_backward;

@@ -349,15 +349,17 @@ struct Runtime::Impl {
             const std::size_t n = sh->shard_plan().buckets[b].padded;
             const auto c0 = Timeline::now();
             op.wait_event = sh->to_wire(b, ev->get(b));
-            tl->span("cast bucket " + std::to_string(b) + " to " + dtype_name(wire), "cast", Lane::cast_to, c0, Timeline::now(),
-                     SpanArgs{std::int64_t(b), std::int64_t(n * 4), dtype_name(wire), -1, -1});
+            if (tl->tracing())
+              tl->span("cast bucket " + std::to_string(b) + " to " + dtype_name(wire), "cast", Lane::cast_to, c0, Timeline::now(),
+                       SpanArgs{std::int64_t(b), std::int64_t(n * 4), dtype_name(wire), -1, -1});
             const std::size_t out = rs ? count : n;
             std::byte* out_wire = rs ? wire_buf.get() + n * dtype_size(wire) : wire_buf.get();
             issue.on_complete = [sh, b, out_wire, out, recv, wire_buf, tl, wire] {
               const auto c1 = Timeline::now();
               sh->from_wire(b, reinterpret_cast<float*>(recv.get()), out_wire, out);
-              tl->span("cast bucket " + std::to_string(b) + " from " + dtype_name(wire), "cast", Lane::cast_from, c1, Timeline::now(),
-                       SpanArgs{std::int64_t(b), std::int64_t(out * 4), "fp32", -1, -1});
+              if (tl->tracing())
+                tl->span("cast bucket " + std::to_string(b) + " from " + dtype_name(wire), "cast", Lane::cast_from, c1, Timeline::now(),
+                         SpanArgs{std::int64_t(b), std::int64_t(out * 4), "fp32", -1, -1});
             };
             send = wire_buf;
             recv = wire_buf;

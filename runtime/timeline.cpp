@@ -11,6 +11,7 @@
 
 #include "runtime/logging.hpp"
 #include "shardflow/errors.hpp"
+#include "shardflow/shardflow.hpp"
 
 namespace shardflow {
 namespace {
@@ -96,7 +97,7 @@ Timeline::Time Timeline::now() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string resolve_trace_path(const std::string& given, int rank, bool one_process_per_rank) {
+std::string trace_file_for(const std::string& given, int rank, bool one_process_per_rank) {
   std::string path = given;
   const auto at = path.find("{rank}");
   if (at != std::string::npos) {
@@ -108,6 +109,11 @@ std::string resolve_trace_path(const std::string& given, int rank, bool one_proc
     const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash);
     path = (has_ext ? path.substr(0, dot) : path) + ".rank" + std::to_string(rank) + (has_ext ? path.substr(dot) : ".json");
   }
+  return path;
+}
+
+std::string resolve_trace_path(const std::string& given, int rank, bool one_process_per_rank) {
+  const std::string path = trace_file_for(given, rank, one_process_per_rank);
   // Fail now, not after training: open the file for writing (and remove it again if it is new).
   std::FILE* probe = std::fopen(path.c_str(), "r");
   const bool existed = probe != nullptr;
@@ -149,8 +155,8 @@ void Timeline::instant(std::string name, const char* cat, Lane lane, SpanArgs ar
   if (!closed_) events_.push_back(Event{std::move(name), cat, lane, t, -1, args});
 }
 
-void Timeline::collective(std::string name, const char* cat, int kind, std::size_t bytes, Time issued, Time completed,
-                          SpanArgs args) {
+void Timeline::collective(const std::function<std::string()>& name, const char* cat, int kind, std::size_t bytes, Time issued,
+                          Time completed, SpanArgs args) {
   Time begin;
   {
     std::lock_guard lock(mu_);
@@ -159,9 +165,10 @@ void Timeline::collective(std::string name, const char* cat, int kind, std::size
     comm_free_ = completed;
   }
   stats_.link(begin, completed, kind, bytes, std::strcmp(cat, "sync") == 0);
+  if (!tracing()) return;
   args.issued_us = issued;
   args.bytes = std::int64_t(bytes);
-  span(std::move(name), cat, Lane::comm, begin, completed, args);
+  span(name(), cat, Lane::comm, begin, completed, args);
 }
 
 }  // namespace shardflow

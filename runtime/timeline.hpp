@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,7 +60,9 @@ class Timeline {
   void instant(std::string name, const char* cat, Lane lane, SpanArgs args = {});
   // A collective completed: its span on the comm lane starts where the previous one ended (or at
   // its issue, if later). Feeds the link figures too.
-  void collective(std::string name, const char* cat, int kind, std::size_t bytes, Time issued, Time completed, SpanArgs args);
+  // `name` is called only when a trace file is written (it runs once per collective).
+  void collective(const std::function<std::string()>& name, const char* cat, int kind, std::size_t bytes, Time issued,
+                  Time completed, SpanArgs args);
 
   OverlapStats& stats() { return stats_; }
 
@@ -81,9 +84,8 @@ class Timeline {
   OverlapStats stats_;
 };
 
-// Where rank `rank`'s trace goes: "{rank}" replaced; without it, under a launcher (one process per
-// rank), <stem>.rank<r>.json beside the path. Throws UsageError if the file cannot be written, so
-// that a bad path fails before training rather than after it.
+// Where rank `rank`'s trace goes (trace_file_for, shardflow.hpp), checked: UsageError if the file
+// cannot be written, so that a bad path fails before training rather than after it.
 std::string resolve_trace_path(const std::string& path, int rank, bool one_process_per_rank);
 
 }  // namespace shardflow

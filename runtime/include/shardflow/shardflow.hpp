@@ -84,6 +84,11 @@ struct RuntimeStats {
   std::string to_json() const;
 };
 
+// Where rank `rank` writes the trace of Config::trace_path: "{rank}" replaced; without it, when
+// each rank is a process of its own (under a launcher), <stem>.rank<r>.json beside the path; else
+// the path itself (ranks that are threads share it).
+std::string trace_file_for(const std::string& trace_path, int rank, bool one_process_per_rank);
+
 class Runtime {
  public:
   Runtime(std::shared_ptr<Communicator> comm, Config config = {});
