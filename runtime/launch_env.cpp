@@ -8,6 +8,7 @@
 #include <limits>
 #include <cstdlib>
 
+#include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/launch.hpp"
 
@@ -62,6 +63,11 @@ constexpr long kMaxWorld = 1 << 20;
 LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& getenv) {
   const Env env(getenv);
   LaunchEnv e;
+  // Read first: they matter to a single process too (a store it serves, a Gloo group it makes).
+  const auto socket = net::socket_choice_from_env(getenv);
+  e.socket_address = socket.address;
+  e.socket_ifname = socket.ifname;
+  e.socket_origin = socket.origin;
   long port = 29500;  // torchrun's default
   if (env.has("RANK") || env.has("WORLD_SIZE")) {
     e.source = env.has("SHARDFLOW_LAUNCHER") ? "shardflow run" : "torchrun";
@@ -117,6 +123,10 @@ std::string LaunchEnv::describe() const {
   return "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " (local " + std::to_string(local_rank) +
          " of " + std::to_string(local_world_size) + ", from " + source + "; store " + master_addr + ":" +
          std::to_string(store_port) + (store_hosted ? " served by the launcher" : " served by rank 0") + ")";
+}
+
+std::string LaunchEnv::socket_bind_address() const {
+  return net::choose_local_address({socket_address, socket_ifname, socket_origin}, master_addr, single_host()).address;
 }
 
 }  // namespace shardflow

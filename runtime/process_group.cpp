@@ -1,9 +1,10 @@
 // init_process_group: the store (served by rank 0 unless a launcher serves it), a backend
 // agreement check over it, then the backend's own rendezvous.
-#include <unistd.h>
+#include <cstdlib>
 
 #include <atomic>
 
+#include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/gloo.hpp"
 #include "kernels/cuda/device.hpp"
@@ -36,12 +37,6 @@ class GroupComm final : public Communicator {
 
 std::atomic<int> groups_created{0};
 
-std::string this_host() {
-  char name[256] = {};
-  gethostname(name, sizeof(name) - 1);
-  return name;
-}
-
 }  // namespace
 
 std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
@@ -52,7 +47,8 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   std::string store_host = env.master_addr;
   if (!env.store_hosted && env.rank == 0) {
     StoreServerOptions so;
-    so.host = env.single_host() ? "127.0.0.1" : "0.0.0.0";  // loopback unless peers live elsewhere
+    so.host = net::store_bind_address({env.socket_address, env.socket_ifname, env.socket_origin}, env.master_addr,
+                                      env.single_host());
     so.port = env.store_port;
     so.token = env.token;
     try {
@@ -61,7 +57,7 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
       throw CommError("rank 0 cannot serve the rendezvous store: " + std::string(e.what()) +
                       " (another job on this port? set MASTER_PORT or SHARDFLOW_STORE_PORT)");
     }
-    store_host = "127.0.0.1";
+    store_host = so.host;
   }
   const std::string prefix = "pg" + std::to_string(groups_created++) + "/";
   {
@@ -85,6 +81,8 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   where.timeout = o.timeout;
   std::shared_ptr<Communicator> inner;
   if (backend == "nccl") {
+    // NCCL's bootstrap picks its own interface; the one chosen for shardflow is its default too.
+    if (!env.socket_ifname.empty()) ::setenv("NCCL_SOCKET_IFNAME", env.socket_ifname.c_str(), /*overwrite=*/0);
     NcclOptions no;
     static_cast<StoreRendezvous&>(no) = where;
     const int devices = cuda::device_count();
@@ -97,7 +95,7 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   } else {
     GlooOptions go;
     static_cast<StoreRendezvous&>(go) = where;
-    go.hostname = env.single_host() ? "127.0.0.1" : this_host();
+    go.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
     inner = make_gloo_communicator(go);
   }
   return std::make_shared<GroupComm>(std::move(server), std::move(inner));

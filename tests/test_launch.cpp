@@ -16,6 +16,7 @@
 #include "helpers.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/safetensors.hpp"
+#include "launch_helpers.hpp"
 #include "subprocess.hpp"
 
 using namespace shardflow;
@@ -24,21 +25,12 @@ using test::Child;
 
 namespace {
 
-const std::string kLauncher = SHARDFLOW_LAUNCHER_PATH;
-const std::string kTrainer = MLP_TRAIN_PATH;
+using test::kLauncher;
+using test::kTrainer;
+using test::mlp_args;
+using test::no_launch_env;
 
-std::string scratch(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / ("shardflow_test_launch_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
-}
-
-// The MLP flags every scenario shares: small, a few steps, AdamW (state that must be sharded right).
-std::vector<std::string> mlp_args(int zero_stage) {
-  return {"--sizes", "24,40,40,6", "--steps", "6", "--global-batch", "12", "--optimizer", "adamw", "--lr", "0.01",
-          "--zero-stage", std::to_string(zero_stage), "--overlap", zero_stage ? "interleaved" : "none", "--first-bucket-mb",
-          "0.004", "--bucket-mb", "0.004", "--quiet", "--timeout", "20"};
-}
+std::string scratch(const std::string& name) { return test::scratch("test_launch", name); }
 
 TensorMap in_process(int world, int zero_stage) {
   mlp::TrainOptions o;
@@ -59,11 +51,6 @@ std::vector<std::string> launch(int nproc, std::vector<std::string> prog) {
   std::vector<std::string> argv{kLauncher, "run", "--nproc-per-node", std::to_string(nproc), "--kill-grace", "2", "--"};
   argv.insert(argv.end(), prog.begin(), prog.end());
   return argv;
-}
-
-std::map<std::string, std::string> no_launch_env() {
-  // The test itself may run under a launcher: the children must not inherit its ranks.
-  return {{"RANK", ""}, {"WORLD_SIZE", ""}, {"SLURM_PROCID", ""}, {"OMPI_COMM_WORLD_RANK", ""}};
 }
 
 }  // namespace

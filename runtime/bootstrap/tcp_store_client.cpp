@@ -6,6 +6,7 @@
 
 #include <thread>
 
+#include "runtime/bootstrap/net_address.hpp"
 #include "runtime/bootstrap/store_protocol.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
@@ -76,7 +77,8 @@ TcpStoreClient::TcpStoreClient(const std::string& host, std::uint16_t port, cons
   I.where = host + ":" + std::to_string(port);
   I.timeout = timeout;
   boost::system::error_code ec;
-  const auto addr = asio::ip::make_address(host, ec);
+  // A host name (MASTER_ADDR=node0) resolves once, here: a store address does not move mid-job.
+  const auto addr = asio::ip::make_address(net::resolve_ipv4(host), ec);
   if (ec) throw UsageError("TcpStoreClient: '" + host + "' is not an IP address");
   // The server may not be up yet (rank 0 still starting): retry until the timeout.
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -131,5 +133,7 @@ void TcpStoreClient::wait(const std::vector<std::string>& keys, std::chrono::mil
 bool TcpStoreClient::remove(const std::string& key) {
   return impl_->transact(store::Writer().u8(store::remove).str(key).frame(), "delete", impl_->timeout) == "1";
 }
+
+void TcpStoreClient::set_timeout(std::chrono::milliseconds timeout) { impl_->timeout = timeout; }
 
 }  // namespace shardflow

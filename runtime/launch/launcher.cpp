@@ -18,6 +18,8 @@
 #include <random>
 #include <thread>
 
+#include "runtime/bootstrap/net_address.hpp"
+#include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
@@ -79,17 +81,41 @@ class Supervisor {
     sigemptyset(&mask);
     for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
     pthread_sigmask(SIG_BLOCK, &mask, &old);
-    sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC);
+    sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd_ < 0) throw Error("signalfd: " + std::string(std::strerror(errno)));
 
+    const bool one_node = spec_.nnodes == 1;
+    socket_ = socket_choice();
+    const net::SocketChoice& socket = socket_;
+    // Resolved before anything starts: a bad --iface is an error now, not in every rank later.
+    const net::LocalAddress local = net::choose_local_address(socket, spec_.master_addr, one_node);
     int port = spec_.master_port;
+    std::string store_at = net::resolve_ipv4(spec_.master_addr);
     if (spec_.node_rank == 0) {
       StoreServerOptions so;
-      so.host = spec_.nnodes == 1 ? "127.0.0.1" : "0.0.0.0";
-      so.port = std::uint16_t(port < 0 ? (spec_.nnodes == 1 ? 0 : 29500) : port);
+      so.host = net::store_bind_address(socket, spec_.master_addr, one_node);
+      so.port = std::uint16_t(port < 0 ? (one_node ? 0 : 29500) : port);
       so.token = token;
       store_ = std::make_unique<TcpStoreServer>(so);
       port = store_->port();
+      store_at = so.host;
+    }
+    if (!one_node) {
+      NodeWatchOptions wo;
+      wo.nnodes = spec_.nnodes;
+      wo.node_rank = spec_.node_rank;
+      wo.nproc_per_node = spec_.nproc_per_node;
+      wo.store_host = store_at;
+      wo.store_port = std::uint16_t(port);
+      wo.token = token;
+      wo.local_address = local.address;
+      wo.rdzv_timeout = spec_.rdzv_timeout;
+      wo.heartbeat_interval = spec_.heartbeat_interval;
+      wo.heartbeat_timeout = spec_.heartbeat_timeout;
+      say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
+          local.address + " (" + local.why + "), waiting for the other nodes at " + store_at + ":" + std::to_string(port));
+      watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
+      watch_->start();
     }
 
     std::string started;
@@ -117,9 +143,30 @@ class Supervisor {
     if (spec_.master_port > 65535 || spec_.master_port < -1 || spec_.master_port == 0)
       throw UsageError("shardflow run: --master-port must be in [1, 65535]");
     if (spec_.nnodes > 1 && spec_.token.empty())
-      throw UsageError("shardflow run: with --nnodes > 1 every node's launcher needs the same --token (or SHARDFLOW_STORE_TOKEN)");
+      throw UsageError("shardflow run: with --nnodes > 1 every node's launcher needs the same job token, and a random one "
+                       "cannot be shared: pass --token T (or export SHARDFLOW_STORE_TOKEN=T) with one T for all nodes, "
+                       "e.g. T=$(head -c16 /dev/urandom | xxd -p)");
+    if (spec_.heartbeat_interval.count() <= 0 || spec_.heartbeat_timeout <= spec_.heartbeat_interval)
+      throw UsageError("shardflow run: --heartbeat-timeout must be longer than the heartbeat interval (" +
+                       std::to_string(spec_.heartbeat_interval.count()) + " ms)");
+    if (spec_.rdzv_timeout.count() <= 0) throw UsageError("shardflow run: --rdzv-timeout must be positive");
     if (spec_.nnodes > 1 && spec_.node_rank != 0 && spec_.master_port < 0)
       throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
+  }
+
+  // Flags first, then the environment (Note [Choosing the socket address]).
+  net::SocketChoice socket_choice() const {
+    if (!spec_.local_addr.empty()) return {spec_.local_addr, "", "--local-addr"};
+    if (!spec_.iface.empty()) return {"", spec_.iface, "--iface"};
+    return net::socket_choice_from_env();
+  }
+
+  // Polled during the rendezvous, before any rank exists: Ctrl-C must not wait for the deadline.
+  bool interrupted_by_signal() {
+    signalfd_siginfo si{};
+    while (::read(sigfd_, &si, sizeof(si)) == ssize_t(sizeof(si)))
+      if (si.ssi_signo != SIGCHLD) interrupted_ = int(si.ssi_signo);
+    return interrupted_ != 0;
   }
 
   void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
@@ -138,6 +185,12 @@ class Supervisor {
         {"SHARDFLOW_STORE_TOKEN", token},
         {"SHARDFLOW_STORE_PORT", std::to_string(port)},
     };
+    // The ranks bind where this launcher chose (flags reach them as the variables they read).
+    if (socket_.origin == "--local-addr") env["SHARDFLOW_SOCKET_ADDR"] = socket_.address;
+    if (socket_.origin == "--iface") env["SHARDFLOW_SOCKET_IFNAME"] = socket_.ifname;
+    // NCCL's bootstrap reads its own variable; one the user set wins.
+    const char* nccl_ifname = std::getenv("NCCL_SOCKET_IFNAME");
+    if (!socket_.ifname.empty() && !(nccl_ifname && *nccl_ifname)) env["NCCL_SOCKET_IFNAME"] = socket_.ifname;
     // N ranks share the node's cores: without a hint every rank's BLAS would use all of them.
     if (!std::getenv("OMP_NUM_THREADS")) {
       const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
@@ -206,11 +259,20 @@ class Supervisor {
         r.running = false;
         r.status = status;
         const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-        if (failed && !first_failure_ && !interrupted_) {
+        if (failed && !first_failure_ && !interrupted_ && !peer_failure_) {
           first_failure_ = r.global;
           say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") " + describe_status(status) +
               "; stopping the other rank(s)");
           begin_stop(SIGTERM);
+          if (watch_) {
+            const std::string mine = "rank " + std::to_string(r.global) + " (local rank " + std::to_string(r.local) +
+                                     ", pid " + std::to_string(pid) + ") " + describe_status(status);
+            const auto first = watch_->report_failure(mine);
+            if (!first)
+              store_lost_ = watch_->label(0) + "'s store is unreachable too: node 0 is likely down and this rank's failure its echo";
+            else if (first->find(mine) == std::string::npos)
+              peer_failure_ = *first;  // another node failed first: the likelier cause
+          }
         }
         // The rank's group may still hold children of its own; they go with it.
         if (stop_deadline_) ::kill(-pid, SIGKILL);
@@ -238,6 +300,17 @@ class Supervisor {
     }
   }
 
+  // Another node failed or vanished (Note [Failures cross hosts]): this node's ranks go too.
+  void on_peer_failure() {
+    std::uint64_t count;
+    [[maybe_unused]] auto r = ::read(watch_->event_fd(), &count, sizeof count);
+    if (peer_failure_ || first_failure_ || interrupted_) return;
+    peer_failure_ = watch_->peer_failure();
+    if (!peer_failure_) return;
+    say(*peer_failure_ + "; stopping this node's rank(s)");
+    begin_stop(SIGTERM);
+  }
+
   bool any_running() const {
     for (const auto& r : ranks_)
       if (r.running) return true;
@@ -250,7 +323,7 @@ class Supervisor {
     char buf[65536];
     std::optional<clock::time_point> drain_until;
     for (;;) {
-      std::vector<pollfd> fds{{sigfd_, POLLIN, 0}};
+      std::vector<pollfd> fds{{sigfd_, POLLIN, 0}, {watch_ ? watch_->event_fd() : -1, POLLIN, 0}};
       std::vector<std::pair<int*, OutputRelay*>> pipes;
       for (auto& r : ranks_) {
         for (auto [fd, relay] : {std::pair{&r.out_fd, r.out.get()}, std::pair{&r.err_fd, r.err.get()}})
@@ -280,9 +353,10 @@ class Supervisor {
         continue;
       }
       if (fds[0].revents) on_signal();
-      for (std::size_t i = 1; i < fds.size(); ++i) {
+      if (fds[1].revents) on_peer_failure();
+      for (std::size_t i = 2; i < fds.size(); ++i) {
         if (!fds[i].revents) continue;
-        auto [fd, relay] = pipes[i - 1];
+        auto [fd, relay] = pipes[i - 2];
         const ssize_t got = ::read(*fd, buf, sizeof(buf));
         if (got > 0) {
           relay->feed(buf, std::size_t(got));
@@ -300,6 +374,26 @@ class Supervisor {
   }
 
   int finish() {
+    if (watch_) {
+      // Node 0 keeps the store up until the others have read the outcome (or are gone).
+      const bool failing = peer_failure_ || first_failure_ || interrupted_;
+      const auto limit = !failing ? std::chrono::milliseconds(std::chrono::hours(24 * 365))
+                                  : spec_.heartbeat_timeout + spec_.kill_grace + std::chrono::seconds(2);
+      other_nodes_ = watch_->finish(failing ? 1 : 0, limit);
+    }
+    const int code = verdict();
+    if (code == 0 && !other_nodes_.empty()) {
+      say("FAILED: this node's ranks succeeded, but " + other_nodes_);
+      return 1;
+    }
+    return code;
+  }
+
+  int verdict() {
+    if (peer_failure_) {
+      say("FAILED: " + *peer_failure_ + "; this node's rank(s) were stopped");
+      return 1;
+    }
     if (interrupted_) {
       say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)));
       return 128 + interrupted_;
@@ -314,12 +408,18 @@ class Supervisor {
         others += "; rank " + std::to_string(r.global) + " " + describe_status(r.status);
     }
     say("FAILED: rank " + std::to_string(failed->global) + " (local rank " + std::to_string(failed->local) + ", pid " +
-        std::to_string(failed->pid) + ") " + describe_status(failed->status) + others);
+        std::to_string(failed->pid) + ") " + describe_status(failed->status) + others + (store_lost_.empty() ? "" : "; " + store_lost_) +
+        (other_nodes_.empty() ? "" : "; " + other_nodes_ + ": likely the cause"));
     return exit_code_of(failed->status);
   }
 
   const LaunchSpec& spec_;
   std::unique_ptr<TcpStoreServer> store_;
+  net::SocketChoice socket_;
+  std::unique_ptr<NodeWatch> watch_;  // across nodes only; destroyed before the store
+  std::optional<std::string> peer_failure_;
+  std::string store_lost_;
+  std::string other_nodes_;  // what node 0 learned of the others while finishing
   std::vector<Rank> ranks_;
   int sigfd_ = -1;
   int interrupted_ = 0;

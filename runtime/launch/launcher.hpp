@@ -9,6 +9,8 @@
 //   the first failure is the cause, later ones are consequences.
 // - The ranks die with the launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
 // - Node 0's launcher serves the rendezvous store for the whole job (Note [Who runs the store]).
+// - Across nodes the launchers meet in that store before any rank starts, and stop each other's
+//   ranks when one fails or vanishes (Note [Failures cross hosts], node_watch.hpp).
 #pragma once
 
 #include <chrono>
@@ -25,6 +27,14 @@ struct LaunchSpec {
   std::string master_addr = "127.0.0.1";
   int master_port = -1;    // -1: any free port on one node, 29500 across nodes
   std::string token;       // empty: random on one node; required across nodes
+  // Where this node's sockets bind and advertise (Note [Choosing the socket address]); empty:
+  // SHARDFLOW_SOCKET_ADDR / SHARDFLOW_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, else the route to master_addr.
+  std::string local_addr;
+  std::string iface;
+  // Across nodes (Note [Failures cross hosts]).
+  std::chrono::milliseconds rdzv_timeout = std::chrono::seconds(600);
+  std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
+  std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
   std::chrono::milliseconds kill_grace = std::chrono::seconds(5);
   bool prefix_output = true;
   std::vector<std::string> command;

@@ -1,7 +1,7 @@
 // shardflow: the command-line entry point. One subcommand for now:
 //
-//   shardflow run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P
-//                 --token T] -- prog args...
+//   shardflow run --nproc-per-node N [--nnodes M --node-rank R (--master-addr A --master-port P |
+//                 --rdzv-endpoint A:P) --token T --iface NAME] -- prog args...
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -22,6 +22,16 @@ int main(int argc, char** argv) {
   run->add_option("--master-addr", spec.master_addr, "address of node 0 (it serves the rendezvous store)")->capture_default_str();
   run->add_option("--master-port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
   run->add_option("--token", spec.token, "the job's store token (default: SHARDFLOW_STORE_TOKEN, else random on one node)");
+  std::string endpoint;
+  double rdzv_s = 600, hb_s = 10, hb_interval_s = 1;
+  run->add_option("--rdzv-endpoint", endpoint, "torchrun's spelling of --master-addr and --master-port: HOST:PORT");
+  run->add_option("--iface", spec.iface,
+                  "network interface whose address the ranks bind and advertise (default: SHARDFLOW_SOCKET_IFNAME, "
+                  "GLOO_SOCKET_IFNAME, else the one routing to the master address)");
+  run->add_option("--local-addr", spec.local_addr, "this node's address for the ranks' sockets (overrides --iface)");
+  run->add_option("--rdzv-timeout", rdzv_s, "seconds to wait for every node to arrive")->capture_default_str();
+  run->add_option("--heartbeat-timeout", hb_s, "seconds of silence after which a node counts as lost")->capture_default_str();
+  run->add_option("--heartbeat-interval", hb_interval_s, "seconds between a node's heartbeats")->capture_default_str();
   run->add_option("--kill-grace", grace_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")->capture_default_str();
   run->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
@@ -29,6 +39,26 @@ int main(int argc, char** argv) {
   if (spec.token.empty())
     if (const char* t = std::getenv("SHARDFLOW_STORE_TOKEN")) spec.token = t;
   spec.prefix_output = !no_prefix;
+  spec.rdzv_timeout = std::chrono::milliseconds(long(rdzv_s * 1000));
+  spec.heartbeat_timeout = std::chrono::milliseconds(long(hb_s * 1000));
+  spec.heartbeat_interval = std::chrono::milliseconds(long(hb_interval_s * 1000));
+  if (!endpoint.empty()) {
+    // HOST:PORT, [V6]:PORT; the port is required (torchrun's default of 29400 belongs to its own agent).
+    const auto colon = endpoint.rfind(':');
+    if (colon == std::string::npos || colon + 1 == endpoint.size() ||
+        endpoint.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+      std::fprintf(stderr, "shardflow run: error: --rdzv-endpoint '%s' is not HOST:PORT\n", endpoint.c_str());
+      return 2;
+    }
+    if (run->count("--master-addr") || run->count("--master-port")) {
+      std::fprintf(stderr, "shardflow run: error: --rdzv-endpoint and --master-addr/--master-port say the same thing: pass one\n");
+      return 2;
+    }
+    std::string host = endpoint.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    spec.master_addr = host;
+    spec.master_port = std::atoi(endpoint.c_str() + colon + 1);
+  }
   spec.kill_grace = std::chrono::milliseconds(long(grace_s * 1000));
   try {
     return shardflow::launch::run(spec);

@@ -33,6 +33,12 @@ struct LaunchEnv {
   bool store_hosted = false;      // a launcher serves the store; rank 0 must not
   std::string token;
   std::string source = "none";    // "shardflow run", "torchrun", "slurm", "openmpi" or "none"
+  // Where this rank's sockets (the Gloo transport, a store rank 0 serves) bind and advertise
+  // (Note [Choosing the socket address]): SHARDFLOW_SOCKET_ADDR; SHARDFLOW_SOCKET_IFNAME, else
+  // GLOO_SOCKET_IFNAME; empty: loopback on one host, else the interface routing to master_addr.
+  std::string socket_address;
+  std::string socket_ifname;
+  std::string socket_origin;      // the variable that set one of them, for error messages
 
   // Reads the environment of this process; `getenv` replaces ::getenv (tests). UsageError naming
   // the variable when a value is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
@@ -40,6 +46,9 @@ struct LaunchEnv {
   bool launched() const { return source != "none"; }
   bool single_host() const { return local_world_size == world_size; }
   std::string describe() const;
+  // The address this rank's sockets bind and advertise (Note [Choosing the socket address]);
+  // UsageError naming the interface or address when it is not usable here.
+  std::string socket_bind_address() const;
 };
 
 struct ProcessGroupOptions {

@@ -55,6 +55,8 @@ class TcpStoreClient {
   bool check(const std::vector<std::string>& keys);                // all present now?
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);  // TimeoutError naming the missing
   bool remove(const std::string& key);                             // true if it existed
+  // The deadline of each later call (the constructor's timeout until then).
+  void set_timeout(std::chrono::milliseconds timeout);
 
  private:
   struct Impl;

@@ -1,0 +1,298 @@
+#include "runtime/launch/node_watch.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "shardflow/errors.hpp"
+#include "shardflow/store.hpp"
+
+namespace shardflow::launch {
+namespace {
+
+using clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+std::string seconds(milliseconds ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f s", double(ms.count()) / 1000.0);
+  return buf;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+// What a node posts at the rendezvous: "host addr nproc nnodes".
+struct NodeInfo {
+  std::string host, address;
+  int nproc = 0, nnodes = 0;
+  static NodeInfo parse(const std::string& s) {
+    NodeInfo n;
+    std::istringstream in(s);
+    in >> n.host >> n.address >> n.nproc >> n.nnodes;
+    return n;
+  }
+};
+
+}  // namespace
+
+NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
+  store_where_ = o_.store_host + ":" + std::to_string(o_.store_port);
+  const auto deadline = clock::now() + o_.rdzv_timeout;
+  auto left = [&] { return std::chrono::duration_cast<milliseconds>(deadline - clock::now()); };
+  auto stop_if_interrupted = [&] {
+    if (interrupted && interrupted()) throw Error("rendezvous: interrupted by a signal");
+  };
+  const std::string me = std::to_string(o_.node_rank);
+  const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) +
+                          " --node-rank K --master-addr " + o_.store_host + " --master-port " +
+                          std::to_string(o_.store_port) + " --token ...` on every node";
+
+  // Node 0's store may not be up yet: connect in short attempts, so that Ctrl-C is heard.
+  for (;;) {
+    stop_if_interrupted();
+    try {
+      main_ = std::make_unique<TcpStoreClient>(o_.store_host, o_.store_port, o_.token,
+                                               std::clamp(left(), milliseconds(1), milliseconds(1000)));
+      break;
+    } catch (const TimeoutError&) {
+      if (left().count() <= 0)
+        throw TimeoutError("rendezvous: node 0's store at " + store_where_ + " accepted no connection within " +
+                           seconds(o_.rdzv_timeout) + ": is node 0's launcher running? (" + how + ")");
+    } catch (const CommError& e) {
+      throw CommError("rendezvous: node 0's store at " + store_where_ + " refused this launcher (" + e.what() +
+                      "): every node needs the same --token (or SHARDFLOW_STORE_TOKEN)");
+    }
+  }
+  main_->set_timeout(o_.heartbeat_timeout);
+
+  if (main_->add(key("claim/" + me), 1) > 1) {
+    std::string holder = "another launcher";
+    if (main_->check({key("node/" + me)})) holder = "host " + NodeInfo::parse(main_->get(key("node/" + me))).host;
+    throw UsageError("rendezvous: node rank " + me + " is already taken by " + holder +
+                     ": give each node's launcher its own --node-rank in [0, " + std::to_string(o_.nnodes) + ")");
+  }
+  main_->set(key("node/" + me), host_name() + " " + o_.local_address + " " + std::to_string(o_.nproc_per_node) + " " +
+                                    std::to_string(o_.nnodes));
+
+  std::vector<std::string> keys;
+  for (int k = 0; k < o_.nnodes; ++k) keys.push_back(key("node/" + std::to_string(k)));
+  try {
+    while (!main_->check(keys)) {
+      stop_if_interrupted();
+      // Node 0's verdict, when its deadline passed first: the same words on every node.
+      if (main_->check({key("rdzv_failed")})) throw TimeoutError(main_->get(key("rdzv_failed")));
+      if (left().count() <= 0) {
+        std::string missing;
+        int count = 0;
+        for (int k = 0; k < o_.nnodes; ++k)
+          if (!main_->check({keys[std::size_t(k)]})) missing += (count++ ? ", " : "") + std::to_string(k);
+        const std::string why = "rendezvous: node" + std::string(count > 1 ? "s " : " ") + missing + " of " +
+                                std::to_string(o_.nnodes) + " never arrived at the store " + store_where_ + " within " +
+                                seconds(o_.rdzv_timeout) + " (" + how + ")";
+        if (o_.node_rank == 0) {
+          main_->set(key("rdzv_failed"), why);
+          std::this_thread::sleep_for(milliseconds(300));  // the store goes with this launcher: let them read it
+        }
+        throw TimeoutError(why);
+      }
+      std::this_thread::sleep_for(std::min(left(), milliseconds(100)));
+    }
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const CommError& e) {
+    throw CommError("rendezvous: node 0's store at " + store_where_ + " went away while waiting for the other nodes (" +
+                    e.what() + "): node 0's launcher stopped or was stopped");
+  }
+
+  // Every node must describe the same job: a mismatch here would be a hang in the first collective.
+  std::vector<NodeInfo> nodes;
+  for (const auto& k : keys) nodes.push_back(NodeInfo::parse(main_->get(k)));
+  for (int k = 0; k < o_.nnodes; ++k) {
+    const auto& n = nodes[std::size_t(k)];
+    labels_.push_back("node " + std::to_string(k) + " (host " + n.host + ", " + n.address + ")");
+  }
+  for (int k = 0; k < o_.nnodes; ++k) {
+    const auto& n = nodes[std::size_t(k)];
+    if (n.nnodes != o_.nnodes || n.nproc != o_.nproc_per_node)
+      throw UsageError("rendezvous: " + labels_[std::size_t(k)] + " was started with --nnodes " + std::to_string(n.nnodes) +
+                       " --nproc-per-node " + std::to_string(n.nproc) + ", " + labels_[std::size_t(o_.node_rank)] +
+                       " with --nnodes " + std::to_string(o_.nnodes) + " --nproc-per-node " +
+                       std::to_string(o_.nproc_per_node) + ": every node must be started with the same values");
+  }
+  event_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (event_fd_ < 0) throw Error("eventfd: " + std::string(std::strerror(errno)));
+}
+
+NodeWatch::~NodeWatch() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (event_fd_ >= 0) ::close(event_fd_);
+}
+
+std::string NodeWatch::label(int node) const {
+  return node >= 0 && std::size_t(node) < labels_.size() ? labels_[std::size_t(node)] : "node " + std::to_string(node);
+}
+
+void NodeWatch::start() {
+  beat_ = std::make_unique<TcpStoreClient>(o_.store_host, o_.store_port, o_.token, o_.heartbeat_timeout);
+  const auto now = clock::now();
+  exited_.assign(std::size_t(o_.nnodes), false);
+  lost_.assign(std::size_t(o_.nnodes), false);
+  last_beat_.assign(std::size_t(o_.nnodes), -1);
+  beat_seen_.assign(std::size_t(o_.nnodes), now);
+  thread_ = std::thread([this] { heartbeat_loop(); });
+}
+
+std::optional<std::string> NodeWatch::peer_failure() const {
+  std::lock_guard lock(mu_);
+  return failure_;
+}
+
+void NodeWatch::heartbeat_loop() {
+  const std::string me = std::to_string(o_.node_rank);
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    const bool known = failure_ || reported_;
+    lock.unlock();
+    try {
+      beat_->add(key("hb/" + me), 1);
+      if (!known && beat_->add(key("failures"), 0) > 0) peer_failed(beat_->get(key("failure/1")), false, nullptr);
+      if (o_.node_rank == 0) watch_peers(*beat_, clock::now());
+    } catch (const std::exception& e) {
+      lock.lock();
+      const bool done = stopping_;
+      lock.unlock();
+      // Node 0 serves the store itself: a failing call there is no other node's fault.
+      if (o_.node_rank != 0 && !done)
+        peer_failed(label(0) + " is unreachable: its store at " + store_where_ + " failed (" + e.what() +
+                        "); its launcher was killed, or its host or the link is down",
+                    false, nullptr);
+      return;
+    }
+    lock.lock();
+    cv_.wait_for(lock, o_.heartbeat_interval, [&] { return stopping_; });
+  }
+}
+
+void NodeWatch::watch_peers(TcpStoreClient& store, clock::time_point now) {
+  for (int k = 1; k < o_.nnodes; ++k) {
+    const auto i = std::size_t(k);
+    {
+      std::lock_guard lock(mu_);
+      if (exited_[i] || lost_[i]) continue;
+    }
+    if (store.check({key("exit/" + std::to_string(k))})) {
+      std::lock_guard lock(mu_);
+      exited_[i] = true;
+      cv_.notify_all();
+      continue;
+    }
+    const auto beats = store.add(key("hb/" + std::to_string(k)), 0);
+    if (beats != last_beat_[i]) {
+      last_beat_[i] = beats;
+      beat_seen_[i] = now;
+      continue;
+    }
+    const auto silent = std::chrono::duration_cast<milliseconds>(now - beat_seen_[i]);
+    if (silent < o_.heartbeat_timeout) continue;
+    {
+      std::lock_guard lock(mu_);
+      lost_[i] = true;
+      cv_.notify_all();
+    }
+    peer_failed(label(k) + " lost: no heartbeat for " + seconds(silent) +
+                    " (its launcher was killed, or its host or the link is down)",
+                true, &store);
+  }
+}
+
+void NodeWatch::peer_failed(const std::string& what, bool publish, TcpStoreClient* store) {
+  {
+    std::lock_guard lock(mu_);
+    if (failure_ || reported_) return;  // the first failure is the cause; later ones are its echo
+    failure_ = what;
+  }
+  if (publish && store) {
+    try {
+      const auto n = store->add(key("failures"), 1);
+      store->set(key("failure/" + std::to_string(n)), what);
+    } catch (const std::exception&) {
+    }
+  }
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto w = ::write(event_fd_, &one, sizeof one);
+}
+
+std::optional<std::string> NodeWatch::report_failure(const std::string& what) {
+  {
+    std::lock_guard lock(mu_);
+    if (failure_) return failure_;  // stopping already, because of another node
+    reported_ = true;
+    own_report_ = label(o_.node_rank) + ": " + what;
+  }
+  try {
+    const auto n = main_->add(key("failures"), 1);
+    main_->set(key("failure/" + std::to_string(n)), own_report_);
+    // Another node got there first (its rank died, ours saw the connection go): that is the cause.
+    return n == 1 ? own_report_ : main_->get(key("failure/1"));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::string NodeWatch::finish(int exit_code, milliseconds limit) {
+  std::vector<std::string> notes;
+  // The failures other nodes posted that this node has not said yet: whichever node's report
+  // came first, the output names every node and rank that failed.
+  auto collect_failures = [&] {
+    try {
+      const auto n = main_->add(key("failures"), 0);
+      for (std::int64_t i = 1; i <= n; ++i) {
+        const auto msg = main_->get(key("failure/" + std::to_string(i)));
+        std::lock_guard lock(mu_);
+        if (msg != own_report_ && msg != failure_.value_or("")) notes.push_back(msg);
+      }
+    } catch (const std::exception&) {
+    }
+  };
+  if (o_.node_rank != 0) collect_failures();
+  try {
+    main_->set(key("exit/" + std::to_string(o_.node_rank)), std::to_string(exit_code));
+  } catch (const std::exception& e) {
+    std::lock_guard lock(mu_);
+    const bool said = failure_ && failure_->find(label(0)) != std::string::npos;
+    if (o_.node_rank != 0 && !said) notes.push_back(label(0) + "'s store is unreachable (" + std::string(e.what()) + ")");
+  }
+  if (o_.node_rank == 0 && thread_.joinable()) {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, limit, [&] {
+      for (int k = 1; k < o_.nnodes; ++k)
+        if (!exited_[std::size_t(k)] && !lost_[std::size_t(k)]) return false;
+      return true;
+    });
+    for (int k = 1; k < o_.nnodes; ++k) {
+      if (failure_ && failure_->find(label(k)) != std::string::npos) continue;  // said already
+      if (lost_[std::size_t(k)]) notes.push_back(label(k) + " was lost (no heartbeat)");
+      else if (!exited_[std::size_t(k)]) notes.push_back(label(k) + " had not finished");
+    }
+    lock.unlock();
+    collect_failures();
+  }
+  std::string out;
+  for (const auto& n : notes) out += (out.empty() ? "" : "; ") + n;
+  return out;
+}
+
+}  // namespace shardflow::launch

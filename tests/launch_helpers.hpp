@@ -1,0 +1,61 @@
+// What the multi-process suites share: the launcher and trainer binaries, a scratch directory, the
+// small MLP job they all run, and free ports for stores the test itself points nodes at.
+#pragma once
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shardflow::test {
+
+inline const std::string kLauncher = SHARDFLOW_LAUNCHER_PATH;
+inline const std::string kTrainer = MLP_TRAIN_PATH;
+
+inline std::string scratch(const std::string& suite, const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardflow_" + suite + "_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return (dir / name).string();
+}
+
+// The MLP flags every scenario shares: small, a few steps, AdamW (state that must be sharded right).
+inline std::vector<std::string> mlp_args(int zero_stage) {
+  return {"--sizes", "24,40,40,6", "--steps", "6", "--global-batch", "12", "--optimizer", "adamw", "--lr", "0.01",
+          "--zero-stage", std::to_string(zero_stage), "--overlap", zero_stage ? "interleaved" : "none", "--first-bucket-mb",
+          "0.004", "--bucket-mb", "0.004", "--quiet", "--timeout", "20"};
+}
+
+// Replaces the value that follows `flag` in `args`.
+inline void set_flag(std::vector<std::string>& args, const std::string& flag, const std::string& value) {
+  for (std::size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == flag) {
+      args[i + 1] = value;
+      return;
+    }
+  args.push_back(flag);
+  args.push_back(value);
+}
+
+inline std::map<std::string, std::string> no_launch_env() {
+  // The test itself may run under a launcher: the children must not inherit its ranks.
+  return {{"RANK", ""}, {"WORLD_SIZE", ""}, {"SLURM_PROCID", ""}, {"OMPI_COMM_WORLD_RANK", ""}};
+}
+
+// A port nothing listens on right now (the kernel's pick, released again).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace shardflow::test

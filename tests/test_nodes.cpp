@@ -1,0 +1,291 @@
+// Several nodes' launchers on one host, meeting over loopback: the rendezvous, failures that cross
+// nodes, and where sockets bind (Note [Failures cross hosts], Note [Choosing the socket address]).
+// tests/test_two_hosts.cpp runs the same jobs across two network namespaces joined by a veth link.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <thread>
+
+#include "helpers.hpp"
+#include "launch_helpers.hpp"
+#include "runtime/bootstrap/net_address.hpp"
+#include "shardflow/errors.hpp"
+#include "shardflow/launch.hpp"
+#include "shardflow/safetensors.hpp"
+#include "subprocess.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+using test::Child;
+
+namespace {
+
+std::string scratch(const std::string& name) { return test::scratch("test_nodes", name); }
+
+struct Node {
+  int rank = 0, nnodes = 2, nproc = 1, port = 0;
+  std::vector<std::string> flags;  // extra launcher flags
+};
+
+std::vector<std::string> node_cmd(const Node& n, const std::vector<std::string>& prog) {
+  std::vector<std::string> argv{test::kLauncher, "run", "--nnodes", std::to_string(n.nnodes), "--node-rank",
+                                std::to_string(n.rank), "--nproc-per-node", std::to_string(n.nproc), "--master-port",
+                                std::to_string(n.port), "--token", "test-nodes", "--kill-grace", "2",
+                                "--heartbeat-timeout", "3"};
+  argv.insert(argv.end(), n.flags.begin(), n.flags.end());
+  argv.push_back("--");
+  argv.insert(argv.end(), prog.begin(), prog.end());
+  return argv;
+}
+
+// One BLAS thread per rank whatever the node count: the bits must not depend on it.
+std::map<std::string, std::string> env() {
+  auto e = test::no_launch_env();
+  e["OMP_NUM_THREADS"] = "1";
+  return e;
+}
+
+std::vector<std::string> trainer(std::vector<std::string> extra) {
+  auto args = test::mlp_args(1);
+  args.insert(args.begin(), test::kTrainer);
+  for (auto a : {"--backend", "gloo"}) args.push_back(a);
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// A job that trains until stopped, printing a progress line per step.
+std::vector<std::string> endless_trainer() {
+  auto args = trainer({"--log-every", "1"});
+  test::set_flag(args, "--steps", "1000000");
+  args.erase(std::find(args.begin(), args.end(), "--quiet"));
+  return args;
+}
+
+pid_t pid_of_rank(const std::string& out, int rank) {
+  const std::string needle = "rank " + std::to_string(rank) + " (pid ";
+  const auto at = out.find(needle);
+  return at == std::string::npos ? -1 : pid_t(std::atoi(out.c_str() + at + needle.size()));
+}
+
+bool says(const Child& c, const std::string& what) { return c.output().find(what) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit; torchrun's --rdzv-endpoint") {
+  const std::string one = scratch("one_node.safetensors"), two = scratch("two_nodes.safetensors");
+  {
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer({"--save", one})), env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 2, port, {}}, trainer({"--save", two})), env());
+  Node second{1, 2, 2, 0, {"--rdzv-endpoint", "127.0.0.1:" + std::to_string(port)}};
+  auto cmd = node_cmd(second, trainer({}));
+  cmd.erase(std::find(cmd.begin(), cmd.end(), "--master-port"), std::find(cmd.begin(), cmd.end(), "--master-port") + 2);
+  Child n1(cmd, env());
+  const auto s1 = n1.wait(120s);
+  const auto s0 = n0.wait(120s);
+  INFO(n0.output());
+  INFO(n1.output());
+  REQUIRE(test::exited_ok(s0));
+  REQUIRE(test::exited_ok(s1));
+  CHECK(says(n0, "[rank 0] mlp_train: sizes 24,40,40,6, world 4 (gloo)"));
+  CHECK(says(n1, "started rank 2 (pid"));
+  CHECK(says(n1, "rank 3 (pid"));
+  const TensorMap want = load_safetensors(one), got = load_safetensors(two);
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+  }
+}
+
+TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within seconds, naming node 1 and the rank") {
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 1, port, {}}, endless_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, endless_trainer()), env());
+  REQUIRE(n1.read_until("started rank 1", 60s));
+  REQUIRE(n0.read_until("3/1000000", 60s));  // rank 0 prints the progress
+  const pid_t victim = pid_of_rank(n1.output(), 1);
+  REQUIRE(victim > 0);
+  ::kill(victim, SIGKILL);
+  const double killed_at = n0.seconds_since_start();
+  const auto s0 = n0.wait(30s);
+  const auto s1 = n1.wait(30s);
+  INFO(n0.output());
+  INFO(n1.output());
+  REQUIRE(test::failed(s0));
+  REQUIRE(test::failed(s1));
+  CHECK(n0.seconds() - killed_at < 3.0 + 2.0 + 2.0);  // heartbeat interval, kill grace, slack
+  CHECK(says(n0, "node 1 (host "));
+  CHECK(says(n0, "rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
+  CHECK(says(n1, "FAILED: rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
+}
+
+TEST_CASE("node 1's launcher goes silent (stopped, like a host gone) -> node 0 names it lost within the heartbeat timeout + 5 s") {
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 1, port, {}}, endless_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, endless_trainer()), env());
+  REQUIRE(n0.read_until("3/1000000", 60s));
+  ::kill(n1.pid(), SIGSTOP);  // its rank trains on; only its heartbeats stop
+  const double stopped_at = n0.seconds_since_start();
+  const auto s0 = n0.wait(30s);
+  INFO(n0.output());
+  REQUIRE(test::failed(s0));
+  CHECK(n0.seconds() - stopped_at < 3.0 + 5.0);
+  CHECK(n0.seconds() - stopped_at > 2.0);  // not before the timeout
+  CHECK(says(n0, "FAILED: node 1 (host "));
+  CHECK(says(n0, "lost: no heartbeat for"));
+}
+
+TEST_CASE("node 0's launcher killed -> node 1 exits non-zero naming node 0") {
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 1, port, {}}, endless_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, endless_trainer()), env());
+  REQUIRE(n0.read_until("3/1000000", 60s));
+  ::kill(n0.pid(), SIGKILL);
+  const double killed_at = n1.seconds_since_start();
+  const auto s1 = n1.wait(30s);
+  INFO(n1.output());
+  REQUIRE(test::failed(s1));
+  CHECK(n1.seconds() - killed_at < 3.0 + 5.0);
+  CHECK(says(n1, "FAILED: "));
+  CHECK(says(n1, "node 0 (host "));
+  CHECK(says(n1, "unreachable"));
+}
+
+TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disagree, no token") {
+  const std::vector<std::string> brief{"/bin/sh", "-c", "sleep 2"};
+  SUBCASE("node 1 of 3 never starts -> nodes 0 and 2 stop at the deadline naming it, no rank started") {
+    const int port = test::free_port();
+    Child n0(node_cmd({0, 3, 1, port, {"--rdzv-timeout", "2"}}, brief), env());
+    Child n2(node_cmd({2, 3, 1, port, {"--rdzv-timeout", "2"}}, brief), env());
+    const auto s0 = n0.wait(20s), s2 = n2.wait(20s);
+    INFO(n0.output());
+    INFO(n2.output());
+    REQUIRE(test::failed(s0));
+    REQUIRE(test::failed(s2));
+    CHECK(says(n0, "rendezvous: node 1 of 3 never arrived"));
+    CHECK(says(n2, "rendezvous: node 1 of 3 never arrived"));
+    CHECK(!says(n0, "started rank"));
+    CHECK(n0.seconds() < 2.0 + 3.0);
+  }
+  SUBCASE("node 0 never starts -> node 1 says its store accepted no connection") {
+    Child n1(node_cmd({1, 2, 1, test::free_port(), {"--rdzv-timeout", "2"}}, brief), env());
+    const auto s1 = n1.wait(20s);
+    INFO(n1.output());
+    REQUIRE(test::failed(s1));
+    CHECK(says(n1, "node 0's store at 127.0.0.1:"));
+    CHECK(says(n1, "accepted no connection within 2.0 s"));
+  }
+  SUBCASE("two launchers say --node-rank 1 -> the second is told, the job runs") {
+    const int port = test::free_port();
+    Child n0(node_cmd({0, 2, 1, port, {}}, brief), env());
+    Child n1(node_cmd({1, 2, 1, port, {}}, brief), env());
+    REQUIRE(n1.read_until("started rank 1", 20s));
+    Child again(node_cmd({1, 2, 1, port, {}}, brief), env());
+    const auto sa = again.wait(20s);
+    INFO(again.output());
+    REQUIRE(test::failed(sa));
+    CHECK(says(again, "node rank 1 is already taken by host "));
+    CHECK(test::exited_ok(n0.wait(20s)));
+    CHECK(test::exited_ok(n1.wait(20s)));
+  }
+  SUBCASE("--nproc-per-node 2 on node 0, 1 on node 1 -> both stop, naming both") {
+    const int port = test::free_port();
+    Child n0(node_cmd({0, 2, 2, port, {}}, brief), env());
+    Child n1(node_cmd({1, 2, 1, port, {}}, brief), env());
+    const auto s0 = n0.wait(20s), s1 = n1.wait(20s);
+    INFO(n0.output());
+    INFO(n1.output());
+    CHECK(test::failed(s0));
+    CHECK(test::failed(s1));
+    CHECK(says(n1, "--nproc-per-node 2"));
+    CHECK(says(n1, "every node must be started with the same values"));
+  }
+  SUBCASE("a wrong token -> refused, saying every node needs the same one") {
+    const int port = test::free_port();
+    Child n0(node_cmd({0, 2, 1, port, {"--rdzv-timeout", "3"}}, brief), env());
+    auto cmd = node_cmd({1, 2, 1, port, {}}, brief);
+    test::set_flag(cmd, "--token", "not-the-job's");
+    Child n1(cmd, env());
+    const auto s1 = n1.wait(20s);
+    INFO(n1.output());
+    REQUIRE(test::failed(s1));
+    CHECK(says(n1, "wrong token"));
+    CHECK(says(n1, "every node needs the same --token"));
+    CHECK(test::failed(n0.wait(20s)));
+  }
+  SUBCASE("--nnodes 2 without a token -> an error saying how to pass one") {
+    Child job({test::kLauncher, "run", "--nnodes", "2", "--node-rank", "0", "--", "/bin/true"},
+              [] { auto e = env(); e["SHARDFLOW_STORE_TOKEN"] = ""; return e; }());
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(test::failed(st));
+    CHECK(says(job, "--token T (or export SHARDFLOW_STORE_TOKEN=T)"));
+  }
+}
+
+TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap); a missing interface is named before any rank starts") {
+  SUBCASE("--iface lo") {
+    Child job({test::kLauncher, "run", "--nproc-per-node", "2", "--iface", "lo", "--", "/bin/sh", "-c",
+               "echo iface=$SHARDFLOW_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME"},
+              [] { auto e = env(); e["NCCL_SOCKET_IFNAME"] = ""; return e; }());
+    REQUIRE(test::exited_ok(job.wait(20s)));
+    CHECK(says(job, "[rank 1] iface=lo nccl=lo"));
+  }
+  SUBCASE("--iface nosuch0") {
+    Child job({test::kLauncher, "run", "--nnodes", "2", "--node-rank", "0", "--token", "t", "--iface", "nosuch0", "--",
+               "/bin/true"},
+              env());
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(test::failed(st));
+    CHECK(says(job, "--iface: interface 'nosuch0' does not exist on this host or has no IPv4 address"));
+    CHECK(says(job, "lo=127.0.0.1"));
+    CHECK(!says(job, "started rank"));
+  }
+  SUBCASE("a Gloo job with GLOO_SOCKET_IFNAME=lo trains as torchrun users set it") {
+    auto e = env();
+    e["GLOO_SOCKET_IFNAME"] = "lo";
+    const int port = test::free_port();
+    Child n0(node_cmd({0, 2, 1, port, {}}, trainer({})), e);
+    Child n1(node_cmd({1, 2, 1, port, {}}, trainer({})), e);
+    CHECK(test::exited_ok(n0.wait(60s)));
+    CHECK(test::exited_ok(n1.wait(60s)));
+    CHECK(says(n0, "sockets on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo)"));
+  }
+}
+
+TEST_CASE("socket address rules: explicit, interface, one host, the route to the master") {
+  using net::choose_local_address;
+  CHECK(choose_local_address({}, "127.0.0.1", true).address == "127.0.0.1");
+  CHECK(choose_local_address({}, "127.0.0.1", false).address == "127.0.0.1");  // the route to a loopback master
+  CHECK(choose_local_address({"", "lo", "--iface"}, "10.1.2.3", false).address == "127.0.0.1");
+  CHECK(choose_local_address({"127.0.0.1", "", "--local-addr"}, "10.1.2.3", false).address == "127.0.0.1");
+  CHECK_THROWS_WITH_AS(choose_local_address({"192.0.2.77", "", "SHARDFLOW_SOCKET_ADDR"}, "127.0.0.1", false),
+                       doctest::Contains("SHARDFLOW_SOCKET_ADDR: address 192.0.2.77 is not one of this host's"), UsageError);
+  CHECK_THROWS_WITH_AS(choose_local_address({"", "nosuch0", "GLOO_SOCKET_IFNAME"}, "127.0.0.1", false),
+                       doctest::Contains("GLOO_SOCKET_IFNAME: interface 'nosuch0'"), UsageError);
+  CHECK_THROWS_WITH_AS(net::resolve_ipv4("no-such-host.invalid"), doctest::Contains("no-such-host.invalid"), CommError);
+  CHECK(net::store_bind_address({}, "127.0.0.1", true) == "127.0.0.1");
+  CHECK(net::store_bind_address({}, "127.0.0.1", false) == "127.0.0.1");  // the master is this host: bind it, not 0.0.0.0
+
+  auto from = [](std::map<std::string, std::string> vars) {
+    return LaunchEnv::detect([vars](const char* k) -> const char* {
+      auto it = vars.find(k);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    });
+  };
+  const auto both = from({{"GLOO_SOCKET_IFNAME", "eth9"}, {"SHARDFLOW_SOCKET_IFNAME", "lo"}});
+  CHECK(both.socket_ifname == "lo");  // shardflow's own variable first
+  CHECK(both.socket_origin == "SHARDFLOW_SOCKET_IFNAME");
+  const auto gloo = from({{"GLOO_SOCKET_IFNAME", "eth9"}});
+  CHECK(gloo.socket_ifname == "eth9");
+  const auto addr = from({{"SHARDFLOW_SOCKET_ADDR", "127.0.0.1"}, {"GLOO_SOCKET_IFNAME", "eth9"}});
+  CHECK(addr.socket_address == "127.0.0.1");
+  CHECK(addr.socket_ifname.empty());
+  CHECK(addr.socket_bind_address() == "127.0.0.1");
+}
