@@ -8,6 +8,7 @@ packages=(
   libcaf-dev libboost-dev libspdlog-dev doctest-dev libgloo-dev
   nlohmann-json3-dev libopenblas-dev libcli11-dev
   python3 python3-matplotlib
+  iproute2  # the two-host test: network namespaces and a veth link
 )
 
 missing=()

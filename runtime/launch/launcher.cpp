@@ -90,7 +90,10 @@ class Supervisor {
     // Resolved before anything starts: a bad --iface is an error now, not in every rank later.
     const net::LocalAddress local = net::choose_local_address(socket, spec_.master_addr, one_node);
     int port = spec_.master_port;
-    std::string store_at = net::resolve_ipv4(spec_.master_addr);
+    // Where this node's launcher and ranks reach the store: on node 0 the address it is bound to
+    // (loopback for a one-node job, whatever --master-addr says), elsewhere the master address.
+    store_at_ = net::resolve_ipv4(spec_.master_addr);
+    std::string& store_at = store_at_;
     if (spec_.node_rank == 0) {
       StoreServerOptions so;
       so.host = net::store_bind_address(socket, spec_.master_addr, one_node);
@@ -178,7 +181,7 @@ class Supervisor {
         {"LOCAL_RANK", std::to_string(r.local)},
         {"LOCAL_WORLD_SIZE", std::to_string(spec_.nproc_per_node)},
         {"GROUP_RANK", std::to_string(spec_.node_rank)},
-        {"MASTER_ADDR", spec_.master_addr},
+        {"MASTER_ADDR", store_at_},
         {"MASTER_PORT", std::to_string(port)},
         {"SHARDFLOW_LAUNCHER", "1"},
         {"SHARDFLOW_STORE_HOSTED", "1"},
@@ -416,6 +419,7 @@ class Supervisor {
   const LaunchSpec& spec_;
   std::unique_ptr<TcpStoreServer> store_;
   net::SocketChoice socket_;
+  std::string store_at_;
   std::unique_ptr<NodeWatch> watch_;  // across nodes only; destroyed before the store
   std::optional<std::string> peer_failure_;
   std::string store_lost_;

@@ -1,0 +1,167 @@
+// Two hosts for real: two network namespaces joined by a veth pair (10.213.0.1 and 10.213.0.2,
+// scripts/netns_pair.sh), a launcher started in each, Gloo over real sockets between them. Root
+// only: without the rights to make namespaces it says why and exits 77 (ctest: skipped).
+//
+// The namespaces, their link and every process in them are removed at exit, whatever happened: by
+// the fixture's destructor, and by a handler for the signals ctest or a person sends.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "launch_helpers.hpp"
+#include "shardflow/safetensors.hpp"
+#include "subprocess.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+using test::Child;
+
+namespace {
+
+const std::string kPair = SHARDFLOW_SOURCE_DIR "/scripts/netns_pair.sh";
+const std::string kHostA = "10.213.0.1", kHostB = "10.213.0.2";
+constexpr int kHeartbeatTimeout = 3;  // seconds
+
+std::string g_name;  // the pair's name while it exists
+
+int sh(const std::string& cmd) { return std::system(cmd.c_str()); }
+
+void remove_pair() {
+  if (!g_name.empty()) sh(kPair + " down " + g_name + " > /dev/null 2>&1");
+}
+
+void on_signal(int sig) {
+  remove_pair();
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+std::string ns(char host) { return g_name + "-" + host; }
+
+std::string scratch(const std::string& name) { return test::scratch("test_two_hosts", name); }
+
+// `shardflow run` for node `node_rank` inside host `host`'s namespace.
+std::vector<std::string> on_host(char host, int node_rank, int nnodes, int nproc, const std::vector<std::string>& prog) {
+  std::vector<std::string> argv{"/usr/sbin/ip", "netns", "exec", ns(host), test::kLauncher, "run", "--nnodes",
+                                std::to_string(nnodes), "--node-rank", std::to_string(node_rank), "--nproc-per-node",
+                                std::to_string(nproc), "--master-addr", kHostA, "--master-port", "29533", "--token",
+                                "two-hosts", "--kill-grace", "2", "--heartbeat-timeout", std::to_string(kHeartbeatTimeout)};
+  argv.push_back("--");
+  argv.insert(argv.end(), prog.begin(), prog.end());
+  return argv;
+}
+
+std::map<std::string, std::string> env() {
+  auto e = test::no_launch_env();
+  e["OMP_NUM_THREADS"] = "1";  // the bits must not depend on how many ranks share a host
+  return e;
+}
+
+std::vector<std::string> trainer(std::vector<std::string> extra) {
+  auto args = test::mlp_args(1);
+  args.insert(args.begin(), test::kTrainer);
+  for (auto a : {"--backend", "gloo"}) args.push_back(a);
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+void same_bits(const std::string& want_file, const std::string& got_file) {
+  const TensorMap want = load_safetensors(want_file), got = load_safetensors(got_file);
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+  }
+}
+
+bool says(const Child& c, const std::string& what) { return c.output().find(what) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("2 hosts x 1 rank and 2 hosts x 2 ranks over Gloo -> the parameters of the same training on one host, bit for bit") {
+  for (int nproc : {1, 2}) {
+    CAPTURE(nproc);
+    const std::string one = scratch("one_host_" + std::to_string(nproc) + ".safetensors");
+    const std::string two = scratch("two_hosts_" + std::to_string(nproc) + ".safetensors");
+    {
+      Child job(on_host('a', 0, 1, 2 * nproc, trainer({"--save", one})), env());
+      INFO(job.output());
+      REQUIRE(test::exited_ok(job.wait(120s)));
+    }
+    Child a(on_host('a', 0, 2, nproc, trainer({"--save", two})), env());
+    Child b(on_host('b', 1, 2, nproc, trainer({})), env());
+    const auto sb = b.wait(120s), sa = a.wait(120s);
+    INFO(a.output());
+    INFO(b.output());
+    REQUIRE(test::exited_ok(sa));
+    REQUIRE(test::exited_ok(sb));
+    // Each host's sockets are on its own end of the link, not on loopback.
+    CHECK(says(a, "sockets on " + kHostA + " (the route to " + kHostA + ")"));
+    CHECK(says(b, "sockets on " + kHostB + " (the route to " + kHostA + ")"));
+    CHECK(says(a, "world " + std::to_string(2 * nproc) + " (gloo)"));
+    same_bits(one, two);
+  }
+}
+
+TEST_CASE("a host's launcher killed and its link cut -> the other host exits non-zero within the heartbeat timeout + 5 s, naming the lost node") {
+  auto endless = trainer({"--log-every", "1"});
+  test::set_flag(endless, "--steps", "1000000");
+  test::set_flag(endless, "--timeout", "120");  // the ranks' own timeout must not be what stops them
+  endless.erase(std::find(endless.begin(), endless.end(), "--quiet"));
+  SUBCASE("host b (node 1) goes") {
+    Child a(on_host('a', 0, 2, 1, endless), env());
+    Child b(on_host('b', 1, 2, 1, endless), env());
+    REQUIRE(a.read_until("3/1000000", 60s));
+    ::kill(b.pid(), SIGKILL);
+    sh(kPair + " link " + g_name + " down");
+    const double lost_at = a.seconds_since_start();
+    const auto sa = a.wait(30s);
+    sh(kPair + " link " + g_name + " up");
+    INFO(a.output());
+    REQUIRE(test::failed(sa));
+    CHECK(a.seconds() - lost_at < kHeartbeatTimeout + 5.0);
+    CHECK(says(a, "FAILED: node 1 (host "));
+    CHECK(says(a, kHostB + ") lost: no heartbeat"));
+  }
+  SUBCASE("host a (node 0, the store) goes") {
+    Child a(on_host('a', 0, 2, 1, endless), env());
+    Child b(on_host('b', 1, 2, 1, endless), env());
+    REQUIRE(a.read_until("3/1000000", 60s));
+    ::kill(a.pid(), SIGKILL);
+    sh(kPair + " link " + g_name + " down");
+    const double lost_at = b.seconds_since_start();
+    const auto sb = b.wait(30s);
+    sh(kPair + " link " + g_name + " up");
+    INFO(b.output());
+    REQUIRE(test::failed(sb));
+    CHECK(b.seconds() - lost_at < kHeartbeatTimeout + 1.0 + 5.0);  // + one heartbeat interval
+    CHECK(says(b, "FAILED: node 0 (host "));
+    CHECK(says(b, kHostA + ") is unreachable"));
+  }
+}
+
+int main(int argc, char** argv) {
+  if (::geteuid() != 0) {
+    std::printf("test_two_hosts: skipped: needs root to make network namespaces\n");
+    return 77;
+  }
+  g_name = "sf2h" + std::to_string(::getpid());
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGABRT}) ::signal(sig, on_signal);
+  if (sh(kPair + " up " + g_name + " > /dev/null 2>&1") != 0) {
+    remove_pair();
+    std::printf("test_two_hosts: skipped: cannot make network namespaces here (%s up failed: no CAP_NET_ADMIN?)\n",
+                kPair.c_str());
+    return 77;
+  }
+  struct Cleanup {
+    ~Cleanup() { remove_pair(); }
+  } cleanup;
+  doctest::Context context(argc, argv);
+  return context.run();
+}
