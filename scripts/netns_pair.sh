@@ -4,6 +4,7 @@
 #
 #   netns_pair.sh up NAME [PREFIX]     namespaces NAME-a (PREFIX.1) and NAME-b (PREFIX.2), /24,
 #                                      interfaces NAMEa / NAMEb; PREFIX defaults to 10.213.0
+#   netns_pair.sh mtu NAME BYTES       the link's MTU on both ends (a veth starts at 1500)
 #   netns_pair.sh link NAME up|down    takes host b's end of the link up or down
 #   netns_pair.sh down NAME            kills every process left in both, removes them (and the link)
 #
@@ -24,6 +25,10 @@ case "$cmd" in
       ip -n "$name-$h" link set "$name$h" up
     done
     ;;
+  mtu)
+    ip -n "$name-a" link set "${name}a" mtu "${3:?bytes}"
+    ip -n "$name-b" link set "${name}b" mtu "$3"
+    ;;
   link)
     ip -n "$name-b" link set "${name}b" "${3:?up or down}"
     ;;
@@ -37,7 +42,7 @@ case "$cmd" in
     done
     ;;
   *)
-    echo "netns_pair.sh: unknown command '$cmd' (up, link, down)" >&2
+    echo "netns_pair.sh: unknown command '$cmd' (up, mtu, link, down)" >&2
     exit 2
     ;;
 esac
