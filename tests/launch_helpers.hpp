@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -43,6 +44,33 @@ inline void set_flag(std::vector<std::string>& args, const std::string& flag, co
 inline std::map<std::string, std::string> no_launch_env() {
   // The test itself may run under a launcher: the children must not inherit its ranks.
   return {{"RANK", ""}, {"WORLD_SIZE", ""}, {"SLURM_PROCID", ""}, {"OMPI_COMM_WORLD_RANK", ""}};
+}
+
+// The MLP job over Gloo (a ZeRO-1 interleaved trainer), with `extra` flags appended.
+inline std::vector<std::string> gloo_trainer(const std::vector<std::string>& extra) {
+  auto args = mlp_args(1);
+  args.insert(args.begin(), kTrainer);
+  for (auto a : {"--backend", "gloo"}) args.push_back(a);
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// The same job training until something stops it, printing a progress line per step ("3/1000000"):
+// its own timeout is long, so that what stops it is what the scenario is about.
+inline std::vector<std::string> endless_gloo_trainer() {
+  auto args = gloo_trainer({"--log-every", "1"});
+  set_flag(args, "--steps", "1000000");
+  set_flag(args, "--timeout", "120");
+  args.erase(std::find(args.begin(), args.end(), "--quiet"));
+  return args;
+}
+
+// One BLAS thread per rank whatever the ranks per node: bits compared across layouts must not
+// depend on how many ranks share a host.
+inline std::map<std::string, std::string> one_blas_thread_env() {
+  auto e = no_launch_env();
+  e["OMP_NUM_THREADS"] = "1";
+  return e;
 }
 
 // A port nothing listens on right now (the kernel's pick, released again).

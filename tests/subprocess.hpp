@@ -55,6 +55,7 @@ class Child {
 
   pid_t pid() const { return pid_; }
   const std::string& output() const { return out_; }
+  bool says(const std::string& what) const { return out_.find(what) != std::string::npos; }
 
   // Reads output until it contains `needle` (true) or the deadline passes / output ends (false).
   bool read_until(const std::string& needle, std::chrono::milliseconds timeout) {

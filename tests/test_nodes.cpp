@@ -18,6 +18,8 @@
 using namespace shardflow;
 using namespace std::chrono_literals;
 using test::Child;
+using test::gloo_trainer;
+constexpr auto env = &test::one_blas_thread_env;
 
 namespace {
 
@@ -39,50 +41,25 @@ std::vector<std::string> node_cmd(const Node& n, const std::vector<std::string>&
   return argv;
 }
 
-// One BLAS thread per rank whatever the node count: the bits must not depend on it.
-std::map<std::string, std::string> env() {
-  auto e = test::no_launch_env();
-  e["OMP_NUM_THREADS"] = "1";
-  return e;
-}
-
-std::vector<std::string> trainer(std::vector<std::string> extra) {
-  auto args = test::mlp_args(1);
-  args.insert(args.begin(), test::kTrainer);
-  for (auto a : {"--backend", "gloo"}) args.push_back(a);
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
-
-// A job that trains until stopped, printing a progress line per step.
-std::vector<std::string> endless_trainer() {
-  auto args = trainer({"--log-every", "1"});
-  test::set_flag(args, "--steps", "1000000");
-  args.erase(std::find(args.begin(), args.end(), "--quiet"));
-  return args;
-}
-
 pid_t pid_of_rank(const std::string& out, int rank) {
   const std::string needle = "rank " + std::to_string(rank) + " (pid ";
   const auto at = out.find(needle);
   return at == std::string::npos ? -1 : pid_t(std::atoi(out.c_str() + at + needle.size()));
 }
 
-bool says(const Child& c, const std::string& what) { return c.output().find(what) != std::string::npos; }
-
 }  // namespace
 
 TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit; torchrun's --rdzv-endpoint") {
   const std::string one = scratch("one_node.safetensors"), two = scratch("two_nodes.safetensors");
   {
-    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer({"--save", one})), env());
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, gloo_trainer({"--save", one})), env());
     INFO(job.output());
     REQUIRE(test::exited_ok(job.wait(120s)));
   }
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 2, port, {}}, trainer({"--save", two})), env());
+  Child n0(node_cmd({0, 2, 2, port, {}}, gloo_trainer({"--save", two})), env());
   Node second{1, 2, 2, 0, {"--rdzv-endpoint", "127.0.0.1:" + std::to_string(port)}};
-  auto cmd = node_cmd(second, trainer({}));
+  auto cmd = node_cmd(second, gloo_trainer({}));
   cmd.erase(std::find(cmd.begin(), cmd.end(), "--master-port"), std::find(cmd.begin(), cmd.end(), "--master-port") + 2);
   Child n1(cmd, env());
   const auto s1 = n1.wait(120s);
@@ -91,9 +68,9 @@ TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x
   INFO(n1.output());
   REQUIRE(test::exited_ok(s0));
   REQUIRE(test::exited_ok(s1));
-  CHECK(says(n0, "[rank 0] mlp_train: sizes 24,40,40,6, world 4 (gloo)"));
-  CHECK(says(n1, "started rank 2 (pid"));
-  CHECK(says(n1, "rank 3 (pid"));
+  CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 4 (gloo)"));
+  CHECK(n1.says("started rank 2 (pid"));
+  CHECK(n1.says("rank 3 (pid"));
   const TensorMap want = load_safetensors(one), got = load_safetensors(two);
   REQUIRE(got.size() == want.size());
   for (const auto& [name, t] : want) {
@@ -104,8 +81,8 @@ TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x
 
 TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within seconds, naming node 1 and the rank") {
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 1, port, {}}, endless_trainer()), env());
-  Child n1(node_cmd({1, 2, 1, port, {}}, endless_trainer()), env());
+  Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   REQUIRE(n1.read_until("started rank 1", 60s));
   REQUIRE(n0.read_until("3/1000000", 60s));  // rank 0 prints the progress
   const pid_t victim = pid_of_rank(n1.output(), 1);
@@ -119,15 +96,15 @@ TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within sec
   REQUIRE(test::failed(s0));
   REQUIRE(test::failed(s1));
   CHECK(n0.seconds() - killed_at < 3.0 + 2.0 + 2.0);  // heartbeat interval, kill grace, slack
-  CHECK(says(n0, "node 1 (host "));
-  CHECK(says(n0, "rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
-  CHECK(says(n1, "FAILED: rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
+  CHECK(n0.says("node 1 (host "));
+  CHECK(n0.says("rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
+  CHECK(n1.says("FAILED: rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
 }
 
 TEST_CASE("node 1's launcher goes silent (stopped, like a host gone) -> node 0 names it lost within the heartbeat timeout + 5 s") {
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 1, port, {}}, endless_trainer()), env());
-  Child n1(node_cmd({1, 2, 1, port, {}}, endless_trainer()), env());
+  Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   REQUIRE(n0.read_until("3/1000000", 60s));
   ::kill(n1.pid(), SIGSTOP);  // its rank trains on; only its heartbeats stop
   const double stopped_at = n0.seconds_since_start();
@@ -136,14 +113,14 @@ TEST_CASE("node 1's launcher goes silent (stopped, like a host gone) -> node 0 n
   REQUIRE(test::failed(s0));
   CHECK(n0.seconds() - stopped_at < 3.0 + 5.0);
   CHECK(n0.seconds() - stopped_at > 2.0);  // not before the timeout
-  CHECK(says(n0, "FAILED: node 1 (host "));
-  CHECK(says(n0, "lost: no heartbeat for"));
+  CHECK(n0.says("FAILED: node 1 (host "));
+  CHECK(n0.says("lost: no heartbeat for"));
 }
 
 TEST_CASE("node 0's launcher killed -> node 1 exits non-zero naming node 0") {
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 1, port, {}}, endless_trainer()), env());
-  Child n1(node_cmd({1, 2, 1, port, {}}, endless_trainer()), env());
+  Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   REQUIRE(n0.read_until("3/1000000", 60s));
   ::kill(n0.pid(), SIGKILL);
   const double killed_at = n1.seconds_since_start();
@@ -151,9 +128,9 @@ TEST_CASE("node 0's launcher killed -> node 1 exits non-zero naming node 0") {
   INFO(n1.output());
   REQUIRE(test::failed(s1));
   CHECK(n1.seconds() - killed_at < 3.0 + 5.0);
-  CHECK(says(n1, "FAILED: "));
-  CHECK(says(n1, "node 0 (host "));
-  CHECK(says(n1, "unreachable"));
+  CHECK(n1.says("FAILED: "));
+  CHECK(n1.says("node 0 (host "));
+  CHECK(n1.says("unreachable"));
 }
 
 TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disagree, no token") {
@@ -167,9 +144,9 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     INFO(n2.output());
     REQUIRE(test::failed(s0));
     REQUIRE(test::failed(s2));
-    CHECK(says(n0, "rendezvous: node 1 of 3 never arrived"));
-    CHECK(says(n2, "rendezvous: node 1 of 3 never arrived"));
-    CHECK(!says(n0, "started rank"));
+    CHECK(n0.says("rendezvous: node 1 of 3 never arrived"));
+    CHECK(n2.says("rendezvous: node 1 of 3 never arrived"));
+    CHECK(!n0.says("started rank"));
     CHECK(n0.seconds() < 2.0 + 3.0);
   }
   SUBCASE("node 0 never starts -> node 1 says its store accepted no connection") {
@@ -177,8 +154,8 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     const auto s1 = n1.wait(20s);
     INFO(n1.output());
     REQUIRE(test::failed(s1));
-    CHECK(says(n1, "node 0's store at 127.0.0.1:"));
-    CHECK(says(n1, "accepted no connection within 2.0 s"));
+    CHECK(n1.says("node 0's store at 127.0.0.1:"));
+    CHECK(n1.says("accepted no connection within 2.0 s"));
   }
   SUBCASE("two launchers say --node-rank 1 -> the second is told, the job runs") {
     const int port = test::free_port();
@@ -189,7 +166,7 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     const auto sa = again.wait(20s);
     INFO(again.output());
     REQUIRE(test::failed(sa));
-    CHECK(says(again, "node rank 1 is already taken by host "));
+    CHECK(again.says("node rank 1 is already taken by host "));
     CHECK(test::exited_ok(n0.wait(20s)));
     CHECK(test::exited_ok(n1.wait(20s)));
   }
@@ -202,8 +179,8 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     INFO(n1.output());
     CHECK(test::failed(s0));
     CHECK(test::failed(s1));
-    CHECK(says(n1, "--nproc-per-node 2"));
-    CHECK(says(n1, "every node must be started with the same values"));
+    CHECK(n1.says("--nproc-per-node 2"));
+    CHECK(n1.says("every node must be started with the same values"));
   }
   SUBCASE("a wrong token -> refused, saying every node needs the same one") {
     const int port = test::free_port();
@@ -214,8 +191,8 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     const auto s1 = n1.wait(20s);
     INFO(n1.output());
     REQUIRE(test::failed(s1));
-    CHECK(says(n1, "wrong token"));
-    CHECK(says(n1, "every node needs the same --token"));
+    CHECK(n1.says("wrong token"));
+    CHECK(n1.says("every node needs the same --token"));
     CHECK(test::failed(n0.wait(20s)));
   }
   SUBCASE("--nnodes 2 without a token -> an error saying how to pass one") {
@@ -224,7 +201,7 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     const auto st = job.wait(20s);
     INFO(job.output());
     REQUIRE(test::failed(st));
-    CHECK(says(job, "--token T (or export SHARDFLOW_STORE_TOKEN=T)"));
+    CHECK(job.says("--token T (or export SHARDFLOW_STORE_TOKEN=T)"));
   }
 }
 
@@ -234,7 +211,7 @@ TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap); a missing 
                "echo iface=$SHARDFLOW_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME"},
               [] { auto e = env(); e["NCCL_SOCKET_IFNAME"] = ""; return e; }());
     REQUIRE(test::exited_ok(job.wait(20s)));
-    CHECK(says(job, "[rank 1] iface=lo nccl=lo"));
+    CHECK(job.says("[rank 1] iface=lo nccl=lo"));
   }
   SUBCASE("--iface nosuch0") {
     Child job({test::kLauncher, "run", "--nnodes", "2", "--node-rank", "0", "--token", "t", "--iface", "nosuch0", "--",
@@ -243,19 +220,19 @@ TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap); a missing 
     const auto st = job.wait(20s);
     INFO(job.output());
     REQUIRE(test::failed(st));
-    CHECK(says(job, "--iface: interface 'nosuch0' does not exist on this host or has no IPv4 address"));
-    CHECK(says(job, "lo=127.0.0.1"));
-    CHECK(!says(job, "started rank"));
+    CHECK(job.says("--iface: interface 'nosuch0' does not exist on this host or has no IPv4 address"));
+    CHECK(job.says("lo=127.0.0.1"));
+    CHECK(!job.says("started rank"));
   }
   SUBCASE("a Gloo job with GLOO_SOCKET_IFNAME=lo trains as torchrun users set it") {
     auto e = env();
     e["GLOO_SOCKET_IFNAME"] = "lo";
     const int port = test::free_port();
-    Child n0(node_cmd({0, 2, 1, port, {}}, trainer({})), e);
-    Child n1(node_cmd({1, 2, 1, port, {}}, trainer({})), e);
+    Child n0(node_cmd({0, 2, 1, port, {}}, gloo_trainer({})), e);
+    Child n1(node_cmd({1, 2, 1, port, {}}, gloo_trainer({})), e);
     CHECK(test::exited_ok(n0.wait(60s)));
     CHECK(test::exited_ok(n1.wait(60s)));
-    CHECK(says(n0, "sockets on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo)"));
+    CHECK(n0.says("sockets on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo)"));
   }
 }
 

@@ -21,6 +21,8 @@
 using namespace shardflow;
 using namespace std::chrono_literals;
 using test::Child;
+using test::gloo_trainer;
+constexpr auto env = &test::one_blas_thread_env;
 
 namespace {
 
@@ -57,19 +59,7 @@ std::vector<std::string> on_host(char host, int node_rank, int nnodes, int nproc
   return argv;
 }
 
-std::map<std::string, std::string> env() {
-  auto e = test::no_launch_env();
-  e["OMP_NUM_THREADS"] = "1";  // the bits must not depend on how many ranks share a host
-  return e;
-}
 
-std::vector<std::string> trainer(std::vector<std::string> extra) {
-  auto args = test::mlp_args(1);
-  args.insert(args.begin(), test::kTrainer);
-  for (auto a : {"--backend", "gloo"}) args.push_back(a);
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
 
 void same_bits(const std::string& want_file, const std::string& got_file) {
   const TensorMap want = load_safetensors(want_file), got = load_safetensors(got_file);
@@ -80,7 +70,6 @@ void same_bits(const std::string& want_file, const std::string& got_file) {
   }
 }
 
-bool says(const Child& c, const std::string& what) { return c.output().find(what) != std::string::npos; }
 
 }  // namespace
 
@@ -90,30 +79,27 @@ TEST_CASE("2 hosts x 1 rank and 2 hosts x 2 ranks over Gloo -> the parameters of
     const std::string one = scratch("one_host_" + std::to_string(nproc) + ".safetensors");
     const std::string two = scratch("two_hosts_" + std::to_string(nproc) + ".safetensors");
     {
-      Child job(on_host('a', 0, 1, 2 * nproc, trainer({"--save", one})), env());
+      Child job(on_host('a', 0, 1, 2 * nproc, gloo_trainer({"--save", one})), env());
       INFO(job.output());
       REQUIRE(test::exited_ok(job.wait(120s)));
     }
-    Child a(on_host('a', 0, 2, nproc, trainer({"--save", two})), env());
-    Child b(on_host('b', 1, 2, nproc, trainer({})), env());
+    Child a(on_host('a', 0, 2, nproc, gloo_trainer({"--save", two})), env());
+    Child b(on_host('b', 1, 2, nproc, gloo_trainer({})), env());
     const auto sb = b.wait(120s), sa = a.wait(120s);
     INFO(a.output());
     INFO(b.output());
     REQUIRE(test::exited_ok(sa));
     REQUIRE(test::exited_ok(sb));
     // Each host's sockets are on its own end of the link, not on loopback.
-    CHECK(says(a, "sockets on " + kHostA + " (the route to " + kHostA + ")"));
-    CHECK(says(b, "sockets on " + kHostB + " (the route to " + kHostA + ")"));
-    CHECK(says(a, "world " + std::to_string(2 * nproc) + " (gloo)"));
+    CHECK(a.says("sockets on " + kHostA + " (the route to " + kHostA + ")"));
+    CHECK(b.says("sockets on " + kHostB + " (the route to " + kHostA + ")"));
+    CHECK(a.says("world " + std::to_string(2 * nproc) + " (gloo)"));
     same_bits(one, two);
   }
 }
 
 TEST_CASE("a host's launcher killed and its link cut -> the other host exits non-zero within the heartbeat timeout + 5 s, naming the lost node") {
-  auto endless = trainer({"--log-every", "1"});
-  test::set_flag(endless, "--steps", "1000000");
-  test::set_flag(endless, "--timeout", "120");  // the ranks' own timeout must not be what stops them
-  endless.erase(std::find(endless.begin(), endless.end(), "--quiet"));
+  const auto endless = test::endless_gloo_trainer();
   SUBCASE("host b (node 1) goes") {
     Child a(on_host('a', 0, 2, 1, endless), env());
     Child b(on_host('b', 1, 2, 1, endless), env());
@@ -126,8 +112,8 @@ TEST_CASE("a host's launcher killed and its link cut -> the other host exits non
     INFO(a.output());
     REQUIRE(test::failed(sa));
     CHECK(a.seconds() - lost_at < kHeartbeatTimeout + 5.0);
-    CHECK(says(a, "FAILED: node 1 (host "));
-    CHECK(says(a, kHostB + ") lost: no heartbeat"));
+    CHECK(a.says("FAILED: node 1 (host "));
+    CHECK(a.says(kHostB + ") lost: no heartbeat"));
   }
   SUBCASE("host a (node 0, the store) goes") {
     Child a(on_host('a', 0, 2, 1, endless), env());
@@ -141,8 +127,8 @@ TEST_CASE("a host's launcher killed and its link cut -> the other host exits non
     INFO(b.output());
     REQUIRE(test::failed(sb));
     CHECK(b.seconds() - lost_at < kHeartbeatTimeout + 1.0 + 5.0);  // + one heartbeat interval
-    CHECK(says(b, "FAILED: node 0 (host "));
-    CHECK(says(b, kHostA + ") is unreachable"));
+    CHECK(b.says("FAILED: node 0 (host "));
+    CHECK(b.says(kHostA + ") is unreachable"));
   }
 }
 
