@@ -3,8 +3,9 @@ BUILD   ?= build
 JOBS    ?= 2
 CMAKE_FLAGS ?=
 SHARDFLOW_CUDA ?= AUTO
+PREFIX  ?= /usr/local
 
-.PHONY: all deps configure build demo test bench clean
+.PHONY: all deps configure build demo test bench install clean
 
 all: build
 
@@ -32,6 +33,10 @@ bench: build
 	$(BUILD)/bench/bench_zero
 	$(BUILD)/bench/bench_overlap
 	$(BUILD)/bench/bench_overhead
+
+# The library, its headers, the launcher, a CMake package and a pkg-config file (cmake/Install.cmake).
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 clean:
 	rm -rf $(BUILD)

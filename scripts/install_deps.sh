@@ -9,6 +9,7 @@ packages=(
   nlohmann-json3-dev libopenblas-dev libcli11-dev
   python3 python3-matplotlib
   iproute2  # the two-host test: network namespaces and a veth link
+  pkgconf   # the install test builds a consumer with pkg-config
 )
 
 missing=()

@@ -1,0 +1,36 @@
+#!/bin/sh
+# Installs the build tree into a scratch prefix and builds an outside project against it, once
+# through find_package(shardflow) and once through pkg-config, then runs both at world 2.
+#   run.sh BUILD_DIR SCRATCH_DIR
+set -eu
+build=$1
+work=$2
+here=$(cd "$(dirname "$0")" && pwd)
+rm -rf "$work"
+mkdir -p "$work"
+# Runs a step quietly; on failure shows what it printed.
+quiet() {
+  log=$1
+  shift
+  "$@" > "$work/$log" 2>&1 || { cat "$work/$log"; echo "run.sh: failed: $*"; exit 1; }
+}
+quiet install.log cmake --install "$build" --prefix "$work/prefix"
+# Only the public headers are installed: an internal one must not leak.
+test -f "$work/prefix/include/shardflow/shardflow.hpp"
+test ! -e "$work/prefix/include/shardflow/runtime.hpp"
+test -f "$work/prefix/lib/cmake/shardflow/shardflowConfig.cmake"
+test -f "$work/prefix/lib/cmake/shardflow/shardflowConfigVersion.cmake"
+test -x "$work/prefix/bin/shardflow"
+
+quiet configure.log cmake -S "$here" -B "$work/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release
+quiet build.log cmake --build "$work/cmake"
+"$work/cmake/consumer"
+
+if command -v pkg-config > /dev/null; then
+  export PKG_CONFIG_PATH="$work/prefix/lib/pkgconfig"
+  # shellcheck disable=SC2046
+  quiet pkg-config.log c++ -std=c++20 -O1 "$here/consumer.cpp" $(pkg-config --cflags --libs shardflow) -o "$work/consumer_pc"
+  LD_LIBRARY_PATH="$work/prefix/lib" "$work/consumer_pc"
+else
+  echo "run.sh: no pkg-config here: the .pc file was installed but not tried"
+fi
