@@ -100,6 +100,12 @@ int main(int argc, char** argv) {
     opt.runtime.comm_dtype = parse_dtype(comm_dtype);
     opt.runtime.overlap = parse_overlap(overlap);
     opt.runtime.partition = parse_partition(partition);
+    // Errors about these settings name the flags this program's users typed.
+    opt.runtime.setting_names = {{"zero_stage", "--zero-stage"},         {"overlap", "--overlap"},
+                                 {"comm_dtype", "--comm-dtype"},         {"clip_grad_norm", "--clip-grad-norm"},
+                                 {"forward_prefetch", "--forward-prefetch"}, {"partition", "--partition"},
+                                 {"first_bucket_cap_bytes", "--first-bucket-mb"}, {"bucket_cap_bytes", "--bucket-mb"},
+                                 {"timeout", "--timeout"}};
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;

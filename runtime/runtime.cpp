@@ -147,6 +147,14 @@ struct Runtime::Impl {
   std::exception_ptr failure;  // sticky: once a collective failed, this rank's run is over
   std::atomic<bool> failed{false};
 
+  // Once, at the first backward: settings that need the runtime's optimizer must have one.
+  std::atomic<bool> settings_checked{false};
+  void check_settings_used() {
+    if (settings_checked.load(std::memory_order_relaxed)) return;
+    if (!groups) cfg.check_needs_optimizer();
+    settings_checked.store(true, std::memory_order_relaxed);
+  }
+
   // ---------------------------------------------------------------------------------------------
   void throw_if_failed() {
     if (!failed.load(std::memory_order_acquire)) return;
@@ -796,6 +804,7 @@ void Runtime::grad_ready(Param p) {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
+  I.check_settings_used();
   const auto i = I.check_handle(p, "grad_ready");
   if (I.backward_finished.load(std::memory_order_acquire))
     throw UsageError("grad_ready('" + I.name_of(i) + "') on rank " + std::to_string(I.rank) +
@@ -822,6 +831,7 @@ void Runtime::finish_backward() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
+  I.check_settings_used();
   if (I.backward_finished.load()) return;
   const auto n = I.registry.size();
   if (!I.require_sync.load()) {

@@ -96,4 +96,24 @@ void Config::validate() const {
   if (timeout.count() <= 0) throw UsageError("Config::timeout must be positive (default 10 min)");
 }
 
+std::string Config::name_of(const std::string& field) const {
+  const auto it = setting_names.find(field);
+  return it != setting_names.end() ? it->second : "Config::" + field;
+}
+
+void Config::check_needs_optimizer() const {
+  auto refuse = [&](const std::string& field, const std::string& value, const std::string& what) {
+    throw UsageError(name_of(field) + " = " + value + " does nothing here: " + what +
+                     ", and this Runtime has none (Runtime::configure_optimizer was not called). Call "
+                     "configure_optimizer before the first backward, or leave " + name_of(field) + " at its default");
+  };
+  if (zero_stage != 0) refuse("zero_stage", std::to_string(zero_stage), "it shards the runtime's optimizer");
+  if (overlap != Overlap::none) refuse("overlap", overlap_name(overlap), "it overlaps the runtime's optimizer steps");
+  if (comm_dtype != DType::f32)
+    refuse("comm_dtype", dtype_name(comm_dtype), "16-bit communication needs the fp32 masters the runtime's optimizer keeps");
+  if (clip_grad_norm != 0.0f)
+    refuse("clip_grad_norm", std::to_string(clip_grad_norm), "the runtime clips inside its optimizer step");
+  if (forward_prefetch) refuse("forward_prefetch", "true", "it prefetches the parameters the runtime's optimizer updates");
+}
+
 }  // namespace shardflow

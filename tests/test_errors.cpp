@@ -200,6 +200,48 @@ TEST_CASE("nothing registered, nonsense config") {
   CHECK_THROWS_AS(Runtime(nullptr), UsageError);
 }
 
+TEST_CASE("settings that need the runtime's optimizer, without one: an error at the first backward naming the setting as the user spells it") {
+  auto world = InProcessWorld::create(1);
+  struct Case {
+    const char* field;
+    void (*set)(Config&);
+  };
+  const Case cases[] = {
+      {"zero_stage", [](Config& c) { c.zero_stage = 1; }},
+      {"overlap", [](Config& c) { c.overlap = Overlap::interleaved; }},
+      {"comm_dtype", [](Config& c) { c.comm_dtype = DType::bf16; }},
+      {"clip_grad_norm", [](Config& c) { c.clip_grad_norm = 1.0f; }},
+      {"forward_prefetch", [](Config& c) { c.forward_prefetch = true; }},
+  };
+  for (const auto& k : cases) {
+    CAPTURE(k.field);
+    for (bool cli : {false, true}) {
+      Config c;
+      k.set(c);
+      if (cli) c.setting_names[k.field] = std::string("--") + k.field;
+      Runtime rt(world->communicator(0), c);
+      TwoParams m;
+      m.add(rt);
+      rt.zero_grad();
+      const std::string name = cli ? std::string("--") + k.field : std::string("Config::") + k.field;
+      CHECK_THROWS_WITH_AS(rt.grad_ready(m.b), doctest::Contains((name + " = ").c_str()), UsageError);
+      CHECK_THROWS_WITH_AS(rt.finish_backward(), doctest::Contains("configure_optimizer"), UsageError);
+    }
+  }
+  // With the optimizer configured the same settings train.
+  Config c;
+  c.zero_stage = 1;
+  c.overlap = Overlap::interleaved;
+  Runtime rt(world->communicator(0), c);
+  TwoParams m;
+  m.add(rt);
+  rt.configure_optimizer(OptimizerConfig{});
+  rt.zero_grad();
+  rt.grad_ready(m.b);
+  rt.grad_ready(m.a);
+  CHECK_NOTHROW(rt.wait());
+}
+
 TEST_CASE("mlp trainer: a batch that does not split evenly, a bad data file") {
   mlp::TrainOptions o;
   o.sizes = {4, 3};

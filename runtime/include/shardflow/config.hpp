@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <map>
 #include <string>
 
 #include "shardflow/types.hpp"
@@ -104,8 +105,18 @@ struct Config {
   // only route messages; the heavy lifting happens on comm streams and trainer threads.
   unsigned actor_threads = 0;
 
+  // How this program's users spell settings, for error messages: field -> what they type (a CLI
+  // maps "overlap" to "--overlap"). A field not in it is named "Config::<field>".
+  std::map<std::string, std::string> setting_names;
+
   // Throws UsageError naming the field when a value makes no sense.
   void validate() const;
+  // Settings that only act through the runtime's optimizer (zero_stage, overlap, comm_dtype,
+  // clip_grad_norm, forward_prefetch) would silently do nothing without configure_optimizer():
+  // UsageError naming the first one set, as the user spells it, and what to do. Called by the
+  // Runtime when the first synchronised backward starts without an optimizer.
+  void check_needs_optimizer() const;
+  std::string name_of(const std::string& field) const;
 };
 
 }  // namespace shardflow
