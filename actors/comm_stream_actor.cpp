@@ -53,43 +53,6 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, 
 
 }  // namespace
 
-// Note [Collective schedule]
-// Reductions go out in bucket order (R0, R1, ...). Parameter syncs (S) and the norm exchange (N)
-// need a place in the sequence that does not depend on timing:
-//   after_backward / none:   R0 .. R(B-1) [N] S0 .. S(B-1)
-//   interleaved, no clip:    R0 S0 R1 S1 ... R(B-1) S(B-1)            (Config::interleave_lag 0)
-//                            R0 R1 S0 R2 S1 ... R(B-1) S(B-2) S(B-1)  (lag 1)
-// In the interleaved schedule S(b) goes after R(b+lag) and waits for bucket b's step. Lag 0 sends
-// each sync as soon as its bucket is stepped, so when backward takes longer per bucket than the
-// link, every bucket but the last is reduced, stepped and synced while backward still runs (with
-// lag 1 the last two are left for after backward: measured, 0-1 of 4 buckets done in backward).
-// The price: R(b+1) queues behind S(b), so when the link is the bottleneck it idles while bucket b
-// steps; lag 1 keeps the next reduction on the link during that step. With clipping every step
-// needs the global norm, which needs every reduction, so the syncs go after N.
-// With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
-// prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
-std::vector<ScheduleEntry::Kind> schedule_shape(std::size_t B, bool syncs, bool norm, bool interleave, std::size_t lag,
-                                                std::size_t interleaved) {
-  std::vector<ScheduleEntry::Kind> k;
-  if (syncs && interleave && !norm) {
-    std::size_t synced = 0;
-    for (std::size_t b = 0; b < B; ++b) {
-      k.push_back(ScheduleEntry::reduce);
-      if (b >= lag && synced < interleaved) {
-        k.push_back(ScheduleEntry::sync);  // S(b - lag)
-        ++synced;
-      }
-    }
-    for (; synced < B; ++synced) k.push_back(ScheduleEntry::sync);
-    return k;
-  }
-  for (std::size_t b = 0; b < B; ++b) k.push_back(ScheduleEntry::reduce);
-  if (norm) k.push_back(ScheduleEntry::norm);
-  if (syncs)
-    for (std::size_t b = 0; b < B; ++b) k.push_back(ScheduleEntry::sync);
-  return k;
-}
-
 caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
                                 std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
                                 std::uint64_t first_iteration) {

@@ -1,0 +1,88 @@
+// One iteration's collectives on one rank: which, in what order, and the ops each one issues.
+//
+// Note [Collective schedule]
+// Reductions go out in bucket order (R0, R1, ...). Parameter syncs (S) and the norm exchange (N)
+// need a place in the sequence that does not depend on timing:
+//   after_backward / none:   R0 .. R(B-1) [N] S0 .. S(B-1)
+//   interleaved, no clip:    R0 S0 R1 S1 ... R(B-1) S(B-1)            (Config::interleave_lag 0)
+//                            R0 R1 S0 R2 S1 ... R(B-1) S(B-2) S(B-1)  (lag 1)
+// In the interleaved schedule S(b) goes after R(b+lag) and waits for bucket b's step. Lag 0 sends
+// each sync as soon as its bucket is stepped, so when backward takes longer per bucket than the
+// link, every bucket but the last is reduced, stepped and synced while backward still runs (with
+// lag 1 the last two are left for after backward: measured, 0-1 of 4 buckets done in backward).
+// The price: R(b+1) queues behind S(b), so when the link is the bottleneck it idles while bucket b
+// steps; lag 1 keeps the next reduction on the link during that step. With clipping every step
+// needs the global norm, which needs every reduction, so the syncs go after N.
+// With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
+// prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
+//
+// collective_order() is the order alone, a pure function of the plan's shape and the settings (every
+// rank computes the same one); make_collective_schedule() attaches the ops each entry issues from
+// this rank's buffers and shard. The comm stream actor issues the entries strictly in order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "shardflow/communicator.hpp"
+
+namespace shardflow {
+
+class BucketBuffers;
+class BucketEvents;
+class Shard;
+class Timeline;
+struct BucketPlan;
+
+// One step of a rank's collective schedule. Every rank builds the same schedule from the same plan,
+// so issuing strictly in schedule order keeps the ranks' collectives in the same order.
+struct ScheduleEntry {
+  enum Kind : std::uint8_t { reduce, norm, sync };
+  Kind kind = reduce;
+  std::uint32_t bucket = 0;
+  // Builds the entry's collectives when it is issued, not before: pooled buckets (ZeRO-2) hold a
+  // different buffer every iteration. The ops go out back to back; `on_complete` (if any) runs on
+  // the stream thread once the last one completed, before anyone is told (casting a 16-bit
+  // reduction back into fp32, Config::comm_dtype).
+  struct Issue {
+    std::vector<CollectiveOp> ops;
+    std::function<void()> on_complete;
+  };
+  std::function<Issue()> make_ops;
+};
+
+struct ScheduleSpec {
+  std::size_t buckets = 0;
+  bool syncs = false;       // the runtime's optimizer syncs updated parameters (ZeRO 1 and 2)
+  bool norm = false;        // gradient clipping: the norm exchange after every reduction
+  bool interleave = false;  // syncs go out between the reductions (Overlap::interleaved, no clipping)
+  std::size_t lag = 0;      // interleaved: S(i) after R(i + lag)
+  // The order syncs go out in: empty is bucket order; with forward prefetch, the order the next
+  // forward needs them in, whose first `interleaved_syncs` interleave with the reductions.
+  std::vector<std::uint32_t> sync_order;
+  std::size_t interleaved_syncs = ~std::size_t{0};
+};
+
+struct ScheduledCollective {
+  ScheduleEntry::Kind kind;
+  std::uint32_t bucket;  // 0 for the norm exchange
+  bool operator==(const ScheduledCollective&) const = default;
+};
+
+std::vector<ScheduledCollective> collective_order(const ScheduleSpec& spec);
+
+// Where the entries' ops find their buffers. `shard` is null without the runtime's optimizer.
+struct ScheduleSources {
+  const BucketPlan* plan = nullptr;
+  std::shared_ptr<BucketBuffers> bufs;
+  std::shared_ptr<Shard> shard;
+  std::shared_ptr<BucketEvents> events;
+  std::shared_ptr<Timeline> timeline;
+  int rank = 0, world = 1;
+};
+
+std::vector<ScheduleEntry> make_collective_schedule(const std::vector<ScheduledCollective>& order, const ScheduleSources& from);
+
+}  // namespace shardflow

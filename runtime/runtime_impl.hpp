@@ -1,0 +1,226 @@
+// Runtime::Impl: one rank's state behind the trainer-facing Runtime. Its parts live by concept:
+//   runtime.cpp          the facade: the public Runtime calls, the iteration's phases as the trainer sees them
+//   runtime_plan.cpp     finalizing, installing and rebuilding the bucket plan, state migration, the actors
+//   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
+//   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
+//   collective_schedule.cpp  the order of the collectives and the ops each issues (Note [Collective schedule])
+#pragma once
+
+#include <caf/all.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+
+#include "actors/messages.hpp"
+#include "runtime/bucket_buffers.hpp"
+#include "runtime/bucket_plan.hpp"
+#include "runtime/collective_schedule.hpp"
+#include "runtime/collective_log.hpp"
+#include "runtime/device_memory.hpp"
+#include "runtime/engine.hpp"
+#include "runtime/iteration_signal.hpp"
+#include "runtime/logging.hpp"
+#include "runtime/param_registry.hpp"
+#include "runtime/shard.hpp"
+#include "runtime/shard_plan.hpp"
+#include "runtime/timeline.hpp"
+#include "shardflow/shardflow.hpp"
+
+namespace shardflow {
+
+struct Runtime::Impl {
+  Config cfg;
+  std::shared_ptr<Communicator> comm;
+  // Bucket memory from the backend (Communicator::allocate): shared memory for shm, so that its
+  // collectives read the peers' buckets in place.
+  // Weak: buffers (and the shard holding them) may be released last on a backend thread, which
+  // must never be the one to destroy the communicator that owns the thread.
+  BucketBuffers::Allocate allocator() const {
+    return [w = std::weak_ptr<Communicator>(comm)](std::size_t n) {
+      const auto c = w.lock();
+      if (!c) throw CommError("bucket memory requested after the communicator was destroyed");
+      return c->allocate(n);
+    };
+  }
+  // Where the buckets live: the parameters' device (all of a Runtime's parameters share one), and
+  // for CUDA the trainer's compute stream that bucket copies, zeroing and events go on.
+  std::shared_ptr<MemoryOps> mem = std::make_shared<MemoryOps>();  // shared with the zeroer and events
+  bool device_bound = false;  // set by the first registered parameter
+  std::shared_ptr<BucketEvents> events;  // per bucket of the current plan (no-ops on the CPU)
+  BucketBuffers::Zero zeroer() const {
+    return [m = mem](std::byte* p, std::size_t n) { m->zero(p, n); };
+  }
+  int rank = 0, world = 1;
+  std::uint32_t owner = 0;
+  std::shared_ptr<spdlog::logger> log;
+  std::shared_ptr<Engine> engine;
+  ParamRegistry registry;
+
+  std::mutex finalize_mu;
+  std::atomic<bool> finalized{false};
+  BucketPlan plan;
+  std::shared_ptr<BucketBuffers> bufs;  // the buckets' flat buffers (Note [Pooled buckets (ZeRO-2)])
+  // Gradients still to come per bucket in this synchronised pass: the trainer-side twin of the
+  // bucket actor's count, so a pooled bucket is marked "reducing" before its message goes out
+  // (Note [Pooled buckets (ZeRO-2)], backpressure).
+  std::unique_ptr<std::atomic<std::uint32_t>[]> bucket_pending;
+  // Buckets 0..ready_prefix-1 are complete; the comm stream issues their reductions without any
+  // further trainer action (it goes in bucket order), so only their buffers are sure to come back.
+  std::mutex prefix_mu;
+  std::vector<char> bucket_complete;
+  std::size_t ready_prefix = 0;
+
+  // Actors of the current plan (replaced once if the buckets are rebuilt).
+  caf::actor iteration_actor_h, comm_actor_h, shard_actor_h;
+  // The runtime's optimizer (configure_optimizer): the groups' hyper-parameters and this rank's shard.
+  std::shared_ptr<OptimizerGroups> groups;
+  std::shared_ptr<Shard> shard;
+  std::vector<caf::actor> bucket_actors;
+  std::shared_ptr<IterationSignal> signal;
+  std::uint64_t signal_target = 0;  // synchronised iterations handed to the current actors
+
+  // Forward prefetch (Note [Forward prefetch]).
+  std::mutex forward_mu;
+  bool observing_forward = false;       // recording the first-use order of buckets in forward
+  std::vector<char> forward_seen;
+  std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
+  std::size_t prefetch_early = 0;  // with prefetch: syncs interleaved into backward (the first of sync_order)
+  bool prefetch_active = false;
+  std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
+  // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
+  std::shared_ptr<Timeline> timeline;
+  bool closing_iteration = false;  // inside wait(), after the iteration completed: actors spawned now start the next one
+  std::size_t done_in_backward = 0;  // buckets complete when finish_backward ran (stats)
+
+  // A trainer-thread wait on the runtime: exposed time (stats) and a span on the compute lane.
+  template <class F>
+  auto blocked(const char* what, std::int64_t bucket, F&& f) {
+    const auto t0 = Timeline::now();
+    struct Done {
+      Timeline& tl;
+      const char* what;
+      std::int64_t bucket;
+      Timeline::Time t0;
+      std::uint64_t it;
+      ~Done() {
+        const auto t1 = Timeline::now();
+        if (t1 - t0 < 5) return;  // did not block
+        tl.stats().blocked(t0, t1);
+        tl.span(what, "wait", Lane::compute, t0, t1, SpanArgs{bucket, -1, nullptr, std::int64_t(it), -1});
+      }
+    } done{*timeline, what, bucket, t0, iterations};
+    return f();
+  }
+
+  // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
+  // observed order is appended through an atomic cursor.
+  std::unique_ptr<std::atomic<std::uint8_t>[]> marked;
+  std::vector<std::uint8_t> touched;  // got a gradient in a no_sync pass since the last sync
+  std::vector<std::uint32_t> order;
+  std::atomic<std::uint32_t> order_pos{0};
+  std::atomic<bool> backward_finished{false};
+  std::atomic<bool> require_sync{true};
+  std::atomic<bool> sync_pass_started{false};  // set by grad_ready of a synchronised pass (any thread)
+  bool rebuilt = false;
+  std::uint64_t iterations = 0;
+
+  std::mutex fail_mu;
+  std::exception_ptr failure;  // sticky: once a collective failed, this rank's run is over
+  std::atomic<bool> failed{false};
+
+  // Once, at the first backward: settings that need the runtime's optimizer must have one.
+  std::atomic<bool> settings_checked{false};
+  void check_settings_used() {
+    if (settings_checked.load(std::memory_order_relaxed)) return;
+    if (!groups) cfg.check_needs_optimizer();
+    settings_checked.store(true, std::memory_order_relaxed);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  void throw_if_failed() {
+    if (!failed.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(fail_mu);
+    std::rethrow_exception(failure);
+  }
+
+  // Records the first failure, tells the peers (they fail promptly instead of waiting for the
+  // timeout) and throws it.
+  template <class E>
+  [[noreturn]] void fail(E error) {
+    log->error("{}", error.what());
+    {
+      std::lock_guard lock(fail_mu);
+      if (!failure) failure = std::make_exception_ptr(error);
+    }
+    failed.store(true, std::memory_order_release);
+    comm->abort(error.what());
+    throw error;
+  }
+
+  std::uint32_t check_handle(Param p, const char* where) const {
+    if (p.owner != owner)
+      throw UsageError(std::string(where) + ": parameter handle #" + std::to_string(p.index) +
+                       (p.owner == 0 ? " was never registered" : " belongs to another Runtime"));
+    if (p.index >= registry.size())
+      throw UsageError(std::string(where) + ": unknown parameter handle #" + std::to_string(p.index) + " (rank " +
+                       std::to_string(rank) + " has " + std::to_string(registry.size()) + " parameters)");
+    return p.index;
+  }
+
+  const std::string& name_of(std::uint32_t i) const { return registry.params()[i].name; }
+
+  // ---------------------------------------------------------------------------------------------
+  void ensure_finalized();
+
+  // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
+  // after a reduction, whose results the trainer is about to use) and starts its actors.
+  void install_plan(BucketPlan next);
+
+  void reset_bucket_pending();
+
+  void bucket_completed(std::size_t b);
+
+  // Where p's gradient lives now: inside its bucket's buffer (taking one from the pool when the
+  // bucket has none this iteration), or the trainer's own storage without the bucket view.
+  std::byte* grad_ptr(std::uint32_t p);
+
+  // Accumulation passes keep every bucket until the synchronised pass: no backpressure there.
+  // With forward prefetch the bucket may still be busy with the last iteration (stepping, or its
+  // buffer carrying the sync): gradients are written only once it is done.
+  std::shared_ptr<std::byte> bucket_grad(std::uint32_t b);
+
+  // Note [State migration] (runtime_plan.cpp).
+  void migrate_state(const Shard& from, Shard& to);
+
+  // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
+  std::vector<ScheduleEntry> build_schedule() const;
+
+  void spawn_actors();
+
+  void stop_actors();
+
+  // ---------------------------------------------------------------------------------------------
+  // Hands p's gradient to its bucket actor. In copy mode the gradient goes into the bucket here,
+  // on the caller's (backward) thread, not on a scheduler thread.
+  void send_to_bucket(std::uint32_t p, bool zero);
+
+  // A synchronised iteration ended: its figures, and its span on the iteration lane.
+  void end_iteration();
+
+  void reset_pass();
+
+  // Blocks until every bucket completed `target` synchronised iterations; fails the run otherwise.
+  void await_iterations(std::uint64_t target);
+
+  void check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what);
+
+  // Note [Forward prefetch] (forward_prefetch.cpp).
+  void establish_sync_order();
+
+  std::size_t choose_early_syncs() const;
+
+  void rebuild_from_observed_order();
+};
+
+}  // namespace shardflow

@@ -1,0 +1,185 @@
+// The bucket plan's life on one rank: finalizing (the ranks agree on the parameters), installing a
+// plan (buffers, shard, actors), the one rebuild from the observed gradient order, and moving the
+// optimizer state when ownership moves with it.
+// Note [State migration]
+// When the buckets are rebuilt after the first iteration, ownership moves. Each rank exports the
+// state it owns in parameter coordinates (zeros elsewhere); summing the exports over the ranks
+// (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
+// one-time cost of one all-reduce of the parameter count per state slot.
+#include "runtime/runtime_impl.hpp"
+#include "actors/bucket_actor.hpp"
+#include "actors/comm_stream_actor.hpp"
+#include "actors/iteration_actor.hpp"
+#include "actors/shard_actor.hpp"
+
+namespace shardflow {
+
+namespace {
+
+bool same_layout(const BucketPlan& a, const BucketPlan& b) {
+  if (a.buckets.size() != b.buckets.size()) return false;
+  for (std::size_t i = 0; i < a.buckets.size(); ++i) {
+    const auto &x = a.buckets[i].entries, &y = b.buckets[i].entries;
+    if (x.size() != y.size()) return false;
+    for (std::size_t e = 0; e < x.size(); ++e)
+      if (x[e].param != y[e].param) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void Runtime::Impl::ensure_finalized() {
+  if (finalized.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(finalize_mu);
+  if (finalized.load(std::memory_order_relaxed)) return;
+  throw_if_failed();
+  const auto n = registry.size();
+  if (n == 0) throw UsageError("rank " + std::to_string(rank) + ": no parameters registered before training started");
+  try {
+    collectives->record(CollectiveOp{CollectiveKind::allgather, DType::f32, nullptr, nullptr, 4, 0, 1.0f,
+                                     "verify parameter lists", {}});
+    verify_same_params(*comm, registry.signature(), cfg.timeout);
+  } catch (const MismatchError& e) {
+    fail(e);
+  } catch (const TimeoutError& e) {
+    fail(e);
+  } catch (const CommError& e) {
+    fail(e);
+  }
+  marked.reset(new std::atomic<std::uint8_t>[n]);
+  for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
+  touched.assign(n, 0);
+  order.assign(n, 0);
+  install_plan(make_bucket_plan(registry.params(), reverse_registration_order(n), cfg.first_bucket_cap_bytes,
+                                cfg.bucket_cap_bytes));
+  log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
+            comm->backend_name(), world, plan.describe());
+  finalized.store(true, std::memory_order_release);
+}
+
+void Runtime::Impl::install_plan(BucketPlan next) {
+  std::shared_ptr<Shard> next_shard;
+  std::shared_ptr<BucketBuffers> next_bufs;
+  if (groups) {
+    auto shard_plan = make_shard_plan(next, registry.params(), cfg.partition, world, rank, cfg.zero_stage >= 1);
+    std::vector<std::size_t> bytes;
+    for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
+      bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
+    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded, allocator(), zeroer());
+    next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups,
+                                         next_bufs, mem);
+  } else {
+    std::vector<std::size_t> bytes;
+    for (const auto& b : next.buckets) bytes.push_back(b.bytes());
+    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false, allocator(), zeroer());
+    // Plain DDP: the trainer reads the reduced gradients after wait(); a rebuild moves them along.
+    if (bufs && cfg.gradient_as_bucket_view)
+      for (const auto& b : next.buckets)
+        for (const auto& e : b.entries)
+          if (e.numel)
+            mem->copy(next_bufs->grad(b.index).get() + e.offset * dtype_size(b.dtype), grad_ptr(e.param),
+                     e.numel * dtype_size(b.dtype));
+  }
+  if (shard && next_shard) migrate_state(*shard, *next_shard);
+  stop_actors();
+  plan = std::move(next);
+  bufs = std::move(next_bufs);
+  shard = std::move(next_shard);
+  events = std::make_shared<BucketEvents>(mem, plan.buckets.size());
+  bucket_pending.reset(new std::atomic<std::uint32_t>[plan.buckets.size()]);
+  reset_bucket_pending();
+  spawn_actors();
+}
+
+void Runtime::Impl::migrate_state(const Shard& from, Shard& to) {
+  for (std::size_t slot = 0; slot < from.migrate_slots(); ++slot) {
+    auto full = from.export_state(slot);
+    if (from.shard_plan().sharded) {
+      CollectiveOp op;
+      op.kind = CollectiveKind::allreduce;
+      op.send = op.recv = full.data();
+      op.count = full.size();
+      op.tag = "migrate optimizer state " + std::to_string(slot);
+      collectives->record(op);
+      comm->run(op, cfg.timeout);
+    }
+    to.import_state(slot, full);
+  }
+  to.set_steps(from.steps());
+}
+
+std::vector<ScheduleEntry> Runtime::Impl::build_schedule() const {
+  ScheduleSpec spec;
+  spec.buckets = plan.buckets.size();
+  spec.syncs = shard && shard->syncs();
+  spec.norm = spec.syncs && shard->clips();
+  // Syncs in the observed forward order: only the first prefetch_early interleave, each after the
+  // next bucket's reduction (Note [Forward prefetch]): a reduction never queues behind a step
+  // then, and the sync left over for after backward is needed second by forward, which waits
+  // for the first.
+  const bool prefetching = !sync_order.empty();
+  spec.interleave = cfg.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
+  spec.lag = prefetching ? std::max<std::size_t>(1, cfg.interleave_lag) : cfg.interleave_lag;
+  spec.sync_order = sync_order;
+  spec.interleaved_syncs = prefetching ? prefetch_early : spec.buckets;
+  return make_collective_schedule(collective_order(spec), {&plan, bufs, shard, events, timeline, rank, world});
+}
+
+void Runtime::Impl::spawn_actors() {
+  auto& sys = engine->system();
+  signal = std::make_shared<IterationSignal>(plan.buckets.size());
+  signal_target = 0;
+  iteration_actor_h = sys.spawn(iteration_actor, signal);
+  comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, iterations + (closing_iteration ? 1 : 0));
+  caf::actor downstream = iteration_actor_h;
+  if (shard) {
+    // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
+    // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
+    const bool zero_on_done = cfg.forward_prefetch && !bufs->pooled();
+    // Steps go in the order the syncs are scheduled: a sync never waits for a step that waits for
+    // staging held by a later sync (pooled staging is limited).
+    shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order, timeline);
+    caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
+    downstream = shard_actor_h;
+  }
+  bucket_actors.clear();
+  for (const auto& bk : plan.buckets)
+    bucket_actors.push_back(sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h,
+                                      downstream, bool(shard)));
+}
+
+void Runtime::Impl::stop_actors() {
+  for (auto& a : bucket_actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+  if (comm_actor_h) caf::anon_send_exit(comm_actor_h, caf::exit_reason::user_shutdown);
+  if (iteration_actor_h) caf::anon_send_exit(iteration_actor_h, caf::exit_reason::user_shutdown);
+  if (shard_actor_h) caf::anon_send_exit(shard_actor_h, caf::exit_reason::user_shutdown);
+  shard_actor_h = nullptr;
+  bucket_actors.clear();
+  comm_actor_h = nullptr;
+  iteration_actor_h = nullptr;
+}
+
+void Runtime::Impl::rebuild_from_observed_order() {
+  std::vector<std::uint32_t> observed(order.begin(), order.begin() + registry.size());
+  if (world > 1) {
+    // Rank 0's order wins, so every rank builds the same buckets.
+    CollectiveOp op;
+    op.kind = CollectiveKind::broadcast;
+    op.dtype = DType::f32;  // 32-bit words copied as they are
+    op.send = observed.data();
+    op.recv = observed.data();
+    op.count = observed.size();
+    op.root = 0;
+    op.tag = "rebuild buckets: ready order";
+    collectives->record(op);
+    comm->run(op, cfg.timeout);
+  }
+  auto next = make_bucket_plan(registry.params(), observed, cfg.first_bucket_cap_bytes, cfg.bucket_cap_bytes);
+  rebuilt = true;
+  if (same_layout(plan, next)) return;
+  install_plan(std::move(next));
+  log->info("buckets rebuilt from the observed gradient order:\n{}", plan.describe());
+}
+
+}  // namespace shardflow

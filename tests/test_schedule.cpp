@@ -1,0 +1,89 @@
+// The order of one iteration's collectives, alone (Note [Collective schedule]): a pure function of
+// the plan's shape and the settings, the same on every rank whatever the timing.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "runtime/collective_schedule.hpp"
+
+using namespace shardflow;
+
+namespace {
+
+// "R0 S0 R1 ..." for reading the scenarios at a glance.
+std::string spelled(const std::vector<ScheduledCollective>& order) {
+  std::string s;
+  for (const auto& c : order) {
+    if (!s.empty()) s += ' ';
+    s += c.kind == ScheduleEntry::reduce ? "R" + std::to_string(c.bucket)
+         : c.kind == ScheduleEntry::norm ? std::string("N")
+                                         : "S" + std::to_string(c.bucket);
+  }
+  return s;
+}
+
+ScheduleSpec spec(std::size_t buckets, bool syncs, bool norm = false, bool interleave = false, std::size_t lag = 0) {
+  ScheduleSpec s;
+  s.buckets = buckets;
+  s.syncs = syncs;
+  s.norm = norm;
+  s.interleave = interleave;
+  s.lag = lag;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("DDP (no optimizer in the runtime): the reductions in bucket order, nothing else") {
+  CHECK(spelled(collective_order(spec(4, false))) == "R0 R1 R2 R3");
+  CHECK(spelled(collective_order(spec(4, false, false, true))) == "R0 R1 R2 R3");  // interleave has nothing to interleave
+  CHECK(collective_order(spec(0, true)).empty());
+}
+
+TEST_CASE("ZeRO, none / after_backward: every reduction, then every sync") {
+  CHECK(spelled(collective_order(spec(3, true))) == "R0 R1 R2 S0 S1 S2");
+}
+
+TEST_CASE("ZeRO, interleaved: S(b) right after R(b) at lag 0, after R(b+1) at lag 1") {
+  CHECK(spelled(collective_order(spec(4, true, false, true, 0))) == "R0 S0 R1 S1 R2 S2 R3 S3");
+  CHECK(spelled(collective_order(spec(4, true, false, true, 1))) == "R0 R1 S0 R2 S1 R3 S2 S3");
+  CHECK(spelled(collective_order(spec(2, true, false, true, 5))) == "R0 R1 S0 S1");  // a lag past the end
+}
+
+TEST_CASE("clipping: the norm exchange after every reduction, the syncs after it, interleaved or not") {
+  CHECK(spelled(collective_order(spec(3, true, true, false))) == "R0 R1 R2 N S0 S1 S2");
+  CHECK(spelled(collective_order(spec(3, true, true, true))) == "R0 R1 R2 N S0 S1 S2");
+}
+
+TEST_CASE("forward prefetch: K syncs interleave in backward's order, the rest follow in the order forward needs them") {
+  auto s = spec(4, true, false, true, 1);
+  // Early syncs (backward's order) first, then the late ones in forward order (last layer first
+  // would be backward's; forward wants bucket 3 = the first layer first).
+  s.sync_order = {0, 1, 3, 2};
+  s.interleaved_syncs = 2;
+  CHECK(spelled(collective_order(s)) == "R0 R1 S0 R2 S1 R3 S3 S2");
+  s.interleaved_syncs = 0;
+  s.sync_order = {3, 2, 1, 0};
+  CHECK(spelled(collective_order(s)) == "R0 R1 R2 R3 S3 S2 S1 S0");
+}
+
+TEST_CASE("every bucket is reduced once and synced once, whatever the settings") {
+  for (std::size_t B : {1, 2, 5})
+    for (bool norm : {false, true})
+      for (bool interleave : {false, true})
+        for (std::size_t lag : {0, 1, 3}) {
+          const auto order = collective_order(spec(B, true, norm, interleave, lag));
+          std::vector<int> reduced(B), synced(B);
+          std::size_t last_reduce = 0, first_sync = order.size();
+          for (std::size_t i = 0; i < order.size(); ++i) {
+            if (order[i].kind == ScheduleEntry::reduce) ++reduced[order[i].bucket], last_reduce = i;
+            if (order[i].kind == ScheduleEntry::sync) ++synced[order[i].bucket], first_sync = std::min(first_sync, i);
+          }
+          CAPTURE(spelled(order));
+          for (std::size_t b = 0; b < B; ++b) {
+            CHECK(reduced[b] == 1);
+            CHECK(synced[b] == 1);
+          }
+          if (norm || !interleave) CHECK(first_sync > last_reduce);  // no sync before the last reduction
+        }
+}
