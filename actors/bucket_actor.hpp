@@ -1,10 +1,11 @@
 #pragma once
 
-#include <caf/fwd.hpp>
 #include <caf/stateful_actor.hpp>
 
 #include <cstdint>
 #include <string>
+
+#include "actors/messages.hpp"
 
 namespace shardflow {
 
@@ -19,9 +20,10 @@ struct BucketState {
 // Counts its gradients in; when the last one arrives the bucket is ready and goes to the comm
 // stream. Owns the buffer's lifetime: between bucket_ready and reduced the buffer belongs to the
 // collective, and a gradient for it then is a protocol violation, reported, never written.
-// `downstream` receives reduced(b) when it is the shard actor, bucket_done(b) when it is the
-// iteration actor (`to_shard` says which).
-caf::behavior bucket_actor(caf::stateful_actor<BucketState>* self, std::uint32_t index, std::uint32_t nparams,
-                           caf::actor comm_stream, caf::actor downstream, bool to_shard);
+// A reduced bucket goes to the shard actor (reduced(b)) when the runtime runs the optimizer, else
+// straight to the iteration actor (bucket_done(b)).
+msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_pointer<BucketState> self, std::uint32_t index,
+                                                std::uint32_t nparams, msg::comm_stream_actor_t comm_stream,
+                                                msg::shard_actor_t shard, msg::iteration_actor_t iteration);
 
 }  // namespace shardflow

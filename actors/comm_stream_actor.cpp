@@ -2,7 +2,6 @@
 
 #include <caf/all.hpp>
 
-#include "actors/messages.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -53,7 +52,8 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, 
 
 }  // namespace
 
-caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
+msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
+                                                          std::shared_ptr<Communicator> comm,
                                 std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
                                 std::uint64_t first_iteration) {
   auto& st = self->state;
@@ -131,10 +131,10 @@ caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std:
   };
 
   return {
-      [=](msg::set_peer_atom, caf::actor shard) { self->state.shard = std::move(shard); },
-      [=](msg::bucket_ready_atom, std::uint32_t b) {
+      [=](msg::set_peer_atom, msg::shard_actor_t shard) { self->state.shard = std::move(shard); },
+      [=](msg::bucket_ready_atom, std::uint32_t b, msg::bucket_actor_t owner) {
         auto& s = self->state;
-        s.owners[b] = caf::actor_cast<caf::actor>(self->current_sender());
+        s.owners[b] = std::move(owner);
         s.ready[s.reduce_entry[b]] = 1;
         pump();
       },

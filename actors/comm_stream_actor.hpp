@@ -1,12 +1,12 @@
 #pragma once
 
-#include <caf/fwd.hpp>
 #include <caf/stateful_actor.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "actors/messages.hpp"
 #include "runtime/collective_log.hpp"
 #include "runtime/collective_schedule.hpp"
 #include "runtime/logging.hpp"
@@ -20,8 +20,8 @@ struct CommStreamState {
   std::vector<char> ready;
   std::vector<std::uint32_t> reduce_entry, sync_entry;  // by bucket
   std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
-  std::vector<caf::actor> owners;  // the bucket actor to tell when its reduction completes
-  caf::actor shard;                // the shard actor, when the runtime runs the optimizer
+  std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
+  msg::shard_actor_t shard;                 // the shard actor, when the runtime runs the optimizer
   std::uint32_t next = 0;          // the next entry to issue
   std::uint64_t iteration = 0;     // the runtime's synchronised iteration being issued (timeline)
   std::shared_ptr<CollectiveLog> log;
@@ -31,7 +31,8 @@ struct CommStreamState {
 
 // Owns the order of collectives on one rank: entry i is issued only after entries 0..i-1, so every
 // rank issues the same sequence whatever order gradients, steps and messages arrive in.
-caf::behavior comm_stream_actor(caf::stateful_actor<CommStreamState>* self, std::shared_ptr<Communicator> comm,
+msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
+                                                          std::shared_ptr<Communicator> comm,
                                 std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
                                 std::uint64_t first_iteration);
 

@@ -2,11 +2,11 @@
 
 #include <caf/all.hpp>
 
-#include "actors/messages.hpp"
 
 namespace shardflow {
 
-caf::behavior iteration_actor(caf::stateful_actor<IterationState>* self, std::shared_ptr<IterationSignal> signal) {
+msg::iteration_actor_t::behavior_type iteration_actor(msg::iteration_actor_t::stateful_pointer<IterationState> self,
+                                                      std::shared_ptr<IterationSignal> signal) {
   self->state.signal = std::move(signal);
   return {
       [=](msg::bucket_done_atom, std::uint32_t b, const msg::Failure& failure) {

@@ -1,10 +1,10 @@
 #pragma once
 
-#include <caf/fwd.hpp>
 #include <caf/stateful_actor.hpp>
 
 #include <memory>
 
+#include "actors/messages.hpp"
 #include "runtime/iteration_signal.hpp"
 
 namespace shardflow {
@@ -15,6 +15,7 @@ struct IterationState {
 };
 
 // Collects bucket_done from every bucket of the rank and hands the outcome to the waiting trainer.
-caf::behavior iteration_actor(caf::stateful_actor<IterationState>* self, std::shared_ptr<IterationSignal> signal);
+msg::iteration_actor_t::behavior_type iteration_actor(msg::iteration_actor_t::stateful_pointer<IterationState> self,
+                                                      std::shared_ptr<IterationSignal> signal);
 
 }  // namespace shardflow

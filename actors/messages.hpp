@@ -19,11 +19,20 @@
 
 #include <caf/allowed_unsafe_message_type.hpp>
 #include <caf/atom.hpp>
-#include <caf/meta/type_name.hpp>
+#include <caf/replies_to.hpp>
+#include <caf/typed_actor.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+
+#include "runtime/failure.hpp"
+
+namespace shardflow {
+struct OptimizerGroups;
+}
+// An immutable snapshot shared between the runtime and the shard actor of the same process.
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::OptimizerGroups>)
 
 namespace shardflow::msg {
 
@@ -40,23 +49,23 @@ using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard act
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
 
-// Why a bucket's work failed; kind none means success. Travels in reduced / bucket_done.
-struct Failure {
-  enum Kind : std::uint8_t { none = 0, timeout = 1, mismatch = 2, comm = 3, usage = 4 };
-  std::uint8_t kind = none;
-  std::string what;
-  explicit operator bool() const { return kind != none; }
-};
+using Failure = BucketFailure;  // runtime/failure.hpp
 
-template <class Inspector>
-typename Inspector::result_type inspect(Inspector& f, Failure& x) {
-  return f(caf::meta::type_name("failure"), x.kind, x.what);
-}
+// The protocol as types: each actor's handle says which messages it takes, so sending one a
+// message it does not handle is a compile error, not a dropped message at run time.
+using iteration_actor_t = caf::typed_actor<caf::reacts_to<bucket_done_atom, std::uint32_t, Failure>>;
+
+using shard_actor_t = caf::typed_actor<
+    caf::reacts_to<set_groups_atom, std::uint64_t, std::shared_ptr<const OptimizerGroups>>,
+    caf::reacts_to<reduced_atom, std::uint32_t, Failure>, caf::reacts_to<step_next_atom>, caf::reacts_to<all_issued_atom>,
+    caf::reacts_to<norm_done_atom, Failure>, caf::reacts_to<broadcast_done_atom, std::uint32_t, Failure>>;
+
+using bucket_actor_t =
+    caf::typed_actor<caf::reacts_to<grad_ready_atom, std::uint32_t>, caf::reacts_to<reduced_atom, std::uint32_t, Failure>>;
+
+// bucket_ready carries the bucket actor to tell when the bucket's reduction completes.
+using comm_stream_actor_t =
+    caf::typed_actor<caf::reacts_to<set_peer_atom, shard_actor_t>, caf::reacts_to<bucket_ready_atom, std::uint32_t, bucket_actor_t>,
+                     caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom>>;
 
 }  // namespace shardflow::msg
-
-namespace shardflow {
-struct OptimizerGroups;
-}
-// An immutable snapshot shared between the runtime and the shard actor of the same process.
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::OptimizerGroups>)

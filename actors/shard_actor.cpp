@@ -2,7 +2,6 @@
 
 #include <caf/all.hpp>
 
-#include "actors/messages.hpp"
 
 namespace shardflow {
 namespace {
@@ -23,9 +22,10 @@ msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std:
 
 }  // namespace
 
-caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
-                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order,
-                          std::shared_ptr<Timeline> timeline) {
+msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
+                                              std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
+                                              msg::iteration_actor_t iteration, bool zero_on_done,
+                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline) {
   auto& st = self->state;
   st.timeline = std::move(timeline);
   st.zero_on_done = zero_on_done;

@@ -1,12 +1,12 @@
 #pragma once
 
-#include <caf/fwd.hpp>
 #include <caf/stateful_actor.hpp>
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "actors/messages.hpp"
 #include "runtime/shard.hpp"
 #include "runtime/timeline.hpp"
 
@@ -15,7 +15,8 @@ namespace shardflow {
 struct ShardActorState {
   std::shared_ptr<Shard> shard;
   Overlap overlap = Overlap::none;
-  caf::actor comm, iteration;
+  msg::comm_stream_actor_t comm;
+  msg::iteration_actor_t iteration;
   std::vector<char> reduced;
   std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
   bool all_issued = false, norm_requested = false, norm_known = false, stepped_all = false;
@@ -32,8 +33,9 @@ struct ShardActorState {
 
 // A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap
 // mode allows, in bucket order; with clipping, first exchanges its share of the gradient norm.
-caf::behavior shard_actor(caf::stateful_actor<ShardActorState>* self, std::shared_ptr<Shard> shard, Overlap overlap,
-                          caf::actor comm, caf::actor iteration, bool zero_on_done, std::vector<std::uint32_t> order,
-                          std::shared_ptr<Timeline> timeline);
+msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
+                                              std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
+                                              msg::iteration_actor_t iteration, bool zero_on_done,
+                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline);
 
 }  // namespace shardflow

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "actors/messages.hpp"
+#include "runtime/failure.hpp"
 
 namespace shardflow {
 
@@ -21,7 +21,7 @@ class IterationSignal {
  public:
   explicit IterationSignal(std::size_t nbuckets) : done_(nbuckets, 0) {}
 
-  void bucket_done(std::uint32_t b, const msg::Failure& f) {
+  void bucket_done(std::uint32_t b, const BucketFailure& f) {
     {
       std::lock_guard lock(mu_);
       if (f) {
@@ -54,7 +54,7 @@ class IterationSignal {
     return failure_ ? Outcome::failed : Outcome::complete;
   }
 
-  msg::Failure failure() const {
+  BucketFailure failure() const {
     std::lock_guard lock(mu_);
     return failure_;
   }
@@ -71,7 +71,7 @@ class IterationSignal {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::uint64_t> done_;
-  msg::Failure failure_;
+  BucketFailure failure_;
 };
 
 }  // namespace shardflow

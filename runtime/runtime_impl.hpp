@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "actors/messages.hpp"
+#include "actors/messages.hpp"
 #include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/collective_schedule.hpp"
@@ -72,11 +73,13 @@ struct Runtime::Impl {
   std::size_t ready_prefix = 0;
 
   // Actors of the current plan (replaced once if the buckets are rebuilt).
-  caf::actor iteration_actor_h, comm_actor_h, shard_actor_h;
+  msg::iteration_actor_t iteration_actor_h;
+  msg::comm_stream_actor_t comm_actor_h;
+  msg::shard_actor_t shard_actor_h;  // none without the runtime's optimizer
   // The runtime's optimizer (configure_optimizer): the groups' hyper-parameters and this rank's shard.
   std::shared_ptr<OptimizerGroups> groups;
   std::shared_ptr<Shard> shard;
-  std::vector<caf::actor> bucket_actors;
+  std::vector<msg::bucket_actor_t> bucket_actors;
   std::shared_ptr<IterationSignal> signal;
   std::uint64_t signal_target = 0;  // synchronised iterations handed to the current actors
 

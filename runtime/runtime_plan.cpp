@@ -132,7 +132,6 @@ void Runtime::Impl::spawn_actors() {
   signal_target = 0;
   iteration_actor_h = sys.spawn(iteration_actor, signal);
   comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, iterations + (closing_iteration ? 1 : 0));
-  caf::actor downstream = iteration_actor_h;
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
@@ -141,12 +140,11 @@ void Runtime::Impl::spawn_actors() {
     // staging held by a later sync (pooled staging is limited).
     shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order, timeline);
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
-    downstream = shard_actor_h;
   }
   bucket_actors.clear();
   for (const auto& bk : plan.buckets)
     bucket_actors.push_back(sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h,
-                                      downstream, bool(shard)));
+                                      shard_actor_h, iteration_actor_h));
 }
 
 void Runtime::Impl::stop_actors() {
@@ -154,10 +152,10 @@ void Runtime::Impl::stop_actors() {
   if (comm_actor_h) caf::anon_send_exit(comm_actor_h, caf::exit_reason::user_shutdown);
   if (iteration_actor_h) caf::anon_send_exit(iteration_actor_h, caf::exit_reason::user_shutdown);
   if (shard_actor_h) caf::anon_send_exit(shard_actor_h, caf::exit_reason::user_shutdown);
-  shard_actor_h = nullptr;
+  shard_actor_h = msg::shard_actor_t{};
   bucket_actors.clear();
-  comm_actor_h = nullptr;
-  iteration_actor_h = nullptr;
+  comm_actor_h = msg::comm_stream_actor_t{};
+  iteration_actor_h = msg::iteration_actor_t{};
 }
 
 void Runtime::Impl::rebuild_from_observed_order() {
