@@ -26,7 +26,7 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   I.world = I.comm->world_size();
   I.owner = next_owner_id.fetch_add(1);
   I.log = rank_logger(I.rank);
-  I.engine = Engine::acquire(config.actor_threads);
+  I.actors = ProcessActorSystem::acquire(config.actor_threads);
   std::string trace_file;
   if (!config.trace_path.empty()) {
     // Ranks that are threads of one process share a file; a rank that is a process of its own

@@ -13,13 +13,12 @@
 #include <mutex>
 
 #include "actors/messages.hpp"
-#include "actors/messages.hpp"
 #include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
 #include "runtime/collective_schedule.hpp"
 #include "runtime/collective_log.hpp"
 #include "runtime/device_memory.hpp"
-#include "runtime/engine.hpp"
+#include "runtime/process_actor_system.hpp"
 #include "runtime/iteration_signal.hpp"
 #include "runtime/logging.hpp"
 #include "runtime/param_registry.hpp"
@@ -55,7 +54,7 @@ struct Runtime::Impl {
   int rank = 0, world = 1;
   std::uint32_t owner = 0;
   std::shared_ptr<spdlog::logger> log;
-  std::shared_ptr<Engine> engine;
+  std::shared_ptr<ProcessActorSystem> actors;  // the process's CAF actor system, shared by its Runtimes
   ParamRegistry registry;
 
   std::mutex finalize_mu;

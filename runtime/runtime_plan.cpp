@@ -127,7 +127,7 @@ std::vector<ScheduleEntry> Runtime::Impl::build_schedule() const {
 }
 
 void Runtime::Impl::spawn_actors() {
-  auto& sys = engine->system();
+  auto& sys = actors->system();
   signal = std::make_shared<IterationSignal>(plan.buckets.size());
   signal_target = 0;
   iteration_actor_h = sys.spawn(iteration_actor, signal);

@@ -15,14 +15,9 @@
 #include <cstdint>
 
 #include "kernels/cpu/optim.hpp"
+#include "shardflow/dtype.hpp"  // C++17: shardflow/types.hpp is C++20, which nvcc does not compile here
 
 namespace shardflow {
-// shardflow/types.hpp is C++20 and nvcc compiles these files as C++17 (toolchain notes): the
-// element type is redeclared here, and kernels/cuda/dtype_check.cpp checks the two agree.
-#ifndef SHARDFLOW_DTYPE_DECLARED
-#define SHARDFLOW_DTYPE_DECLARED
-enum class DType : std::uint8_t { f32, bf16, f16 };
-#endif
 struct OptimizerConfig;  // shardflow/optimizer.hpp
 }  // namespace shardflow
 

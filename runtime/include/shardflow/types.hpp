@@ -7,12 +7,9 @@
 #include <string>
 #include <vector>
 
-namespace shardflow {
+#include "shardflow/dtype.hpp"
 
-#ifndef SHARDFLOW_DTYPE_DECLARED
-#define SHARDFLOW_DTYPE_DECLARED  // kernels/cuda/optim.cuh declares the same enum for nvcc (C++17)
-enum class DType : std::uint8_t { f32, bf16, f16 };
-#endif
+namespace shardflow {
 
 std::size_t dtype_size(DType t);
 const char* dtype_name(DType t);

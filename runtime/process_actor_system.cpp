@@ -1,4 +1,4 @@
-#include "runtime/engine.hpp"
+#include "runtime/process_actor_system.hpp"
 
 #include "runtime/thread_priority.hpp"
 
@@ -19,7 +19,7 @@ struct RuntimeThreadHook final : caf::thread_hook {
 };
 }  // namespace
 
-Engine::Engine(unsigned threads) {
+ProcessActorSystem::ProcessActorSystem(unsigned threads) {
   if (threads == 0) threads = std::max(1u, std::min(2u, std::thread::hardware_concurrency()));
   // CAF starts 4 scheduler threads by default even on 2 cores. The sharing policy answers a
   // message sent from a non-actor thread (grad_ready from backward) an order of magnitude sooner
@@ -36,17 +36,17 @@ Engine::Engine(unsigned threads) {
   system_ = std::make_unique<caf::actor_system>(config_);
 }
 
-Engine::~Engine() {
-  // Runtimes stop their actors before releasing the engine; this waits for them to finish.
+ProcessActorSystem::~ProcessActorSystem() {
+  // Runtimes stop their actors before releasing the actor system; this waits for them to finish.
   system_.reset();
 }
 
-std::shared_ptr<Engine> Engine::acquire(unsigned threads) {
+std::shared_ptr<ProcessActorSystem> ProcessActorSystem::acquire(unsigned threads) {
   static std::mutex mu;
-  static std::weak_ptr<Engine> current;
+  static std::weak_ptr<ProcessActorSystem> current;
   std::lock_guard lock(mu);
   if (auto e = current.lock()) return e;
-  std::shared_ptr<Engine> e(new Engine(threads));
+  std::shared_ptr<ProcessActorSystem> e(new ProcessActorSystem(threads));
   current = e;
   return e;
 }

@@ -9,15 +9,15 @@
 
 namespace shardflow {
 
-class Engine {
+class ProcessActorSystem {
  public:
   // `threads` (0: min(2, hardware threads)) only matters for the call that creates the system.
-  static std::shared_ptr<Engine> acquire(unsigned threads);
+  static std::shared_ptr<ProcessActorSystem> acquire(unsigned threads);
   caf::actor_system& system() { return *system_; }
-  ~Engine();
+  ~ProcessActorSystem();
 
  private:
-  explicit Engine(unsigned threads);
+  explicit ProcessActorSystem(unsigned threads);
   caf::actor_system_config config_;
   std::unique_ptr<caf::actor_system> system_;
 };
