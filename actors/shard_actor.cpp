@@ -11,7 +11,8 @@ constexpr std::size_t kStagingInFlight = 2;
 void reset(ShardActorState& s) {
   std::fill(s.reduced.begin(), s.reduced.end(), 0);
   s.nreduced = s.next_step = s.nsynced = s.staging_in_flight = 0;
-  s.all_issued = s.norm_requested = s.norm_known = s.stepped_all = false;
+  s.all_issued = false;
+  s.phase = s.shard->clips() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
   s.clip_coef = ClipCoef{};
 }
 
@@ -35,22 +36,24 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
   st.overlap = overlap;
   st.comm = std::move(comm);
   st.iteration = std::move(iteration);
+  st.phase = st.shard->clips() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
 
   auto try_step = [self] {
     auto& s = self->state;
     Shard& sh = *s.shard;
     const std::size_t B = s.reduced.size();
-    if (sh.clips() && !s.norm_known) {
+    if (s.phase == ShardPhase::norm_in_flight) return;
+    if (s.phase == ShardPhase::waiting_for_norm) {
       // The global norm needs every reduced gradient: no step before all reductions are in.
-      if (s.nreduced < B || s.norm_requested) return;
-      s.norm_requested = true;
+      if (s.nreduced < B) return;
+      s.phase = ShardPhase::norm_in_flight;
       sh.partial_norm();  // the exchange waits for its event (Note [Shard streams])
       if (sh.syncs()) {
         self->send(s.comm, msg::norm_ready_atom::value);
         return;
       }
       s.clip_coef = sh.finish_norm();  // stage 0: every rank sees every gradient
-      s.norm_known = true;
+      s.phase = ShardPhase::stepping;
     }
     const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) ||
                          s.nreduced == B;
@@ -87,8 +90,8 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       // The step count advances before the last bucket is reported: without syncs that report ends
       // the iteration, and the trainer may read the count at once (state migration when the
       // buckets are rebuilt after wait()). Counting after the send raced with that read.
-      if (s.next_step == B && !s.stepped_all) {
-        s.stepped_all = true;
+      if (s.next_step == B && s.phase != ShardPhase::stepped) {
+        s.phase = ShardPhase::stepped;
         sh.end_step();
       }
       if (sh.syncs()) sh.pack(b);
@@ -96,7 +99,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       s.timeline->stats().optimizer(t0, t1);
       if (s.timeline->tracing())
         s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
-                         SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.stepped_all ? 1 : 0), -1});
+                         SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.phase == ShardPhase::stepped ? 1 : 0), -1});
       if (sh.syncs()) {
         ++s.staging_in_flight;
         self->send(s.comm, msg::step_done_atom::value, b);
@@ -110,8 +113,8 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         return;
       }
     }
-    if (s.next_step == B && !s.stepped_all) {  // no buckets at all
-      s.stepped_all = true;
+    if (s.next_step == B && s.phase != ShardPhase::stepped) {  // no buckets at all
+      s.phase = ShardPhase::stepped;
       sh.end_step();
     }
     if (s.next_step == B && !sh.syncs()) reset(s);
@@ -158,7 +161,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         }
         guarded(0, [&] {
           s.clip_coef = s.shard->finish_norm();
-          s.norm_known = true;
+          s.phase = ShardPhase::stepping;
           try_step();
         });
       },

@@ -12,6 +12,15 @@
 
 namespace shardflow {
 
+// Where one iteration's stepping stands. Clipping starts in waiting_for_norm (no step before the
+// global norm, which needs every reduction); without clipping an iteration starts in stepping.
+enum class ShardPhase : std::uint8_t {
+  waiting_for_norm,  // clipping: reductions still arriving
+  norm_in_flight,    // clipping: every reduction is in, the norm exchange is out
+  stepping,          // steps go as the overlap mode, the reductions and the staging allow
+  stepped,           // every bucket stepped (the optimizer's step count advanced); syncs finishing
+};
+
 struct ShardActorState {
   std::shared_ptr<Shard> shard;
   Overlap overlap = Overlap::none;
@@ -19,7 +28,8 @@ struct ShardActorState {
   msg::iteration_actor_t iteration;
   std::vector<char> reduced;
   std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
-  bool all_issued = false, norm_requested = false, norm_known = false, stepped_all = false;
+  ShardPhase phase = ShardPhase::stepping;
+  bool all_issued = false;  // the comm stream issued the last reduction (after_backward may step)
   ClipCoef clip_coef;
   bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
   std::vector<std::uint32_t> order;  // the order buckets are stepped in: the syncs' schedule order
