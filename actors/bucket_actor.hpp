@@ -11,19 +11,19 @@ namespace shardflow {
 
 struct BucketState {
   std::uint32_t index = 0;
-  std::uint32_t expected = 0;  // gradients per iteration
-  std::uint32_t pending = 0;   // still to come this iteration
-  bool in_flight = false;      // the bucket's buffer is inside a collective
+  std::uint32_t size = 0;   // gradients per synchronised pass
+  bool in_flight = false;   // the bucket's buffer is inside a collective
   static inline const char* name = "bucket";
 };
 
-// Counts its gradients in; when the last one arrives the bucket is ready and goes to the comm
-// stream. Owns the buffer's lifetime: between bucket_ready and reduced the buffer belongs to the
-// collective, and a gradient for it then is a protocol violation, reported, never written.
+// One bucket from "all its gradients are in" (grad_ready(n), sent once per pass by the trainer
+// side, which holds the one count: Note [One count per bucket]) until it is handed over: asks the
+// comm stream for its slot, owns the buffer while the collective has it (a second grad_ready then
+// is a protocol violation, reported, never written), and passes the reduced bucket on.
 // A reduced bucket goes to the shard actor (reduced(b)) when the runtime runs the optimizer, else
 // straight to the iteration actor (bucket_done(b)).
 msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_pointer<BucketState> self, std::uint32_t index,
-                                                std::uint32_t nparams, msg::comm_stream_actor_t comm_stream,
+                                                std::uint32_t size, msg::comm_stream_actor_t comm_stream,
                                                 msg::shard_actor_t shard, msg::iteration_actor_t iteration);
 
 }  // namespace shardflow

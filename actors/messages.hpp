@@ -1,7 +1,8 @@
 // How shardflow's actors talk. Per rank:
 //
-//   trainer thread --grad_ready(n)--> bucket actor b               (the bucket's last n gradients are in)
-//   bucket actor b --bucket_ready(b)----> comm stream actor      (all of b's gradients are in)
+//   trainer thread --grad_ready(n)--> bucket actor b        (all n of b's gradients are in: sent once,
+//                                                            by the last; Note [One count per bucket])
+//   bucket actor b --bucket_ready(b, self)--> comm stream actor
 //   comm stream    --submit in bucket order--> Communicator      (same order on every rank)
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)
 //   bucket actor b --bucket_done(b, failure)--> iteration actor  (iteration completes when all are)

@@ -1,25 +1,11 @@
 // One synchronised pass as the trainer's threads drive it: where a gradient goes, the bucket's
-// readiness counted once per gradient on the trainer side (one message per bucket), backpressure,
-// and waiting for the iteration (or failing it with the first error heard).
+// readiness (Note [One count per bucket]: one message per bucket), backpressure, and waiting for
+// the iteration (or failing it with the first error heard).
 #include "runtime/runtime_impl.hpp"
 
 #include "actors/messages.hpp"
 
 namespace shardflow {
-
-void Runtime::Impl::reset_bucket_pending() {
-  for (std::size_t b = 0; b < plan.buckets.size(); ++b) bucket_pending[b].store(std::uint32_t(plan.buckets[b].entries.size()));
-  std::lock_guard lock(prefix_mu);
-  bucket_complete.assign(plan.buckets.size(), 0);
-  ready_prefix = 0;
-}
-
-void Runtime::Impl::bucket_completed(std::size_t b) {
-  if (!bufs->pooled()) return;
-  std::lock_guard lock(prefix_mu);
-  bucket_complete[b] = 1;
-  while (ready_prefix < bucket_complete.size() && bucket_complete[ready_prefix]) bufs->mark_reducing(ready_prefix++);
-}
 
 std::byte* Runtime::Impl::grad_ptr(std::uint32_t p) {
   if (!cfg.gradient_as_bucket_view) return static_cast<std::byte*>(registry.params()[p].grad);
@@ -50,16 +36,17 @@ void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {
     mem->zero(slot, e.numel * es);
   else if (!cfg.gradient_as_bucket_view && e.numel)
     mem->copy(slot, registry.params()[p].grad, e.numel * es);
-  // Marked before the message goes out, so the release (after the reduction) always follows it.
-  // The bucket's last gradient records its event on the compute stream: every gradient of the
-  // bucket was enqueued there before this point (each grad_ready comes after its kernels).
-  if (bucket_pending[loc.bucket].fetch_sub(1) == 1) {
+  // The bucket's last gradient (Note [One count per bucket]) records its event on the compute
+  // stream: every gradient of the bucket was enqueued there before this point (each grad_ready
+  // comes after its kernels). Pooled buffers are marked reducing before the message goes out, so
+  // the release (after the reduction) always follows it.
+  if (readiness->gradient_in(loc.bucket)) {
     events->record(loc.bucket);
-    bucket_completed(loc.bucket);
-    // One message per bucket, not per gradient: the count of this pass is already exact here
-    // (each parameter is reported once, checked by `marked`), and a message per gradient cost
-    // 1 us each in scheduler turns (bench_overhead: 1,000 gradients in 100 buckets).
-    caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, std::uint32_t(b.entries.size()));
+    if (bufs->pooled()) {
+      const auto [from, to] = readiness->extend_ready_run(loc.bucket);
+      for (auto r = from; r < to; ++r) bufs->mark_reducing(r);
+    }
+    caf::anon_send(bucket_actors[loc.bucket], msg::grad_ready_atom::value, readiness->size(loc.bucket));
   }
 }
 

@@ -263,7 +263,7 @@ void Runtime::wait() {
         if (e.numel) I.mem->copy(I.registry.params()[e.param].grad, I.bufs->grad(b.index).get() + e.offset * es, e.numel * es);
     }
   }
-  I.reset_bucket_pending();
+  I.readiness->reset();
   I.sync_pass_started.store(false);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.forward_prefetch && I.shard;

@@ -15,6 +15,7 @@
 #include "actors/messages.hpp"
 #include "runtime/bucket_buffers.hpp"
 #include "runtime/bucket_plan.hpp"
+#include "runtime/bucket_readiness.hpp"
 #include "runtime/collective_schedule.hpp"
 #include "runtime/collective_log.hpp"
 #include "runtime/device_memory.hpp"
@@ -61,15 +62,8 @@ struct Runtime::Impl {
   std::atomic<bool> finalized{false};
   BucketPlan plan;
   std::shared_ptr<BucketBuffers> bufs;  // the buckets' flat buffers (Note [Pooled buckets (ZeRO-2)])
-  // Gradients still to come per bucket in this synchronised pass: the trainer-side twin of the
-  // bucket actor's count, so a pooled bucket is marked "reducing" before its message goes out
-  // (Note [Pooled buckets (ZeRO-2)], backpressure).
-  std::unique_ptr<std::atomic<std::uint32_t>[]> bucket_pending;
-  // Buckets 0..ready_prefix-1 are complete; the comm stream issues their reductions without any
-  // further trainer action (it goes in bucket order), so only their buffers are sure to come back.
-  std::mutex prefix_mu;
-  std::vector<char> bucket_complete;
-  std::size_t ready_prefix = 0;
+  // Each bucket's gradients still to come in this synchronised pass (Note [One count per bucket]).
+  std::unique_ptr<BucketReadiness> readiness;
 
   // Actors of the current plan (replaced once if the buckets are rebuilt).
   msg::iteration_actor_t iteration_actor_h;
@@ -179,9 +173,7 @@ struct Runtime::Impl {
   // after a reduction, whose results the trainer is about to use) and starts its actors.
   void install_plan(BucketPlan next);
 
-  void reset_bucket_pending();
 
-  void bucket_completed(std::size_t b);
 
   // Where p's gradient lives now: inside its bucket's buffer (taking one from the pool when the
   // bucket has none this iteration), or the trainer's own storage without the bucket view.

@@ -87,8 +87,9 @@ void Runtime::Impl::install_plan(BucketPlan next) {
   bufs = std::move(next_bufs);
   shard = std::move(next_shard);
   events = std::make_shared<BucketEvents>(mem, plan.buckets.size());
-  bucket_pending.reset(new std::atomic<std::uint32_t>[plan.buckets.size()]);
-  reset_bucket_pending();
+  std::vector<std::uint32_t> sizes;
+  for (const auto& b : plan.buckets) sizes.push_back(std::uint32_t(b.entries.size()));
+  readiness = std::make_unique<BucketReadiness>(std::move(sizes));
   spawn_actors();
 }
 
