@@ -8,7 +8,7 @@
 
 #include "actors/messages.hpp"
 #include "runtime/collective_log.hpp"
-#include "runtime/collective_schedule.hpp"
+#include "runtime/plans/collective_schedule.hpp"
 #include "runtime/logging.hpp"
 #include "shardflow/communicator.hpp"
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "actors/messages.hpp"
-#include "runtime/shard.hpp"
+#include "runtime/zero/shard.hpp"
 #include "runtime/timeline.hpp"
 
 namespace shardflow {

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "helpers.hpp"
-#include "runtime/bucket_plan.hpp"
+#include "runtime/plans/bucket_plan.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "runtime/collective_schedule.hpp"
+#include "runtime/plans/collective_schedule.hpp"
 
 using namespace shardflow;
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "helpers.hpp"
-#include "runtime/shard_ops.hpp"
+#include "runtime/zero/shard_ops.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/shardflow.hpp"
 

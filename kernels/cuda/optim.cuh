@@ -44,7 +44,7 @@ struct ShardBuffers {
 
 void launch_sgd_step(const ShardBuffers& b, const kernels::SgdHyper& h, bool first, cudaStream_t stream);
 void launch_adam_step(const ShardBuffers& b, const kernels::AdamHyper& h, std::int64_t step, cudaStream_t stream);
-// h's rule as one of the two above (defined with the runtime's CUDA shard, runtime/shard_ops_cuda.cpp,
+// h's rule as one of the two above (defined with the runtime's CUDA shard, runtime/zero/shard_ops_cuda.cpp,
 // which g++ compiles: OptimizerConfig is C++20-side). `first`: SGD seeds its momentum; `step`: Adam's.
 void launch_update(const OptimizerConfig& h, const ShardBuffers& b, bool first, std::int64_t step, cudaStream_t stream);
 

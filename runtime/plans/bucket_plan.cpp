@@ -1,4 +1,4 @@
-#include "runtime/bucket_plan.hpp"
+#include "runtime/plans/bucket_plan.hpp"
 
 #include <algorithm>
 #include <map>

@@ -1,4 +1,4 @@
-// How a ZeRO shard touches its memory. The Shard (runtime/shard.cpp) decides which pieces move
+// How a ZeRO shard touches its memory. The Shard (runtime/zero/shard.cpp) decides which pieces move
 // where; a ShardOps does the moving, the casts, the update and the norms: with loops on the calling
 // (actor) thread for CPU parameters, with kernels on a stream of the shard's own for CUDA ones.
 //

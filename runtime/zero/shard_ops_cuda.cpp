@@ -1,13 +1,13 @@
 // CUDA shards (Note [Shard streams]): buffers in device memory, every operation enqueued on the
 // shard's own stream with the kernels of kernels/cuda/optim.cuh; the host never waits except in
 // the synchronous transfers and last_norm(), which only the trainer's thread calls.
-#include "runtime/shard_ops.hpp"
+#include "runtime/zero/shard_ops.hpp"
 
 #include "shardflow/errors.hpp"
 
 #ifdef SHARDFLOW_WITH_CUDA_KERNELS
 #include "kernels/cuda/optim.cuh"
-#include "runtime/optimizer_hyper.hpp"
+#include "runtime/zero/optimizer_hyper.hpp"
 
 namespace shardflow {
 

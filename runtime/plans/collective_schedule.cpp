@@ -1,11 +1,11 @@
-#include "runtime/collective_schedule.hpp"
+#include "runtime/plans/collective_schedule.hpp"
 
 #include <string>
 
 #include "runtime/bucket_buffers.hpp"
-#include "runtime/bucket_plan.hpp"
+#include "runtime/plans/bucket_plan.hpp"
 #include "runtime/device_memory.hpp"
-#include "runtime/shard.hpp"
+#include "runtime/zero/shard.hpp"
 #include "runtime/timeline.hpp"
 
 namespace shardflow {

@@ -1,7 +1,7 @@
 #include "shardflow/optimizer.hpp"
 
 #include "kernels/cpu/optim.hpp"
-#include "runtime/optimizer_hyper.hpp"
+#include "runtime/zero/optimizer_hyper.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {

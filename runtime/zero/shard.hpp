@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "runtime/bucket_buffers.hpp"
-#include "runtime/bucket_plan.hpp"
+#include "runtime/plans/bucket_plan.hpp"
 #include "runtime/device_memory.hpp"
-#include "runtime/shard_ops.hpp"
-#include "runtime/shard_plan.hpp"
+#include "runtime/zero/shard_ops.hpp"
+#include "runtime/plans/shard_plan.hpp"
 #include "shardflow/config.hpp"
 #include "shardflow/optimizer.hpp"
 #include "shardflow/types.hpp"

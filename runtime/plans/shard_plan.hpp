@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/bucket_plan.hpp"
+#include "runtime/plans/bucket_plan.hpp"
 #include "shardflow/config.hpp"
 
 namespace shardflow {

@@ -6,7 +6,7 @@
 
 #include "kernels/cpu/elementwise.hpp"
 #include "runtime/bucket_buffers.hpp"
-#include "runtime/shard_ops.hpp"
+#include "runtime/zero/shard_ops.hpp"
 
 namespace shardflow {
 namespace {

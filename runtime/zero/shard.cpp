@@ -1,4 +1,4 @@
-#include "runtime/shard.hpp"
+#include "runtime/zero/shard.hpp"
 
 #include <algorithm>
 #include <cmath>

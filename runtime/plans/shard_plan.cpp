@@ -1,4 +1,4 @@
-#include "runtime/shard_plan.hpp"
+#include "runtime/plans/shard_plan.hpp"
 
 #include <algorithm>
 #include <numeric>
