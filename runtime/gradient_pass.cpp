@@ -64,7 +64,6 @@ void Runtime::Impl::end_iteration() {
 void Runtime::Impl::reset_pass() {
   for (std::size_t i = 0; i < registry.size(); ++i) marked[i].store(0, std::memory_order_relaxed);
   order_pos.store(0, std::memory_order_relaxed);
-  backward_finished.store(false, std::memory_order_release);
 }
 
 void Runtime::Impl::await_iterations(std::uint64_t target) {

@@ -46,12 +46,12 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
 
 Runtime::~Runtime() {
   auto& I = *impl_;
-  if (I.prefetch_active && !I.failed.load() && !I.sync_pass_started) {
+  if (I.prefetch_active && !I.failed.load() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
     // trainer frees them.
     I.signal->wait_all(I.signal_target, std::chrono::steady_clock::now() + I.cfg.timeout);
   }
-  if (I.sync_pass_started && !I.failed.load()) {
+  if (I.in_pass() && !I.failed.load()) {
     // Peers are (or will be) inside this iteration's collectives: let them fail now rather than
     // after the timeout. The buffers stay alive until the backend lets go of them (keep_alive).
     I.comm->abort("rank " + std::to_string(I.rank) + "'s Runtime was destroyed in the middle of iteration " +
@@ -101,7 +101,7 @@ void Runtime::finalize() { impl_->ensure_finalized(); }
 
 void Runtime::set_stream(void* cuda_stream) {
   auto& I = *impl_;
-  if (I.sync_pass_started)
+  if (I.in_pass())
     throw UsageError("set_stream on rank " + std::to_string(I.rank) + " in the middle of a backward pass: change it between iterations");
   I.mem->stream = cuda_stream;
   if (I.shard) {  // GPU shards: the new stream and the shard's are ordered both ways from here on
@@ -129,7 +129,7 @@ void Runtime::zero_grad() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.timeline->stats().touch(Timeline::now());
-  if (I.sync_pass_started)
+  if (I.in_pass())
     throw UsageError("zero_grad() on rank " + std::to_string(I.rank) +
                      " while this iteration's reductions are running: call wait() first");
   if (I.cfg.gradient_as_bucket_view) {
@@ -177,7 +177,7 @@ void Runtime::grad_ready(Param p) {
   I.throw_if_failed();
   I.check_settings_used();
   const auto i = I.check_handle(p, "grad_ready");
-  if (I.backward_finished.load(std::memory_order_acquire))
+  if (I.phase.load(std::memory_order_acquire) == Impl::Phase::reducing)
     throw UsageError("grad_ready('" + I.name_of(i) + "') on rank " + std::to_string(I.rank) +
                      " after finish_backward(): call wait() before the next backward pass");
   if (I.marked[i].exchange(1, std::memory_order_acq_rel))
@@ -190,8 +190,9 @@ void Runtime::grad_ready(Param p) {
     I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
     return;
   }
-  if (!I.sync_pass_started.load(std::memory_order_relaxed)) I.timeline->stats().backward_started(Timeline::now());
-  I.sync_pass_started.store(true, std::memory_order_relaxed);
+  auto idle = Impl::Phase::idle;
+  if (I.phase.compare_exchange_strong(idle, Impl::Phase::backward, std::memory_order_acq_rel))
+    I.timeline->stats().backward_started(Timeline::now());
   if (I.timeline->tracing())
     I.timeline->instant("grad_ready " + I.name_of(i), "backward", Lane::compute,
                         SpanArgs{std::int64_t(I.plan.where[i].bucket), -1, nullptr, std::int64_t(I.iterations), -1});
@@ -203,7 +204,7 @@ void Runtime::finish_backward() {
   I.ensure_finalized();
   I.throw_if_failed();
   I.check_settings_used();
-  if (I.backward_finished.load()) return;
+  if (I.phase.load(std::memory_order_acquire) == Impl::Phase::reducing) return;
   const auto n = I.registry.size();
   if (!I.require_sync.load()) {
     I.reset_pass();
@@ -233,11 +234,10 @@ void Runtime::finish_backward() {
     I.order[I.order_pos.fetch_add(1)] = i;
     I.send_to_bucket(i, true);
   }
-  I.sync_pass_started.store(true);
   I.timeline->stats().backward_ended(Timeline::now());
   // How many buckets were already reduced, stepped and synced when backward ended (stats()).
   I.done_in_backward = I.plan.buckets.size() - I.signal->pending(I.signal_target + 1).size();
-  I.backward_finished.store(true, std::memory_order_release);
+  I.phase.store(Impl::Phase::reducing, std::memory_order_release);
 }
 
 void Runtime::wait() {
@@ -264,7 +264,7 @@ void Runtime::wait() {
     }
   }
   I.readiness->reset();
-  I.sync_pass_started.store(false);
+  I.phase.store(Impl::Phase::idle, std::memory_order_release);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
@@ -327,7 +327,7 @@ void Runtime::wait_all_params() {
 
 void Runtime::set_require_sync(bool sync) {
   auto& I = *impl_;
-  if (I.sync_pass_started)
+  if (I.in_pass())
     throw UsageError("set_require_sync/no_sync on rank " + std::to_string(I.rank) +
                      " in the middle of a synchronised backward pass: change it between iterations");
   I.require_sync.store(sync);
@@ -351,7 +351,7 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
-  if (I.sync_pass_started || (I.shard && I.shard->steps() > 0))
+  if (I.in_pass() || (I.shard && I.shard->steps() > 0))
     throw UsageError("configure_optimizer on rank " + std::to_string(I.rank) + ": call it once, before training starts");
   if (groups.empty()) throw UsageError("configure_optimizer: no parameter groups");
   auto og = std::make_shared<OptimizerGroups>();
@@ -383,7 +383,7 @@ void Runtime::set_lr(std::size_t group, float lr) {
   if (group >= I.groups->groups.size())
     throw UsageError("set_lr: group " + std::to_string(group) + " does not exist (" + std::to_string(I.groups->groups.size()) +
                      " group(s))");
-  if (I.sync_pass_started) throw UsageError("set_lr: change the learning rate between iterations");
+  if (I.in_pass()) throw UsageError("set_lr: change the learning rate between iterations");
   if (!(lr >= 0.0f)) throw UsageError("set_lr: lr must be >= 0");
   // The runtime's copy changes now; the shard gets an immutable snapshot for the iterations from
   // the next one on (Note [Hyper-parameter snapshots]).

@@ -115,9 +115,17 @@ struct Runtime::Impl {
   std::vector<std::uint8_t> touched;  // got a gradient in a no_sync pass since the last sync
   std::vector<std::uint32_t> order;
   std::atomic<std::uint32_t> order_pos{0};
-  std::atomic<bool> backward_finished{false};
   std::atomic<bool> require_sync{true};
-  std::atomic<bool> sync_pass_started{false};  // set by grad_ready of a synchronised pass (any thread)
+  // Note [Iteration phases]
+  // Where this rank's synchronised pass stands, as the trainer's calls see it; every entry point
+  // checks it. idle: between wait() and the first grad_ready of a synchronised pass (zero_grad,
+  // set_lr, configure_optimizer, set_stream and no_sync are allowed only here). backward:
+  // gradients arriving (grad_ready may run on several threads; the first moves idle -> backward).
+  // reducing: finish_backward handed the pass over (no more grad_ready); wait() collects it and
+  // returns to idle. Accumulation (no_sync) passes stay idle: nothing is reduced.
+  enum class Phase : std::uint8_t { idle, backward, reducing };
+  std::atomic<Phase> phase{Phase::idle};
+  bool in_pass() const { return phase.load(std::memory_order_acquire) != Phase::idle; }
   bool rebuilt = false;
   std::uint64_t iterations = 0;
 
