@@ -21,6 +21,7 @@
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
+#include "runtime/launch/rank_process.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
 
@@ -173,8 +174,6 @@ class Supervisor {
   }
 
   void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
-    int out[2], err[2];
-    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) throw Error("pipe: " + std::string(std::strerror(errno)));
     std::map<std::string, std::string> env = {
         {"RANK", std::to_string(r.global)},
         {"WORLD_SIZE", std::to_string(world)},
@@ -199,42 +198,11 @@ class Supervisor {
       const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / unsigned(spec_.nproc_per_node)));
     }
-    // Everything the child needs is built before fork: the store's thread runs in this process,
-    // so between fork and exec the child may only make async-signal-safe calls (no malloc).
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e; ++e) {
-      const std::string kv = *e;
-      if (!env.count(kv.substr(0, kv.find('=')))) env_strings.push_back(kv);
-    }
-    for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
-    std::vector<char*> envp, argv;
-    for (auto& kv : env_strings) envp.push_back(kv.data());
-    envp.push_back(nullptr);
-    for (const auto& a : spec_.command) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    const std::string exec_failed = "shardflow run: cannot execute '" + spec_.command[0] + "'\n";
-
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid < 0) throw Error("fork: " + std::string(std::strerror(errno)));
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl took effect
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
-      ::execvpe(argv[0], argv.data(), envp.data());
-      [[maybe_unused]] auto w = ::write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);  // also here: no race with the first kill(-pid)
-    ::close(out[1]);
-    ::close(err[1]);
-    r.pid = pid;
+    const RankProcess p = start_rank_process(spec_.command, env, old_mask);
+    r.pid = p.pid;
     r.running = true;
-    r.out_fd = out[0];
-    r.err_fd = err[0];
+    r.out_fd = p.out_fd;
+    r.err_fd = p.err_fd;
     const std::string prefix = spec_.prefix_output ? "[rank " + std::to_string(r.global) + "] " : "";
     r.out = std::make_unique<OutputRelay>(STDOUT_FILENO, prefix);
     r.err = std::make_unique<OutputRelay>(STDERR_FILENO, prefix);
