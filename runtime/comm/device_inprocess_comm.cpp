@@ -22,6 +22,7 @@
 #include "kernels/cuda/device.hpp"
 #include "kernels/cuda/stream.hpp"
 #include "runtime/comm/barrier.hpp"
+#include "runtime/comm/parity_slots.hpp"
 #include "runtime/comm/device_comm.hpp"
 #include "runtime/comm/peer_collective.hpp"
 #include "runtime/comm/rank_world.hpp"
@@ -44,7 +45,7 @@ struct DevSlot {
 class DeviceWorld {
  public:
   DeviceWorld(int n, int device, std::chrono::milliseconds timeout)
-      : n_(n), device_(device), timeout_(timeout), barrier_(n), slots_(std::size_t(n)) {}
+      : n_(n), device_(device), timeout_(timeout), barrier_(n), slots_(n) {}
 
   ~DeviceWorld() {
     for (auto& rank : slots_)
@@ -59,7 +60,7 @@ class DeviceWorld {
 
   // Events of rank r, created by rank r's enqueue thread (the device is current there).
   void create_events(int rank) {
-    for (auto& s : slots_[std::size_t(rank)]) {
+    for (auto& s : slots_.of_rank(rank)) {
       s.in = cuda::event_create(device_);
       s.mid = cuda::event_create(device_);
       s.out = cuda::event_create(device_);
@@ -68,7 +69,7 @@ class DeviceWorld {
 
   void enqueue(int rank, const CollectiveOp& op, std::uint64_t seq, cuda::Stream stream) {
     const auto parity = std::size_t(seq & 1);
-    auto& mine = slots_[std::size_t(rank)][parity];
+    auto& mine = slots_(rank, parity);
     if (!mine.in) create_events(rank);
     mine.op = op;
     mine.sig = peer::OpSig::of(op, seq);
@@ -80,14 +81,14 @@ class DeviceWorld {
     auto sync = [&] { barrier_.arrive_and_wait(rank, timeout_, what); };
     auto wait_peers = [&](cuda::Event DevSlot::*which) {
       for (int i = 0; i < n_; ++i)
-        if (i != rank) cuda::stream_wait_event(stream, slots_[std::size_t(i)][parity].*which);
+        if (i != rank) cuda::stream_wait_event(stream, slots_(i, parity).*which);
     };
     sync();
-    check_matching(parity);
+    slots_.check_matching(parity, barrier_);
     wait_peers(&DevSlot::in);
 
     const std::size_t es = dtype_size(op.dtype);
-    auto peer_op = [&](int i) -> const CollectiveOp& { return slots_[std::size_t(i)][parity].op; };
+    auto peer_op = [&](int i) -> const CollectiveOp& { return slots_(i, parity).op; };
     auto at = [](const void* p, std::size_t off) { return static_cast<const std::byte*>(p) + off; };
     switch (op.kind) {
       case CollectiveKind::barrier:
@@ -139,19 +140,10 @@ class DeviceWorld {
 #endif
   }
 
-  void check_matching(std::size_t parity) {
-    std::vector<peer::OpSig> sigs;
-    for (const auto& s : slots_) sigs.push_back(s[parity].sig);
-    if (auto msg = peer::mismatch(sigs.data(), n_)) {
-      barrier_.abort(*msg);
-      throw MismatchError(*msg);
-    }
-  }
-
   const int n_, device_;
   const std::chrono::milliseconds timeout_;
   RankBarrier barrier_;
-  std::vector<std::array<DevSlot, 2>> slots_;
+  ParitySlots<DevSlot> slots_;  // Note [Parity slots]
 };
 
 class DeviceInProcessComm final : public DeviceComm {

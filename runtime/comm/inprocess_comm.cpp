@@ -3,7 +3,8 @@
 // uses too (Note [Peer all-reduce]), reading the peers' own buffers directly.
 //
 // Note [In-process op protocol]
-//   1. entry barrier: every rank has published its op (kind, count, dtype, buffers) in its slot;
+//   1. entry barrier: every rank has published its op (kind, count, dtype, buffers) in its slot
+//      (Note [Parity slots], the same meeting place the one-GPU world uses);
 //   2. every rank compares all slots with rank 0's: a mismatch fails the op on every rank alike;
 //   3. the data phases, separated by barriers where a rank reads what another rank writes;
 //   4. exit barrier: no rank returns (and lets its trainer touch the buffer) while a peer may still
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "runtime/comm/barrier.hpp"
+#include "runtime/comm/parity_slots.hpp"
 #include "runtime/comm/peer_collective.hpp"
 #include "runtime/comm/rank_world.hpp"
 #include "runtime/comm/stream_worker.hpp"
@@ -31,27 +33,27 @@ struct Slot {
 
 class World {
  public:
-  World(int n, std::chrono::milliseconds timeout) : n_(n), timeout_(timeout), barrier_(n), slots_(std::size_t(n)) {}
+  World(int n, std::chrono::milliseconds timeout) : n_(n), timeout_(timeout), barrier_(n), slots_(n) {}
 
   int size() const { return n_; }
   void abort(const std::string& reason) { barrier_.abort(reason); }
 
   void execute(int rank, const CollectiveOp& op, std::uint64_t seq) {
     const auto parity = std::size_t(seq & 1);
-    slots_[std::size_t(rank)][parity] = Slot{op, peer::OpSig::of(op, seq)};
+    slots_(rank, parity) = Slot{op, peer::OpSig::of(op, seq)};
     auto what = [&] {
       return "rank " + std::to_string(rank) + ": in-process " + collective_name(op.kind) + " #" +
              std::to_string(seq) + " ('" + op.tag + "')";
     };
     const peer::Sync sync = [&] { barrier_.arrive_and_wait(rank, timeout_, what); };
     sync();
-    check_matching(parity);
+    slots_.check_matching(parity, barrier_);
 
     std::vector<const void*> send(static_cast<std::size_t>(n_));
     std::vector<void*> recv(static_cast<std::size_t>(n_));
     for (int i = 0; i < n_; ++i) {
-      send[std::size_t(i)] = slots_[std::size_t(i)][parity].op.send;
-      recv[std::size_t(i)] = slots_[std::size_t(i)][parity].op.recv;
+      send[std::size_t(i)] = slots_(i, parity).op.send;
+      recv[std::size_t(i)] = slots_(i, parity).op.recv;
     }
     const std::size_t es = dtype_size(op.dtype);
     switch (op.kind) {
@@ -77,21 +79,10 @@ class World {
  private:
   // Every rank runs the same comparison, so they all fail together (no rank is left waiting in a
   // data phase the others skipped).
-  void check_matching(std::size_t parity) {
-    std::vector<peer::OpSig> sigs;
-    for (const auto& s : slots_) sigs.push_back(s[parity].sig);
-    if (auto msg = peer::mismatch(sigs.data(), n_)) {
-      barrier_.abort(*msg);  // every rank reaches the same verdict; later ops fail at once
-      throw MismatchError(*msg);
-    }
-  }
-
   const int n_;
   const std::chrono::milliseconds timeout_;
   RankBarrier barrier_;
-  // Indexed by op number parity: a rank that finished op k may publish op k+1 while a slower peer
-  // still compares op k's signatures (a barrier op has no exit barrier).
-  std::vector<std::array<Slot, 2>> slots_;
+  ParitySlots<Slot> slots_;  // Note [Parity slots]
 };
 
 class InProcessComm final : public Communicator {
