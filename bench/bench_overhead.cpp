@@ -56,11 +56,11 @@ double run(int world, int stage, bool optimizer, Overlap overlap, std::size_t la
   for (int r = 0; r < world; ++r)
     ranks.emplace_back([&, r] {
       Config cfg;
-      cfg.interleave_lag = lag;
-      cfg.zero_stage = stage;
-      cfg.overlap = overlap;
-      cfg.static_graph = true;
-      cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = numel * 4 * std::size_t(per_bucket);
+      cfg.zero.interleave_lag = lag;
+      cfg.zero.stage = stage;
+      cfg.zero.overlap = overlap;
+      cfg.buckets.static_graph = true;
+      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4 * std::size_t(per_bucket);
       std::vector<float> p(std::size_t(params) * numel, 0.5f);
       Runtime rt(comms[std::size_t(r)], cfg);
       std::vector<Param> h;

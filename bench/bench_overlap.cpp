@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   double latency_us = 10;
   std::string json_out, trace_dir;
   int reps = 3, prefetch_early = -1;
-  std::size_t in_flight = Config{}.max_buckets_in_flight;
+  std::size_t in_flight = Config{}.zero.max_buckets_in_flight;
   std::vector<std::string> only;
   app.add_option("--layers", base.layers, "layers = buckets")->capture_default_str();
   app.add_option("--numel", base.numel, "fp32 elements per layer")->capture_default_str();
@@ -84,9 +84,9 @@ int main(int argc, char** argv) {
   base.backward_per_layer = microseconds(bwd_us);
   base.optimizer.kind = OptimizerConfig::Kind::adamw;
   base.optimizer.lr = 1e-3f;
-  base.runtime.timeout = seconds(60);
-  base.runtime.prefetch_syncs_in_backward = prefetch_early;
-  base.runtime.max_buckets_in_flight = in_flight;
+  base.runtime.timeouts.collective = seconds(60);
+  base.runtime.zero.prefetch_syncs_in_backward = prefetch_early;
+  base.runtime.zero.max_buckets_in_flight = in_flight;
 
   const std::vector<Mode> modes{{"none", Overlap::none, false, 0},
                                 {"after_backward", Overlap::after_backward, false, 0},
@@ -108,17 +108,17 @@ int main(int argc, char** argv) {
     for (const auto& m : modes) {
       if (!only.empty() && std::find(only.begin(), only.end(), m.name) == only.end()) continue;
       auto o = base;
-      o.runtime.zero_stage = stage;
-      o.runtime.overlap = m.overlap;
-      o.runtime.forward_prefetch = m.prefetch;
-      o.runtime.interleave_lag = m.lag;
+      o.runtime.zero.stage = stage;
+      o.runtime.zero.overlap = m.overlap;
+      o.runtime.zero.forward_prefetch = m.prefetch;
+      o.runtime.zero.interleave_lag = m.lag;
       // A B A B: the instant-link baseline and every ratio, `reps` times over; medians.
       std::vector<double> computes;
       std::vector<std::vector<double>> iters_ms(ratios.size());
       std::vector<double> betas(ratios.size(), 0.0);
       for (int rep = 0; rep < reps; ++rep) {
         o.link = SimLink{0.0, 1e6, 0};  // instant
-        o.runtime.trace_path.clear();
+        o.runtime.trace.path.clear();
         computes.push_back(iteration_ms(o));
         o.link.latency_us = latency_us;
         const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
@@ -130,12 +130,12 @@ int main(int argc, char** argv) {
           }
           if (betas[i] == 0.0) continue;
           o.link.gbytes_per_s = betas[i];
-          o.runtime.trace_path.clear();
+          o.runtime.trace.path.clear();
           if (!trace_dir.empty() && rep == reps - 1) {
             std::string mode = m.name;
             for (auto& c : mode)
               if (c == ' ' || c == '+') c = '_';
-            o.runtime.trace_path =
+            o.runtime.trace.path =
                 trace_dir + "/stage" + std::to_string(stage) + "_" + mode + "_" + std::to_string(ratios[i]).substr(0, 4) + ".json";
           }
           iters_ms[i].push_back(iteration_ms(o));

@@ -41,10 +41,10 @@ int main(int argc, char** argv) {
   base.iterations = std::max(iterations, 8);
   base.forward_total = duration_cast<microseconds>(duration<double, std::milli>(forward_ms));
   base.backward_total = duration_cast<microseconds>(duration<double, std::milli>(backward_ms));
-  base.runtime.zero_stage = stage;
-  base.runtime.first_bucket_cap_bytes = std::size_t(double(1 << 20) / scale);
-  base.runtime.bucket_cap_bytes = std::size_t(25.0 * double(1 << 20) / scale);
-  base.runtime.timeout = seconds(120);
+  base.runtime.zero.stage = stage;
+  base.runtime.buckets.first_cap_bytes = std::size_t(double(1 << 20) / scale);
+  base.runtime.buckets.cap_bytes = std::size_t(25.0 * double(1 << 20) / scale);
+  base.runtime.timeouts.collective = seconds(120);
   base.optimizer.kind = OptimizerConfig::Kind::adamw;
   base.optimizer.lr = 1e-4f;
 
@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
       for (int w : worlds) {
         auto o = base;
         o.link = SimLink{l.alpha_us, l.gbytes_per_s, w, scale};
-        o.runtime.overlap = m.overlap;
-        o.runtime.forward_prefetch = m.prefetch;
+        o.runtime.zero.overlap = m.overlap;
+        o.runtime.zero.forward_prefetch = m.prefetch;
         const auto res = synthetic::run(o);
         const auto& s = res.stats[0].median;
         std::printf("  %7.1f / %5.1f / %6.1f", s.iteration_ms, s.exposed_ms, s.link_ms);

@@ -48,24 +48,24 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
-  app.add_flag("--find-unused-parameters", opt.runtime.find_unused_parameters, "reduce parameters without a gradient as zeros");
-  app.add_flag("--static-graph", opt.runtime.static_graph, "keep the registration-order buckets (no rebuild)");
+  app.add_flag("--find-unused-parameters", opt.runtime.buckets.find_unused_parameters, "reduce parameters without a gradient as zeros");
+  app.add_flag("--static-graph", opt.runtime.buckets.static_graph, "keep the registration-order buckets (no rebuild)");
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
   int zero_stage = 0;
   std::string overlap = "none", partition = "flat";
   app.add_option("--zero-stage", zero_stage, "0 (DDP), 1 (sharded optimizer state), 2 (+ reduce-scattered gradients)")->capture_default_str();
   app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
   app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
-  app.add_option("--interleave-lag", opt.runtime.interleave_lag,
+  app.add_option("--interleave-lag", opt.runtime.zero.interleave_lag,
                  "interleaved: bucket b's sync goes after the reduction of bucket b+lag (0: as soon as stepped; 1: keeps the link "
                  "busy when it is the bottleneck)")->capture_default_str();
-  app.add_option("--clip-grad-norm", opt.runtime.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
+  app.add_option("--clip-grad-norm", opt.runtime.zero.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
-  app.add_flag("--forward-prefetch", opt.runtime.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");
+  app.add_flag("--forward-prefetch", opt.runtime.zero.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
-  app.add_option("--trace", opt.runtime.trace_path,
+  app.add_option("--trace", opt.runtime.trace.path,
                  "write a Chrome trace (ui.perfetto.dev) of every rank's gradients, collectives and waits; {rank} in the "
                  "path: one file per rank (needed under a launcher)");
   std::string device = "cpu";
@@ -95,25 +95,29 @@ int main(int argc, char** argv) {
   try {
     opt.sizes = mlp::parse_sizes(sizes);
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
-    opt.runtime.zero_stage = zero_stage;
+    opt.runtime.zero.stage = zero_stage;
     opt.param_dtype = parse_dtype(param_dtype);
-    opt.runtime.comm_dtype = parse_dtype(comm_dtype);
-    opt.runtime.overlap = parse_overlap(overlap);
-    opt.runtime.partition = parse_partition(partition);
+    opt.runtime.precision.comm_dtype = parse_dtype(comm_dtype);
+    opt.runtime.zero.overlap = parse_overlap(overlap);
+    opt.runtime.zero.partition = parse_partition(partition);
     // Errors about these settings name the flags this program's users typed.
-    opt.runtime.setting_names = {{"zero_stage", "--zero-stage"},         {"overlap", "--overlap"},
-                                 {"comm_dtype", "--comm-dtype"},         {"clip_grad_norm", "--clip-grad-norm"},
-                                 {"forward_prefetch", "--forward-prefetch"}, {"partition", "--partition"},
-                                 {"first_bucket_cap_bytes", "--first-bucket-mb"}, {"bucket_cap_bytes", "--bucket-mb"},
-                                 {"timeout", "--timeout"}};
+    opt.runtime.setting_names = {{"zero.stage", "--zero-stage"},
+                                 {"zero.overlap", "--overlap"},
+                                 {"zero.partition", "--partition"},
+                                 {"zero.forward_prefetch", "--forward-prefetch"},
+                                 {"zero.clip_grad_norm", "--clip-grad-norm"},
+                                 {"precision.comm_dtype", "--comm-dtype"},
+                                 {"buckets.first_cap_bytes", "--first-bucket-mb"},
+                                 {"buckets.cap_bytes", "--bucket-mb"},
+                                 {"timeouts.collective", "--timeout"}};
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;
     if (first_bucket_mb <= 0 || bucket_mb <= 0) throw UsageError("--first-bucket-mb and --bucket-mb must be positive");
-    opt.runtime.first_bucket_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
-    opt.runtime.bucket_cap_bytes = std::size_t(bucket_mb * 1048576.0);
+    opt.runtime.buckets.first_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
+    opt.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);
     if (timeout_s <= 0) throw UsageError("--timeout must be positive");
-    opt.runtime.timeout = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
+    opt.runtime.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
 
     if (device == "cpu") {
       opt.device = Device::cpu();
@@ -132,7 +136,7 @@ int main(int argc, char** argv) {
     } else {
       throw UsageError("--device '" + device + "': expected cpu, cuda or cuda:N");
     }
-    if (plot && opt.runtime.trace_path.empty()) throw UsageError("--plot draws the trace: add --trace FILE");
+    if (plot && opt.runtime.trace.path.empty()) throw UsageError("--plot draws the trace: add --trace FILE");
     if (log_every < 0) throw UsageError("--log-every must be >= 0");
     if (!stats_json.empty()) {  // fail before training, not after it
       std::FILE* f = std::fopen(stats_json.c_str(), "a");
@@ -161,7 +165,7 @@ int main(int argc, char** argv) {
         backend = "nccl";
         opt.device = Device::cuda(env.local_rank % std::max(1, cuda::device_count()));  // as init_process_group picks
       }
-      comm = init_process_group(env, ProcessGroupOptions{simulated ? "auto" : backend, opt.runtime.timeout});
+      comm = init_process_group(env, ProcessGroupOptions{simulated ? "auto" : backend, opt.runtime.timeouts.collective});
       if (simulated) comm = simulate_link(std::move(comm), sim);
       if (env.rank != 0) quiet = true;  // rank 0 reports for the job
     } else if (simulated) {
@@ -227,8 +231,8 @@ int main(int argc, char** argv) {
     }
     if (plot) {
       // Rank 0's file: the one every rank shares, or its own under a launcher.
-      const std::string trace = trace_file_for(opt.runtime.trace_path, 0, env.launched() && env.world_size > 1);
-      const std::string& given = opt.runtime.trace_path;
+      const std::string trace = trace_file_for(opt.runtime.trace.path, 0, env.launched() && env.world_size > 1);
+      const std::string& given = opt.runtime.trace.path;
       const auto dot = given.rfind('.');
       const bool has_ext = dot != std::string::npos && given.find('/', dot) == std::string::npos;
       const std::string png = (has_ext ? given.substr(0, dot) : given) + ".png";

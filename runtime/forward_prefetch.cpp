@@ -38,7 +38,7 @@ void Runtime::Impl::establish_sync_order() {
     op.count = order.size();
     op.tag = "forward order";
     collectives->record(op);
-    comm->run(op, cfg.timeout);
+    comm->run(op, cfg.timeouts.collective);
   }
   prefetch_early = std::min<std::size_t>(order.back(), B);
   order.pop_back();
@@ -58,8 +58,8 @@ void Runtime::Impl::establish_sync_order() {
 
 std::size_t Runtime::Impl::choose_early_syncs() const {
   const std::size_t B = plan.buckets.size();
-  if (cfg.overlap != Overlap::interleaved || !shard || !shard->syncs()) return 0;
-  if (cfg.prefetch_syncs_in_backward >= 0) return std::min<std::size_t>(std::size_t(cfg.prefetch_syncs_in_backward), B);
+  if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return 0;
+  if (cfg.zero.prefetch_syncs_in_backward >= 0) return std::min<std::size_t>(std::size_t(cfg.zero.prefetch_syncs_in_backward), B);
   const auto open = timeline->stats().open_window();
   std::vector<double> bytes(B);
   double total = 0;

@@ -8,7 +8,7 @@
 namespace shardflow {
 
 std::byte* Runtime::Impl::grad_ptr(std::uint32_t p) {
-  if (!cfg.gradient_as_bucket_view) return static_cast<std::byte*>(registry.params()[p].grad);
+  if (!cfg.buckets.gradient_as_bucket_view) return static_cast<std::byte*>(registry.params()[p].grad);
   const auto loc = plan.where[p];
   const auto& b = plan.buckets[loc.bucket];
   return bucket_grad(loc.bucket).get() + b.entries[loc.entry].offset * dtype_size(b.dtype);
@@ -16,14 +16,14 @@ std::byte* Runtime::Impl::grad_ptr(std::uint32_t p) {
 
 std::shared_ptr<std::byte> Runtime::Impl::bucket_grad(std::uint32_t b) {
   if (prefetch_active) {
-    const auto deadline = std::chrono::steady_clock::now() + cfg.timeout + std::chrono::seconds(5);
+    const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
     const auto outcome = blocked("wait for bucket (last iteration)", b, [&] { return signal->wait_bucket(b, signal_target, deadline); });
     check_outcome(outcome, signal_target, "bucket " + std::to_string(b) + " of the last iteration");
     if (shard) shard->join_bucket(b);  // zeroed on the shard's stream (Note [Shard streams])
   }
   const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);
-  if (!limit) return bufs->grad(b, 0, cfg.timeout);
-  return blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, cfg.max_buckets_in_flight, cfg.timeout); });
+  if (!limit) return bufs->grad(b, 0, cfg.timeouts.collective);
+  return blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, cfg.zero.max_buckets_in_flight, cfg.timeouts.collective); });
 }
 
 void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {
@@ -34,7 +34,7 @@ void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {
   std::byte* slot = bucket_grad(loc.bucket).get() + e.offset * es;
   if (zero)
     mem->zero(slot, e.numel * es);
-  else if (!cfg.gradient_as_bucket_view && e.numel)
+  else if (!cfg.buckets.gradient_as_bucket_view && e.numel)
     mem->copy(slot, registry.params()[p].grad, e.numel * es);
   // The bucket's last gradient (Note [One count per bucket]) records its event on the compute
   // stream: every gradient of the bucket was enqueued there before this point (each grad_ready
@@ -69,7 +69,7 @@ void Runtime::Impl::reset_pass() {
 void Runtime::Impl::await_iterations(std::uint64_t target) {
   // The backend enforces Config::timeout on every collective and names the missing ranks; this
   // deadline is a backstop for an actor or backend that never answers at all.
-  const auto deadline = std::chrono::steady_clock::now() + cfg.timeout + std::chrono::seconds(5);
+  const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
   check_outcome(signal->wait_all(target, deadline), target, "iteration " + std::to_string(iterations));
 }
 
@@ -90,7 +90,7 @@ void Runtime::Impl::check_outcome(IterationSignal::Outcome outcome, std::uint64_
       std::string pending;
       for (auto b : signal->pending(target)) pending += (pending.empty() ? "" : ", ") + std::to_string(b);
       fail(TimeoutError("rank " + std::to_string(rank) + ": " + what + " did not complete within " +
-                        std::to_string(cfg.timeout.count()) + " ms; bucket(s) still pending: " + pending));
+                        std::to_string(cfg.timeouts.collective.count()) + " ms; bucket(s) still pending: " + pending));
     }
   }
 }

@@ -28,7 +28,7 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   I.log = rank_logger(I.rank);
   I.actors = ProcessActorSystem::acquire(config.actor_threads);
   std::string trace_file;
-  if (!config.trace_path.empty()) {
+  if (!config.trace.path.empty()) {
     // Ranks that are threads of one process share a file; a rank that is a process of its own
     // writes its own (Note [Timeline]).
     bool own_process = false;
@@ -38,7 +38,7 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
     } catch (const std::exception&) {
       // a malformed launch environment is the process group's error to report, not the trace's
     }
-    trace_file = resolve_trace_path(config.trace_path, I.rank, own_process);
+    trace_file = resolve_trace_path(config.trace.path, I.rank, own_process);
   }
   I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
   I.collectives->set_timeline(I.timeline);
@@ -49,7 +49,7 @@ Runtime::~Runtime() {
   if (I.prefetch_active && !I.failed.load() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
     // trainer frees them.
-    I.signal->wait_all(I.signal_target, std::chrono::steady_clock::now() + I.cfg.timeout);
+    I.signal->wait_all(I.signal_target, std::chrono::steady_clock::now() + I.cfg.timeouts.collective);
   }
   if (I.in_pass() && !I.failed.load()) {
     // Peers are (or will be) inside this iteration's collectives: let them fail now rather than
@@ -77,7 +77,7 @@ Param Runtime::register_param(ParamSpec spec) {
                      I.name_of(0) + "' is on " + I.mem->device.str() +
                      "; one Runtime reduces the parameters of one device (use one Runtime per device)");
   const Device device = spec.device;
-  auto index = Param{I.registry.add(std::move(spec), I.cfg.gradient_as_bucket_view, *I.comm), I.owner};
+  auto index = Param{I.registry.add(std::move(spec), I.cfg.buckets.gradient_as_bucket_view, *I.comm), I.owner};
   I.mem->device = device;
   I.device_bound = true;
   return index;
@@ -132,11 +132,11 @@ void Runtime::zero_grad() {
   if (I.in_pass())
     throw UsageError("zero_grad() on rank " + std::to_string(I.rank) +
                      " while this iteration's reductions are running: call wait() first");
-  if (I.cfg.gradient_as_bucket_view) {
+  if (I.cfg.buckets.gradient_as_bucket_view) {
     // Pooled buckets (ZeRO-2) hold no buffer between iterations and start zeroed; flat padding is
     // never written, so it stays zero. With forward prefetch the shard zeroes each bucket when it
     // is done with it (it may still be busy now).
-    if (!(I.shard && I.cfg.forward_prefetch)) I.bufs->zero_held();
+    if (!(I.shard && I.cfg.zero.forward_prefetch)) I.bufs->zero_held();
   } else {
     for (std::size_t i = 0; i < I.registry.size(); ++i) {
       const auto& s = I.registry.params()[i];
@@ -215,7 +215,7 @@ void Runtime::finish_backward() {
     if (I.marked[i].load(std::memory_order_acquire)) continue;
     (I.touched[i] ? accumulated : missing).push_back(i);
   }
-  if (!missing.empty() && !I.cfg.find_unused_parameters) {
+  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters) {
     std::string names;
     for (std::size_t k = 0; k < missing.size() && k < 10; ++k) names += (k ? ", " : "") + I.name_of(missing[k]);
     if (missing.size() > 10) names += ", ...";
@@ -256,7 +256,7 @@ void Runtime::wait() {
   I.blocked("wait (iteration)", -1, [&] { I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target); });
   // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
   if (I.shard && !prefetching) I.shard->join_compute();
-  if (!I.cfg.gradient_as_bucket_view && !I.shard) {
+  if (!I.cfg.buckets.gradient_as_bucket_view && !I.shard) {
     for (const auto& b : I.plan.buckets) {
       const std::size_t es = dtype_size(b.dtype);
       for (const auto& e : b.entries)
@@ -266,10 +266,10 @@ void Runtime::wait() {
   I.readiness->reset();
   I.phase.store(Impl::Phase::idle, std::memory_order_release);
   std::fill(I.touched.begin(), I.touched.end(), 0);
-  const bool prefetch_wanted = I.cfg.forward_prefetch && I.shard;
+  const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
   I.closing_iteration = true;
-  if (!I.rebuilt && !I.cfg.static_graph) {
+  if (!I.rebuilt && !I.cfg.buckets.static_graph) {
     const auto r0 = Timeline::now();
     I.rebuild_from_observed_order();
     I.timeline->span("rebuild buckets", "rebuild", Lane::compute, r0, Timeline::now(),
@@ -308,7 +308,7 @@ void Runtime::wait_param(Param p) {
     }
   }
   if (!I.prefetch_active) return;  // wait() waited for everything
-  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeout + std::chrono::seconds(5);
+  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
   const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.signal_target, deadline); });
   I.check_outcome(outcome, I.signal_target,
                   "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");

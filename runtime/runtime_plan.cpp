@@ -39,7 +39,7 @@ void Runtime::Impl::ensure_finalized() {
   try {
     collectives->record(CollectiveOp{CollectiveKind::allgather, DType::f32, nullptr, nullptr, 4, 0, 1.0f,
                                      "verify parameter lists", {}});
-    verify_same_params(*comm, registry.signature(), cfg.timeout);
+    verify_same_params(*comm, registry.signature(), cfg.timeouts.collective);
   } catch (const MismatchError& e) {
     fail(e);
   } catch (const TimeoutError& e) {
@@ -51,8 +51,8 @@ void Runtime::Impl::ensure_finalized() {
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);
   order.assign(n, 0);
-  install_plan(make_bucket_plan(registry.params(), reverse_registration_order(n), cfg.first_bucket_cap_bytes,
-                                cfg.bucket_cap_bytes));
+  install_plan(make_bucket_plan(registry.params(), reverse_registration_order(n), cfg.buckets.first_cap_bytes,
+                                cfg.buckets.cap_bytes));
   log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
             comm->backend_name(), world, plan.describe());
   finalized.store(true, std::memory_order_release);
@@ -62,19 +62,19 @@ void Runtime::Impl::install_plan(BucketPlan next) {
   std::shared_ptr<Shard> next_shard;
   std::shared_ptr<BucketBuffers> next_bufs;
   if (groups) {
-    auto shard_plan = make_shard_plan(next, registry.params(), cfg.partition, world, rank, cfg.zero_stage >= 1);
+    auto shard_plan = make_shard_plan(next, registry.params(), cfg.zero.partition, world, rank, cfg.zero.stage >= 1);
     std::vector<std::size_t> bytes;
     for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
       bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
-    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero_stage == 2 && shard_plan.sharded, allocator(), zeroer());
-    next_shard = std::make_shared<Shard>(cfg.zero_stage, cfg, registry.params(), next, std::move(shard_plan), groups,
+    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero.stage == 2 && shard_plan.sharded, allocator(), zeroer());
+    next_shard = std::make_shared<Shard>(cfg.zero.stage, cfg, registry.params(), next, std::move(shard_plan), groups,
                                          next_bufs, mem);
   } else {
     std::vector<std::size_t> bytes;
     for (const auto& b : next.buckets) bytes.push_back(b.bytes());
     next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), false, allocator(), zeroer());
     // Plain DDP: the trainer reads the reduced gradients after wait(); a rebuild moves them along.
-    if (bufs && cfg.gradient_as_bucket_view)
+    if (bufs && cfg.buckets.gradient_as_bucket_view)
       for (const auto& b : next.buckets)
         for (const auto& e : b.entries)
           if (e.numel)
@@ -103,7 +103,7 @@ void Runtime::Impl::migrate_state(const Shard& from, Shard& to) {
       op.count = full.size();
       op.tag = "migrate optimizer state " + std::to_string(slot);
       collectives->record(op);
-      comm->run(op, cfg.timeout);
+      comm->run(op, cfg.timeouts.collective);
     }
     to.import_state(slot, full);
   }
@@ -120,8 +120,8 @@ std::vector<ScheduleEntry> Runtime::Impl::build_schedule() const {
   // then, and the sync left over for after backward is needed second by forward, which waits
   // for the first.
   const bool prefetching = !sync_order.empty();
-  spec.interleave = cfg.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
-  spec.lag = prefetching ? std::max<std::size_t>(1, cfg.interleave_lag) : cfg.interleave_lag;
+  spec.interleave = cfg.zero.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
+  spec.lag = prefetching ? std::max<std::size_t>(1, cfg.zero.interleave_lag) : cfg.zero.interleave_lag;
   spec.sync_order = sync_order;
   spec.interleaved_syncs = prefetching ? prefetch_early : spec.buckets;
   return make_collective_schedule(collective_order(spec), {&plan, bufs, shard, events, timeline, rank, world});
@@ -136,10 +136,10 @@ void Runtime::Impl::spawn_actors() {
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
-    const bool zero_on_done = cfg.forward_prefetch && !bufs->pooled();
+    const bool zero_on_done = cfg.zero.forward_prefetch && !bufs->pooled();
     // Steps go in the order the syncs are scheduled: a sync never waits for a step that waits for
     // staging held by a later sync (pooled staging is limited).
-    shard_actor_h = sys.spawn(shard_actor, shard, cfg.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order, timeline);
+    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order, timeline);
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();
@@ -172,9 +172,9 @@ void Runtime::Impl::rebuild_from_observed_order() {
     op.root = 0;
     op.tag = "rebuild buckets: ready order";
     collectives->record(op);
-    comm->run(op, cfg.timeout);
+    comm->run(op, cfg.timeouts.collective);
   }
-  auto next = make_bucket_plan(registry.params(), observed, cfg.first_bucket_cap_bytes, cfg.bucket_cap_bytes);
+  auto next = make_bucket_plan(registry.params(), observed, cfg.buckets.first_cap_bytes, cfg.buckets.cap_bytes);
   rebuilt = true;
   if (same_layout(plan, next)) return;
   install_plan(std::move(next));

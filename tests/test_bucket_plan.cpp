@@ -105,9 +105,9 @@ RebuildRun run_rebuild(bool static_graph) {
   std::vector<std::vector<float>> data(n, std::vector<float>(P * numel, 0.0f));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     Config cfg;
-    cfg.first_bucket_cap_bytes = 3 * 1024;
-    cfg.bucket_cap_bytes = 3 * 1024;
-    cfg.static_graph = static_graph;
+    cfg.buckets.first_cap_bytes = 3 * 1024;
+    cfg.buckets.cap_bytes = 3 * 1024;
+    cfg.buckets.static_graph = static_graph;
     Runtime rt(world->communicator(r), cfg);
     std::vector<Param> h;
     for (int i = 0; i < P; ++i)

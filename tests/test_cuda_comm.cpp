@@ -227,9 +227,9 @@ void nccl_world1() {
   // The runtime: buckets on the GPU, gradients written on the trainer's stream, reduced after the
   // bucket events without the host waiting for backward.
   Config cfg;
-  cfg.bucket_cap_bytes = 64 << 10;
-  cfg.first_bucket_cap_bytes = 16 << 10;
-  cfg.timeout = 60s;
+  cfg.buckets.cap_bytes = 64 << 10;
+  cfg.buckets.first_cap_bytes = 16 << 10;
+  cfg.timeouts.collective = 60s;
   Runtime rt(comm, cfg);
   cudaStream_t s;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -270,8 +270,8 @@ void runtime_on_device_world(int n) {
   std::vector<std::size_t> bad(static_cast<std::size_t>(n), 1);
   on_ranks(n, [&](int r) {
     Config cfg;
-    cfg.bucket_cap_bytes = 100 << 10;
-    cfg.timeout = 60s;
+    cfg.buckets.cap_bytes = 100 << 10;
+    cfg.timeouts.collective = 60s;
     Runtime rt(world->communicator(r), cfg);
     cudaStream_t s;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -330,9 +330,9 @@ std::vector<std::vector<float>> train_zero(const ZeroCase& c, int n, bool on_gpu
   const std::size_t es = dtype_size(c.dtype);
   on_ranks(n, [&](int r) {
     Config cfg = c.cfg;
-    cfg.timeout = 60s;
-    cfg.bucket_cap_bytes = 64 << 10;
-    cfg.first_bucket_cap_bytes = 16 << 10;
+    cfg.timeouts.collective = 60s;
+    cfg.buckets.cap_bytes = 64 << 10;
+    cfg.buckets.first_cap_bytes = 16 << 10;
     Runtime rt(world->communicator(r), cfg);
     cudaStream_t s = nullptr;
     if (on_gpu) {
@@ -370,7 +370,7 @@ std::vector<std::vector<float>> train_zero(const ZeroCase& c, int n, bool on_gpu
     for (int it = 0; it < 4; ++it) {
       rt.zero_grad();
       for (std::size_t i = sizes.size(); i-- > 0;) {
-        if (cfg.forward_prefetch) rt.wait_param(hs[i]);
+        if (cfg.zero.forward_prefetch) rt.wait_param(hs[i]);
         auto g = random_vec(sizes[i], unsigned(10000 * it + 100 * int(i) + r));
         std::vector<std::byte> gb(sizes[i] * es);
         if (c.dtype == DType::f32)
@@ -415,28 +415,28 @@ void zero_on_device() {
     for (auto part : {Partition::flat, Partition::param})
       for (auto ov : {Overlap::none, Overlap::interleaved}) {
         ZeroCase c;
-        c.cfg.zero_stage = stage;
-        c.cfg.partition = part;
-        c.cfg.overlap = ov;
+        c.cfg.zero.stage = stage;
+        c.cfg.zero.partition = part;
+        c.cfg.zero.overlap = ov;
         c.name = "stage " + std::to_string(stage) + (part == Partition::flat ? " flat" : " param") +
                  (ov == Overlap::none ? " none" : " interleaved");
         cases.push_back(c);
       }
   auto with = [&](std::string name, auto&& edit, float tol = 0.0f) {
     ZeroCase c;
-    c.cfg.zero_stage = 2;
+    c.cfg.zero.stage = 2;
     c.name = std::move(name);
     c.tol = tol;
     edit(c);
     cases.push_back(c);
   };
   // The norm partials are float atomics on the device: the clip coefficient may differ in its last bits.
-  with("stage 2 clip 2-norm", [](ZeroCase& c) { c.cfg.clip_grad_norm = 1.0f; }, 1e-5f);
-  with("stage 1 clip inf-norm", [](ZeroCase& c) { c.cfg.zero_stage = 1; c.cfg.clip_grad_norm = 0.5f; c.cfg.clip_norm_type = INFINITY; }, 1e-5f);
-  with("stage 0 clip 2-norm (every rank steps everything)", [](ZeroCase& c) { c.cfg.zero_stage = 0; c.cfg.clip_grad_norm = 1.0f; }, 1e-5f);
-  with("stage 2 bf16 wire", [](ZeroCase& c) { c.cfg.comm_dtype = DType::bf16; });
+  with("stage 2 clip 2-norm", [](ZeroCase& c) { c.cfg.zero.clip_grad_norm = 1.0f; }, 1e-5f);
+  with("stage 1 clip inf-norm", [](ZeroCase& c) { c.cfg.zero.stage = 1; c.cfg.zero.clip_grad_norm = 0.5f; c.cfg.zero.clip_norm_type = INFINITY; }, 1e-5f);
+  with("stage 0 clip 2-norm (every rank steps everything)", [](ZeroCase& c) { c.cfg.zero.stage = 0; c.cfg.zero.clip_grad_norm = 1.0f; }, 1e-5f);
+  with("stage 2 bf16 wire", [](ZeroCase& c) { c.cfg.precision.comm_dtype = DType::bf16; });
   with("stage 2 bf16 parameters, fp32 masters", [](ZeroCase& c) { c.dtype = DType::bf16; });
-  with("stage 1 forward prefetch", [](ZeroCase& c) { c.cfg.zero_stage = 1; c.cfg.forward_prefetch = true; });
+  with("stage 1 forward prefetch", [](ZeroCase& c) { c.cfg.zero.stage = 1; c.cfg.zero.forward_prefetch = true; });
   for (const auto& c : cases)
     for (int n : {2, 3}) {
       const auto cpu = train_zero(c, n, false), gpu = train_zero(c, n, true);
@@ -479,9 +479,9 @@ void mlp_on_device() {
   o.optimizer.kind = OptimizerConfig::Kind::adamw;
   o.optimizer.lr = 1e-3f;
   o.optimizer_in_runtime = false;
-  o.runtime.timeout = 60s;
-  o.runtime.bucket_cap_bytes = 32 << 10;
-  o.runtime.first_bucket_cap_bytes = 8 << 10;
+  o.runtime.timeouts.collective = 60s;
+  o.runtime.buckets.cap_bytes = 32 << 10;
+  o.runtime.buckets.first_cap_bytes = 8 << 10;
   auto compare = [](const mlp::TrainResult& cpu, const mlp::TrainResult& gpu, const std::string& what) {
     double worst = 0;
     for (const auto& [name, t] : cpu.params) {
@@ -499,7 +499,7 @@ void mlp_on_device() {
     d.world_size = world;
     d.device = Device::cuda(0);
     const std::string trace = "/tmp/shardflow_cuda_trace_" + std::to_string(world) + ".json";
-    d.runtime.trace_path = trace;
+    d.runtime.trace.path = trace;
     const auto gpu = mlp::train(d);
     if (world == 2) check(reductions_overlap_backward(trace), "two ranks on one GPU: reductions in flight while backward reports gradients (" + trace + ")");
     compare(cpu, gpu, "world " + std::to_string(world) + ", trainer-side AdamW");
@@ -508,14 +508,14 @@ void mlp_on_device() {
   auto z = o;
   z.optimizer_in_runtime = true;
   z.world_size = 2;
-  z.runtime.zero_stage = 2;
-  z.runtime.overlap = Overlap::interleaved;
-  z.runtime.clip_grad_norm = 1.0f;
+  z.runtime.zero.stage = 2;
+  z.runtime.zero.overlap = Overlap::interleaved;
+  z.runtime.zero.clip_grad_norm = 1.0f;
   const auto zcpu = mlp::train(z);
   for (bool prefetch : {false, true}) {
     auto d = z;
     d.device = Device::cuda(0);
-    d.runtime.forward_prefetch = prefetch;
+    d.runtime.zero.forward_prefetch = prefetch;
     compare(zcpu, mlp::train(d), std::string("world 2, ZeRO-2 interleaved, clipping") + (prefetch ? ", forward prefetch" : ""));
   }
 }

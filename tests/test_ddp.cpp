@@ -38,9 +38,9 @@ mlp::TrainOptions small_run(int world, OptimizerConfig::Kind kind) {
     o.optimizer.lr = 1e-3f;
   }
   // Small caps: several buckets, so reductions really overlap backward.
-  o.runtime.first_bucket_cap_bytes = 2 * 1024;
-  o.runtime.bucket_cap_bytes = 6 * 1024;
-  o.runtime.timeout = 60s;
+  o.runtime.buckets.first_cap_bytes = 2 * 1024;
+  o.runtime.buckets.cap_bytes = 6 * 1024;
+  o.runtime.timeouts.collective = 60s;
   return o;
 }
 
@@ -77,9 +77,9 @@ TEST_CASE("gradient_as_bucket_view off: trainer-owned gradients are copied in an
   std::vector<std::vector<float>> params(3, std::vector<float>(1000, 1.0f)), grads(3, std::vector<float>(1000));
   test::require_all_ok(test::run_ranks(3, [&](int r) {
     Config cfg;
-    cfg.gradient_as_bucket_view = false;
-    cfg.first_bucket_cap_bytes = 512;
-    cfg.bucket_cap_bytes = 1024;
+    cfg.buckets.gradient_as_bucket_view = false;
+    cfg.buckets.first_cap_bytes = 512;
+    cfg.buckets.cap_bytes = 1024;
     Runtime rt(world->communicator(r), cfg);
     std::vector<Param> h;
     for (int i = 0; i < 10; ++i)
@@ -120,8 +120,8 @@ OrderRun run_order(unsigned seed, int threads) {
   std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(total)));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     Config cfg;
-    cfg.first_bucket_cap_bytes = 1024;
-    cfg.bucket_cap_bytes = 4096;
+    cfg.buckets.first_cap_bytes = 1024;
+    cfg.buckets.cap_bytes = 4096;
     Runtime rt(world->communicator(r), cfg);
     std::vector<Param> h;
     int off = 0;
@@ -217,7 +217,7 @@ TEST_CASE("find_unused_parameters: a parameter without a gradient on one rank is
   std::vector<std::vector<float>> params(n, std::vector<float>(20));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     Config cfg;
-    cfg.find_unused_parameters = true;
+    cfg.buckets.find_unused_parameters = true;
     Runtime rt(world->communicator(r), cfg);
     auto used = rt.register_param({"used", {10}, DType::f32, Device::cpu(), params[std::size_t(r)].data()});
     auto maybe = rt.register_param({"maybe", {10}, DType::f32, Device::cpu(), params[std::size_t(r)].data() + 10});
@@ -246,8 +246,8 @@ TEST_CASE("a long run: 200 iterations of world 4 keep the pipeline in step") {
   std::vector<std::vector<float>> params(n, std::vector<float>(4096));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     Config cfg;
-    cfg.first_bucket_cap_bytes = 1024;
-    cfg.bucket_cap_bytes = 2048;
+    cfg.buckets.first_cap_bytes = 1024;
+    cfg.buckets.cap_bytes = 2048;
     Runtime rt(world->communicator(r), cfg);
     std::vector<Param> h;
     for (int i = 0; i < 16; ++i)
@@ -269,7 +269,7 @@ TEST_CASE("trace: world 2 as threads writes one Chrome trace with both ranks' gr
   std::remove(path.c_str());
   auto o = small_run(2, OptimizerConfig::Kind::sgd);
   o.steps = 3;
-  o.runtime.trace_path = path;
+  o.runtime.trace.path = path;
   const auto res = mlp::train(o);
   std::ifstream in(path);
   REQUIRE(in.good());
@@ -303,9 +303,9 @@ TEST_CASE("trace: world 2 as threads writes one Chrome trace with both ranks' gr
 TEST_CASE("the example's global loss every 5 steps (forward prefetch running on) gives every step's loss as every step does") {
   auto o = small_run(2, OptimizerConfig::Kind::adamw);
   o.steps = 12;
-  o.runtime.zero_stage = 1;
-  o.runtime.overlap = Overlap::interleaved;
-  o.runtime.forward_prefetch = true;
+  o.runtime.zero.stage = 1;
+  o.runtime.zero.overlap = Overlap::interleaved;
+  o.runtime.zero.forward_prefetch = true;
   const auto each = mlp::train(o);
   o.loss_every = 5;
   const auto batched = mlp::train(o);

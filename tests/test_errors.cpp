@@ -131,7 +131,7 @@ TEST_CASE("a rank that stops taking part: the others fail within the timeout, na
   const auto t0 = std::chrono::steady_clock::now();
   auto errors = test::run_ranks(3, [&](int r) {
     Config cfg;
-    cfg.timeout = 400ms;
+    cfg.timeouts.collective = 400ms;
     Runtime rt(world->communicator(r), cfg);
     models[std::size_t(r)].add(rt);
     rt.finalize();
@@ -195,8 +195,8 @@ TEST_CASE("nothing registered, nonsense config") {
     CHECK_THROWS_WITH_AS(rt.finalize(), doctest::Contains("no parameters registered"), UsageError);
   }
   Config c;
-  c.bucket_cap_bytes = 0;
-  CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), c), doctest::Contains("bucket_cap_bytes"), UsageError);
+  c.buckets.cap_bytes = 0;
+  CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), c), doctest::Contains("buckets.cap_bytes"), UsageError);
   CHECK_THROWS_AS(Runtime(nullptr), UsageError);
 }
 
@@ -207,11 +207,11 @@ TEST_CASE("settings that need the runtime's optimizer, without one: an error at 
     void (*set)(Config&);
   };
   const Case cases[] = {
-      {"zero_stage", [](Config& c) { c.zero_stage = 1; }},
-      {"overlap", [](Config& c) { c.overlap = Overlap::interleaved; }},
-      {"comm_dtype", [](Config& c) { c.comm_dtype = DType::bf16; }},
-      {"clip_grad_norm", [](Config& c) { c.clip_grad_norm = 1.0f; }},
-      {"forward_prefetch", [](Config& c) { c.forward_prefetch = true; }},
+      {"zero.stage", [](Config& c) { c.zero.stage = 1; }},
+      {"zero.overlap", [](Config& c) { c.zero.overlap = Overlap::interleaved; }},
+      {"precision.comm_dtype", [](Config& c) { c.precision.comm_dtype = DType::bf16; }},
+      {"zero.clip_grad_norm", [](Config& c) { c.zero.clip_grad_norm = 1.0f; }},
+      {"zero.forward_prefetch", [](Config& c) { c.zero.forward_prefetch = true; }},
   };
   for (const auto& k : cases) {
     CAPTURE(k.field);
@@ -230,8 +230,8 @@ TEST_CASE("settings that need the runtime's optimizer, without one: an error at 
   }
   // With the optimizer configured the same settings train.
   Config c;
-  c.zero_stage = 1;
-  c.overlap = Overlap::interleaved;
+  c.zero.stage = 1;
+  c.zero.overlap = Overlap::interleaved;
   Runtime rt(world->communicator(0), c);
   TwoParams m;
   m.add(rt);

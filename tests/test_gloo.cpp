@@ -49,9 +49,9 @@ TEST_CASE("gloo: ZeRO-1 training over Gloo ends with the parameters of the in-pr
     std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(P) * numel, 0.2f));
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
-      cfg.zero_stage = 1;
-      cfg.overlap = Overlap::interleaved;
-      cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = 2 * numel * 4;
+      cfg.zero.stage = 1;
+      cfg.zero.overlap = Overlap::interleaved;
+      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 2 * numel * 4;
       Runtime rt(comms[std::size_t(r)], cfg);
       const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig adam;

@@ -31,9 +31,9 @@ synthetic::Options scenario(int world, int stage, Overlap overlap) {
   o.numel = 65536;
   o.iterations = 12;
   o.link = SimLink{10.0, 0.25, 0};
-  o.runtime.zero_stage = stage;
-  o.runtime.overlap = overlap;
-  o.runtime.timeout = seconds(30);
+  o.runtime.zero.stage = stage;
+  o.runtime.zero.overlap = overlap;
+  o.runtime.timeouts.collective = seconds(30);
   o.optimizer.kind = OptimizerConfig::Kind::adamw;
   o.optimizer.lr = 1e-3f;
   const auto per_bucket = synthetic::reduce_time(o) + synthetic::sync_time(o);
@@ -134,7 +134,7 @@ TEST_CASE("none and after_backward keep the promises of their names; interleaved
     std::map<Overlap, double> exposed;
     for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) {
       auto o = scenario(2, stage, overlap);
-      o.runtime.trace_path = trace_path(std::string("modes_") + overlap_name(overlap));
+      o.runtime.trace.path = trace_path(std::string("modes_") + overlap_name(overlap));
       // interleaved runs last: it must expose less than the two before it.
       const auto res = overlap != Overlap::interleaved ? synthetic::run(o) : run_until(o, [&](const synthetic::Result& x) {
         return x.stats[0].median.exposed_ms < std::min(exposed[Overlap::none], exposed[Overlap::after_backward]);
@@ -143,8 +143,8 @@ TEST_CASE("none and after_backward keep the promises of their names; interleaved
       exposed[overlap] = m.exposed_ms;
       INFO("stage " << stage << ", " << std::string(overlap_name(overlap)) << ": exposed " << m.exposed_ms << " ms, done in backward "
                     << m.buckets_done_in_backward);
-      const auto trace = read_trace(o.runtime.trace_path);
-      std::remove(o.runtime.trace_path.c_str());
+      const auto trace = read_trace(o.runtime.trace.path);
+      std::remove(o.runtime.trace.path.c_str());
       const auto& spans = trace.at(0);
       // Per iteration: when the last gradient was reported, when the last reduction completed, when
       // the first step began.
@@ -184,13 +184,13 @@ TEST_CASE("none and after_backward keep the promises of their names; interleaved
 TEST_CASE("forward prefetch, every sync after backward: the syncs of later layers complete during the next forward") {
   for (int stage : {1, 2}) {
     auto o = scenario(2, stage, Overlap::interleaved);
-    o.runtime.forward_prefetch = true;
-    o.runtime.prefetch_syncs_in_backward = 0;
+    o.runtime.zero.forward_prefetch = true;
+    o.runtime.zero.prefetch_syncs_in_backward = 0;
     o.forward_per_layer = duration_cast<microseconds>(2 * synthetic::sync_time(o)) + microseconds(300);
-    o.runtime.trace_path = trace_path("prefetch");
+    o.runtime.trace.path = trace_path("prefetch");
     int in_forward = 0, syncs = 0;
     auto count = [&](const synthetic::Result& x) {
-      const auto trace = read_trace(o.runtime.trace_path);
+      const auto trace = read_trace(o.runtime.trace.path);
       const auto& spans = trace.at(0);
       std::vector<Span> forwards;
       for (const auto& s : spans)
@@ -206,7 +206,7 @@ TEST_CASE("forward prefetch, every sync after backward: the syncs of later layer
     };
     const auto res = run_until(o, count);
     count(res);
-    std::remove(o.runtime.trace_path.c_str());
+    std::remove(o.runtime.trace.path.c_str());
     const auto& m = res.stats[0].median;
     INFO("stage " << stage << ": " << in_forward << " of " << syncs << " syncs completed inside a forward; exposed " << m.exposed_ms
                   << " ms, hidden " << m.hidden_ms << " of " << m.link_ms << " ms");
@@ -220,7 +220,7 @@ TEST_CASE("forward prefetch, every sync after backward: the syncs of later layer
 TEST_CASE("forward prefetch, split chosen by the runtime: backward has idle link time, so syncs go there and little is left to wait for") {
   for (int stage : {1, 2}) {
     auto o = scenario(2, stage, Overlap::interleaved);
-    o.runtime.forward_prefetch = true;  // prefetch_syncs_in_backward -1: measured in iteration 2
+    o.runtime.zero.forward_prefetch = true;  // prefetch_syncs_in_backward -1: measured in iteration 2
     const auto res = run_until(o, [&](const synthetic::Result& x) {
       for (const auto& st : x.stats)
         if (st.median.buckets_done_in_backward != 2 || st.median.exposed_ms > last_bucket_ms(o, st.median) + kSlackMs) return false;
@@ -241,12 +241,12 @@ TEST_CASE("forward prefetch, split chosen by the runtime: backward has idle link
 
 TEST_CASE("clipping: reductions overlap backward; steps and syncs wait for the global norm after it") {
   auto o = scenario(2, 1, Overlap::interleaved);
-  o.runtime.clip_grad_norm = 1.0f;
-  o.runtime.trace_path = trace_path("clip");
+  o.runtime.zero.clip_grad_norm = 1.0f;
+  o.runtime.trace.path = trace_path("clip");
   // Per iteration from the third on: how many reductions completed while backward ran.
   std::map<std::int64_t, int> reduced_in_backward;
   auto all_but_last_reduced = [&](const synthetic::Result&) {
-    const auto trace = read_trace(o.runtime.trace_path);
+    const auto trace = read_trace(o.runtime.trace.path);
     std::map<std::int64_t, std::int64_t> backward_end;
     reduced_in_backward.clear();
     for (const auto& s : trace.at(0))
@@ -261,7 +261,7 @@ TEST_CASE("clipping: reductions overlap backward; steps and syncs wait for the g
   };
   const auto res = run_until(o, all_but_last_reduced);
   all_but_last_reduced(res);
-  std::remove(o.runtime.trace_path.c_str());
+  std::remove(o.runtime.trace.path.c_str());
   const auto& m = res.stats[0].median;
   INFO("exposed " << m.exposed_ms << " ms, done in backward " << m.buckets_done_in_backward);
   // Every step needs the norm, which needs every reduction: nothing is stepped inside backward ...
@@ -280,17 +280,17 @@ TEST_CASE("the trace of a world-2 run parses, has every category, and its spans 
   opt.global_batch = 16;
   opt.world_size = 2;
   opt.optimizer.kind = OptimizerConfig::Kind::adamw;
-  opt.runtime.zero_stage = 1;
-  opt.runtime.overlap = Overlap::interleaved;
-  opt.runtime.comm_dtype = DType::bf16;  // casts
-  opt.runtime.first_bucket_cap_bytes = 16384;
-  opt.runtime.bucket_cap_bytes = 65536;
-  opt.runtime.trace_path = trace_path("world2");
+  opt.runtime.zero.stage = 1;
+  opt.runtime.zero.overlap = Overlap::interleaved;
+  opt.runtime.precision.comm_dtype = DType::bf16;  // casts
+  opt.runtime.buckets.first_cap_bytes = 16384;
+  opt.runtime.buckets.cap_bytes = 65536;
+  opt.runtime.trace.path = trace_path("world2");
   opt.sim = SimLink{5.0, 1.0, 0};
   const auto res = mlp::train(opt);
-  const auto trace = read_trace(opt.runtime.trace_path);
+  const auto trace = read_trace(opt.runtime.trace.path);
   {
-    std::ifstream in(opt.runtime.trace_path);
+    std::ifstream in(opt.runtime.trace.path);
     const auto j = nlohmann::json::parse(in);
     std::set<std::pair<int, int>> named;  // Perfetto needs numeric tids with thread names
     for (const auto& e : j.at("traceEvents"))
@@ -298,7 +298,7 @@ TEST_CASE("the trace of a world-2 run parses, has every category, and its spans 
     for (const auto& [rank, spans] : trace)
       for (const auto& s : spans) CHECK(named.count({rank, s.tid}));
   }
-  std::remove(opt.runtime.trace_path.c_str());
+  std::remove(opt.runtime.trace.path.c_str());
   REQUIRE(trace.size() == 2);
   for (const auto& [rank, spans] : trace) {
     CAPTURE(rank);
@@ -350,6 +350,6 @@ TEST_CASE("the trace of a world-2 run parses, has every category, and its spans 
 TEST_CASE("an unwritable trace path is an error at start, naming the path") {
   auto world = InProcessWorld::create(1);
   Config cfg;
-  cfg.trace_path = "/nonexistent-dir/trace.json";
+  cfg.trace.path = "/nonexistent-dir/trace.json";
   CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), cfg), doctest::Contains("/nonexistent-dir/trace.json"), UsageError);
 }

@@ -119,8 +119,8 @@ Run train(Config cfg, Trace* trace) {
   for (int s : sizes) total += s;
   std::vector<std::vector<float>> data(n, std::vector<float>(std::size_t(total)));
   auto world = InProcessWorld::create(n, 30s);
-  cfg.first_bucket_cap_bytes = 800;
-  cfg.bucket_cap_bytes = 2400;
+  cfg.buckets.first_cap_bytes = 800;
+  cfg.buckets.cap_bytes = 2400;
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     building_rank = r;
     for (int i = 0; i < total; ++i) data[std::size_t(r)][std::size_t(i)] = 0.01f * float(i % 13);
@@ -141,13 +141,13 @@ Run train(Config cfg, Trace* trace) {
     for (int it = 0; it < iters; ++it) {
       rt.zero_grad();
       for (int i = P - 1; i >= 0; --i) {
-        if (cfg.forward_prefetch) rt.wait_param(h[std::size_t(i)]);
+        if (cfg.zero.forward_prefetch) rt.wait_param(h[std::size_t(i)]);
         float* g = rt.grad_f32(h[std::size_t(i)]);
         for (int e = 0; e < sizes[std::size_t(i)]; ++e) g[e] = 0.02f * float((i * 5 + e * 3 + r * 7 + it) % 19) - 0.15f;
         rt.grad_ready(h[std::size_t(i)]);
       }
       rt.wait();
-      if (trace && !cfg.forward_prefetch) trace->add(Trace::wait_returned, r);
+      if (trace && !cfg.zero.forward_prefetch) trace->add(Trace::wait_returned, r);
     }
     rt.wait_all_params();
   }));
@@ -227,10 +227,10 @@ TEST_CASE("shard streams: every parameter sync and the norm exchange wait for th
     for (auto partition : {Partition::flat, Partition::param})
       for (auto overlap : {Overlap::none, Overlap::interleaved}) {
         Config cfg;
-        cfg.zero_stage = stage;
-        cfg.partition = partition;
-        cfg.overlap = overlap;
-        cfg.clip_grad_norm = 0.3f;
+        cfg.zero.stage = stage;
+        cfg.zero.partition = partition;
+        cfg.zero.overlap = overlap;
+        cfg.zero.clip_grad_norm = 0.3f;
         CAPTURE(stage);
         CAPTURE(std::string(partition == Partition::flat ? "flat" : "param"));
         CAPTURE(std::string(overlap == Overlap::none ? "none" : "interleaved"));
@@ -240,8 +240,8 @@ TEST_CASE("shard streams: every parameter sync and the norm exchange wait for th
 
 TEST_CASE("shard streams: with a 16-bit wire each reduction waits for the shard's cast of its bucket") {
   Config cfg;
-  cfg.zero_stage = 2;
-  cfg.comm_dtype = DType::bf16;
+  cfg.zero.stage = 2;
+  cfg.precision.comm_dtype = DType::bf16;
   Trace t;
   {
     ScopedFactory f(t);
@@ -260,12 +260,12 @@ TEST_CASE("shard streams: with a 16-bit wire each reduction waits for the shard'
 
 TEST_CASE("shard streams: forward prefetch and stage 0 keep the same ordering") {
   Config prefetch;
-  prefetch.zero_stage = 1;
-  prefetch.forward_prefetch = true;
+  prefetch.zero.stage = 1;
+  prefetch.zero.forward_prefetch = true;
   scenario(prefetch);
   Config stage0;  // every rank steps everything: no syncs, the norm stays local
-  stage0.zero_stage = 0;
-  stage0.clip_grad_norm = 0.3f;
+  stage0.zero.stage = 0;
+  stage0.zero.clip_grad_norm = 0.3f;
   const auto plain = train(stage0, nullptr);
   Trace t;
   Run traced;
@@ -301,15 +301,15 @@ std::vector<std::string> run_with_fault(Config cfg, int fault_after) {
   set_shard_ops_factory_for_tests([&](std::shared_ptr<const MemoryOps>) -> std::unique_ptr<ShardOps> {
     return std::make_unique<FaultyOps>(building_rank == 1, countdown);
   });
-  cfg.timeout = 20s;
-  auto world = InProcessWorld::create(2, cfg.timeout);
+  cfg.timeouts.collective = 20s;
+  auto world = InProcessWorld::create(2, cfg.timeouts.collective);
   const auto t0 = std::chrono::steady_clock::now();
   const auto result = test::run_ranks(2, [&](int r) {
     building_rank = r;
     std::vector<float> a(1500, 0.5f), b(1500, 0.25f);
     Config c = cfg;
-    c.bucket_cap_bytes = 4000;
-    c.first_bucket_cap_bytes = 4000;
+    c.buckets.cap_bytes = 4000;
+    c.buckets.first_cap_bytes = 4000;
     Runtime rt(world->communicator(r), c);
     auto pa = rt.register_param({"a", {1500}, DType::f32, Device::cpu(), a.data()});
     auto pb = rt.register_param({"b", {1500}, DType::f32, Device::cpu(), b.data()});
@@ -327,7 +327,7 @@ std::vector<std::string> run_with_fault(Config cfg, int fault_after) {
     }
   });
   set_shard_ops_factory_for_tests({});
-  CHECK(std::chrono::steady_clock::now() - t0 < cfg.timeout);  // failed promptly, nobody waited it out
+  CHECK(std::chrono::steady_clock::now() - t0 < cfg.timeouts.collective);  // failed promptly, nobody waited it out
   return {test::message_of(result[0]), test::message_of(result[1])};
 }
 
@@ -335,7 +335,7 @@ std::vector<std::string> run_with_fault(Config cfg, int fault_after) {
 
 TEST_CASE("shard streams: a device fault in one rank's optimizer step fails that rank naming the bucket, and its peer promptly") {
   Config cfg;
-  cfg.zero_stage = 1;
+  cfg.zero.stage = 1;
   const auto msgs = run_with_fault(cfg, 3);
   INFO("rank 0: " << msgs[0]);
   INFO("rank 1: " << msgs[1]);
@@ -346,8 +346,8 @@ TEST_CASE("shard streams: a device fault in one rank's optimizer step fails that
 
 TEST_CASE("shard streams: a device fault casting a bucket to its 16-bit wire fails the reduction instead of hanging it") {
   Config cfg;
-  cfg.zero_stage = 2;
-  cfg.comm_dtype = DType::bf16;
+  cfg.zero.stage = 2;
+  cfg.precision.comm_dtype = DType::bf16;
   const auto msgs = run_with_fault(cfg, 2);
   INFO("rank 0: " << msgs[0]);
   INFO("rank 1: " << msgs[1]);

@@ -153,11 +153,11 @@ TEST_CASE("training on the sim link equals the in-process backend bit for bit (s
       opt.optimizer.kind = OptimizerConfig::Kind::adamw;
       opt.optimizer.lr = 1e-2f;
       opt.seed = 7;
-      opt.runtime.first_bucket_cap_bytes = 2048;
-      opt.runtime.bucket_cap_bytes = 4096;
-      opt.runtime.zero_stage = c.stage;
-      opt.runtime.overlap = c.overlap;
-      opt.runtime.forward_prefetch = c.prefetch;
+      opt.runtime.buckets.first_cap_bytes = 2048;
+      opt.runtime.buckets.cap_bytes = 4096;
+      opt.runtime.zero.stage = c.stage;
+      opt.runtime.zero.overlap = c.overlap;
+      opt.runtime.zero.forward_prefetch = c.prefetch;
       const auto plain = mlp::train(opt);
       opt.sim = SimLink{3.0, 5.0, 0};
       const auto sim = mlp::train(opt);

@@ -36,9 +36,9 @@ mlp::TrainOptions base(OptimizerConfig::Kind kind) {
     o.optimizer.lr = 2e-3f;
   }
   // Several buckets of uneven size, so partitions differ and overlap has something to overlap.
-  o.runtime.first_bucket_cap_bytes = 1024;
-  o.runtime.bucket_cap_bytes = 3 * 1024;
-  o.runtime.timeout = 60s;
+  o.runtime.buckets.first_cap_bytes = 1024;
+  o.runtime.buckets.cap_bytes = 3 * 1024;
+  o.runtime.timeouts.collective = 60s;
   o.report_loss = false;
   return o;
 }
@@ -57,9 +57,9 @@ void for_each_sharded(const mlp::TrainOptions& ref, Check check) {
     for (auto overlap : {Overlap::none, Overlap::interleaved})
       for (auto partition : {Partition::param, Partition::flat}) {
         auto o = ref;
-        o.runtime.zero_stage = stage;
-        o.runtime.overlap = overlap;
-        o.runtime.partition = partition;
+        o.runtime.zero.stage = stage;
+        o.runtime.zero.overlap = overlap;
+        o.runtime.zero.partition = partition;
         const auto got = mlp::train(o);
         INFO("stage " << stage << " " << std::string(overlap_name(overlap)) << " " << std::string(partition_name(partition)));
         check(got);
@@ -82,9 +82,9 @@ TEST_CASE("every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW}
             if (stage == 0 && partition != Partition::flat) continue;  // nothing is partitioned
             auto o = base(kind);
             o.world_size = world;
-            o.runtime.zero_stage = stage;
-            o.runtime.overlap = overlap;
-            o.runtime.partition = partition;
+            o.runtime.zero.stage = stage;
+            o.runtime.zero.overlap = overlap;
+            o.runtime.zero.partition = partition;
             const auto got = mlp::train(o);
             const double err = worst_error(got.params, reference.params);
             INFO(std::string(kind_name(kind)) << " stage " << stage << " overlap " << std::string(overlap_name(overlap)) << " partition "
@@ -103,8 +103,8 @@ TEST_CASE("the very first iteration updates the parameters in every mode") {
       auto o = base(OptimizerConfig::Kind::adamw);
       o.steps = 1;
       o.world_size = 2;
-      o.runtime.zero_stage = stage;
-      o.runtime.overlap = overlap;
+      o.runtime.zero.stage = stage;
+      o.runtime.zero.overlap = overlap;
       const auto got = mlp::train(o);
       for (const auto& [name, t] : init.params) {
         INFO("stage " << stage << " overlap " << std::string(overlap_name(overlap)) << " " << name);
@@ -117,11 +117,11 @@ TEST_CASE("the very first iteration updates the parameters in every mode") {
 TEST_CASE("clip_grad_norm (2 and inf) over shards equals unsharded clipped training, in every overlap mode") {
   for (float norm_type : {2.0f, INFINITY}) {
     auto ref = base(OptimizerConfig::Kind::sgd);
-    ref.runtime.clip_grad_norm = norm_type == 2.0f ? 0.05f : 0.01f;  // below the actual norms: clipping is active
-    ref.runtime.clip_norm_type = norm_type;
+    ref.runtime.zero.clip_grad_norm = norm_type == 2.0f ? 0.05f : 0.01f;  // below the actual norms: clipping is active
+    ref.runtime.zero.clip_norm_type = norm_type;
     const auto reference = mlp::train(ref);
     REQUIRE(reference.grad_norms.size() == 10);
-    CHECK(*std::max_element(reference.grad_norms.begin(), reference.grad_norms.end()) > ref.runtime.clip_grad_norm);
+    CHECK(*std::max_element(reference.grad_norms.begin(), reference.grad_norms.end()) > ref.runtime.zero.clip_grad_norm);
     auto unclipped = base(OptimizerConfig::Kind::sgd);
     CHECK(worst_error(mlp::train(unclipped).params, reference.params) > 1e-4);  // clipping changed the outcome
 
@@ -131,9 +131,9 @@ TEST_CASE("clip_grad_norm (2 and inf) over shards equals unsharded clipped train
           for (int world : {2, 3}) {
             auto o = ref;
             o.world_size = world;
-            o.runtime.zero_stage = stage;
-            o.runtime.overlap = overlap;
-            o.runtime.partition = partition;
+            o.runtime.zero.stage = stage;
+            o.runtime.zero.overlap = overlap;
+            o.runtime.zero.partition = partition;
             const auto got = mlp::train(o);
             INFO("norm " << norm_type << " stage " << stage << " " << std::string(overlap_name(overlap)) << " " << std::string(partition_name(partition))
                          << " world " << world);
@@ -149,12 +149,12 @@ TEST_CASE("accumulating k micro-batches equals one k-times-larger batch, with ev
     auto big = base(OptimizerConfig::Kind::adamw);
     big.world_size = 2;
     big.global_batch = 48;
-    big.runtime.zero_stage = stage;
+    big.runtime.zero.stage = stage;
     const auto one = mlp::train(big);
     auto acc = big;
     acc.global_batch = 16;
     acc.accumulate = 3;
-    acc.runtime.overlap = Overlap::interleaved;
+    acc.runtime.zero.overlap = Overlap::interleaved;
     const auto three = mlp::train(acc);
     INFO("stage " << stage);
     CHECK(worst_error(three.params, one.params) <= 1e-5);
@@ -175,8 +175,8 @@ TEST_CASE("optimizer state per rank: flat is total/N plus padding, param at most
       auto o = base(OptimizerConfig::Kind::adamw);
       o.steps = 1;
       o.world_size = world;
-      o.runtime.zero_stage = 1;
-      o.runtime.partition = partition;
+      o.runtime.zero.stage = 1;
+      o.runtime.zero.partition = partition;
       const auto res = mlp::train(o);
       std::size_t sum = 0;
       for (int r = 0; r < world; ++r) {
@@ -249,14 +249,14 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
     auto& data = out.params[std::size_t(r)];
     for (int i = 0; i < total; ++i) data[std::size_t(i)] = 0.01f * float(i % 17);
     Config cfg;
-    cfg.first_bucket_cap_bytes = 1024;
-    cfg.bucket_cap_bytes = 3000;
-    cfg.zero_stage = stage;
-    cfg.overlap = overlap;
-    cfg.partition = partition;
-    cfg.clip_grad_norm = clip ? 0.5f : 0.0f;
-    cfg.max_buckets_in_flight = 2;  // the tightest backpressure (stage 2)
-    cfg.forward_prefetch = prefetch;
+    cfg.buckets.first_cap_bytes = 1024;
+    cfg.buckets.cap_bytes = 3000;
+    cfg.zero.stage = stage;
+    cfg.zero.overlap = overlap;
+    cfg.zero.partition = partition;
+    cfg.zero.clip_grad_norm = clip ? 0.5f : 0.0f;
+    cfg.zero.max_buckets_in_flight = 2;  // the tightest backpressure (stage 2)
+    cfg.zero.forward_prefetch = prefetch;
     std::shared_ptr<Communicator> comm = world->communicator(r);
     if (seed) comm = std::make_shared<JitterComm>(comm, seed * 31 + unsigned(r));
     Runtime rt(comm, cfg);
@@ -337,8 +337,8 @@ TEST_CASE("configure_optimizer refuses what it cannot do, naming it") {
   rt.configure_optimizer(sgd);
   CHECK_THROWS_WITH_AS(rt.set_lr(3, 0.1f), doctest::Contains("group 3 does not exist"), UsageError);
   Config bad;
-  bad.zero_stage = 3;
-  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("zero_stage must be 0, 1 or 2"), UsageError);
+  bad.zero.stage = 3;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("zero.stage must be 0, 1 or 2"), UsageError);
   CHECK_THROWS_AS(parse_overlap("eager"), UsageError);
   CHECK_THROWS_AS(parse_partition("rows"), UsageError);
 }
@@ -353,10 +353,10 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard;
     std::vector<std::size_t> peak(n);
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
-      cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = numel * 4;
-      cfg.zero_stage = stage;
-      cfg.overlap = overlap;
-      cfg.max_buckets_in_flight = 2;
+      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
+      cfg.zero.stage = stage;
+      cfg.zero.overlap = overlap;
+      cfg.zero.max_buckets_in_flight = 2;
       Runtime rt(world->communicator(r), cfg);
       const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig sgd;
@@ -394,10 +394,10 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
     std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(P) * numel, 1.0f));
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
-      cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = 3 * numel * 4;  // 3 parameters a bucket
-      cfg.zero_stage = stage;
-      cfg.max_buckets_in_flight = 2;
-      cfg.timeout = 30s;
+      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 3 * numel * 4;  // 3 parameters a bucket
+      cfg.zero.stage = stage;
+      cfg.zero.max_buckets_in_flight = 2;
+      cfg.timeouts.collective = 30s;
       Runtime rt(world->communicator(r), cfg);
       const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig adam;
@@ -481,7 +481,7 @@ TEST_CASE("bf16 master weights keep updates smaller than bf16 can represent, on 
     std::vector<std::vector<std::uint16_t>> store(n, std::vector<std::uint16_t>(numel, kernels::f32_to_bf16(1.0f)));
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
-      cfg.zero_stage = stage;
+      cfg.zero.stage = stage;
       Runtime rt(world->communicator(r), cfg);
       auto p = rt.register_param({"w", {numel}, DType::bf16, Device::cpu(), store[std::size_t(r)].data()});
       OptimizerConfig sgd;
@@ -514,10 +514,10 @@ TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SG
             if (stage == 0 && partition != Partition::flat) continue;
             auto o = base(kind);
             o.world_size = world;
-            o.runtime.zero_stage = stage;
-            o.runtime.overlap = overlap;
-            o.runtime.partition = partition;
-            o.runtime.forward_prefetch = true;
+            o.runtime.zero.stage = stage;
+            o.runtime.zero.overlap = overlap;
+            o.runtime.zero.partition = partition;
+            o.runtime.zero.forward_prefetch = true;
             o.report_loss = true;  // the trainer's own all-reduce must not race the prefetched syncs
             const auto got = mlp::train(o);
             INFO(std::string(kind_name(kind)) << " stage " << stage << " " << std::string(overlap_name(overlap)) << " "
@@ -530,8 +530,8 @@ TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SG
 TEST_CASE("forward prefetch syncs in the observed forward order: the first layer's bucket first") {
   auto o = base(OptimizerConfig::Kind::adamw);
   o.world_size = 2;
-  o.runtime.zero_stage = 1;
-  o.runtime.forward_prefetch = true;
+  o.runtime.zero.stage = 1;
+  o.runtime.zero.forward_prefetch = true;
   const auto res = mlp::train(o);
   std::string first_layer_bucket;
   for (const auto& b : res.buckets)
@@ -558,7 +558,7 @@ TEST_CASE("forward prefetch syncs in the observed forward order: the first layer
 
 TEST_CASE("16-bit communication of fp32 parameters: every stage and mode matches stage 0 on the same wire, and tracks fp32") {
   sixteen_bit_tracks_fp32(
-      " wire,", [](mlp::TrainOptions& o, DType dt) { o.runtime.comm_dtype = dt; }, [](const mlp::TrainResult&) {});
+      " wire,", [](mlp::TrainOptions& o, DType dt) { o.runtime.precision.comm_dtype = dt; }, [](const mlp::TrainResult&) {});
 }
 
 TEST_CASE("on a bf16 wire every rank holds bitwise the same, bf16-exact fp32 parameters") {
@@ -567,9 +567,9 @@ TEST_CASE("on a bf16 wire every rank holds bitwise the same, bf16-exact fp32 par
   std::vector<std::vector<float>> params(n, std::vector<float>(2 * numel, 0.3f));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     Config cfg;
-    cfg.zero_stage = 1;
-    cfg.comm_dtype = DType::bf16;
-    cfg.first_bucket_cap_bytes = cfg.bucket_cap_bytes = numel * 4;
+    cfg.zero.stage = 1;
+    cfg.precision.comm_dtype = DType::bf16;
+    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
     Runtime rt(world->communicator(r), cfg);
     auto a = rt.register_param({"a", {numel}, DType::f32, Device::cpu(), params[std::size_t(r)].data()});
     auto b = rt.register_param({"b", {numel}, DType::f32, Device::cpu(), params[std::size_t(r)].data() + numel});

@@ -89,14 +89,14 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
 // stage). Our own collective on the runtime's communicator: it must not race the runtime's
 // parameter syncs, which forward prefetch leaves running past wait().
 void global_loss(const TrainOptions& opt, const std::shared_ptr<Communicator>& comm, Runtime& rt, float* loss, std::size_t n) {
-  if (opt.runtime.forward_prefetch) rt.wait_all_params();
+  if (opt.runtime.zero.forward_prefetch) rt.wait_all_params();
   CollectiveOp op;
   op.kind = CollectiveKind::allreduce;
   op.send = op.recv = loss;
   op.count = n;
   op.scale = 1.0f / float(opt.world_size);  // equal shards: the global mean is the mean of the local means
   op.tag = "loss";
-  comm->run(op, opt.runtime.timeout);
+  comm->run(op, opt.runtime.timeouts.collective);
 }
 
 // The end of a step on any device: the global loss every loss_every steps, and rank 0's report.
@@ -114,7 +114,7 @@ void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, R
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (rank != 0) return;
-  if (opt.runtime.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
+  if (opt.runtime.zero.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
   sh.result.step_ms.push_back(ms);
   if (opt.on_step) opt.on_step(StepReport{step, last_global, ms, rt.last_stats()});
 }
@@ -212,7 +212,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
     kernels::convert_to_f32(pdt, l.weight.data(), store[2 * i].data(), l.weight.size());
     kernels::convert_to_f32(pdt, l.bias.data(), store[2 * i + 1].data(), l.bias.size());
   };
-  const bool prefetch = opt.runtime.forward_prefetch;
+  const bool prefetch = opt.runtime.zero.forward_prefetch;
   // Forward prefetch: a layer's parameters may still be arriving; wait for them right before use.
   std::function<void(int)> before_layer;
   if (prefetch)
@@ -303,7 +303,7 @@ void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& 
     std::lock_guard lock(sh.mu);
     sh.result.memory[slot] = rt.memory_report();
   }
-  const bool prefetch = opt.runtime.forward_prefetch;
+  const bool prefetch = opt.runtime.zero.forward_prefetch;
   std::function<void(int)> before_layer;  // forward prefetch: the compute stream waits per layer
   if (prefetch)
     before_layer = [&](int i) {
@@ -381,7 +381,7 @@ Prepared prepare(const TrainOptions& opt) {
     if (!device_model_compiled())
       throw UsageError("--device cuda: this build has no CUDA (configure where nvcc and cuBLAS exist, SHARDFLOW_CUDA=ON)");
   }
-  if (!opt.optimizer_in_runtime && (opt.runtime.zero_stage > 0 || opt.runtime.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
+  if (!opt.optimizer_in_runtime && (opt.runtime.zero.stage > 0 || opt.runtime.zero.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
     throw UsageError("ZeRO stages, clipping and 16-bit parameters need the optimizer inside the runtime");
   opt.optimizer.validate();
   opt.runtime.validate();
@@ -407,9 +407,9 @@ TrainResult train(const TrainOptions& opt) {
   kernels::set_blas_threads(std::max(1, cores / opt.world_size));
 
   const auto world = opt.device.kind == Device::Kind::cuda
-                         ? InProcessWorld::create_on_device(opt.world_size, opt.device.index, opt.runtime.timeout)
-                     : opt.sim ? make_sim_world(opt.world_size, *opt.sim, opt.runtime.timeout)
-                               : InProcessWorld::create(opt.world_size, opt.runtime.timeout);
+                         ? InProcessWorld::create_on_device(opt.world_size, opt.device.index, opt.runtime.timeouts.collective)
+                     : opt.sim ? make_sim_world(opt.world_size, *opt.sim, opt.runtime.timeouts.collective)
+                               : InProcessWorld::create(opt.world_size, opt.runtime.timeouts.collective);
   Shared sh{opt, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
   sh.result.memory.resize(std::size_t(opt.world_size));
   sh.result.memory_end.resize(std::size_t(opt.world_size));

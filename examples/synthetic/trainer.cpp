@@ -11,12 +11,12 @@
 namespace shardflow::synthetic {
 
 std::chrono::nanoseconds reduce_time(const Options& opt) {
-  const auto kind = opt.runtime.zero_stage == 2 ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
+  const auto kind = opt.runtime.zero.stage == 2 ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
   return opt.link.cost(kind, opt.numel * 4, opt.world);
 }
 
 std::chrono::nanoseconds sync_time(const Options& opt) {
-  return opt.runtime.zero_stage >= 1 ? opt.link.cost(CollectiveKind::allgather, opt.numel * 4, opt.world) : std::chrono::nanoseconds(0);
+  return opt.runtime.zero.stage >= 1 ? opt.link.cost(CollectiveKind::allgather, opt.numel * 4, opt.world) : std::chrono::nanoseconds(0);
 }
 
 std::vector<std::pair<std::string, std::size_t>> load_param_list(const std::string& path) {
@@ -44,11 +44,11 @@ Result run(Options opt) {
     if (opt.world < 1 || opt.layers < 1 || opt.numel == 0 || opt.iterations < 1)
       throw UsageError("synthetic trainer: world, layers, numel and iterations must be positive");
     for (int l = 0; l < opt.layers; ++l) opt.params.emplace_back("layers." + std::to_string(l) + ".weight", opt.numel);
-    opt.runtime.first_bucket_cap_bytes = opt.runtime.bucket_cap_bytes = opt.numel * 4;  // one layer per bucket
+    opt.runtime.buckets.first_cap_bytes = opt.runtime.buckets.cap_bytes = opt.numel * 4;  // one layer per bucket
     opt.forward_total = opt.forward_per_layer * opt.layers;
     opt.backward_total = opt.backward_per_layer * opt.layers;
   }
-  opt.runtime.static_graph = true;  // backward's order is fixed: no rebuild
+  opt.runtime.buckets.static_graph = true;  // backward's order is fixed: no rebuild
   std::size_t total = 0;
   std::vector<std::size_t> offset;
   for (const auto& [name, n] : opt.params) {
@@ -59,7 +59,7 @@ Result run(Options opt) {
   auto share = [&](std::chrono::microseconds t, std::size_t n) {
     return std::chrono::nanoseconds(std::int64_t(double(t.count()) * 1e3 * double(n) / double(total)));
   };
-  const auto world = make_sim_world(opt.world, opt.link, opt.runtime.timeout);
+  const auto world = make_sim_world(opt.world, opt.link, opt.runtime.timeouts.collective);
   Result res;
   res.stats.resize(std::size_t(opt.world));
   res.params.resize(std::size_t(opt.world));

@@ -13,15 +13,15 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
              std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
              std::shared_ptr<const MemoryOps> mem)
     : stage_(stage),
-      clip_max_(cfg.clip_grad_norm),
-      clip_type_(cfg.clip_norm_type),
+      clip_max_(cfg.zero.clip_grad_norm),
+      clip_type_(cfg.zero.clip_norm_type),
       params_(std::move(params)),
       plan_(std::move(plan)),
       shard_(std::move(shard)),
       groups_(std::move(groups)),
       buffers_(std::move(buffers)),
       ops_(make_shard_ops(std::move(mem))),
-      comm_dtype_(cfg.comm_dtype) {
+      comm_dtype_(cfg.precision.comm_dtype) {
   std::size_t base = 0;
   for (const auto& p : params_) {
     param_base_.push_back(base);

@@ -28,37 +28,39 @@ Partition parse_partition(const std::string& s);  // "param", "bucket", "flat"
 const char* overlap_name(Overlap o);
 const char* partition_name(Partition p);
 
-struct Config {
-  // Gradient buckets are formed walking parameters in reverse registration order (backward
-  // produces the last layer's gradients first). The first bucket is small so that the first
-  // reduction starts early in backward; the rest are large so that per-collective latency is
-  // amortised. A bucket closes as soon as its byte size reaches or passes its cap.
-  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;  // 1 MiB
-  std::size_t bucket_cap_bytes = std::size_t{25} << 20;       // 25 MiB
+// Config groups its settings the way the field does (FSDP2's policies, Megatron's DDP config):
+// cfg.buckets, cfg.zero, cfg.precision, cfg.trace, cfg.timeouts. Every field has a default a
+// trainer can keep.
 
+// How gradients are grouped for reduction.
+struct BucketConfig {
+  // Buckets are formed walking parameters in reverse registration order (backward produces the
+  // last layer's gradients first). The first bucket is small so that the first reduction starts
+  // early in backward; the rest are large so that per-collective latency is amortised. A bucket
+  // closes as soon as its byte size reaches or passes its cap.
+  std::size_t first_cap_bytes = std::size_t{1} << 20;  // 1 MiB
+  std::size_t cap_bytes = std::size_t{25} << 20;        // 25 MiB
   // Gradients live inside the flat bucket buffers (no copy into / out of the bucket). Trainers
   // write gradients where Runtime::grad() points. Off: the trainer owns gradient storage
   // (ParamSpec::grad) and shardflow copies into and out of its buckets.
   bool gradient_as_bucket_view = true;
-
   // Parameters that got no gradient in an iteration are reduced as zeros when backward finishes.
   // Off: finishing backward with unreduced parameters is an error naming them (a hang elsewhere).
   bool find_unused_parameters = false;
-
   // The gradient order is the same every iteration. Off (default): after the first iteration the
   // buckets are rebuilt once from the order gradients actually became ready (rank 0's, so every
   // rank agrees). On: keep the registration-order plan.
   bool static_graph = false;
+};
 
-  // Every wait that involves another rank fails after this long with an error naming the bucket
-  // and the ranks that did not arrive (PyTorch's default for NCCL is also 10 minutes).
-  std::chrono::milliseconds timeout = std::chrono::minutes(10);
-
-  // ZeRO. 0: every rank keeps all optimizer state (DDP). 1: each rank keeps the optimizer state of
-  // its shard; gradients are all-reduced, updated parameters synced from their owners. 2: as 1,
-  // but gradients are reduce-scattered (flat partition) so a rank only receives its shard's.
-  // Takes effect with Runtime::configure_optimizer().
-  int zero_stage = 0;
+// ZeRO: the optimizer step inside the runtime. Everything here takes effect with
+// Runtime::configure_optimizer(); set without it, the first backward stops with an error.
+struct ZeroConfig {
+  // 0: every rank keeps all optimizer state (DDP). 1: each rank keeps the optimizer state of its
+  // shard; gradients are all-reduced, updated parameters synced from their owners. 2: as 1, but
+  // gradients are reduce-scattered (flat partition) so a rank only receives its shard's.
+  int stage = 0;
+  Partition partition = Partition::flat;
   Overlap overlap = Overlap::none;
   // Interleaved overlap: bucket b's parameter sync goes out right after the reduction of bucket
   // b + interleave_lag (the same order on every rank; Note [Collective schedule]). 0: each sync as
@@ -66,22 +68,14 @@ struct Config {
   // the last is done before backward ends. 1: the next reduction keeps the link busy while a bucket
   // steps, better when the link is the bottleneck.
   std::size_t interleave_lag = 0;
-  Partition partition = Partition::flat;
-  // What fp32 parameters' gradients and parameter syncs travel as (the optional 16-bit
-  // communication of FairScale's broadcast_fp16 and DeepSpeed's fp16 reduction). bf16/fp16: the
-  // owner steps an fp32 master and every rank's fp32 storage holds the same 16-bit-rounded value,
-  // so ranks never drift apart. Needs configure_optimizer(); 16-bit parameters always travel as
-  // themselves.
-  DType comm_dtype = DType::f32;
   // Parameter syncs only need to complete before the next forward uses the parameters: wait()
   // returns early and the trainer calls Runtime::wait_param(p) in forward. Syncs go out in the
-  // forward order the runtime observed (rank 0's). Needs configure_optimizer().
+  // forward order the runtime observed (rank 0's).
   bool forward_prefetch = false;
   // With forward prefetch and interleaved overlap: how many buckets' syncs go out during backward
-  // (interleaved with the reductions, each after the next bucket's: lag max(1, interleave_lag)), the others after
-  // backward in forward order, overlapping the next forward. -1 (default): chosen from what
-  // iteration 2 measured (rank 0's): the syncs that fit in the forward's time stay after backward,
-  // the rest go into backward; 0: all after backward.
+  // (interleaved with the reductions, each after the next bucket's: lag max(1, interleave_lag)), the
+  // others after backward in forward order, overlapping the next forward. -1 (default): chosen from
+  // what iteration 2 measured (rank 0's); 0: all after backward.
   int prefetch_syncs_in_backward = -1;
   // Stage 2 holds a bucket's gradient buffer only from its first gradient until its reduction is
   // in the rank's shard. At most this many are held at once in a synchronised pass: asking for a
@@ -91,7 +85,18 @@ struct Config {
   // clip_grad_norm over all parameters of all shards (0: off); norm type 2 or infinity.
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;
+};
 
+struct PrecisionConfig {
+  // What fp32 parameters' gradients and parameter syncs travel as (the optional 16-bit
+  // communication of FairScale's broadcast_fp16 and DeepSpeed's fp16 reduction). bf16/fp16: the
+  // owner steps an fp32 master and every rank's fp32 storage holds the same 16-bit-rounded value,
+  // so ranks never drift apart. Needs configure_optimizer(); 16-bit parameters always travel as
+  // themselves.
+  DType comm_dtype = DType::f32;
+};
+
+struct TraceConfig {
   // Writes a Chrome trace (chrome://tracing, ui.perfetto.dev) of what each rank did when (Note
   // [Timeline]): forward/backward spans the trainer adds (Runtime::span), every grad_ready, each
   // collective while it held the comm stream, casts, the shard's steps, every wait, each
@@ -99,24 +104,37 @@ struct Config {
   // the last Runtime goes); a rank that is a process of its own (under a launcher) writes
   // <stem>.rank<r>.json beside the path, or where "{rank}" says. A path that cannot be written is
   // a UsageError from the Runtime's constructor. Empty: off (Runtime::stats() works either way).
-  std::string trace_path;
+  std::string path;
+};
 
+struct TimeoutConfig {
+  // Every wait that involves another rank fails after this long with an error naming the bucket
+  // and the ranks that did not arrive (PyTorch's default for NCCL is also 10 minutes).
+  std::chrono::milliseconds collective = std::chrono::minutes(10);
+};
+
+struct Config {
+  BucketConfig buckets;
+  ZeroConfig zero;
+  PrecisionConfig precision;
+  TraceConfig trace;
+  TimeoutConfig timeouts;
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
   // only route messages; the heavy lifting happens on comm streams and trainer threads.
   unsigned actor_threads = 0;
 
-  // How this program's users spell settings, for error messages: field -> what they type (a CLI
-  // maps "overlap" to "--overlap"). A field not in it is named "Config::<field>".
+  // How this program's users spell settings, for error messages: the setting's path in Config
+  // ("zero.overlap") -> what they type (a CLI maps it to "--overlap"). A setting not in it is
+  // named "Config::<path>".
   std::map<std::string, std::string> setting_names;
 
-  // Throws UsageError naming the field when a value makes no sense.
+  // Throws UsageError naming the setting when a value makes no sense.
   void validate() const;
-  // Settings that only act through the runtime's optimizer (zero_stage, overlap, comm_dtype,
-  // clip_grad_norm, forward_prefetch) would silently do nothing without configure_optimizer():
-  // UsageError naming the first one set, as the user spells it, and what to do. Called by the
-  // Runtime when the first synchronised backward starts without an optimizer.
+  // The settings of cfg.zero and cfg.precision act only through the runtime's optimizer: without
+  // configure_optimizer() they would silently do nothing. UsageError naming the first one set, as
+  // the user spells it, and what to do. Called by the Runtime at the first synchronised backward.
   void check_needs_optimizer() const;
-  std::string name_of(const std::string& field) const;
+  std::string name_of(const std::string& path) const;
 };
 
 }  // namespace shardflow
