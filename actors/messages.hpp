@@ -10,7 +10,7 @@
 // With the runtime's optimizer (ZeRO stage 0/1/2) the bucket actor hands reduced(b) to the rank's
 // shard actor instead, and the iteration goes on:
 //
-//   shard actor --(steps bucket b's owned pieces when Config::overlap allows)
+//   shard actor --(steps bucket b's owned pieces when Config::zero.overlap allows)
 //   shard actor --step_done(b)--> comm stream     (stage >= 1: parameters packed for the sync)
 //   comm stream --sync collective(s) in schedule order--> Communicator
 //   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> iteration actor

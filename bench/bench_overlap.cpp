@@ -71,9 +71,9 @@ int main(int argc, char** argv) {
   app.add_option("--stages", stages, "ZeRO stages (comma separated)")->delimiter(',')->capture_default_str();
   app.add_option("--modes", only, "only these modes (comma separated: none, after_backward, interleaved, \"interleaved lag 1\", "
                  "\"interleaved + prefetch\")")->delimiter(',');
-  app.add_option("--prefetch-syncs-in-backward", prefetch_early, "Config::prefetch_syncs_in_backward (-1: chosen by the runtime)")
+  app.add_option("--prefetch-syncs-in-backward", prefetch_early, "Config::zero.prefetch_syncs_in_backward (-1: chosen by the runtime)")
       ->capture_default_str();
-  app.add_option("--max-buckets-in-flight", in_flight, "Config::max_buckets_in_flight (stage 2's backpressure)")->capture_default_str();
+  app.add_option("--max-buckets-in-flight", in_flight, "Config::zero.max_buckets_in_flight (stage 2's backpressure)")->capture_default_str();
   app.add_option("--reps", reps, "A B A B repetitions of each mode's baseline and ratios (medians)")->capture_default_str();
   app.add_option("--json", json_out, "write every point as JSON (bench/plot_overlap.py draws it)");
   app.add_option("--trace-dir", trace_dir, "write each point's Chrome trace there (stage<s>_<mode>_<ratio>.json)");

@@ -67,7 +67,7 @@ std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit,
   if (pooled_ && limit > 0 &&
       !released_.wait_for(lock, timeout, [&] { return held_grads_ < limit || grad_[b] || reducing_ == 0; }))
     throw TimeoutError("no gradient bucket was freed within " + std::to_string(timeout.count()) + " ms while " +
-                       std::to_string(held_grads_) + " bucket(s) were in flight (Config::max_buckets_in_flight = " +
+                       std::to_string(held_grads_) + " bucket(s) were in flight (Config::zero.max_buckets_in_flight = " +
                        std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
                        "or raise max_buckets_in_flight.");
   if (!grad_[b]) {

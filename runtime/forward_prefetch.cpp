@@ -1,5 +1,5 @@
 // Note [Forward prefetch]
-// With Config::forward_prefetch, wait() returns once backward is handed over, and the trainer
+// With Config::zero.forward_prefetch, wait() returns once backward is handed over, and the trainer
 // calls wait_param(p) before its forward uses p. The first iteration waits fully (buckets are
 // rebuilt after it); in the second the runtime records the order in which forward first asks
 // for each bucket; at its end rank 0's order is broadcast and the syncs are issued in it from

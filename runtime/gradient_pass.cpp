@@ -67,7 +67,7 @@ void Runtime::Impl::reset_pass() {
 }
 
 void Runtime::Impl::await_iterations(std::uint64_t target) {
-  // The backend enforces Config::timeout on every collective and names the missing ranks; this
+  // The backend enforces Config::timeouts.collective on every collective and names the missing ranks; this
   // deadline is a backstop for an actor or backend that never answers at all.
   const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
   check_outcome(signal->wait_all(target, deadline), target, "iteration " + std::to_string(iterations));

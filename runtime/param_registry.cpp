@@ -23,11 +23,11 @@ std::uint32_t ParamRegistry::add(ParamSpec spec, bool view, const Communicator& 
                      " backend cannot reduce");
   if (view && spec.grad)
     throw UsageError("register_param: " + who +
-                     " brings its own gradient storage (ParamSpec::grad) but Config::gradient_as_bucket_view is on: "
+                     " brings its own gradient storage (ParamSpec::grad) but Config::buckets.gradient_as_bucket_view is on: "
                      "leave grad null and write gradients where Runtime::grad() points, or turn the view off");
   if (!view && n > 0 && !spec.grad)
     throw UsageError("register_param: " + who +
-                     " has no gradient storage (ParamSpec::grad) and Config::gradient_as_bucket_view is off");
+                     " has no gradient storage (ParamSpec::grad) and Config::buckets.gradient_as_bucket_view is off");
   const auto index = std::uint32_t(params_.size());
   by_name_.emplace(spec.name, index);
   params_.push_back(std::move(spec));

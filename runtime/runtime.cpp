@@ -221,7 +221,7 @@ void Runtime::finish_backward() {
     if (missing.size() > 10) names += ", ...";
     I.fail(UsageError("finish_backward: " + std::to_string(missing.size()) + " parameter(s) got no gradient in iteration " +
                       std::to_string(I.iterations) + " on rank " + std::to_string(I.rank) + ": " + names +
-                      ". Call grad_ready() for each, or set Config::find_unused_parameters = true to reduce "
+                      ". Call grad_ready() for each, or set Config::buckets.find_unused_parameters = true to reduce "
                       "parameters without a gradient as zeros."));
   }
   // Gradients accumulated in earlier no_sync passes are reduced as they are; parameters that got

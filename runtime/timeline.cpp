@@ -120,7 +120,7 @@ std::string resolve_trace_path(const std::string& given, int rank, bool one_proc
   if (probe) std::fclose(probe);
   std::FILE* f = std::fopen(path.c_str(), "a");
   if (!f)
-    throw UsageError("Config::trace_path: cannot write the trace of rank " + std::to_string(rank) + " to '" + path + "': " +
+    throw UsageError("Config::trace.path: cannot write the trace of rank " + std::to_string(rank) + " to '" + path + "': " +
                      std::strerror(errno));
   std::fclose(f);
   if (!existed) std::remove(path.c_str());

@@ -12,7 +12,7 @@
 //   iteration  one span per synchronised iteration
 // Timestamps are wall-clock microseconds: one clock for every rank of a process, and processes on
 // one host line up. Always on (the figures of Runtime::stats() come from the same spans); the
-// events are kept for a file only when Config::trace_path is set. Ranks of one process share the
+// events are kept for a file only when Config::trace.path is set. Ranks of one process share the
 // file (written when the last of them closes); under a launcher each rank writes
 // <stem>.rank<r>.json unless the path has "{rank}".
 #pragma once

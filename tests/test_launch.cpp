@@ -136,7 +136,7 @@ TEST_CASE("without a launcher: kill -9 of rank 1 -> rank 0 exits non-zero within
     INFO(r0.output());
     REQUIRE(st.has_value());
     CHECK(test::failed(st));
-    CHECK(r0.seconds() - killed_at < 5.0 + 3.0);  // Config::timeout + a few seconds
+    CHECK(r0.seconds() - killed_at < 5.0 + 3.0);  // Config::timeouts.collective + a few seconds
     CHECK(r0.output().find("mlp_train: error:") != std::string::npos);
     if (backend == "shm") CHECK(r0.output().find("rank 1 (pid " + std::to_string(r1.pid()) + ") died") != std::string::npos);
   }

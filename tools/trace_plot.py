@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draws shardflow traces (Config::trace_path, mlp_train --trace) as a PNG Gantt chart: per rank a
+"""Draws shardflow traces (Config::trace.path, mlp_train --trace) as a PNG Gantt chart: per rank a
 lane for compute (forward, backward, the trainer's waits), one for the comm stream (reductions,
 parameter syncs) and one for the optimizer shard (steps, unpacks). Time the trainer was held up by
 the runtime (exposed communication) is shaded red across the rank's lanes. The title gives the

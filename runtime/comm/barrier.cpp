@@ -38,7 +38,7 @@ void RankBarrier::arrive_and_wait(int rank, std::chrono::milliseconds timeout,
       for (int r = 0; r < n_; ++r)
         if (!arrived_[std::size_t(r)]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       const std::string msg = what() + ": rank(s) " + missing + " did not arrive within " +
-                              std::to_string(timeout.count()) + " ms (Config::timeout)";
+                              std::to_string(timeout.count()) + " ms (Config::timeouts.collective)";
       aborted_.store(true);
       reason_ = "rank " + std::to_string(rank) + " timed out: " + msg;
       lock.unlock();

@@ -17,7 +17,7 @@
 // A central counter and a generation word in the segment. The last rank to arrive resets the
 // counter and bumps the generation; the others spin briefly, then sleep on the generation with a
 // futex (shared, not FUTEX_PRIVATE: the waiters are different processes) in slices of at most
-// 50 ms. Between slices a waiter checks the abort flag, its deadline (Config::timeout: naming the
+// 50 ms. Between slices a waiter checks the abort flag, its deadline (Config::timeouts.collective: naming the
 // ranks that have not arrived) and — every 100 ms — whether the missing ranks' processes still
 // exist, so a rank killed with SIGKILL is reported within a fraction of a second, not at timeout.
 #include <fcntl.h>
@@ -313,7 +313,7 @@ class ShmComm final : public Communicator {
       const auto now = clock::now();
       if (now >= deadline) {
         const std::string msg = what() + ": rank(s) " + missing(gen) + " did not arrive within " +
-                                std::to_string(timeout_.count()) + " ms (Config::timeout)";
+                                std::to_string(timeout_.count()) + " ms (Config::timeouts.collective)";
         abort_world("rank " + std::to_string(rank_) + " timed out: " + msg);
         throw TimeoutError(msg);
       }

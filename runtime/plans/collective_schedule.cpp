@@ -69,7 +69,7 @@ std::vector<ScheduleEntry> make_collective_schedule(const std::vector<ScheduledC
       const bool rs = shard && shard->reduce_scatters();
       const std::size_t count = rs ? shard->shard_plan().buckets[b].slice : bk.numel;
       const float scale = 1.0f / float(world);  // the average, fused into the reduction
-      // Config::comm_dtype: fp32 gradients travel as 16-bit (cast at issue, back on completion).
+      // Config::precision.comm_dtype: fp32 gradients travel as 16-bit (cast at issue, back on completion).
       const DType wire = shard ? shard->sync_dtype(b) : bk.dtype;
       e.make_ops = [bufs = bufs, sh = shard, ev = events, b, rs, count, scale, dtype = bk.dtype, wire, tl = timeline] {
         ScheduleEntry::Issue issue;

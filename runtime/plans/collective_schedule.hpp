@@ -4,7 +4,7 @@
 // Reductions go out in bucket order (R0, R1, ...). Parameter syncs (S) and the norm exchange (N)
 // need a place in the sequence that does not depend on timing:
 //   after_backward / none:   R0 .. R(B-1) [N] S0 .. S(B-1)
-//   interleaved, no clip:    R0 S0 R1 S1 ... R(B-1) S(B-1)            (Config::interleave_lag 0)
+//   interleaved, no clip:    R0 S0 R1 S1 ... R(B-1) S(B-1)            (Config::zero.interleave_lag 0)
 //                            R0 R1 S0 R2 S1 ... R(B-1) S(B-2) S(B-1)  (lag 1)
 // In the interleaved schedule S(b) goes after R(b+lag) and waits for bucket b's step. Lag 0 sends
 // each sync as soon as its bucket is stepped, so when backward takes longer per bucket than the
@@ -45,7 +45,7 @@ struct ScheduleEntry {
   // Builds the entry's collectives when it is issued, not before: pooled buckets (ZeRO-2) hold a
   // different buffer every iteration. The ops go out back to back; `on_complete` (if any) runs on
   // the stream thread once the last one completed, before anyone is told (casting a 16-bit
-  // reduction back into fp32, Config::comm_dtype).
+  // reduction back into fp32, Config::precision.comm_dtype).
   struct Issue {
     std::vector<CollectiveOp> ops;
     std::function<void()> on_complete;

@@ -38,7 +38,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     state_b_.push_back(floats(slots >= 2 ? s.packed[r] : 0));
     // Note [Master weights]: 16-bit parameters are stepped in fp32 masters the owner keeps; the
     // trainer's storage gets the rounded result, which is what the sync sends.
-    // (fp32 parameters get masters too when they travel as 16 bits: Config::comm_dtype.)
+    // (fp32 parameters get masters too when they travel as 16 bits: Config::precision.comm_dtype.)
     const bool masters = sync_dtype(b) != DType::f32 || plan_.buckets[b].dtype != DType::f32;
     master_.push_back(floats(masters ? s.packed[r] : 0));
     wire_.push_back(plan_.buckets[b].dtype == DType::f32 && comm_dtype_ != DType::f32

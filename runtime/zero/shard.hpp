@@ -44,7 +44,7 @@ class Shard {
   bool clips() const { return clip_max_ > 0.0f; }
 
   BucketBuffers& buffers() const { return *buffers_; }
-  // What bucket b's reduction and sync travel as: its dtype, or Config::comm_dtype for fp32.
+  // What bucket b's reduction and sync travel as: its dtype, or Config::precision.comm_dtype for fp32.
   DType sync_dtype(std::size_t b) const { return plan_.buckets[b].dtype == DType::f32 ? comm_dtype_ : plan_.buckets[b].dtype; }
   // 16-bit staging of an fp32 bucket's reduction: the padded bucket, then (stage 2) the received slice.
   std::shared_ptr<std::byte> wire_buffer(std::size_t b) const { return wire_[b]; }

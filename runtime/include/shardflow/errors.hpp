@@ -18,7 +18,7 @@ struct UsageError : Error {
 struct MismatchError : Error {
   using Error::Error;
 };
-// A wait that involves another rank ran past Config::timeout, or a peer failed.
+// A wait that involves another rank ran past Config::timeouts.collective, or a peer failed.
 struct TimeoutError : Error {
   using Error::Error;
 };

@@ -84,7 +84,7 @@ struct RuntimeStats {
   std::string to_json() const;
 };
 
-// Where rank `rank` writes the trace of Config::trace_path: "{rank}" replaced; without it, when
+// Where rank `rank` writes the trace of Config::trace.path: "{rank}" replaced; without it, when
 // each rank is a process of its own (under a launcher), <stem>.rank<r>.json beside the path; else
 // the path itself (ranks that are threads share it).
 std::string trace_file_for(const std::string& trace_path, int rank, bool one_process_per_rank);
@@ -108,7 +108,7 @@ class Runtime {
   // CUDA parameters: the stream backward runs on (a cudaStream_t; default null, the legacy default
   // stream). When a bucket's last gradient is reported, an event is recorded on it, and the
   // bucket's collective runs after that event on the device: the host never waits for backward.
-  // Zeroing, and the copies into and out of buckets without gradient_as_bucket_view, go on this
+  // Zeroing, and the copies into and out of buckets without Config::buckets.gradient_as_bucket_view, go on this
   // stream too. After wait() the reduced gradients can be used by work on this stream. All of a
   // Runtime's parameters live on one device. Change it between iterations only.
   void set_stream(void* cuda_stream);
@@ -118,7 +118,7 @@ class Runtime {
   // collective: every rank calls it. zero_grad(), grad() and grad_ready() call it when needed.
   void finalize();
 
-  // Where the gradient of `p` lives (inside its bucket with gradient_as_bucket_view). May move
+  // Where the gradient of `p` lives (inside its bucket with Config::buckets.gradient_as_bucket_view). May move
   // once, when the buckets are rebuilt at the end of the first iteration: ask again each step.
   // With the runtime's optimizer at ZeRO stage >= 1 a bucket carries the parameter sync once it
   // has been stepped, so gradients are not meaningful after wait() (zero_grad() clears them).
@@ -132,15 +132,15 @@ class Runtime {
   void grad_ready(Param p);
   void grad_ready(const std::string& name);
 
-  // Every gradient of this backward pass has been reported. With find_unused_parameters the
+  // Every gradient of this backward pass has been reported. With Config::buckets.find_unused_parameters the
   // parameters that got none are reduced as zeros; without it they are a UsageError naming them.
   void finish_backward();
 
-  // Blocks until this iteration's reductions completed (at most Config::timeout): afterwards the
+  // Blocks until this iteration's reductions completed (at most Config::timeouts.collective): afterwards the
   // gradients hold the average over all ranks. Calls finish_backward() if the trainer did not.
   void wait();
 
-  // With Config::forward_prefetch: blocks until p holds its update from the last iteration. Call it
+  // With Config::zero.forward_prefetch: blocks until p holds its update from the last iteration. Call it
   // in forward before p is used, for every parameter (wait() then returns without waiting for the
   // updates, so they overlap the next forward). Without prefetch it returns at once.
   void wait_param(Param p);
@@ -164,7 +164,7 @@ class Runtime {
   NoSync no_sync() { return NoSync(*this); }  // auto guard = rt.no_sync();
 
   // Hands the optimizer step to shardflow: each rank steps the parameters it owns (all of them in
-  // stage 0) as Config::overlap says, and wait() returns once every parameter is updated on every
+  // stage 0) as Config::zero.overlap says, and wait() returns once every parameter is updated on every
   // rank. Parameters in no group join group 0. Call before training starts (after registration).
   void configure_optimizer(std::vector<ParamGroup> groups);
   void configure_optimizer(const OptimizerConfig& all) { configure_optimizer({ParamGroup{{}, all}}); }

@@ -37,7 +37,7 @@ struct ParamSpec {
   DType dtype = DType::f32;
   Device device = Device::cpu();
   void* data = nullptr;  // parameter storage, owned by the trainer
-  // Gradient storage owned by the trainer. Leave null with gradient_as_bucket_view (the default):
+  // Gradient storage owned by the trainer. Leave null with Config::buckets.gradient_as_bucket_view (the default):
   // the gradient then lives inside the flat bucket and Runtime::grad() says where.
   void* grad = nullptr;
 };
