@@ -1,0 +1,45 @@
+// The operating system's side of the shared-memory backend: POSIX shared-memory segments, the
+// futex the shared barrier sleeps on, and whether a peer's process is still alive.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace shardflow::shm {
+
+// A mapped POSIX shared-memory segment: created (sized, O_EXCL) or opened; unmapped when destroyed,
+// unlinked only when asked (the other ranks may still map it).
+class Segment {
+ public:
+  Segment(const std::string& name, bool create, std::size_t bytes);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  char* base() const { return base_; }
+  std::size_t bytes() const { return bytes_; }
+  void unlink();
+
+ private:
+  std::string name_;
+  char* base_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Sleeps while *word == expected, at most `for_at_most` (shared futex: the waiters are processes).
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::nanoseconds for_at_most);
+void futex_wake_all(std::atomic<std::uint32_t>* word);
+
+// Gone, or a zombie nobody has reaped yet: either way it will never arrive.
+bool process_dead(std::int32_t pid);
+
+// This host's name and boot id: ranks that disagree are not on one host (and cannot share memory).
+std::string host_identity();
+
+// Removes segments of earlier jobs whose owner process is gone (a job killed with SIGKILL cannot
+// unlink its registered buffers). Names: shardflow-<pid of rank 0>-<random>[-r<rank>-<serial>].
+void sweep_stale_segments();
+
+}  // namespace shardflow::shm
