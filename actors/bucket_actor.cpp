@@ -6,7 +6,7 @@ namespace shardflow {
 
 msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_pointer<BucketState> self, std::uint32_t index,
                                                 std::uint32_t size, msg::comm_stream_actor_t comm_stream,
-                                                msg::shard_actor_t shard, msg::iteration_actor_t iteration) {
+                                                msg::shard_actor_t shard, std::shared_ptr<IterationSignal> iteration) {
   auto& st = self->state;
   st.index = index;
   st.size = size;
@@ -14,7 +14,7 @@ msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_po
     if (shard)
       self->send(shard, msg::reduced_atom::value, b, std::move(failure));
     else
-      self->send(iteration, msg::bucket_done_atom::value, b, std::move(failure));
+      iteration->bucket_done(b, failure);
   };
   return {
       [=](msg::grad_ready_atom, std::uint32_t count) {

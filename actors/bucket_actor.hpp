@@ -6,6 +6,7 @@
 #include <string>
 
 #include "actors/messages.hpp"
+#include "runtime/iteration_signal.hpp"
 
 namespace shardflow {
 
@@ -21,9 +22,9 @@ struct BucketState {
 // comm stream for its slot, owns the buffer while the collective has it (a second grad_ready then
 // is a protocol violation, reported, never written), and passes the reduced bucket on.
 // A reduced bucket goes to the shard actor (reduced(b)) when the runtime runs the optimizer, else
-// straight to the iteration actor (bucket_done(b)).
+// straight to the rank's IterationSignal (the bucket is done).
 msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_pointer<BucketState> self, std::uint32_t index,
                                                 std::uint32_t size, msg::comm_stream_actor_t comm_stream,
-                                                msg::shard_actor_t shard, msg::iteration_actor_t iteration);
+                                                msg::shard_actor_t shard, std::shared_ptr<IterationSignal> iteration);
 
 }  // namespace shardflow

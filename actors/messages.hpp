@@ -5,7 +5,8 @@
 //   bucket actor b --bucket_ready(b, self)--> comm stream actor
 //   comm stream    --submit in bucket order--> Communicator      (same order on every rank)
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)
-//   bucket actor b --bucket_done(b, failure)--> iteration actor  (iteration completes when all are)
+//   bucket actor b --bucket_done(b, failure)--> IterationSignal  (a call, not a message: wait()
+//                                                            returns when every bucket is done)
 //
 // With the runtime's optimizer (ZeRO stage 0/1/2) the bucket actor hands reduced(b) to the rank's
 // shard actor instead, and the iteration goes on:
@@ -13,7 +14,7 @@
 //   shard actor --(steps bucket b's owned pieces when Config::zero.overlap allows)
 //   shard actor --step_done(b)--> comm stream     (stage >= 1: parameters packed for the sync)
 //   comm stream --sync collective(s) in schedule order--> Communicator
-//   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> iteration actor
+//   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> IterationSignal
 //   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
 //   shard actor --norm_ready--> comm stream --norm_done--> shard actor   (clipping)
 #pragma once
@@ -40,7 +41,6 @@ namespace shardflow::msg {
 using grad_ready_atom = caf::atom_constant<caf::atom("grad_ready")>;
 using bucket_ready_atom = caf::atom_constant<caf::atom("bkt_ready")>;
 using reduced_atom = caf::atom_constant<caf::atom("reduced")>;
-using bucket_done_atom = caf::atom_constant<caf::atom("bkt_done")>;
 using step_done_atom = caf::atom_constant<caf::atom("step_done")>;
 using broadcast_done_atom = caf::atom_constant<caf::atom("bcast_done")>;
 using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
@@ -54,8 +54,6 @@ using Failure = BucketFailure;  // runtime/failure.hpp
 
 // The protocol as types: each actor's handle says which messages it takes, so sending one a
 // message it does not handle is a compile error, not a dropped message at run time.
-using iteration_actor_t = caf::typed_actor<caf::reacts_to<bucket_done_atom, std::uint32_t, Failure>>;
-
 using shard_actor_t = caf::typed_actor<
     caf::reacts_to<set_groups_atom, std::uint64_t, std::shared_ptr<const OptimizerGroups>>,
     caf::reacts_to<reduced_atom, std::uint32_t, Failure>, caf::reacts_to<step_next_atom>, caf::reacts_to<all_issued_atom>,

@@ -25,7 +25,7 @@ msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std:
 
 msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
                                               std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
-                                              msg::iteration_actor_t iteration, bool zero_on_done,
+                                              std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
                                               std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline) {
   auto& st = self->state;
   st.timeline = std::move(timeline);
@@ -106,7 +106,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       } else {
         if (s.zero_on_done) sh.zero_bucket(b);
         sh.mark_done(b);
-        self->send(s.iteration, msg::bucket_done_atom::value, b, msg::Failure{});
+        s.iteration->bucket_done(b, msg::Failure{});
       }
       if (can_step()) {
         self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
@@ -126,7 +126,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
     try {
       work();
     } catch (const std::exception& e) {
-      self->send(self->state.iteration, msg::bucket_done_atom::value, b, shard_failure(self->state, b, e));
+      self->state.iteration->bucket_done(b, shard_failure(self->state, b, e));
     }
   };
 
@@ -136,7 +136,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       },
       [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
         if (failure) {
-          self->send(self->state.iteration, msg::bucket_done_atom::value, b, std::move(failure));
+          self->state.iteration->bucket_done(b, failure);
           return;
         }
         guarded(b, [&] {
@@ -156,7 +156,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       [=](msg::norm_done_atom, msg::Failure& failure) {
         auto& s = self->state;
         if (failure) {
-          self->send(s.iteration, msg::bucket_done_atom::value, std::uint32_t{0}, std::move(failure));
+          s.iteration->bucket_done(0, failure);
           return;
         }
         guarded(0, [&] {
@@ -179,7 +179,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
             failure = shard_failure(s, b, e);
           }
         --s.staging_in_flight;
-        self->send(s.iteration, msg::bucket_done_atom::value, b, std::move(failure));
+        s.iteration->bucket_done(b, failure);
         if (++s.nsynced == s.reduced.size())
           reset(s);
         else

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "actors/messages.hpp"
+#include "runtime/iteration_signal.hpp"
 #include "runtime/zero/shard.hpp"
 #include "runtime/timeline.hpp"
 
@@ -25,7 +26,7 @@ struct ShardActorState {
   std::shared_ptr<Shard> shard;
   Overlap overlap = Overlap::none;
   msg::comm_stream_actor_t comm;
-  msg::iteration_actor_t iteration;
+  std::shared_ptr<IterationSignal> iteration;  // told when a bucket is done (or failed)
   std::vector<char> reduced;
   std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
   ShardPhase phase = ShardPhase::stepping;
@@ -45,7 +46,7 @@ struct ShardActorState {
 // mode allows, in bucket order; with clipping, first exchanges its share of the gradient norm.
 msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
                                               std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
-                                              msg::iteration_actor_t iteration, bool zero_on_done,
+                                              std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
                                               std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline);
 
 }  // namespace shardflow

@@ -1,6 +1,7 @@
-// The bridge from the actors back to trainer threads: the iteration actor counts each bucket's
-// completions here; Runtime::wait() and wait_param() block on it (a trainer thread may block; a
-// CAF scheduler thread never).
+// The bridge from the actors back to trainer threads: the bucket actor (DDP) or the shard actor
+// (ZeRO) counts each bucket's completion here, directly (it only takes a lock and notifies: a
+// separate actor in between cost one message hop per bucket and did nothing else); Runtime::wait()
+// and wait_param() block on it (a trainer thread may block; a CAF scheduler thread never).
 //
 // Counts only grow (one per bucket per synchronised iteration), so a waiter for iteration k is
 // never confused by completions of iteration k+1, which forward prefetch lets start early.

@@ -66,7 +66,6 @@ struct Runtime::Impl {
   std::unique_ptr<BucketReadiness> readiness;
 
   // Actors of the current plan (replaced once if the buckets are rebuilt).
-  msg::iteration_actor_t iteration_actor_h;
   msg::comm_stream_actor_t comm_actor_h;
   msg::shard_actor_t shard_actor_h;  // none without the runtime's optimizer
   // The runtime's optimizer (configure_optimizer): the groups' hyper-parameters and this rank's shard.

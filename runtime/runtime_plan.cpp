@@ -9,7 +9,6 @@
 #include "runtime/runtime_impl.hpp"
 #include "actors/bucket_actor.hpp"
 #include "actors/comm_stream_actor.hpp"
-#include "actors/iteration_actor.hpp"
 #include "actors/shard_actor.hpp"
 
 namespace shardflow {
@@ -131,7 +130,6 @@ void Runtime::Impl::spawn_actors() {
   auto& sys = actors->system();
   signal = std::make_shared<IterationSignal>(plan.buckets.size());
   signal_target = 0;
-  iteration_actor_h = sys.spawn(iteration_actor, signal);
   comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, iterations + (closing_iteration ? 1 : 0));
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
@@ -139,24 +137,22 @@ void Runtime::Impl::spawn_actors() {
     const bool zero_on_done = cfg.zero.forward_prefetch && !bufs->pooled();
     // Steps go in the order the syncs are scheduled: a sync never waits for a step that waits for
     // staging held by a later sync (pooled staging is limited).
-    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, iteration_actor_h, zero_on_done, sync_order, timeline);
+    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order, timeline);
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();
   for (const auto& bk : plan.buckets)
     bucket_actors.push_back(sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h,
-                                      shard_actor_h, iteration_actor_h));
+                                      shard_actor_h, signal));
 }
 
 void Runtime::Impl::stop_actors() {
   for (auto& a : bucket_actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
   if (comm_actor_h) caf::anon_send_exit(comm_actor_h, caf::exit_reason::user_shutdown);
-  if (iteration_actor_h) caf::anon_send_exit(iteration_actor_h, caf::exit_reason::user_shutdown);
   if (shard_actor_h) caf::anon_send_exit(shard_actor_h, caf::exit_reason::user_shutdown);
   shard_actor_h = msg::shard_actor_t{};
   bucket_actors.clear();
   comm_actor_h = msg::comm_stream_actor_t{};
-  iteration_actor_h = msg::iteration_actor_t{};
 }
 
 void Runtime::Impl::rebuild_from_observed_order() {
