@@ -53,7 +53,7 @@ void Runtime::Impl::establish_sync_order() {
             B - prefetch_early);
   prefetch_active = true;
   stop_actors();
-  spawn_actors();
+  spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
 }
 
 std::size_t Runtime::Impl::choose_early_syncs() const {

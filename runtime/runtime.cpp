@@ -268,7 +268,6 @@ void Runtime::wait() {
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
-  I.closing_iteration = true;
   if (!I.rebuilt && !I.cfg.buckets.static_graph) {
     const auto r0 = Timeline::now();
     I.rebuild_from_observed_order();
@@ -280,7 +279,6 @@ void Runtime::wait() {
     I.timeline->span("forward order for prefetch", "rebuild", Lane::compute, r0, Timeline::now(),
                      SpanArgs{-1, -1, nullptr, std::int64_t(I.iterations), -1});
   }
-  I.closing_iteration = false;
   if (prefetch_wanted && !I.prefetch_active && !I.observing_forward) {
     std::lock_guard lock(I.forward_mu);
     I.observing_forward = true;  // the next forward's first-use order decides the sync order
@@ -374,7 +372,7 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
     if (og->group_of[i] == ~0u) og->group_of[i] = 0;
   I.groups = std::move(og);
   I.shard.reset();
-  I.install_plan(BucketPlan(I.plan));
+  I.install_plan(BucketPlan(I.plan), I.iterations);
 }
 
 void Runtime::set_lr(std::size_t group, float lr) {

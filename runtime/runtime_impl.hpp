@@ -85,7 +85,6 @@ struct Runtime::Impl {
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
   // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
   std::shared_ptr<Timeline> timeline;
-  bool closing_iteration = false;  // inside wait(), after the iteration completed: actors spawned now start the next one
   std::size_t done_in_backward = 0;  // buckets complete when finish_backward ran (stats)
 
   // A trainer-thread wait on the runtime: exposed time (stats) and a span on the compute lane.
@@ -178,7 +177,7 @@ struct Runtime::Impl {
 
   // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
   // after a reduction, whose results the trainer is about to use) and starts its actors.
-  void install_plan(BucketPlan next);
+  void install_plan(BucketPlan next, std::uint64_t first_iteration);
 
 
 
@@ -197,7 +196,7 @@ struct Runtime::Impl {
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
   std::vector<ScheduleEntry> build_schedule() const;
 
-  void spawn_actors();
+  void spawn_actors(std::uint64_t first_iteration);
 
   void stop_actors();
 

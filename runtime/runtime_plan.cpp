@@ -51,13 +51,13 @@ void Runtime::Impl::ensure_finalized() {
   touched.assign(n, 0);
   order.assign(n, 0);
   install_plan(make_bucket_plan(registry.params(), reverse_registration_order(n), cfg.buckets.first_cap_bytes,
-                                cfg.buckets.cap_bytes));
+                                cfg.buckets.cap_bytes), 0);
   log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
             comm->backend_name(), world, plan.describe());
   finalized.store(true, std::memory_order_release);
 }
 
-void Runtime::Impl::install_plan(BucketPlan next) {
+void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration) {
   std::shared_ptr<Shard> next_shard;
   std::shared_ptr<BucketBuffers> next_bufs;
   if (groups) {
@@ -89,7 +89,7 @@ void Runtime::Impl::install_plan(BucketPlan next) {
   std::vector<std::uint32_t> sizes;
   for (const auto& b : plan.buckets) sizes.push_back(std::uint32_t(b.entries.size()));
   readiness = std::make_unique<BucketReadiness>(std::move(sizes));
-  spawn_actors();
+  spawn_actors(first_iteration);
 }
 
 void Runtime::Impl::migrate_state(const Shard& from, Shard& to) {
@@ -126,11 +126,11 @@ std::vector<ScheduleEntry> Runtime::Impl::build_schedule() const {
   return make_collective_schedule(collective_order(spec), {&plan, bufs, shard, events, timeline, rank, world});
 }
 
-void Runtime::Impl::spawn_actors() {
+void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   auto& sys = actors->system();
   signal = std::make_shared<IterationSignal>(plan.buckets.size());
   signal_target = 0;
-  comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, iterations + (closing_iteration ? 1 : 0));
+  comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, first_iteration);
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
@@ -173,7 +173,7 @@ void Runtime::Impl::rebuild_from_observed_order() {
   auto next = make_bucket_plan(registry.params(), observed, cfg.buckets.first_cap_bytes, cfg.buckets.cap_bytes);
   rebuilt = true;
   if (same_layout(plan, next)) return;
-  install_plan(std::move(next));
+  install_plan(std::move(next), iterations + 1);  // inside wait(): the actors start the next iteration
   log->info("buckets rebuilt from the observed gradient order:\n{}", plan.describe());
 }
 
