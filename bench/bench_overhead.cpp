@@ -57,7 +57,7 @@ double run(int world, int stage, bool optimizer, Overlap overlap, std::size_t la
     ranks.emplace_back([&, r] {
       Config cfg;
       cfg.zero.interleave_lag = lag;
-      cfg.zero.stage = stage;
+      cfg.zero.stage = ZeroStage(stage);
       cfg.zero.overlap = overlap;
       cfg.buckets.static_graph = true;
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4 * std::size_t(per_bucket);

@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     for (const auto& m : modes) {
       if (!only.empty() && std::find(only.begin(), only.end(), m.name) == only.end()) continue;
       auto o = base;
-      o.runtime.zero.stage = stage;
+      o.runtime.zero.stage = ZeroStage(stage);
       o.runtime.zero.overlap = m.overlap;
       o.runtime.zero.forward_prefetch = m.prefetch;
       o.runtime.zero.interleave_lag = m.lag;

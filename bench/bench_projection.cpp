@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   base.iterations = std::max(iterations, 8);
   base.forward_total = duration_cast<microseconds>(duration<double, std::milli>(forward_ms));
   base.backward_total = duration_cast<microseconds>(duration<double, std::milli>(backward_ms));
-  base.runtime.zero.stage = stage;
+  base.runtime.zero.stage = ZeroStage(stage);
   base.runtime.buckets.first_cap_bytes = std::size_t(double(1 << 20) / scale);
   base.runtime.buckets.cap_bytes = std::size_t(25.0 * double(1 << 20) / scale);
   base.runtime.timeouts.collective = seconds(120);

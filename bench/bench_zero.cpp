@@ -27,7 +27,7 @@ Row run(const std::vector<int>& sizes, int world, int stage, Overlap overlap, Pa
   o.world_size = world;
   o.optimizer.kind = OptimizerConfig::Kind::adamw;
   o.optimizer.lr = 1e-3f;
-  o.runtime.zero.stage = stage;
+  o.runtime.zero.stage = ZeroStage(stage);
   o.runtime.zero.overlap = overlap;
   o.runtime.zero.partition = partition;
   if (bucket_mb > 0) o.runtime.buckets.first_cap_bytes = o.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);

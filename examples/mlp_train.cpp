@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
   try {
     opt.sizes = mlp::parse_sizes(sizes);
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
-    opt.runtime.zero.stage = zero_stage;
+    opt.runtime.zero.stage = ZeroStage(zero_stage);
     opt.param_dtype = parse_dtype(param_dtype);
     opt.runtime.precision.comm_dtype = parse_dtype(comm_dtype);
     opt.runtime.zero.overlap = parse_overlap(overlap);

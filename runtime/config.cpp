@@ -30,7 +30,7 @@ const char* partition_name(Partition p) {
 
 void Config::validate() const {
   auto bad = [&](const std::string& path, const std::string& why) { throw UsageError(name_of(path) + " " + why); };
-  if (zero.stage < 0 || zero.stage > 2) bad("zero.stage", "must be 0, 1 or 2, got " + std::to_string(zero.stage));
+  if (int(zero.stage) > 2) bad("zero.stage", "must be 0, 1 or 2, got " + std::to_string(int(zero.stage)));
   const auto wire = precision.comm_dtype;
   if (wire != DType::f32 && wire != DType::bf16 && wire != DType::f16) bad("precision.comm_dtype", "must be fp32, bf16 or fp16");
   if (zero.max_buckets_in_flight < 2)
@@ -58,7 +58,7 @@ void Config::check_needs_optimizer() const {
                      ", and this Runtime has none (Runtime::configure_optimizer was not called). Call "
                      "configure_optimizer before the first backward, or leave " + name_of(path) + " at its default");
   };
-  if (zero.stage != 0) refuse("zero.stage", std::to_string(zero.stage), "it shards the runtime's optimizer");
+  if (zero.stage != ZeroStage::ddp) refuse("zero.stage", std::to_string(int(zero.stage)), "it shards the runtime's optimizer");
   if (zero.overlap != Overlap::none) refuse("zero.overlap", overlap_name(zero.overlap), "it overlaps the runtime's optimizer steps");
   if (precision.comm_dtype != DType::f32)
     refuse("precision.comm_dtype", dtype_name(precision.comm_dtype),

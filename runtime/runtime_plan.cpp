@@ -61,12 +61,12 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
   std::shared_ptr<Shard> next_shard;
   std::shared_ptr<BucketBuffers> next_bufs;
   if (groups) {
-    auto shard_plan = make_shard_plan(next, registry.params(), cfg.zero.partition, world, rank, cfg.zero.stage >= 1);
+    auto shard_plan = make_shard_plan(next, registry.params(), cfg.zero.partition, world, rank, cfg.zero.stage >= ZeroStage::optimizer_state);
     std::vector<std::size_t> bytes;
     for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
       bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
-    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero.stage == 2 && shard_plan.sharded, allocator(), zeroer());
-    next_shard = std::make_shared<Shard>(cfg.zero.stage, cfg, registry.params(), next, std::move(shard_plan), groups,
+    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero.stage == ZeroStage::gradients && shard_plan.sharded, allocator(), zeroer());
+    next_shard = std::make_shared<Shard>(int(cfg.zero.stage), cfg, registry.params(), next, std::move(shard_plan), groups,
                                          next_bufs, mem);
   } else {
     std::vector<std::size_t> bytes;

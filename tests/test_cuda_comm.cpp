@@ -415,7 +415,7 @@ void zero_on_device() {
     for (auto part : {Partition::flat, Partition::param})
       for (auto ov : {Overlap::none, Overlap::interleaved}) {
         ZeroCase c;
-        c.cfg.zero.stage = stage;
+        c.cfg.zero.stage = ZeroStage(stage);
         c.cfg.zero.partition = part;
         c.cfg.zero.overlap = ov;
         c.name = "stage " + std::to_string(stage) + (part == Partition::flat ? " flat" : " param") +
@@ -424,7 +424,7 @@ void zero_on_device() {
       }
   auto with = [&](std::string name, auto&& edit, float tol = 0.0f) {
     ZeroCase c;
-    c.cfg.zero.stage = 2;
+    c.cfg.zero.stage = ZeroStage::gradients;
     c.name = std::move(name);
     c.tol = tol;
     edit(c);
@@ -432,11 +432,11 @@ void zero_on_device() {
   };
   // The norm partials are float atomics on the device: the clip coefficient may differ in its last bits.
   with("stage 2 clip 2-norm", [](ZeroCase& c) { c.cfg.zero.clip_grad_norm = 1.0f; }, 1e-5f);
-  with("stage 1 clip inf-norm", [](ZeroCase& c) { c.cfg.zero.stage = 1; c.cfg.zero.clip_grad_norm = 0.5f; c.cfg.zero.clip_norm_type = INFINITY; }, 1e-5f);
-  with("stage 0 clip 2-norm (every rank steps everything)", [](ZeroCase& c) { c.cfg.zero.stage = 0; c.cfg.zero.clip_grad_norm = 1.0f; }, 1e-5f);
+  with("stage 1 clip inf-norm", [](ZeroCase& c) { c.cfg.zero.stage = ZeroStage::optimizer_state; c.cfg.zero.clip_grad_norm = 0.5f; c.cfg.zero.clip_norm_type = INFINITY; }, 1e-5f);
+  with("stage 0 clip 2-norm (every rank steps everything)", [](ZeroCase& c) { c.cfg.zero.stage = ZeroStage::ddp; c.cfg.zero.clip_grad_norm = 1.0f; }, 1e-5f);
   with("stage 2 bf16 wire", [](ZeroCase& c) { c.cfg.precision.comm_dtype = DType::bf16; });
   with("stage 2 bf16 parameters, fp32 masters", [](ZeroCase& c) { c.dtype = DType::bf16; });
-  with("stage 1 forward prefetch", [](ZeroCase& c) { c.cfg.zero.stage = 1; c.cfg.zero.forward_prefetch = true; });
+  with("stage 1 forward prefetch", [](ZeroCase& c) { c.cfg.zero.stage = ZeroStage::optimizer_state; c.cfg.zero.forward_prefetch = true; });
   for (const auto& c : cases)
     for (int n : {2, 3}) {
       const auto cpu = train_zero(c, n, false), gpu = train_zero(c, n, true);
@@ -508,7 +508,7 @@ void mlp_on_device() {
   auto z = o;
   z.optimizer_in_runtime = true;
   z.world_size = 2;
-  z.runtime.zero.stage = 2;
+  z.runtime.zero.stage = ZeroStage::gradients;
   z.runtime.zero.overlap = Overlap::interleaved;
   z.runtime.zero.clip_grad_norm = 1.0f;
   const auto zcpu = mlp::train(z);

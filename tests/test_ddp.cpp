@@ -303,7 +303,7 @@ TEST_CASE("trace: world 2 as threads writes one Chrome trace with both ranks' gr
 TEST_CASE("the example's global loss every 5 steps (forward prefetch running on) gives every step's loss as every step does") {
   auto o = small_run(2, OptimizerConfig::Kind::adamw);
   o.steps = 12;
-  o.runtime.zero.stage = 1;
+  o.runtime.zero.stage = ZeroStage::optimizer_state;
   o.runtime.zero.overlap = Overlap::interleaved;
   o.runtime.zero.forward_prefetch = true;
   const auto each = mlp::train(o);

@@ -207,7 +207,7 @@ TEST_CASE("settings that need the runtime's optimizer, without one: an error at 
     void (*set)(Config&);
   };
   const Case cases[] = {
-      {"zero.stage", [](Config& c) { c.zero.stage = 1; }},
+      {"zero.stage", [](Config& c) { c.zero.stage = ZeroStage::optimizer_state; }},
       {"zero.overlap", [](Config& c) { c.zero.overlap = Overlap::interleaved; }},
       {"precision.comm_dtype", [](Config& c) { c.precision.comm_dtype = DType::bf16; }},
       {"zero.clip_grad_norm", [](Config& c) { c.zero.clip_grad_norm = 1.0f; }},
@@ -230,7 +230,7 @@ TEST_CASE("settings that need the runtime's optimizer, without one: an error at 
   }
   // With the optimizer configured the same settings train.
   Config c;
-  c.zero.stage = 1;
+  c.zero.stage = ZeroStage::optimizer_state;
   c.zero.overlap = Overlap::interleaved;
   Runtime rt(world->communicator(0), c);
   TwoParams m;

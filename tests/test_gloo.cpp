@@ -49,7 +49,7 @@ TEST_CASE("gloo: ZeRO-1 training over Gloo ends with the parameters of the in-pr
     std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(P) * numel, 0.2f));
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
-      cfg.zero.stage = 1;
+      cfg.zero.stage = ZeroStage::optimizer_state;
       cfg.zero.overlap = Overlap::interleaved;
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 2 * numel * 4;
       Runtime rt(comms[std::size_t(r)], cfg);

@@ -41,7 +41,7 @@ TensorMap in_process(int world, int zero_stage) {
   o.optimizer.kind = OptimizerConfig::Kind::adamw;
   o.optimizer.lr = 0.01f;
   o.optimizer.weight_decay = 0.01f;
-  o.runtime.zero.stage = zero_stage;
+  o.runtime.zero.stage = ZeroStage(zero_stage);
   o.runtime.zero.overlap = zero_stage ? Overlap::interleaved : Overlap::none;
   o.runtime.buckets.first_cap_bytes = o.runtime.buckets.cap_bytes = std::size_t(0.004 * 1048576.0);
   return mlp::train(o).params;

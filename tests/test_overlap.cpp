@@ -31,7 +31,7 @@ synthetic::Options scenario(int world, int stage, Overlap overlap) {
   o.numel = 65536;
   o.iterations = 12;
   o.link = SimLink{10.0, 0.25, 0};
-  o.runtime.zero.stage = stage;
+  o.runtime.zero.stage = ZeroStage(stage);
   o.runtime.zero.overlap = overlap;
   o.runtime.timeouts.collective = seconds(30);
   o.optimizer.kind = OptimizerConfig::Kind::adamw;
@@ -280,7 +280,7 @@ TEST_CASE("the trace of a world-2 run parses, has every category, and its spans 
   opt.global_batch = 16;
   opt.world_size = 2;
   opt.optimizer.kind = OptimizerConfig::Kind::adamw;
-  opt.runtime.zero.stage = 1;
+  opt.runtime.zero.stage = ZeroStage::optimizer_state;
   opt.runtime.zero.overlap = Overlap::interleaved;
   opt.runtime.precision.comm_dtype = DType::bf16;  // casts
   opt.runtime.buckets.first_cap_bytes = 16384;

@@ -227,7 +227,7 @@ TEST_CASE("shard streams: every parameter sync and the norm exchange wait for th
     for (auto partition : {Partition::flat, Partition::param})
       for (auto overlap : {Overlap::none, Overlap::interleaved}) {
         Config cfg;
-        cfg.zero.stage = stage;
+        cfg.zero.stage = ZeroStage(stage);
         cfg.zero.partition = partition;
         cfg.zero.overlap = overlap;
         cfg.zero.clip_grad_norm = 0.3f;
@@ -240,7 +240,7 @@ TEST_CASE("shard streams: every parameter sync and the norm exchange wait for th
 
 TEST_CASE("shard streams: with a 16-bit wire each reduction waits for the shard's cast of its bucket") {
   Config cfg;
-  cfg.zero.stage = 2;
+  cfg.zero.stage = ZeroStage::gradients;
   cfg.precision.comm_dtype = DType::bf16;
   Trace t;
   {
@@ -260,11 +260,11 @@ TEST_CASE("shard streams: with a 16-bit wire each reduction waits for the shard'
 
 TEST_CASE("shard streams: forward prefetch and stage 0 keep the same ordering") {
   Config prefetch;
-  prefetch.zero.stage = 1;
+  prefetch.zero.stage = ZeroStage::optimizer_state;
   prefetch.zero.forward_prefetch = true;
   scenario(prefetch);
   Config stage0;  // every rank steps everything: no syncs, the norm stays local
-  stage0.zero.stage = 0;
+  stage0.zero.stage = ZeroStage::ddp;
   stage0.zero.clip_grad_norm = 0.3f;
   const auto plain = train(stage0, nullptr);
   Trace t;
@@ -335,7 +335,7 @@ std::vector<std::string> run_with_fault(Config cfg, int fault_after) {
 
 TEST_CASE("shard streams: a device fault in one rank's optimizer step fails that rank naming the bucket, and its peer promptly") {
   Config cfg;
-  cfg.zero.stage = 1;
+  cfg.zero.stage = ZeroStage::optimizer_state;
   const auto msgs = run_with_fault(cfg, 3);
   INFO("rank 0: " << msgs[0]);
   INFO("rank 1: " << msgs[1]);
@@ -346,7 +346,7 @@ TEST_CASE("shard streams: a device fault in one rank's optimizer step fails that
 
 TEST_CASE("shard streams: a device fault casting a bucket to its 16-bit wire fails the reduction instead of hanging it") {
   Config cfg;
-  cfg.zero.stage = 2;
+  cfg.zero.stage = ZeroStage::gradients;
   cfg.precision.comm_dtype = DType::bf16;
   const auto msgs = run_with_fault(cfg, 2);
   INFO("rank 0: " << msgs[0]);

@@ -155,7 +155,7 @@ TEST_CASE("training on the sim link equals the in-process backend bit for bit (s
       opt.seed = 7;
       opt.runtime.buckets.first_cap_bytes = 2048;
       opt.runtime.buckets.cap_bytes = 4096;
-      opt.runtime.zero.stage = c.stage;
+      opt.runtime.zero.stage = ZeroStage(c.stage);
       opt.runtime.zero.overlap = c.overlap;
       opt.runtime.zero.forward_prefetch = c.prefetch;
       const auto plain = mlp::train(opt);

@@ -57,7 +57,7 @@ void for_each_sharded(const mlp::TrainOptions& ref, Check check) {
     for (auto overlap : {Overlap::none, Overlap::interleaved})
       for (auto partition : {Partition::param, Partition::flat}) {
         auto o = ref;
-        o.runtime.zero.stage = stage;
+        o.runtime.zero.stage = ZeroStage(stage);
         o.runtime.zero.overlap = overlap;
         o.runtime.zero.partition = partition;
         const auto got = mlp::train(o);
@@ -82,7 +82,7 @@ TEST_CASE("every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW}
             if (stage == 0 && partition != Partition::flat) continue;  // nothing is partitioned
             auto o = base(kind);
             o.world_size = world;
-            o.runtime.zero.stage = stage;
+            o.runtime.zero.stage = ZeroStage(stage);
             o.runtime.zero.overlap = overlap;
             o.runtime.zero.partition = partition;
             const auto got = mlp::train(o);
@@ -103,7 +103,7 @@ TEST_CASE("the very first iteration updates the parameters in every mode") {
       auto o = base(OptimizerConfig::Kind::adamw);
       o.steps = 1;
       o.world_size = 2;
-      o.runtime.zero.stage = stage;
+      o.runtime.zero.stage = ZeroStage(stage);
       o.runtime.zero.overlap = overlap;
       const auto got = mlp::train(o);
       for (const auto& [name, t] : init.params) {
@@ -131,7 +131,7 @@ TEST_CASE("clip_grad_norm (2 and inf) over shards equals unsharded clipped train
           for (int world : {2, 3}) {
             auto o = ref;
             o.world_size = world;
-            o.runtime.zero.stage = stage;
+            o.runtime.zero.stage = ZeroStage(stage);
             o.runtime.zero.overlap = overlap;
             o.runtime.zero.partition = partition;
             const auto got = mlp::train(o);
@@ -149,7 +149,7 @@ TEST_CASE("accumulating k micro-batches equals one k-times-larger batch, with ev
     auto big = base(OptimizerConfig::Kind::adamw);
     big.world_size = 2;
     big.global_batch = 48;
-    big.runtime.zero.stage = stage;
+    big.runtime.zero.stage = ZeroStage(stage);
     const auto one = mlp::train(big);
     auto acc = big;
     acc.global_batch = 16;
@@ -175,7 +175,7 @@ TEST_CASE("optimizer state per rank: flat is total/N plus padding, param at most
       auto o = base(OptimizerConfig::Kind::adamw);
       o.steps = 1;
       o.world_size = world;
-      o.runtime.zero.stage = 1;
+      o.runtime.zero.stage = ZeroStage::optimizer_state;
       o.runtime.zero.partition = partition;
       const auto res = mlp::train(o);
       std::size_t sum = 0;
@@ -251,7 +251,7 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
     Config cfg;
     cfg.buckets.first_cap_bytes = 1024;
     cfg.buckets.cap_bytes = 3000;
-    cfg.zero.stage = stage;
+    cfg.zero.stage = ZeroStage(stage);
     cfg.zero.overlap = overlap;
     cfg.zero.partition = partition;
     cfg.zero.clip_grad_norm = clip ? 0.5f : 0.0f;
@@ -337,7 +337,7 @@ TEST_CASE("configure_optimizer refuses what it cannot do, naming it") {
   rt.configure_optimizer(sgd);
   CHECK_THROWS_WITH_AS(rt.set_lr(3, 0.1f), doctest::Contains("group 3 does not exist"), UsageError);
   Config bad;
-  bad.zero.stage = 3;
+  bad.zero.stage = ZeroStage(3);
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("zero.stage must be 0, 1 or 2"), UsageError);
   CHECK_THROWS_AS(parse_overlap("eager"), UsageError);
   CHECK_THROWS_AS(parse_partition("rows"), UsageError);
@@ -354,7 +354,7 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard;
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
-      cfg.zero.stage = stage;
+      cfg.zero.stage = ZeroStage(stage);
       cfg.zero.overlap = overlap;
       cfg.zero.max_buckets_in_flight = 2;
       Runtime rt(world->communicator(r), cfg);
@@ -395,7 +395,7 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 3 * numel * 4;  // 3 parameters a bucket
-      cfg.zero.stage = stage;
+      cfg.zero.stage = ZeroStage(stage);
       cfg.zero.max_buckets_in_flight = 2;
       cfg.timeouts.collective = 30s;
       Runtime rt(world->communicator(r), cfg);
@@ -481,7 +481,7 @@ TEST_CASE("bf16 master weights keep updates smaller than bf16 can represent, on 
     std::vector<std::vector<std::uint16_t>> store(n, std::vector<std::uint16_t>(numel, kernels::f32_to_bf16(1.0f)));
     test::require_all_ok(test::run_ranks(n, [&](int r) {
       Config cfg;
-      cfg.zero.stage = stage;
+      cfg.zero.stage = ZeroStage(stage);
       Runtime rt(world->communicator(r), cfg);
       auto p = rt.register_param({"w", {numel}, DType::bf16, Device::cpu(), store[std::size_t(r)].data()});
       OptimizerConfig sgd;
@@ -514,7 +514,7 @@ TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SG
             if (stage == 0 && partition != Partition::flat) continue;
             auto o = base(kind);
             o.world_size = world;
-            o.runtime.zero.stage = stage;
+            o.runtime.zero.stage = ZeroStage(stage);
             o.runtime.zero.overlap = overlap;
             o.runtime.zero.partition = partition;
             o.runtime.zero.forward_prefetch = true;
@@ -530,7 +530,7 @@ TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SG
 TEST_CASE("forward prefetch syncs in the observed forward order: the first layer's bucket first") {
   auto o = base(OptimizerConfig::Kind::adamw);
   o.world_size = 2;
-  o.runtime.zero.stage = 1;
+  o.runtime.zero.stage = ZeroStage::optimizer_state;
   o.runtime.zero.forward_prefetch = true;
   const auto res = mlp::train(o);
   std::string first_layer_bucket;
@@ -567,7 +567,7 @@ TEST_CASE("on a bf16 wire every rank holds bitwise the same, bf16-exact fp32 par
   std::vector<std::vector<float>> params(n, std::vector<float>(2 * numel, 0.3f));
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     Config cfg;
-    cfg.zero.stage = 1;
+    cfg.zero.stage = ZeroStage::optimizer_state;
     cfg.precision.comm_dtype = DType::bf16;
     cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
     Runtime rt(world->communicator(r), cfg);

@@ -381,7 +381,7 @@ Prepared prepare(const TrainOptions& opt) {
     if (!device_model_compiled())
       throw UsageError("--device cuda: this build has no CUDA (configure where nvcc and cuBLAS exist, SHARDFLOW_CUDA=ON)");
   }
-  if (!opt.optimizer_in_runtime && (opt.runtime.zero.stage > 0 || opt.runtime.zero.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
+  if (!opt.optimizer_in_runtime && (opt.runtime.zero.stage != ZeroStage::ddp || opt.runtime.zero.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
     throw UsageError("ZeRO stages, clipping and 16-bit parameters need the optimizer inside the runtime");
   opt.optimizer.validate();
   opt.runtime.validate();

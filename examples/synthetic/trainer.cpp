@@ -11,12 +11,12 @@
 namespace shardflow::synthetic {
 
 std::chrono::nanoseconds reduce_time(const Options& opt) {
-  const auto kind = opt.runtime.zero.stage == 2 ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
+  const auto kind = opt.runtime.zero.stage == ZeroStage::gradients ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
   return opt.link.cost(kind, opt.numel * 4, opt.world);
 }
 
 std::chrono::nanoseconds sync_time(const Options& opt) {
-  return opt.runtime.zero.stage >= 1 ? opt.link.cost(CollectiveKind::allgather, opt.numel * 4, opt.world) : std::chrono::nanoseconds(0);
+  return opt.runtime.zero.stage >= ZeroStage::optimizer_state ? opt.link.cost(CollectiveKind::allgather, opt.numel * 4, opt.world) : std::chrono::nanoseconds(0);
 }
 
 std::vector<std::pair<std::string, std::size_t>> load_param_list(const std::string& path) {

@@ -19,7 +19,7 @@ int main() {
   for (int r = 0; r < kWorld; ++r)
     ranks.emplace_back([&, r] {
       shardflow::Config cfg;
-      cfg.zero.stage = 1;
+      cfg.zero.stage = shardflow::ZeroStage::optimizer_state;
       shardflow::Runtime rt(world->communicator(r), cfg);
       auto w = rt.register_param({"layer.weight", {4, 3}, shardflow::DType::f32, shardflow::Device::cpu(), weights[r].data()});
       auto b = rt.register_param({"layer.bias", {3}, shardflow::DType::f32, shardflow::Device::cpu(), biases[r].data()});

@@ -17,6 +17,13 @@ enum class Overlap {
                    // reduction completed (in bucket order) and its sync starts right after
   interleaved,     // each bucket steps as soon as its reduction completed, while backward runs
 };
+// What ZeRO shards over the ranks (Rajbhandari et al., 2020). ZeroStage(n) converts a stage
+// number; Config::validate refuses anything but 0, 1 and 2.
+enum class ZeroStage : std::uint8_t {
+  ddp = 0,              // stage 0: nothing sharded, every rank keeps all optimizer state
+  optimizer_state = 1,  // stage 1: each rank keeps its shard's optimizer state and steps it
+  gradients = 2,        // stage 2: and receives only its shard of the reduced gradients
+};
 // How optimizer state is split over the ranks (ZeRO stage 1 and 2).
 enum class Partition {
   param,   // whole parameters, largest first, each to the least-loaded rank (ties: lowest rank)
@@ -56,10 +63,11 @@ struct BucketConfig {
 // ZeRO: the optimizer step inside the runtime. Everything here takes effect with
 // Runtime::configure_optimizer(); set without it, the first backward stops with an error.
 struct ZeroConfig {
-  // 0: every rank keeps all optimizer state (DDP). 1: each rank keeps the optimizer state of its
-  // shard; gradients are all-reduced, updated parameters synced from their owners. 2: as 1, but
-  // gradients are reduce-scattered (flat partition) so a rank only receives its shard's.
-  int stage = 0;
+  // ddp: every rank keeps all optimizer state. optimizer_state (ZeRO-1): each rank keeps the
+  // optimizer state of its shard; gradients are all-reduced, updated parameters synced from their
+  // owners. gradients (ZeRO-2): as 1, but gradients are reduce-scattered (flat partition) so a
+  // rank only receives its shard's.
+  ZeroStage stage = ZeroStage::ddp;
   Partition partition = Partition::flat;
   Overlap overlap = Overlap::none;
   // Interleaved overlap: bucket b's parameter sync goes out right after the reduction of bucket
