@@ -149,6 +149,18 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
     CHECK(!n0.says("started rank"));
     CHECK(n0.seconds() < 2.0 + 3.0);
   }
+  SUBCASE("Ctrl-C while node 0 waits for the others -> it stops at once, exit 130, no rank started") {
+    Child n0(node_cmd({0, 2, 1, test::free_port(), {}}, brief), env());
+    REQUIRE(n0.read_until("waiting for the other nodes", 20s));
+    std::this_thread::sleep_for(200ms);
+    ::kill(n0.pid(), SIGINT);
+    const auto st = n0.wait(10s);
+    INFO(n0.output());
+    REQUIRE(st.has_value());
+    CHECK(WEXITSTATUS(*st) == 130);
+    CHECK(n0.says("stopped by SIGINT during the rendezvous"));
+    CHECK(!n0.says("started rank"));
+  }
   SUBCASE("node 0 never starts -> node 1 says its store accepted no connection") {
     Child n1(node_cmd({1, 2, 1, test::free_port(), {"--rdzv-timeout", "2"}}, brief), env());
     const auto s1 = n1.wait(20s);

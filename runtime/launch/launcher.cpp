@@ -118,7 +118,13 @@ class Supervisor {
       wo.heartbeat_timeout = spec_.heartbeat_timeout;
       say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
           local.address + " (" + local.why + "), waiting for the other nodes at " + store_at + ":" + std::to_string(port));
-      watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
+      try {
+        watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
+      } catch (const Error&) {
+        if (!interrupted_) throw;
+        say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)) + " during the rendezvous; no rank was started");
+        return 128 + interrupted_;
+      }
       watch_->start();
     }
 
