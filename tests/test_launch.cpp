@@ -92,7 +92,7 @@ TEST_CASE("shardflow run: mlp_train over shm and gloo, worlds 2 and 3, ZeRO 0/1/
 TEST_CASE("shardflow run: kill -9 of one rank mid-training -> the launcher stops the rest and names the rank") {
   auto args = mlp_args(1);
   args.insert(args.begin(), kTrainer);
-  args[std::size_t(std::find(args.begin(), args.end(), "--steps") - args.begin()) + 1] = "100000";
+  test::set_flag(args, "--steps", "100000");
   args.erase(std::find(args.begin(), args.end(), "--quiet"));
   for (auto a : {"--log-every", "1"}) args.push_back(a);  // a progress line per step: the test waits for step 3
   for (auto a : {"--backend", "shm"}) args.push_back(a);
@@ -119,8 +119,8 @@ TEST_CASE("without a launcher: kill -9 of rank 1 -> rank 0 exits non-zero within
     const std::string port = std::to_string(20000 + (::getpid() * 7 + (backend == "shm")) % 20000);
     auto args = mlp_args(0);
     args.insert(args.begin(), kTrainer);
-    args[std::size_t(std::find(args.begin(), args.end(), "--steps") - args.begin()) + 1] = "100000";
-    args[std::size_t(std::find(args.begin(), args.end(), "--timeout") - args.begin()) + 1] = "5";
+    test::set_flag(args, "--steps", "100000");
+    test::set_flag(args, "--timeout", "5");
     for (auto a : {"--backend", backend.c_str()}) args.push_back(a);
     auto env = [&](int rank) {
       return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},

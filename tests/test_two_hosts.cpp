@@ -12,6 +12,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "launch_helpers.hpp"
@@ -98,37 +99,53 @@ TEST_CASE("2 hosts x 1 rank and 2 hosts x 2 ranks over Gloo -> the parameters of
   }
 }
 
-TEST_CASE("a host's launcher killed and its link cut -> the other host exits non-zero within the heartbeat timeout + 5 s, naming the lost node") {
+namespace {
+
+// Starts a job at 2 hosts x 1 rank, then kills `victim`'s launcher and cuts the link; returns the
+// survivor's wait status and how long it ran after the loss.
+struct Loss {
+  std::optional<int> status;
+  double seconds_after = 0;
+  std::string output;
+};
+Loss lose_host(char victim) {
   const auto endless = test::endless_gloo_trainer();
+  Child a(on_host('a', 0, 2, 1, endless), env());
+  Child b(on_host('b', 1, 2, 1, endless), env());
+  REQUIRE(a.read_until("3/1000000", 60s));
+  Child& dead = victim == 'a' ? a : b;
+  Child& survivor = victim == 'a' ? b : a;
+  ::kill(dead.pid(), SIGKILL);
+  sh(kPair + " link " + g_name + " down");
+  const double lost_at = survivor.seconds_since_start();
+  Loss out;
+  out.status = survivor.wait(30s);
+  sh(kPair + " link " + g_name + " up");
+  out.seconds_after = survivor.seconds() - lost_at;
+  out.output = survivor.output();
+  return out;
+}
+
+bool has(const Loss& l, const std::string& what) { return l.output.find(what) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("a host's launcher killed and its link cut -> the other host exits non-zero within the heartbeat timeout + 5 s, naming the lost node") {
   SUBCASE("host b (node 1) goes") {
-    Child a(on_host('a', 0, 2, 1, endless), env());
-    Child b(on_host('b', 1, 2, 1, endless), env());
-    REQUIRE(a.read_until("3/1000000", 60s));
-    ::kill(b.pid(), SIGKILL);
-    sh(kPair + " link " + g_name + " down");
-    const double lost_at = a.seconds_since_start();
-    const auto sa = a.wait(30s);
-    sh(kPair + " link " + g_name + " up");
-    INFO(a.output());
-    REQUIRE(test::failed(sa));
-    CHECK(a.seconds() - lost_at < kHeartbeatTimeout + 5.0);
-    CHECK(a.says("FAILED: node 1 (host "));
-    CHECK(a.says(kHostB + ") lost: no heartbeat"));
+    const auto l = lose_host('b');
+    INFO(l.output);
+    REQUIRE(test::failed(l.status));
+    CHECK(l.seconds_after < kHeartbeatTimeout + 5.0);
+    CHECK(has(l, "FAILED: node 1 (host "));
+    CHECK(has(l, kHostB + ") lost: no heartbeat"));
   }
   SUBCASE("host a (node 0, the store) goes") {
-    Child a(on_host('a', 0, 2, 1, endless), env());
-    Child b(on_host('b', 1, 2, 1, endless), env());
-    REQUIRE(a.read_until("3/1000000", 60s));
-    ::kill(a.pid(), SIGKILL);
-    sh(kPair + " link " + g_name + " down");
-    const double lost_at = b.seconds_since_start();
-    const auto sb = b.wait(30s);
-    sh(kPair + " link " + g_name + " up");
-    INFO(b.output());
-    REQUIRE(test::failed(sb));
-    CHECK(b.seconds() - lost_at < kHeartbeatTimeout + 1.0 + 5.0);  // + one heartbeat interval
-    CHECK(b.says("FAILED: node 0 (host "));
-    CHECK(b.says(kHostA + ") is unreachable"));
+    const auto l = lose_host('a');
+    INFO(l.output);
+    REQUIRE(test::failed(l.status));
+    CHECK(l.seconds_after < kHeartbeatTimeout + 1.0 + 5.0);  // + one heartbeat interval
+    CHECK(has(l, "FAILED: node 0 (host "));
+    CHECK(has(l, kHostA + ") is unreachable"));
   }
 }
 

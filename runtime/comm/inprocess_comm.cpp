@@ -77,8 +77,6 @@ class World {
   }
 
  private:
-  // Every rank runs the same comparison, so they all fail together (no rank is left waiting in a
-  // data phase the others skipped).
   const int n_;
   const std::chrono::milliseconds timeout_;
   RankBarrier barrier_;

@@ -29,7 +29,8 @@ class ParitySlots {
   auto begin() { return slots_.begin(); }
   auto end() { return slots_.end(); }
 
-  // Every rank's signature against rank 0's; MismatchError (the same on every rank) otherwise.
+  // Every rank's signature against rank 0's; MismatchError otherwise. Every rank runs the same
+  // comparison, so they all fail together (no rank is left waiting in a data phase the others skipped).
   void check_matching(std::size_t parity, RankBarrier& barrier) const {
     std::vector<peer::OpSig> sigs;
     for (const auto& s : slots_) sigs.push_back(s[parity].sig);

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -87,29 +86,27 @@ class Supervisor {
 
     const bool one_node = spec_.nnodes == 1;
     socket_ = socket_choice();
-    const net::SocketChoice& socket = socket_;
     // Resolved before anything starts: a bad --iface is an error now, not in every rank later.
-    const net::LocalAddress local = net::choose_local_address(socket, spec_.master_addr, one_node);
+    const net::LocalAddress local = net::choose_local_address(socket_, spec_.master_addr, one_node);
     int port = spec_.master_port;
     // Where this node's launcher and ranks reach the store: on node 0 the address it is bound to
     // (loopback for a one-node job, whatever --master-addr says), elsewhere the master address.
     store_at_ = net::resolve_ipv4(spec_.master_addr);
-    std::string& store_at = store_at_;
     if (spec_.node_rank == 0) {
       StoreServerOptions so;
-      so.host = net::store_bind_address(socket, spec_.master_addr, one_node);
+      so.host = net::store_bind_address(socket_, spec_.master_addr, one_node);
       so.port = std::uint16_t(port < 0 ? (one_node ? 0 : 29500) : port);
       so.token = token;
       store_ = std::make_unique<TcpStoreServer>(so);
       port = store_->port();
-      store_at = so.host;
+      store_at_ = so.host;
     }
     if (!one_node) {
       NodeWatchOptions wo;
       wo.nnodes = spec_.nnodes;
       wo.node_rank = spec_.node_rank;
       wo.nproc_per_node = spec_.nproc_per_node;
-      wo.store_host = store_at;
+      wo.store_host = store_at_;
       wo.store_port = std::uint16_t(port);
       wo.token = token;
       wo.local_address = local.address;
@@ -117,7 +114,7 @@ class Supervisor {
       wo.heartbeat_interval = spec_.heartbeat_interval;
       wo.heartbeat_timeout = spec_.heartbeat_timeout;
       say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
-          local.address + " (" + local.why + "), waiting for the other nodes at " + store_at + ":" + std::to_string(port));
+          local.address + " (" + local.why + "), waiting for the other nodes at " + store_at_ + ":" + std::to_string(port));
       try {
         watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
       } catch (const Error&) {
