@@ -4,12 +4,14 @@
 
 namespace shardflow {
 
-msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_pointer<BucketState> self, std::uint32_t index,
-                                                std::uint32_t size, msg::comm_stream_actor_t comm_stream,
-                                                msg::shard_actor_t shard, std::shared_ptr<IterationSignal> iteration) {
+msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_pointer<BucketState> self,
+                                                std::shared_ptr<const BucketCollectives> collectives, std::uint32_t size,
+                                                msg::comm_stream_actor_t comm_stream, msg::shard_actor_t shard,
+                                                std::shared_ptr<IterationSignal> iteration) {
   auto& st = self->state;
-  st.index = index;
+  st.index = collectives->bucket();
   st.size = size;
+  st.collectives = std::move(collectives);
   auto hand_over = [=](std::uint32_t b, msg::Failure failure) {
     if (shard)
       self->send(shard, msg::reduced_atom::value, b, std::move(failure));
@@ -26,7 +28,7 @@ msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_po
           return;
         }
         s.in_flight = true;
-        self->send(comm_stream, msg::bucket_ready_atom::value, s.index, caf::actor_cast<msg::bucket_actor_t>(self));
+        self->send(comm_stream, msg::bucket_ready_atom::value, s.index, s.collectives, caf::actor_cast<msg::bucket_actor_t>(self));
       },
       [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;

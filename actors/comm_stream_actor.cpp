@@ -29,10 +29,10 @@ msg::Failure to_failure(const std::exception_ptr& e) {
 // completion stands for the entry; an earlier failure is reported at once (the iteration keeps
 // the first failure it hears of). `on_complete` (reductions) runs first: a failure there (a CUDA
 // cast, say) fails the bucket like a failed collective.
-CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, bool last,
+CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollective& e, bool last,
                               std::shared_ptr<std::function<void()>> on_complete) {
   switch (e.kind) {
-    case ScheduleEntry::reduce:
+    case ScheduledCollective::reduce:
       return [owner = s.owners[e.bucket], b = e.bucket, on_complete](std::exception_ptr x) {
         if (!x && on_complete && *on_complete) try {
             (*on_complete)();
@@ -41,7 +41,7 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, 
           }
         caf::anon_send(owner, msg::reduced_atom::value, b, to_failure(x));
       };
-    case ScheduleEntry::norm:
+    case ScheduledCollective::norm:
       return [shard = s.shard](std::exception_ptr x) { caf::anon_send(shard, msg::norm_done_atom::value, to_failure(x)); };
     default:
       return [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
@@ -54,29 +54,30 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduleEntry& e, 
 
 msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
                                                           std::shared_ptr<Communicator> comm,
-                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
-                                std::uint64_t first_iteration) {
+                                                          std::vector<ScheduledCollective> entries,
+                                                          std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration) {
   auto& st = self->state;
   st.iteration = first_iteration;
   st.comm = std::move(comm);
   st.logger = rank_logger(st.comm->rank());
   std::size_t buckets = 0;
   for (const auto& e : entries)
-    if (e.kind == ScheduleEntry::reduce) ++buckets;
+    if (e.kind == ScheduledCollective::reduce) ++buckets;
   st.reduce_entry.assign(buckets, 0);
   st.sync_entry.assign(buckets, ~0u);
   for (std::uint32_t i = 0; i < entries.size(); ++i) {
     const auto& e = entries[i];
-    if (e.kind == ScheduleEntry::reduce) {
+    if (e.kind == ScheduledCollective::reduce) {
       st.reduce_entry[e.bucket] = i;
       st.last_reduce_entry = i;
-    } else if (e.kind == ScheduleEntry::sync) {
+    } else if (e.kind == ScheduledCollective::sync) {
       st.sync_entry[e.bucket] = i;
     } else {
       st.norm_entry = i;
     }
   }
   st.owners.resize(buckets);
+  st.collectives.resize(buckets);
   st.ready.assign(entries.size(), 0);
   st.entries = std::move(entries);
   st.log = std::move(log);
@@ -88,18 +89,22 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
       const std::uint32_t i = s.next++;
       s.ready[i] = 0;
       const auto& e = s.entries[i];
-      ScheduleEntry::Issue issue;
+      CollectiveIssue issue;
       try {
-        issue = e.make_ops();
+        switch (e.kind) {
+          case ScheduledCollective::reduce: issue = s.collectives[e.bucket]->reduction(); break;
+          case ScheduledCollective::sync: issue = s.collectives[e.bucket]->sync(); break;
+          default: issue = std::move(s.norm);
+        }
       } catch (const std::exception& x) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
-        const std::string what = e.kind == ScheduleEntry::norm ? "the grad norm exchange" : "bucket " + std::to_string(e.bucket);
+        const std::string what = e.kind == ScheduledCollective::norm ? "the grad norm exchange" : "bucket " + std::to_string(e.bucket);
         completion_for(s, e, true, nullptr)(std::make_exception_ptr(
             CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + what + "'s collective: " + x.what())));
         continue;
       }
       auto& ops = issue.ops;
       auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
-      if (ops.empty() && e.kind == ScheduleEntry::sync)  // a bucket of empty parameters: nothing to move
+      if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
         self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
       for (std::size_t k = 0; k < ops.size(); ++k) {
         auto& op = ops[k];
@@ -112,8 +117,8 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         what.dtype = op.dtype;
         what.count = op.count;
         if (s.log->tracing()) what.tag = op.tag;
-        const char* cat = e.kind == ScheduleEntry::sync ? "sync" : "reduce";
-        const std::int64_t bucket = e.kind == ScheduleEntry::norm ? -1 : std::int64_t(e.bucket);
+        const char* cat = e.kind == ScheduledCollective::sync ? "sync" : "reduce";
+        const std::int64_t bucket = e.kind == ScheduledCollective::norm ? -1 : std::int64_t(e.bucket);
         done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration),
                 t0 = Timeline::now(), inner = std::move(done)](std::exception_ptr x) {
           log->completed(what, world, cat, bucket, it, t0);
@@ -121,7 +126,7 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         };
         s.comm->submit(std::move(op), std::move(done));
       }
-      if (e.kind == ScheduleEntry::reduce && i == s.last_reduce_entry && s.shard)
+      if (e.kind == ScheduledCollective::reduce && i == s.last_reduce_entry && s.shard)
         self->send(s.shard, msg::all_issued_atom::value);
     }
     if (s.next == s.entries.size()) {  // the iteration's schedule is out: start over
@@ -132,9 +137,11 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
 
   return {
       [=](msg::set_peer_atom, msg::shard_actor_t shard) { self->state.shard = std::move(shard); },
-      [=](msg::bucket_ready_atom, std::uint32_t b, msg::bucket_actor_t owner) {
+      [=](msg::bucket_ready_atom, std::uint32_t b, std::shared_ptr<const BucketCollectives> collectives,
+          msg::bucket_actor_t owner) {
         auto& s = self->state;
         s.owners[b] = std::move(owner);
+        s.collectives[b] = std::move(collectives);
         s.ready[s.reduce_entry[b]] = 1;
         pump();
       },
@@ -142,7 +149,8 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         self->state.ready[self->state.sync_entry[b]] = 1;
         pump();
       },
-      [=](msg::norm_ready_atom) {
+      [=](msg::norm_ready_atom, CollectiveIssue& exchange) {
+        self->state.norm = std::move(exchange);
         self->state.ready[self->state.norm_entry] = 1;
         pump();
       },

@@ -16,8 +16,11 @@ namespace shardflow {
 
 struct CommStreamState {
   std::shared_ptr<Communicator> comm;
-  std::vector<ScheduleEntry> entries;
+  std::vector<ScheduledCollective> entries;  // the iteration's order (collective_order)
   std::vector<char> ready;
+  // What each bucket puts on the link, given with its readiness; the norm exchange's ops with norm_ready.
+  std::vector<std::shared_ptr<const BucketCollectives>> collectives;
+  CollectiveIssue norm;
   std::vector<std::uint32_t> reduce_entry, sync_entry;  // by bucket
   std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
   std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
@@ -30,10 +33,11 @@ struct CommStreamState {
 };
 
 // Owns the order of collectives on one rank: entry i is issued only after entries 0..i-1, so every
-// rank issues the same sequence whatever order gradients, steps and messages arrive in.
+// rank issues the same sequence whatever order gradients, steps and messages arrive in. What an
+// entry issues comes from its bucket (or, for the norm exchange, the shard).
 msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
                                                           std::shared_ptr<Communicator> comm,
-                                std::vector<ScheduleEntry> entries, std::shared_ptr<CollectiveLog> log,
-                                std::uint64_t first_iteration);
+                                                          std::vector<ScheduledCollective> entries,
+                                                          std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration);
 
 }  // namespace shardflow

@@ -2,8 +2,10 @@
 //
 //   trainer thread --grad_ready(n)--> bucket actor b        (all n of b's gradients are in: sent once,
 //                                                            by the last; Note [One count per bucket])
-//   bucket actor b --bucket_ready(b, self)--> comm stream actor
-//   comm stream    --submit in bucket order--> Communicator      (same order on every rank)
+//   bucket actor b --bucket_ready(b, its collectives, self)--> comm stream actor
+//                                                           (what b puts on the link: reduction, cast,
+//                                                            sync; runtime/bucket_collectives.hpp)
+//   comm stream    --submit in schedule order--> Communicator    (same order on every rank)
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)
 //   bucket actor b --bucket_done(b, failure)--> IterationSignal  (a call, not a message: wait()
 //                                                            returns when every bucket is done)
@@ -13,10 +15,10 @@
 //
 //   shard actor --(steps bucket b's owned pieces when Config::zero.overlap allows)
 //   shard actor --step_done(b)--> comm stream     (stage >= 1: parameters packed for the sync)
-//   comm stream --sync collective(s) in schedule order--> Communicator
+//   comm stream --bucket b's sync collective(s), in schedule order--> Communicator
 //   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> IterationSignal
 //   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
-//   shard actor --norm_ready--> comm stream --norm_done--> shard actor   (clipping)
+//   shard actor --norm_ready(exchange)--> comm stream --norm_done--> shard actor   (clipping)
 #pragma once
 
 #include <caf/allowed_unsafe_message_type.hpp>
@@ -28,13 +30,17 @@
 #include <memory>
 #include <string>
 
+#include "runtime/bucket_collectives.hpp"
 #include "runtime/failure.hpp"
 
 namespace shardflow {
 struct OptimizerGroups;
 }
-// An immutable snapshot shared between the runtime and the shard actor of the same process.
+// Process-local payloads, never serialised: an immutable snapshot shared between the runtime and
+// the shard actor, a bucket's collectives (buffers it owns), the norm exchange's ops.
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::OptimizerGroups>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::BucketCollectives>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveIssue)
 
 namespace shardflow::msg {
 
@@ -62,9 +68,11 @@ using shard_actor_t = caf::typed_actor<
 using bucket_actor_t =
     caf::typed_actor<caf::reacts_to<grad_ready_atom, std::uint32_t>, caf::reacts_to<reduced_atom, std::uint32_t, Failure>>;
 
-// bucket_ready carries the bucket actor to tell when the bucket's reduction completes.
-using comm_stream_actor_t =
-    caf::typed_actor<caf::reacts_to<set_peer_atom, shard_actor_t>, caf::reacts_to<bucket_ready_atom, std::uint32_t, bucket_actor_t>,
-                     caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom>>;
+// bucket_ready carries what the bucket puts on the link (its reduction now, its sync after its
+// step) and the bucket actor to tell when the reduction completes.
+using comm_stream_actor_t = caf::typed_actor<
+    caf::reacts_to<set_peer_atom, shard_actor_t>,
+    caf::reacts_to<bucket_ready_atom, std::uint32_t, std::shared_ptr<const BucketCollectives>, bucket_actor_t>,
+    caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>>;
 
 }  // namespace shardflow::msg

@@ -49,7 +49,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       s.phase = ShardPhase::norm_in_flight;
       sh.partial_norm();  // the exchange waits for its event (Note [Shard streams])
       if (sh.syncs()) {
-        self->send(s.comm, msg::norm_ready_atom::value);
+        self->send(s.comm, msg::norm_ready_atom::value, norm_exchange(s.shard));
         return;
       }
       s.clip_coef = sh.finish_norm();  // stage 0: every rank sees every gradient

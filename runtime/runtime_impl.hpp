@@ -3,7 +3,8 @@
 //   runtime_plan.cpp     finalizing, installing and rebuilding the bucket plan, state migration, the actors
 //   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
 //   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
-//   collective_schedule.cpp  the order of the collectives and the ops each issues (Note [Collective schedule])
+//   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
+//   bucket_collectives.cpp   what one bucket puts on the link: reduction, cast, sync
 #pragma once
 
 #include <caf/all.hpp>
@@ -194,7 +195,7 @@ struct Runtime::Impl {
   void migrate_state(const Shard& from, Shard& to);
 
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
-  std::vector<ScheduleEntry> build_schedule() const;
+  std::vector<ScheduledCollective> build_schedule() const;
 
   void spawn_actors(std::uint64_t first_iteration);
 

@@ -109,7 +109,7 @@ void Runtime::Impl::migrate_state(const Shard& from, Shard& to) {
   to.set_steps(from.steps());
 }
 
-std::vector<ScheduleEntry> Runtime::Impl::build_schedule() const {
+std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   ScheduleSpec spec;
   spec.buckets = plan.buckets.size();
   spec.syncs = shard && shard->syncs();
@@ -123,7 +123,7 @@ std::vector<ScheduleEntry> Runtime::Impl::build_schedule() const {
   spec.lag = prefetching ? std::max<std::size_t>(1, cfg.zero.interleave_lag) : cfg.zero.interleave_lag;
   spec.sync_order = sync_order;
   spec.interleaved_syncs = prefetching ? prefetch_early : spec.buckets;
-  return make_collective_schedule(collective_order(spec), {&plan, bufs, shard, events, timeline, rank, world});
+  return collective_order(spec);
 }
 
 void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
@@ -141,9 +141,10 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();
+  const BucketSources sources{&plan, bufs, shard, events, timeline, rank, world};
   for (const auto& bk : plan.buckets)
-    bucket_actors.push_back(sys.spawn(bucket_actor, bk.index, std::uint32_t(bk.entries.size()), comm_actor_h,
-                                      shard_actor_h, signal));
+    bucket_actors.push_back(sys.spawn(bucket_actor, std::make_shared<const BucketCollectives>(bk.index, sources),
+                                      std::uint32_t(bk.entries.size()), comm_actor_h, shard_actor_h, signal));
 }
 
 void Runtime::Impl::stop_actors() {

@@ -15,8 +15,8 @@ std::string spelled(const std::vector<ScheduledCollective>& order) {
   std::string s;
   for (const auto& c : order) {
     if (!s.empty()) s += ' ';
-    s += c.kind == ScheduleEntry::reduce ? "R" + std::to_string(c.bucket)
-         : c.kind == ScheduleEntry::norm ? std::string("N")
+    s += c.kind == ScheduledCollective::reduce ? "R" + std::to_string(c.bucket)
+         : c.kind == ScheduledCollective::norm ? std::string("N")
                                          : "S" + std::to_string(c.bucket);
   }
   return s;
@@ -76,8 +76,8 @@ TEST_CASE("every bucket is reduced once and synced once, whatever the settings")
           std::vector<int> reduced(B), synced(B);
           std::size_t last_reduce = 0, first_sync = order.size();
           for (std::size_t i = 0; i < order.size(); ++i) {
-            if (order[i].kind == ScheduleEntry::reduce) ++reduced[order[i].bucket], last_reduce = i;
-            if (order[i].kind == ScheduleEntry::sync) ++synced[order[i].bucket], first_sync = std::min(first_sync, i);
+            if (order[i].kind == ScheduledCollective::reduce) ++reduced[order[i].bucket], last_reduce = i;
+            if (order[i].kind == ScheduledCollective::sync) ++synced[order[i].bucket], first_sync = std::min(first_sync, i);
           }
           CAPTURE(spelled(order));
           for (std::size_t b = 0; b < B; ++b) {

@@ -17,40 +17,24 @@
 // prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
 //
 // collective_order() is the order alone, a pure function of the plan's shape and the settings (every
-// rank computes the same one); make_collective_schedule() attaches the ops each entry issues from
-// this rank's buffers and shard. The comm stream actor issues the entries strictly in order.
+// rank computes the same one). What each entry puts on the link is the bucket's to say
+// (runtime/bucket_collectives.hpp): the bucket actor hands its BucketCollectives to the comm stream
+// with its readiness, the shard actor the norm exchange with norm_ready, and the comm stream actor
+// issues the entries strictly in this order.
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <vector>
-
-#include "shardflow/communicator.hpp"
 
 namespace shardflow {
 
-class BucketBuffers;
-class BucketEvents;
-class Shard;
-class Timeline;
-struct BucketPlan;
-
 // One step of a rank's collective schedule. Every rank builds the same schedule from the same plan,
 // so issuing strictly in schedule order keeps the ranks' collectives in the same order.
-struct ScheduleEntry {
+struct ScheduledCollective {
   enum Kind : std::uint8_t { reduce, norm, sync };
   Kind kind = reduce;
-  std::uint32_t bucket = 0;
-  // Builds the entry's collectives when it is issued, not before: pooled buckets (ZeRO-2) hold a
-  // different buffer every iteration. The ops go out back to back; `on_complete` (if any) runs on
-  // the stream thread once the last one completed, before anyone is told (casting a 16-bit
-  // reduction back into fp32, Config::precision.comm_dtype).
-  struct Issue {
-    std::vector<CollectiveOp> ops;
-    std::function<void()> on_complete;
-  };
-  std::function<Issue()> make_ops;
+  std::uint32_t bucket = 0;  // 0 for the norm exchange
+  bool operator==(const ScheduledCollective&) const = default;
 };
 
 struct ScheduleSpec {
@@ -65,24 +49,6 @@ struct ScheduleSpec {
   std::size_t interleaved_syncs = ~std::size_t{0};
 };
 
-struct ScheduledCollective {
-  ScheduleEntry::Kind kind;
-  std::uint32_t bucket;  // 0 for the norm exchange
-  bool operator==(const ScheduledCollective&) const = default;
-};
-
 std::vector<ScheduledCollective> collective_order(const ScheduleSpec& spec);
-
-// Where the entries' ops find their buffers. `shard` is null without the runtime's optimizer.
-struct ScheduleSources {
-  const BucketPlan* plan = nullptr;
-  std::shared_ptr<BucketBuffers> bufs;
-  std::shared_ptr<Shard> shard;
-  std::shared_ptr<BucketEvents> events;
-  std::shared_ptr<Timeline> timeline;
-  int rank = 0, world = 1;
-};
-
-std::vector<ScheduleEntry> make_collective_schedule(const std::vector<ScheduledCollective>& order, const ScheduleSources& from);
 
 }  // namespace shardflow

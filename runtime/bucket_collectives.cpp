@@ -1,0 +1,122 @@
+#include "runtime/bucket_collectives.hpp"
+
+#include <string>
+
+#include "runtime/bucket_buffers.hpp"
+#include "runtime/device_memory.hpp"
+#include "runtime/plans/bucket_plan.hpp"
+#include "runtime/timeline.hpp"
+#include "runtime/zero/shard.hpp"
+
+namespace shardflow {
+
+BucketCollectives::BucketCollectives(std::uint32_t bucket, const BucketSources& from)
+    : b_(bucket),
+      numel_(from.plan->buckets[bucket].numel),
+      dtype_(from.plan->buckets[bucket].dtype),
+      bufs_(from.bufs),
+      shard_(from.shard),
+      events_(from.events),
+      timeline_(from.timeline),
+      rank_(from.rank),
+      world_(from.world) {}
+
+CollectiveIssue BucketCollectives::reduction() const {
+  const auto b = b_;
+  const auto& sh = shard_;
+  const auto& tl = timeline_;
+  const bool rs = sh && sh->reduce_scatters();
+  const std::size_t count = rs ? sh->shard_plan().buckets[b].slice : numel_;
+  // Config::precision.comm_dtype: fp32 gradients travel as 16-bit (cast at issue, back on completion).
+  const DType wire = sh ? sh->sync_dtype(b) : dtype_;
+  CollectiveIssue issue;
+  CollectiveOp op;
+  op.wait_event = events_->get(b);  // GPU buckets: after the backward kernels that wrote them
+  op.dtype = wire;
+  op.scale = 1.0f / float(world_);  // the average, fused into the reduction
+  op.tag = "bucket " + std::to_string(b);
+  op.count = count;
+  auto grad = bufs_->grad(b);
+  std::shared_ptr<std::byte> send = grad, recv = rs ? sh->grad_shard(b) : grad;
+  if (wire != dtype_) {
+    // Cast the whole (padded) bucket; the result comes back into the fp32 buffer it left.
+    auto wire_buf = sh->wire_buffer(b);
+    const std::size_t n = sh->shard_plan().buckets[b].padded;
+    const auto c0 = Timeline::now();
+    op.wait_event = sh->to_wire(b, events_->get(b));
+    if (tl->tracing())
+      tl->span("cast bucket " + std::to_string(b) + " to " + dtype_name(wire), "cast", Lane::cast_to, c0, Timeline::now(),
+               SpanArgs{std::int64_t(b), std::int64_t(n * 4), dtype_name(wire), -1, -1});
+    const std::size_t out = rs ? count : n;
+    std::byte* out_wire = rs ? wire_buf.get() + n * dtype_size(wire) : wire_buf.get();
+    issue.on_complete = [sh, b, out_wire, out, recv, wire_buf, tl, wire] {
+      const auto c1 = Timeline::now();
+      sh->from_wire(b, reinterpret_cast<float*>(recv.get()), out_wire, out);
+      if (tl->tracing())
+        tl->span("cast bucket " + std::to_string(b) + " from " + dtype_name(wire), "cast", Lane::cast_from, c1, Timeline::now(),
+                 SpanArgs{std::int64_t(b), std::int64_t(out * 4), "fp32", -1, -1});
+    };
+    send = wire_buf;
+    recv = wire_buf;
+    op.recv = out_wire;
+  } else {
+    op.recv = recv.get();
+  }
+  op.send = send.get();
+  op.kind = rs ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
+  op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(send, recv);
+  issue.ops.push_back(std::move(op));
+  return issue;
+}
+
+CollectiveIssue BucketCollectives::sync() const {
+  const auto b = b_;
+  const auto& bs = shard_->shard_plan().buckets[b];
+  const DType dtype = shard_->sync_dtype(b);
+  CollectiveIssue issue;
+  auto staging_buf = bufs_->staging(b);  // taken by the step's pack
+  std::byte* staging = staging_buf.get();
+  const std::size_t es = dtype_size(dtype);
+  auto op_for = [&](CollectiveKind kind, std::size_t count, std::string tag) {
+    CollectiveOp op;
+    op.kind = kind;
+    op.dtype = dtype;
+    op.count = count;
+    op.tag = std::move(tag);
+    op.wait_event = shard_->pack_event(b);
+    op.keep_alive = staging_buf;
+    return op;
+  };
+  if (bs.flat) {
+    auto op = op_for(CollectiveKind::allgather, bs.slice, "sync bucket " + std::to_string(b));
+    op.send = staging + std::size_t(rank_) * bs.slice * es;
+    op.recv = staging;
+    issue.ops.push_back(std::move(op));
+    return issue;
+  }
+  for (int k = 0; k < world_; ++k) {
+    if (bs.packed[std::size_t(k)] == 0) continue;
+    auto op = op_for(CollectiveKind::broadcast, bs.packed[std::size_t(k)],
+                     "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k));
+    op.send = op.recv = staging + bs.packed_start[std::size_t(k)] * es;
+    op.root = k;
+    issue.ops.push_back(std::move(op));
+  }
+  return issue;
+}
+
+CollectiveIssue norm_exchange(const std::shared_ptr<Shard>& shard) {
+  CollectiveIssue issue;
+  CollectiveOp op;
+  op.kind = CollectiveKind::allgather;
+  op.send = shard->norm_buffer().get() + shard->shard_plan().rank;
+  op.recv = shard->norm_buffer().get();
+  op.count = 1;
+  op.tag = "grad norm";
+  op.wait_event = shard->norm_event();
+  op.keep_alive = shard->norm_buffer();
+  issue.ops.push_back(std::move(op));
+  return issue;
+}
+
+}  // namespace shardflow

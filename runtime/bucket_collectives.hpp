@@ -1,0 +1,67 @@
+// What one bucket puts on the link: its reduction (with the 16-bit cast around it) and, with a
+// sharded optimizer, the sync of its updated parameters. Each bucket actor owns one of these and
+// hands it to the comm stream with its readiness (Note [Collective schedule]: the comm stream
+// decides when, the bucket decides what).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "shardflow/communicator.hpp"
+
+namespace shardflow {
+
+class BucketBuffers;
+class BucketEvents;
+class Shard;
+class Timeline;
+struct BucketPlan;
+
+// One schedule entry's collectives, built when the entry is issued, not before: pooled buckets
+// (ZeRO-2) hold a different buffer every iteration. The ops go out back to back; `on_complete` (if
+// any) runs on the stream thread once the last one completed, before anyone is told (casting a
+// 16-bit reduction back into fp32, Config::precision.comm_dtype).
+struct CollectiveIssue {
+  std::vector<CollectiveOp> ops;
+  std::function<void()> on_complete;
+};
+
+// Where a bucket's ops find their buffers. `shard` is null without the runtime's optimizer.
+struct BucketSources {
+  const BucketPlan* plan = nullptr;
+  std::shared_ptr<BucketBuffers> bufs;
+  std::shared_ptr<Shard> shard;
+  std::shared_ptr<BucketEvents> events;
+  std::shared_ptr<Timeline> timeline;
+  int rank = 0, world = 1;
+};
+
+class BucketCollectives {
+ public:
+  BucketCollectives(std::uint32_t bucket, const BucketSources& from);
+
+  std::uint32_t bucket() const { return b_; }
+  // The averaged reduction of the bucket's gradients: an all-reduce, or a reduce-scatter into this
+  // rank's gradient shard (ZeRO-2, flat partition); cast to the wire dtype first and back after.
+  CollectiveIssue reduction() const;
+  // The updated parameters from their owners: an all-gather of the packed slices (flat partition)
+  // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2).
+  CollectiveIssue sync() const;
+
+ private:
+  std::uint32_t b_;
+  std::size_t numel_;
+  DType dtype_;
+  std::shared_ptr<BucketBuffers> bufs_;
+  std::shared_ptr<Shard> shard_;
+  std::shared_ptr<BucketEvents> events_;
+  std::shared_ptr<Timeline> timeline_;
+  int rank_, world_;
+};
+
+// The clipping norm exchange: every rank's partial norm to every rank.
+CollectiveIssue norm_exchange(const std::shared_ptr<Shard>& shard);
+
+}  // namespace shardflow
