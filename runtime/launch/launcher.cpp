@@ -11,11 +11,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <optional>
 #include <random>
-#include <thread>
 
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/launch/node_watch.hpp"
@@ -45,22 +43,6 @@ std::string random_token() {
   return buf;
 }
 
-std::string describe_status(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    const char* abbrev = sigabbrev_np(sig);
-    return "was killed by signal " + std::to_string(sig) + (abbrev ? std::string(" (SIG") + abbrev + ")" : "");
-  }
-  return "stopped (status " + std::to_string(status) + ")";
-}
-
-int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
 void say(const std::string& line) {
   const std::string s = "shardflow run: " + line + "\n";
   [[maybe_unused]] auto w = ::write(STDERR_FILENO, s.data(), s.size());
@@ -71,7 +53,7 @@ class Supervisor {
   Supervisor(const LaunchSpec& spec) : spec_(spec) {}
 
   int run() {
-    validate();
+    validate(spec_);
     const int world = spec_.nproc_per_node * spec_.nnodes;
     std::string token = spec_.token;
     if (token.empty()) token = random_token();
@@ -140,27 +122,6 @@ class Supervisor {
   }
 
  private:
-  void validate() const {
-    if (spec_.command.empty()) throw UsageError("shardflow run: no program given (shardflow run [options] -- prog args...)");
-    if (spec_.nproc_per_node < 1) throw UsageError("shardflow run: --nproc-per-node must be >= 1");
-    if (spec_.nnodes < 1) throw UsageError("shardflow run: --nnodes must be >= 1");
-    if (spec_.node_rank < 0 || spec_.node_rank >= spec_.nnodes)
-      throw UsageError("shardflow run: --node-rank " + std::to_string(spec_.node_rank) + " is not below --nnodes " +
-                       std::to_string(spec_.nnodes));
-    if (spec_.master_port > 65535 || spec_.master_port < -1 || spec_.master_port == 0)
-      throw UsageError("shardflow run: --master-port must be in [1, 65535]");
-    if (spec_.nnodes > 1 && spec_.token.empty())
-      throw UsageError("shardflow run: with --nnodes > 1 every node's launcher needs the same job token, and a random one "
-                       "cannot be shared: pass --token T (or export SHARDFLOW_STORE_TOKEN=T) with one T for all nodes, "
-                       "e.g. T=$(head -c16 /dev/urandom | xxd -p)");
-    if (spec_.heartbeat_interval.count() <= 0 || spec_.heartbeat_timeout <= spec_.heartbeat_interval)
-      throw UsageError("shardflow run: --heartbeat-timeout must be longer than the heartbeat interval (" +
-                       std::to_string(spec_.heartbeat_interval.count()) + " ms)");
-    if (spec_.rdzv_timeout.count() <= 0) throw UsageError("shardflow run: --rdzv-timeout must be positive");
-    if (spec_.nnodes > 1 && spec_.node_rank != 0 && spec_.master_port < 0)
-      throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
-  }
-
   // Flags first, then the environment (Note [Choosing the socket address]).
   net::SocketChoice socket_choice() const {
     if (!spec_.local_addr.empty()) return {spec_.local_addr, "", "--local-addr"};
@@ -177,30 +138,7 @@ class Supervisor {
   }
 
   void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
-    std::map<std::string, std::string> env = {
-        {"RANK", std::to_string(r.global)},
-        {"WORLD_SIZE", std::to_string(world)},
-        {"LOCAL_RANK", std::to_string(r.local)},
-        {"LOCAL_WORLD_SIZE", std::to_string(spec_.nproc_per_node)},
-        {"GROUP_RANK", std::to_string(spec_.node_rank)},
-        {"MASTER_ADDR", store_at_},
-        {"MASTER_PORT", std::to_string(port)},
-        {"SHARDFLOW_LAUNCHER", "1"},
-        {"SHARDFLOW_STORE_HOSTED", "1"},
-        {"SHARDFLOW_STORE_TOKEN", token},
-        {"SHARDFLOW_STORE_PORT", std::to_string(port)},
-    };
-    // The ranks bind where this launcher chose (flags reach them as the variables they read).
-    if (socket_.origin == "--local-addr") env["SHARDFLOW_SOCKET_ADDR"] = socket_.address;
-    if (socket_.origin == "--iface") env["SHARDFLOW_SOCKET_IFNAME"] = socket_.ifname;
-    // NCCL's bootstrap reads its own variable; one the user set wins.
-    const char* nccl_ifname = std::getenv("NCCL_SOCKET_IFNAME");
-    if (!socket_.ifname.empty() && !(nccl_ifname && *nccl_ifname)) env["NCCL_SOCKET_IFNAME"] = socket_.ifname;
-    // N ranks share the node's cores: without a hint every rank's BLAS would use all of them.
-    if (!std::getenv("OMP_NUM_THREADS")) {
-      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-      env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / unsigned(spec_.nproc_per_node)));
-    }
+    const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;

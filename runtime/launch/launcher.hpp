@@ -40,6 +40,9 @@ struct LaunchSpec {
   std::vector<std::string> command;
 };
 
+// Refuses a spec that cannot run, naming the flag (launch_spec.cpp).
+void validate(const LaunchSpec& spec);
+
 // Runs the job; returns the launcher's exit status (0 when every rank exited 0).
 int run(const LaunchSpec& spec);
 

@@ -2,10 +2,14 @@
 
 #include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "shardflow/errors.hpp"
 
@@ -48,6 +52,50 @@ RankProcess start_rank_process(const std::vector<std::string>& command, const st
   ::close(out[1]);
   ::close(err[1]);
   return {pid, out[0], err[0]};
+}
+
+std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, const net::SocketChoice& socket, const RankIds& ids) {
+  std::map<std::string, std::string> env = {
+      {"RANK", std::to_string(ids.global)},
+      {"WORLD_SIZE", std::to_string(ids.world)},
+      {"LOCAL_RANK", std::to_string(ids.local)},
+      {"LOCAL_WORLD_SIZE", std::to_string(spec.nproc_per_node)},
+      {"GROUP_RANK", std::to_string(spec.node_rank)},
+      {"MASTER_ADDR", ids.store_host},
+      {"MASTER_PORT", std::to_string(ids.store_port)},
+      {"SHARDFLOW_LAUNCHER", "1"},
+      {"SHARDFLOW_STORE_HOSTED", "1"},
+      {"SHARDFLOW_STORE_TOKEN", ids.token},
+      {"SHARDFLOW_STORE_PORT", std::to_string(ids.store_port)},
+  };
+  // The ranks bind where this launcher chose (flags reach them as the variables they read).
+  if (socket.origin == "--local-addr") env["SHARDFLOW_SOCKET_ADDR"] = socket.address;
+  if (socket.origin == "--iface") env["SHARDFLOW_SOCKET_IFNAME"] = socket.ifname;
+  // NCCL's bootstrap reads its own variable; one the user set wins.
+  const char* nccl_ifname = std::getenv("NCCL_SOCKET_IFNAME");
+  if (!socket.ifname.empty() && !(nccl_ifname && *nccl_ifname)) env["NCCL_SOCKET_IFNAME"] = socket.ifname;
+  // N ranks share the node's cores: without a hint every rank's BLAS would use all of them.
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / unsigned(spec.nproc_per_node)));
+  }
+  return env;
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* abbrev = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) + (abbrev ? std::string(" (SIG") + abbrev + ")" : "");
+  }
+  return "stopped (status " + std::to_string(status) + ")";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
 }
 
 }  // namespace shardflow::launch

@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "runtime/bootstrap/net_address.hpp"
+#include "runtime/launch/launcher.hpp"
+
 namespace shardflow::launch {
 
 struct RankProcess {
@@ -21,5 +24,22 @@ struct RankProcess {
 // the program starts with (the launcher's own blocks the signals it reads through a signalfd).
 RankProcess start_rank_process(const std::vector<std::string>& command, const std::map<std::string, std::string>& env,
                                const sigset_t& child_mask);
+
+// Who a rank is and where it finds the job's store.
+struct RankIds {
+  int global = 0, local = 0, world = 1;
+  std::string store_host;
+  int store_port = 0;
+  std::string token;
+};
+
+// The torchrun-style environment of one rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), the
+// launcher's socket choice as the variables the rank reads, and a BLAS thread hint.
+std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, const net::SocketChoice& socket, const RankIds& ids);
+
+// A waitpid status in words ("exited with status 3", "was killed by signal 9 (SIGKILL)"), and the
+// launcher's exit code for it (a failure is never 0; a signal is 128 + its number, as shells do).
+std::string describe_status(int status);
+int exit_code_of(int status);
 
 }  // namespace shardflow::launch
