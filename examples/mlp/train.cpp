@@ -8,8 +8,8 @@
 
 #include "examples/mlp/device_model.hpp"
 #include "examples/mlp/model.hpp"
+#include "examples/mlp/rank_model.hpp"
 #include "examples/mlp/rng.hpp"
-#include "kernels/cpu/elementwise.hpp"
 #include "kernels/cpu/linear.hpp"
 
 namespace shardflow::mlp {
@@ -176,175 +176,30 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
   }
 }
 
-// `slot`: where this rank's memory reports go in the result (its rank when ranks are threads, 0
-// when this process is one rank of many).
+// One rank's life, on any device: the model adapter (rank_model.hpp) registers, computes and
+// steps; this loop owns the runtime, the schedule of steps and what the result reports. `slot`:
+// where this rank's memory reports go in the result (its rank when ranks are threads, 0 when this
+// process is one rank of many).
 void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
   const auto& opt = sh.opt;
   Model model = initial_model(sh);
-
+  const auto adapter =
+      opt.device.kind == Device::Kind::cuda ? make_device_rank_model(model, opt) : make_host_rank_model(model, opt);
   Runtime rt(comm, opt.runtime);
-  // Mixed precision: the registered storage is 16-bit; `model` computes in fp32 copies of it, and
-  // its fp32 gradients are added into the runtime's 16-bit gradient buffers when complete.
-  const DType pdt = opt.param_dtype;
-  const bool half = pdt != DType::f32;
-  std::vector<std::vector<std::uint16_t>> store;  // [2*layer + bias]
-  std::vector<std::vector<float>> scratch;        // fp32 gradients before they go into the bucket
-  std::vector<Param> handles;  // [2*layer + bias]
-  for (std::size_t i = 0; i < model.layers().size(); ++i) {
-    auto& l = model.layers()[i];
-    for (bool bias : {false, true}) {
-      auto& v = bias ? l.bias : l.weight;
-      void* data = v.data();
-      if (half) {
-        store.emplace_back(v.size());
-        kernels::convert_from_f32(pdt, store.back().data(), v.data(), v.size());
-        kernels::convert_to_f32(pdt, v.data(), store.back().data(), v.size());  // start from what 16 bits hold
-        scratch.emplace_back(v.size());
-        data = store.back().data();
-      }
-      const Shape shape = bias ? Shape{l.out} : Shape{l.out, l.in};
-      handles.push_back(rt.register_param({Model::param_name(int(i), bias), shape, pdt, Device::cpu(), data}));
-    }
-  }
-  auto refresh_layer = [&](std::size_t i) {  // the runtime updated the 16-bit storage: fp32 copies anew
-    if (!half) return;
-    auto& l = model.layers()[i];
-    kernels::convert_to_f32(pdt, l.weight.data(), store[2 * i].data(), l.weight.size());
-    kernels::convert_to_f32(pdt, l.bias.data(), store[2 * i + 1].data(), l.bias.size());
-  };
-  const bool prefetch = opt.runtime.zero.forward_prefetch;
-  // Forward prefetch: a layer's parameters may still be arriving; wait for them right before use.
-  std::function<void(int)> before_layer;
-  if (prefetch)
-    before_layer = [&](int i) {
-      rt.wait_param(handles[std::size_t(2 * i)]);
-      rt.wait_param(handles[std::size_t(2 * i + 1)]);
-      refresh_layer(std::size_t(i));
-    };
-  auto grad_slot = [&](int l, bool b) -> float* {
-    const auto k = std::size_t(2 * l + b);
-    if (!half) return rt.grad_f32(handles[k]);
-    std::fill(scratch[k].begin(), scratch[k].end(), 0.0f);
-    return scratch[k].data();
-  };
-  auto grad_done = [&](int l, bool b) {
-    const auto k = std::size_t(2 * l + b);
-    if (half) {  // accumulate into the 16-bit bucket (autograd semantics), rounding once
-      auto* g = static_cast<std::uint16_t*>(rt.grad(handles[k]));
-      auto& sc = scratch[k];  // reused in place: scratch += bucket, then back into the bucket
-      for (std::size_t e = 0; e < sc.size(); ++e) {
-        float have;
-        kernels::convert_to_f32(pdt, &have, g + e, 1);
-        sc[e] += have;
-      }
-      kernels::convert_from_f32(pdt, g, sc.data(), sc.size());
-    }
-    rt.grad_ready(handles[k]);
-  };
-  rt.finalize();
-  std::optional<Optimizer> optim;
-  if (opt.optimizer_in_runtime)
-    rt.configure_optimizer(opt.optimizer);
-  else
-    optim.emplace(opt.optimizer);
-  {
-    std::lock_guard lock(sh.mu);
-    sh.result.memory[slot] = rt.memory_report();
-  }
-  train_steps(
-      sh, rank, comm, rt,
-      [&](const float* x, const float* y, int rows, double denom) {
-        float loss;
-        {
-          auto span = rt.span("forward", "forward");
-          loss = model.forward(x, y, rows, before_layer);
-        }
-        auto span = rt.span("backward", "backward");
-        model.backward(y, denom, grad_slot, grad_done);
-        return loss;
-      },
-      [&](int) {
-        if (!prefetch)
-          for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
-        if (optim) {
-          auto span = rt.span("trainer's optimizer step", "step");
-          for (std::size_t i = 0; i < model.layers().size(); ++i) {
-            auto& l = model.layers()[i];
-            optim->step(l.weight.data(), rt.grad_f32(handles[2 * i]), l.weight.size(), 2 * i);
-            optim->step(l.bias.data(), rt.grad_f32(handles[2 * i + 1]), l.bias.size(), 2 * i + 1);
-          }
-          optim->end_step();
-        }
-      });
-  rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
-  for (std::size_t i = 0; i < model.layers().size(); ++i) refresh_layer(i);
-  finish_rank(sh, rank, rt, model, slot);
-}
-
-// run_rank on a GPU: the same schedule, with the model's kernels and the bucket events on the
-// model's stream (Runtime::set_stream); the runtime's optimizer steps its shard on the device, or
-// (optimizer_in_runtime off) the trainer steps every parameter there after wait().
-void run_rank_device(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
-  const auto& opt = sh.opt;
-  Model model = initial_model(sh);
-  DeviceModel dm(model, opt.device.index);
-  Runtime rt(comm, opt.runtime);
-  rt.set_stream(dm.stream());
-  std::vector<Param> handles;  // [2*layer + bias]
-  for (std::size_t i = 0; i < model.layers().size(); ++i) {
-    const auto& l = model.layers()[i];
-    for (bool bias : {false, true})
-      handles.push_back(rt.register_param({Model::param_name(int(i), bias), bias ? Shape{l.out} : Shape{l.out, l.in},
-                                           DType::f32, opt.device, dm.param(int(i), bias)}));
-  }
+  adapter->attach(rt);
   rt.finalize();
   if (opt.optimizer_in_runtime) rt.configure_optimizer(opt.optimizer);
   {
     std::lock_guard lock(sh.mu);
     sh.result.memory[slot] = rt.memory_report();
   }
-  const bool prefetch = opt.runtime.zero.forward_prefetch;
-  std::function<void(int)> before_layer;  // forward prefetch: the compute stream waits per layer
-  if (prefetch)
-    before_layer = [&](int i) {
-      rt.wait_param(handles[std::size_t(2 * i)]);
-      rt.wait_param(handles[std::size_t(2 * i + 1)]);
-    };
-  auto grad_slot = [&](int l, bool b) { return rt.grad_f32(handles[std::size_t(2 * l + b)]); };
-  auto grad_done = [&](int l, bool b) { rt.grad_ready(handles[std::size_t(2 * l + b)]); };
   train_steps(
       sh, rank, comm, rt,
-      [&](const float* x, const float* y, int rows, double denom) {
-        {
-          auto span = rt.span("forward (enqueue)", "forward");
-          dm.forward(x, y, rows, before_layer);
-        }
-        {
-          auto span = rt.span("backward (enqueue)", "backward");
-          dm.backward(denom, grad_slot, grad_done);
-        }
-        return opt.report_loss ? dm.loss() : 0.0f;  // waits for this rank's backward, not for the reductions
-      },
-      [&](int step) {
-        if (!opt.optimizer_in_runtime)
-          for (std::size_t i = 0; i < model.layers().size(); ++i)
-            for (bool bias : {false, true}) {
-              const auto k = 2 * i + bias;
-              const auto& l = model.layers()[i];
-              dm.step(opt.optimizer, dm.param(int(i), bias), rt.grad_f32(handles[k]),
-                      bias ? l.bias.size() : l.weight.size(), k, step + 1);
-            }
-      });
-  rt.wait_all_params();  // the last iteration's updates, before the parameters are read back
-  dm.download(model);
+      [&](const float* x, const float* y, int rows, double denom) { return adapter->micro_batch(rt, x, y, rows, denom); },
+      [&](int step) { adapter->after_step(rt, step); });
+  rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
+  adapter->finish(rt, model);
   finish_rank(sh, rank, rt, model, slot);
-}
-
-void run_any_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
-  if (sh.opt.device.kind == Device::Kind::cuda)
-    run_rank_device(sh, rank, comm, slot);
-  else
-    run_rank(sh, rank, comm, slot);
 }
 
 bool is_consequence(const std::exception_ptr& e) {
@@ -417,7 +272,7 @@ TrainResult train(const TrainOptions& opt) {
   for (int r = 0; r < opt.world_size; ++r)
     threads.emplace_back([&sh, &world, r] {
       try {
-        run_any_rank(sh, r, world->communicator(r), std::size_t(r));
+        run_rank(sh, r, world->communicator(r), std::size_t(r));
       } catch (...) {
         std::lock_guard lock(sh.mu);
         // Keep the root cause: a peer's "aborted" CommError is only a consequence of it.
@@ -442,7 +297,7 @@ TrainResult train_rank(const TrainOptions& options, const std::shared_ptr<Commun
   sh.result.memory.resize(1);
   sh.result.memory_end.resize(1);
   try {
-    run_any_rank(sh, comm->rank(), comm, 0);
+    run_rank(sh, comm->rank(), comm, 0);
   } catch (const std::exception& e) {
     // Peers blocked in a collective with this rank fail promptly instead of at the timeout.
     comm->abort("rank " + std::to_string(comm->rank()) + " failed: " + e.what());
