@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out, "write every point as JSON (bench/plot_overlap.py draws it)");
   app.add_option("--trace-dir", trace_dir, "write each point's Chrome trace there (stage<s>_<mode>_<ratio>.json)");
   CLI11_PARSE(app, argc, argv);
+  if (!trace_dir.empty()) std::filesystem::create_directories(trace_dir);
   base.iterations = std::max(base.iterations, 8);
   base.world = world;
   base.forward_per_layer = microseconds(fwd_us);
