@@ -2,11 +2,10 @@
 
 #include <caf/all.hpp>
 
+#include "runtime/plans/run_plan.hpp"  // kStagingInFlight
 
 namespace shardflow {
 namespace {
-
-constexpr std::size_t kStagingInFlight = 2;
 
 void reset(ShardActorState& s) {
   std::fill(s.reduced.begin(), s.reduced.end(), 0);

@@ -36,6 +36,7 @@ BucketBuffers::BucketBuffers(std::vector<std::size_t> bytes, bool pooled, Alloca
     staging_[b] = grad_[b];
     allocated_ += bytes_[b];
   }
+  peak_ = allocated_;
 }
 
 std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capacity, bool zero) {
@@ -44,8 +45,16 @@ std::shared_ptr<std::byte> BucketBuffers::take(std::size_t b, std::size_t& capac
   for (std::size_t i = 0; i < free_.size(); ++i)
     if (free_[i].capacity >= need && (best == free_.size() || free_[i].capacity < free_[best].capacity)) best = i;
   if (best == free_.size()) {
+    // None fits: a free buffer too small for this bucket goes, so the pool never holds more
+    // buffers than were ever in use at once (the bound `shardflow plan` states).
+    if (!free_.empty()) {
+      const auto small = std::max_element(free_.begin(), free_.end(), [](const Free& a, const Free& b) { return a.capacity < b.capacity; });
+      allocated_ -= small->capacity;
+      free_.erase(small);
+    }
     capacity = need;
     allocated_ += need;
+    peak_ = std::max(peak_, allocated_);
     return allocate_(need);
   }
   auto buf = std::move(free_[best].buf);
@@ -128,7 +137,7 @@ void BucketBuffers::zero_held() {
 
 std::size_t BucketBuffers::allocated_bytes() const {
   std::lock_guard lock(mu_);
-  return allocated_;
+  return peak_;
 }
 
 }  // namespace shardflow

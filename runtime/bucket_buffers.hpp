@@ -50,7 +50,7 @@ class BucketBuffers {
   void release_staging(std::size_t b);
 
   void zero_held();                  // zero_grad(): zeroes the gradient buffers held now
-  std::size_t allocated_bytes() const;  // everything ever allocated (pooled: the peak in flight)
+  std::size_t allocated_bytes() const;  // the most ever allocated at once (pooled: the peak in flight)
 
  private:
   // Best fit from the free list, else a new buffer of exactly the bucket's size (buckets differ a
@@ -70,7 +70,7 @@ class BucketBuffers {
   std::vector<std::shared_ptr<std::byte>> grad_, staging_;
   std::vector<std::size_t> grad_cap_, staging_cap_;  // capacity of the buffer each one holds
   std::vector<Free> free_;
-  std::size_t allocated_ = 0;
+  std::size_t allocated_ = 0, peak_ = 0;
   std::size_t held_grads_ = 0, reducing_ = 0;
   std::vector<char> is_reducing_;
   std::condition_variable released_;

@@ -37,7 +37,11 @@ CollectiveIssue BucketCollectives::reduction() const {
   op.tag = "bucket " + std::to_string(b);
   op.count = count;
   auto grad = bufs_->grad(b);
-  std::shared_ptr<std::byte> send = grad, recv = rs ? sh->grad_shard(b) : grad;
+  std::shared_ptr<std::byte> send = grad, recv = grad;
+  if (rs) {  // into the rank's own shard, or (not pooled) its slice of the bucket, in place
+    recv = sh->grad_shard(b);
+    if (!recv) recv = std::shared_ptr<std::byte>(grad, grad.get() + std::size_t(rank_) * count * dtype_size(dtype_));
+  }
   if (wire != dtype_) {
     // Cast the whole (padded) bucket; the result comes back into the fp32 buffer it left.
     auto wire_buf = sh->wire_buffer(b);

@@ -33,8 +33,8 @@ void Config::validate() const {
   if (int(zero.stage) > 2) bad("zero.stage", "must be 0, 1 or 2, got " + std::to_string(int(zero.stage)));
   const auto wire = precision.comm_dtype;
   if (wire != DType::f32 && wire != DType::bf16 && wire != DType::f16) bad("precision.comm_dtype", "must be fp32, bf16 or fp16");
-  if (zero.max_buckets_in_flight < 2)
-    bad("zero.max_buckets_in_flight", "must be >= 2 (one bucket being written, one being reduced)");
+  if (zero.max_buckets_in_flight == 1)
+    bad("zero.max_buckets_in_flight", "must be 0 (the memory budget's choice) or >= 2 (one bucket being written, one being reduced)");
   if (zero.clip_grad_norm < 0.0f) bad("zero.clip_grad_norm", "must be >= 0 (0 turns clipping off)");
   if (zero.clip_grad_norm > 0.0f && zero.clip_norm_type != 2.0f && !std::isinf(zero.clip_norm_type))
     bad("zero.clip_norm_type", "must be 2 or infinity, got " + std::to_string(zero.clip_norm_type));

@@ -23,7 +23,7 @@ std::shared_ptr<std::byte> Runtime::Impl::bucket_grad(std::uint32_t b) {
   }
   const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);
   if (!limit) return bufs->grad(b, 0, cfg.timeouts.collective);
-  return blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, cfg.zero.max_buckets_in_flight, cfg.timeouts.collective); });
+  return blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, caps.grads_in_flight, cfg.timeouts.collective); });
 }
 
 void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {

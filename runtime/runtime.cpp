@@ -343,6 +343,18 @@ std::vector<BucketInfo> Runtime::buckets() const {
   return out;
 }
 
+std::vector<OwnedPiece> Runtime::owned() const {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  std::vector<OwnedPiece> out;
+  if (!I.shard) return out;
+  const auto& sp = I.shard->shard_plan();
+  for (const auto& bs : sp.buckets)
+    for (const auto& piece : bs.pieces[std::size_t(sp.rank)])
+      out.push_back({I.name_of(piece.param), piece.param_off, piece.param_off + piece.len});
+  return out;
+}
+
 std::vector<std::string> Runtime::collective_log() const { return impl_->collectives->lines(); }
 
 void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
@@ -372,7 +384,9 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
     if (og->group_of[i] == ~0u) og->group_of[i] = 0;
   I.groups = std::move(og);
   I.shard.reset();
-  I.install_plan(BucketPlan(I.plan), I.iterations);
+  // The optimizer may change the caps (stage 2's memory budget): the buckets anew, in the order
+  // the current ones were made in (no iteration has run yet: the registration order reversed).
+  I.install_plan(I.make_plan(reverse_registration_order(I.registry.size())), I.iterations);
 }
 
 void Runtime::set_lr(std::size_t group, float lr) {

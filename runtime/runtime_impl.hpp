@@ -18,6 +18,7 @@
 #include "runtime/plans/bucket_plan.hpp"
 #include "runtime/bucket_readiness.hpp"
 #include "runtime/plans/collective_schedule.hpp"
+#include "runtime/plans/run_plan.hpp"
 #include "runtime/collective_log.hpp"
 #include "runtime/device_memory.hpp"
 #include "runtime/process_actor_system.hpp"
@@ -62,6 +63,7 @@ struct Runtime::Impl {
   std::mutex finalize_mu;
   std::atomic<bool> finalized{false};
   BucketPlan plan;
+  BucketCaps caps;  // the plan's bucket caps and stage 2's in-flight limits (Note [Memory at the ZeRO formula])
   std::shared_ptr<BucketBuffers> bufs;  // the buckets' flat buffers (Note [Pooled buckets (ZeRO-2)])
   // Each bucket's gradients still to come in this synchronised pass (Note [One count per bucket]).
   std::unique_ptr<BucketReadiness> readiness;
@@ -175,6 +177,10 @@ struct Runtime::Impl {
 
   // ---------------------------------------------------------------------------------------------
   void ensure_finalized();
+
+  // The bucket plan for gradients expected in `order`, with the caps the settings give (stage 2's
+  // memory budget among them: runtime/plans/run_plan.hpp, as `shardflow plan` computes it). Sets `caps`.
+  BucketPlan make_plan(const std::vector<std::uint32_t>& order);
 
   // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
   // after a reduction, whose results the trainer is about to use) and starts its actors.

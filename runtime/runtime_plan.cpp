@@ -50,11 +50,16 @@ void Runtime::Impl::ensure_finalized() {
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);
   order.assign(n, 0);
-  install_plan(make_bucket_plan(registry.params(), reverse_registration_order(n), cfg.buckets.first_cap_bytes,
-                                cfg.buckets.cap_bytes), 0);
+  install_plan(make_plan(reverse_registration_order(n)), 0);
   log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
             comm->backend_name(), world, plan.describe());
   finalized.store(true, std::memory_order_release);
+}
+
+BucketPlan Runtime::Impl::make_plan(const std::vector<std::uint32_t>& order) {
+  caps = bucket_caps(registry.params(), order, PlanSettings::from(cfg, world, groups ? groups->state_slots() : 0, groups != nullptr));
+  if (!caps.warning.empty() && rank == 0) log->info("{}", caps.warning);
+  return make_bucket_plan(registry.params(), order, caps.first, caps.cap);
 }
 
 void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration) {
@@ -65,7 +70,7 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
     std::vector<std::size_t> bytes;
     for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
       bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
-    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), cfg.zero.stage == ZeroStage::gradients && shard_plan.sharded, allocator(), zeroer());
+    next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), caps.pooled, allocator(), zeroer());
     next_shard = std::make_shared<Shard>(int(cfg.zero.stage), cfg, registry.params(), next, std::move(shard_plan), groups,
                                          next_bufs, mem);
   } else {
@@ -171,7 +176,7 @@ void Runtime::Impl::rebuild_from_observed_order() {
     collectives->record(op);
     comm->run(op, cfg.timeouts.collective);
   }
-  auto next = make_bucket_plan(registry.params(), observed, cfg.buckets.first_cap_bytes, cfg.buckets.cap_bytes);
+  auto next = make_plan(observed);
   rebuilt = true;
   if (same_layout(plan, next)) return;
   install_plan(std::move(next), iterations + 1);  // inside wait(): the actors start the next iteration

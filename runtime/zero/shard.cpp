@@ -159,13 +159,14 @@ void Shard::mark_done(std::size_t b) { ops_->record(slot(done_slot, b)); }
 void Shard::join_compute() { ops_->fence_compute(trainer_fence()); }
 void Shard::join_bucket(std::size_t b) { ops_->compute_after(slot(done_slot, b)); }
 
-std::size_t Shard::state_slots() const {
-  const auto& h = groups_->groups.front();
-  if (h.kind != OptimizerConfig::Kind::sgd) return 2;
-  for (const auto& g : groups_->groups)
+std::size_t OptimizerGroups::state_slots() const {
+  if (groups.front().kind != OptimizerConfig::Kind::sgd) return 2;
+  for (const auto& g : groups)
     if (g.momentum != 0.0f) return 1;
   return 0;
 }
+
+std::size_t Shard::state_slots() const { return groups_->state_slots(); }
 
 std::size_t Shard::migrate_slots() const {
   for (const auto& m : master_)

@@ -24,6 +24,8 @@ namespace shardflow {
 struct OptimizerGroups {
   std::vector<OptimizerConfig> groups;
   std::vector<std::uint32_t> group_of;  // by parameter
+  // fp32 words of state per element: Adam 2, SGD with momentum (in any group) 1, plain SGD 0.
+  std::size_t state_slots() const;
 };
 
 class Shard {
@@ -36,10 +38,15 @@ class Shard {
   const BucketPlan& plan() const { return plan_; }
   const ShardPlan& shard_plan() const { return shard_; }
   int stage() const { return stage_; }
-  // Stage 2 keeps only its shard of the reduced gradients (Note [Pooled buckets (ZeRO-2)]): flat
-  // slices arrive by reduce-scatter, other partitions are extracted from the all-reduced bucket.
-  bool keeps_grad_shard() const { return stage_ == 2 && shard_.sharded; }
-  bool reduce_scatters() const { return keeps_grad_shard() && flat_; }
+  // Stage 2 with pooled buckets keeps only its shard of the reduced gradients in a buffer of its
+  // own (Note [Pooled buckets (ZeRO-2)]): flat slices arrive by reduce-scatter, other partitions
+  // are copied out of the all-reduced bucket.
+  bool keeps_grad_shard() const { return stage_ == 2 && shard_.sharded && buffers_->pooled(); }
+  // Stage 2 with the flat partition reduce-scatters: into the rank's own gradient shard when the
+  // buckets are pooled, else into the rank's slice of the bucket itself, in place (Note [Memory
+  // at the ZeRO formula]). Other partitions own pieces of unequal size: their buckets are
+  // all-reduced (and, pooled, the owned pieces copied out).
+  bool reduce_scatters() const { return stage_ == 2 && shard_.sharded && flat_; }
   bool syncs() const { return shard_.sharded; }
   bool clips() const { return clip_max_ > 0.0f; }
 

@@ -87,9 +87,12 @@ struct ZeroConfig {
   int prefetch_syncs_in_backward = -1;
   // Stage 2 holds a bucket's gradient buffer only from its first gradient until its reduction is
   // in the rank's shard. At most this many are held at once in a synchronised pass: asking for a
-  // gradient of a further bucket (Runtime::grad) waits until one is reduced. Trainers that report
-  // each gradient right after writing it need 2; the default leaves room for several threads.
-  std::size_t max_buckets_in_flight = 4;
+  // gradient of a further bucket (Runtime::grad) waits until one is reduced. 0 (default): 2 (one
+  // being written, one reduced), and the bucket caps shrink so that the buckets in flight take at
+  // most what sharding the gradients saves: stage 2 never holds more than stage 1 (Note [Memory at
+  // the ZeRO formula]). Raise it for trainers that write several buckets' gradients at once
+  // (threads); the budget then counts this many.
+  std::size_t max_buckets_in_flight = 0;
   // clip_grad_norm over all parameters of all shards (0: off); norm type 2 or infinity.
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;

@@ -45,6 +45,14 @@ struct BucketInfo {
   std::vector<std::string> params;  // in the order they sit in the flat buffer
 };
 
+// A piece of a parameter this rank owns (keeps optimizer state for and steps): elements
+// [begin, end) of its flat storage; the whole parameter when begin is 0 and end its numel.
+struct OwnedPiece {
+  std::string param;
+  std::size_t begin = 0, end = 0;
+  bool operator==(const OwnedPiece&) const = default;
+};
+
 // Parameters that share optimizer hyper-parameters (lr, weight decay, betas...). Every group uses
 // the same optimizer kind.
 struct ParamGroup {
@@ -202,6 +210,9 @@ class Runtime {
 
   std::uint64_t iteration() const;               // completed synchronised iterations
   std::vector<BucketInfo> buckets() const;       // current bucket plan
+  // What this rank owns with the runtime's optimizer, bucket by bucket (the padding of the flat
+  // partition left out); empty without configure_optimizer. `shardflow plan` predicts it.
+  std::vector<OwnedPiece> owned() const;
   std::vector<std::string> collective_log() const;  // every collective this rank issued, in order
 
  private:

@@ -1,12 +1,14 @@
-// shardflow: the command-line entry point. One subcommand for now:
+// shardflow: the command-line entry point.
 //
 //   shardflow run --nproc-per-node N [--nnodes M --node-rank R (--master-addr A --master-port P |
 //                 --rdzv-endpoint A:P) --token T --iface NAME] -- prog args...
+//   shardflow plan --params model.json --world-size N [--zero-stage S --partition P ...] [--json]
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <cstdlib>
 
+#include "runtime/cli/plan_command.hpp"
 #include "runtime/launch/launcher.hpp"
 
 int main(int argc, char** argv) {
@@ -35,7 +37,9 @@ int main(int argc, char** argv) {
   run->add_option("--kill-grace", grace_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")->capture_default_str();
   run->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
+  const auto plan = shardflow::cli::add_plan_command(app);
   CLI11_PARSE(app, argc, argv);
+  if (const int status = plan(); status >= 0) return status;
   if (spec.token.empty())
     if (const char* t = std::getenv("SHARDFLOW_STORE_TOKEN")) spec.token = t;
   spec.prefix_output = !no_prefix;

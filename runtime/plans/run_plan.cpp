@@ -1,0 +1,222 @@
+#include "runtime/plans/run_plan.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "shardflow/errors.hpp"
+
+namespace shardflow {
+namespace {
+
+std::size_t param_bytes(const ParamSpec& p) { return std::size_t(numel(p.shape)) * dtype_size(p.dtype); }
+
+std::string mib(std::size_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f MiB", double(bytes) / 1048576.0);
+  return b;
+}
+
+bool sharded(const PlanSettings& s) { return s.optimizer && s.stage >= ZeroStage::optimizer_state && s.world > 1; }
+
+}  // namespace
+
+PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_slots, bool optimizer) {
+  PlanSettings s;
+  s.world = world;
+  s.stage = cfg.zero.stage;
+  s.partition = cfg.zero.partition;
+  s.first_cap_bytes = cfg.buckets.first_cap_bytes;
+  s.cap_bytes = cfg.buckets.cap_bytes;
+  s.max_buckets_in_flight = cfg.zero.max_buckets_in_flight;
+  s.state_slots = state_slots;
+  s.comm_dtype = cfg.precision.comm_dtype;
+  s.optimizer = optimizer;
+  return s;
+}
+
+BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
+  BucketCaps c;
+  c.first = s.first_cap_bytes;
+  c.cap = s.cap_bytes;
+  if (!(sharded(s) && s.stage == ZeroStage::gradients)) return c;
+  c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
+  const std::size_t slots = c.grads_in_flight + kStagingInFlight;
+  std::size_t total = 0, largest = 0;
+  const ParamSpec* big = nullptr;
+  for (const auto& p : params) {
+    total += param_bytes(p);
+    if (param_bytes(p) > largest) largest = param_bytes(p), big = &p;
+  }
+  // What sharding the gradients saves: the buckets in flight may take that much.
+  c.budget = total / std::size_t(s.world) * std::size_t(s.world - 1);
+  const std::size_t per_slot = c.budget / slots;
+  if (largest > per_slot) {
+    // One parameter alone overfills a slot: pooling could hold more than stage 1's whole buckets.
+    // Keep whole buckets (stage 1's memory) and reduce-scatter in place instead.
+    c.warning = "stage 2 keeps whole gradient buckets (as stage 1) for this model: parameter '" + big->name + "' (" +
+                mib(largest) + ") is larger than the in-flight budget allows per bucket (" + mib(c.budget) + " over " +
+                std::to_string(slots) + " buckets in flight), so holding buckets only while in flight could cost more " +
+                "than it saves";
+    return c;
+  }
+  c.pooled = true;
+  // The largest cap whose buckets all fit a slot. A bucket closes once it reaches its cap, so it
+  // may pass the cap by up to one parameter: try the plan rather than assume the worst case.
+  auto fits = [&](std::size_t cap) {
+    const auto plan = make_bucket_plan(params, order, std::min(c.first, cap), cap);
+    for (const auto& b : plan.buckets)
+      if (b.bytes() > per_slot) return false;
+    return true;
+  };
+  std::size_t lo = 1, hi = std::min(c.cap, per_slot);  // fits(1): every parameter alone, each <= per_slot
+  if (fits(hi)) lo = hi;
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  c.cap = lo;
+  c.first = std::min(c.first, c.cap);
+  return c;
+}
+
+RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& plan, const ShardPlan& shard,
+                       const PlanSettings& s, const BucketCaps& caps) {
+  RankMemory m;
+  for (const auto& p : params) m.params += param_bytes(p);
+  const auto r = std::size_t(shard.rank);
+  const bool stage2 = sharded(s) && s.stage == ZeroStage::gradients;
+  std::size_t largest = 0;
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+    const auto& bk = plan.buckets[b];
+    const auto& bs = shard.buckets[b];
+    const std::size_t es = dtype_size(bk.dtype);
+    const std::size_t buffer = (s.optimizer ? bs.padded : bk.numel) * es;
+    largest = std::max(largest, buffer);
+    if (!caps.pooled) m.grads += buffer;
+    if (stage2 && caps.pooled) m.grads += bs.packed[r] * es;  // the rank's reduced gradient shard
+    if (!s.optimizer) continue;
+    const DType wire = bk.dtype == DType::f32 ? s.comm_dtype : bk.dtype;
+    const bool masters = wire != DType::f32 || bk.dtype != DType::f32;
+    m.optimizer_state += bs.packed[r] * 4 * (s.state_slots + (masters ? 1 : 0));
+    if (bk.dtype == DType::f32 && s.comm_dtype != DType::f32) m.comm_buffers += (bs.padded + bs.slice) * dtype_size(s.comm_dtype);
+  }
+  // Pooled (stage 2): at most grads_in_flight gradient and kStagingInFlight staging buffers at
+  // once, none larger than the largest bucket (BucketBuffers drops a free buffer too small to reuse).
+  if (caps.pooled) m.grads += (caps.grads_in_flight + kStagingInFlight) * largest;
+  if (s.optimizer) m.comm_buffers += std::size_t(s.world) * 4;  // the norm exchange
+  return m;
+}
+
+RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
+  if (s.world < 1) throw UsageError("--world-size must be >= 1, got " + std::to_string(s.world));
+  if (params.empty()) throw UsageError("the model has no parameters");
+  RunPlan rp;
+  rp.settings = s;
+  const auto order = reverse_registration_order(params.size());
+  rp.caps = bucket_caps(params, order, s);
+  rp.buckets = make_bucket_plan(params, order, rp.caps.first, rp.caps.cap);
+  for (int r = 0; r < s.world; ++r) {
+    rp.shards.push_back(make_shard_plan(rp.buckets, params, s.partition, s.world, r, sharded(s)));
+    rp.memory.push_back(plan_memory(params, rp.buckets, rp.shards.back(), s, rp.caps));
+  }
+  // The formula: Psi elements; 16-bit parameters add fp32 masters of the owned 1/N.
+  std::size_t p_bytes = 0, psi = 0, masters = 0;
+  for (const auto& p : params) {
+    p_bytes += param_bytes(p);
+    psi += std::size_t(numel(p.shape));
+    if (p.dtype != DType::f32 || (s.optimizer && s.comm_dtype != DType::f32)) masters += std::size_t(numel(p.shape)) * 4;
+  }
+  const std::size_t N = sharded(s) ? std::size_t(s.world) : 1;
+  rp.formula.params = p_bytes;
+  rp.formula.grads = s.optimizer && s.stage == ZeroStage::gradients ? p_bytes / N : p_bytes;
+  rp.formula.optimizer_state = s.optimizer ? (psi * 4 * s.state_slots + masters) / N : 0;
+  rp.params = std::move(params);
+  return rp;
+}
+
+namespace {
+
+// A rank's pieces of the parameters, one entry per piece: the name when it owns the whole
+// parameter, else the name and the element range.
+nlohmann::ordered_json owned_json(const RunPlan& rp, int r) {
+  auto out = nlohmann::ordered_json::array();
+  for (const auto& bs : rp.shards[std::size_t(r)].buckets)
+    for (const auto& piece : bs.pieces[std::size_t(r)]) {
+      const auto& p = rp.params[piece.param];
+      if (piece.param_off == 0 && piece.len == std::size_t(numel(p.shape)))
+        out.push_back(p.name);
+      else
+        out.push_back({{"name", p.name}, {"range", {piece.param_off, piece.param_off + piece.len}}});
+    }
+  return out;
+}
+
+nlohmann::ordered_json memory_json(const RankMemory& m) {
+  return {{"params", m.params}, {"grads", m.grads}, {"optimizer_state", m.optimizer_state},
+          {"comm_buffers", m.comm_buffers}, {"total", m.total()}};
+}
+
+std::string memory_line(const RankMemory& m) {
+  return "params " + mib(m.params) + ", grads " + mib(m.grads) + ", optimizer state " + mib(m.optimizer_state) +
+         ", comm buffers " + mib(m.comm_buffers) + " = " + mib(m.total());
+}
+
+}  // namespace
+
+std::string RunPlan::to_json() const {
+  nlohmann::ordered_json j;
+  j["world_size"] = settings.world;
+  j["zero_stage"] = int(settings.stage);
+  j["partition"] = partition_name(settings.partition);
+  j["bucket_caps"] = {{"first", caps.first}, {"cap", caps.cap}, {"pooled", caps.pooled}};
+  if (!caps.warning.empty()) j["warning"] = caps.warning;
+  auto buckets_j = nlohmann::ordered_json::array();
+  for (const auto& b : buckets.buckets) {
+    auto names = nlohmann::ordered_json::array();
+    for (const auto& e : b.entries) names.push_back(params[e.param].name);
+    buckets_j.push_back({{"params", names}, {"bytes", b.bytes()}, {"dtype", dtype_name(b.dtype)}});
+  }
+  j["buckets"] = buckets_j;
+  auto ranks = nlohmann::ordered_json::array();
+  for (int r = 0; r < settings.world; ++r)
+    ranks.push_back({{"rank", r}, {"params", owned_json(*this, r)}, {"bytes", memory_json(memory[std::size_t(r)])}});
+  j["ranks"] = ranks;
+  j["formula"] = memory_json(formula);
+  return j.dump(2) + "\n";
+}
+
+std::string RunPlan::describe() const {
+  std::string s = "world " + std::to_string(settings.world) + ", ZeRO stage " + std::to_string(int(settings.stage)) + ", " +
+                  partition_name(settings.partition) + " partition, " + std::to_string(params.size()) + " parameters in " +
+                  std::to_string(buckets.buckets.size()) + " bucket(s) (caps: first " + mib(caps.first) + ", then " +
+                  mib(caps.cap) + ")\n";
+  if (!caps.warning.empty()) s += "note: " + caps.warning + "\n";
+  s += "\nbuckets, in reduce order:\n";
+  for (const auto& b : buckets.buckets) {
+    s += "  bucket " + std::to_string(b.index) + ": " + mib(b.bytes()) + " " + dtype_name(b.dtype) + ", " +
+         std::to_string(b.entries.size()) + " param(s):";
+    for (const auto& e : b.entries) s += " " + params[e.param].name;
+    s += "\n";
+  }
+  s += "\nowners:\n";
+  for (int r = 0; r < settings.world; ++r) {
+    const auto owned = owned_json(*this, r);
+    s += "  rank " + std::to_string(r) + ": " + std::to_string(owned.size()) + " piece(s):";
+    for (const auto& o : owned)
+      s += " " + (o.is_string() ? o.get<std::string>()
+                                : o["name"].get<std::string>() + "[" + std::to_string(o["range"][0].get<std::size_t>()) + ":" +
+                                      std::to_string(o["range"][1].get<std::size_t>()) + "]");
+    s += "\n";
+  }
+  s += "\nmemory per rank:\n";
+  for (int r = 0; r < settings.world; ++r) s += "  rank " + std::to_string(r) + ": " + memory_line(memory[std::size_t(r)]) + "\n";
+  s += "  formula: " + memory_line(formula) + "\n";
+  return s;
+}
+
+}  // namespace shardflow

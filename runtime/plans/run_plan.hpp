@@ -1,0 +1,94 @@
+// A whole run's plan on every rank, computed without running it: the buckets (in reduce order),
+// who owns which parameter or slice, and each rank's memory for parameters, gradients, optimizer
+// state and communication buffers. `shardflow plan` prints it; the runtime builds its buckets and
+// shards with the same functions (make_bucket_plan, make_shard_plan, bucket_caps), and
+// memory_report() measures what this predicts.
+//
+// Note [Memory at the ZeRO formula]
+// Per rank, Psi parameters of fp32, N ranks, Adam (two fp32 state words per owned element):
+//   stage 0: params 4Psi + grads 4Psi   + state 8Psi
+//   stage 1: params 4Psi + grads 4Psi   + state 8Psi/N
+//   stage 2: params 4Psi + grads 4Psi/N + state 8Psi/N   + the buckets in flight
+// (16-bit parameters: 2Psi each for params and grads, plus 4Psi/N of fp32 masters.) Stage 2 holds a
+// bucket's full gradient buffer only from its first gradient until its reduce-scatter has landed
+// in the rank's 1/N shard, and a staging buffer from its step until its parameter sync is done
+// (Note [Pooled buckets (ZeRO-2)]). So that stage 2 never holds more than stage 1, its buckets in
+// flight get a budget: what sharding the gradients saves, 4Psi(N-1)/N. By default the in-flight
+// limits are kStage2GradsInFlight gradient buffers and kStagingInFlight staging buffers, and the
+// bucket caps shrink until that many of the largest bucket fit in the budget (bucket_caps). When
+// one parameter alone is larger than that, holding buckets only while in flight could cost more
+// than it saves: stage 2 then keeps whole buckets as stage 1 does and reduce-scatters each into
+// the rank's own slice of it, in place (BucketCaps::pooled off, BucketCaps::warning says why).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/plans/bucket_plan.hpp"
+#include "runtime/plans/shard_plan.hpp"
+#include "shardflow/config.hpp"
+
+namespace shardflow {
+
+// Stage 2's buckets in flight by default (Config::zero.max_buckets_in_flight = 0): one gradient
+// buffer being written while one is reduced, and two staging buffers (a step packs the next
+// bucket while the previous one's sync is on the link).
+inline constexpr std::size_t kStage2GradsInFlight = 2;
+inline constexpr std::size_t kStagingInFlight = 2;
+
+struct PlanSettings {
+  int world = 1;
+  ZeroStage stage = ZeroStage::ddp;
+  Partition partition = Partition::flat;
+  std::size_t first_cap_bytes = BucketConfig{}.first_cap_bytes;
+  std::size_t cap_bytes = BucketConfig{}.cap_bytes;
+  std::size_t max_buckets_in_flight = 0;  // 0: the stage-2 default
+  std::size_t state_slots = 0;            // fp32 words of optimizer state per owned element (SGD 0, momentum 1, Adam 2)
+  DType comm_dtype = DType::f32;
+  bool optimizer = true;  // the runtime steps (configure_optimizer); off: plain DDP, no shard
+
+  static PlanSettings from(const Config& cfg, int world, std::size_t state_slots, bool optimizer);
+};
+
+// Bucket caps after stage 2's memory budget (Note [Memory at the ZeRO formula]); the caps as
+// configured otherwise. `pooled`: whether stage 2 holds buckets only while in flight.
+struct BucketCaps {
+  std::size_t first = 0, cap = 0;
+  bool pooled = false;
+  std::size_t grads_in_flight = 0;  // gradient buffers held at once (pooled)
+  std::size_t budget = 0;           // stage 2: bytes the buckets in flight may take
+  std::string warning;              // stage 2 over its budget: which parameter, and what to do
+};
+// `order`: the gradient order the buckets will be made in (make_bucket_plan's).
+BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s);
+
+struct RankMemory {
+  std::size_t params = 0, grads = 0, optimizer_state = 0, comm_buffers = 0;
+  std::size_t total() const { return params + grads + optimizer_state + comm_buffers; }
+};
+
+// What rank `rank` allocates for this plan: exactly, except stage 2's pooled gradient buffers,
+// which are counted at their bound (grads_in_flight + kStagingInFlight of the largest bucket).
+RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& plan, const ShardPlan& shard,
+                       const PlanSettings& s, const BucketCaps& caps);
+
+struct RunPlan {
+  PlanSettings settings;
+  BucketCaps caps;
+  std::vector<ParamSpec> params;
+  BucketPlan buckets;
+  std::vector<ShardPlan> shards;    // per rank
+  std::vector<RankMemory> memory;   // per rank
+  // The ZeRO formula for these parameters (stage, N, state slots, 16-bit masters), per rank.
+  RankMemory formula;
+
+  std::string describe() const;  // for people: buckets, owners, memory per rank
+  std::string to_json() const;   // {"buckets": [...], "ranks": [...]}
+};
+
+// UsageError for a world below 1 or no parameters.
+RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s);
+
+}  // namespace shardflow

@@ -1,0 +1,340 @@
+// `shardflow plan` and memory at the ZeRO formula: the plan a model gets on paper is the plan the
+// runtime builds (buckets, owners, bytes), its memory figures are what the runtime allocates, and
+// stage 2 never holds more than stage 1, nor stage 1 more than stage 0.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "helpers.hpp"
+#include "runtime/plans/param_list.hpp"
+#include "runtime/plans/run_plan.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+// nn.Linear layers, as the example MLP names them.
+std::vector<ParamSpec> mlp(const std::vector<std::int64_t>& sizes) {
+  std::vector<ParamSpec> ps;
+  for (std::size_t i = 0; i + 1 < sizes.size(); ++i) {
+    ps.push_back({"layers." + std::to_string(i) + ".weight", {sizes[i + 1], sizes[i]}});
+    ps.push_back({"layers." + std::to_string(i) + ".bias", {sizes[i + 1]}});
+  }
+  return ps;
+}
+
+struct Model {
+  const char* name;
+  std::vector<ParamSpec> params;
+  std::size_t first_cap, cap;
+};
+
+// 25 parameters of uneven sizes that each close their own bucket.
+std::vector<ParamSpec> uneven(int n) {
+  std::vector<ParamSpec> ps;
+  for (int i = 0; i < n; ++i) ps.push_back({"p" + std::to_string(i), {std::int64_t(40 + 37 * (i % 7)), 3}});
+  return ps;
+}
+
+// 2, 4 and 25 buckets at stages 0 and 1.
+std::vector<Model> models() {
+  return {{"2-bucket", mlp({64, 96, 96, 10}), 16 << 10, 64 << 10},
+          {"4-bucket", mlp({32, 64, 64, 64, 64, 8}), 8 << 10, 16 << 10},
+          {"25-bucket", uneven(25), 64, 64}};
+}
+
+struct Measured {
+  std::vector<BucketInfo> buckets;
+  std::vector<std::vector<OwnedPiece>> owned;  // per rank
+  std::vector<MemoryReport> memory;            // per rank, after training
+};
+
+// World n as threads: every rank registers the model, configures Adam and trains 3 iterations,
+// reporting gradients in reverse registration order (as backward does).
+Measured run(const Model& m, int n, int stage, Partition partition) {
+  auto world = InProcessWorld::create(n, 60s);
+  Measured out;
+  out.owned.resize(std::size_t(n));
+  out.memory.resize(std::size_t(n));
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    Config cfg;
+    cfg.buckets.first_cap_bytes = m.first_cap;
+    cfg.buckets.cap_bytes = m.cap;
+    cfg.zero.stage = ZeroStage(stage);
+    cfg.zero.partition = partition;
+    cfg.zero.overlap = Overlap::interleaved;
+    Runtime rt(world->communicator(r), cfg);
+    std::vector<std::vector<float>> storage;
+    std::vector<Param> h;
+    for (const auto& p : m.params) {
+      storage.emplace_back(std::size_t(numel(p.shape)), 0.25f);
+      auto spec = p;
+      spec.data = storage.back().data();
+      h.push_back(rt.register_param(spec));
+    }
+    OptimizerConfig adam;
+    adam.kind = OptimizerConfig::Kind::adam;
+    adam.lr = 1e-3f;
+    rt.configure_optimizer(adam);
+    for (int it = 0; it < 3; ++it) {
+      rt.zero_grad();
+      for (std::size_t i = h.size(); i-- > 0;) {
+        std::fill_n(rt.grad_f32(h[i]), numel(m.params[i].shape), float(r + 1) * 0.01f);
+        rt.grad_ready(h[i]);
+      }
+      rt.wait();
+    }
+    rt.wait_all_params();
+    out.owned[std::size_t(r)] = rt.owned();
+    out.memory[std::size_t(r)] = rt.memory_report();
+    if (r == 0) out.buckets = rt.buckets();
+  }));
+  return out;
+}
+
+RunPlan plan_of(const Model& m, int n, int stage, Partition partition) {
+  PlanSettings s;
+  s.world = n;
+  s.stage = ZeroStage(stage);
+  s.partition = partition;
+  s.first_cap_bytes = m.first_cap;
+  s.cap_bytes = m.cap;
+  s.state_slots = 2;  // Adam
+  return make_run_plan(m.params, s);
+}
+
+std::vector<OwnedPiece> owned_in_plan(const RunPlan& p, int r) {
+  std::vector<OwnedPiece> out;
+  for (const auto& bs : p.shards[std::size_t(r)].buckets)
+    for (const auto& piece : bs.pieces[std::size_t(r)])
+      out.push_back({p.params[piece.param].name, piece.param_off, piece.param_off + piece.len});
+  return out;
+}
+
+std::size_t total(const MemoryReport& m) { return m.params + m.grads + m.optimizer_state + m.comm_buffers; }
+
+}  // namespace
+
+TEST_CASE("the test models have 2, 4 and 25 buckets at stage 1") {
+  std::vector<std::size_t> got;
+  for (const auto& m : models()) got.push_back(plan_of(m, 2, 1, Partition::flat).buckets.buckets.size());
+  CHECK(got == std::vector<std::size_t>{2, 4, 25});
+}
+
+TEST_CASE("plan = what the runtime builds: buckets, owners and memory, every model x world 2-4 x stage x partition") {
+  for (const auto& m : models())
+    for (int n : {2, 3, 4})
+      for (int stage : {0, 1, 2})
+        for (auto partition : {Partition::flat, Partition::param, Partition::bucket}) {
+          INFO(std::string(m.name) << ", world " << n << ", stage " << stage << ", " << partition_name(partition));
+          const RunPlan plan = plan_of(m, n, stage, partition);
+          const Measured got = run(m, n, stage, partition);
+          REQUIRE(got.buckets.size() == plan.buckets.buckets.size());
+          for (std::size_t b = 0; b < got.buckets.size(); ++b) {
+            CHECK(got.buckets[b].bytes == plan.buckets.buckets[b].bytes());
+            std::vector<std::string> names;
+            for (const auto& e : plan.buckets.buckets[b].entries) names.push_back(plan.params[e.param].name);
+            CHECK(got.buckets[b].params == names);
+          }
+          for (int r = 0; r < n; ++r) {
+            INFO("rank " << r);
+            CHECK(got.owned[std::size_t(r)] == owned_in_plan(plan, r));
+            const auto& want = plan.memory[std::size_t(r)];
+            const auto& have = got.memory[std::size_t(r)];
+            CHECK(have.params == want.params);
+            CHECK(have.optimizer_state == want.optimizer_state);
+            CHECK(have.comm_buffers == want.comm_buffers);
+            if (plan.caps.pooled) {
+              // Stage 2, pooled: the shard exactly, the buckets in flight at most the plan's bound.
+              std::size_t shard = 0;
+              for (std::size_t b = 0; b < plan.buckets.buckets.size(); ++b)
+                shard += plan.shards[std::size_t(r)].buckets[b].packed[std::size_t(r)] * 4;
+              CHECK(have.grads > shard);
+              CHECK(have.grads <= want.grads);
+            } else {
+              CHECK(have.grads == want.grads);
+            }
+          }
+        }
+}
+
+TEST_CASE("stage 2 <= stage 1 <= stage 0 in gradient and total memory, on every model x world 2-4 x partition") {
+  for (const auto& m : models())
+    for (int n : {2, 3, 4})
+      for (auto partition : {Partition::flat, Partition::param, Partition::bucket}) {
+        INFO(std::string(m.name) << ", world " << n << ", " << partition_name(partition));
+        // The flat partition pads each bucket to world equal slices of whole cache lines (16
+        // floats), which stage 0 does not: stage 1 may hold that much more.
+        std::size_t padding = 0;
+        const RunPlan stage1 = plan_of(m, n, 1, partition);
+        for (const auto& bs : stage1.shards[0].buckets) padding += bs.padded * 4;
+        for (const auto& p : m.params) padding -= std::size_t(numel(p.shape)) * 4;
+        std::array<std::size_t, 3> grads{}, all{};
+        for (int stage : {0, 1, 2}) {
+          const Measured got = run(m, n, stage, partition);
+          for (const auto& mem : got.memory) {
+            grads[std::size_t(stage)] = std::max(grads[std::size_t(stage)], mem.grads);
+            all[std::size_t(stage)] = std::max(all[std::size_t(stage)], total(mem));
+          }
+        }
+        CHECK(grads[2] <= grads[1]);
+        CHECK(grads[1] <= grads[0] + padding);
+        if (partition != Partition::flat) CHECK(padding == 0);
+        CHECK(all[2] <= all[1]);
+        CHECK(all[1] < all[0]);
+      }
+}
+
+TEST_CASE("stage 2's buckets in flight stay within what sharding the gradients saves") {
+  // 8 x Linear(256, 256) at world 2: caps shrink so that 2 gradient + 2 staging buckets fit in
+  // half the gradients; the plan says so and the runtime measures no more.
+  const Model m{"8 x 256", mlp({256, 256, 256, 256, 256, 256, 256, 256, 256}), 1 << 20, 25 << 20};
+  const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
+  REQUIRE(plan.caps.pooled);
+  std::size_t grads = 0;
+  for (const auto& p : m.params) grads += std::size_t(numel(p.shape)) * 4;
+  CHECK(plan.caps.budget == grads / 2);
+  for (const auto& b : plan.buckets.buckets) CHECK(b.bytes() * (kStage2GradsInFlight + kStagingInFlight) <= plan.caps.budget);
+  const Measured got = run(m, 2, 2, Partition::flat);
+  for (const auto& mem : got.memory) CHECK(mem.grads <= grads);
+}
+
+TEST_CASE("a parameter too large for stage 2's budget: whole buckets reduce-scattered in place, no more than stage 1") {
+  const Model m{"one big layer", mlp({256, 512, 4}), 1 << 20, 25 << 20};
+  const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
+  CHECK_FALSE(plan.caps.pooled);
+  CHECK(plan.caps.warning.find("layers.0.weight") != std::string::npos);
+  const Measured s2 = run(m, 2, 2, Partition::flat), s1 = run(m, 2, 1, Partition::flat);
+  CHECK(s2.memory[0].grads == s1.memory[0].grads);
+}
+
+TEST_CASE("bucket rules: each dtype's first bucket gets the first cap; buckets ordered by their first parameter walked") {
+  // Registration: f32 a, bf16 b, f32 c, bf16 d, ... walked in reverse.
+  std::vector<ParamSpec> ps;
+  for (int i = 0; i < 8; ++i) ps.push_back({"p" + std::to_string(i), {256}, i % 2 ? DType::bf16 : DType::f32});
+  PlanSettings s;
+  s.world = 2;
+  s.first_cap_bytes = 512;
+  s.cap_bytes = 2048;
+  const auto plan = make_run_plan(ps, s);
+  // Walk: p7(bf16) p6(f32) p5(bf16) ...: the first bucket of each dtype closes at 512 bytes.
+  REQUIRE(plan.buckets.buckets.size() >= 4);
+  CHECK(plan.params[plan.buckets.buckets[0].entries[0].param].name == "p7");
+  CHECK(plan.buckets.buckets[0].bytes() == 512);  // one bf16 parameter of 256 elements
+  CHECK(plan.params[plan.buckets.buckets[1].entries[0].param].name == "p6");
+  CHECK(plan.buckets.buckets[1].bytes() == 1024);  // one f32 parameter passes the first cap
+  // Every later bucket starts later in the walk than the one before it.
+  std::vector<std::size_t> first_walk;
+  for (const auto& b : plan.buckets.buckets) first_walk.push_back(ps.size() - 1 - b.entries[0].param);
+  CHECK(std::is_sorted(first_walk.begin(), first_walk.end()));
+}
+
+TEST_CASE("the param partition balances elements, not bytes: largest first, ties to the lowest rank") {
+  // A bf16 parameter of 300 elements (600 bytes) and f32 ones of 200 and 100 elements.
+  std::vector<ParamSpec> ps{{"a", {200}}, {"b", {300}, DType::bf16}, {"c", {100}}};
+  PlanSettings s;
+  s.world = 2;
+  s.stage = ZeroStage::optimizer_state;
+  s.partition = Partition::param;
+  const auto plan = make_run_plan(ps, s);
+  auto owner_of = [&](const std::string& name) {
+    for (int r = 0; r < 2; ++r)
+      for (const auto& o : owned_in_plan(plan, r))
+        if (o.param == name) return r;
+    return -1;
+  };
+  CHECK(owner_of("b") == 0);  // 300 elements: the largest, to rank 0
+  CHECK(owner_of("a") == 1);  // 200: the least-loaded rank
+  CHECK(owner_of("c") == 1);  // 100: rank 1 has 200 < 300
+}
+
+TEST_CASE("parameter lists: JSON in registration order, a safetensors header in its own order, bad input named") {
+  const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name, std::ios::binary) << text;
+    return (dir / name).string();
+  };
+  const auto good = read_param_list(write("m.json", R"([{"name": "w", "shape": [4, 3], "dtype": "bfloat16"},
+                                                        {"name": "b", "shape": [4]}])"));
+  REQUIRE(good.size() == 2);
+  CHECK(good[0].name == "w");
+  CHECK(good[0].dtype == DType::bf16);
+  CHECK(numel(good[0].shape) == 12);
+  CHECK(good[1].dtype == DType::f32);
+
+  // safetensors: header keys in the file's order (z before a), not sorted; the data is not read.
+  const std::string header = R"({"z.weight": {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]},)"
+                             R"( "__metadata__": {"format": "pt"}, "a.bias": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})";
+  std::string st(8, '\0');
+  for (int i = 0; i < 8; ++i) st[std::size_t(i)] = char((header.size() >> (8 * i)) & 0xff);
+  const auto tensors = read_param_list(write("m.safetensors", st + header));
+  REQUIRE(tensors.size() == 2);
+  CHECK(tensors[0].name == "z.weight");
+  CHECK(tensors[0].dtype == DType::f16);
+  CHECK(tensors[1].name == "a.bias");
+
+  auto refused = [&](const std::string& text, const std::string& says) {
+    INFO(text);
+    try {
+      read_param_list(write("bad.json", text));
+      FAIL("accepted");
+    } catch (const UsageError& e) {
+      CHECK(std::string(e.what()).find(says) != std::string::npos);
+    }
+  };
+  refused("[{\"name\": \"w\", \"shape\": [4]", "not valid JSON");
+  refused(R"([{"name": "w", "shape": [4], "dtype": "float8"}])", "unknown dtype 'float8'");
+  refused(R"([{"name": "w", "shape": [-4]}])", "parameter 0");
+  refused(R"([{"shape": [4]}])", "no \"name\"");
+  refused(R"([{"name": "w", "shape": [4]}, {"name": "w", "shape": [4]}])", "appears twice");
+  refused("[]", "no parameters");
+  CHECK_THROWS_WITH_AS(read_param_list((dir / "missing.json").string()), doctest::Contains("cannot open"), UsageError);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("shardflow plan: the JSON form, and clear errors for a missing file, zero world or a negative cap") {
+  const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_cli_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "m.json") << R"([{"name": "w", "shape": [64, 32]}, {"name": "b", "shape": [64]}])";
+  auto run_cli = [&](const std::string& args, std::string& out) {
+    const std::string cmd = std::string(SHARDFLOW_LAUNCHER_PATH) + " plan " + args + " 2>&1";
+    FILE* p = ::popen(cmd.c_str(), "r");
+    REQUIRE(p);
+    char buf[4096];
+    out.clear();
+    while (std::size_t got = std::fread(buf, 1, sizeof buf, p)) out.append(buf, got);
+    return WEXITSTATUS(::pclose(p));
+  };
+  std::string out;
+  const std::string model = "--params " + (dir / "m.json").string();
+  REQUIRE(run_cli(model + " --world-size 2 --zero-stage 2 --json", out) == 0);
+  const auto j = nlohmann::json::parse(out);
+  REQUIRE(j["buckets"].size() == 1);
+  CHECK(j["buckets"][0]["params"] == nlohmann::json({"b", "w"}));
+  CHECK(j["buckets"][0]["bytes"] == (64 * 32 + 64) * 4);
+  REQUIRE(j["ranks"].size() == 2);
+  CHECK(j["ranks"][1]["rank"] == 1);
+  CHECK(j["ranks"][0]["params"][0] == "b");                // rank 0's slice starts with the whole bias
+  CHECK(j["ranks"][0]["params"][1]["name"] == "w");        // then a range of the weight
+  CHECK(j["ranks"][0]["bytes"]["params"] == (64 * 32 + 64) * 4);
+  CHECK(run_cli(model + " --world-size 2", out) == 0);
+  CHECK(out.find("memory per rank") != std::string::npos);
+
+  CHECK(run_cli("--params " + (dir / "nope.json").string() + " --world-size 2", out) == 2);
+  CHECK(out.find("nope.json") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 0", out) == 2);
+  CHECK(out.find("--world-size") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 2 --bucket-cap-mb -1", out) != 0);
+  CHECK(out.find("--bucket-cap-mb") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 2 --optimizer lamb", out) == 2);
+  CHECK(out.find("lamb") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
