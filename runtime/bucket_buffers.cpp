@@ -135,6 +135,14 @@ void BucketBuffers::zero_held() {
     if (grad_[b]) zero_(grad_[b].get(), pooled_ ? grad_cap_[b] : bytes_[b]);
 }
 
+void BucketBuffers::release_all() {
+  std::lock_guard lock(mu_);
+  for (auto& g : grad_) g.reset();
+  for (auto& st : staging_) st.reset();
+  free_.clear();
+  allocated_ = 0;
+}
+
 std::size_t BucketBuffers::allocated_bytes() const {
   std::lock_guard lock(mu_);
   return peak_;

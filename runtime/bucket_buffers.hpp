@@ -50,6 +50,8 @@ class BucketBuffers {
   void release_staging(std::size_t b);
 
   void zero_held();                  // zero_grad(): zeroes the gradient buffers held now
+  // Frees every buffer now (the plan is being replaced); holders of a buffer keep theirs alive.
+  void release_all();
   std::size_t allocated_bytes() const;  // the most ever allocated at once (pooled: the peak in flight)
 
  private:

@@ -198,7 +198,7 @@ struct Runtime::Impl {
   std::shared_ptr<std::byte> bucket_grad(std::uint32_t b);
 
   // Note [State migration] (runtime_plan.cpp).
-  void migrate_state(const Shard& from, Shard& to);
+  void migrate_state(Shard& from, Shard& to);
 
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
   std::vector<ScheduledCollective> build_schedule() const;

@@ -66,13 +66,18 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
   std::shared_ptr<Shard> next_shard;
   std::shared_ptr<BucketBuffers> next_bufs;
   if (groups) {
+    // With the runtime's optimizer nothing in the old buffers is needed any more (gradients were
+    // stepped, parameters synced): they go before the new ones come, so a rebuild does not hold
+    // two plans' gradients (Note [Memory at the ZeRO formula]). The old actors go first.
+    stop_actors();
+    if (bufs) bufs->release_all();
     auto shard_plan = make_shard_plan(next, registry.params(), cfg.zero.partition, world, rank, cfg.zero.stage >= ZeroStage::optimizer_state);
     std::vector<std::size_t> bytes;
     for (std::size_t b = 0; b < shard_plan.buckets.size(); ++b)
       bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
     next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), caps.pooled, allocator(), zeroer());
     next_shard = std::make_shared<Shard>(int(cfg.zero.stage), cfg, registry.params(), next, std::move(shard_plan), groups,
-                                         next_bufs, mem);
+                                         next_bufs, mem, /*migrating=*/shard != nullptr);
   } else {
     std::vector<std::size_t> bytes;
     for (const auto& b : next.buckets) bytes.push_back(b.bytes());
@@ -97,19 +102,29 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
   spawn_actors(first_iteration);
 }
 
-void Runtime::Impl::migrate_state(const Shard& from, Shard& to) {
+void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
+  // In windows of parameter coordinates, one slot at a time; the old slot goes before the next is
+  // made, so a rebuild holds one slot more than training does, plus a window.
+  constexpr std::size_t kWindow = std::size_t{4} << 20;  // elements (16 MiB of fp32)
+  const std::size_t total = from.total_elements();
+  std::vector<float> window;
   for (std::size_t slot = 0; slot < from.migrate_slots(); ++slot) {
-    auto full = from.export_state(slot);
-    if (from.shard_plan().sharded) {
-      CollectiveOp op;
-      op.kind = CollectiveKind::allreduce;
-      op.send = op.recv = full.data();
-      op.count = full.size();
-      op.tag = "migrate optimizer state " + std::to_string(slot);
-      collectives->record(op);
-      comm->run(op, cfg.timeouts.collective);
+    to.allocate_slot(slot);
+    for (std::size_t begin = 0; begin < total; begin += kWindow) {
+      window.resize(std::min(kWindow, total - begin));
+      from.export_state(slot, begin, window);
+      if (from.shard_plan().sharded) {
+        CollectiveOp op;
+        op.kind = CollectiveKind::allreduce;
+        op.send = op.recv = window.data();
+        op.count = window.size();
+        op.tag = "migrate optimizer state " + std::to_string(slot) + " from element " + std::to_string(begin);
+        collectives->record(op);
+        comm->run(op, cfg.timeouts.collective);
+      }
+      to.import_state(slot, begin, window);
     }
-    to.import_state(slot, full);
+    from.release_slot(slot);
   }
   to.set_steps(from.steps());
 }

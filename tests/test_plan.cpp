@@ -193,15 +193,15 @@ TEST_CASE("stage 2 <= stage 1 <= stage 0 in gradient and total memory, on every 
 }
 
 TEST_CASE("stage 2's buckets in flight stay within what sharding the gradients saves") {
-  // 8 x Linear(256, 256) at world 2: caps shrink so that 2 gradient + 2 staging buckets fit in
-  // half the gradients; the plan says so and the runtime measures no more.
-  const Model m{"8 x 256", mlp({256, 256, 256, 256, 256, 256, 256, 256, 256}), 1 << 20, 25 << 20};
+  // 12 x Linear(128, 128) at world 2: caps shrink so that the pool's buffers (2 gradient buckets, one
+  // overrun, 2 staging) fit in half the gradients; the plan says so and the runtime measures no more.
+  const Model m{"12 x 128", mlp({128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128}), 1 << 20, 25 << 20};
   const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
   REQUIRE(plan.caps.pooled);
   std::size_t grads = 0;
   for (const auto& p : m.params) grads += std::size_t(numel(p.shape)) * 4;
   CHECK(plan.caps.budget == grads / 2);
-  for (const auto& b : plan.buckets.buckets) CHECK(b.bytes() * (kStage2GradsInFlight + kStagingInFlight) <= plan.caps.budget);
+  for (const auto& bs : plan.shards[0].buckets) CHECK(bs.padded * 4 * pool_buffers(kStage2GradsInFlight) <= plan.caps.budget);
   const Measured got = run(m, 2, 2, Partition::flat);
   for (const auto& mem : got.memory) CHECK(mem.grads <= grads);
 }

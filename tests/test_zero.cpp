@@ -73,7 +73,8 @@ const char* kind_name(OptimizerConfig::Kind k) { return k == OptimizerConfig::Ki
 TEST_CASE("every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW} ends where plain world-1 training ends") {
   // Stage 2 holds buckets only while in flight where its memory budget allows (even layers), and
   // keeps whole buckets, reduce-scattered in place, where one layer is too large (base): both.
-  const std::vector<int> even{16, 16, 16, 16, 16, 16, 16, 16, 16, 6};
+  std::vector<int> even(21, 16);
+  even.back() = 6;
   for (auto kind : {OptimizerConfig::Kind::sgd, OptimizerConfig::Kind::adamw})
     for (bool pooled : {false, true}) {
       auto ref_opts = base(kind);

@@ -41,6 +41,9 @@ class World {
   void execute(int rank, const CollectiveOp& op, std::uint64_t seq) {
     const auto parity = std::size_t(seq & 1);
     slots_(rank, parity) = Slot{op, peer::OpSig::of(op, seq)};
+    // The slot is read only while this op runs; it must not keep the op's buffers alive after it
+    // (a replaced plan's buckets would stay allocated until two more ops came by).
+    slots_(rank, parity).op.keep_alive.reset();
     auto what = [&] {
       return "rank " + std::to_string(rank) + ": in-process " + collective_name(op.kind) + " #" +
              std::to_string(seq) + " ('" + op.tag + "')";

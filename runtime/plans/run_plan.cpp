@@ -42,7 +42,7 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   c.cap = s.cap_bytes;
   if (!(sharded(s) && s.stage == ZeroStage::gradients)) return c;
   c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
-  const std::size_t slots = c.grads_in_flight + kStagingInFlight;
+  const std::size_t slots = pool_buffers(c.grads_in_flight);
   std::size_t total = 0, largest = 0;
   const ParamSpec* big = nullptr;
   for (const auto& p : params) {
@@ -52,7 +52,18 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   // What sharding the gradients saves: the buckets in flight may take that much.
   c.budget = total / std::size_t(s.world) * std::size_t(s.world - 1);
   const std::size_t per_slot = c.budget / slots;
-  if (largest > per_slot) {
+  const auto W = std::size_t(s.world);
+  auto buffer_bytes = [&](const Bucket& b) {  // the flat partition pads to W slices of whole cache lines
+    if (s.partition != Partition::flat) return b.bytes();
+    return ((b.numel + W - 1) / W + 15) / 16 * 16 * W * dtype_size(b.dtype);
+  };
+  auto fits = [&](std::size_t cap) {
+    const auto plan = make_bucket_plan(params, order, std::min(c.first, cap), cap);
+    for (const auto& b : plan.buckets)
+      if (buffer_bytes(b) > per_slot) return false;
+    return true;
+  };
+  if (largest > per_slot || !fits(1)) {
     // One parameter alone overfills a slot: pooling could hold more than stage 1's whole buckets.
     // Keep whole buckets (stage 1's memory) and reduce-scatter in place instead.
     c.warning = "stage 2 keeps whole gradient buckets (as stage 1) for this model: parameter '" + big->name + "' (" +
@@ -64,13 +75,7 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   c.pooled = true;
   // The largest cap whose buckets all fit a slot. A bucket closes once it reaches its cap, so it
   // may pass the cap by up to one parameter: try the plan rather than assume the worst case.
-  auto fits = [&](std::size_t cap) {
-    const auto plan = make_bucket_plan(params, order, std::min(c.first, cap), cap);
-    for (const auto& b : plan.buckets)
-      if (b.bytes() > per_slot) return false;
-    return true;
-  };
-  std::size_t lo = 1, hi = std::min(c.cap, per_slot);  // fits(1): every parameter alone, each <= per_slot
+  std::size_t lo = 1, hi = std::min(c.cap, per_slot);  // fits(1): every parameter alone fits its slot
   if (fits(hi)) lo = hi;
   while (lo < hi) {
     const std::size_t mid = lo + (hi - lo + 1) / 2;
@@ -105,9 +110,9 @@ RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& p
     m.optimizer_state += bs.packed[r] * 4 * (s.state_slots + (masters ? 1 : 0));
     if (bk.dtype == DType::f32 && s.comm_dtype != DType::f32) m.comm_buffers += (bs.padded + bs.slice) * dtype_size(s.comm_dtype);
   }
-  // Pooled (stage 2): at most grads_in_flight gradient and kStagingInFlight staging buffers at
-  // once, none larger than the largest bucket (BucketBuffers drops a free buffer too small to reuse).
-  if (caps.pooled) m.grads += (caps.grads_in_flight + kStagingInFlight) * largest;
+  // Pooled (stage 2): at most pool_buffers(grads_in_flight) buffers at once, none larger than the
+  // largest bucket (BucketBuffers drops a free buffer too small to reuse).
+  if (caps.pooled) m.grads += pool_buffers(caps.grads_in_flight) * largest;
   if (s.optimizer) m.comm_buffers += std::size_t(s.world) * 4;  // the norm exchange
   return m;
 }

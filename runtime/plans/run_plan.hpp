@@ -14,8 +14,9 @@
 // in the rank's 1/N shard, and a staging buffer from its step until its parameter sync is done
 // (Note [Pooled buckets (ZeRO-2)]). So that stage 2 never holds more than stage 1, its buckets in
 // flight get a budget: what sharding the gradients saves, 4Psi(N-1)/N. By default the in-flight
-// limits are kStage2GradsInFlight gradient buffers and kStagingInFlight staging buffers, and the
-// bucket caps shrink until that many of the largest bucket fit in the budget (bucket_caps). When
+// limits are kStage2GradsInFlight gradient buffers and kStagingInFlight staging buffers (with one
+// overrun buffer: pool_buffers), and the bucket caps shrink until that many of the largest
+// (padded) bucket fit in the budget (bucket_caps). When
 // one parameter alone is larger than that, holding buckets only while in flight could cost more
 // than it saves: stage 2 then keeps whole buckets as stage 1 does and reduce-scatters each into
 // the rank's own slice of it, in place (BucketCaps::pooled off, BucketCaps::warning says why).
@@ -37,6 +38,10 @@ namespace shardflow {
 // bucket while the previous one's sync is on the link).
 inline constexpr std::size_t kStage2GradsInFlight = 2;
 inline constexpr std::size_t kStagingInFlight = 2;
+// Buffers stage 2's pool may hold at once: the gradient buffers in flight, one more taken while
+// every held one is still being written (backpressure waits only when a reduction is on its way,
+// so that it never deadlocks: BucketBuffers::grad), and the staging buffers.
+constexpr std::size_t pool_buffers(std::size_t grads_in_flight) { return grads_in_flight + 1 + kStagingInFlight; }
 
 struct PlanSettings {
   int world = 1;

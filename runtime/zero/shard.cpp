@@ -11,7 +11,7 @@ namespace shardflow {
 
 Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
              std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
-             std::shared_ptr<const MemoryOps> mem)
+             std::shared_ptr<const MemoryOps> mem, bool migrating)
     : stage_(stage),
       clip_max_(cfg.zero.clip_grad_norm),
       clip_type_(cfg.zero.clip_norm_type),
@@ -27,6 +27,9 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     param_base_.push_back(base);
     base += std::size_t(numel(p.shape));
   }
+  total_elements_ = base;
+  // A migrating shard gets its state slot by slot from the shard it replaces.
+  auto state = [&](std::size_t n) { return migrating ? Floats{nullptr, n} : floats(n); };
   const std::size_t B = plan_.buckets.size(), r = std::size_t(shard_.rank);
   ops_->make_events(per_bucket * B + 3);
   flat_ = !shard_.buckets.empty() && shard_.buckets.front().flat;
@@ -34,17 +37,17 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
   for (std::size_t b = 0; b < B; ++b) {
     const auto& s = shard_.buckets[b];
     grad_shard_.push_back(keeps_grad_shard() ? ops_->alloc(s.packed[r] * esize(b)) : nullptr);
-    state_a_.push_back(floats(slots >= 1 ? s.packed[r] : 0));
-    state_b_.push_back(floats(slots >= 2 ? s.packed[r] : 0));
+    state_a_.push_back(state(slots >= 1 ? s.packed[r] : 0));
+    state_b_.push_back(state(slots >= 2 ? s.packed[r] : 0));
     // Note [Master weights]: 16-bit parameters are stepped in fp32 masters the owner keeps; the
     // trainer's storage gets the rounded result, which is what the sync sends.
     // (fp32 parameters get masters too when they travel as 16 bits: Config::precision.comm_dtype.)
     const bool masters = sync_dtype(b) != DType::f32 || plan_.buckets[b].dtype != DType::f32;
-    master_.push_back(floats(masters ? s.packed[r] : 0));
+    master_.push_back(state(masters ? s.packed[r] : 0));
     wire_.push_back(plan_.buckets[b].dtype == DType::f32 && comm_dtype_ != DType::f32
                         ? ops_->alloc((s.padded + s.slice) * dtype_size(comm_dtype_))
                         : nullptr);
-    if (!master_.back().empty())
+    if (!master_.back().empty() && !migrating)
       for (const auto& piece : s.pieces[r])
         ops_->cast(DType::f32, master_.back().data() + piece.packed_off, plan_.buckets[b].dtype,
                    param_bytes(piece.param) + piece.param_off * esize(b), piece.len);
@@ -200,30 +203,45 @@ const std::vector<Shard::Floats>& Shard::slot_buffers(std::size_t slot) const {
   return slot == 0 ? state_a_ : state_b_;
 }
 
-std::vector<float> Shard::export_state(std::size_t slot) const {
-  std::size_t total = 0;
-  for (const auto& p : params_) total += std::size_t(numel(p.shape));
-  std::vector<float> full(total, 0.0f), packed;
+void Shard::allocate_slot(std::size_t slot) {
+  for (auto& f : slot_buffers(slot))
+    if (f.n && !f.mem) f = floats(f.n);
+}
+
+void Shard::release_slot(std::size_t slot) {
+  for (auto& f : slot_buffers(slot)) f.mem.reset();
+}
+
+// Each owned piece's overlap with the window [begin, begin + n) of parameter coordinates, as
+// (element in the packed bucket buffer, element in the window, length).
+template <class Fn>
+void for_window(const ShardPlan& sp, const std::vector<std::size_t>& param_base, std::size_t b, std::size_t begin, std::size_t n,
+                Fn fn) {
+  for (const auto& piece : sp.buckets[b].pieces[std::size_t(sp.rank)]) {
+    const std::size_t at = param_base[piece.param] + piece.param_off;
+    const std::size_t lo = std::max(at, begin), hi = std::min(at + piece.len, begin + n);
+    if (lo < hi) fn(piece.packed_off + (lo - at), lo - begin, hi - lo);
+  }
+}
+
+void Shard::export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const {
+  std::fill(out.begin(), out.end(), 0.0f);
   const auto& src = slot_buffers(slot);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     if (src[b].empty()) continue;
-    packed.resize(src[b].n);
-    ops_->download(packed.data(), src[b].data(), src[b].n * sizeof(float));
-    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-      std::memcpy(full.data() + param_base_[piece.param] + piece.param_off, packed.data() + piece.packed_off, piece.len * 4);
+    for_window(shard_, param_base_, b, begin, out.size(), [&](std::size_t packed, std::size_t window, std::size_t len) {
+      ops_->download(out.data() + window, src[b].data() + packed, len * sizeof(float));
+    });
   }
-  return full;
 }
 
-void Shard::import_state(std::size_t slot, const std::vector<float>& full) {
+void Shard::import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in) {
   const auto& dst = slot_buffers(slot);
-  std::vector<float> packed;
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     if (dst[b].empty()) continue;
-    packed.assign(dst[b].n, 0.0f);
-    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-      std::memcpy(packed.data() + piece.packed_off, full.data() + param_base_[piece.param] + piece.param_off, piece.len * 4);
-    ops_->upload(dst[b].data(), packed.data(), dst[b].n * sizeof(float));
+    for_window(shard_, param_base_, b, begin, in.size(), [&](std::size_t packed, std::size_t window, std::size_t len) {
+      ops_->upload(dst[b].data() + packed, in.data() + window, len * sizeof(float));
+    });
   }
 }
 

@@ -31,9 +31,11 @@ struct OptimizerGroups {
 class Shard {
  public:
   // `mem`: where the parameters live (all on one device) and the trainer's compute stream.
+  // `migrating`: the optimizer state comes from another shard (a rebuild), one slot at a time
+  // (allocate_slot + import_state), so that both shards' state never exists in full at once.
   Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
         std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
-        std::shared_ptr<const MemoryOps> mem);
+        std::shared_ptr<const MemoryOps> mem, bool migrating = false);
 
   const BucketPlan& plan() const { return plan_; }
   const ShardPlan& shard_plan() const { return shard_; }
@@ -102,8 +104,13 @@ class Shard {
   // which a new partition imports its pieces (Note [State migration] in runtime.cpp).
   std::size_t state_slots() const;      // 0 (plain SGD), 1 (momentum), 2 (Adam)
   std::size_t migrate_slots() const;    // state slots, plus the fp32 master weights of 16-bit params
-  std::vector<float> export_state(std::size_t slot) const;
-  void import_state(std::size_t slot, const std::vector<float>& full);
+  // Elements [begin, begin + out.size()) of slot `slot` in parameter coordinates (a window, so a
+  // migration needs no full-size copy of the state).
+  void export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const;
+  void import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in);
+  std::size_t total_elements() const { return total_elements_; }
+  void allocate_slot(std::size_t slot);  // zeroed (a migrating shard's state)
+  void release_slot(std::size_t slot);   // migrated away: its memory goes now
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t s) { steps_ = s; }
 
@@ -127,12 +134,16 @@ class Shard {
   std::size_t esize(std::size_t b) const { return dtype_size(plan_.buckets[b].dtype); }
   std::byte* grad_bytes_at(std::size_t b, const ShardPiece& piece) const;
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
+  std::vector<Floats>& slot_buffers(std::size_t slot) {
+    return const_cast<std::vector<Floats>&>(static_cast<const Shard*>(this)->slot_buffers(slot));
+  }
 
   int stage_;
   bool flat_ = false;
   float clip_max_, clip_type_;
   std::vector<ParamSpec> params_;
   std::vector<std::size_t> param_base_;  // offset of each parameter in parameter coordinates
+  std::size_t total_elements_ = 0;
   BucketPlan plan_;
   ShardPlan shard_;
   std::shared_ptr<const OptimizerGroups> groups_;
