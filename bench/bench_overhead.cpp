@@ -93,6 +93,8 @@ int main(int argc, char** argv) {
   app.add_option("--params-per-bucket", per_bucket)->capture_default_str();
   app.add_option("--iterations", iterations)->capture_default_str();
   app.add_option("--reps", reps, "repetitions of the whole table (A B A B), medians")->capture_default_str();
+  std::string only;
+  app.add_option("--only", only, "run only the rows whose name contains this text (for profiling one configuration)");
   CLI11_PARSE(app, argc, argv);
   const int buckets = (params + per_bucket - 1) / per_bucket;
   struct Row {
@@ -117,13 +119,15 @@ int main(int argc, char** argv) {
                               {"world 2, ZeRO-1 interleaved, in-process", 2, 1, true, Overlap::interleaved, 0, "in-process", 7},
                               {"world 2, ZeRO-1 interleaved, sim (instant)", 2, 1, true, Overlap::interleaved, 0, "sim", 7}};
   std::vector<std::vector<double>> t(rows.size());
+  auto chosen = [&](std::size_t i) { return only.empty() || std::string(rows[i].name).find(only) != std::string::npos; };
   for (int rep = 0; rep < reps; ++rep)
     for (std::size_t i = 0; i < rows.size(); ++i)
-      t[i].push_back(run(rows[i].world, rows[i].stage, rows[i].optimizer, rows[i].overlap, rows[i].lag, params, per_bucket, iterations, rows[i].backend));
+      if (chosen(i)) t[i].push_back(run(rows[i].world, rows[i].stage, rows[i].optimizer, rows[i].overlap, rows[i].lag, params, per_bucket, iterations, rows[i].backend));
   std::printf("bench_overhead: %d params x 1 KiB in %d buckets, no compute, instant link, %d iterations x %d reps (medians)\n", params,
               buckets, iterations, reps);
   std::printf("  %-44s %12s %14s %16s\n", "", "ms / iter", "us / bucket", "us / bucket-hop");
   for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (!chosen(i)) continue;
     const double m = median(t[i]);
     std::printf("  %-44s %12.3f %14.2f %16.2f\n", rows[i].name, m, m * 1e3 / buckets, m * 1e3 / buckets / rows[i].hops);
   }
