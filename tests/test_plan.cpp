@@ -193,17 +193,43 @@ TEST_CASE("stage 2 <= stage 1 <= stage 0 in gradient and total memory, on every 
 }
 
 TEST_CASE("stage 2's buckets in flight stay within what sharding the gradients saves") {
-  // 12 x Linear(128, 128) at world 2: caps shrink so that the pool's buffers (2 gradient buckets, one
-  // overrun, 2 staging) fit in half the gradients; the plan says so and the runtime measures no more.
+  // 12 x Linear(128, 128) at world 2: caps shrink so that the pool's buffers (the gradient buckets in
+  // flight, one overrun, 2 staging) fit in half the gradients; the plan says so and the runtime
+  // measures no more.
   const Model m{"12 x 128", mlp({128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128}), 1 << 20, 25 << 20};
   const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
   REQUIRE(plan.caps.pooled);
   std::size_t grads = 0;
   for (const auto& p : m.params) grads += std::size_t(numel(p.shape)) * 4;
   CHECK(plan.caps.budget == grads / 2);
-  for (const auto& bs : plan.shards[0].buckets) CHECK(bs.padded * 4 * pool_buffers(kStage2GradsInFlight) <= plan.caps.budget);
+  CHECK(plan.caps.grads_in_flight >= kStage2GradsInFlight);
+  for (const auto& bs : plan.shards[0].buckets) CHECK(bs.padded * 4 * pool_buffers(plan.caps.grads_in_flight) <= plan.caps.budget);
   const Measured got = run(m, 2, 2, Partition::flat);
   for (const auto& mem : got.memory) CHECK(mem.grads <= grads);
+}
+
+TEST_CASE("stage 2 keeps as many gradient buckets in flight as its budget holds, and no more") {
+  // 16 layers of 64 Ki floats, one bucket each, world 2: the budget (half the gradients, 2 MiB)
+  // holds 8 buckets of 0.25 MiB: 3 go to the overrun and staging buffers, 5 may be in flight.
+  std::vector<ParamSpec> layers;
+  for (int l = 0; l < 16; ++l) layers.push_back({"layers." + std::to_string(l) + ".weight", {65536}});
+  const Model m{"16 x 64 Ki", layers, 65536 * 4, 65536 * 4};
+  const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
+  REQUIRE(plan.caps.pooled);
+  CHECK(plan.caps.grads_in_flight == 5);
+  CHECK(pool_buffers(plan.caps.grads_in_flight) * 65536 * 4 <= plan.caps.budget);
+  // The user's own limit stands.
+  auto s = PlanSettings{};
+  s.world = 2;
+  s.stage = ZeroStage::gradients;
+  s.first_cap_bytes = s.cap_bytes = 65536 * 4;
+  s.max_buckets_in_flight = 3;
+  s.state_slots = 2;
+  std::vector<std::uint32_t> order(16);
+  for (std::uint32_t i = 0; i < 16; ++i) order[i] = 15 - i;
+  CHECK(bucket_caps(layers, order, s).grads_in_flight == 3);
+  // A world of 4 saves three quarters: still no more buckets in flight than there are buckets.
+  CHECK(plan_of(m, 4, 2, Partition::flat).caps.grads_in_flight <= 16);
 }
 
 TEST_CASE("a parameter too large for stage 2's budget: whole buckets reduce-scattered in place, no more than stage 1") {

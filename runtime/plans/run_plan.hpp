@@ -16,7 +16,8 @@
 // flight get a budget: what sharding the gradients saves, 4Psi(N-1)/N. By default the in-flight
 // limits are kStage2GradsInFlight gradient buffers and kStagingInFlight staging buffers (with one
 // overrun buffer: pool_buffers), and the bucket caps shrink until that many of the largest
-// (padded) bucket fit in the budget (bucket_caps). When
+// (padded) bucket fit in the budget; the gradient buffers in flight then grow to as many as the
+// rest of the budget holds (bucket_caps: more in flight, less backpressure on a slow link). When
 // one parameter alone is larger than that, holding buckets only while in flight could cost more
 // than it saves: stage 2 then keeps whole buckets as stage 1 does and reduce-scatters each into
 // the rank's own slice of it, in place (BucketCaps::pooled off, BucketCaps::warning says why).
@@ -33,9 +34,11 @@
 
 namespace shardflow {
 
-// Stage 2's buckets in flight by default (Config::zero.max_buckets_in_flight = 0): one gradient
-// buffer being written while one is reduced, and two staging buffers (a step packs the next
-// bucket while the previous one's sync is on the link).
+// Stage 2's buckets in flight by default (Config::zero.max_buckets_in_flight = 0): at least one
+// gradient buffer being written while one is reduced, more where the budget holds them (the
+// bucket caps are sized for this least count, then the count grows into what is left of the
+// budget: bucket_caps), and two staging buffers (a step packs the next bucket while the previous
+// one's sync is on the link).
 inline constexpr std::size_t kStage2GradsInFlight = 2;
 inline constexpr std::size_t kStagingInFlight = 2;
 // Buffers stage 2's pool may hold at once: the gradient buffers in flight, one more taken while
