@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "bench/overlap_bound.hpp"
 #include "examples/synthetic/trainer.hpp"
 
 using namespace shardflow;
@@ -107,6 +108,40 @@ int main(int argc, char** argv) {
     std::printf("\nstage %d     ratio:", stage);
     for (double r : ratios) std::printf("  %6.2f", r);
     std::printf("   (efficiency; T_iteration ms in brackets)\n");
+    {
+      // The yardstick (bench/overlap_bound.hpp): the best efficiency any runtime reaches on this
+      // model with free hops and steps and the best split of syncs, at the same ratios.
+      auto o = base;
+      o.runtime.zero.stage = ZeroStage(stage);
+      o.link.latency_us = latency_us;
+      const double t_c = double(base.layers) * double(fwd_us + bwd_us) / 1e3;
+      const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
+      std::printf("  %-22s", "bound (free hops)");
+      std::string ks;
+      for (double r : ratios) {
+        if (r * t_c <= a) {
+          std::printf("  %6s", "-");
+          continue;
+        }
+        o.link.gbytes_per_s = b / (r * t_c - a);
+        bench::BoundModel bm;
+        bm.layers = std::size_t(base.layers);
+        bm.forward_ms = fwd_us / 1e3;
+        bm.backward_ms = bwd_us / 1e3;
+        bm.reduce_ms = double(synthetic::reduce_time(o).count()) / 1e6;
+        bm.sync_ms = double(synthetic::sync_time(o).count()) / 1e6;
+        const auto best = bench::best_iteration(bm);
+        const double t_comm = comm_ms(o, o.link.gbytes_per_s);
+        const double eff = (t_c + t_comm - best.iteration_ms) / std::min(t_c, t_comm);
+        std::printf("  %6.3f", eff);
+        ks += " " + std::to_string(best.syncs_in_backward);
+        js << (first ? "" : ",") << "\n  {\"stage\": " << stage << ", \"mode\": \"bound\", \"ratio\": " << r
+           << ", \"t_compute_ms\": " << t_c << ", \"t_comm_ms\": " << t_comm << ", \"t_iteration_ms\": " << best.iteration_ms
+           << ", \"syncs_in_backward\": " << best.syncs_in_backward << ", \"efficiency\": " << eff << "}";
+        first = false;
+      }
+      std::printf("   [best K:%s]\n", ks.c_str());
+    }
     for (const auto& m : modes) {
       if (!only.empty() && std::find(only.begin(), only.end(), m.name) == only.end()) continue;
       auto o = base;
