@@ -29,7 +29,10 @@ def main():
                 modes.append(p["mode"])
         for m in modes:
             pts = sorted((p["ratio"], p["efficiency"]) for p in d["points"] if p["stage"] == st and p["mode"] == m)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
+            if m == "bound":  # bench/overlap_bound.hpp: the best any runtime reaches on this model
+                ax.plot([x for x, _ in pts], [y for _, y in pts], color="grey", ls=":", lw=2, label="bound (free hops, best K)")
+            else:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m)
         ax.axhline(0.9, color="black", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("link time / compute time")
