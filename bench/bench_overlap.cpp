@@ -47,6 +47,12 @@ double comm_ms(synthetic::Options o, double beta) {
   return double(o.layers) * double((synthetic::reduce_time(o) + synthetic::sync_time(o)).count()) / 1e6;
 }
 
+// The bandwidth at which T_comm is `target_ms` (0 when the latency alone is longer than asked).
+double beta_for(const synthetic::Options& o, double target_ms) {
+  const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
+  return target_ms > a ? b / (target_ms - a) : 0.0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -115,15 +121,14 @@ int main(int argc, char** argv) {
       o.runtime.zero.stage = ZeroStage(stage);
       o.link.latency_us = latency_us;
       const double t_c = double(base.layers) * double(fwd_us + bwd_us) / 1e3;
-      const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
       std::printf("  %-22s", "bound (free hops)");
       std::string ks;
       for (double r : ratios) {
-        if (r * t_c <= a) {
+        o.link.gbytes_per_s = beta_for(o, r * t_c);
+        if (o.link.gbytes_per_s == 0.0) {
           std::printf("  %6s", "-");
           continue;
         }
-        o.link.gbytes_per_s = b / (r * t_c - a);
         bench::BoundModel bm;
         bm.layers = std::size_t(base.layers);
         bm.forward_ms = fwd_us / 1e3;
@@ -158,12 +163,11 @@ int main(int argc, char** argv) {
         o.runtime.trace.path.clear();
         computes.push_back(iteration_ms(o));
         o.link.latency_us = latency_us;
-        const double a = comm_ms(o, 1e12), b = comm_ms(o, 1.0) - a;
         const double t_compute_now = median(computes);
         for (std::size_t i = 0; i < ratios.size(); ++i) {
           if (rep == 0) {
             const double target = ratios[i] * t_compute_now;
-            betas[i] = target > a ? b / (target - a) : 0.0;  // 0: the latency alone is longer than asked
+            betas[i] = beta_for(o, target);  // 0: the latency alone is longer than asked
           }
           if (betas[i] == 0.0) continue;
           o.link.gbytes_per_s = betas[i];

@@ -63,13 +63,13 @@ BucketPlan Runtime::Impl::make_plan(const std::vector<std::uint32_t>& order) {
 }
 
 void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration) {
+  stop_actors();  // the old plan's actors hold its buffers; nothing is in flight between iterations
   std::shared_ptr<Shard> next_shard;
   std::shared_ptr<BucketBuffers> next_bufs;
   if (groups) {
     // With the runtime's optimizer nothing in the old buffers is needed any more (gradients were
     // stepped, parameters synced): they go before the new ones come, so a rebuild does not hold
-    // two plans' gradients (Note [Memory at the ZeRO formula]). The old actors go first.
-    stop_actors();
+    // two plans' gradients (Note [Memory at the ZeRO formula]).
     if (bufs) bufs->release_all();
     auto shard_plan = make_shard_plan(next, registry.params(), cfg.zero.partition, world, rank, cfg.zero.stage >= ZeroStage::optimizer_state);
     std::vector<std::size_t> bytes;
@@ -91,7 +91,6 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
                      e.numel * dtype_size(b.dtype));
   }
   if (shard && next_shard) migrate_state(*shard, *next_shard);
-  stop_actors();
   plan = std::move(next);
   bufs = std::move(next_bufs);
   shard = std::move(next_shard);
