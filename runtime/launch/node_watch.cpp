@@ -119,13 +119,24 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
     const auto& n = nodes[std::size_t(k)];
     labels_.push_back("node " + std::to_string(k) + " (host " + n.host + ", " + n.address + ")");
   }
+  // Every node finds a mismatch itself, from the same records; node 0's store must outlive the
+  // others' reading them, or a node that polls a little later hears only that the store went away
+  // (seen under load: the mismatch named on node 0 only).
+  main_->add(key("rdzv_read"), 1);
+  auto keep_store_until_read = [&] {
+    if (o_.node_rank != 0) return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (main_->add(key("rdzv_read"), 0) < o_.nnodes && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(milliseconds(20));
+  };
   for (int k = 0; k < o_.nnodes; ++k) {
     const auto& n = nodes[std::size_t(k)];
-    if (n.nnodes != o_.nnodes || n.nproc != o_.nproc_per_node)
-      throw UsageError("rendezvous: " + labels_[std::size_t(k)] + " was started with --nnodes " + std::to_string(n.nnodes) +
-                       " --nproc-per-node " + std::to_string(n.nproc) + ", " + labels_[std::size_t(o_.node_rank)] +
-                       " with --nnodes " + std::to_string(o_.nnodes) + " --nproc-per-node " +
-                       std::to_string(o_.nproc_per_node) + ": every node must be started with the same values");
+    if (n.nnodes == o_.nnodes && n.nproc == o_.nproc_per_node) continue;
+    keep_store_until_read();
+    throw UsageError("rendezvous: " + labels_[std::size_t(k)] + " was started with --nnodes " + std::to_string(n.nnodes) +
+                     " --nproc-per-node " + std::to_string(n.nproc) + ", " + labels_[std::size_t(o_.node_rank)] + " with --nnodes " +
+                     std::to_string(o_.nnodes) + " --nproc-per-node " + std::to_string(o_.nproc_per_node) +
+                     ": every node must be started with the same values");
   }
   event_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (event_fd_ < 0) throw Error("eventfd: " + std::string(std::strerror(errno)));
