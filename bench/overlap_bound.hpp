@@ -1,7 +1,9 @@
 // The best iteration any runtime could reach on bench_overlap's model, as a yardstick for the
 // measured one: the same layers, compute times and link costs, but every hop, step and wake-up
-// free (zero time), and the best choice of how many parameter syncs go in backward (K). What is
-// left is what the dependencies themselves cost:
+// free (zero time), and the best choice of how many parameter syncs go in backward (K). It is the
+// model the runtime itself replays to choose K (runtime/plans/prefetch_model.hpp, Note [Choosing
+// the syncs in backward]), here with each sync right after its own reduction (lag 0: with a free
+// step nothing is gained by waiting). What is left is what the dependencies themselves cost:
 //   - a bucket's reduction cannot start before backward produced its gradient;
 //   - its sync cannot start before its reduction ended (the step in between is free here);
 //   - forward's layer l cannot start before its sync ended;
@@ -14,9 +16,10 @@
 // for these proportions with whole-bucket collectives.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
-#include <vector>
+#include <cstdint>
+
+#include "runtime/plans/prefetch_model.hpp"
 
 namespace shardflow::bench {
 
@@ -26,43 +29,18 @@ struct BoundModel {
   double reduce_ms = 0.5, sync_ms = 0.25;       // per bucket (one layer per bucket)
 };
 
-// Steady-state iteration (ms) of the schedule with K syncs in backward.
-inline double ideal_iteration_ms(const BoundModel& m, std::size_t K) {
-  const std::size_t L = m.layers;
-  // Bucket b holds layer L-1-b (buckets in backward order).
-  std::vector<double> avail(L, 0.0), grad(L), reduced(L), synced(L);
-  double t = 0, link = 0, start = 0, last_start = 0;
-  const int iterations = 40, counted = 10;
-  double sum = 0;
-  for (int it = 0; it < iterations; ++it) {
-    last_start = start;
-    start = t;
-    if (it >= iterations - counted) sum += start - last_start;
-    for (std::size_t l = 0; l < L; ++l) t = std::max(t, avail[l]) + m.forward_ms;
-    for (std::size_t b = 0; b < L; ++b) grad[b] = t += m.backward_ms;
-    for (std::size_t b = 0; b < L; ++b) {
-      link = reduced[b] = std::max(link, grad[b]) + m.reduce_ms;
-      if (b < K) link = synced[b] = link + m.sync_ms;
-    }
-    for (std::size_t l = 0; l + K < L; ++l) {  // the late syncs, in forward order (layer l = bucket L-1-l)
-      const std::size_t b = L - 1 - l;
-      link = synced[b] = std::max(link, reduced[b]) + m.sync_ms;
-    }
-    for (std::size_t b = 0; b < L; ++b) avail[L - 1 - b] = synced[b];
+// Bucket b holds layer L-1-b: forward needs the buckets back to front, backward fills them in order.
+inline PrefetchTimes bound_times(const BoundModel& m) {
+  PrefetchTimes t;
+  t.lag = 0;
+  for (std::size_t l = 0; l < m.layers; ++l) {
+    t.forward_order.push_back(std::uint32_t(m.layers - 1 - l));
+    t.forward_ms.push_back(m.forward_ms);
+    t.gradient_ms.push_back(double(l + 1) * m.backward_ms);
+    t.reduce_ms.push_back(m.reduce_ms);
+    t.sync_ms.push_back(m.sync_ms);
   }
-  return sum / counted;
-}
-
-struct Bound {
-  double iteration_ms;
-  std::size_t syncs_in_backward;
-};
-
-inline Bound best_iteration(const BoundModel& m) {
-  Bound best{ideal_iteration_ms(m, 0), 0};
-  for (std::size_t k = 1; k <= m.layers; ++k)
-    if (const double t = ideal_iteration_ms(m, k); t < best.iteration_ms) best = {t, k};
-  return best;
+  return t;
 }
 
 }  // namespace shardflow::bench

@@ -3,7 +3,7 @@
 namespace shardflow {
 
 BucketReadiness::BucketReadiness(std::vector<std::uint32_t> sizes)
-    : sizes_(std::move(sizes)), pending_(new std::atomic<std::uint32_t>[sizes_.size()]) {
+    : sizes_(std::move(sizes)), pending_(new std::atomic<std::uint32_t>[sizes_.size()]), ready_us_(sizes_.size(), -1) {
   reset();
 }
 

@@ -31,12 +31,19 @@ class BucketReadiness {
   // (`from` .. result-1 are newly in it). The comm stream issues reductions in bucket order, so
   // only the buffers of that run are sure to come back without any further trainer action.
   std::pair<std::size_t, std::size_t> extend_ready_run(std::uint32_t b);
+  // When bucket b's last gradient came in (Timeline microseconds), kept until the next pass's:
+  // forward prefetch sizes its split from one pass's times (Note [Choosing the syncs in
+  // backward]). Written by the thread whose gradient_in() returned true, read after the pass has
+  // been waited for (the iteration signal orders the two).
+  void ready_at(std::uint32_t b, std::int64_t us) { ready_us_[b] = us; }
+  const std::vector<std::int64_t>& ready_times() const { return ready_us_; }
 
  private:
   std::vector<std::uint32_t> sizes_;
   std::unique_ptr<std::atomic<std::uint32_t>[]> pending_;
   std::mutex run_mu_;
   std::vector<char> ready_;
+  std::vector<std::int64_t> ready_us_;
   std::size_t run_ = 0;
 };
 

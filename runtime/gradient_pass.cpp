@@ -41,6 +41,7 @@ void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {
   // comes after its kernels). Pooled buffers are marked reducing before the message goes out, so
   // the release (after the reduction) always follows it.
   if (readiness->gradient_in(loc.bucket)) {
+    readiness->ready_at(loc.bucket, Timeline::now());
     events->record(loc.bucket);
     if (bufs->pooled()) {
       const auto [from, to] = readiness->extend_ready_run(loc.bucket);

@@ -83,6 +83,11 @@ OverlapStats::Open OverlapStats::open_window() const {
   return o;
 }
 
+OverlapStats::Time OverlapStats::unblocked(Time t) const {
+  std::lock_guard lock(mu_);
+  return window_start_ < 0 ? t : t - covered(blocked_, window_start_, t);
+}
+
 void OverlapStats::touch(Time t) {
   std::lock_guard lock(mu_);
   if (window_start_ < 0) window_start_ = t;

@@ -32,6 +32,9 @@ class OverlapStats {
     double backward_ms = 0, reduce_ms = 0, sync_ms = 0;
   };
   Open open_window() const;
+  // `t` less the time the trainer was held up in this window before it: where `t` falls on the
+  // trainer's own clock (the times of a pass with stage 2 backpressure, as if never held up).
+  Time unblocked(Time t) const;
   void blocked(Time begin, Time end);
   void optimizer(Time begin, Time end);
   // The trainer started working on an iteration (first call of a window opens it).

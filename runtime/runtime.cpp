@@ -284,6 +284,7 @@ void Runtime::wait() {
     I.observing_forward = true;  // the next forward's first-use order decides the sync order
     I.forward_seen.assign(I.plan.buckets.size(), 0);
     I.forward_order.clear();
+    I.forward_asked_us.clear();
   }
   // A rebuilt shard copied its masters and state on its own stream: the compute stream waits for
   // that too, so that wait()'s promise holds for whichever shard the next iteration uses.
@@ -303,6 +304,7 @@ void Runtime::wait_param(Param p) {
     if (I.observing_forward && !I.forward_seen[b]) {
       I.forward_seen[b] = 1;
       I.forward_order.push_back(b);
+      I.forward_asked_us.push_back(Timeline::now());
     }
   }
   if (!I.prefetch_active) return;  // wait() waited for everything

@@ -83,6 +83,7 @@ struct Runtime::Impl {
   bool observing_forward = false;       // recording the first-use order of buckets in forward
   std::vector<char> forward_seen;
   std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
+  std::vector<std::int64_t> forward_asked_us;            // when forward first asked for forward_order[i]
   std::size_t prefetch_early = 0;  // with prefetch: syncs interleaved into backward (the first of sync_order)
   bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
@@ -225,7 +226,8 @@ struct Runtime::Impl {
   // Note [Forward prefetch] (forward_prefetch.cpp).
   void establish_sync_order();
 
-  std::size_t choose_early_syncs() const;
+  // From when forward first asked for each bucket (wait_param) and this pass's times; rank 0's answer is used.
+  std::size_t choose_early_syncs(const std::vector<std::uint32_t>& order, std::vector<std::int64_t> asked) const;
 
   void rebuild_from_observed_order();
 };
