@@ -63,8 +63,6 @@ struct DeviceModel::Impl {
   std::vector<State> state;
 };
 
-bool device_model_compiled() { return true; }
-
 DeviceModel::DeviceModel(const Model& host, int device) : impl_(std::make_unique<Impl>()) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || device < 0 || device >= n) {

@@ -46,7 +46,4 @@ class DeviceModel {
   std::unique_ptr<Impl> impl_;
 };
 
-// Whether this build can run the model on a GPU (CUDA and cuBLAS found at configure time).
-bool device_model_compiled();
-
 }  // namespace shardflow::mlp

@@ -66,8 +66,10 @@ class DeviceRankModel final : public RankModel {
 
 }  // namespace
 
-std::unique_ptr<RankModel> make_device_rank_model(const Model& model, const TrainOptions& opt) {
-  return std::make_unique<DeviceRankModel>(model, opt);
-}
-
 }  // namespace shardflow::mlp
+
+// The module's one entry point (examples/mlp/device_loader.cpp finds it by name).
+extern "C" __attribute__((visibility("default"))) shardflow::mlp::RankModel* shardflow_mlp_make_device_rank_model(
+    const shardflow::mlp::Model& model, const shardflow::mlp::TrainOptions& opt) {
+  return new shardflow::mlp::DeviceRankModel(model, opt);
+}

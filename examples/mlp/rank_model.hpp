@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/train.hpp"
@@ -28,6 +29,11 @@ class RankModel {
 
 // `model` outlives the adapter; the host adapter trains it in place, the device adapter uploads it.
 std::unique_ptr<RankModel> make_host_rank_model(Model& model, const TrainOptions& opt);
+// The device adapter lives in its own module, loaded on first use (device_loader.cpp); throws
+// UsageError saying why when it cannot be loaded.
 std::unique_ptr<RankModel> make_device_rank_model(const Model& model, const TrainOptions& opt);
+// Empty when --device cuda can run here; otherwise why not (no CUDA in this build, the module
+// missing or not loadable).
+std::string device_model_unavailable();
 
 }  // namespace shardflow::mlp

@@ -6,7 +6,6 @@
 #include <optional>
 #include <thread>
 
-#include "examples/mlp/device_model.hpp"
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/rank_model.hpp"
 #include "examples/mlp/rng.hpp"
@@ -232,8 +231,7 @@ Prepared prepare(const TrainOptions& opt) {
     if (opt.param_dtype != DType::f32)
       throw UsageError("--device cuda: the example's GPU model computes in fp32 parameters (--param-dtype fp32); "
                        "16-bit parameters are supported by its CPU trainer");
-    if (!device_model_compiled())
-      throw UsageError("--device cuda: this build has no CUDA (configure where nvcc and cuBLAS exist, SHARDFLOW_CUDA=ON)");
+    if (const auto why = device_model_unavailable(); !why.empty()) throw UsageError("--device cuda: " + why);
   }
   if (!opt.optimizer_in_runtime && (opt.runtime.zero.stage != ZeroStage::ddp || opt.runtime.zero.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
     throw UsageError("ZeRO stages, clipping and 16-bit parameters need the optimizer inside the runtime");
