@@ -65,6 +65,18 @@ TensorMap Model::state_dict() const {
   return out;
 }
 
+TensorMap Model::release_state_dict() {
+  TensorMap out;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    auto& l = layers_[i];
+    out[param_name(int(i), false)] = Tensor::from_f32(l.weight.data(), {l.out, l.in});
+    out[param_name(int(i), true)] = Tensor::from_f32(l.bias.data(), {l.out});
+    std::vector<float>().swap(l.weight);
+    std::vector<float>().swap(l.bias);
+  }
+  return out;
+}
+
 float Model::forward(const float* x, const float* y, int rows, const std::function<void(int)>& before_layer) {
   x_ = x;
   rows_ = rows;

@@ -32,6 +32,9 @@ class Model {
   // Loads layers.{i}.weight / .bias; Error naming the tensor if one is missing or misshaped.
   void load(const TensorMap& tensors, const std::string& origin);
   TensorMap state_dict() const;
+  // The same, freeing each layer as it is copied: at the end of a run, the copy never holds a
+  // second whole model (peak resident memory).
+  TensorMap release_state_dict();
 
   // Forward on `rows` rows of x [rows, sizes[0]]; keeps the activations for backward and returns
   // the loss mean over this batch. `before_layer(i)` runs right before layer i reads its

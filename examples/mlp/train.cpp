@@ -118,13 +118,13 @@ void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, R
 }
 
 // After the last step: memory at the end, and rank 0's parameters, buckets and collectives.
-void finish_rank(Shared& sh, int rank, const Runtime& rt, const Model& model, std::size_t slot) {
+void finish_rank(Shared& sh, int rank, const Runtime& rt, Model& model, std::size_t slot) {
   {
     std::lock_guard lock(sh.mu);
     sh.result.memory_end[slot] = rt.memory_report();
   }
   if (rank == 0) {
-    sh.result.params = model.state_dict();
+    sh.result.params = model.release_state_dict();  // the model is not used again
     sh.result.buckets = rt.buckets();
     sh.result.collectives = rt.collective_log();
     sh.result.stats = rt.stats();

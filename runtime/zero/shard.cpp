@@ -235,6 +235,16 @@ void Shard::export_state(std::size_t slot, std::size_t begin, std::vector<float>
   }
 }
 
+void Shard::discard_state(std::size_t slot, std::size_t begin, std::size_t n) {
+  const auto& src = slot_buffers(slot);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (src[b].empty()) continue;
+    for_window(shard_, param_base_, b, begin, n, [&](std::size_t packed, std::size_t, std::size_t len) {
+      ops_->discard(src[b].data() + packed, len * sizeof(float));
+    });
+  }
+}
+
 void Shard::import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in) {
   const auto& dst = slot_buffers(slot);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {

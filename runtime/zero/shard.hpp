@@ -107,6 +107,8 @@ class Shard {
   // Elements [begin, begin + out.size()) of slot `slot` in parameter coordinates (a window, so a
   // migration needs no full-size copy of the state).
   void export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const;
+  // The window exported last is not read again: its memory may go before the whole slot does.
+  void discard_state(std::size_t slot, std::size_t begin, std::size_t n);
   void import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in);
   std::size_t total_elements() const { return total_elements_; }
   void allocate_slot(std::size_t slot);  // zeroed (a migrating shard's state)

@@ -51,6 +51,12 @@ class ShardOps {
   // Synchronous transfers to and from host memory: state migration (once, after the first step).
   virtual void download(void* host, const void* src, std::size_t bytes) = 0;
   virtual void upload(void* dst, const void* host, std::size_t bytes) = 0;
+  // The contents of [p, p + bytes) are no longer needed (migrated away): host memory gives its
+  // whole pages back at once; device memory waits for its buffer's release.
+  virtual void discard(void* p, std::size_t bytes) {
+    (void)p;
+    (void)bytes;
+  }
 
   // One optimizer update of a piece the shard owns.
   struct Update {

@@ -1,6 +1,10 @@
 // CPU shards: everything on the calling thread, in host memory.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 
@@ -36,6 +40,11 @@ class CpuShardOps final : public ShardOps {
   }
   void download(void* host, const void* src, std::size_t bytes) override { copy(host, src, bytes); }
   void upload(void* dst, const void* host, std::size_t bytes) override { copy(dst, host, bytes); }
+  void discard(void* p, std::size_t bytes) override {
+    const auto page = std::uintptr_t(::sysconf(_SC_PAGESIZE));
+    const auto lo = (std::uintptr_t(p) + page - 1) / page * page, hi = (std::uintptr_t(p) + bytes) / page * page;
+    if (lo < hi) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+  }
 
   void update(const OptimizerConfig& h, const Update& u) override {
     float* g = static_cast<float*>(u.grad);
