@@ -7,6 +7,7 @@
 // Started plainly, its ranks are threads over the in-process backend. Started by `shardflow run`
 // (or torchrun, srun, mpirun) every process is one rank: --backend shm|gloo|auto.
 #include <CLI/CLI.hpp>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -215,6 +216,11 @@ int main(int argc, char** argv) {
     for (std::size_t r = 0; r < res.memory.size(); ++r)
       std::printf("  memory rank %zu: start %s | end %s\n", comm ? std::size_t(comm->rank()) : r, res.memory[r].str().c_str(),
                   res.memory_end[r].str().c_str());
+    {
+      rusage ru{};
+      ::getrusage(RUSAGE_SELF, &ru);  // ru_maxrss: KiB on Linux
+      std::printf("  peak resident memory of this process: %.1f MB\n", double(ru.ru_maxrss) * 1024 / 1e6);
+    }
     for (const auto& b : res.buckets)
       std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
                   b.params.front().c_str(), b.params.back().c_str());
