@@ -396,3 +396,22 @@ TEST_CASE("peak resident memory of a whole run agrees: stage 2 <= stage 1 <= sta
   CHECK(w2[2] <= w2[1] * 1.02);
   CHECK(w2[1] < w2[0]);
 }
+
+TEST_CASE("stage 2 on a model with many buckets: the pool holds two default buckets, not all that sharding saves") {
+  // 32 layers of 4096 x 1024 (16 MiB each), world 4: sharding saves 384 MiB of gradients. The pool
+  // (buckets in flight, overrun, staging) gets the larger of two 25 MiB buckets and one 16 MiB
+  // parameter per slot (80 MiB), so stage 2 holds its 128 MiB shard plus 80 MiB, where sizing the
+  // pool by the savings let it fill them: stage 1's 512 MiB.
+  std::vector<ParamSpec> layers;
+  for (int l = 0; l < 32; ++l) layers.push_back({"layers." + std::to_string(l) + ".weight", {4096, 1024}});
+  const Model m{"32 x 16 MiB", layers, 1 << 20, 25 << 20};
+  const RunPlan s2 = plan_of(m, 4, 2, Partition::flat), s1 = plan_of(m, 4, 1, Partition::flat);
+  REQUIRE(s2.caps.pooled);
+  const std::size_t per_param = std::size_t(4096) * 1024 * 4, total = 32 * per_param;
+  CHECK(s2.caps.budget <= pool_buffers(kStage2GradsInFlight) * (per_param + 4 * 64));
+  CHECK(s2.caps.budget >= 2 * (std::size_t(25) << 20));
+  for (const auto& mem : s2.memory) {
+    CHECK(mem.grads <= total / 4 + s2.caps.budget);
+    CHECK(mem.grads < s1.memory[0].grads / 2);
+  }
+}

@@ -49,10 +49,17 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
     total += param_bytes(p);
     if (param_bytes(p) > largest) largest = param_bytes(p), big = &p;
   }
-  // What sharding the gradients saves: the buckets in flight may take that much.
-  c.budget = total / std::size_t(s.world) * std::size_t(s.world - 1);
-  const std::size_t per_slot = c.budget / slots;
+  // The pool (the buckets in flight, the overrun and the staging buffers) gets two buckets of the
+  // larger of the cap and the default cap, or what one bucket per slot of the largest parameter
+  // needs; never more than sharding the gradients saves, so stage 2 never holds more than stage 1.
+  // Sizing it by the savings alone let it grow to all of them: stage 2 then held stage 1's
+  // gradient memory on every model with more buckets than the pool's minimum (Note [Memory at the
+  // ZeRO formula]).
   const auto W = std::size_t(s.world);
+  const std::size_t savings = total / W * (W - 1);
+  const std::size_t allowance = std::max(2 * std::max(s.cap_bytes, Config{}.buckets.cap_bytes), slots * (largest + W * 64));
+  c.budget = std::min(savings, allowance);
+  const std::size_t per_slot = c.budget / slots;
   auto buffer_bytes = [&](const Bucket& b) {  // the flat partition pads to W slices of whole cache lines
     if (s.partition != Partition::flat) return b.bytes();
     return ((b.numel + W - 1) / W + 15) / 16 * 16 * W * dtype_size(b.dtype);

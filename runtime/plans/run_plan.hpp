@@ -12,8 +12,11 @@
 // (16-bit parameters: 2Psi each for params and grads, plus 4Psi/N of fp32 masters.) Stage 2 holds a
 // bucket's full gradient buffer only from its first gradient until its reduce-scatter has landed
 // in the rank's 1/N shard, and a staging buffer from its step until its parameter sync is done
-// (Note [Pooled buckets (ZeRO-2)]). So that stage 2 never holds more than stage 1, its buckets in
-// flight get a budget: what sharding the gradients saves, 4Psi(N-1)/N. By default the in-flight
+// (Note [Pooled buckets (ZeRO-2)]). Its buckets in flight get a budget: two buckets of the larger
+// of the cap and the default 25 MiB (or, if more, one slot per pool buffer of the largest
+// parameter), but never more than sharding the gradients saves, 4Psi(N-1)/N, so that stage 2
+// never holds more than stage 1 and a large model stays within the formula plus two buckets (the
+// savings alone as the budget let the pool grow to all of them). By default the in-flight
 // limits are kStage2GradsInFlight gradient buffers and kStagingInFlight staging buffers (with one
 // overrun buffer: pool_buffers), and the bucket caps shrink until that many of the largest
 // (padded) bucket fit in the budget; the gradient buffers in flight then grow to as many as the
