@@ -3,22 +3,13 @@
 compute time, one panel per ZeRO stage, the 0.90 goal as a line.
 
     build/bench/bench_overlap --json overlap.json && bench/plot_overlap.py overlap.json -o bench/overlap.png"""
-import argparse
 import json
-import sys
+
+from plot_common import json_to_png
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json")
-    ap.add_argument("-o", "--output", required=True)
-    a = ap.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("plot_overlap: needs matplotlib: apt-get install python3-matplotlib (`make deps` installs it)")
+    a, plt = json_to_png(__doc__, "plot_overlap")
     d = json.load(open(a.json))
     stages = sorted({p["stage"] for p in d["points"]})
     fig, axes = plt.subplots(1, len(stages), figsize=(6 * len(stages), 4), sharey=True, squeeze=False)

@@ -4,22 +4,13 @@ memory and the process's OS peak RSS, each over its ZeRO formula (bars), with th
 goals as lines.
 
     build/bench/bench_zero --memory --json zero_memory.json && bench/plot_zero_memory.py zero_memory.json -o bench/zero_memory.png"""
-import argparse
 import json
-import sys
+
+from plot_common import json_to_png
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json")
-    ap.add_argument("-o", "--output", required=True)
-    a = ap.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("plot_zero_memory: needs matplotlib: apt-get install python3-matplotlib (`make deps` installs it)")
+    a, plt = json_to_png(__doc__, "plot_zero_memory")
     points = json.load(open(a.json))
     labels = [f"w{p['world']} s{p['stage']}" + (f"\n{p['partition']}" if p["partition"] != "-" else "") for p in points]
     x = range(len(points))
