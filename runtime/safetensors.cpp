@@ -1,25 +1,26 @@
 #include "shardflow/safetensors.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 
+#include "runtime/safetensors_stream.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
-namespace {
-
-std::size_t element_size(const std::string& dtype) {
+std::size_t safetensors_element_size(const std::string& dtype) {
   static const std::map<std::string, std::size_t> sizes = {
       {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8}, {"I32", 4},
       {"I16", 2}, {"I8", 1},  {"U8", 1},  {"BOOL", 1}, {"U16", 2}, {"U32", 4}, {"U64", 8}};
   auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
-
-}  // namespace
 
 std::vector<float> Tensor::to_f32(const std::string& what) const {
   if (dtype != "F32") throw UsageError(what + ": expected dtype F32, the file has " + dtype);
@@ -37,7 +38,20 @@ Tensor Tensor::from_f32(const float* p, Shape shape) {
   return t;
 }
 
-TensorMap load_safetensors(const std::string& path) {
+namespace {
+
+void write_all(int fd, const void* data, std::uint64_t n, std::uint64_t at, const std::string& path) {
+  std::uint64_t done = 0;
+  while (done < n) {
+    const auto put = ::pwrite(fd, static_cast<const char*>(data) + done, n - done, off_t(at + done));
+    if (put <= 0) throw Error("safetensors: writing '" + path + "' failed: " + std::strerror(errno));
+    done += std::uint64_t(put);
+  }
+}
+
+}  // namespace
+
+SafetensorsIndex read_safetensors_index(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("safetensors: cannot open '" + path + "'");
   in.seekg(0, std::ios::end);
@@ -62,65 +76,132 @@ TensorMap load_safetensors(const std::string& path) {
   if (!j.is_object()) throw Error("safetensors: '" + path + "': header is not a JSON object");
   const std::uint64_t data_start = 8 + header_len, data_len = file_size - data_start;
 
-  TensorMap out;
+  SafetensorsIndex index;
+  index.path = path;
   for (auto& [name, info] : j.items()) {
-    if (name == "__metadata__") continue;
     const std::string where = "safetensors: '" + path + "', tensor '" + name + "'";
     try {
-      Tensor t;
+      if (name == "__metadata__") {
+        for (auto& [k, v] : info.items()) index.metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
+        continue;
+      }
+      SafetensorsIndex::Entry t;
       t.dtype = info.at("dtype").get<std::string>();
       t.shape = info.at("shape").get<Shape>();
       auto offs = info.at("data_offsets").get<std::vector<std::uint64_t>>();
-      const std::size_t es = element_size(t.dtype);
+      const std::size_t es = safetensors_element_size(t.dtype);
       if (es == 0) throw Error(where + ": unsupported dtype " + t.dtype);
       for (auto d : t.shape)
         if (d < 0) throw Error(where + ": negative dimension");
       if (offs.size() != 2 || offs[0] > offs[1] || offs[1] > data_len)
-        throw Error(where + ": data_offsets out of the file's data section");
-      if (offs[1] - offs[0] != t.numel() * es)
-        throw Error(where + ": " + std::to_string(offs[1] - offs[0]) + " bytes of data for shape " +
-                    shape_str(t.shape) + " " + t.dtype);
-      t.data.resize(offs[1] - offs[0]);
-      in.seekg(std::streamoff(data_start + offs[0]));
-      if (!t.data.empty() && !in.read(reinterpret_cast<char*>(t.data.data()), std::streamsize(t.data.size())))
-        throw Error(where + ": file truncated");
-      out.emplace(name, std::move(t));
+        throw Error(where + ": data_offsets out of the file's data section (file truncated?)");
+      if (offs[1] - offs[0] != std::uint64_t(numel(t.shape)) * es)
+        throw Error(where + ": " + std::to_string(offs[1] - offs[0]) + " bytes of data for shape " + shape_str(t.shape) + " " + t.dtype);
+      t.begin = data_start + offs[0];
+      t.bytes = offs[1] - offs[0];
+      index.tensors.emplace(name, std::move(t));
     } catch (const nlohmann::json::exception& e) {
       throw Error(where + ": malformed entry: " + e.what());
     }
   }
+  return index;
+}
+
+void SafetensorsIndex::read(const std::string& name, std::uint64_t offset, void* out, std::uint64_t n) const {
+  const auto& e = tensors.at(name);
+  if (offset + n > e.bytes) throw Error("safetensors: '" + path + "', tensor '" + name + "': read past its data");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error("safetensors: cannot open '" + path + "': " + std::strerror(errno));
+  std::uint64_t done = 0;
+  while (done < n) {
+    const auto got = ::pread(fd, static_cast<char*>(out) + done, n - done, off_t(e.begin + offset + done));
+    if (got <= 0) {
+      ::close(fd);
+      throw Error("safetensors: '" + path + "', tensor '" + name + "': file truncated");
+    }
+    done += std::uint64_t(got);
+  }
+  ::close(fd);
+}
+
+TensorMap load_safetensors(const std::string& path) {
+  const auto index = read_safetensors_index(path);
+  TensorMap out;
+  for (const auto& [name, e] : index.tensors) {
+    Tensor t;
+    t.dtype = e.dtype;
+    t.shape = e.shape;
+    t.data.resize(e.bytes);
+    if (e.bytes) index.read(name, 0, t.data.data(), e.bytes);
+    out.emplace(name, std::move(t));
+  }
   return out;
+}
+
+SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Entry>& tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), tmp_(path_ + ".tmp." + std::to_string(::getpid())) {
+  nlohmann::ordered_json j;
+  if (!metadata.empty()) j["__metadata__"] = metadata;
+  std::uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    const std::uint64_t bytes = std::uint64_t(numel(t.shape)) * safetensors_element_size(t.dtype);
+    if (where_.count(t.name)) throw UsageError("safetensors: tensor '" + t.name + "' appears twice");
+    j[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    where_[t.name] = {offset, bytes};
+    offset += bytes;
+  }
+  std::string header = j.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
+  for (auto& [name, w] : where_) w.first += 8 + header.size();
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error("safetensors: cannot write '" + tmp_ + "': " + std::strerror(errno));
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[std::size_t(i)] = char(std::uint8_t(std::uint64_t(header.size()) >> (8 * i)));
+  head += header;
+  write_all(fd_, head.data(), head.size(), 0, tmp_);
+  // The data section at its full length now: a tensor never written reads as zeros, not short.
+  if (::ftruncate(fd_, off_t(head.size() + offset)) != 0) throw Error("safetensors: cannot size '" + tmp_ + "': " + std::strerror(errno));
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void SafetensorsWriter::write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) {
+  const auto it = where_.find(name);
+  if (it == where_.end() || offset + n > it->second.second)
+    throw UsageError("safetensors: writing past tensor '" + name + "' of '" + path_ + "'");
+  write_all(fd_, data, n, it->second.first + offset, tmp_);
+}
+
+void SafetensorsWriter::commit() {
+  if (::fsync(fd_) != 0) throw Error("safetensors: fsync of '" + tmp_ + "' failed: " + std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    ::unlink(tmp_.c_str());
+    throw Error("safetensors: cannot rename '" + tmp_ + "' to '" + path_ + "': " + std::strerror(errno));
+  }
 }
 
 void save_safetensors(const std::string& path, const TensorMap& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  nlohmann::ordered_json j;
-  if (!metadata.empty()) j["__metadata__"] = metadata;
-  std::uint64_t offset = 0;
+  std::vector<SafetensorsWriter::Entry> entries;
   for (const auto& [name, t] : tensors) {
-    if (t.data.size() != t.numel() * element_size(t.dtype))
+    if (t.data.size() != t.numel() * safetensors_element_size(t.dtype))
       throw UsageError("save_safetensors: tensor '" + name + "' holds " + std::to_string(t.data.size()) +
                        " bytes, its shape " + shape_str(t.shape) + " " + t.dtype + " needs " +
-                       std::to_string(t.numel() * element_size(t.dtype)));
-    j[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
-    offset += t.data.size();
+                       std::to_string(t.numel() * safetensors_element_size(t.dtype)));
+    entries.push_back({name, t.dtype, t.shape});
   }
-  std::string header = j.dump();
-  header.append((8 - header.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error("safetensors: cannot write '" + path + "'");
-    std::uint8_t len_bytes[8];
-    std::uint64_t len = header.size();
-    for (int i = 0; i < 8; ++i) len_bytes[i] = std::uint8_t(len >> (8 * i));
-    out.write(reinterpret_cast<const char*>(len_bytes), 8);
-    out.write(header.data(), std::streamsize(header.size()));
-    for (const auto& [name, t] : tensors) out.write(reinterpret_cast<const char*>(t.data.data()), std::streamsize(t.data.size()));
-    if (!out) throw Error("safetensors: writing '" + path + "' failed");
-  }
-  // Write-then-rename: a crash mid-save never leaves a half-written checkpoint under the real name.
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error("safetensors: cannot rename '" + tmp + "' to '" + path + "'");
+  // Write-then-rename: a crash mid-save never leaves a half-written file under the real name.
+  SafetensorsWriter out(path, entries, metadata);
+  for (const auto& [name, t] : tensors) out.write(name, 0, t.data.data(), t.data.size());
+  out.commit();
 }
 
 }  // namespace shardflow

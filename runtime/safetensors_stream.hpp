@@ -1,0 +1,54 @@
+// safetensors without holding the whole file: an index of the tensors (name, dtype, shape, where
+// its bytes are) to read ranges from, and a writer that lays out the header first and takes each
+// tensor's bytes in pieces, at any offset, in any order. Checkpoints stream through these (Note
+// [Checkpoints]): neither side ever holds more than a window beyond what it already keeps.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+std::size_t safetensors_element_size(const std::string& dtype);  // 0: unknown
+
+struct SafetensorsIndex {
+  struct Entry {
+    std::string dtype;
+    Shape shape;
+    std::uint64_t begin = 0, bytes = 0;  // absolute file offset of its data, and its length
+  };
+  std::string path;
+  std::map<std::string, Entry> tensors;
+  std::map<std::string, std::string> metadata;
+  // Reads [offset, offset + n) of tensor `name`'s bytes; Error naming file and tensor if short.
+  void read(const std::string& name, std::uint64_t offset, void* out, std::uint64_t n) const;
+};
+// Error naming the file (and the tensor) when it is missing, truncated or malformed.
+SafetensorsIndex read_safetensors_index(const std::string& path);
+
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name, dtype;
+    Shape shape;
+  };
+  // Writes the header to `path`.tmp.<pid>; nothing appears under `path` before commit().
+  SafetensorsWriter(std::string path, const std::vector<Entry>& tensors, const std::map<std::string, std::string>& metadata);
+  ~SafetensorsWriter();  // not committed: the temporary file goes
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n);
+  // fsync, then rename over `path`: a crash before this leaves the previous file as it was.
+  void commit();
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> where_;  // begin, bytes
+};
+
+}  // namespace shardflow
