@@ -46,6 +46,13 @@ int main(int argc, char** argv) {
   app.add_option("--init", init, "initial parameters (safetensors, nn.Linear names)");
   app.add_option("--data", data, "training data: safetensors with x [rows, in] and y [rows, out]");
   app.add_option("--save", save, "write the final parameters (safetensors)");
+  std::string checkpoint_dir, resume_dir;
+  int every = 0;
+  app.add_option("--save-checkpoint", checkpoint_dir,
+                 "write DIR/checkpoint.safetensors (parameters, optimizer state, step count) at the end and --every K steps");
+  app.add_option("--every", every, "with --save-checkpoint: also every K steps (0: at the end only)")->capture_default_str();
+  app.add_option("--resume", resume_dir,
+                 "start from DIR/checkpoint.safetensors at any --world-size / --zero-stage / --partition; --steps counts the steps still to run");
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
@@ -114,6 +121,9 @@ int main(int argc, char** argv) {
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;
+    if (!checkpoint_dir.empty()) opt.checkpoint_dir = checkpoint_dir;
+    if (!resume_dir.empty()) opt.resume_dir = resume_dir;
+    opt.checkpoint_every = every;
     if (first_bucket_mb <= 0 || bucket_mb <= 0) throw UsageError("--first-bucket-mb and --bucket-mb must be positive");
     opt.runtime.buckets.first_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
     opt.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);

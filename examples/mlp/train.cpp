@@ -1,6 +1,7 @@
 #include "examples/mlp/train.hpp"
 
 #include <chrono>
+#include <filesystem>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -146,7 +147,7 @@ Model initial_model(const Shared& sh) {
 // and returns the micro-batch's loss.
 using MicroBatch = std::function<float(const float* x, const float* y, int rows, double loss_denominator)>;
 void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, Runtime& rt, const MicroBatch& micro,
-                 const std::function<void(int step)>& update) {
+                 const std::function<void(int step)>& update, int first_step) {
   const auto& opt = sh.opt;
   const int N = opt.world_size, B = opt.global_batch, local = B / N, K = opt.accumulate;
   // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
@@ -159,13 +160,16 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
     rt.zero_grad();
     float loss = 0.0f;
     for (int m = 0; m < K; ++m) {
-      local_batch(sh.data, step * K + m, B, N, rank, x, y);
+      local_batch(sh.data, (first_step + step) * K + m, B, N, rank, x, y);  // the data position goes on after a resume
       rt.set_require_sync(m == K - 1);
       loss += micro(x.data(), y.data(), local, denom) / float(K);
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
     update(step);
     end_step(sh, rank, comm, rt, step, loss, t0, local_losses, last_global);
+    const int done = first_step + step + 1;
+    if (opt.checkpoint_dir && ((opt.checkpoint_every > 0 && done % opt.checkpoint_every == 0) || step + 1 == opt.steps))
+      rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir));
   }
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
@@ -187,6 +191,13 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   adapter->attach(rt);
   rt.finalize();
   if (opt.optimizer_in_runtime) rt.configure_optimizer(opt.optimizer);
+  int first_step = 0;
+  if (opt.resume_dir) {
+    rt.load_checkpoint(checkpoint_file(*opt.resume_dir));
+    first_step = int(rt.optimizer_steps());
+    adapter->after_step(rt, -1);  // compute copies of 16-bit parameters from what was loaded
+  }
+  if (opt.checkpoint_dir) std::filesystem::create_directories(*opt.checkpoint_dir);
   {
     std::lock_guard lock(sh.mu);
     sh.result.memory[slot] = rt.memory_report();
@@ -194,7 +205,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   train_steps(
       sh, rank, comm, rt,
       [&](const float* x, const float* y, int rows, double denom) { return adapter->micro_batch(rt, x, y, rows, denom); },
-      [&](int step) { adapter->after_step(rt, step); });
+      [&](int step) { adapter->after_step(rt, step); }, first_step);
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   adapter->finish(rt, model);
   finish_rank(sh, rank, rt, model, slot);
@@ -233,6 +244,9 @@ Prepared prepare(const TrainOptions& opt) {
                        "16-bit parameters are supported by its CPU trainer");
     if (const auto why = device_model_unavailable(); !why.empty()) throw UsageError("--device cuda: " + why);
   }
+  if (opt.resume_dir && !opt.optimizer_in_runtime)
+    throw UsageError("--resume restores the runtime's optimizer state: it needs the optimizer inside the runtime");
+  if (opt.checkpoint_every < 0) throw UsageError("--every must be >= 0");
   if (!opt.optimizer_in_runtime && (opt.runtime.zero.stage != ZeroStage::ddp || opt.runtime.zero.clip_grad_norm > 0 || opt.param_dtype != DType::f32))
     throw UsageError("ZeRO stages, clipping and 16-bit parameters need the optimizer inside the runtime");
   opt.optimizer.validate();
@@ -251,6 +265,8 @@ Prepared prepare(const TrainOptions& opt) {
 }
 
 }  // namespace
+
+std::string checkpoint_file(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
 
 TrainResult train(const TrainOptions& opt) {
   const Prepared prep = prepare(opt);

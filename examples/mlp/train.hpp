@@ -65,7 +65,16 @@ struct TrainOptions {
   // the data, completions wait for the modelled link. CPU only.
   std::optional<SimLink> sim;
   std::function<void(const StepReport&)> on_step;  // called on rank 0's thread
+  // Checkpoints (Runtime::save_checkpoint): DIR/checkpoint.safetensors every this many steps
+  // (counted from the start of the training, resumed runs included; 0: at the end only).
+  std::optional<std::string> checkpoint_dir;
+  int checkpoint_every = 0;
+  // Resume from DIR/checkpoint.safetensors: parameters, optimizer state and the data position;
+  // `steps` counts the steps still to run. Any world size, stage and partition.
+  std::optional<std::string> resume_dir;
 };
+
+std::string checkpoint_file(const std::string& dir);  // DIR/checkpoint.safetensors
 
 struct TrainResult {
   TensorMap params;             // final, full parameters (rank 0's; all ranks agree)

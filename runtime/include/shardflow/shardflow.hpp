@@ -208,6 +208,19 @@ class Runtime {
   };
   Span span(std::string name, const char* cat);
 
+  // Checkpoints (Note [Checkpoints], runtime/checkpoint.cpp). A collective: the parameters and the
+  // optimizer state of every rank's shard go into one safetensors file in parameter coordinates
+  // (parameters under their names, state as optim.<name>.exp_avg / exp_avg_sq / momentum_buffer /
+  // master, the step count and the groups' hyper-parameters in the metadata). The state streams
+  // to `recipient` in bounded windows; only it writes, atomically (temporary file, fsync, rename).
+  void save_checkpoint(const std::string& path, int recipient = 0);
+  // Loads such a file, or a state dict of parameters alone, at any world size, stage and
+  // partition: each rank reads the parameters and the state of the pieces it owns. Between
+  // iterations, after configure_optimizer() when there is optimizer state to restore. UsageError
+  // naming the file and tensor for a checkpoint of another model or optimizer.
+  void load_checkpoint(const std::string& path);
+  std::int64_t optimizer_steps() const;  // steps the runtime's optimizer has taken (0 without one)
+
   std::uint64_t iteration() const;               // completed synchronised iterations
   std::vector<BucketInfo> buckets() const;       // current bucket plan
   // What this rank owns with the runtime's optimizer, bucket by bucket (the padding of the flat

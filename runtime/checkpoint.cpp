@@ -1,0 +1,240 @@
+// Note [Checkpoints]
+// A checkpoint is written in parameter coordinates, not in the shards' layout: parameters under
+// their names and the optimizer state as optim.<name>.exp_avg / exp_avg_sq / momentum_buffer /
+// master (fp32), one safetensors file a Python user can read with the format alone, the step count
+// and the groups' hyper-parameters in its metadata. Nothing in it depends on the world size, the
+// stage, the partition or the bucket plan, so any run can load it: each rank reads the parameters
+// and imports the state of the pieces it owns (Shard::import_state, the same path a bucket rebuild
+// migrates state through), whatever layout saved it.
+// Saving streams: per state slot, windows of parameter coordinates (Shard::export_state; the
+// owners' pieces, summed across ranks when sharded) go to the recipient, which writes each into
+// the file at its place. No rank holds more than one window beyond its own state; nothing is
+// serialised on the way. The file appears under its name only once complete and on disk (a
+// temporary file, fsync, rename): a crash mid-save leaves the previous checkpoint as it was.
+#include <nlohmann/json.hpp>
+
+#include "kernels/cpu/elementwise.hpp"
+#include "runtime/runtime_impl.hpp"
+#include "runtime/safetensors_stream.hpp"
+
+namespace shardflow {
+namespace {
+
+constexpr std::size_t kWindow = std::size_t{4} << 20;  // elements per streamed window (16 MiB of fp32)
+
+const char* safetensors_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return "F32";
+    case DType::bf16: return "BF16";
+    case DType::f16: return "F16";
+    default: return "?";
+  }
+}
+
+const char* kind_name(OptimizerConfig::Kind k) {
+  switch (k) {
+    case OptimizerConfig::Kind::adam: return "adam";
+    case OptimizerConfig::Kind::adamw: return "adamw";
+    default: return "sgd";
+  }
+}
+
+// What slot `slot` of the shard holds for parameter p, as a checkpoint name; empty when p has none.
+std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, const OptimizerGroups& groups, const Config& cfg,
+                      std::uint32_t p, std::size_t slot) {
+  if (slot == shard.state_slots())  // the fp32 masters (Note [Master weights])
+    return params[p].dtype != DType::f32 || cfg.precision.comm_dtype != DType::f32 ? "master" : "";
+  const auto& h = groups.groups[groups.group_of[p]];
+  if (h.kind != OptimizerConfig::Kind::sgd) return slot == 0 ? "exp_avg" : "exp_avg_sq";
+  return slot == 0 && h.momentum != 0.0f ? "momentum_buffer" : "";
+}
+
+std::string state_key(const std::string& param, const std::string& slot) { return "optim." + param + "." + slot; }
+
+// Every parameter overlapping the window [begin, begin + n) of parameter coordinates: (parameter,
+// first element within it, first element within the window, length).
+template <class Fn>
+void for_params_in(const std::vector<std::size_t>& base, const std::vector<std::size_t>& size, std::size_t begin, std::size_t n, Fn fn) {
+  for (std::uint32_t p = 0; p < base.size(); ++p) {
+    const std::size_t lo = std::max(base[p], begin), hi = std::min(base[p] + size[p], begin + n);
+    if (lo < hi) fn(p, lo - base[p], lo - begin, hi - lo);
+  }
+}
+
+void check_cpu_params(const std::vector<ParamSpec>& params, const char* what) {
+  for (const auto& p : params)
+    if (p.device.kind != Device::Kind::cpu)
+      throw UsageError(std::string(what) + ": parameter '" + p.name +
+                       "' lives on a GPU; checkpoints of device parameters are not supported yet (copy them to the host)");
+}
+
+}  // namespace
+
+void Runtime::save_checkpoint(const std::string& path, int recipient) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass()) throw UsageError("save_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
+  if (recipient < 0 || recipient >= I.world)
+    throw UsageError("save_checkpoint: recipient " + std::to_string(recipient) + " is not a rank of this world of " + std::to_string(I.world));
+  check_cpu_params(I.registry.params(), "save_checkpoint");
+  wait_all_params();
+  const auto& params = I.registry.params();
+  std::vector<std::size_t> base, size;
+  std::size_t total = 0;
+  for (const auto& p : params) {
+    base.push_back(total);
+    size.push_back(std::size_t(numel(p.shape)));
+    total += size.back();
+  }
+  const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
+  const bool me = I.rank == recipient;
+
+  // The recipient opens the file first and tells every rank whether it could: a rank that cannot
+  // write must not leave the others waiting in the state's collectives.
+  std::unique_ptr<SafetensorsWriter> out;
+  std::string failure;
+  if (me) try {
+      std::vector<SafetensorsWriter::Entry> entries;
+      for (const auto& p : params) entries.push_back({p.name, safetensors_dtype(p.dtype), p.shape});
+      for (std::size_t s = 0; s < slots; ++s)
+        for (std::uint32_t p = 0; p < params.size(); ++p)
+          if (const auto n = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !n.empty()) entries.push_back({state_key(params[p].name, n), "F32", params[p].shape});
+      std::map<std::string, std::string> meta{{"format", "pt"}, {"shardflow.checkpoint", "1"}, {"shardflow.world_size", std::to_string(I.world)}};
+      if (I.shard) {
+        meta["shardflow.steps"] = std::to_string(I.shard->steps());
+        meta["shardflow.zero_stage"] = std::to_string(int(I.cfg.zero.stage));
+        meta["shardflow.partition"] = partition_name(I.cfg.zero.partition);
+        nlohmann::json groups = nlohmann::json::array();
+        for (const auto& h : I.groups->groups)
+          groups.push_back({{"kind", kind_name(h.kind)}, {"lr", h.lr}, {"momentum", h.momentum}, {"dampening", h.dampening},
+                            {"nesterov", h.nesterov}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
+                            {"weight_decay", h.effective_weight_decay()}});
+        meta["shardflow.param_groups"] = groups.dump();
+      }
+      out = std::make_unique<SafetensorsWriter>(path, entries, meta);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  float ok = failure.empty() ? 1.0f : 0.0f;
+  auto agree = [&](const char* tag) {  // the recipient's verdict, on every rank
+    if (I.world == 1) return;
+    CollectiveOp op;
+    op.kind = CollectiveKind::broadcast;
+    op.send = op.recv = &ok;
+    op.count = 1;
+    op.root = recipient;
+    op.tag = tag;
+    I.collectives->record(op);
+    I.comm->run(op, I.cfg.timeouts.collective);
+  };
+  agree("checkpoint: recipient ready");
+  if (ok != 1.0f)
+    throw Error(me ? "save_checkpoint: " + failure
+                   : "save_checkpoint: rank " + std::to_string(recipient) + " could not write '" + path + "' (its error says why)");
+  try {
+    if (me)
+      for (const auto& p : params) out->write(p.name, 0, p.data, size[&p - params.data()] * dtype_size(p.dtype));
+    std::vector<float> window;
+    for (std::size_t s = 0; s < slots; ++s)
+      for (std::size_t begin = 0; begin < total; begin += kWindow) {
+        window.resize(std::min(kWindow, total - begin));
+        I.shard->export_state(s, begin, window);
+        if (I.shard->shard_plan().sharded) {  // each element has one owner; the others add zeros
+          CollectiveOp op;
+          op.kind = CollectiveKind::allreduce;
+          op.send = op.recv = window.data();
+          op.count = window.size();
+          op.tag = "checkpoint: state " + std::to_string(s) + " from element " + std::to_string(begin);
+          I.collectives->record(op);
+          I.comm->run(op, I.cfg.timeouts.collective);
+        }
+        if (!me) continue;
+        for_params_in(base, size, begin, window.size(), [&](std::uint32_t p, std::size_t at, std::size_t w, std::size_t n) {
+          if (const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !name.empty())
+            out->write(state_key(params[p].name, name), at * 4, window.data() + w, n * 4);
+        });
+      }
+    if (me) out->commit();
+  } catch (const std::exception& e) {
+    if (!me) throw;
+    failure = e.what();
+    ok = 0.0f;
+  }
+  agree("checkpoint: written");
+  if (ok != 1.0f)
+    throw Error(me ? "save_checkpoint: " + failure : "save_checkpoint: rank " + std::to_string(recipient) + " failed writing '" + path + "'");
+  I.log->info("checkpoint '{}' written by rank {}", path, recipient);
+}
+
+void Runtime::load_checkpoint(const std::string& path) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass()) throw UsageError("load_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
+  check_cpu_params(I.registry.params(), "load_checkpoint");
+  wait_all_params();
+  const auto file = read_safetensors_index(path);
+  const auto& params = I.registry.params();
+  auto where = [&](const std::string& tensor) { return "checkpoint '" + path + "', tensor '" + tensor + "'"; };
+  std::vector<std::size_t> base, size;
+  std::size_t total = 0;
+  for (const auto& p : params) {
+    const auto it = file.tensors.find(p.name);
+    if (it == file.tensors.end())
+      throw UsageError("checkpoint '" + path + "' has no tensor '" + p.name + "' (a parameter of this run): a checkpoint of another model?");
+    if (it->second.shape != p.shape)
+      throw UsageError(where(p.name) + " has shape " + shape_str(it->second.shape) + ", this run's parameter " + shape_str(p.shape));
+    if (it->second.dtype != safetensors_dtype(p.dtype))
+      throw UsageError(where(p.name) + " is " + it->second.dtype + ", this run's parameter " + safetensors_dtype(p.dtype));
+    base.push_back(total);
+    size.push_back(std::size_t(numel(p.shape)));
+    total += size.back();
+  }
+  for (std::uint32_t p = 0; p < params.size(); ++p) file.read(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
+  if (!I.shard) return;
+
+  bool has_state = false;
+  for (const auto& [name, e] : file.tensors) has_state |= name.rfind("optim.", 0) == 0;
+  const std::size_t slots = I.shard->migrate_slots();
+  std::vector<float> window;
+  for (std::size_t s = 0; s < slots; ++s) {
+    const bool masters = s == I.shard->state_slots();
+    if (!has_state && !masters) continue;  // a state dict of parameters alone: the state starts anew
+    for (std::size_t begin = 0; begin < total; begin += kWindow) {
+      window.assign(std::min(kWindow, total - begin), 0.0f);
+      for_params_in(base, size, begin, window.size(), [&](std::uint32_t p, std::size_t at, std::size_t w, std::size_t n) {
+        const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s);
+        if (name.empty()) return;
+        const auto key = state_key(params[p].name, name);
+        const auto it = file.tensors.find(key);
+        if (it != file.tensors.end()) {
+          if (it->second.dtype != "F32" || it->second.shape != params[p].shape)
+            throw UsageError(where(key) + " is " + it->second.dtype + " " + shape_str(it->second.shape) + ", expected F32 " +
+                             shape_str(params[p].shape));
+          file.read(key, at * 4, window.data() + w, n * 4);
+        } else if (masters) {  // saved without masters: they start from the parameters just loaded
+          kernels::convert_to_f32(params[p].dtype, window.data() + w,
+                                  static_cast<const std::byte*>(params[p].data) + at * dtype_size(params[p].dtype), n);
+        } else {
+          throw UsageError("checkpoint '" + path + "' has no '" + key + "' for this run's optimizer (" +
+                           kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
+        }
+      });
+      I.shard->import_state(s, begin, window);
+    }
+  }
+  if (has_state) {
+    const auto it = file.metadata.find("shardflow.steps");
+    if (it == file.metadata.end()) throw UsageError("checkpoint '" + path + "' has optimizer state but no shardflow.steps in its metadata");
+    I.shard->set_steps(std::stoll(it->second));
+  }
+  I.log->info("checkpoint '{}' loaded ({} optimizer step(s))", path, I.shard->steps());
+}
+
+std::int64_t Runtime::optimizer_steps() const {
+  const auto& I = *impl_;
+  return I.shard ? I.shard->steps() : 0;
+}
+
+}  // namespace shardflow
