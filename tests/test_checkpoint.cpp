@@ -116,8 +116,9 @@ TEST_CASE("save at world 4 stage 2 flat; resume at world 2 stage 1 param and at 
     q.resume_dir = s / "at10";
     q.checkpoint_dir = s / ("resumed" + std::to_string(r.world));
     mlp::train(q);
-    // Other worlds sum the same gradients in another order: equal to within fp32 rounding.
-    same_tensors(mlp::checkpoint_file(*q.checkpoint_dir), mlp::checkpoint_file(s / "straight"), 1e-5);
+    // Other worlds sum the same gradients in another order: equal to within fp32 rounding (the
+    // issue asks for 1e-6 relative per tensor).
+    same_tensors(mlp::checkpoint_file(*q.checkpoint_dir), mlp::checkpoint_file(s / "straight"), 1e-6);
   }
 }
 
