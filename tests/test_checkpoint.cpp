@@ -38,6 +38,14 @@ mlp::TrainOptions base(int world, int stage, Partition partition, OptimizerConfi
   return o;
 }
 
+// Trains `o` for `steps` steps, checkpointing at the end into `dir`; the checkpoint's file.
+std::string train_and_save(mlp::TrainOptions o, int steps, const std::string& dir) {
+  o.steps = steps;
+  o.checkpoint_dir = dir;
+  mlp::train(o);
+  return mlp::checkpoint_file(dir);
+}
+
 // Every tensor of two checkpoint files, by name: ||a - b|| / ||b|| at most `rel` (0: bit for bit).
 void same_tensors(const std::string& a, const std::string& b, double rel) {
   const auto A = load_safetensors(a), B = load_safetensors(b);
@@ -81,30 +89,21 @@ TEST_CASE("10 steps, checkpoint, 10 more == 20 straight, bit for bit: stages 1 a
     Scratch s;
     auto o = base(2, c.stage, c.partition, c.kind);
     o.param_dtype = c.param_dtype;
-    o.steps = 20;
-    o.checkpoint_dir = s / "straight";
-    mlp::train(o);
-    o.steps = 10;
-    o.checkpoint_dir = s / "first";
-    mlp::train(o);
+    const auto straight = train_and_save(o, 20, s / "straight");
+    train_and_save(o, 10, s / "first");
     o.resume_dir = s / "first";
-    o.checkpoint_dir = s / "resumed";
-    mlp::train(o);
+    const auto resumed = train_and_save(o, 10, s / "resumed");
     // Parameters, every state slot (and the masters) and the step count agree exactly.
-    same_tensors(mlp::checkpoint_file(s / "resumed"), mlp::checkpoint_file(s / "straight"), 0);
-    CHECK(read_safetensors_index(mlp::checkpoint_file(s / "resumed")).metadata.at("shardflow.steps") == "20");
+    same_tensors(resumed, straight, 0);
+    CHECK(read_safetensors_index(resumed).metadata.at("shardflow.steps") == "20");
   }
 }
 
 TEST_CASE("save at world 4 stage 2 flat; resume at world 2 stage 1 param and at world 3 stage 2: as if never interrupted") {
   Scratch s;
-  auto o = base(4, 2, Partition::flat, OptimizerConfig::Kind::adamw);
-  o.steps = 20;
-  o.checkpoint_dir = s / "straight";
-  mlp::train(o);
-  o.steps = 10;
-  o.checkpoint_dir = s / "at10";
-  mlp::train(o);
+  const auto o = base(4, 2, Partition::flat, OptimizerConfig::Kind::adamw);
+  const auto straight = train_and_save(o, 20, s / "straight");
+  train_and_save(o, 10, s / "at10");
   struct Resume {
     int world, stage;
     Partition partition;
@@ -112,23 +111,17 @@ TEST_CASE("save at world 4 stage 2 flat; resume at world 2 stage 1 param and at 
   for (const auto& r : {Resume{2, 1, Partition::param}, Resume{3, 2, Partition::flat}, Resume{1, 0, Partition::flat}}) {
     INFO("resumed at world " << r.world << ", stage " << r.stage << ", " << partition_name(r.partition));
     auto q = base(r.world, r.stage, r.partition, OptimizerConfig::Kind::adamw);
-    q.steps = 10;
     q.resume_dir = s / "at10";
-    q.checkpoint_dir = s / ("resumed" + std::to_string(r.world));
-    mlp::train(q);
+    const auto resumed = train_and_save(q, 10, s / ("resumed" + std::to_string(r.world)));
     // Other worlds sum the same gradients in another order: equal to within fp32 rounding (the
     // issue asks for 1e-6 relative per tensor).
-    same_tensors(mlp::checkpoint_file(*q.checkpoint_dir), mlp::checkpoint_file(s / "straight"), 1e-6);
+    same_tensors(resumed, straight, 1e-6);
   }
 }
 
 TEST_CASE("bad checkpoints: another model, another optimizer, a truncated file, a missing file — each named, nothing trained") {
   Scratch s;
-  auto o = base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd);
-  o.steps = 2;
-  o.checkpoint_dir = s / "sgd";
-  mlp::train(o);
-  const auto file = mlp::checkpoint_file(s / "sgd");
+  const auto file = train_and_save(base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd), 2, s / "sgd");
   auto refused = [&](mlp::TrainOptions q, const std::string& what) {
     q.steps = 2;
     q.checkpoint_dir.reset();
@@ -159,10 +152,8 @@ TEST_CASE("bad checkpoints: another model, another optimizer, a truncated file, 
 TEST_CASE("a save that fails leaves the previous checkpoint as it was, and no temporary file behind") {
   Scratch s;
   auto o = base(2, 1, Partition::flat, OptimizerConfig::Kind::adamw);
-  o.steps = 3;
+  const auto file = train_and_save(o, 3, s / "c");
   o.checkpoint_dir = s / "c";
-  mlp::train(o);
-  const auto file = mlp::checkpoint_file(s / "c");
   const auto before = load_safetensors(file);
   // The directory made read-only: the recipient cannot create its temporary file, every rank
   // hears so (no rank waits in the state's collectives), and the old file stands.
