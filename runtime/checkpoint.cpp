@@ -20,8 +20,6 @@
 namespace shardflow {
 namespace {
 
-constexpr std::size_t kWindow = std::size_t{4} << 20;  // elements per streamed window (16 MiB of fp32)
-
 const char* safetensors_dtype(DType t) {
   switch (t) {
     case DType::f32: return "F32";
@@ -61,6 +59,20 @@ void for_params_in(const std::vector<std::size_t>& base, const std::vector<std::
   }
 }
 
+// Parameter coordinates: where each parameter's elements start, how many, and the total (the
+// order of registration, as Shard::export_state counts them).
+struct Coordinates {
+  std::vector<std::size_t> base, size;
+  std::size_t total = 0;
+  explicit Coordinates(const std::vector<ParamSpec>& params) {
+    for (const auto& p : params) {
+      base.push_back(total);
+      size.push_back(std::size_t(numel(p.shape)));
+      total += size.back();
+    }
+  }
+};
+
 void check_cpu_params(const std::vector<ParamSpec>& params, const char* what) {
   for (const auto& p : params)
     if (p.device.kind != Device::Kind::cpu)
@@ -80,13 +92,9 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
   check_cpu_params(I.registry.params(), "save_checkpoint");
   wait_all_params();
   const auto& params = I.registry.params();
-  std::vector<std::size_t> base, size;
-  std::size_t total = 0;
-  for (const auto& p : params) {
-    base.push_back(total);
-    size.push_back(std::size_t(numel(p.shape)));
-    total += size.back();
-  }
+  const Coordinates at(params);
+  const auto &base = at.base, &size = at.size;
+  const std::size_t total = at.total;
   const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
   const bool me = I.rank == recipient;
 
@@ -134,21 +142,12 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
                    : "save_checkpoint: rank " + std::to_string(recipient) + " could not write '" + path + "' (its error says why)");
   try {
     if (me)
-      for (const auto& p : params) out->write(p.name, 0, p.data, size[&p - params.data()] * dtype_size(p.dtype));
+      for (std::size_t p = 0; p < params.size(); ++p) out->write(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
     std::vector<float> window;
     for (std::size_t s = 0; s < slots; ++s)
-      for (std::size_t begin = 0; begin < total; begin += kWindow) {
-        window.resize(std::min(kWindow, total - begin));
-        I.shard->export_state(s, begin, window);
-        if (I.shard->shard_plan().sharded) {  // each element has one owner; the others add zeros
-          CollectiveOp op;
-          op.kind = CollectiveKind::allreduce;
-          op.send = op.recv = window.data();
-          op.count = window.size();
-          op.tag = "checkpoint: state " + std::to_string(s) + " from element " + std::to_string(begin);
-          I.collectives->record(op);
-          I.comm->run(op, I.cfg.timeouts.collective);
-        }
+      for (std::size_t begin = 0; begin < total; begin += Impl::kStateWindow) {
+        window.resize(std::min(Impl::kStateWindow, total - begin));
+        I.state_window(*I.shard, s, begin, window, "checkpoint: state", false);
         if (!me) continue;
         for_params_in(base, size, begin, window.size(), [&](std::uint32_t p, std::size_t at, std::size_t w, std::size_t n) {
           if (const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !name.empty())
@@ -177,8 +176,9 @@ void Runtime::load_checkpoint(const std::string& path) {
   const auto file = read_safetensors_index(path);
   const auto& params = I.registry.params();
   auto where = [&](const std::string& tensor) { return "checkpoint '" + path + "', tensor '" + tensor + "'"; };
-  std::vector<std::size_t> base, size;
-  std::size_t total = 0;
+  const Coordinates at(params);
+  const auto &base = at.base, &size = at.size;
+  const std::size_t total = at.total;
   for (const auto& p : params) {
     const auto it = file.tensors.find(p.name);
     if (it == file.tensors.end())
@@ -187,9 +187,6 @@ void Runtime::load_checkpoint(const std::string& path) {
       throw UsageError(where(p.name) + " has shape " + shape_str(it->second.shape) + ", this run's parameter " + shape_str(p.shape));
     if (it->second.dtype != safetensors_dtype(p.dtype))
       throw UsageError(where(p.name) + " is " + it->second.dtype + ", this run's parameter " + safetensors_dtype(p.dtype));
-    base.push_back(total);
-    size.push_back(std::size_t(numel(p.shape)));
-    total += size.back();
   }
   for (std::uint32_t p = 0; p < params.size(); ++p) file.read(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
   if (!I.shard) return;
@@ -201,8 +198,8 @@ void Runtime::load_checkpoint(const std::string& path) {
   for (std::size_t s = 0; s < slots; ++s) {
     const bool masters = s == I.shard->state_slots();
     if (!has_state && !masters) continue;  // a state dict of parameters alone: the state starts anew
-    for (std::size_t begin = 0; begin < total; begin += kWindow) {
-      window.assign(std::min(kWindow, total - begin), 0.0f);
+    for (std::size_t begin = 0; begin < total; begin += Impl::kStateWindow) {
+      window.assign(std::min(Impl::kStateWindow, total - begin), 0.0f);
       for_params_in(base, size, begin, window.size(), [&](std::uint32_t p, std::size_t at, std::size_t w, std::size_t n) {
         const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s);
         if (name.empty()) return;

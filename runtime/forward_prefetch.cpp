@@ -30,10 +30,7 @@ void Runtime::Impl::establish_sync_order() {
   }
   const std::size_t early = choose_early_syncs(order, asked);
   const std::size_t B = plan.buckets.size();
-  std::vector<char> have(B, 0);
-  for (auto b : order) have[b] = 1;
-  for (std::size_t b = B; b-- > 0;)  // never asked for: forward runs back to front
-    if (!have[b]) order.push_back(std::uint32_t(b));
+  order = complete_forward_order(std::move(order), B);
   order.push_back(std::uint32_t(early));  // rank 0's choice travels with its order
   if (world > 1) {
     CollectiveOp op;

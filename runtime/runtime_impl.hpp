@@ -200,6 +200,12 @@ struct Runtime::Impl {
 
   // Note [State migration] (runtime_plan.cpp).
   void migrate_state(Shard& from, Shard& to);
+  // Elements [begin, begin + window.size()) of state slot `slot` in parameter coordinates, whole
+  // on every rank (the owners' pieces summed across ranks when sharded); `discard`: the exported
+  // pages go at once (a migration). Bucket rebuilds and checkpoints stream state through this, in
+  // windows of kStateWindow elements (16 MiB of fp32).
+  static constexpr std::size_t kStateWindow = std::size_t{4} << 20;
+  void state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what, bool discard);
 
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
   std::vector<ScheduledCollective> build_schedule() const;

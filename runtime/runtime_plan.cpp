@@ -107,29 +107,32 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   // slot's go as they are exported, so on the CPU a rebuild holds about a window more than
   // training does (before: one whole slot more, 64 MiB of 440 at 2048 x 4 with Adam). A failure
   // half-way fails the run: the old slot is partly discarded by then.
-  constexpr std::size_t kWindow = std::size_t{4} << 20;  // elements (16 MiB of fp32)
   const std::size_t total = from.total_elements();
   std::vector<float> window;
   for (std::size_t slot = 0; slot < from.migrate_slots(); ++slot) {
     to.allocate_slot(slot);
-    for (std::size_t begin = 0; begin < total; begin += kWindow) {
-      window.resize(std::min(kWindow, total - begin));
-      from.export_state(slot, begin, window);
-      from.discard_state(slot, begin, window.size());
-      if (from.shard_plan().sharded) {
-        CollectiveOp op;
-        op.kind = CollectiveKind::allreduce;
-        op.send = op.recv = window.data();
-        op.count = window.size();
-        op.tag = "migrate optimizer state " + std::to_string(slot) + " from element " + std::to_string(begin);
-        collectives->record(op);
-        comm->run(op, cfg.timeouts.collective);
-      }
+    for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
+      window.resize(std::min(kStateWindow, total - begin));
+      state_window(from, slot, begin, window, "migrate optimizer state", true);
       to.import_state(slot, begin, window);
     }
     from.release_slot(slot);
   }
   to.set_steps(from.steps());
+}
+
+void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what,
+                                 bool discard) {
+  from.export_state(slot, begin, window);
+  if (discard) from.discard_state(slot, begin, window.size());
+  if (!from.shard_plan().sharded) return;  // every rank holds all of it
+  CollectiveOp op;  // each element has one owner; the other ranks add zeros
+  op.kind = CollectiveKind::allreduce;
+  op.send = op.recv = window.data();
+  op.count = window.size();
+  op.tag = std::string(what) + " " + std::to_string(slot) + " from element " + std::to_string(begin);
+  collectives->record(op);
+  comm->run(op, cfg.timeouts.collective);
 }
 
 std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {

@@ -7,6 +7,14 @@
 
 namespace shardflow {
 
+std::vector<std::uint32_t> complete_forward_order(std::vector<std::uint32_t> order, std::size_t buckets) {
+  std::vector<char> have(buckets, 0);
+  for (auto b : order) have[b] = 1;
+  for (std::size_t b = buckets; b-- > 0;)
+    if (!have[b]) order.push_back(std::uint32_t(b));
+  return order;
+}
+
 std::vector<std::uint32_t> prefetch_sync_order(const std::vector<std::uint32_t>& forward_order, std::size_t early) {
   const std::size_t B = forward_order.size();
   early = std::min(early, B);
@@ -76,14 +84,10 @@ PrefetchTimes observed_prefetch_times(std::vector<std::uint32_t> forward_order, 
   const std::size_t B = gradient_us.size();
   const std::size_t asked = std::min(forward_order.size(), asked_us.size());
   forward_order.resize(asked);
-  std::vector<char> have(B, 0);
-  for (auto b : forward_order) have[b] = 1;
-  for (std::size_t b = B; b-- > 0;)
-    if (!have[b]) forward_order.push_back(std::uint32_t(b));
 
   PrefetchTimes t;
   t.lag = lag;
-  t.forward_order = std::move(forward_order);
+  t.forward_order = complete_forward_order(std::move(forward_order), B);
   t.forward_ms.assign(B, 0.0);
   t.gradient_ms.assign(B, 0.0);
   t.reduce_ms.assign(B, 0.0);

@@ -30,6 +30,10 @@ struct PrefetchTimes {
   std::size_t lag = 1;                       // an early sync goes out after the reduction of bucket b + lag
 };
 
+// `order` (buckets forward asked for, first ask first) with the buckets it never asked for after
+// them, back to front (forward's usual direction): every bucket once.
+std::vector<std::uint32_t> complete_forward_order(std::vector<std::uint32_t> order, std::size_t buckets);
+
 // The syncs' order with `early` of them in backward: those forward needs last, in bucket order,
 // then the others in forward order.
 std::vector<std::uint32_t> prefetch_sync_order(const std::vector<std::uint32_t>& forward_order, std::size_t early);
