@@ -2,6 +2,8 @@
 
 #include <caf/all.hpp>
 
+#include <optional>
+
 #include "runtime/plans/run_plan.hpp"  // kStagingInFlight
 
 namespace shardflow {
@@ -9,7 +11,8 @@ namespace {
 
 void reset(ShardActorState& s) {
   std::fill(s.reduced.begin(), s.reduced.end(), 0);
-  s.nreduced = s.next_step = s.nsynced = s.staging_in_flight = 0;
+  std::fill(s.stepped.begin(), s.stepped.end(), 0);
+  s.nreduced = s.nstepped = s.nsynced = s.staging_in_flight = s.first_unstepped = 0;
   s.all_issued = false;
   s.phase = s.shard->clips() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
   s.clip_coef = ClipCoef{};
@@ -31,6 +34,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
   st.zero_on_done = zero_on_done;
   st.order = std::move(order);
   st.reduced.assign(shard->plan().buckets.size(), 0);
+  st.stepped.assign(shard->plan().buckets.size(), 0);
   st.shard = std::move(shard);
   st.overlap = overlap;
   st.comm = std::move(comm);
@@ -59,7 +63,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
     // Pooled staging (stage 2): at most kStagingInFlight buckets between step and synced, so the
     // parameter syncs do not bring back the memory the gradient shards saved.
     const bool pooled = sh.buffers().pooled();
-    if (s.next_step == 0 && !s.snapshots.empty()) {  // this iteration's hyper-parameters
+    if (s.nstepped == 0 && !s.snapshots.empty()) {  // this iteration's hyper-parameters
       const auto it = std::uint64_t(sh.steps());
       std::size_t pick = s.snapshots.size();
       for (std::size_t i = 0; i < s.snapshots.size(); ++i)
@@ -70,8 +74,21 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       }
     }
     auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
-    auto can_step = [&] {
-      return allowed && s.next_step < B && s.reduced[bucket_at(s.next_step)] && (!pooled || s.staging_in_flight < kStagingInFlight);
+    // Note [Which bucket steps next]
+    // The reduced, unstepped bucket that comes first in the syncs' order steps next. Stepping
+    // strictly in that order made every bucket wait for the one the next forward needs first, which
+    // with forward prefetch is the last one reduced: all B steps then ran after backward, in series
+    // with the first sync (measured at link/compute 1: forward's first layer waited 2.6 ms where its
+    // reduce + step + sync take 0.9). With pooled staging (stage 2) a bucket holds a staging buffer
+    // from its step to its sync's end and syncs end in order, so only the first kStagingInFlight
+    // unsynced buckets of the order may step: the one the comm stream issues next can always get one.
+    auto next_bucket = [&]() -> std::optional<std::uint32_t> {
+      if (!allowed || s.nstepped == B || (pooled && s.staging_in_flight >= kStagingInFlight)) return std::nullopt;
+      while (s.first_unstepped < B && s.stepped[bucket_at(s.first_unstepped)]) ++s.first_unstepped;
+      const std::size_t end = pooled ? std::min(B, s.nsynced + kStagingInFlight) : B;
+      for (std::size_t i = s.first_unstepped; i < end; ++i)
+        if (const auto b = bucket_at(i); s.reduced[b] && !s.stepped[b]) return b;
+      return std::nullopt;
     };
     // Note [One step per message]
     // One bucket per message: after each step the actor hands its scheduler thread back, so the
@@ -82,14 +99,16 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
     // actor's mailbox is empty when this message is done and the thread takes the next actor's
     // turn; a plain send would be processed in the same turn. (One message per turn for every
     // actor would do it too, but cost 3x on the runtime's overhead: bench_overhead.)
-    if (can_step()) {
-      const auto b = bucket_at(s.next_step++);
+    if (const auto next = next_bucket()) {
+      const auto b = *next;
+      s.stepped[b] = 1;
+      ++s.nstepped;
       const auto t0 = Timeline::now();
       sh.step(b, s.clip_coef);
       // The step count advances before the last bucket is reported: without syncs that report ends
       // the iteration, and the trainer may read the count at once (state migration when the
       // buckets are rebuilt after wait()). Counting after the send raced with that read.
-      if (s.next_step == B && s.phase != ShardPhase::stepped) {
+      if (s.nstepped == B && s.phase != ShardPhase::stepped) {
         s.phase = ShardPhase::stepped;
         sh.end_step();
       }
@@ -107,16 +126,16 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         sh.mark_done(b);
         s.iteration->bucket_done(b, msg::Failure{});
       }
-      if (can_step()) {
+      if (next_bucket()) {
         self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
         return;
       }
     }
-    if (s.next_step == B && s.phase != ShardPhase::stepped) {  // no buckets at all
+    if (s.nstepped == B && s.phase != ShardPhase::stepped) {  // no buckets at all
       s.phase = ShardPhase::stepped;
       sh.end_step();
     }
-    if (s.next_step == B && !sh.syncs()) reset(s);
+    if (s.nstepped == B && !sh.syncs()) reset(s);
   };
 
   // The shard's own work failing (a CUDA error on a GPU shard) fails the iteration with a message

@@ -27,13 +27,14 @@ struct ShardActorState {
   Overlap overlap = Overlap::none;
   msg::comm_stream_actor_t comm;
   std::shared_ptr<IterationSignal> iteration;  // told when a bucket is done (or failed)
-  std::vector<char> reduced;
-  std::size_t nreduced = 0, next_step = 0, nsynced = 0, staging_in_flight = 0;
+  std::vector<char> reduced, stepped;
+  std::size_t nreduced = 0, nstepped = 0, nsynced = 0, staging_in_flight = 0;
+  std::size_t first_unstepped = 0;  // position in `order` before which every bucket is stepped
   ShardPhase phase = ShardPhase::stepping;
   bool all_issued = false;  // the comm stream issued the last reduction (after_backward may step)
   ClipCoef clip_coef;
   bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
-  std::vector<std::uint32_t> order;  // the order buckets are stepped in: the syncs' schedule order
+  std::vector<std::uint32_t> order;  // the syncs' schedule order: a step goes to the reduced bucket first in it
   // Note [Hyper-parameter snapshots]: set_lr between iterations k and k+1 sends a snapshot tagged
   // k+1. With forward prefetch iteration k may still be stepping then, so each iteration takes the
   // newest snapshot whose tag is not beyond its own number when it starts stepping.
@@ -43,7 +44,8 @@ struct ShardActorState {
 };
 
 // A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap
-// mode allows, in bucket order; with clipping, first exchanges its share of the gradient norm.
+// mode allows, the one its sync needs first first (Note [Which bucket steps next]); with clipping,
+// first exchanges its share of the gradient norm.
 msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
                                               std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
                                               std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
