@@ -18,6 +18,9 @@ void reset(ShardActorState& s) {
   s.clip_coef = ClipCoef{};
 }
 
+// A turn of steps ends before the next step would take it past this (Note [One step per message]).
+constexpr Timeline::Time kStepTurnUs = 50;
+
 msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std::exception& e) {
   return {msg::Failure::comm,
           "rank " + std::to_string(s.shard->shard_plan().rank) + ": optimizer shard, bucket " + std::to_string(b) + ": " + e.what()};
@@ -91,15 +94,19 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       return std::nullopt;
     };
     // Note [One step per message]
-    // One bucket per message: after each step the actor hands its scheduler thread back, so the
-    // comm stream can issue that bucket's sync while the next bucket steps. Stepping every ready
-    // bucket in one go kept both scheduler threads busy with two ranks' shards and held every sync
-    // back until all steps were done (measured: 0.8 ms of idle link per iteration at 16 buckets).
-    // The step_next message to itself goes through CAF's clock (a delayed send of 0), so that the
-    // actor's mailbox is empty when this message is done and the thread takes the next actor's
-    // turn; a plain send would be processed in the same turn. (One message per turn for every
-    // actor would do it too, but cost 3x on the runtime's overhead: bench_overhead.)
-    if (const auto next = next_bucket()) {
+    // Steps go in turns of at most kStepTurnUs: after a turn the actor hands its scheduler thread
+    // back, so the comm stream can issue the syncs of the buckets just stepped while the next ones
+    // step. Stepping every ready bucket in one go kept both scheduler threads busy with two ranks'
+    // shards and held every sync back until all steps were done (measured: 0.8 ms of idle link per
+    // iteration at 16 buckets of 0.25 MiB, ~40 us a step). A turn takes one more step only if that
+    // one, as long as the last, still ends within the turn: large steps go one per turn as before,
+    // while small ones share a turn instead of each paying a hand-over (bench_overhead: 100 buckets
+    // of 10 KiB). The step_next message to itself goes through CAF's clock (a delayed send of 0), so
+    // that the actor's mailbox is empty when this message is done and the thread takes the next
+    // actor's turn; a plain send would be processed in the same turn. (One message per turn for
+    // every actor would do it too, but cost 3x on the runtime's overhead: bench_overhead.)
+    const auto turn_start = Timeline::now();
+    while (const auto next = next_bucket()) {
       const auto b = *next;
       s.stepped[b] = 1;
       ++s.nstepped;
@@ -126,9 +133,12 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         sh.mark_done(b);
         s.iteration->bucket_done(b, msg::Failure{});
       }
-      if (next_bucket()) {
-        self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
-        return;
+      if ((t1 - turn_start) + (t1 - t0) > kStepTurnUs) {
+        if (next_bucket()) {
+          self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
+          return;
+        }
+        break;
       }
     }
     if (s.nstepped == B && s.phase != ShardPhase::stepped) {  // no buckets at all

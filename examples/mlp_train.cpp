@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
   app.add_option("--interleave-lag", opt.runtime.zero.interleave_lag,
                  "interleaved: bucket b's sync goes after the reduction of bucket b+lag (0: as soon as stepped; 1: keeps the link "
-                 "busy when it is the bottleneck)")->capture_default_str();
+                 "busy when it is the bottleneck; -1: chosen after the first iteration)")->capture_default_str();
   app.add_option("--clip-grad-norm", opt.runtime.zero.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
   app.add_flag("--forward-prefetch", opt.runtime.zero.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");

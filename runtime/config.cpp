@@ -43,7 +43,8 @@ void Config::validate() const {
   if (zero.prefetch_syncs_in_backward < -1)
     bad("zero.prefetch_syncs_in_backward",
         "must be -1 (auto), 0 or a bucket count, got " + std::to_string(zero.prefetch_syncs_in_backward));
-  if (zero.interleave_lag > 64) bad("zero.interleave_lag", "must be <= 64, got " + std::to_string(zero.interleave_lag));
+  if (zero.interleave_lag < -1 || zero.interleave_lag > 64)
+    bad("zero.interleave_lag", "must be -1 (auto) or 0 to 64, got " + std::to_string(zero.interleave_lag));
   if (timeouts.collective.count() <= 0) bad("timeouts.collective", "must be positive (default 10 min)");
 }
 

@@ -68,7 +68,7 @@ std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& 
     if (t >= 0) t = st.unblocked(t);
   for (auto& t : asked) t = st.unblocked(t);
   const auto times = observed_prefetch_times(order, asked, ready, bytes, open.reduce_ms, open.sync_ms,
-                                             std::max<std::size_t>(1, cfg.zero.interleave_lag));
+                                             std::max<std::size_t>(1, interleave_lag));
   const auto choice = best_early_syncs(times);
   log->debug("forward prefetch: replayed iteration {:.3f} ms with {} syncs in backward ({:.3f} ms with none)", choice.iteration_ms,
              choice.early, steady_iteration_ms(times, 0));

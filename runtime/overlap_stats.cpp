@@ -50,6 +50,20 @@ void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, bool 
   if (kind >= 0 && kind < int(bytes_.size())) bytes_[std::size_t(kind)] += bytes;
 }
 
+void OverlapStats::bucket_collective(std::int64_t bucket, bool sync, Time issued, Time completed) {
+  if (bucket < 0) return;
+  std::lock_guard lock(mu_);
+  const auto b = std::size_t(bucket);
+  if (b >= reduce_done_.size()) {
+    reduce_done_.resize(b + 1, -1);
+    sync_issued_.resize(b + 1, -1);
+  }
+  if (sync)
+    sync_issued_[b] = sync_issued_[b] < 0 ? issued : std::min(sync_issued_[b], issued);  // its first op
+  else
+    reduce_done_[b] = std::max(reduce_done_[b], completed);  // its last op
+}
+
 void OverlapStats::blocked(Time begin, Time end) {
   std::lock_guard lock(mu_);
   if (window_start_ < 0) window_start_ = begin;
@@ -80,6 +94,9 @@ OverlapStats::Open OverlapStats::open_window() const {
     o.backward_ms = double(backward_end_ - first_grad_ - covered(blocked_, first_grad_, backward_end_)) / 1e3;
   o.reduce_ms = double(reduce_us_) / 1e3;
   o.sync_ms = double(sync_us_) / 1e3;
+  o.step_chain_ms.assign(reduce_done_.size(), -1.0);
+  for (std::size_t b = 0; b < reduce_done_.size(); ++b)
+    if (reduce_done_[b] >= 0 && sync_issued_[b] >= 0) o.step_chain_ms[b] = double(sync_issued_[b] - reduce_done_[b]) / 1e3;
   return o;
 }
 
@@ -113,6 +130,8 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   bytes_ = {};
   sync_us_ = reduce_us_ = 0;
   first_grad_ = backward_end_ = -1;
+  reduce_done_.clear();
+  sync_issued_.clear();
   // Intervals still running past the window's end count in the next one.
   auto keep = [hi](std::vector<Interval>& v) { std::erase_if(v, [hi](const Interval& i) { return i.end <= hi; }); };
   keep(link_);

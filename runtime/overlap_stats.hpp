@@ -30,11 +30,16 @@ class OverlapStats {
   // parameter syncs (forward prefetch sizes its split from these: Note [Forward prefetch]).
   struct Open {
     double backward_ms = 0, reduce_ms = 0, sync_ms = 0;
+    // Per bucket: from its reduction's completion to its sync's issue (the hops and the step
+    // between them), -1 where either is missing. Note [Choosing the interleave lag].
+    std::vector<double> step_chain_ms;
   };
   Open open_window() const;
   // `t` less the time the trainer was held up in this window before it: where `t` falls on the
   // trainer's own clock (the times of a pass with stage 2 backpressure, as if never held up).
   Time unblocked(Time t) const;
+  // Bucket `bucket`'s reduction (or sync) was issued and completed (each of its ops).
+  void bucket_collective(std::int64_t bucket, bool sync, Time issued, Time completed);
   void blocked(Time begin, Time end);
   void optimizer(Time begin, Time end);
   // The trainer started working on an iteration (first call of a window opens it).
@@ -56,6 +61,7 @@ class OverlapStats {
   Time window_start_ = -1, first_grad_ = -1, backward_end_ = -1;
   Time sync_us_ = 0, reduce_us_ = 0;
   std::vector<Interval> link_, blocked_, optimizer_;
+  std::vector<Time> reduce_done_, sync_issued_;  // per bucket in this window, -1: not yet
   std::array<std::uint64_t, 5> bytes_{};
   std::vector<IterationStats> steps_;
 };

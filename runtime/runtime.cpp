@@ -21,6 +21,8 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   config.validate();
   auto& I = *impl_;
   I.cfg = config;
+  I.interleave_lag = config.zero.interleave_lag >= 0 ? std::size_t(config.zero.interleave_lag) : 0;
+  I.lag_chosen = config.zero.interleave_lag >= 0;
   I.comm = std::move(comm);
   I.rank = I.comm->rank();
   I.world = I.comm->world_size();
@@ -268,6 +270,7 @@ void Runtime::wait() {
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
+  if (!I.lag_chosen) I.choose_interleave_lag();
   if (!I.rebuilt && !I.cfg.buckets.static_graph) {
     const auto r0 = Timeline::now();
     I.rebuild_from_observed_order();

@@ -84,6 +84,11 @@ struct Runtime::Impl {
   std::vector<char> forward_seen;
   std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
   std::vector<std::int64_t> forward_asked_us;            // when forward first asked for forward_order[i]
+  // Interleaved: bucket b's sync goes after the reduction of b + interleave_lag. Config's, or 0
+  // until chosen after the first iteration (lag_chosen; Note [Choosing the interleave lag]).
+  std::size_t interleave_lag = 0;
+  bool lag_chosen = false;
+  void choose_interleave_lag();
   std::size_t prefetch_early = 0;  // with prefetch: syncs interleaved into backward (the first of sync_order)
   bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();

@@ -146,7 +146,7 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   // for the first.
   const bool prefetching = !sync_order.empty();
   spec.interleave = cfg.zero.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
-  spec.lag = prefetching ? std::max<std::size_t>(1, cfg.zero.interleave_lag) : cfg.zero.interleave_lag;
+  spec.lag = prefetching ? std::max<std::size_t>(1, interleave_lag) : interleave_lag;
   spec.sync_order = sync_order;
   spec.interleaved_syncs = prefetching ? prefetch_early : spec.buckets;
   return collective_order(spec);
@@ -161,8 +161,8 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
     const bool zero_on_done = cfg.zero.forward_prefetch && !bufs->pooled();
-    // Steps go in the order the syncs are scheduled: a sync never waits for a step that waits for
-    // staging held by a later sync (pooled staging is limited).
+    // The syncs' order tells the shard which reduced bucket steps first (Note [Which bucket steps
+    // next]).
     shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order, timeline);
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }

@@ -331,6 +331,77 @@ TEST_CASE("under random arrival orders and random delays every rank issues the s
       }
 }
 
+TEST_CASE("interleaved, 24 buckets' gradients reported at once: each sync trails its reduction by a lag the runtime chose, the same on every rank, and training lands where lag 0 lands") {
+  // Note [Choosing the interleave lag]: at lag 0 the next reduction would wait for each bucket's
+  // step and its hops, which take longer than the trainer leaves between two buckets here.
+  const int n = 2, P = 24, iters = 5;
+  const std::size_t numel = 256;
+  struct Run {
+    std::vector<std::vector<float>> params;
+    std::vector<std::vector<std::string>> issued;
+  };
+  auto run = [&](int stage, int lag) {
+    Run out;
+    out.params.assign(n, std::vector<float>(P * numel));
+    out.issued.resize(n);
+    auto world = InProcessWorld::create(n, 60s);
+    test::require_all_ok(test::run_ranks(n, [&](int r) {
+      auto& data = out.params[std::size_t(r)];
+      for (std::size_t i = 0; i < data.size(); ++i) data[i] = 0.01f * float(i % 17);
+      Config cfg;
+      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;  // a bucket per parameter
+      cfg.zero.stage = ZeroStage(stage);
+      cfg.zero.overlap = Overlap::interleaved;
+      cfg.zero.interleave_lag = lag;
+      Runtime rt(world->communicator(r), cfg);
+      std::vector<Param> h;
+      for (int i = 0; i < P; ++i)
+        h.push_back(rt.register_param({"p" + std::to_string(i), {std::int64_t(numel)}, DType::f32, Device::cpu(), data.data() + std::size_t(i) * numel}));
+      OptimizerConfig oc;
+      oc.kind = OptimizerConfig::Kind::adamw;
+      oc.lr = 0.01f;
+      rt.configure_optimizer(oc);
+      for (int it = 0; it < iters; ++it) {
+        rt.zero_grad();
+        for (int i = P; i-- > 0;) {
+          float* g = rt.grad_f32(h[std::size_t(i)]);
+          for (std::size_t e = 0; e < numel; ++e) g[e] = 0.01f * float((std::size_t(i) * 7 + e * 3 + std::size_t(r) * 5 + std::size_t(it)) % 23) - 0.1f;
+          rt.grad_ready(h[std::size_t(i)]);
+        }
+        rt.wait();
+      }
+      out.issued[std::size_t(r)] = rt.collective_log();
+    }));
+    return out;
+  };
+  // Reductions issued in the last iteration before its first sync: the lag + 1.
+  auto ahead = [&](const std::vector<std::string>& issued) {
+    REQUIRE(issued.size() >= 2 * P);
+    int reductions = 0;
+    for (auto it = issued.end() - 2 * P; it != issued.end(); ++it) {
+      if (it->find(" sync bucket ") != std::string::npos) return reductions;
+      ++reductions;
+    }
+    return reductions;
+  };
+  for (int stage : {1, 2}) {
+    INFO("stage " << stage);
+    const auto chosen = run(stage, -1);
+    const auto lag0 = run(stage, 0);
+    for (int r = 1; r < n; ++r) CHECK(chosen.issued[std::size_t(r)] == chosen.issued[0]);
+    CHECK(std::count_if(chosen.issued[0].begin(), chosen.issued[0].end(),
+                        [](const std::string& l) { return l.find("broadcast interleave lag") == 0; }) == 1);
+    // Counted before INFO: doctest evaluates INFO while it reports, and a REQUIRE inside would
+    // take its reporter's lock a second time.
+    const int ahead_chosen = ahead(chosen.issued[0]), ahead_lag0 = ahead(lag0.issued[0]);
+    INFO("reductions ahead of the first sync: chosen " << ahead_chosen << ", lag 0 " << ahead_lag0);
+    CHECK(ahead_lag0 == 1);
+    CHECK(ahead_chosen >= 2);
+    for (int r = 0; r < n; ++r)
+      CHECK(std::memcmp(chosen.params[std::size_t(r)].data(), lag0.params[0].data(), P * numel * 4) == 0);
+  }
+}
+
 TEST_CASE("configure_optimizer refuses what it cannot do, naming it") {
   auto world = InProcessWorld::create(1);
   Runtime rt(world->communicator(0));

@@ -73,9 +73,11 @@ struct ZeroConfig {
   // Interleaved overlap: bucket b's parameter sync goes out right after the reduction of bucket
   // b + interleave_lag (the same order on every rank; Note [Collective schedule]). 0: each sync as
   // soon as its step is done, so when backward is slower per bucket than the link, every bucket but
-  // the last is done before backward ends. 1: the next reduction keeps the link busy while a bucket
-  // steps, better when the link is the bottleneck.
-  std::size_t interleave_lag = 0;
+  // the last is done before backward ends; but the next reduction then waits for the step and its
+  // hops. 1 or more: that many reductions keep the link busy while a bucket steps, better when the
+  // link or the hops are the bottleneck. -1 (default): chosen after the first iteration from what
+  // it measured, rank 0's (Note [Choosing the interleave lag]); at most 64.
+  int interleave_lag = -1;
   // Parameter syncs only need to complete before the next forward uses the parameters: wait()
   // returns early and the trainer calls Runtime::wait_param(p) in forward. Syncs go out in the
   // forward order the runtime observed (rank 0's).

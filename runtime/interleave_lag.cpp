@@ -1,0 +1,38 @@
+// Choosing the interleave lag after the first iteration (Note [Choosing the interleave lag]).
+#include "runtime/plans/interleave_lag.hpp"
+
+#include "runtime/runtime_impl.hpp"
+
+namespace shardflow {
+
+void Runtime::Impl::choose_interleave_lag() {
+  lag_chosen = true;
+  if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return;
+  auto& st = timeline->stats();
+  const auto open = st.open_window();
+  const std::size_t B = plan.buckets.size();
+  // On the trainer's own clock: stage 2's backpressure held backward up while the chain ran.
+  auto ready = readiness->ready_times();
+  for (auto& t : ready)
+    if (t >= 0) t = st.unblocked(t);
+  std::uint32_t lag = std::uint32_t(
+      shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0, B ? open.sync_ms / double(B) : 0, open.step_chain_ms));
+  if (world > 1) {  // rank 0's choice, so that every rank issues the same order
+    CollectiveOp op;
+    op.kind = CollectiveKind::broadcast;
+    op.dtype = DType::f32;  // a 32-bit word copied as it is
+    op.send = op.recv = &lag;
+    op.count = 1;
+    op.tag = "interleave lag";
+    collectives->record(op);
+    comm->run(op, cfg.timeouts.collective);
+  }
+  log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}", lag,
+            lag ? " (the step and its hops take longer than the gradients leave between reductions)" : "");
+  if (lag == interleave_lag) return;
+  interleave_lag = lag;
+  stop_actors();
+  spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
+}
+
+}  // namespace shardflow
