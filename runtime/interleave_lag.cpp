@@ -15,8 +15,12 @@ void Runtime::Impl::choose_interleave_lag() {
   auto ready = readiness->ready_times();
   for (auto& t : ready)
     if (t >= 0) t = st.unblocked(t);
-  std::uint32_t lag = std::uint32_t(
-      shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0, B ? open.sync_ms / double(B) : 0, open.step_chain_ms));
+  // Stage 2's pooled buckets: a sync further behind than the buckets in flight would hold the
+  // reductions' buffers and the staging window back (measured at link/compute 1: 0.50 with the
+  // backlog's lag 16 against 0.61 at lag 1).
+  const std::size_t max_lag = bufs->pooled() ? std::max<std::size_t>(1, caps.grads_in_flight) : 64;
+  std::uint32_t lag = std::uint32_t(shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0,
+                                                                     B ? open.sync_ms / double(B) : 0, open.step_chain_ms, max_lag));
   if (world > 1) {  // rank 0's choice, so that every rank issues the same order
     CollectiveOp op;
     op.kind = CollectiveKind::broadcast;
