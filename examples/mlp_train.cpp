@@ -51,8 +51,11 @@ int main(int argc, char** argv) {
   app.add_option("--save-checkpoint", checkpoint_dir,
                  "write DIR/checkpoint.safetensors (parameters, optimizer state, step count) at the end and --every K steps");
   app.add_option("--every", every, "with --save-checkpoint: also every K steps (0: at the end only)")->capture_default_str();
+  app.add_flag("--sharded-checkpoint", opt.sharded_checkpoint,
+               "with --save-checkpoint: each rank writes its own shard file in DIR and rank 0 DIR/index.json (nothing gathered)");
   app.add_option("--resume", resume_dir,
-                 "start from DIR/checkpoint.safetensors at any --world-size / --zero-stage / --partition; --steps counts the steps still to run");
+                 "start from DIR (its index.json if sharded, else DIR/checkpoint.safetensors) at any --world-size / --zero-stage / "
+                 "--partition; --steps counts the steps still to run");
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();

@@ -11,14 +11,21 @@
 // the file at its place. No rank holds more than one window beyond its own state; nothing is
 // serialised on the way. The file appears under its name only once complete and on disk (a
 // temporary file, fsync, rename): a crash mid-save leaves the previous checkpoint as it was.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <boost/crc.hpp>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/elementwise.hpp"
-#include "runtime/runtime_impl.hpp"
+#include "runtime/checkpoint_common.hpp"
 #include "runtime/safetensors_stream.hpp"
 
 namespace shardflow {
-namespace {
+namespace ckpt {
 
 const char* safetensors_dtype(DType t) {
   switch (t) {
@@ -37,7 +44,6 @@ const char* kind_name(OptimizerConfig::Kind k) {
   }
 }
 
-// What slot `slot` of the shard holds for parameter p, as a checkpoint name; empty when p has none.
 std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, const OptimizerGroups& groups, const Config& cfg,
                       std::uint32_t p, std::size_t slot) {
   if (slot == shard.state_slots())  // the fp32 masters (Note [Master weights])
@@ -47,7 +53,71 @@ std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, 
   return slot == 0 && h.momentum != 0.0f ? "momentum_buffer" : "";
 }
 
-std::string state_key(const std::string& param, const std::string& slot) { return "optim." + param + "." + slot; }
+Coordinates::Coordinates(const std::vector<ParamSpec>& params) {
+  for (const auto& p : params) {
+    base.push_back(total);
+    size.push_back(std::size_t(numel(p.shape)));
+    total += size.back();
+  }
+}
+
+void check_cpu_params(const std::vector<ParamSpec>& params, const char* what) {
+  for (const auto& p : params)
+    if (p.device.kind != Device::Kind::cpu)
+      throw UsageError(std::string(what) + ": parameter '" + p.name +
+                       "' lives on a GPU; checkpoints of device parameters are not supported yet (copy them to the host)");
+}
+
+std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* opt) {
+  std::map<std::string, std::string> meta{{"format", "pt"}, {"shardflow.checkpoint", "1"}, {"shardflow.world_size", std::to_string(world)}};
+  if (!shard) return meta;
+  meta["shardflow.steps"] = std::to_string(shard->steps());
+  meta["shardflow.zero_stage"] = std::to_string(int(cfg.zero.stage));
+  meta["shardflow.partition"] = partition_name(cfg.zero.partition);
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& h : opt->groups)
+    groups.push_back({{"kind", kind_name(h.kind)}, {"lr", h.lr}, {"momentum", h.momentum}, {"dampening", h.dampening},
+                      {"nesterov", h.nesterov}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
+                      {"weight_decay", h.effective_weight_decay()}});
+  meta["shardflow.param_groups"] = groups.dump();
+  return meta;
+}
+
+std::uint32_t crc32(const void* data, std::size_t n) {
+  boost::crc_32_type crc;
+  crc.process_bytes(data, n);
+  return crc.checksum();
+}
+
+void write_file_atomically(const std::string& path, const std::string& content) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw Error("cannot create '" + tmp + "': " + std::strerror(errno));
+  std::size_t done = 0;
+  while (done < content.size()) {
+    const auto n = ::write(fd, content.data() + done, content.size() - done);
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw Error("cannot write '" + tmp + "': " + std::strerror(err));
+    }
+    done += std::size_t(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  if (!synced || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error("cannot write '" + path + "': " + std::strerror(err));
+  }
+}
+
+}  // namespace ckpt
+
+namespace {
+
+using namespace ckpt;
 
 // Every parameter overlapping the window [begin, begin + n) of parameter coordinates: (parameter,
 // first element within it, first element within the window, length).
@@ -57,27 +127,6 @@ void for_params_in(const std::vector<std::size_t>& base, const std::vector<std::
     const std::size_t lo = std::max(base[p], begin), hi = std::min(base[p] + size[p], begin + n);
     if (lo < hi) fn(p, lo - base[p], lo - begin, hi - lo);
   }
-}
-
-// Parameter coordinates: where each parameter's elements start, how many, and the total (the
-// order of registration, as Shard::export_state counts them).
-struct Coordinates {
-  std::vector<std::size_t> base, size;
-  std::size_t total = 0;
-  explicit Coordinates(const std::vector<ParamSpec>& params) {
-    for (const auto& p : params) {
-      base.push_back(total);
-      size.push_back(std::size_t(numel(p.shape)));
-      total += size.back();
-    }
-  }
-};
-
-void check_cpu_params(const std::vector<ParamSpec>& params, const char* what) {
-  for (const auto& p : params)
-    if (p.device.kind != Device::Kind::cpu)
-      throw UsageError(std::string(what) + ": parameter '" + p.name +
-                       "' lives on a GPU; checkpoints of device parameters are not supported yet (copy them to the host)");
 }
 
 }  // namespace
@@ -108,19 +157,7 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
       for (std::size_t s = 0; s < slots; ++s)
         for (std::uint32_t p = 0; p < params.size(); ++p)
           if (const auto n = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !n.empty()) entries.push_back({state_key(params[p].name, n), "F32", params[p].shape});
-      std::map<std::string, std::string> meta{{"format", "pt"}, {"shardflow.checkpoint", "1"}, {"shardflow.world_size", std::to_string(I.world)}};
-      if (I.shard) {
-        meta["shardflow.steps"] = std::to_string(I.shard->steps());
-        meta["shardflow.zero_stage"] = std::to_string(int(I.cfg.zero.stage));
-        meta["shardflow.partition"] = partition_name(I.cfg.zero.partition);
-        nlohmann::json groups = nlohmann::json::array();
-        for (const auto& h : I.groups->groups)
-          groups.push_back({{"kind", kind_name(h.kind)}, {"lr", h.lr}, {"momentum", h.momentum}, {"dampening", h.dampening},
-                            {"nesterov", h.nesterov}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
-                            {"weight_decay", h.effective_weight_decay()}});
-        meta["shardflow.param_groups"] = groups.dump();
-      }
-      out = std::make_unique<SafetensorsWriter>(path, entries, meta);
+      out = std::make_unique<SafetensorsWriter>(path, entries, optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get()));
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -172,6 +209,8 @@ void Runtime::load_checkpoint(const std::string& path) {
   I.throw_if_failed();
   if (I.in_pass()) throw UsageError("load_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
   check_cpu_params(I.registry.params(), "load_checkpoint");
+  if (std::filesystem::is_directory(path)) return load_sharded_checkpoint(path + "/index.json");
+  if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0) return load_sharded_checkpoint(path);
   wait_all_params();
   const auto file = read_safetensors_index(path);
   const auto& params = I.registry.params();

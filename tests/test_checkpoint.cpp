@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "examples/mlp/train.hpp"
 #include "runtime/safetensors_stream.hpp"
@@ -174,4 +175,106 @@ TEST_CASE("a save that fails leaves the previous checkpoint as it was, and no te
     CHECK(fs::is_directory(file));
   }
   for (const auto& e : fs::directory_iterator(s / "c")) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
+}
+
+TEST_CASE("sharded checkpoints: 10 steps, each rank its own file, 10 more from them == 20 straight, bit for bit") {
+  struct Case {
+    int stage;
+    Partition partition;
+    OptimizerConfig::Kind kind;
+    DType param_dtype;
+  };
+  for (const auto& c : {Case{1, Partition::param, OptimizerConfig::Kind::adamw, DType::f32}, Case{2, Partition::flat, OptimizerConfig::Kind::sgd, DType::f32},
+                        Case{1, Partition::bucket, OptimizerConfig::Kind::adamw, DType::f32}, Case{2, Partition::flat, OptimizerConfig::Kind::adamw, DType::bf16}}) {
+    INFO("stage " << c.stage << ", " << std::string(partition_name(c.partition)) << ", " << std::string(dtype_name(c.param_dtype)));
+    Scratch s;
+    auto o = base(3, c.stage, c.partition, c.kind);
+    o.param_dtype = c.param_dtype;
+    const auto straight = train_and_save(o, 20, s / "straight");
+    auto first = o;
+    first.sharded_checkpoint = true;
+    train_and_save(first, 10, s / "first");
+    // One file per rank that owns a piece (flat: every rank; param and bucket may leave a rank of
+    // 3 with none of these 6 parameters), as the index lists them; no consolidated file.
+    int shards = 0, listed = 0;
+    for (const auto& e : fs::directory_iterator(s / "first")) shards += e.path().extension() == ".safetensors";
+    const auto index = nlohmann::json::parse(std::ifstream(s / "first/index.json"));
+    for (const auto& f : index.at("files")) listed += !f.get<std::string>().empty();
+    CHECK(shards == listed);
+    CHECK(shards >= (c.partition == Partition::flat ? 3 : 2));
+    CHECK(fs::exists(s / "first/index.json"));
+    CHECK_FALSE(fs::exists(mlp::checkpoint_file(s / "first")));
+    o.resume_dir = s / "first";
+    same_tensors(train_and_save(o, 10, s / "resumed"), straight, 0);
+  }
+}
+
+TEST_CASE("sharded at world 4 stage 2 flat; resumed at world 2 stage 1 param, world 3 stage 2, world 1: each rank reads the slices it needs") {
+  Scratch s;
+  auto o = base(4, 2, Partition::flat, OptimizerConfig::Kind::adamw);
+  const auto straight = train_and_save(o, 20, s / "straight");
+  o.sharded_checkpoint = true;
+  train_and_save(o, 10, s / "at10");
+  struct Resume {
+    int world, stage;
+    Partition partition;
+  };
+  for (const auto& r : {Resume{2, 1, Partition::param}, Resume{3, 2, Partition::flat}, Resume{1, 0, Partition::flat}}) {
+    INFO("resumed at world " << r.world << ", stage " << r.stage << ", " << partition_name(r.partition));
+    auto q = base(r.world, r.stage, r.partition, OptimizerConfig::Kind::adamw);
+    q.resume_dir = s / "at10";
+    same_tensors(train_and_save(q, 10, s / ("resumed" + std::to_string(r.world))), straight, 1e-6);
+  }
+}
+
+TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, another model: each an error naming the file, nothing trained; a new save replaces the old files") {
+  Scratch s;
+  auto o = base(2, 1, Partition::flat, OptimizerConfig::Kind::adamw);
+  o.sharded_checkpoint = true;
+  train_and_save(o, 2, s / "c");
+  std::vector<fs::path> shards;
+  for (const auto& e : fs::directory_iterator(s / "c"))
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path());
+  std::sort(shards.begin(), shards.end());
+  REQUIRE(shards.size() == 2);
+  auto refused = [&](const fs::path& dir, const std::string& what, mlp::TrainOptions q) {
+    q.steps = 2;
+    q.checkpoint_dir.reset();
+    q.resume_dir = dir.string();
+    CHECK_THROWS_WITH(mlp::train(q), doctest::Contains(what.c_str()));
+  };
+  auto damaged = [&](const std::string& name, auto damage) {
+    const fs::path dir = s / name;
+    fs::create_directories(dir);
+    for (const auto& e : fs::directory_iterator(s / "c")) fs::copy_file(e.path(), dir / e.path().filename());
+    damage(dir / shards[1].filename());
+    return dir;
+  };
+  auto plain = base(2, 1, Partition::flat, OptimizerConfig::Kind::adamw);
+  // A byte of the last tensor's data flipped: the header still parses, the checksum does not match.
+  const auto flipped = damaged("flipped", [](const fs::path& f) {
+    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(-3, std::ios::end);
+    char b = 0;
+    io.read(&b, 1);
+    b = char(b ^ 0x10);
+    io.seekp(-3, std::ios::end);
+    io.write(&b, 1);
+  });
+  refused(flipped, "checksum mismatch", plain);
+  refused(flipped, shards[1].filename().string(), plain);
+  refused(damaged("cut", [](const fs::path& f) { fs::resize_file(f, fs::file_size(f) - 16); }), shards[1].filename().string(), plain);
+  refused(damaged("missing", [](const fs::path& f) { fs::remove(f); }), shards[1].filename().string(), plain);
+  auto other = plain;
+  other.sizes = {24, 32, 6};
+  refused(s / "c", "parameter 'layers.0.weight' is F32 [40, 24], this run's F32 [32, 24]", other);
+  // A second save: the index names the new files, the old ones are gone.
+  train_and_save(o, 1, s / "c");
+  int now = 0;
+  for (const auto& e : fs::directory_iterator(s / "c"))
+    if (e.path().extension() == ".safetensors") {
+      ++now;
+      CHECK(std::find(shards.begin(), shards.end(), e.path()) == shards.end());
+    }
+  CHECK(now == 2);
 }

@@ -169,7 +169,7 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
     end_step(sh, rank, comm, rt, step, loss, t0, local_losses, last_global);
     const int done = first_step + step + 1;
     if (opt.checkpoint_dir && ((opt.checkpoint_every > 0 && done % opt.checkpoint_every == 0) || step + 1 == opt.steps))
-      rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir));
+      opt.sharded_checkpoint ? rt.save_sharded_checkpoint(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir));
   }
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
@@ -193,7 +193,8 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   if (opt.optimizer_in_runtime) rt.configure_optimizer(opt.optimizer);
   int first_step = 0;
   if (opt.resume_dir) {
-    rt.load_checkpoint(checkpoint_file(*opt.resume_dir));
+    const auto index = std::filesystem::path(*opt.resume_dir) / "index.json";
+    rt.load_checkpoint(std::filesystem::exists(index) ? index.string() : checkpoint_file(*opt.resume_dir));
     first_step = int(rt.optimizer_steps());
     adapter->after_step(rt, -1);  // compute copies of 16-bit parameters from what was loaded
   }

@@ -69,8 +69,12 @@ struct TrainOptions {
   // (counted from the start of the training, resumed runs included; 0: at the end only).
   std::optional<std::string> checkpoint_dir;
   int checkpoint_every = 0;
-  // Resume from DIR/checkpoint.safetensors: parameters, optimizer state and the data position;
-  // `steps` counts the steps still to run. Any world size, stage and partition.
+  // Sharded instead (Runtime::save_sharded_checkpoint): each rank writes its own file in DIR,
+  // rank 0 DIR/index.json.
+  bool sharded_checkpoint = false;
+  // Resume from DIR (DIR/index.json if there is one, else DIR/checkpoint.safetensors): parameters,
+  // optimizer state and the data position; `steps` counts the steps still to run. Any world
+  // size, stage and partition.
   std::optional<std::string> resume_dir;
 };
 

@@ -214,10 +214,18 @@ class Runtime {
   // master, the step count and the groups' hyper-parameters in the metadata). The state streams
   // to `recipient` in bounded windows; only it writes, atomically (temporary file, fsync, rename).
   void save_checkpoint(const std::string& path, int recipient = 0);
-  // Loads such a file, or a state dict of parameters alone, at any world size, stage and
-  // partition: each rank reads the parameters and the state of the pieces it owns. Between
-  // iterations, after configure_optimizer() when there is optimizer state to restore. UsageError
-  // naming the file and tensor for a checkpoint of another model or optimizer.
+  // A collective: each rank writes the parameters and optimizer state of the pieces it owns to a
+  // file of its own in `dir`, and rank 0 an index (dir/index.json: world size, stage, partition,
+  // bucket plan, every slice and its file; each file carries its slices' CRC-32s). No rank
+  // gathers anything (Note [Sharded checkpoints]). The index is written last: a crash mid-save
+  // leaves the previous checkpoint in `dir` loadable.
+  void save_sharded_checkpoint(const std::string& dir);
+  // Loads a consolidated file, a state dict of parameters alone, or a sharded checkpoint (its
+  // directory or index.json), at any world size, stage and partition: each rank reads the
+  // parameters and the state of the pieces it owns. Between iterations, after
+  // configure_optimizer() when there is optimizer state to restore. UsageError naming the file
+  // and tensor for a checkpoint of another model or optimizer, a checksum that does not match, a
+  // missing or truncated file.
   void load_checkpoint(const std::string& path);
   std::int64_t optimizer_steps() const;  // steps the runtime's optimizer has taken (0 without one)
 
@@ -231,6 +239,7 @@ class Runtime {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  void load_sharded_checkpoint(const std::string& index_path);
 };
 
 }  // namespace shardflow

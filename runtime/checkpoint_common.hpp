@@ -1,0 +1,40 @@
+// What the two checkpoint layouts share (Note [Checkpoints], Note [Sharded checkpoints]): the
+// names state is saved under, parameter coordinates, the metadata, checksums, atomic small files.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "runtime/runtime_impl.hpp"
+
+namespace shardflow::ckpt {
+
+const char* safetensors_dtype(DType t);
+const char* kind_name(OptimizerConfig::Kind k);
+
+// What slot `slot` of the shard holds for parameter p, as a checkpoint name; empty when p has none.
+std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, const OptimizerGroups& groups, const Config& cfg,
+                      std::uint32_t p, std::size_t slot);
+inline std::string state_key(const std::string& param, const std::string& slot) { return "optim." + param + "." + slot; }
+
+// Parameter coordinates: where each parameter's elements start, how many, and the total (the
+// order of registration, as Shard::export_state counts them).
+struct Coordinates {
+  std::vector<std::size_t> base, size;
+  std::size_t total = 0;
+  explicit Coordinates(const std::vector<ParamSpec>& params);
+};
+
+void check_cpu_params(const std::vector<ParamSpec>& params, const char* what);
+
+// The step count, the stage, the partition and the groups' hyper-parameters, as metadata.
+std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* groups);
+
+std::uint32_t crc32(const void* data, std::size_t n);
+
+// `content` under `path`, all or nothing: a temporary file, fsync, rename.
+void write_file_atomically(const std::string& path, const std::string& content);
+
+}  // namespace shardflow::ckpt

@@ -1,0 +1,312 @@
+// Note [Sharded checkpoints]
+// Each rank writes what it owns and nothing else: for every piece of the shard plan it owns (Note
+// [Owned pieces]; stage 0 and runs without the runtime's optimizer: rank 0 owns everything), the
+// parameter's slice and the optimizer state's slices, in parameter coordinates, into a
+// safetensors file of its own: tensors "<param>@<offset>" and "optim.<param>.<slot>@<offset>",
+// each slice's CRC-32 in the file's metadata. Rank 0 knows every rank's pieces (the plan is the
+// same everywhere), so it writes the index without gathering anything: world size, stage,
+// partition, bucket plan, step count, groups, and every slice with the rank whose file holds it.
+// A save's files carry a name of their own (rank 0's id for the save), and the index is replaced
+// last, so a crash at any point leaves the previous index and the files it names in place; the
+// files of older saves go once the new index is on disk.
+// Loading reads the index, every parameter slice (parameters are whole on every rank), and of
+// the state only the slices that overlap the pieces this rank owns under its own plan, whatever
+// world, stage and partition saved them; each slice read is checked against its checksum.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "kernels/cpu/elementwise.hpp"
+#include "runtime/checkpoint_common.hpp"
+#include "runtime/safetensors_stream.hpp"
+
+namespace shardflow {
+namespace {
+
+using namespace ckpt;
+namespace fs = std::filesystem;
+
+struct Slice {
+  std::uint32_t param;
+  std::size_t offset, length;  // elements into the parameter
+};
+
+// What rank r owns, as slices of parameters.
+std::vector<Slice> owned_slices(const Shard* shard, std::size_t nparams, const std::vector<ParamSpec>& params, int r) {
+  std::vector<Slice> out;
+  if (shard && shard->shard_plan().sharded) {
+    for (const auto& b : shard->shard_plan().buckets)
+      for (const auto& piece : b.pieces[std::size_t(r)])
+        if (piece.len) out.push_back({piece.param, piece.param_off, piece.len});
+  } else if (r == 0) {
+    for (std::uint32_t p = 0; p < nparams; ++p)
+      if (const auto n = std::size_t(numel(params[p].shape))) out.push_back({p, 0, n});
+  }
+  return out;
+}
+
+std::string slice_name(const std::string& tensor, std::size_t offset) { return tensor + "@" + std::to_string(offset); }
+
+std::string file_name(std::uint32_t id, int rank, int world) {
+  char b[96];
+  std::snprintf(b, sizeof b, "ckpt-%08x-rank%d-of-%d.safetensors", id, rank, world);
+  return b;
+}
+
+}  // namespace
+
+void Runtime::save_sharded_checkpoint(const std::string& dir) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass())
+    throw UsageError("save_sharded_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
+  if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
+  check_cpu_params(I.registry.params(), "save_sharded_checkpoint");
+  wait_all_params();
+  const auto& params = I.registry.params();
+  const Coordinates at(params);
+  const Shard* shard = I.shard.get();
+  const std::size_t slots = shard ? shard->migrate_slots() : 0;
+  auto collective = [&](CollectiveKind kind, float& v, const char* tag) {
+    if (I.world == 1) return;
+    CollectiveOp op;
+    op.kind = kind;
+    op.send = op.recv = &v;
+    op.count = 1;
+    op.tag = tag;
+    I.collectives->record(op);
+    I.comm->run(op, I.cfg.timeouts.collective);
+  };
+  // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
+  std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
+  {
+    float word;
+    std::memcpy(&word, &id, 4);
+    collective(CollectiveKind::broadcast, word, "sharded checkpoint: save id");
+    std::memcpy(&id, &word, 4);
+  }
+  auto state_names = [&](std::uint32_t p) {
+    std::vector<std::pair<std::size_t, std::string>> v;  // (slot, name)
+    for (std::size_t s = 0; s < slots; ++s)
+      if (auto n = slot_name(params, *shard, *I.groups, I.cfg, p, s); !n.empty()) v.emplace_back(s, std::move(n));
+    return v;
+  };
+  std::string failure;
+  const auto mine = owned_slices(shard, params.size(), params, I.rank);
+  try {
+    fs::create_directories(dir);
+    if (!mine.empty()) {
+      std::vector<SafetensorsWriter::Entry> entries;
+      nlohmann::json crcs = nlohmann::json::object();
+      std::vector<float> window;
+      // Two passes over the state (checksums, then the bytes): the header, checksums included,
+      // goes first, and holding the shard's state twice is what this layout avoids.
+      for (const auto& sl : mine) {
+        const auto& p = params[sl.param];
+        const std::size_t es = dtype_size(p.dtype);
+        const auto pname = slice_name(p.name, sl.offset);
+        entries.push_back({pname, safetensors_dtype(p.dtype), {std::int64_t(sl.length)}});
+        crcs[pname] = crc32(static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es);
+        for (const auto& [s, name] : state_names(sl.param)) {
+          const auto key = slice_name(state_key(p.name, name), sl.offset);
+          window.resize(sl.length);
+          shard->export_state(s, at.base[sl.param] + sl.offset, window);
+          entries.push_back({key, "F32", {std::int64_t(sl.length)}});
+          crcs[key] = crc32(window.data(), window.size() * 4);
+        }
+      }
+      auto meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
+      meta["shardflow.sharded"] = "1";
+      meta["shardflow.rank"] = std::to_string(I.rank);
+      meta["shardflow.crc32"] = crcs.dump();
+      SafetensorsWriter out(dir + "/" + file_name(id, I.rank, I.world), entries, meta);
+      for (const auto& sl : mine) {
+        const auto& p = params[sl.param];
+        const std::size_t es = dtype_size(p.dtype);
+        out.write(slice_name(p.name, sl.offset), 0, static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es);
+        for (const auto& [s, name] : state_names(sl.param)) {
+          window.resize(sl.length);
+          shard->export_state(s, at.base[sl.param] + sl.offset, window);
+          out.write(slice_name(state_key(p.name, name), sl.offset), 0, window.data(), window.size() * 4);
+        }
+      }
+      out.commit();
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  float failed = failure.empty() ? 0.0f : 1.0f;
+  collective(CollectiveKind::allreduce, failed, "sharded checkpoint: shards written");
+  if (failed > 0)
+    throw Error(failure.empty() ? "save_sharded_checkpoint: " + std::to_string(int(failed)) + " rank(s) could not write their shard in '" +
+                                      dir + "' (their errors say why); the previous checkpoint there is untouched"
+                                : "save_sharded_checkpoint: rank " + std::to_string(I.rank) + ": " + failure +
+                                      "; the previous checkpoint in '" + dir + "' is untouched");
+  float index_ok = 1.0f;
+  if (I.rank == 0) try {
+      nlohmann::json j;
+      j["format"] = "shardflow-sharded-checkpoint";
+      j["version"] = 1;
+      j["world_size"] = I.world;
+      j["zero_stage"] = int(I.cfg.zero.stage);
+      j["partition"] = partition_name(I.cfg.zero.partition);
+      j["steps"] = shard ? shard->steps() : 0;
+      const auto meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
+      if (const auto g = meta.find("shardflow.param_groups"); g != meta.end()) j["param_groups"] = nlohmann::json::parse(g->second);
+      for (const auto& p : params) j["params"].push_back({{"name", p.name}, {"dtype", safetensors_dtype(p.dtype)}, {"shape", p.shape}});
+      for (const auto& b : I.plan.buckets) {
+        nlohmann::json names = nlohmann::json::array();
+        for (const auto& e : b.entries) names.push_back(params[e.param].name);
+        j["buckets"].push_back(names);
+      }
+      std::vector<std::string> files;
+      for (int r = 0; r < I.world; ++r) {
+        const auto theirs = owned_slices(shard, params.size(), params, r);
+        files.push_back(theirs.empty() ? "" : file_name(id, r, I.world));
+        for (const auto& sl : theirs) {
+          nlohmann::json state = nlohmann::json::array();
+          for (const auto& sn : state_names(sl.param)) state.push_back(sn.second);
+          j["slices"].push_back({{"param", params[sl.param].name}, {"offset", sl.offset}, {"length", sl.length}, {"rank", r}, {"state", state}});
+        }
+      }
+      j["files"] = files;
+      write_file_atomically(dir + "/index.json", j.dump(1));
+      // The index names this save's files now: earlier saves' files go.
+      for (const auto& e : fs::directory_iterator(dir)) {
+        const auto name = e.path().filename().string();
+        if (name.rfind("ckpt-", 0) == 0 && e.path().extension() == ".safetensors" &&
+            std::find(files.begin(), files.end(), name) == files.end())
+          fs::remove(e.path());
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+      index_ok = 0.0f;
+    }
+  float verdict = index_ok;
+  collective(CollectiveKind::broadcast, verdict, "sharded checkpoint: index written");
+  if (verdict != 1.0f)
+    throw Error(I.rank == 0 ? "save_sharded_checkpoint: writing '" + dir + "/index.json': " + failure
+                            : "save_sharded_checkpoint: rank 0 could not write '" + dir + "/index.json' (its error says why)");
+  I.log->info("sharded checkpoint written to '{}' ({} slice(s) from this rank)", dir, mine.size());
+}
+
+void Runtime::load_sharded_checkpoint(const std::string& index_path) {
+  auto& I = *impl_;
+  wait_all_params();
+  const auto& params = I.registry.params();
+  nlohmann::json j;
+  {
+    std::ifstream in(index_path);
+    if (!in) throw UsageError("checkpoint index '" + index_path + "' cannot be read: " + std::strerror(errno));
+    try {
+      j = nlohmann::json::parse(in);
+      if (j.at("format") != "shardflow-sharded-checkpoint") throw std::runtime_error("its format is not shardflow-sharded-checkpoint");
+    } catch (const std::exception& e) {
+      throw UsageError("checkpoint index '" + index_path + "' is not a shardflow sharded checkpoint index: " + e.what());
+    }
+  }
+  const std::string dir = fs::path(index_path).parent_path().string();
+  try {
+    std::map<std::string, std::uint32_t> by_name;
+    for (std::uint32_t p = 0; p < params.size(); ++p) by_name[params[p].name] = p;
+    std::map<std::string, const nlohmann::json*> saved;
+    for (const auto& p : j.at("params")) saved[p.at("name").get<std::string>()] = &p;
+    for (const auto& p : params) {
+      const auto it = saved.find(p.name);
+      if (it == saved.end())
+        throw UsageError("checkpoint '" + index_path + "' has no parameter '" + p.name + "' (a parameter of this run): a checkpoint of another model?");
+      const auto shape = it->second->at("shape").get<Shape>();
+      const auto dtype = it->second->at("dtype").get<std::string>();
+      if (shape != p.shape || dtype != safetensors_dtype(p.dtype))
+        throw UsageError("checkpoint '" + index_path + "', parameter '" + p.name + "' is " + dtype + " " + shape_str(shape) +
+                         ", this run's " + safetensors_dtype(p.dtype) + " " + shape_str(p.shape));
+    }
+    for (const auto& [name, _] : saved)
+      if (!by_name.count(name))
+        throw UsageError("checkpoint '" + index_path + "' has a parameter '" + name + "' this run does not register: a checkpoint of another model?");
+    const auto files = j.at("files").get<std::vector<std::string>>();
+    struct Open {
+      SafetensorsIndex index;
+      nlohmann::json crcs;
+    };
+    std::map<int, Open> opened;
+    // Reads a whole slice tensor from rank r's file and checks its checksum.
+    auto read_slice = [&](int r, const std::string& tensor, void* out, std::size_t bytes) {
+      if (r < 0 || std::size_t(r) >= files.size() || files[std::size_t(r)].empty())
+        throw UsageError("checkpoint '" + index_path + "' names no file for rank " + std::to_string(r) + " (tensor '" + tensor + "')");
+      auto it = opened.find(r);
+      if (it == opened.end()) {
+        Open o{read_safetensors_index(dir + "/" + files[std::size_t(r)]), {}};
+        const auto c = o.index.metadata.find("shardflow.crc32");
+        if (c == o.index.metadata.end()) throw UsageError("checkpoint shard '" + o.index.path + "' has no checksums in its metadata");
+        o.crcs = nlohmann::json::parse(c->second);
+        it = opened.emplace(r, std::move(o)).first;
+      }
+      const auto& f = it->second;
+      const auto e = f.index.tensors.find(tensor);
+      if (e == f.index.tensors.end()) throw UsageError("checkpoint shard '" + f.index.path + "' has no tensor '" + tensor + "'");
+      if (e->second.bytes != bytes)
+        throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "' holds " + std::to_string(e->second.bytes) +
+                         " bytes, the index says " + std::to_string(bytes));
+      f.index.read(tensor, 0, out, bytes);
+      if (!f.crcs.contains(tensor) || f.crcs.at(tensor).get<std::uint32_t>() != crc32(out, bytes))
+        throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "': checksum mismatch (the file is damaged)");
+    };
+    const Coordinates at(params);
+    bool has_state = false;
+    for (const auto& sl : j.at("slices")) {
+      const auto p = by_name.at(sl.at("param").get<std::string>());
+      const auto off = sl.at("offset").get<std::size_t>(), len = sl.at("length").get<std::size_t>();
+      if (off + len > at.size[p]) throw UsageError("checkpoint '" + index_path + "': a slice of '" + params[p].name + "' lies outside it");
+      const std::size_t es = dtype_size(params[p].dtype);
+      read_slice(sl.at("rank").get<int>(), slice_name(params[p].name, off), static_cast<std::byte*>(params[p].data) + off * es, len * es);
+      has_state |= !sl.at("state").empty();
+    }
+    if (!I.shard) return;
+    // The pieces this rank owns under its own plan, in parameter coordinates: only the slices
+    // that overlap them are read.
+    std::vector<std::pair<std::size_t, std::size_t>> owned;  // [begin, end)
+    for (const auto& sl : owned_slices(I.shard.get(), params.size(), params, I.shard->shard_plan().sharded ? I.rank : 0))
+      owned.emplace_back(at.base[sl.param] + sl.offset, at.base[sl.param] + sl.offset + sl.length);
+    auto overlaps = [&](std::size_t b, std::size_t e) {
+      for (const auto& [ob, oe] : owned)
+        if (ob < e && b < oe) return true;
+      return false;
+    };
+    const std::size_t slots = I.shard->migrate_slots();
+    std::vector<float> values;
+    for (std::size_t s = 0; s < slots; ++s) {
+      const bool masters = s == I.shard->state_slots();
+      if (!has_state && !masters) continue;  // parameters alone: the state starts anew
+      for (const auto& sl : j.at("slices")) {
+        const auto p = by_name.at(sl.at("param").get<std::string>());
+        const auto off = sl.at("offset").get<std::size_t>(), len = sl.at("length").get<std::size_t>();
+        const std::size_t begin = at.base[p] + off;
+        if (!overlaps(begin, begin + len)) continue;
+        const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s);
+        if (name.empty()) continue;
+        values.assign(len, 0.0f);
+        const auto saved_state = sl.at("state").get<std::vector<std::string>>();
+        if (std::find(saved_state.begin(), saved_state.end(), name) != saved_state.end()) {
+          read_slice(sl.at("rank").get<int>(), slice_name(state_key(params[p].name, name), off), values.data(), len * 4);
+        } else if (masters) {  // saved without masters: they start from the parameters just loaded
+          kernels::convert_to_f32(params[p].dtype, values.data(), static_cast<const std::byte*>(params[p].data) + off * dtype_size(params[p].dtype), len);
+        } else {
+          throw UsageError("checkpoint '" + index_path + "' has no '" + state_key(params[p].name, name) + "' for this run's optimizer (" +
+                           kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
+        }
+        I.shard->import_state(s, begin, values);
+      }
+    }
+    if (has_state) I.shard->set_steps(j.at("steps").get<std::int64_t>());
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());
+  }
+  I.log->info("sharded checkpoint '{}' loaded ({} optimizer step(s))", index_path, I.shard ? I.shard->steps() : 0);
+}
+
+}  // namespace shardflow
