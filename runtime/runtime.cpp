@@ -48,6 +48,9 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
 
 Runtime::~Runtime() {
   auto& I = *impl_;
+  // A background checkpoint write ends before the runtime does; with no wait_checkpoint() its
+  // index is never written, so the previous checkpoint stays the one the directory names.
+  if (I.pending_save && I.pending_save->writer.joinable()) I.pending_save->writer.join();
   if (I.prefetch_active && !I.failed.load() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
     // trainer frees them.

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <thread>
 
 #include "actors/messages.hpp"
 #include "runtime/bucket_buffers.hpp"
@@ -133,6 +134,17 @@ struct Runtime::Impl {
   enum class Phase : std::uint8_t { idle, backward, reducing };
   std::atomic<Phase> phase{Phase::idle};
   bool in_pass() const { return phase.load(std::memory_order_acquire) != Phase::idle; }
+  // A sharded checkpoint saved in the background (Runtime::save_sharded_checkpoint_async): this
+  // rank's file is written by `writer` from a staged copy; wait_checkpoint() joins it, and then
+  // the ranks agree and rank 0 writes the index (Note [Sharded checkpoints]).
+  struct PendingSave {
+    std::string dir;
+    std::uint32_t id = 0;
+    std::thread writer;
+    std::string failure;
+    std::size_t slices = 0;
+  };
+  std::unique_ptr<PendingSave> pending_save;
   bool rebuilt = false;
   std::uint64_t iterations = 0;
 

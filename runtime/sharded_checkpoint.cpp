@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -59,6 +60,12 @@ std::string file_name(std::uint32_t id, int rank, int world) {
 }  // namespace
 
 void Runtime::save_sharded_checkpoint(const std::string& dir) {
+  // The synchronous save is the background one, waited for: one path to get right.
+  save_sharded_checkpoint_async(dir);
+  wait_checkpoint();
+}
+
+void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
@@ -66,9 +73,107 @@ void Runtime::save_sharded_checkpoint(const std::string& dir) {
     throw UsageError("save_sharded_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
   if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
   check_cpu_params(I.registry.params(), "save_sharded_checkpoint");
+  if (I.pending_save) wait_checkpoint();  // one save in flight at a time
   wait_all_params();
   const auto& params = I.registry.params();
   const Coordinates at(params);
+  const Shard* shard = I.shard.get();
+  const std::size_t slots = shard ? shard->migrate_slots() : 0;
+  // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
+  std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
+  if (I.world > 1) {
+    CollectiveOp op;
+    op.kind = CollectiveKind::broadcast;
+    op.dtype = DType::f32;  // a 32-bit word copied as it is
+    op.send = op.recv = &id;
+    op.count = 1;
+    op.tag = "sharded checkpoint: save id";
+    I.collectives->record(op);
+    I.comm->run(op, I.cfg.timeouts.collective);
+  }
+  auto pending = std::make_unique<Impl::PendingSave>();
+  pending->dir = dir;
+  pending->id = id;
+  // The staging copy: every owned slice of the parameters and of each state slot, with its
+  // checksum. Training may go on once it is taken.
+  struct Staged {
+    std::vector<SafetensorsWriter::Entry> entries;
+    std::vector<std::pair<std::size_t, std::size_t>> where;  // (offset into bytes, length) per entry
+    std::vector<std::byte> bytes;
+    std::map<std::string, std::string> meta;
+  };
+  auto staged = std::make_shared<Staged>();
+  const auto mine = owned_slices(shard, params.size(), params, I.rank);
+  pending->slices = mine.size();
+  try {
+    fs::create_directories(dir);
+    std::size_t total = 0;
+    for (const auto& sl : mine) {
+      total += sl.length * dtype_size(params[sl.param].dtype);
+      for (std::size_t s = 0; s < slots; ++s)
+        if (!slot_name(params, *shard, *I.groups, I.cfg, sl.param, s).empty()) total += sl.length * 4;
+    }
+    staged->bytes.resize(total);
+    nlohmann::json crcs = nlohmann::json::object();
+    std::size_t used = 0;
+    auto add = [&](std::string name, const char* dtype, std::size_t len, std::size_t bytes, auto fill) {
+      std::byte* to = staged->bytes.data() + used;
+      fill(to);
+      crcs[name] = crc32(to, bytes);
+      staged->entries.push_back({std::move(name), dtype, {std::int64_t(len)}});
+      staged->where.emplace_back(used, bytes);
+      used += bytes;
+    };
+    std::vector<float> window;
+    for (const auto& sl : mine) {
+      const auto& p = params[sl.param];
+      const std::size_t es = dtype_size(p.dtype);
+      add(slice_name(p.name, sl.offset), safetensors_dtype(p.dtype), sl.length, sl.length * es,
+          [&](std::byte* to) { std::memcpy(to, static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es); });
+      for (std::size_t s = 0; s < slots; ++s) {
+        const auto name = slot_name(params, *shard, *I.groups, I.cfg, sl.param, s);
+        if (name.empty()) continue;
+        add(slice_name(state_key(p.name, name), sl.offset), "F32", sl.length, sl.length * 4, [&](std::byte* to) {
+          window.resize(sl.length);
+          shard->export_state(s, at.base[sl.param] + sl.offset, window);
+          std::memcpy(to, window.data(), sl.length * 4);
+        });
+      }
+    }
+    staged->meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
+    staged->meta["shardflow.sharded"] = "1";
+    staged->meta["shardflow.rank"] = std::to_string(I.rank);
+    staged->meta["shardflow.crc32"] = crcs.dump();
+  } catch (const std::exception& e) {
+    pending->failure = e.what();
+  }
+  if (!mine.empty() && pending->failure.empty()) {
+    const std::string path = dir + "/" + file_name(id, I.rank, I.world);
+    pending->writer = std::thread([staged, path, out = pending.get()] {
+      try {
+        SafetensorsWriter file(path, staged->entries, staged->meta);
+        for (std::size_t e = 0; e < staged->entries.size(); ++e)
+          file.write(staged->entries[e].name, 0, staged->bytes.data() + staged->where[e].first, staged->where[e].second);
+        file.commit();
+      } catch (const std::exception& e) {
+        out->failure = e.what();
+      }
+    });
+  }
+  I.pending_save = std::move(pending);
+}
+
+void Runtime::wait_checkpoint() {
+  auto& I = *impl_;
+  if (!I.pending_save) return;
+  auto pending = std::move(I.pending_save);
+  if (pending->writer.joinable()) pending->writer.join();
+  finish_sharded_checkpoint(pending->dir, pending->id, pending->failure, pending->slices);
+}
+
+void Runtime::finish_sharded_checkpoint(const std::string& dir, std::uint32_t id, const std::string& written, std::size_t slices) {
+  auto& I = *impl_;
+  const auto& params = I.registry.params();
   const Shard* shard = I.shard.get();
   const std::size_t slots = shard ? shard->migrate_slots() : 0;
   auto collective = [&](CollectiveKind kind, float& v, const char* tag) {
@@ -81,71 +186,14 @@ void Runtime::save_sharded_checkpoint(const std::string& dir) {
     I.collectives->record(op);
     I.comm->run(op, I.cfg.timeouts.collective);
   };
-  // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
-  std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
-  {
-    float word;
-    std::memcpy(&word, &id, 4);
-    collective(CollectiveKind::broadcast, word, "sharded checkpoint: save id");
-    std::memcpy(&id, &word, 4);
-  }
-  auto state_names = [&](std::uint32_t p) {
-    std::vector<std::pair<std::size_t, std::string>> v;  // (slot, name)
-    for (std::size_t s = 0; s < slots; ++s)
-      if (auto n = slot_name(params, *shard, *I.groups, I.cfg, p, s); !n.empty()) v.emplace_back(s, std::move(n));
-    return v;
-  };
-  std::string failure;
-  const auto mine = owned_slices(shard, params.size(), params, I.rank);
-  try {
-    fs::create_directories(dir);
-    if (!mine.empty()) {
-      std::vector<SafetensorsWriter::Entry> entries;
-      nlohmann::json crcs = nlohmann::json::object();
-      std::vector<float> window;
-      // Two passes over the state (checksums, then the bytes): the header, checksums included,
-      // goes first, and holding the shard's state twice is what this layout avoids.
-      for (const auto& sl : mine) {
-        const auto& p = params[sl.param];
-        const std::size_t es = dtype_size(p.dtype);
-        const auto pname = slice_name(p.name, sl.offset);
-        entries.push_back({pname, safetensors_dtype(p.dtype), {std::int64_t(sl.length)}});
-        crcs[pname] = crc32(static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es);
-        for (const auto& [s, name] : state_names(sl.param)) {
-          const auto key = slice_name(state_key(p.name, name), sl.offset);
-          window.resize(sl.length);
-          shard->export_state(s, at.base[sl.param] + sl.offset, window);
-          entries.push_back({key, "F32", {std::int64_t(sl.length)}});
-          crcs[key] = crc32(window.data(), window.size() * 4);
-        }
-      }
-      auto meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
-      meta["shardflow.sharded"] = "1";
-      meta["shardflow.rank"] = std::to_string(I.rank);
-      meta["shardflow.crc32"] = crcs.dump();
-      SafetensorsWriter out(dir + "/" + file_name(id, I.rank, I.world), entries, meta);
-      for (const auto& sl : mine) {
-        const auto& p = params[sl.param];
-        const std::size_t es = dtype_size(p.dtype);
-        out.write(slice_name(p.name, sl.offset), 0, static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es);
-        for (const auto& [s, name] : state_names(sl.param)) {
-          window.resize(sl.length);
-          shard->export_state(s, at.base[sl.param] + sl.offset, window);
-          out.write(slice_name(state_key(p.name, name), sl.offset), 0, window.data(), window.size() * 4);
-        }
-      }
-      out.commit();
-    }
-  } catch (const std::exception& e) {
-    failure = e.what();
-  }
-  float failed = failure.empty() ? 0.0f : 1.0f;
+  float failed = written.empty() ? 0.0f : 1.0f;
   collective(CollectiveKind::allreduce, failed, "sharded checkpoint: shards written");
   if (failed > 0)
-    throw Error(failure.empty() ? "save_sharded_checkpoint: " + std::to_string(int(failed)) + " rank(s) could not write their shard in '" +
+    throw Error(written.empty() ? "save_sharded_checkpoint: " + std::to_string(int(failed)) + " rank(s) could not write their shard in '" +
                                       dir + "' (their errors say why); the previous checkpoint there is untouched"
-                                : "save_sharded_checkpoint: rank " + std::to_string(I.rank) + ": " + failure +
+                                : "save_sharded_checkpoint: rank " + std::to_string(I.rank) + ": " + written +
                                       "; the previous checkpoint in '" + dir + "' is untouched");
+  std::string failure;
   float index_ok = 1.0f;
   if (I.rank == 0) try {
       nlohmann::json j;
@@ -169,7 +217,8 @@ void Runtime::save_sharded_checkpoint(const std::string& dir) {
         files.push_back(theirs.empty() ? "" : file_name(id, r, I.world));
         for (const auto& sl : theirs) {
           nlohmann::json state = nlohmann::json::array();
-          for (const auto& sn : state_names(sl.param)) state.push_back(sn.second);
+          for (std::size_t s = 0; s < slots; ++s)
+            if (auto n = slot_name(params, *shard, *I.groups, I.cfg, sl.param, s); !n.empty()) state.push_back(n);
           j["slices"].push_back({{"param", params[sl.param].name}, {"offset", sl.offset}, {"length", sl.length}, {"rank", r}, {"state", state}});
         }
       }
@@ -186,12 +235,11 @@ void Runtime::save_sharded_checkpoint(const std::string& dir) {
       failure = e.what();
       index_ok = 0.0f;
     }
-  float verdict = index_ok;
-  collective(CollectiveKind::broadcast, verdict, "sharded checkpoint: index written");
-  if (verdict != 1.0f)
+  collective(CollectiveKind::broadcast, index_ok, "sharded checkpoint: index written");
+  if (index_ok != 1.0f)
     throw Error(I.rank == 0 ? "save_sharded_checkpoint: writing '" + dir + "/index.json': " + failure
                             : "save_sharded_checkpoint: rank 0 could not write '" + dir + "/index.json' (its error says why)");
-  I.log->info("sharded checkpoint written to '{}' ({} slice(s) from this rank)", dir, mine.size());
+  I.log->info("sharded checkpoint written to '{}' ({} slice(s) from this rank)", dir, slices);
 }
 
 void Runtime::load_sharded_checkpoint(const std::string& index_path) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "examples/mlp/train.hpp"
+#include "helpers.hpp"
 #include "runtime/safetensors_stream.hpp"
 
 using namespace shardflow;
@@ -277,4 +278,56 @@ TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, an
       CHECK(std::find(shards.begin(), shards.end(), e.path()) == shards.end());
     }
   CHECK(now == 2);
+}
+
+TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are written; the checkpoint holds the parameters as they were at the save, and the directory names it only after wait_checkpoint") {
+  Scratch s;
+  const int n = 2;
+  const std::size_t P = 4, numel = 300;
+  std::vector<std::vector<float>> data(n, std::vector<float>(P * numel)), at_save(n);
+  auto world = InProcessWorld::create(n, std::chrono::seconds(60));
+  bool index_before_wait = true;
+  auto train = [&](Runtime& rt, std::vector<Param>& h, int r, int iters) {
+    for (int it = 0; it < iters; ++it) {
+      rt.zero_grad();
+      for (std::size_t i = P; i-- > 0;) {
+        float* g = rt.grad_f32(h[i]);
+        for (std::size_t e = 0; e < numel; ++e) g[e] = 0.01f * float((i * 7 + e * 3 + std::size_t(r) + std::size_t(it)) % 23) - 0.1f;
+        rt.grad_ready(h[i]);
+      }
+      rt.wait();
+    }
+  };
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    auto& d = data[std::size_t(r)];
+    for (std::size_t i = 0; i < d.size(); ++i) d[i] = 0.01f * float(i % 17);
+    Config cfg;
+    cfg.zero.stage = ZeroStage::gradients;
+    cfg.zero.overlap = Overlap::interleaved;
+    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
+    Runtime rt(world->communicator(r), cfg);
+    std::vector<Param> h;
+    for (std::size_t i = 0; i < P; ++i)
+      h.push_back(rt.register_param({"p" + std::to_string(i), {std::int64_t(numel)}, DType::f32, Device::cpu(), d.data() + i * numel}));
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::adamw;
+    oc.lr = 0.01f;
+    rt.configure_optimizer(oc);
+    train(rt, h, r, 3);
+    rt.save_sharded_checkpoint_async(s / "async");
+    at_save[std::size_t(r)] = d;
+    train(rt, h, r, 3);  // the parameters move on while the files are written
+    if (r == 0) index_before_wait = fs::exists(s / "async/index.json");
+    rt.wait_checkpoint();
+  }));
+  CHECK_FALSE(index_before_wait);
+  REQUIRE(fs::exists(s / "async/index.json"));
+  // Read back at world 1: the parameters as they were when the save was called.
+  std::vector<float> loaded(P * numel, 0.0f);
+  Runtime one(InProcessWorld::create(1)->communicator(0), Config{});
+  for (std::size_t i = 0; i < P; ++i)
+    one.register_param({"p" + std::to_string(i), {std::int64_t(numel)}, DType::f32, Device::cpu(), loaded.data() + i * numel});
+  one.load_checkpoint(s / "async");
+  CHECK(loaded == at_save[0]);
+  CHECK(loaded != data[0]);
 }

@@ -169,8 +169,11 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
     end_step(sh, rank, comm, rt, step, loss, t0, local_losses, last_global);
     const int done = first_step + step + 1;
     if (opt.checkpoint_dir && ((opt.checkpoint_every > 0 && done % opt.checkpoint_every == 0) || step + 1 == opt.steps))
-      opt.sharded_checkpoint ? rt.save_sharded_checkpoint(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir));
+      // Sharded: the files are written while training goes on, and waited for at the next save
+      // (save_sharded_checkpoint_async waits for the one before) or after the last step.
+      opt.sharded_checkpoint ? rt.save_sharded_checkpoint_async(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir));
   }
+  rt.wait_checkpoint();
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
     if (opt.world_size > 1 && opt.loss_every > 1 && !local_losses.empty()) global_loss(opt, comm, rt, local_losses.data(), local_losses.size());

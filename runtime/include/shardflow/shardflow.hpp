@@ -220,6 +220,12 @@ class Runtime {
   // gathers anything (Note [Sharded checkpoints]). The index is written last: a crash mid-save
   // leaves the previous checkpoint in `dir` loadable.
   void save_sharded_checkpoint(const std::string& dir);
+  // The same, blocking training only while each rank copies its slices to a staging buffer; the
+  // files are written in the background. wait_checkpoint() (a collective, called by every rank
+  // before the next save or when the trainer wants the checkpoint on disk) waits for them and
+  // writes the index; until then the previous checkpoint in `dir` is the loadable one.
+  void save_sharded_checkpoint_async(const std::string& dir);
+  void wait_checkpoint();
   // Loads a consolidated file, a state dict of parameters alone, or a sharded checkpoint (its
   // directory or index.json), at any world size, stage and partition: each rank reads the
   // parameters and the state of the pieces it owns. Between iterations, after
@@ -240,6 +246,7 @@ class Runtime {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   void load_sharded_checkpoint(const std::string& index_path);
+  void finish_sharded_checkpoint(const std::string& dir, std::uint32_t id, const std::string& failure, std::size_t slices);
 };
 
 }  // namespace shardflow
