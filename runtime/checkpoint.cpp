@@ -14,7 +14,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <boost/crc.hpp>
+#include <zlib.h>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -84,9 +84,15 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
 }
 
 std::uint32_t crc32(const void* data, std::size_t n) {
-  boost::crc_32_type crc;
-  crc.process_bytes(data, n);
-  return crc.checksum();
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  const auto* p = static_cast<const Bytef*>(data);
+  while (n > 0) {  // zlib takes 32-bit lengths
+    const auto chunk = uInt(std::min<std::size_t>(n, std::size_t(1) << 30));
+    crc = ::crc32(crc, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return std::uint32_t(crc);
 }
 
 void write_file_atomically(const std::string& path, const std::string& content) {

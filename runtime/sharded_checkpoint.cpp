@@ -94,12 +94,13 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto pending = std::make_unique<Impl::PendingSave>();
   pending->dir = dir;
   pending->id = id;
-  // The staging copy: every owned slice of the parameters and of each state slot, with its
-  // checksum. Training may go on once it is taken.
+  // The staging copy: every owned slice of the parameters and of each state slot. Training may
+  // go on once it is taken; the checksums are the writer's work (save_async blocks only for the
+  // copy: bench_checkpoint measured 0.29 s with them computed here against 0.014 s for a memcpy).
   struct Staged {
     std::vector<SafetensorsWriter::Entry> entries;
     std::vector<std::pair<std::size_t, std::size_t>> where;  // (offset into bytes, length) per entry
-    std::vector<std::byte> bytes;
+    std::unique_ptr<std::byte[]> bytes;                       // not zeroed: every byte is copied into
     std::map<std::string, std::string> meta;
   };
   auto staged = std::make_shared<Staged>();
@@ -113,18 +114,14 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
       for (std::size_t s = 0; s < slots; ++s)
         if (!slot_name(params, *shard, *I.groups, I.cfg, sl.param, s).empty()) total += sl.length * 4;
     }
-    staged->bytes.resize(total);
-    nlohmann::json crcs = nlohmann::json::object();
+    staged->bytes.reset(new std::byte[std::max<std::size_t>(total, 1)]);
     std::size_t used = 0;
     auto add = [&](std::string name, const char* dtype, std::size_t len, std::size_t bytes, auto fill) {
-      std::byte* to = staged->bytes.data() + used;
-      fill(to);
-      crcs[name] = crc32(to, bytes);
+      fill(staged->bytes.get() + used);
       staged->entries.push_back({std::move(name), dtype, {std::int64_t(len)}});
       staged->where.emplace_back(used, bytes);
       used += bytes;
     };
-    std::vector<float> window;
     for (const auto& sl : mine) {
       const auto& p = params[sl.param];
       const std::size_t es = dtype_size(p.dtype);
@@ -134,16 +131,13 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
         const auto name = slot_name(params, *shard, *I.groups, I.cfg, sl.param, s);
         if (name.empty()) continue;
         add(slice_name(state_key(p.name, name), sl.offset), "F32", sl.length, sl.length * 4, [&](std::byte* to) {
-          window.resize(sl.length);
-          shard->export_state(s, at.base[sl.param] + sl.offset, window);
-          std::memcpy(to, window.data(), sl.length * 4);
+          shard->export_state(s, at.base[sl.param] + sl.offset, reinterpret_cast<float*>(to), sl.length);
         });
       }
     }
     staged->meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
     staged->meta["shardflow.sharded"] = "1";
     staged->meta["shardflow.rank"] = std::to_string(I.rank);
-    staged->meta["shardflow.crc32"] = crcs.dump();
   } catch (const std::exception& e) {
     pending->failure = e.what();
   }
@@ -151,9 +145,13 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     const std::string path = dir + "/" + file_name(id, I.rank, I.world);
     pending->writer = std::thread([staged, path, out = pending.get()] {
       try {
+        nlohmann::json crcs = nlohmann::json::object();
+        for (std::size_t e = 0; e < staged->entries.size(); ++e)
+          crcs[staged->entries[e].name] = crc32(staged->bytes.get() + staged->where[e].first, staged->where[e].second);
+        staged->meta["shardflow.crc32"] = crcs.dump();
         SafetensorsWriter file(path, staged->entries, staged->meta);
         for (std::size_t e = 0; e < staged->entries.size(); ++e)
-          file.write(staged->entries[e].name, 0, staged->bytes.data() + staged->where[e].first, staged->where[e].second);
+          file.write(staged->entries[e].name, 0, staged->bytes.get() + staged->where[e].first, staged->where[e].second);
         file.commit();
       } catch (const std::exception& e) {
         out->failure = e.what();

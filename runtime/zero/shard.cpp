@@ -224,13 +224,13 @@ void for_window(const ShardPlan& sp, const std::vector<std::size_t>& param_base,
   }
 }
 
-void Shard::export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const {
-  std::fill(out.begin(), out.end(), 0.0f);
+void Shard::export_state(std::size_t slot, std::size_t begin, float* out, std::size_t n) const {
+  std::fill(out, out + n, 0.0f);
   const auto& src = slot_buffers(slot);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     if (src[b].empty()) continue;
-    for_window(shard_, param_base_, b, begin, out.size(), [&](std::size_t packed, std::size_t window, std::size_t len) {
-      ops_->download(out.data() + window, src[b].data() + packed, len * sizeof(float));
+    for_window(shard_, param_base_, b, begin, n, [&](std::size_t packed, std::size_t window, std::size_t len) {
+      ops_->download(out + window, src[b].data() + packed, len * sizeof(float));
     });
   }
 }

@@ -106,7 +106,8 @@ class Shard {
   std::size_t migrate_slots() const;    // state slots, plus the fp32 master weights of 16-bit params
   // Elements [begin, begin + out.size()) of slot `slot` in parameter coordinates (a window, so a
   // migration needs no full-size copy of the state).
-  void export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const;
+  void export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const { export_state(slot, begin, out.data(), out.size()); }
+  void export_state(std::size_t slot, std::size_t begin, float* out, std::size_t n) const;
   // The window exported last is not read again: its memory may go before the whole slot does.
   void discard_state(std::size_t slot, std::size_t begin, std::size_t n);
   void import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in);
