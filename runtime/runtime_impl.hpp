@@ -140,6 +140,7 @@ struct Runtime::Impl {
   struct PendingSave {
     std::string dir;
     std::uint32_t id = 0;
+    std::string index;  // rank 0: the index as of the save
     std::thread writer;
     std::string failure;
     std::size_t slices = 0;

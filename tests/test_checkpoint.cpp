@@ -322,6 +322,8 @@ TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are w
   }));
   CHECK_FALSE(index_before_wait);
   REQUIRE(fs::exists(s / "async/index.json"));
+  // The step count of the save, not of the wait (3 more steps ran in between).
+  CHECK(nlohmann::json::parse(std::ifstream(s / "async/index.json")).at("steps") == 3);
   // Read back at world 1: the parameters as they were when the save was called.
   std::vector<float> loaded(P * numel, 0.0f);
   Runtime one(InProcessWorld::create(1)->communicator(0), Config{});

@@ -306,3 +306,35 @@ TEST_CASE("launch environment: torchrun, Slurm and Open MPI variables; malformed
                          doctest::Contains("MASTER_ADDR is not set"), UsageError);
   }
 }
+
+TEST_CASE("killed in the middle of a sharded save (its shards written, its index not): the previous checkpoint loads, at another world size") {
+  const auto dir = std::filesystem::temp_directory_path() / ("sf_kill_save_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto env = no_launch_env();
+  env["SHARDFLOW_TEST_KILL_BEFORE_INDEX"] = "2";  // the save after step 4 dies; the one after step 2 stands
+  Child job({kTrainer, "--sizes", "24,40,6", "--steps", "6", "--global-batch", "12", "--world-size", "2", "--zero-stage", "2",
+             "--optimizer", "adamw", "--save-checkpoint", dir.string(), "--sharded-checkpoint", "--every", "2"},
+            env);
+  const auto st = job.wait(60s);
+  INFO(job.output());
+  REQUIRE(test::failed(st));
+  REQUIRE(std::filesystem::exists(dir / "index.json"));
+  const auto index = nlohmann::json::parse(std::ifstream(dir / "index.json"));
+  CHECK(index.at("steps") == 2);
+  // The dead save's files lie beside the ones the index names; they are not used.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files += e.path().extension() == ".safetensors";
+  CHECK(files == 4);
+  Child resumed({kTrainer, "--sizes", "24,40,6", "--steps", "2", "--global-batch", "12", "--world-size", "3", "--zero-stage", "1",
+                 "--optimizer", "adamw", "--resume", dir.string()},
+                [] {
+                  auto e = no_launch_env();
+                  e["SHARDFLOW_LOG_LEVEL"] = "info";  // the load's log line says how many steps it restored
+                  return e;
+                }());
+  const auto rs = resumed.wait(60s);
+  INFO(resumed.output());
+  CHECK_FALSE(test::failed(rs));
+  CHECK(resumed.output().find("2 optimizer step(s)") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}

@@ -246,7 +246,7 @@ class Runtime {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   void load_sharded_checkpoint(const std::string& index_path);
-  void finish_sharded_checkpoint(const std::string& dir, std::uint32_t id, const std::string& failure, std::size_t slices);
+  void finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& failure, std::size_t slices);
 };
 
 }  // namespace shardflow
