@@ -14,7 +14,6 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <zlib.h>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -81,18 +80,6 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
                       {"weight_decay", h.effective_weight_decay()}});
   meta["shardflow.param_groups"] = groups.dump();
   return meta;
-}
-
-std::uint32_t crc32(const void* data, std::size_t n) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  const auto* p = static_cast<const Bytef*>(data);
-  while (n > 0) {  // zlib takes 32-bit lengths
-    const auto chunk = uInt(std::min<std::size_t>(n, std::size_t(1) << 30));
-    crc = ::crc32(crc, p, chunk);
-    p += chunk;
-    n -= chunk;
-  }
-  return std::uint32_t(crc);
 }
 
 void write_file_atomically(const std::string& path, const std::string& content) {
@@ -163,7 +150,8 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
       for (std::size_t s = 0; s < slots; ++s)
         for (std::uint32_t p = 0; p < params.size(); ++p)
           if (const auto n = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !n.empty()) entries.push_back({state_key(params[p].name, n), "F32", params[p].shape});
-      out = std::make_unique<SafetensorsWriter>(path, entries, optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get()));
+      out = std::make_unique<SafetensorsWriter>(path, entries, optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get()),
+                                                /*checksums=*/true);
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -221,6 +209,22 @@ void Runtime::load_checkpoint(const std::string& path) {
   const auto file = read_safetensors_index(path);
   const auto& params = I.registry.params();
   auto where = [&](const std::string& tensor) { return "checkpoint '" + path + "', tensor '" + tensor + "'"; };
+  // Each tensor is read front to back (the parameters whole, the state window by window): its
+  // CRC runs along and is checked once its last byte is in, when the file has checksums (files
+  // from elsewhere, torch's among them, have none).
+  const auto crcs = safetensors_checksums(file);
+  std::map<std::string, std::pair<std::uint32_t, std::uint64_t>> running;  // crc, bytes read in order
+  auto read = [&](const std::string& key, std::uint64_t offset, void* out, std::uint64_t n) {
+    file.read(key, offset, out, n);
+    const auto want = crcs.find(key);
+    if (want == crcs.end()) return;
+    auto& [crc, done] = running[key];
+    if (offset != done) throw Error(where(key) + ": read out of order (a bug in shardflow)");
+    crc = crc32_update(crc, out, n);
+    done += n;
+    if (done == file.tensors.at(key).bytes && crc != want->second)
+      throw UsageError(where(key) + ": checksum mismatch (the file is damaged)");
+  };
   const Coordinates at(params);
   const auto &base = at.base, &size = at.size;
   const std::size_t total = at.total;
@@ -233,7 +237,7 @@ void Runtime::load_checkpoint(const std::string& path) {
     if (it->second.dtype != safetensors_dtype(p.dtype))
       throw UsageError(where(p.name) + " is " + it->second.dtype + ", this run's parameter " + safetensors_dtype(p.dtype));
   }
-  for (std::uint32_t p = 0; p < params.size(); ++p) file.read(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
+  for (std::uint32_t p = 0; p < params.size(); ++p) read(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
   if (!I.shard) return;
 
   bool has_state = false;
@@ -254,7 +258,7 @@ void Runtime::load_checkpoint(const std::string& path) {
           if (it->second.dtype != "F32" || it->second.shape != params[p].shape)
             throw UsageError(where(key) + " is " + it->second.dtype + " " + shape_str(it->second.shape) + ", expected F32 " +
                              shape_str(params[p].shape));
-          file.read(key, at * 4, window.data() + w, n * 4);
+          read(key, at * 4, window.data() + w, n * 4);
         } else if (masters) {  // saved without masters: they start from the parameters just loaded
           kernels::convert_to_f32(params[p].dtype, window.data() + w,
                                   static_cast<const std::byte*>(params[p].data) + at * dtype_size(params[p].dtype), n);

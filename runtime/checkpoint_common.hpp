@@ -32,7 +32,6 @@ void check_cpu_params(const std::vector<ParamSpec>& params, const char* what);
 // The step count, the stage, the partition and the groups' hyper-parameters, as metadata.
 std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* groups);
 
-std::uint32_t crc32(const void* data, std::size_t n);
 
 // `content` under `path`, all or nothing: a temporary file, fsync, rename.
 void write_file_atomically(const std::string& path, const std::string& content);

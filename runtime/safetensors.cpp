@@ -5,10 +5,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <zlib.h>
 
 #include "runtime/safetensors_stream.hpp"
 #include "shardflow/errors.hpp"
@@ -138,11 +141,64 @@ TensorMap load_safetensors(const std::string& path) {
   return out;
 }
 
+std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t n) {
+  uLong c = crc;
+  const auto* p = static_cast<const Bytef*>(data);
+  while (n > 0) {  // zlib takes 32-bit lengths
+    const auto chunk = uInt(std::min<std::size_t>(n, std::size_t(1) << 30));
+    c = ::crc32(c, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return std::uint32_t(c);
+}
+
+namespace {
+
+// Note [Checksums in the header]
+// safetensors puts its header before the data, but a streamed writer knows a tensor's checksum
+// only after its last byte. So the header reserves the metadata value: a JSON object of every
+// tensor name -> "00000000", whose length does not change when the digits do; commit() writes
+// the real digits over it in place. Each tensor's CRC runs over its bytes as they are written in
+// order (every writer here writes a tensor front to back); one written out of order is read back.
+std::string checksum_value(const std::map<std::string, std::uint32_t>& crcs) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [name, crc] : crcs) {
+    char hex[9];
+    std::snprintf(hex, sizeof hex, "%08x", crc);
+    j[name] = hex;
+  }
+  return j.dump();
+}
+
+}  // namespace
+
+std::map<std::string, std::uint32_t> safetensors_checksums(const SafetensorsIndex& index) {
+  std::map<std::string, std::uint32_t> out;
+  const auto it = index.metadata.find(kChecksumKey);
+  if (it == index.metadata.end()) return out;
+  try {
+    const auto j = nlohmann::json::parse(it->second);
+    for (auto e = j.begin(); e != j.end(); ++e) out[e.key()] = std::uint32_t(std::stoul(e.value().get<std::string>(), nullptr, 16));
+  } catch (const std::exception& e) {
+    throw Error("safetensors: '" + index.path + "': malformed checksums in its metadata: " + e.what());
+  }
+  return out;
+}
+
 SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Entry>& tensors,
-                                     const std::map<std::string, std::string>& metadata)
-    : path_(std::move(path)), tmp_(path_ + ".tmp." + std::to_string(::getpid())) {
+                                     const std::map<std::string, std::string>& metadata, bool checksums)
+    : path_(std::move(path)), tmp_(path_ + ".tmp." + std::to_string(::getpid())), checksums_(checksums) {
   nlohmann::ordered_json j;
-  if (!metadata.empty()) j["__metadata__"] = metadata;
+  std::string reserved;
+  auto meta = metadata;
+  if (checksums_) {
+    std::map<std::string, std::uint32_t> zeros;
+    for (const auto& t : tensors) zeros[t.name] = 0;
+    reserved = checksum_value(zeros);
+    meta[kChecksumKey] = reserved;
+  }
+  if (!meta.empty()) j["__metadata__"] = meta;
   std::uint64_t offset = 0;
   for (const auto& t : tensors) {
     const std::uint64_t bytes = std::uint64_t(numel(t.shape)) * safetensors_element_size(t.dtype);
@@ -153,8 +209,15 @@ SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Entry>&
   }
   std::string header = j.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
+  if (checksums_) {
+    const std::string encoded = nlohmann::json(reserved).dump();  // as it stands in the header
+    const auto at = header.find(encoded);
+    if (at == std::string::npos) throw Error("safetensors: '" + path_ + "': the checksums' place in the header was not found");
+    checksum_at_ = 8 + at;
+    checksum_len_ = encoded.size();
+  }
   for (auto& [name, w] : where_) w.first += 8 + header.size();
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  fd_ = ::open(tmp_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);  // read back for checksums
   if (fd_ < 0) throw Error("safetensors: cannot write '" + tmp_ + "': " + std::strerror(errno));
   std::string head(8, '\0');
   for (int i = 0; i < 8; ++i) head[std::size_t(i)] = char(std::uint8_t(std::uint64_t(header.size()) >> (8 * i)));
@@ -176,9 +239,41 @@ void SafetensorsWriter::write(const std::string& name, std::uint64_t offset, con
   if (it == where_.end() || offset + n > it->second.second)
     throw UsageError("safetensors: writing past tensor '" + name + "' of '" + path_ + "'");
   write_all(fd_, data, n, it->second.first + offset, tmp_);
+  if (checksums_) {
+    auto& r = running_[name];
+    if (offset == r.written) {
+      r.crc = crc32_update(r.crc, data, n);
+      r.written += n;
+    } else {
+      r.written = ~std::uint64_t(0);  // out of order: read back at commit
+    }
+  }
 }
 
 void SafetensorsWriter::commit() {
+  if (checksums_) {
+    std::map<std::string, std::uint32_t> crcs;
+    std::vector<char> buf;
+    for (const auto& [name, w] : where_) {
+      const auto r = running_.find(name);
+      if (r != running_.end() && r->second.written == w.second) {
+        crcs[name] = r->second.crc;
+        continue;
+      }
+      std::uint32_t crc = 0;  // written out of order, in part or not at all (zeros): read it back
+      constexpr std::uint64_t kPiece = 1 << 22;
+      for (std::uint64_t done = 0; done < w.second; done += kPiece) {
+        buf.resize(std::min(kPiece, w.second - done));
+        if (::pread(fd_, buf.data(), buf.size(), off_t(w.first + done)) != ssize_t(buf.size()))
+          throw Error("safetensors: cannot read back '" + tmp_ + "': " + std::strerror(errno));
+        crc = crc32_update(crc, buf.data(), buf.size());
+      }
+      crcs[name] = crc;
+    }
+    const std::string encoded = nlohmann::json(checksum_value(crcs)).dump();
+    if (encoded.size() != checksum_len_) throw Error("safetensors: '" + path_ + "': the checksums changed length");
+    write_all(fd_, encoded.data(), encoded.size(), checksum_at_, tmp_);
+  }
   if (::fsync(fd_) != 0) throw Error("safetensors: fsync of '" + tmp_ + "' failed: " + std::strerror(errno));
   ::close(fd_);
   fd_ = -1;

@@ -15,6 +15,14 @@ namespace shardflow {
 
 std::size_t safetensors_element_size(const std::string& dtype);  // 0: unknown
 
+// CRC-32 (zlib's polynomial) of n bytes, continuing from `crc` (0 to start).
+std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t n);
+
+// Checkpoint files carry each tensor's CRC-32 in their metadata under this key: a JSON object of
+// tensor name -> 8 hex digits (Note [Checksums in the header]).
+inline constexpr const char* kChecksumKey = "shardflow.crc32";
+
+
 struct SafetensorsIndex {
   struct Entry {
     std::string dtype;
@@ -29,6 +37,8 @@ struct SafetensorsIndex {
 };
 // Error naming the file (and the tensor) when it is missing, truncated or malformed.
 SafetensorsIndex read_safetensors_index(const std::string& path);
+// The checksums of `index` (empty if it has none); Error naming the file if malformed.
+std::map<std::string, std::uint32_t> safetensors_checksums(const SafetensorsIndex& index);
 
 class SafetensorsWriter {
  public:
@@ -37,7 +47,9 @@ class SafetensorsWriter {
     Shape shape;
   };
   // Writes the header to `path`.tmp.<pid>; nothing appears under `path` before commit().
-  SafetensorsWriter(std::string path, const std::vector<Entry>& tensors, const std::map<std::string, std::string>& metadata);
+  // `checksums`: each tensor's CRC-32 goes into the metadata under kChecksumKey at commit().
+  SafetensorsWriter(std::string path, const std::vector<Entry>& tensors, const std::map<std::string, std::string>& metadata,
+                    bool checksums = false);
   ~SafetensorsWriter();  // not committed: the temporary file goes
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
@@ -49,6 +61,16 @@ class SafetensorsWriter {
   std::string path_, tmp_;
   int fd_ = -1;
   std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> where_;  // begin, bytes
+  // Checksums: each tensor's CRC over the bytes written in order so far (`written`), and where in
+  // the file the reserved metadata value lies.
+  struct Running {
+    std::uint32_t crc = 0;
+    std::uint64_t written = 0;
+  };
+  std::map<std::string, Running> running_;
+  bool checksums_ = false;
+  std::uint64_t checksum_at_ = 0;
+  std::size_t checksum_len_ = 0;
 };
 
 }  // namespace shardflow

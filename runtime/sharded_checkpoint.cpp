@@ -3,7 +3,7 @@
 // [Owned pieces]; stage 0 and runs without the runtime's optimizer: rank 0 owns everything), the
 // parameter's slice and the optimizer state's slices, in parameter coordinates, into a
 // safetensors file of its own: tensors "<param>@<offset>" and "optim.<param>.<slot>@<offset>",
-// each slice's CRC-32 in the file's metadata. Rank 0 knows every rank's pieces (the plan is the
+// each slice's CRC-32 in the file's metadata (Note [Checksums in the header]). Rank 0 knows every rank's pieces (the plan is the
 // same everywhere), so it writes the index without gathering anything: world size, stage,
 // partition, bucket plan, step count, groups, and every slice with the rank whose file holds it.
 // A save's files carry a name of their own (rank 0's id for the save), and the index is replaced
@@ -181,11 +181,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     const std::string path = dir + "/" + file_name(id, I.rank, I.world);
     pending->writer = std::thread([staged, path, out = pending.get()] {
       try {
-        nlohmann::json crcs = nlohmann::json::object();
-        for (std::size_t e = 0; e < staged->entries.size(); ++e)
-          crcs[staged->entries[e].name] = crc32(staged->bytes.get() + staged->where[e].first, staged->where[e].second);
-        staged->meta["shardflow.crc32"] = crcs.dump();
-        SafetensorsWriter file(path, staged->entries, staged->meta);
+        SafetensorsWriter file(path, staged->entries, staged->meta, /*checksums=*/true);
         for (std::size_t e = 0; e < staged->entries.size(); ++e)
           file.write(staged->entries[e].name, 0, staged->bytes.get() + staged->where[e].first, staged->where[e].second);
         file.commit();
@@ -289,7 +285,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {
     const auto files = j.at("files").get<std::vector<std::string>>();
     struct Open {
       SafetensorsIndex index;
-      nlohmann::json crcs;
+      std::map<std::string, std::uint32_t> crcs;
     };
     std::map<int, Open> opened;
     // Reads a whole slice tensor from rank r's file and checks its checksum.
@@ -299,9 +295,8 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {
       auto it = opened.find(r);
       if (it == opened.end()) {
         Open o{read_safetensors_index(dir + "/" + files[std::size_t(r)]), {}};
-        const auto c = o.index.metadata.find("shardflow.crc32");
-        if (c == o.index.metadata.end()) throw UsageError("checkpoint shard '" + o.index.path + "' has no checksums in its metadata");
-        o.crcs = nlohmann::json::parse(c->second);
+        o.crcs = safetensors_checksums(o.index);
+        if (o.crcs.empty()) throw UsageError("checkpoint shard '" + o.index.path + "' has no checksums in its metadata");
         it = opened.emplace(r, std::move(o)).first;
       }
       const auto& f = it->second;
@@ -311,7 +306,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {
         throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "' holds " + std::to_string(e->second.bytes) +
                          " bytes, the index says " + std::to_string(bytes));
       f.index.read(tensor, 0, out, bytes);
-      if (!f.crcs.contains(tensor) || f.crcs.at(tensor).get<std::uint32_t>() != crc32(out, bytes))
+      if (!f.crcs.count(tensor) || f.crcs.at(tensor) != crc32_update(0, out, bytes))
         throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "': checksum mismatch (the file is damaged)");
     };
     const Coordinates at(params);

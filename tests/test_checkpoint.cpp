@@ -121,7 +121,7 @@ TEST_CASE("save at world 4 stage 2 flat; resume at world 2 stage 1 param and at 
   }
 }
 
-TEST_CASE("bad checkpoints: another model, another optimizer, a truncated file, a missing file — each named, nothing trained") {
+TEST_CASE("bad checkpoints: another model, another optimizer, a truncated file, a flipped byte, a missing file — each named, nothing trained") {
   Scratch s;
   const auto file = train_and_save(base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd), 2, s / "sgd");
   auto refused = [&](mlp::TrainOptions q, const std::string& what) {
@@ -145,6 +145,23 @@ TEST_CASE("bad checkpoints: another model, another optimizer, a truncated file, 
     auto q = base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd);
     q.resume_dir = s / "cut";
     refused(q, "checkpoint.safetensors");
+  }
+  {
+    // A byte of the data flipped: the header parses, the tensor's checksum does not match.
+    fs::create_directories(s / "flipped");
+    const auto copy = mlp::checkpoint_file(s / "flipped");
+    fs::copy_file(file, copy);
+    std::fstream io(copy, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(-5, std::ios::end);
+    char b = 0;
+    io.read(&b, 1);
+    b = char(b ^ 0x01);
+    io.seekp(-5, std::ios::end);
+    io.write(&b, 1);
+    io.close();
+    auto q = base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd);
+    q.resume_dir = s / "flipped";
+    refused(q, "checksum mismatch");
   }
   auto missing = base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd);
   missing.resume_dir = s / "nowhere";
