@@ -156,17 +156,7 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
       failure = e.what();
     }
   float ok = failure.empty() ? 1.0f : 0.0f;
-  auto agree = [&](const char* tag) {  // the recipient's verdict, on every rank
-    if (I.world == 1) return;
-    CollectiveOp op;
-    op.kind = CollectiveKind::broadcast;
-    op.send = op.recv = &ok;
-    op.count = 1;
-    op.root = recipient;
-    op.tag = tag;
-    I.collectives->record(op);
-    I.comm->run(op, I.cfg.timeouts.collective);
-  };
+  auto agree = [&](const char* tag) { I.control_collective(CollectiveKind::broadcast, &ok, 1, tag, recipient); };  // the recipient's verdict
   agree("checkpoint: recipient ready");
   if (ok != 1.0f)
     throw Error(me ? "save_checkpoint: " + failure

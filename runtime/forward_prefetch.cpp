@@ -32,16 +32,7 @@ void Runtime::Impl::establish_sync_order() {
   const std::size_t B = plan.buckets.size();
   order = complete_forward_order(std::move(order), B);
   order.push_back(std::uint32_t(early));  // rank 0's choice travels with its order
-  if (world > 1) {
-    CollectiveOp op;
-    op.kind = CollectiveKind::broadcast;
-    op.dtype = DType::f32;  // 32-bit words copied as they are
-    op.send = op.recv = order.data();
-    op.count = order.size();
-    op.tag = "forward order";
-    collectives->record(op);
-    comm->run(op, cfg.timeouts.collective);
-  }
+  control_collective(CollectiveKind::broadcast, order.data(), order.size(), "forward order");
   prefetch_early = std::min<std::size_t>(order.back(), B);
   order.pop_back();
   sync_order = prefetch_sync_order(order, prefetch_early);

@@ -21,16 +21,7 @@ void Runtime::Impl::choose_interleave_lag() {
   const std::size_t max_lag = bufs->pooled() ? std::max<std::size_t>(1, caps.grads_in_flight) : 64;
   std::uint32_t lag = std::uint32_t(shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0,
                                                                      B ? open.sync_ms / double(B) : 0, open.step_chain_ms, max_lag));
-  if (world > 1) {  // rank 0's choice, so that every rank issues the same order
-    CollectiveOp op;
-    op.kind = CollectiveKind::broadcast;
-    op.dtype = DType::f32;  // a 32-bit word copied as it is
-    op.send = op.recv = &lag;
-    op.count = 1;
-    op.tag = "interleave lag";
-    collectives->record(op);
-    comm->run(op, cfg.timeouts.collective);
-  }
+  control_collective(CollectiveKind::broadcast, &lag, 1, "interleave lag");  // rank 0's choice: every rank issues the same order
   log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}", lag,
             lag ? " (the step and its hops take longer than the gradients leave between reductions)" : "");
   if (lag == interleave_lag) return;

@@ -224,6 +224,11 @@ struct Runtime::Impl {
   // windows of kStateWindow elements (16 MiB of fp32).
   static constexpr std::size_t kStateWindow = std::size_t{4} << 20;
   void state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what, bool discard);
+  // A small collective of the runtime's own between iterations (a choice rank `root` made, a
+  // verdict every rank hears), issued and waited for on the calling thread, recorded like the
+  // rest. `words`: 32-bit words, summed as f32 by an all-reduce, copied as they are by a
+  // broadcast. Nothing at world 1.
+  void control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root = 0);
 
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
   std::vector<ScheduledCollective> build_schedule() const;

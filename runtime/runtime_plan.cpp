@@ -121,6 +121,19 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   to.set_steps(from.steps());
 }
 
+void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
+  if (world == 1) return;
+  CollectiveOp op;
+  op.kind = kind;
+  op.dtype = DType::f32;
+  op.send = op.recv = words;
+  op.count = count;
+  op.root = root;
+  op.tag = tag;
+  collectives->record(op);
+  comm->run(op, cfg.timeouts.collective);
+}
+
 void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what,
                                  bool discard) {
   from.export_state(slot, begin, window);
@@ -184,19 +197,8 @@ void Runtime::Impl::stop_actors() {
 
 void Runtime::Impl::rebuild_from_observed_order() {
   std::vector<std::uint32_t> observed(order.begin(), order.begin() + registry.size());
-  if (world > 1) {
-    // Rank 0's order wins, so every rank builds the same buckets.
-    CollectiveOp op;
-    op.kind = CollectiveKind::broadcast;
-    op.dtype = DType::f32;  // 32-bit words copied as they are
-    op.send = observed.data();
-    op.recv = observed.data();
-    op.count = observed.size();
-    op.root = 0;
-    op.tag = "rebuild buckets: ready order";
-    collectives->record(op);
-    comm->run(op, cfg.timeouts.collective);
-  }
+  // Rank 0's order wins, so every rank builds the same buckets.
+  control_collective(CollectiveKind::broadcast, observed.data(), observed.size(), "rebuild buckets: ready order");
   auto next = make_plan(observed);
   rebuilt = true;
   if (same_layout(plan, next)) return;

@@ -84,16 +84,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   const std::size_t slots = shard ? shard->migrate_slots() : 0;
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
   std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
-  if (I.world > 1) {
-    CollectiveOp op;
-    op.kind = CollectiveKind::broadcast;
-    op.dtype = DType::f32;  // a 32-bit word copied as it is
-    op.send = op.recv = &id;
-    op.count = 1;
-    op.tag = "sharded checkpoint: save id";
-    I.collectives->record(op);
-    I.comm->run(op, I.cfg.timeouts.collective);
-  }
+  I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
   auto pending = std::make_unique<Impl::PendingSave>();
   pending->dir = dir;
   pending->id = id;
@@ -203,18 +194,8 @@ void Runtime::wait_checkpoint() {
 
 void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& written, std::size_t slices) {
   auto& I = *impl_;
-  auto collective = [&](CollectiveKind kind, float& v, const char* tag) {
-    if (I.world == 1) return;
-    CollectiveOp op;
-    op.kind = kind;
-    op.send = op.recv = &v;
-    op.count = 1;
-    op.tag = tag;
-    I.collectives->record(op);
-    I.comm->run(op, I.cfg.timeouts.collective);
-  };
   float failed = written.empty() ? 0.0f : 1.0f;
-  collective(CollectiveKind::allreduce, failed, "sharded checkpoint: shards written");
+  I.control_collective(CollectiveKind::allreduce, &failed, 1, "sharded checkpoint: shards written");
   if (failed > 0)
     throw Error(written.empty() ? "save_sharded_checkpoint: " + std::to_string(int(failed)) + " rank(s) could not write their shard in '" +
                                       dir + "' (their errors say why); the previous checkpoint there is untouched"
@@ -241,7 +222,7 @@ void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::strin
       failure = e.what();
       index_ok = 0.0f;
     }
-  collective(CollectiveKind::broadcast, index_ok, "sharded checkpoint: index written");
+  I.control_collective(CollectiveKind::broadcast, &index_ok, 1, "sharded checkpoint: index written");
   if (index_ok != 1.0f)
     throw Error(I.rank == 0 ? "save_sharded_checkpoint: writing '" + dir + "/index.json': " + failure
                             : "save_sharded_checkpoint: rank 0 could not write '" + dir + "/index.json' (its error says why)");
