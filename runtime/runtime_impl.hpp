@@ -139,7 +139,6 @@ struct Runtime::Impl {
   // the ranks agree and rank 0 writes the index (Note [Sharded checkpoints]).
   struct PendingSave {
     std::string dir;
-    std::uint32_t id = 0;
     std::string index;  // rank 0: the index as of the save
     std::thread writer;
     std::string failure;

@@ -82,12 +82,17 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   const Coordinates at(params);
   const Shard* shard = I.shard.get();
   const std::size_t slots = shard ? shard->migrate_slots() : 0;
+  auto state_of = [&](std::uint32_t p) {  // (slot, checkpoint name) of each state parameter p has
+    std::vector<std::pair<std::size_t, std::string>> v;
+    for (std::size_t s = 0; s < slots; ++s)
+      if (auto n = slot_name(params, *shard, *I.groups, I.cfg, p, s); !n.empty()) v.emplace_back(s, std::move(n));
+    return v;
+  };
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
   std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
   auto pending = std::make_unique<Impl::PendingSave>();
   pending->dir = dir;
-  pending->id = id;
   // The index as of this save (rank 0), written by wait_checkpoint once every shard is on disk:
   // the step count and the plan are this moment's, whatever training does meanwhile.
   if (I.rank == 0) {
@@ -112,8 +117,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
       files.push_back(theirs.empty() ? "" : file_name(id, r, I.world));
       for (const auto& sl : theirs) {
         nlohmann::json state = nlohmann::json::array();
-        for (std::size_t s = 0; s < slots; ++s)
-          if (auto n = slot_name(params, *shard, *I.groups, I.cfg, sl.param, s); !n.empty()) state.push_back(n);
+        for (const auto& sn : state_of(sl.param)) state.push_back(sn.second);
         j["slices"].push_back({{"param", params[sl.param].name}, {"offset", sl.offset}, {"length", sl.length}, {"rank", r}, {"state", state}});
       }
     }
@@ -137,9 +141,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     fs::create_directories(dir);
     std::size_t total = 0;
     for (const auto& sl : mine) {
-      total += sl.length * dtype_size(params[sl.param].dtype);
-      for (std::size_t s = 0; s < slots; ++s)
-        if (!slot_name(params, *shard, *I.groups, I.cfg, sl.param, s).empty()) total += sl.length * 4;
+      total += sl.length * (dtype_size(params[sl.param].dtype) + 4 * state_of(sl.param).size());
     }
     staged->bytes.reset(new std::byte[std::max<std::size_t>(total, 1)]);
     std::size_t used = 0;
@@ -154,13 +156,10 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
       const std::size_t es = dtype_size(p.dtype);
       add(slice_name(p.name, sl.offset), safetensors_dtype(p.dtype), sl.length, sl.length * es,
           [&](std::byte* to) { std::memcpy(to, static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es); });
-      for (std::size_t s = 0; s < slots; ++s) {
-        const auto name = slot_name(params, *shard, *I.groups, I.cfg, sl.param, s);
-        if (name.empty()) continue;
-        add(slice_name(state_key(p.name, name), sl.offset), "F32", sl.length, sl.length * 4, [&](std::byte* to) {
+      for (const auto& [s, name] : state_of(sl.param))
+        add(slice_name(state_key(p.name, name), sl.offset), "F32", sl.length, sl.length * 4, [&, s = s](std::byte* to) {
           shard->export_state(s, at.base[sl.param] + sl.offset, reinterpret_cast<float*>(to), sl.length);
         });
-      }
     }
     staged->meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
     staged->meta["shardflow.sharded"] = "1";
