@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
       std::unique_ptr<char[]> to(new char[shard_bytes]);
       std::memcpy(to.get(), from[std::size_t(r)].data(), shard_bytes);
       copies[std::size_t(r)] = since(c0);
-      sink += to[shard_bytes / 2];  // the copy is used: not optimised away
+      sink = char(sink + to[shard_bytes / 2]);  // the copy is used: not optimised away
     });
     copy.push_back(*std::max_element(copies.begin(), copies.end()));
     // D: sharded load.

@@ -51,6 +51,11 @@ int main(int argc, char** argv) {
   app.add_option("--save-checkpoint", checkpoint_dir,
                  "write DIR/checkpoint.safetensors (parameters, optimizer state, step count) at the end and --every K steps");
   app.add_option("--every", every, "with --save-checkpoint: also every K steps (0: at the end only)")->capture_default_str();
+  double max_file_mb = 0;
+  app.add_option("--checkpoint-max-file-mb", max_file_mb,
+                 "with --save-checkpoint: split the file past this many MB (10^6 bytes) of tensors, beside "
+                 "DIR/checkpoint.safetensors.index.json (0: one file)")
+      ->capture_default_str();
   app.add_flag("--sharded-checkpoint", opt.sharded_checkpoint,
                "with --save-checkpoint: each rank writes its own shard file in DIR and rank 0 DIR/index.json (nothing gathered)");
   app.add_option("--resume", resume_dir,
@@ -127,6 +132,8 @@ int main(int argc, char** argv) {
     if (!checkpoint_dir.empty()) opt.checkpoint_dir = checkpoint_dir;
     if (!resume_dir.empty()) opt.resume_dir = resume_dir;
     opt.checkpoint_every = every;
+    if (max_file_mb < 0) throw UsageError("--checkpoint-max-file-mb must be >= 0, got " + std::to_string(max_file_mb));
+    opt.checkpoint_max_file_bytes = std::uint64_t(max_file_mb * 1e6);
     if (first_bucket_mb <= 0 || bucket_mb <= 0) throw UsageError("--first-bucket-mb and --bucket-mb must be positive");
     opt.runtime.buckets.first_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
     opt.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);

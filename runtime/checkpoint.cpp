@@ -82,30 +82,6 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
   return meta;
 }
 
-void write_file_atomically(const std::string& path, const std::string& content) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw Error("cannot create '" + tmp + "': " + std::strerror(errno));
-  std::size_t done = 0;
-  while (done < content.size()) {
-    const auto n = ::write(fd, content.data() + done, content.size() - done);
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw Error("cannot write '" + tmp + "': " + std::strerror(err));
-    }
-    done += std::size_t(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  if (!synced || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error("cannot write '" + path + "': " + std::strerror(err));
-  }
-}
-
 }  // namespace ckpt
 
 namespace {
@@ -124,7 +100,35 @@ void for_params_in(const std::vector<std::size_t>& base, const std::vector<std::
 
 }  // namespace
 
-void Runtime::save_checkpoint(const std::string& path, int recipient) {
+namespace {
+
+// A consolidated checkpoint's writer: one file, or (past max_file_bytes) files with an index.
+struct ConsolidatedOut {
+  std::unique_ptr<SafetensorsWriter> one;
+  std::unique_ptr<SafetensorsSplitWriter> split;
+  void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) {
+    one ? one->write(name, offset, data, n) : split->write(name, offset, data, n);
+  }
+};
+
+// The file left from a save of the other kind under the same name goes once this one is in
+// place: a split save's index and its files after a single-file save, the single file after a
+// split save (loading `path` or `path`.index.json must not find an older checkpoint).
+void remove_other_kind(const std::string& path, bool split) {
+  namespace fs = std::filesystem;
+  if (split) {
+    fs::remove(path);
+    return;
+  }
+  const auto index = path + ".index.json";
+  if (!fs::exists(index)) return;
+  for (const auto& f : safetensors_split_files(index)) fs::remove(f);
+  fs::remove(index);
+}
+
+}  // namespace
+
+void Runtime::save_checkpoint(const std::string& path, int recipient, std::uint64_t max_file_bytes) {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
@@ -142,7 +146,8 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
 
   // The recipient opens the file first and tells every rank whether it could: a rank that cannot
   // write must not leave the others waiting in the state's collectives.
-  std::unique_ptr<SafetensorsWriter> out;
+  std::unique_ptr<ConsolidatedOut> out;
+  bool split = false;
   std::string failure;
   if (me) try {
       std::vector<SafetensorsWriter::Entry> entries;
@@ -150,8 +155,15 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
       for (std::size_t s = 0; s < slots; ++s)
         for (std::uint32_t p = 0; p < params.size(); ++p)
           if (const auto n = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !n.empty()) entries.push_back({state_key(params[p].name, n), "F32", params[p].shape});
-      out = std::make_unique<SafetensorsWriter>(path, entries, optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get()),
-                                                /*checksums=*/true);
+      std::uint64_t bytes = 0;
+      for (const auto& e : entries) bytes += std::uint64_t(numel(e.shape)) * safetensors_element_size(e.dtype);
+      split = max_file_bytes > 0 && bytes > max_file_bytes;
+      const auto meta = optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get());
+      out = std::make_unique<ConsolidatedOut>();
+      if (split)
+        out->split = std::make_unique<SafetensorsSplitWriter>(path + ".index.json", entries, meta, max_file_bytes, /*checksums=*/true);
+      else
+        out->one = std::make_unique<SafetensorsWriter>(path, entries, meta, /*checksums=*/true);
     } catch (const std::exception& e) {
       failure = e.what();
     }
@@ -175,7 +187,14 @@ void Runtime::save_checkpoint(const std::string& path, int recipient) {
             out->write(state_key(params[p].name, name), at * 4, window.data() + w, n * 4);
         });
       }
-    if (me) out->commit();
+    if (me) {
+      out->one ? out->one->commit() : out->split->commit();
+      try {
+        remove_other_kind(path, split);
+      } catch (const std::exception& e) {  // the new checkpoint stands; what is left is only clutter
+        I.log->warn("checkpoint '{}' written, but removing the earlier one of the other layout failed: {}", path, e.what());
+      }
+    }
   } catch (const std::exception& e) {
     if (!me) throw;
     failure = e.what();
@@ -193,10 +212,12 @@ void Runtime::load_checkpoint(const std::string& path) {
   I.throw_if_failed();
   if (I.in_pass()) throw UsageError("load_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
   check_cpu_params(I.registry.params(), "load_checkpoint");
+  auto ends_with = [&](const char* s) { const std::size_t n = std::strlen(s); return path.size() >= n && path.compare(path.size() - n, n, s) == 0; };
+  const bool split = ends_with(".safetensors.index.json");
   if (std::filesystem::is_directory(path)) return load_sharded_checkpoint(path + "/index.json");
-  if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0) return load_sharded_checkpoint(path);
+  if (!split && ends_with(".json")) return load_sharded_checkpoint(path);
   wait_all_params();
-  const auto file = read_safetensors_index(path);
+  const auto file = split ? read_safetensors_split(path) : read_safetensors_index(path);
   const auto& params = I.registry.params();
   auto where = [&](const std::string& tensor) { return "checkpoint '" + path + "', tensor '" + tensor + "'"; };
   // Each tensor is read front to back (the parameters whole, the state window by window): its

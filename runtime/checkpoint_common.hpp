@@ -33,7 +33,4 @@ void check_cpu_params(const std::vector<ParamSpec>& params, const char* what);
 std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* groups);
 
 
-// `content` under `path`, all or nothing: a temporary file, fsync, rename.
-void write_file_atomically(const std::string& path, const std::string& content);
-
 }  // namespace shardflow::ckpt

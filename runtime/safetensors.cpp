@@ -112,6 +112,7 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
 
 void SafetensorsIndex::read(const std::string& name, std::uint64_t offset, void* out, std::uint64_t n) const {
   const auto& e = tensors.at(name);
+  const std::string& path = e.file.empty() ? this->path : e.file;
   if (offset + n > e.bytes) throw Error("safetensors: '" + path + "', tensor '" + name + "': read past its data");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error("safetensors: cannot open '" + path + "': " + std::strerror(errno));

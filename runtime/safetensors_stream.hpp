@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,7 @@ struct SafetensorsIndex {
     std::string dtype;
     Shape shape;
     std::uint64_t begin = 0, bytes = 0;  // absolute file offset of its data, and its length
+    std::string file;                    // the file holding it, when not `path` (a split checkpoint)
   };
   std::string path;
   std::map<std::string, Entry> tensors;
@@ -37,8 +39,24 @@ struct SafetensorsIndex {
 };
 // Error naming the file (and the tensor) when it is missing, truncated or malformed.
 SafetensorsIndex read_safetensors_index(const std::string& path);
+// A checkpoint split over several files, as people lay out large safetensors: `index_json`
+// (<name>.safetensors.index.json: {"metadata": {...}, "weight_map": {tensor: file}}) and the
+// files it names, beside it, as one index. Error naming the file for a missing or short one, or a
+// tensor its file does not hold.
+SafetensorsIndex read_safetensors_split(const std::string& index_json);
+// The files a split checkpoint's index names (paths beside it), without opening them.
+std::vector<std::string> safetensors_split_files(const std::string& index_json);
+
+// `content` under `path`, all or nothing: a temporary file, fsync, rename.
+void write_file_atomically(const std::string& path, const std::string& content);
 // The checksums of `index` (empty if it has none); Error naming the file if malformed.
 std::map<std::string, std::uint32_t> safetensors_checksums(const SafetensorsIndex& index);
+
+// The writing side of read_safetensors_split: the tensors, in order, in files of at most
+// `max_file_bytes` of data (a larger tensor alone in one) named <stem>-<id>-0000i-of-0000N.safetensors
+// beside `index_json`, which commit() writes last (temporary file, fsync, rename), then removing
+// the files of earlier saves the index no longer names. A crash before leaves the earlier save.
+class SafetensorsSplitWriter;
 
 class SafetensorsWriter {
  public:
@@ -71,6 +89,22 @@ class SafetensorsWriter {
   bool checksums_ = false;
   std::uint64_t checksum_at_ = 0;
   std::size_t checksum_len_ = 0;
+};
+
+class SafetensorsSplitWriter {
+ public:
+  SafetensorsSplitWriter(std::string index_json, const std::vector<SafetensorsWriter::Entry>& tensors,
+                         const std::map<std::string, std::string>& metadata, std::uint64_t max_file_bytes, bool checksums);
+  void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n);
+  void commit();
+  std::size_t files() const { return files_.size(); }
+
+ private:
+  std::string index_json_, dir_;
+  std::map<std::string, std::string> metadata_;
+  std::vector<std::string> names_;
+  std::vector<std::unique_ptr<SafetensorsWriter>> files_;
+  std::map<std::string, std::size_t> file_of_;
 };
 
 }  // namespace shardflow

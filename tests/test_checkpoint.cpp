@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "examples/mlp/train.hpp"
@@ -341,4 +342,69 @@ TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are w
   one.load_checkpoint(s / "async");
   CHECK(loaded == at_save[0]);
   CHECK(loaded != data[0]);
+}
+
+TEST_CASE("a consolidated checkpoint past its file limit splits into files with a weight_map index; it resumes bit for bit, and a damaged or missing part is named") {
+  Scratch s;
+  auto o = base(2, 2, Partition::flat, OptimizerConfig::Kind::adamw);
+  const auto straight = train_and_save(o, 20, s / "straight");
+  auto split = o;
+  split.checkpoint_max_file_bytes = 8000;  // the model's 3 tensors of state and parameters: several files
+  train_and_save(split, 10, s / "first");
+  const auto index = mlp::checkpoint_file(s / "first") + ".index.json";
+  REQUIRE(fs::exists(index));
+  CHECK_FALSE(fs::exists(mlp::checkpoint_file(s / "first")));
+  const auto j = nlohmann::json::parse(std::ifstream(index));
+  std::set<std::string> parts;
+  for (auto it = j.at("weight_map").begin(); it != j.at("weight_map").end(); ++it) parts.insert(it.value().get<std::string>());
+  CHECK(parts.size() >= 3);
+  CHECK(j.at("metadata").at("shardflow.steps") == "10");
+  // Every tensor is where the index says, in a file of at most the limit (or alone in it).
+  const auto merged = read_safetensors_split(index);
+  for (const auto& part : parts) {
+    const auto f = read_safetensors_index((s.dir / "first" / part).string());
+    std::uint64_t bytes = 0;
+    for (const auto& [name, e] : f.tensors) bytes += e.bytes;
+    CHECK((bytes <= 8000 || f.tensors.size() == 1));
+  }
+  CHECK(merged.tensors.count("optim.layers.0.weight.exp_avg") == 1);
+  o.resume_dir = s / "first";
+  same_tensors(train_and_save(o, 10, s / "resumed"), straight, 0);
+  // A second save under the same name replaces the parts; a single-file save removes them.
+  train_and_save(split, 2, s / "first");
+  int now = 0;
+  for (const auto& e : fs::directory_iterator(s / "first")) now += e.path().extension() == ".safetensors";
+  CHECK(now == int(parts.size()));
+  for (const auto& part : parts) CHECK_FALSE(fs::exists(s.dir / "first" / part));
+  // One part with a flipped byte, another missing: each named.
+  auto refused = [&](const std::string& what) {
+    auto q = o;
+    q.steps = 2;
+    q.checkpoint_dir.reset();
+    q.resume_dir = s / "first";
+    CHECK_THROWS_WITH(mlp::train(q), doctest::Contains(what.c_str()));
+  };
+  std::vector<fs::path> now_parts;
+  for (const auto& e : fs::directory_iterator(s / "first"))
+    if (e.path().extension() == ".safetensors") now_parts.push_back(e.path());
+  std::sort(now_parts.begin(), now_parts.end());
+  {
+    std::fstream io(now_parts[0], std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(-2, std::ios::end);
+    char b = 0;
+    io.read(&b, 1);
+    b = char(b ^ 0x40);
+    io.seekp(-2, std::ios::end);
+    io.write(&b, 1);
+  }
+  refused("checksum mismatch");
+  fs::remove(now_parts[1]);
+  refused(now_parts[1].filename().string());
+  auto single = o;
+  single.resume_dir.reset();
+  train_and_save(single, 1, s / "first");
+  CHECK_FALSE(fs::exists(index));
+  int left = 0;
+  for (const auto& e : fs::directory_iterator(s / "first")) left += e.path().extension() == ".safetensors";
+  CHECK(left == 1);
 }

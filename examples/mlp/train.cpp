@@ -171,7 +171,7 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
     if (opt.checkpoint_dir && ((opt.checkpoint_every > 0 && done % opt.checkpoint_every == 0) || step + 1 == opt.steps))
       // Sharded: the files are written while training goes on, and waited for at the next save
       // (save_sharded_checkpoint_async waits for the one before) or after the last step.
-      opt.sharded_checkpoint ? rt.save_sharded_checkpoint_async(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir));
+      opt.sharded_checkpoint ? rt.save_sharded_checkpoint_async(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir), 0, opt.checkpoint_max_file_bytes);
   }
   rt.wait_checkpoint();
   // Every step's global loss, in one collective at the end (the same sums as per step).
@@ -196,8 +196,11 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   if (opt.optimizer_in_runtime) rt.configure_optimizer(opt.optimizer);
   int first_step = 0;
   if (opt.resume_dir) {
-    const auto index = std::filesystem::path(*opt.resume_dir) / "index.json";
-    rt.load_checkpoint(std::filesystem::exists(index) ? index.string() : checkpoint_file(*opt.resume_dir));
+    const auto sharded = std::filesystem::path(*opt.resume_dir) / "index.json";
+    const auto split = checkpoint_file(*opt.resume_dir) + ".index.json";
+    rt.load_checkpoint(std::filesystem::exists(sharded) ? sharded.string()
+                       : std::filesystem::exists(split) ? split
+                                                        : checkpoint_file(*opt.resume_dir));
     first_step = int(rt.optimizer_steps());
     adapter->after_step(rt, -1);  // compute copies of 16-bit parameters from what was loaded
   }

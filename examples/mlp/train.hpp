@@ -72,7 +72,11 @@ struct TrainOptions {
   // Sharded instead (Runtime::save_sharded_checkpoint): each rank writes its own file in DIR,
   // rank 0 DIR/index.json.
   bool sharded_checkpoint = false;
-  // Resume from DIR (DIR/index.json if there is one, else DIR/checkpoint.safetensors): parameters,
+  // Consolidated files past this many bytes of tensors split into several beside
+  // DIR/checkpoint.safetensors.index.json (0: one file).
+  std::uint64_t checkpoint_max_file_bytes = 0;
+  // Resume from DIR (DIR/index.json if sharded, DIR/checkpoint.safetensors.index.json if split,
+  // else DIR/checkpoint.safetensors): parameters,
   // optimizer state and the data position; `steps` counts the steps still to run. Any world
   // size, stage and partition.
   std::optional<std::string> resume_dir;

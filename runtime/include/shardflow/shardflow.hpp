@@ -213,7 +213,10 @@ class Runtime {
   // (parameters under their names, state as optim.<name>.exp_avg / exp_avg_sq / momentum_buffer /
   // master, the step count and the groups' hyper-parameters in the metadata). The state streams
   // to `recipient` in bounded windows; only it writes, atomically (temporary file, fsync, rename).
-  void save_checkpoint(const std::string& path, int recipient = 0);
+  // Past `max_file_bytes` of tensor data (0: no limit) the file is split, as large safetensors
+  // checkpoints are: files of at most that much beside `path`.index.json, whose weight_map names
+  // each tensor's file; load that index.
+  void save_checkpoint(const std::string& path, int recipient = 0, std::uint64_t max_file_bytes = 0);
   // A collective: each rank writes the parameters and optimizer state of the pieces it owns to a
   // file of its own in `dir`, and rank 0 an index (dir/index.json: world size, stage, partition,
   // bucket plan, every slice and its file; each file carries its slices' CRC-32s). No rank
