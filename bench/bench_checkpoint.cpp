@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "shardflow/shardflow.hpp"
@@ -23,6 +25,17 @@ namespace fs = std::filesystem;
 namespace {
 
 volatile char sink;
+
+// Resident memory, MB (10^6 bytes): VmRSS now, or VmHWM (the peak since reset_peak()).
+double resident_mb(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field, 0) == 0) return std::stod(line.substr(std::strlen(field))) * 1024 / 1e6;  // kB
+  return 0;
+}
+// Linux: writing 5 to clear_refs starts the peak (VmHWM) over from the current RSS.
+void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -58,7 +71,7 @@ int main(int argc, char** argv) {
   fs::create_directories(dir);
   std::vector<std::vector<float>> data(world, std::vector<float>(numel * P, 0.5f));
   auto w = InProcessWorld::create(world, std::chrono::seconds(600));
-  std::vector<double> consolidated, plain, sharded, loaded, blocked, copy;
+  std::vector<double> consolidated, plain, sharded, loaded, blocked, copy, peak_extra;
   std::size_t file_bytes = 0, shard_bytes = 0;
   std::vector<std::thread> ranks;
   std::vector<std::unique_ptr<Runtime>> rts(world);
@@ -88,10 +101,13 @@ int main(int argc, char** argv) {
     rt.wait();
   });
   for (int rep = 0; rep < reps; ++rep) {
-    // A: consolidated.
+    // A: consolidated, and how far the process's resident memory rose above where it started.
+    reset_peak();
+    const double before = resident_mb("VmRSS:");
     auto t0 = Clock::now();
     on_ranks([&](int r) { rts[std::size_t(r)]->save_checkpoint(dir + "/consolidated.safetensors"); });
     consolidated.push_back(since(t0));
+    peak_extra.push_back(resident_mb("VmHWM:") - before);
     file_bytes = fs::file_size(dir + "/consolidated.safetensors");
     // B: a plain write of as many bytes.
     std::vector<char> buf(file_bytes, 1);
@@ -132,6 +148,9 @@ int main(int argc, char** argv) {
               mib, P, gb, reps);
   std::printf("  consolidated save (rank 0 writes)     %8.3f s  %6.2f GB/s   %.2fx the plain write\n", median(consolidated), gb / median(consolidated),
               median(consolidated) / median(plain));
+  std::printf("  consolidated save: peak resident memory above the start, both ranks of this process together: %.1f MB (one 16 MiB "
+              "window per rank is %.1f MB)\n",
+              median(peak_extra), 2 * 16.0 * 1048576 / 1e6);
   std::printf("  plain write + fsync, same bytes       %8.3f s  %6.2f GB/s\n", median(plain), gb / median(plain));
   std::printf("  sharded save (each rank its file)     %8.3f s  %6.2f GB/s   %.2fx the plain write\n", median(sharded), gb / median(sharded),
               median(sharded) / median(plain));
