@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/elementwise.hpp"
@@ -102,14 +103,14 @@ void for_params_in(const std::vector<std::size_t>& base, const std::vector<std::
 
 namespace {
 
-// A consolidated checkpoint's writer: one file, or (past max_file_bytes) files with an index.
-struct ConsolidatedOut {
-  std::unique_ptr<SafetensorsWriter> one;
-  std::unique_ptr<SafetensorsSplitWriter> split;
-  void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) {
-    one ? one->write(name, offset, data, n) : split->write(name, offset, data, n);
-  }
+// Where consolidated state goes on its recipient(s): a file (or split files), or memory.
+struct ConsolidatedSink {
+  virtual ~ConsolidatedSink() = default;
+  virtual void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) = 0;
+  virtual void commit() {}
 };
+using OpenSink = std::function<std::unique_ptr<ConsolidatedSink>(const std::vector<SafetensorsWriter::Entry>&,
+                                                                 const std::map<std::string, std::string>&)>;
 
 // The file left from a save of the other kind under the same name goes once this one is in
 // place: a split save's index and its files after a single-file save, the single file after a
@@ -126,6 +127,170 @@ void remove_other_kind(const std::string& path, bool split) {
   fs::remove(index);
 }
 
+// One file, or (past max_file_bytes) files with an index.
+struct FileSink : ConsolidatedSink {
+  std::string path;
+  std::unique_ptr<SafetensorsWriter> one;
+  std::unique_ptr<SafetensorsSplitWriter> split;
+  std::shared_ptr<spdlog::logger> log;
+  FileSink(std::string p, const std::vector<SafetensorsWriter::Entry>& entries, const std::map<std::string, std::string>& meta,
+           std::uint64_t max_file_bytes, std::shared_ptr<spdlog::logger> l)
+      : path(std::move(p)), log(std::move(l)) {
+    std::uint64_t bytes = 0;
+    for (const auto& e : entries) bytes += std::uint64_t(numel(e.shape)) * safetensors_element_size(e.dtype);
+    if (max_file_bytes > 0 && bytes > max_file_bytes)
+      split = std::make_unique<SafetensorsSplitWriter>(path + ".index.json", entries, meta, max_file_bytes, /*checksums=*/true);
+    else
+      one = std::make_unique<SafetensorsWriter>(path, entries, meta, /*checksums=*/true);
+  }
+  void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) override {
+    one ? one->write(name, offset, data, n) : split->write(name, offset, data, n);
+  }
+  void commit() override {
+    one ? one->commit() : split->commit();
+    try {
+      remove_other_kind(path, bool(split));
+    } catch (const std::exception& e) {  // the new checkpoint stands; what is left is only clutter
+      log->warn("checkpoint '{}' written, but removing the earlier one of the other layout failed: {}", path, e.what());
+    }
+  }
+};
+
+// Straight into a StateDict's tensors, allocated at their full size up front.
+struct MemorySink : ConsolidatedSink {
+  StateDict& out;
+  MemorySink(StateDict& o, const std::vector<SafetensorsWriter::Entry>& entries, const std::map<std::string, std::string>& meta) : out(o) {
+    out.tensors.clear();
+    out.metadata = meta;
+    for (const auto& e : entries) {
+      Tensor t;
+      t.dtype = e.dtype;
+      t.shape = e.shape;
+      t.data.resize(std::size_t(numel(e.shape)) * safetensors_element_size(e.dtype));
+      out.tensors.emplace(e.name, std::move(t));
+    }
+  }
+  void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) override {
+    auto& t = out.tensors.at(name);
+    std::memcpy(t.data.data() + offset, data, n);
+  }
+};
+
+// Every rank's state, in parameter coordinates, to `recipient` (every rank with -1): the
+// parameters whole, then per state slot windows summed across ranks (Note [Checkpoints]). Every
+// rank hears whether the recipients could open their sink and whether they finished. `what`
+// names the operation in errors. (A template so as not to name Runtime's private Impl.)
+template <class RuntimeImpl>
+void consolidate(RuntimeImpl& I, int recipient, const char* what, const std::string& target, const OpenSink& open) {
+  const auto& params = I.registry.params();
+  const Coordinates at(params);
+  const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
+  const bool me = recipient < 0 || I.rank == recipient;
+  std::unique_ptr<ConsolidatedSink> out;
+  std::string failure;
+  if (me) try {
+      std::vector<SafetensorsWriter::Entry> entries;
+      for (const auto& p : params) entries.push_back({p.name, safetensors_dtype(p.dtype), p.shape});
+      for (std::size_t s = 0; s < slots; ++s)
+        for (std::uint32_t p = 0; p < params.size(); ++p)
+          if (const auto n = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !n.empty()) entries.push_back({state_key(params[p].name, n), "F32", params[p].shape});
+      out = open(entries, optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get()));
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  // The recipients' verdict, on every rank: a rank that cannot take the state must not leave the
+  // others waiting in the state's collectives.
+  auto agree = [&](const char* tag) {
+    float bad = failure.empty() ? 0.0f : 1.0f;
+    I.control_collective(recipient >= 0 ? CollectiveKind::broadcast : CollectiveKind::allreduce, &bad, 1, tag, std::max(recipient, 0));
+    return bad == 0.0f;
+  };
+  auto fail = [&](const char* doing) {
+    throw Error(!failure.empty() ? std::string(what) + ": " + failure
+                                 : std::string(what) + ": " + (recipient >= 0 ? "rank " + std::to_string(recipient) : std::string("a rank")) +
+                                       " failed " + doing + " '" + target + "' (its error says why)");
+  };
+  if (!agree("checkpoint: recipient ready")) fail("opening");
+  try {
+    if (me)
+      for (std::size_t p = 0; p < params.size(); ++p) out->write(params[p].name, 0, params[p].data, at.size[p] * dtype_size(params[p].dtype));
+    std::vector<float> window;
+    for (std::size_t s = 0; s < slots; ++s)
+      for (std::size_t begin = 0; begin < at.total; begin += RuntimeImpl::kStateWindow) {
+        window.resize(std::min(RuntimeImpl::kStateWindow, at.total - begin));
+        I.state_window(*I.shard, s, begin, window, "checkpoint: state", false);
+        if (!me) continue;
+        for_params_in(at.base, at.size, begin, window.size(), [&](std::uint32_t p, std::size_t off, std::size_t w, std::size_t n) {
+          if (const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !name.empty())
+            out->write(state_key(params[p].name, name), off * 4, window.data() + w, n * 4);
+        });
+      }
+    if (me) out->commit();
+  } catch (const std::exception& e) {
+    if (!me) throw;
+    failure = e.what();
+  }
+  if (!agree("checkpoint: written")) fail("writing");
+}
+
+// Consolidated state (a file's index and a reader of its tensors, or a StateDict's) into this
+// rank's parameters and the state of the pieces it owns, whatever layout saved it. `label`
+// names the source in errors.
+template <class RuntimeImpl>
+void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std::string& label,
+                         const std::function<void(const std::string&, std::uint64_t, void*, std::uint64_t)>& read) {
+  const auto& params = I.registry.params();
+  auto where = [&](const std::string& tensor) { return label + ", tensor '" + tensor + "'"; };
+  const Coordinates at(params);
+  for (const auto& p : params) {
+    const auto it = file.tensors.find(p.name);
+    if (it == file.tensors.end())
+      throw UsageError(label + " has no tensor '" + p.name + "' (a parameter of this run): a checkpoint of another model?");
+    if (it->second.shape != p.shape)
+      throw UsageError(where(p.name) + " has shape " + shape_str(it->second.shape) + ", this run's parameter " + shape_str(p.shape));
+    if (it->second.dtype != safetensors_dtype(p.dtype))
+      throw UsageError(where(p.name) + " is " + it->second.dtype + ", this run's parameter " + safetensors_dtype(p.dtype));
+  }
+  for (std::uint32_t p = 0; p < params.size(); ++p) read(params[p].name, 0, params[p].data, at.size[p] * dtype_size(params[p].dtype));
+  if (!I.shard) return;
+
+  bool has_state = false;
+  for (const auto& [name, e] : file.tensors) has_state |= name.rfind("optim.", 0) == 0;
+  const std::size_t slots = I.shard->migrate_slots();
+  std::vector<float> window;
+  for (std::size_t s = 0; s < slots; ++s) {
+    const bool masters = s == I.shard->state_slots();
+    if (!has_state && !masters) continue;  // a state dict of parameters alone: the state starts anew
+    for (std::size_t begin = 0; begin < at.total; begin += RuntimeImpl::kStateWindow) {
+      window.assign(std::min(RuntimeImpl::kStateWindow, at.total - begin), 0.0f);
+      for_params_in(at.base, at.size, begin, window.size(), [&](std::uint32_t p, std::size_t off, std::size_t w, std::size_t n) {
+        const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s);
+        if (name.empty()) return;
+        const auto key = state_key(params[p].name, name);
+        const auto it = file.tensors.find(key);
+        if (it != file.tensors.end()) {
+          if (it->second.dtype != "F32" || it->second.shape != params[p].shape)
+            throw UsageError(where(key) + " is " + it->second.dtype + " " + shape_str(it->second.shape) + ", expected F32 " +
+                             shape_str(params[p].shape));
+          read(key, off * 4, window.data() + w, n * 4);
+        } else if (masters) {  // saved without masters: they start from the parameters just loaded
+          kernels::convert_to_f32(params[p].dtype, window.data() + w,
+                                  static_cast<const std::byte*>(params[p].data) + off * dtype_size(params[p].dtype), n);
+        } else {
+          throw UsageError(label + " has no '" + key + "' for this run's optimizer (" +
+                           kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
+        }
+      });
+      I.shard->import_state(s, begin, window);
+    }
+  }
+  if (has_state) {
+    const auto it = file.metadata.find("shardflow.steps");
+    if (it == file.metadata.end()) throw UsageError(label + " has optimizer state but no shardflow.steps in its metadata");
+    I.shard->set_steps(std::stoll(it->second));
+  }
+}
+
 }  // namespace
 
 void Runtime::save_checkpoint(const std::string& path, int recipient, std::uint64_t max_file_bytes) {
@@ -137,73 +302,48 @@ void Runtime::save_checkpoint(const std::string& path, int recipient, std::uint6
     throw UsageError("save_checkpoint: recipient " + std::to_string(recipient) + " is not a rank of this world of " + std::to_string(I.world));
   check_cpu_params(I.registry.params(), "save_checkpoint");
   wait_all_params();
-  const auto& params = I.registry.params();
-  const Coordinates at(params);
-  const auto &base = at.base, &size = at.size;
-  const std::size_t total = at.total;
-  const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
-  const bool me = I.rank == recipient;
-
-  // The recipient opens the file first and tells every rank whether it could: a rank that cannot
-  // write must not leave the others waiting in the state's collectives.
-  std::unique_ptr<ConsolidatedOut> out;
-  bool split = false;
-  std::string failure;
-  if (me) try {
-      std::vector<SafetensorsWriter::Entry> entries;
-      for (const auto& p : params) entries.push_back({p.name, safetensors_dtype(p.dtype), p.shape});
-      for (std::size_t s = 0; s < slots; ++s)
-        for (std::uint32_t p = 0; p < params.size(); ++p)
-          if (const auto n = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !n.empty()) entries.push_back({state_key(params[p].name, n), "F32", params[p].shape});
-      std::uint64_t bytes = 0;
-      for (const auto& e : entries) bytes += std::uint64_t(numel(e.shape)) * safetensors_element_size(e.dtype);
-      split = max_file_bytes > 0 && bytes > max_file_bytes;
-      const auto meta = optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get());
-      out = std::make_unique<ConsolidatedOut>();
-      if (split)
-        out->split = std::make_unique<SafetensorsSplitWriter>(path + ".index.json", entries, meta, max_file_bytes, /*checksums=*/true);
-      else
-        out->one = std::make_unique<SafetensorsWriter>(path, entries, meta, /*checksums=*/true);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  float ok = failure.empty() ? 1.0f : 0.0f;
-  auto agree = [&](const char* tag) { I.control_collective(CollectiveKind::broadcast, &ok, 1, tag, recipient); };  // the recipient's verdict
-  agree("checkpoint: recipient ready");
-  if (ok != 1.0f)
-    throw Error(me ? "save_checkpoint: " + failure
-                   : "save_checkpoint: rank " + std::to_string(recipient) + " could not write '" + path + "' (its error says why)");
-  try {
-    if (me)
-      for (std::size_t p = 0; p < params.size(); ++p) out->write(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
-    std::vector<float> window;
-    for (std::size_t s = 0; s < slots; ++s)
-      for (std::size_t begin = 0; begin < total; begin += Impl::kStateWindow) {
-        window.resize(std::min(Impl::kStateWindow, total - begin));
-        I.state_window(*I.shard, s, begin, window, "checkpoint: state", false);
-        if (!me) continue;
-        for_params_in(base, size, begin, window.size(), [&](std::uint32_t p, std::size_t at, std::size_t w, std::size_t n) {
-          if (const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !name.empty())
-            out->write(state_key(params[p].name, name), at * 4, window.data() + w, n * 4);
-        });
-      }
-    if (me) {
-      out->one ? out->one->commit() : out->split->commit();
-      try {
-        remove_other_kind(path, split);
-      } catch (const std::exception& e) {  // the new checkpoint stands; what is left is only clutter
-        I.log->warn("checkpoint '{}' written, but removing the earlier one of the other layout failed: {}", path, e.what());
-      }
-    }
-  } catch (const std::exception& e) {
-    if (!me) throw;
-    failure = e.what();
-    ok = 0.0f;
-  }
-  agree("checkpoint: written");
-  if (ok != 1.0f)
-    throw Error(me ? "save_checkpoint: " + failure : "save_checkpoint: rank " + std::to_string(recipient) + " failed writing '" + path + "'");
+  consolidate(I, recipient, "save_checkpoint", path, [&](const auto& entries, const auto& meta) {
+    return std::make_unique<FileSink>(path, entries, meta, max_file_bytes, I.log);
+  });
   I.log->info("checkpoint '{}' written by rank {}", path, recipient);
+}
+
+StateDict Runtime::state_dict(int recipient) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass()) throw UsageError("state_dict on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
+  if (recipient < -1 || recipient >= I.world)
+    throw UsageError("state_dict: recipient " + std::to_string(recipient) + " is not a rank of this world of " + std::to_string(I.world) +
+                     " (or -1: every rank)");
+  check_cpu_params(I.registry.params(), "state_dict");
+  wait_all_params();
+  StateDict out;
+  consolidate(I, recipient, "state_dict", "the state dict",
+              [&](const auto& entries, const auto& meta) { return std::make_unique<MemorySink>(out, entries, meta); });
+  return out;
+}
+
+void Runtime::load_state_dict(const StateDict& state) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass()) throw UsageError("load_state_dict on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
+  check_cpu_params(I.registry.params(), "load_state_dict");
+  wait_all_params();
+  SafetensorsIndex index;  // the state dict seen as a file's index
+  index.path = "state dict";
+  index.metadata = state.metadata;
+  for (const auto& [name, t] : state.tensors) {
+    if (t.data.size() != t.numel() * safetensors_element_size(t.dtype))
+      throw UsageError("load_state_dict: tensor '" + name + "' holds " + std::to_string(t.data.size()) + " bytes, its shape " +
+                       shape_str(t.shape) + " " + t.dtype + " needs " + std::to_string(t.numel() * safetensors_element_size(t.dtype)));
+    index.tensors[name] = SafetensorsIndex::Entry{t.dtype, t.shape, 0, t.data.size(), {}};
+  }
+  import_consolidated(I, index, "state dict", [&](const std::string& name, std::uint64_t offset, void* out, std::uint64_t n) {
+    std::memcpy(out, state.tensors.at(name).data.data() + offset, n);
+  });
+  I.log->info("state dict loaded ({} optimizer step(s))", I.shard ? I.shard->steps() : 0);
 }
 
 void Runtime::load_checkpoint(const std::string& path) {
@@ -218,75 +358,24 @@ void Runtime::load_checkpoint(const std::string& path) {
   if (!split && ends_with(".json")) return load_sharded_checkpoint(path);
   wait_all_params();
   const auto file = split ? read_safetensors_split(path) : read_safetensors_index(path);
-  const auto& params = I.registry.params();
-  auto where = [&](const std::string& tensor) { return "checkpoint '" + path + "', tensor '" + tensor + "'"; };
+  const std::string label = "checkpoint '" + path + "'";
   // Each tensor is read front to back (the parameters whole, the state window by window): its
   // CRC runs along and is checked once its last byte is in, when the file has checksums (files
   // from elsewhere, torch's among them, have none).
   const auto crcs = safetensors_checksums(file);
   std::map<std::string, std::pair<std::uint32_t, std::uint64_t>> running;  // crc, bytes read in order
-  auto read = [&](const std::string& key, std::uint64_t offset, void* out, std::uint64_t n) {
+  import_consolidated(I, file, label, [&](const std::string& key, std::uint64_t offset, void* out, std::uint64_t n) {
     file.read(key, offset, out, n);
     const auto want = crcs.find(key);
     if (want == crcs.end()) return;
     auto& [crc, done] = running[key];
-    if (offset != done) throw Error(where(key) + ": read out of order (a bug in shardflow)");
+    if (offset != done) throw Error(label + ", tensor '" + key + "': read out of order (a bug in shardflow)");
     crc = crc32_update(crc, out, n);
     done += n;
     if (done == file.tensors.at(key).bytes && crc != want->second)
-      throw UsageError(where(key) + ": checksum mismatch (the file is damaged)");
-  };
-  const Coordinates at(params);
-  const auto &base = at.base, &size = at.size;
-  const std::size_t total = at.total;
-  for (const auto& p : params) {
-    const auto it = file.tensors.find(p.name);
-    if (it == file.tensors.end())
-      throw UsageError("checkpoint '" + path + "' has no tensor '" + p.name + "' (a parameter of this run): a checkpoint of another model?");
-    if (it->second.shape != p.shape)
-      throw UsageError(where(p.name) + " has shape " + shape_str(it->second.shape) + ", this run's parameter " + shape_str(p.shape));
-    if (it->second.dtype != safetensors_dtype(p.dtype))
-      throw UsageError(where(p.name) + " is " + it->second.dtype + ", this run's parameter " + safetensors_dtype(p.dtype));
-  }
-  for (std::uint32_t p = 0; p < params.size(); ++p) read(params[p].name, 0, params[p].data, size[p] * dtype_size(params[p].dtype));
-  if (!I.shard) return;
-
-  bool has_state = false;
-  for (const auto& [name, e] : file.tensors) has_state |= name.rfind("optim.", 0) == 0;
-  const std::size_t slots = I.shard->migrate_slots();
-  std::vector<float> window;
-  for (std::size_t s = 0; s < slots; ++s) {
-    const bool masters = s == I.shard->state_slots();
-    if (!has_state && !masters) continue;  // a state dict of parameters alone: the state starts anew
-    for (std::size_t begin = 0; begin < total; begin += Impl::kStateWindow) {
-      window.assign(std::min(Impl::kStateWindow, total - begin), 0.0f);
-      for_params_in(base, size, begin, window.size(), [&](std::uint32_t p, std::size_t at, std::size_t w, std::size_t n) {
-        const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s);
-        if (name.empty()) return;
-        const auto key = state_key(params[p].name, name);
-        const auto it = file.tensors.find(key);
-        if (it != file.tensors.end()) {
-          if (it->second.dtype != "F32" || it->second.shape != params[p].shape)
-            throw UsageError(where(key) + " is " + it->second.dtype + " " + shape_str(it->second.shape) + ", expected F32 " +
-                             shape_str(params[p].shape));
-          read(key, at * 4, window.data() + w, n * 4);
-        } else if (masters) {  // saved without masters: they start from the parameters just loaded
-          kernels::convert_to_f32(params[p].dtype, window.data() + w,
-                                  static_cast<const std::byte*>(params[p].data) + at * dtype_size(params[p].dtype), n);
-        } else {
-          throw UsageError("checkpoint '" + path + "' has no '" + key + "' for this run's optimizer (" +
-                           kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
-        }
-      });
-      I.shard->import_state(s, begin, window);
-    }
-  }
-  if (has_state) {
-    const auto it = file.metadata.find("shardflow.steps");
-    if (it == file.metadata.end()) throw UsageError("checkpoint '" + path + "' has optimizer state but no shardflow.steps in its metadata");
-    I.shard->set_steps(std::stoll(it->second));
-  }
-  I.log->info("checkpoint '{}' loaded ({} optimizer step(s))", path, I.shard->steps());
+      throw UsageError(label + ", tensor '" + key + "': checksum mismatch (the file is damaged)");
+  });
+  I.log->info("checkpoint '{}' loaded ({} optimizer step(s))", path, I.shard ? I.shard->steps() : 0);
 }
 
 std::int64_t Runtime::optimizer_steps() const {

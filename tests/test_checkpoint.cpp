@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -92,6 +93,41 @@ void resumes_at_other_layouts(bool sharded) {
     // issue asks for 1e-6 relative per tensor).
     same_tensors(train_and_save(q, 10, s / ("resumed" + std::to_string(r.world))), straight, 1e-6);
   }
+}
+
+// A small model driven through the Runtime directly: 4 parameters of 500 on `world` ranks as
+// threads, AdamW. Each rank builds its runtime from `cfg` and hands `body` the runtime, its rank,
+// its parameters and a `train(iterations)` that runs synchronised iterations.
+constexpr std::size_t kSmallParams = 4, kSmallNumel = 500;
+using SmallBody = std::function<void(Runtime&, int, std::vector<float>&, const std::function<void(int)>&)>;
+void small_world(int world, Config cfg, const SmallBody& body) {
+  auto w = InProcessWorld::create(world, std::chrono::seconds(60));
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = kSmallNumel * 4;
+  test::require_all_ok(test::run_ranks(world, [&](int r) {
+    std::vector<float> d(kSmallParams * kSmallNumel);
+    for (std::size_t i = 0; i < d.size(); ++i) d[i] = 0.01f * float(i % 17);
+    Runtime rt(w->communicator(r), cfg);
+    std::vector<Param> h;
+    for (std::size_t i = 0; i < kSmallParams; ++i)
+      h.push_back(rt.register_param({"p" + std::to_string(i), {std::int64_t(kSmallNumel)}, DType::f32, Device::cpu(), d.data() + i * kSmallNumel}));
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::adamw;
+    oc.lr = 0.01f;
+    rt.configure_optimizer(oc);
+    int done = 0;
+    auto train = [&](int iters) {
+      for (int it = 0; it < iters; ++it, ++done) {
+        rt.zero_grad();
+        for (std::size_t i = kSmallParams; i-- > 0;) {
+          float* g = rt.grad_f32(h[i]);
+          for (std::size_t e = 0; e < kSmallNumel; ++e) g[e] = 0.01f * float((i * 7 + e * 3 + std::size_t(r) + std::size_t(done)) % 23) - 0.1f;
+          rt.grad_ready(h[i]);
+        }
+        rt.wait();
+      }
+    };
+    body(rt, r, d, train);
+  }));
 }
 
 }  // namespace
@@ -292,56 +328,32 @@ TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, an
 
 TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are written; the checkpoint holds the parameters as they were at the save, and the directory names it only after wait_checkpoint") {
   Scratch s;
-  const int n = 2;
-  const std::size_t P = 4, numel = 300;
-  std::vector<std::vector<float>> data(n, std::vector<float>(P * numel)), at_save(n);
-  auto world = InProcessWorld::create(n, std::chrono::seconds(60));
+  std::vector<std::vector<float>> at_save(2), at_end(2);
   bool index_before_wait = true;
-  auto train = [&](Runtime& rt, std::vector<Param>& h, int r, int iters) {
-    for (int it = 0; it < iters; ++it) {
-      rt.zero_grad();
-      for (std::size_t i = P; i-- > 0;) {
-        float* g = rt.grad_f32(h[i]);
-        for (std::size_t e = 0; e < numel; ++e) g[e] = 0.01f * float((i * 7 + e * 3 + std::size_t(r) + std::size_t(it)) % 23) - 0.1f;
-        rt.grad_ready(h[i]);
-      }
-      rt.wait();
-    }
-  };
-  test::require_all_ok(test::run_ranks(n, [&](int r) {
-    auto& d = data[std::size_t(r)];
-    for (std::size_t i = 0; i < d.size(); ++i) d[i] = 0.01f * float(i % 17);
-    Config cfg;
-    cfg.zero.stage = ZeroStage::gradients;
-    cfg.zero.overlap = Overlap::interleaved;
-    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
-    Runtime rt(world->communicator(r), cfg);
-    std::vector<Param> h;
-    for (std::size_t i = 0; i < P; ++i)
-      h.push_back(rt.register_param({"p" + std::to_string(i), {std::int64_t(numel)}, DType::f32, Device::cpu(), d.data() + i * numel}));
-    OptimizerConfig oc;
-    oc.kind = OptimizerConfig::Kind::adamw;
-    oc.lr = 0.01f;
-    rt.configure_optimizer(oc);
-    train(rt, h, r, 3);
+  Config cfg;
+  cfg.zero.stage = ZeroStage::gradients;
+  cfg.zero.overlap = Overlap::interleaved;
+  small_world(2, cfg, [&](Runtime& rt, int r, std::vector<float>& d, const std::function<void(int)>& train) {
+    train(3);
     rt.save_sharded_checkpoint_async(s / "async");
     at_save[std::size_t(r)] = d;
-    train(rt, h, r, 3);  // the parameters move on while the files are written
+    train(3);  // the parameters move on while the files are written
     if (r == 0) index_before_wait = fs::exists(s / "async/index.json");
     rt.wait_checkpoint();
-  }));
+    at_end[std::size_t(r)] = d;
+  });
   CHECK_FALSE(index_before_wait);
   REQUIRE(fs::exists(s / "async/index.json"));
   // The step count of the save, not of the wait (3 more steps ran in between).
   CHECK(nlohmann::json::parse(std::ifstream(s / "async/index.json")).at("steps") == 3);
   // Read back at world 1: the parameters as they were when the save was called.
-  std::vector<float> loaded(P * numel, 0.0f);
+  std::vector<float> loaded(kSmallParams * kSmallNumel, 0.0f);
   Runtime one(InProcessWorld::create(1)->communicator(0), Config{});
-  for (std::size_t i = 0; i < P; ++i)
-    one.register_param({"p" + std::to_string(i), {std::int64_t(numel)}, DType::f32, Device::cpu(), loaded.data() + i * numel});
+  for (std::size_t i = 0; i < kSmallParams; ++i)
+    one.register_param({"p" + std::to_string(i), {std::int64_t(kSmallNumel)}, DType::f32, Device::cpu(), loaded.data() + i * kSmallNumel});
   one.load_checkpoint(s / "async");
   CHECK(loaded == at_save[0]);
-  CHECK(loaded != data[0]);
+  CHECK(loaded != at_end[0]);
 }
 
 TEST_CASE("a consolidated checkpoint past its file limit splits into files with a weight_map index; it resumes bit for bit, and a damaged or missing part is named") {
@@ -407,4 +419,50 @@ TEST_CASE("a consolidated checkpoint past its file limit splits into files with 
   int left = 0;
   for (const auto& e : fs::directory_iterator(s / "first")) left += e.path().extension() == ".safetensors";
   CHECK(left == 1);
+}
+
+TEST_CASE("state_dict(): the consolidated state in memory, to one rank or to every rank; load_state_dict at another world, stage and partition round-trips it bit for bit") {
+  Scratch s;
+  std::vector<StateDict> to_rank0(3), to_all(3);
+  Config stage2;
+  stage2.zero.stage = ZeroStage::gradients;
+  small_world(3, stage2, [&](Runtime& rt, int r, std::vector<float>&, const std::function<void(int)>& train) {
+    train(3);
+    to_rank0[std::size_t(r)] = rt.state_dict(0);
+    to_all[std::size_t(r)] = rt.state_dict(-1);
+    rt.save_checkpoint(s / "c.safetensors");
+  });
+  const auto file = load_safetensors(s / "c.safetensors");
+  const auto& sd = to_rank0[0];
+  REQUIRE(sd.tensors.size() == file.size());
+  CHECK(sd.tensors.size() == kSmallParams * 3);  // parameters, exp_avg, exp_avg_sq
+  for (const auto& [name, t] : file) {
+    INFO("tensor " << name);
+    CHECK(sd.tensors.at(name).data == t.data);  // what the file holds, bit for bit
+  }
+  CHECK(sd.metadata.at("shardflow.steps") == "3");
+  CHECK(to_rank0[1].tensors.empty());
+  CHECK(to_rank0[2].tensors.empty());
+  for (int r = 0; r < 3; ++r)
+    for (const auto& [name, t] : sd.tensors) CHECK(to_all[std::size_t(r)].tensors.at(name).data == t.data);
+  // Into world 2, stage 1, param partition, and out again: the same state.
+  std::vector<StateDict> again(2);
+  Config stage1;
+  stage1.zero.stage = ZeroStage::optimizer_state;
+  stage1.zero.partition = Partition::param;
+  small_world(2, stage1, [&](Runtime& rt, int r, std::vector<float>&, const std::function<void(int)>&) {
+    rt.load_state_dict(sd);
+    CHECK(rt.optimizer_steps() == 3);
+    again[std::size_t(r)] = rt.state_dict(0);
+  });
+  for (const auto& [name, t] : sd.tensors) {
+    INFO("tensor " << name);
+    CHECK(again[0].tensors.at(name).data == t.data);
+  }
+  // A hand-built dict with a tensor of the wrong size is refused by name.
+  auto bad = sd;
+  bad.tensors.at("optim.p1.exp_avg").data.resize(16);
+  small_world(1, Config{}, [&](Runtime& rt, int, std::vector<float>&, const std::function<void(int)>&) {
+    CHECK_THROWS_WITH(rt.load_state_dict(bad), doctest::Contains("tensor 'optim.p1.exp_avg' holds 16 bytes"));
+  });
 }

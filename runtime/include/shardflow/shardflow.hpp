@@ -26,6 +26,7 @@
 #include "shardflow/config.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/optimizer.hpp"
+#include "shardflow/safetensors.hpp"
 #include "shardflow/sim.hpp"
 #include "shardflow/types.hpp"
 
@@ -96,6 +97,15 @@ struct RuntimeStats {
 // each rank is a process of its own (under a launcher), <stem>.rank<r>.json beside the path; else
 // the path itself (ranks that are threads share it).
 std::string trace_file_for(const std::string& trace_path, int rank, bool one_process_per_rank);
+
+// The training state in parameter coordinates, as a consolidated checkpoint file holds it:
+// parameters under their names, optimizer state as optim.<name>.exp_avg / exp_avg_sq /
+// momentum_buffer / master (fp32), and the step count, stage, partition and param groups in the
+// metadata (Note [Checkpoints]).
+struct StateDict {
+  TensorMap tensors;
+  std::map<std::string, std::string> metadata;
+};
 
 class Runtime {
  public:
@@ -236,6 +246,13 @@ class Runtime {
   // and tensor for a checkpoint of another model or optimizer, a checksum that does not match, a
   // missing or truncated file.
   void load_checkpoint(const std::string& path);
+  // The same state in memory, no file and no serialisation: a collective that streams every
+  // rank's state to `recipient` (every rank with -1) in bounded windows, as save_checkpoint does;
+  // the recipient holds the result and one window more. Other ranks get an empty StateDict.
+  StateDict state_dict(int recipient = 0);
+  // A StateDict (from state_dict(), or built by hand with the checkpoint's names) into this rank,
+  // at any world size, stage and partition; every rank calls it with the whole dict.
+  void load_state_dict(const StateDict& state);
   std::int64_t optimizer_steps() const;  // steps the runtime's optimizer has taken (0 without one)
 
   std::uint64_t iteration() const;               // completed synchronised iterations
