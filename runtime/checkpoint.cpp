@@ -11,6 +11,8 @@
 // the file at its place. No rank holds more than one window beyond its own state; nothing is
 // serialised on the way. The file appears under its name only once complete and on disk (a
 // temporary file, fsync, rename): a crash mid-save leaves the previous checkpoint as it was.
+// The same stream goes into split files with an index past a size limit, or into memory
+// (Runtime::state_dict); loading takes a file, split files or a StateDict through one path.
 #include <fcntl.h>
 #include <unistd.h>
 
