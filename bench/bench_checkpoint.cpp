@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   fs::create_directories(dir);
   std::vector<std::vector<float>> data(world, std::vector<float>(numel * P, 0.5f));
   auto w = InProcessWorld::create(world, std::chrono::seconds(600));
-  std::vector<double> consolidated, plain, sharded, loaded, blocked, copy, peak_extra;
+  std::vector<double> consolidated, in_memory, plain, sharded, loaded, blocked, copy, peak_extra;
   std::size_t file_bytes = 0, shard_bytes = 0;
   std::vector<std::thread> ranks;
   std::vector<std::unique_ptr<Runtime>> rts(world);
@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
     consolidated.push_back(since(t0));
     peak_extra.push_back(resident_mb("VmHWM:") - before);
     file_bytes = fs::file_size(dir + "/consolidated.safetensors");
+    // A': the same stream into memory (state_dict): the consolidation without the disk.
+    t0 = Clock::now();
+    on_ranks([&](int r) { (void)rts[std::size_t(r)]->state_dict(0); });
+    in_memory.push_back(since(t0));
     // B: a plain write of as many bytes.
     std::vector<char> buf(file_bytes, 1);
     plain.push_back(plain_write(dir + "/plain.bin", buf));
@@ -151,6 +155,7 @@ int main(int argc, char** argv) {
   std::printf("  consolidated save: peak resident memory above the start, both ranks of this process together: %.1f MB (one 16 MiB "
               "window per rank is %.1f MB)\n",
               median(peak_extra), 2 * 16.0 * 1048576 / 1e6);
+  std::printf("  state_dict(0): the same stream into memory   %8.3f s  %6.2f GB/s\n", median(in_memory), gb / median(in_memory));
   std::printf("  plain write + fsync, same bytes       %8.3f s  %6.2f GB/s\n", median(plain), gb / median(plain));
   std::printf("  sharded save (each rank its file)     %8.3f s  %6.2f GB/s   %.2fx the plain write\n", median(sharded), gb / median(sharded),
               median(sharded) / median(plain));
