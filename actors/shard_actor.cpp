@@ -106,7 +106,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
     // actor's turn; a plain send would be processed in the same turn. (One message per turn for
     // every actor would do it too, but cost 3x on the runtime's overhead: bench_overhead.)
     const auto turn_start = Timeline::now();
-    while (const auto next = next_bucket()) {
+    for (auto next = next_bucket(); next;) {
       const auto b = *next;
       s.stepped[b] = 1;
       ++s.nstepped;
@@ -133,12 +133,10 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         sh.mark_done(b);
         s.iteration->bucket_done(b, msg::Failure{});
       }
-      if ((t1 - turn_start) + (t1 - t0) > kStepTurnUs) {
-        if (next_bucket()) {
-          self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
-          return;
-        }
-        break;
+      next = next_bucket();
+      if (next && (t1 - turn_start) + (t1 - t0) > kStepTurnUs) {
+        self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
+        return;
       }
     }
     if (s.nstepped == B && s.phase != ShardPhase::stepped) {  // no buckets at all

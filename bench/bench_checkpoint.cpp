@@ -73,7 +73,6 @@ int main(int argc, char** argv) {
   auto w = InProcessWorld::create(world, std::chrono::seconds(600));
   std::vector<double> consolidated, in_memory, plain, sharded, loaded, blocked, copy, peak_extra;
   std::size_t file_bytes = 0, shard_bytes = 0;
-  std::vector<std::thread> ranks;
   std::vector<std::unique_ptr<Runtime>> rts(world);
   std::vector<std::vector<Param>> handles(world);
   auto on_ranks = [&](const std::function<void(int)>& fn) {

@@ -297,13 +297,9 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
 
 void Runtime::save_checkpoint(const std::string& path, int recipient, std::uint64_t max_file_bytes) {
   auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass()) throw UsageError("save_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
   if (recipient < 0 || recipient >= I.world)
     throw UsageError("save_checkpoint: recipient " + std::to_string(recipient) + " is not a rank of this world of " + std::to_string(I.world));
-  check_cpu_params(I.registry.params(), "save_checkpoint");
-  wait_all_params();
+  checkpoint_entry(I, *this, "save_checkpoint");
   consolidate(I, recipient, "save_checkpoint", path, [&](const auto& entries, const auto& meta) {
     return std::make_unique<FileSink>(path, entries, meta, max_file_bytes, I.log);
   });
@@ -312,14 +308,10 @@ void Runtime::save_checkpoint(const std::string& path, int recipient, std::uint6
 
 StateDict Runtime::state_dict(int recipient) {
   auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass()) throw UsageError("state_dict on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
   if (recipient < -1 || recipient >= I.world)
     throw UsageError("state_dict: recipient " + std::to_string(recipient) + " is not a rank of this world of " + std::to_string(I.world) +
                      " (or -1: every rank)");
-  check_cpu_params(I.registry.params(), "state_dict");
-  wait_all_params();
+  checkpoint_entry(I, *this, "state_dict");
   StateDict out;
   consolidate(I, recipient, "state_dict", "the state dict",
               [&](const auto& entries, const auto& meta) { return std::make_unique<MemorySink>(out, entries, meta); });
@@ -328,11 +320,7 @@ StateDict Runtime::state_dict(int recipient) {
 
 void Runtime::load_state_dict(const StateDict& state) {
   auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass()) throw UsageError("load_state_dict on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
-  check_cpu_params(I.registry.params(), "load_state_dict");
-  wait_all_params();
+  checkpoint_entry(I, *this, "load_state_dict");
   SafetensorsIndex index;  // the state dict seen as a file's index
   index.path = "state dict";
   index.metadata = state.metadata;
@@ -350,15 +338,11 @@ void Runtime::load_state_dict(const StateDict& state) {
 
 void Runtime::load_checkpoint(const std::string& path) {
   auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass()) throw UsageError("load_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
-  check_cpu_params(I.registry.params(), "load_checkpoint");
+  checkpoint_entry(I, *this, "load_checkpoint");
   auto ends_with = [&](const char* s) { const std::size_t n = std::strlen(s); return path.size() >= n && path.compare(path.size() - n, n, s) == 0; };
   const bool split = ends_with(".safetensors.index.json");
   if (std::filesystem::is_directory(path)) return load_sharded_checkpoint(path + "/index.json");
   if (!split && ends_with(".json")) return load_sharded_checkpoint(path);
-  wait_all_params();
   const auto file = split ? read_safetensors_split(path) : read_safetensors_index(path);
   const std::string label = "checkpoint '" + path + "'";
   // Each tensor is read front to back (the parameters whole, the state window by window): its

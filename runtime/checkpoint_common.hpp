@@ -1,5 +1,6 @@
 // What the two checkpoint layouts share (Note [Checkpoints], Note [Sharded checkpoints]): the
-// names state is saved under, parameter coordinates, the metadata, checksums, atomic small files.
+// names state is saved under, parameter coordinates, the metadata, and the checks every
+// checkpoint call makes before it starts. (Checksums and atomic small files: safetensors_stream.hpp.)
 #pragma once
 
 #include <cstdint>
@@ -32,5 +33,17 @@ void check_cpu_params(const std::vector<ParamSpec>& params, const char* what);
 // The step count, the stage, the partition and the groups' hyper-parameters, as metadata.
 std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* groups);
 
+// Every checkpoint call starts here: between iterations, host parameters, and the last
+// iteration's parameter syncs landed. `what` names the call in errors. (A template so as not to
+// name Runtime's private Impl.)
+template <class RuntimeImpl>
+void checkpoint_entry(RuntimeImpl& I, Runtime& rt, const char* what) {
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass())
+    throw UsageError(std::string(what) + " on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
+  check_cpu_params(I.registry.params(), what);
+  rt.wait_all_params();
+}
 
 }  // namespace shardflow::ckpt

@@ -43,16 +43,12 @@ double median_of(std::vector<double> v) {
 
 }  // namespace
 
-void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, bool sync) {
+void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, bool sync, std::int64_t bucket, Time issued) {
   std::lock_guard lock(mu_);
   link_.push_back({begin, end});
   (sync ? sync_us_ : reduce_us_) += end - begin;
   if (kind >= 0 && kind < int(bytes_.size())) bytes_[std::size_t(kind)] += bytes;
-}
-
-void OverlapStats::bucket_collective(std::int64_t bucket, bool sync, Time issued, Time completed) {
   if (bucket < 0) return;
-  std::lock_guard lock(mu_);
   const auto b = std::size_t(bucket);
   if (b >= reduce_done_.size()) {
     reduce_done_.resize(b + 1, -1);
@@ -61,7 +57,7 @@ void OverlapStats::bucket_collective(std::int64_t bucket, bool sync, Time issued
   if (sync)
     sync_issued_[b] = sync_issued_[b] < 0 ? issued : std::min(sync_issued_[b], issued);  // its first op
   else
-    reduce_done_[b] = std::max(reduce_done_[b], completed);  // its last op
+    reduce_done_[b] = std::max(reduce_done_[b], end);  // its last op
 }
 
 void OverlapStats::blocked(Time begin, Time end) {

@@ -22,7 +22,10 @@ namespace shardflow {
 class OverlapStats {
  public:
   using Time = std::int64_t;  // microseconds
-  void link(Time begin, Time end, int kind, std::size_t bytes, bool sync = false);
+  // A collective on the link: [begin, end), of kind `kind` (CollectiveKind) moving `bytes`; a
+  // parameter sync or a reduction (norm exchanges count as reductions). For bucket `bucket` (-1:
+  // none), also when it was issued (Note [Choosing the interleave lag]).
+  void link(Time begin, Time end, int kind, std::size_t bytes, bool sync, std::int64_t bucket, Time issued);
   // The first gradient of a synchronised pass (forward and zero_grad ended), and finish_backward.
   void backward_started(Time t);
   void backward_ended(Time t);
@@ -38,8 +41,6 @@ class OverlapStats {
   // `t` less the time the trainer was held up in this window before it: where `t` falls on the
   // trainer's own clock (the times of a pass with stage 2 backpressure, as if never held up).
   Time unblocked(Time t) const;
-  // Bucket `bucket`'s reduction (or sync) was issued and completed (each of its ops).
-  void bucket_collective(std::int64_t bucket, bool sync, Time issued, Time completed);
   void blocked(Time begin, Time end);
   void optimizer(Time begin, Time end);
   // The trainer started working on an iteration (first call of a window opens it).

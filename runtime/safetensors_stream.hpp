@@ -52,12 +52,6 @@ void write_file_atomically(const std::string& path, const std::string& content);
 // The checksums of `index` (empty if it has none); Error naming the file if malformed.
 std::map<std::string, std::uint32_t> safetensors_checksums(const SafetensorsIndex& index);
 
-// The writing side of read_safetensors_split: the tensors, in order, in files of at most
-// `max_file_bytes` of data (a larger tensor alone in one) named <stem>-<id>-0000i-of-0000N.safetensors
-// beside `index_json`, which commit() writes last (temporary file, fsync, rename), then removing
-// the files of earlier saves the index no longer names. A crash before leaves the earlier save.
-class SafetensorsSplitWriter;
-
 class SafetensorsWriter {
  public:
   struct Entry {
@@ -91,6 +85,10 @@ class SafetensorsWriter {
   std::size_t checksum_len_ = 0;
 };
 
+// The writing side of read_safetensors_split: the tensors, in order, in files of at most
+// `max_file_bytes` of data (a larger tensor alone in one) named <stem>-<id>-0000i-of-0000N.safetensors
+// beside `index_json`, which commit() writes last (temporary file, fsync, rename), then removing
+// the files of earlier saves the index no longer names. A crash before leaves the earlier save.
 class SafetensorsSplitWriter {
  public:
   SafetensorsSplitWriter(std::string index_json, const std::vector<SafetensorsWriter::Entry>& tensors,

@@ -39,14 +39,14 @@ struct Slice {
 };
 
 // What rank r owns, as slices of parameters.
-std::vector<Slice> owned_slices(const Shard* shard, std::size_t nparams, const std::vector<ParamSpec>& params, int r) {
+std::vector<Slice> owned_slices(const Shard* shard, const std::vector<ParamSpec>& params, int r) {
   std::vector<Slice> out;
   if (shard && shard->shard_plan().sharded) {
     for (const auto& b : shard->shard_plan().buckets)
       for (const auto& piece : b.pieces[std::size_t(r)])
         if (piece.len) out.push_back({piece.param, piece.param_off, piece.len});
   } else if (r == 0) {
-    for (std::uint32_t p = 0; p < nparams; ++p)
+    for (std::uint32_t p = 0; p < params.size(); ++p)
       if (const auto n = std::size_t(numel(params[p].shape))) out.push_back({p, 0, n});
   }
   return out;
@@ -70,14 +70,9 @@ void Runtime::save_sharded_checkpoint(const std::string& dir) {
 
 void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass())
-    throw UsageError("save_sharded_checkpoint on rank " + std::to_string(I.rank) + " in the middle of a synchronised backward pass");
   if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
-  check_cpu_params(I.registry.params(), "save_sharded_checkpoint");
+  checkpoint_entry(I, *this, "save_sharded_checkpoint");
   if (I.pending_save) wait_checkpoint();  // one save in flight at a time
-  wait_all_params();
   const auto& params = I.registry.params();
   const Coordinates at(params);
   const Shard* shard = I.shard.get();
@@ -113,7 +108,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     }
     std::vector<std::string> files;
     for (int r = 0; r < I.world; ++r) {
-      const auto theirs = owned_slices(shard, params.size(), params, r);
+      const auto theirs = owned_slices(shard, params, r);
       files.push_back(theirs.empty() ? "" : file_name(id, r, I.world));
       for (const auto& sl : theirs) {
         nlohmann::json state = nlohmann::json::array();
@@ -135,7 +130,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     std::map<std::string, std::string> meta;
   };
   auto staged = std::make_shared<Staged>();
-  const auto mine = owned_slices(shard, params.size(), params, I.rank);
+  const auto mine = owned_slices(shard, params, I.rank);
   pending->slices = mine.size();
   try {
     fs::create_directories(dir);
@@ -228,9 +223,8 @@ void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::strin
   I.log->info("sharded checkpoint written to '{}' ({} slice(s) from this rank)", dir, slices);
 }
 
-void Runtime::load_sharded_checkpoint(const std::string& index_path) {
+void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after load_checkpoint's checkpoint_entry
   auto& I = *impl_;
-  wait_all_params();
   const auto& params = I.registry.params();
   nlohmann::json j;
   {
@@ -303,7 +297,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {
     // The pieces this rank owns under its own plan, in parameter coordinates: only the slices
     // that overlap them are read.
     std::vector<std::pair<std::size_t, std::size_t>> owned;  // [begin, end)
-    for (const auto& sl : owned_slices(I.shard.get(), params.size(), params, I.shard->shard_plan().sharded ? I.rank : 0))
+    for (const auto& sl : owned_slices(I.shard.get(), params, I.shard->shard_plan().sharded ? I.rank : 0))
       owned.emplace_back(at.base[sl.param] + sl.offset, at.base[sl.param] + sl.offset + sl.length);
     auto overlaps = [&](std::size_t b, std::size_t e) {
       for (const auto& [ob, oe] : owned)

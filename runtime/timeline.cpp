@@ -164,8 +164,7 @@ void Timeline::collective(const std::function<std::string()>& name, const char* 
     if (begin > completed) begin = completed;
     comm_free_ = completed;
   }
-  stats_.link(begin, completed, kind, bytes, std::strcmp(cat, "sync") == 0);
-  stats_.bucket_collective(args.bucket, std::strcmp(cat, "sync") == 0, issued, completed);
+  stats_.link(begin, completed, kind, bytes, std::strcmp(cat, "sync") == 0, args.bucket, issued);
   if (!tracing()) return;
   args.issued_us = issued;
   args.bytes = std::int64_t(bytes);

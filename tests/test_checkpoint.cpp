@@ -73,6 +73,18 @@ void same_tensors(const std::string& a, const std::string& b, double rel) {
   }
 }
 
+// Flips bits `mask` of the byte `from_end` bytes before the end of `file` (inside the last
+// tensor's data: the header still parses, the checksum does not match).
+void flip_byte(const fs::path& file, int from_end, char mask) {
+  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(-from_end, std::ios::end);
+  char b = 0;
+  io.read(&b, 1);
+  b = char(b ^ mask);
+  io.seekp(-from_end, std::ios::end);
+  io.write(&b, 1);
+}
+
 // Saved at world 4 stage 2 flat after 10 of 20 steps (one consolidated file, or sharded), resumed
 // at world 2 stage 1 param, world 3 stage 2 and world 1: where 20 straight steps end.
 void resumes_at_other_layouts(bool sharded) {
@@ -194,14 +206,7 @@ TEST_CASE("bad checkpoints: another model, another optimizer, a truncated file, 
     fs::create_directories(s / "flipped");
     const auto copy = mlp::checkpoint_file(s / "flipped");
     fs::copy_file(file, copy);
-    std::fstream io(copy, std::ios::in | std::ios::out | std::ios::binary);
-    io.seekg(-5, std::ios::end);
-    char b = 0;
-    io.read(&b, 1);
-    b = char(b ^ 0x01);
-    io.seekp(-5, std::ios::end);
-    io.write(&b, 1);
-    io.close();
+    flip_byte(copy, 5, 0x01);
     auto q = base(2, 1, Partition::flat, OptimizerConfig::Kind::sgd);
     q.resume_dir = s / "flipped";
     refused(q, "checksum mismatch");
@@ -299,15 +304,7 @@ TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, an
   };
   auto plain = base(2, 1, Partition::flat, OptimizerConfig::Kind::adamw);
   // A byte of the last tensor's data flipped: the header still parses, the checksum does not match.
-  const auto flipped = damaged("flipped", [](const fs::path& f) {
-    std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
-    io.seekg(-3, std::ios::end);
-    char b = 0;
-    io.read(&b, 1);
-    b = char(b ^ 0x10);
-    io.seekp(-3, std::ios::end);
-    io.write(&b, 1);
-  });
+  const auto flipped = damaged("flipped", [](const fs::path& f) { flip_byte(f, 3, 0x10); });
   refused(flipped, "checksum mismatch", plain);
   refused(flipped, shards[1].filename().string(), plain);
   refused(damaged("cut", [](const fs::path& f) { fs::resize_file(f, fs::file_size(f) - 16); }), shards[1].filename().string(), plain);
@@ -400,15 +397,7 @@ TEST_CASE("a consolidated checkpoint past its file limit splits into files with 
   for (const auto& e : fs::directory_iterator(s / "first"))
     if (e.path().extension() == ".safetensors") now_parts.push_back(e.path());
   std::sort(now_parts.begin(), now_parts.end());
-  {
-    std::fstream io(now_parts[0], std::ios::in | std::ios::out | std::ios::binary);
-    io.seekg(-2, std::ios::end);
-    char b = 0;
-    io.read(&b, 1);
-    b = char(b ^ 0x40);
-    io.seekp(-2, std::ios::end);
-    io.write(&b, 1);
-  }
+  flip_byte(now_parts[0], 2, 0x40);
   refused("checksum mismatch");
   fs::remove(now_parts[1]);
   refused(now_parts[1].filename().string());
