@@ -8,8 +8,9 @@
 // migrates state through), whatever layout saved it.
 // Saving streams: per state slot, windows of parameter coordinates (Shard::export_state; the
 // owners' pieces, summed across ranks when sharded) go to the recipient, which writes each into
-// the file at its place. No rank holds more than one window beyond its own state; nothing is
-// serialised on the way. The file appears under its name only once complete and on disk (a
+// the file at its place, behind the stream (runtime/write_behind.hpp: the parameters and each
+// half window are written while the next half is exported and reduced). No rank holds more than
+// one window beyond its own state; nothing is serialised on the way. The file appears under its name only once complete and on disk (a
 // temporary file, fsync, rename): a crash mid-save leaves the previous checkpoint as it was.
 // The same stream goes into split files with an index past a size limit, or into memory
 // (Runtime::state_dict); loading takes a file, split files or a StateDict through one path.
@@ -20,11 +21,13 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/elementwise.hpp"
 #include "runtime/checkpoint_common.hpp"
 #include "runtime/safetensors_stream.hpp"
+#include "runtime/write_behind.hpp"
 
 namespace shardflow {
 namespace ckpt {
@@ -135,9 +138,13 @@ struct FileSink : ConsolidatedSink {
   std::unique_ptr<SafetensorsWriter> one;
   std::unique_ptr<SafetensorsSplitWriter> split;
   std::shared_ptr<spdlog::logger> log;
+  // Test hook (tests/test_checkpoint.cpp): SHARDFLOW_TEST_FAIL_WRITE=K fails this save's K-th
+  // write as a full disk would, in the middle of the stream.
+  long fail_at = 0, writes = 0;
   FileSink(std::string p, const std::vector<SafetensorsWriter::Entry>& entries, const std::map<std::string, std::string>& meta,
            std::uint64_t max_file_bytes, std::shared_ptr<spdlog::logger> l)
       : path(std::move(p)), log(std::move(l)) {
+    if (const char* k = std::getenv("SHARDFLOW_TEST_FAIL_WRITE")) fail_at = std::atol(k);
     std::uint64_t bytes = 0;
     for (const auto& e : entries) bytes += std::uint64_t(numel(e.shape)) * safetensors_element_size(e.dtype);
     if (max_file_bytes > 0 && bytes > max_file_bytes)
@@ -146,6 +153,7 @@ struct FileSink : ConsolidatedSink {
       one = std::make_unique<SafetensorsWriter>(path, entries, meta, /*checksums=*/true);
   }
   void write(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) override {
+    if (++writes == fail_at) throw Error("writing '" + path + "', tensor '" + name + "' failed: No space left on device (injected)");
     one ? one->write(name, offset, data, n) : split->write(name, offset, data, n);
   }
   void commit() override {
@@ -213,25 +221,43 @@ void consolidate(RuntimeImpl& I, int recipient, const char* what, const std::str
                                        " failed " + doing + " '" + target + "' (its error says why)");
   };
   if (!agree("checkpoint: recipient ready")) fail("opening");
+  // The recipient's writes run behind the stream, two half windows in turn: while one is being
+  // written the next is exported and reduced, in the memory of the one window the save may use.
+  // The parameters go first, from where they live (nothing changes them while every rank is in
+  // this call). A failed write leaves the stream running to its end (WriteBehind).
+  constexpr std::size_t kHalf = RuntimeImpl::kStateWindow / 2;
+  std::vector<float> windows[2];
+  std::uint64_t written[2] = {0, 0};  // the ticket of each half's last write
+  std::optional<WriteBehind> behind;
+  if (me) behind.emplace();
+  auto write = [&](const std::string& name, std::uint64_t offset, const void* data, std::uint64_t n) {
+    return behind->submit([&out, name, offset, data, n] { out->write(name, offset, data, n); });
+  };
   try {
     if (me)
-      for (std::size_t p = 0; p < params.size(); ++p) out->write(params[p].name, 0, params[p].data, at.size[p] * dtype_size(params[p].dtype));
-    std::vector<float> window;
+      for (std::size_t p = 0; p < params.size(); ++p) write(params[p].name, 0, params[p].data, at.size[p] * dtype_size(params[p].dtype));
+    std::size_t turn = 0;
     for (std::size_t s = 0; s < slots; ++s)
-      for (std::size_t begin = 0; begin < at.total; begin += RuntimeImpl::kStateWindow) {
-        window.resize(std::min(RuntimeImpl::kStateWindow, at.total - begin));
+      for (std::size_t begin = 0; begin < at.total; begin += kHalf, turn ^= 1) {
+        auto& window = windows[turn];
+        if (me) behind->wait_done(written[turn]);
+        window.resize(std::min(kHalf, at.total - begin));
         I.state_window(*I.shard, s, begin, window, "checkpoint: state", false);
-        if (!me) continue;
+        if (!me || behind->failed()) continue;
         for_params_in(at.base, at.size, begin, window.size(), [&](std::uint32_t p, std::size_t off, std::size_t w, std::size_t n) {
           if (const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s); !name.empty())
-            out->write(state_key(params[p].name, name), off * 4, window.data() + w, n * 4);
+            written[turn] = write(state_key(params[p].name, name), off * 4, window.data() + w, n * 4);
         });
       }
-    if (me) out->commit();
+    if (me) {
+      behind->finish();
+      out->commit();
+    }
   } catch (const std::exception& e) {
     if (!me) throw;
     failure = e.what();
   }
+  behind.reset();  // before the windows it may still read go
   if (!agree("checkpoint: written")) fail("writing");
 }
 

@@ -16,7 +16,7 @@ namespace shardflow {
 
 std::size_t safetensors_element_size(const std::string& dtype);  // 0: unknown
 
-// CRC-32 (zlib's polynomial) of n bytes, continuing from `crc` (0 to start).
+// CRC-32 (zlib's polynomial and value; computed by ISA-L) of n bytes, continuing from `crc` (0 to start).
 std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t n);
 
 // Checkpoint files carry each tensor's CRC-32 in their metadata under this key: a JSON object of

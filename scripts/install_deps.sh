@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build
   libcaf-dev libboost-dev libspdlog-dev doctest-dev libgloo-dev
   nlohmann-json3-dev libopenblas-dev libcli11-dev
-  zlib1g-dev  # CRC-32 of checkpoint slices
+  libisal-dev  # CRC-32 of checkpoints (ISA-L: carry-less multiply, 7x zlib)
   python3 python3-matplotlib
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config

@@ -243,6 +243,37 @@ TEST_CASE("a save that fails leaves the previous checkpoint as it was, and no te
   for (const auto& e : fs::directory_iterator(s / "c")) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
 }
 
+TEST_CASE("a write that fails in the middle of a consolidated save: every rank hears it, none waits, the previous file stands, training goes on") {
+  Scratch s;
+  const auto file = s / "c.safetensors";
+  Config cfg;
+  cfg.zero.stage = ZeroStage::gradients;
+  small_world(2, cfg, [&](Runtime& rt, int r, std::vector<float>&, const std::function<void(int)>& train) {
+    train(2);
+    rt.save_checkpoint(file);
+  });
+  const auto before = load_safetensors(file);
+  // The recipient's second write (a parameter; the state's windows are still streaming behind it)
+  // fails as a full disk would.
+  ::setenv("SHARDFLOW_TEST_FAIL_WRITE", "2", 1);
+  std::vector<std::string> heard(2);
+  small_world(2, cfg, [&](Runtime& rt, int r, std::vector<float>&, const std::function<void(int)>& train) {
+    train(3);
+    try {
+      rt.save_checkpoint(file);
+    } catch (const std::exception& e) {
+      heard[std::size_t(r)] = e.what();
+    }
+    train(1);  // the ranks' collectives are still in step
+  });
+  ::unsetenv("SHARDFLOW_TEST_FAIL_WRITE");
+  CHECK(heard[0].find("tensor 'p1' failed: No space left on device") != std::string::npos);
+  CHECK(heard[1].find("rank 0 failed writing '" + file + "'") != std::string::npos);
+  const auto after = load_safetensors(file);
+  for (const auto& [name, t] : before) CHECK_MESSAGE(after.at(name).data == t.data, name);
+  for (const auto& e : fs::directory_iterator(s.dir)) CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
+}
+
 TEST_CASE("sharded checkpoints: 10 steps, each rank its own file, 10 more from them == 20 straight, bit for bit") {
   struct Case {
     int stage;
