@@ -3,6 +3,7 @@
 #include <caf/stateful_actor.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -21,8 +22,12 @@ struct CommStreamState {
   // What each bucket puts on the link, given with its readiness; the norm exchange's ops with norm_ready.
   std::vector<std::shared_ptr<const BucketCollectives>> collectives;
   CollectiveIssue norm;
+  CollectiveIssue buffers;  // the buffers' broadcasts, with buffers_ready
+  // Told when the buffers' broadcast completed or failed (a call on the backend's thread: it only
+  // counts in the IterationSignal, as the bucket and shard actors do).
+  std::function<void(const msg::Failure&)> buffers_done;
   std::vector<std::uint32_t> reduce_entry, sync_entry;  // by bucket
-  std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
+  std::uint32_t norm_entry = ~0u, buffers_entry = ~0u, last_reduce_entry = 0;
   std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
   msg::shard_actor_t shard;                 // the shard actor, when the runtime runs the optimizer
   std::uint32_t next = 0;          // the next entry to issue
@@ -38,6 +43,7 @@ struct CommStreamState {
 msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
                                                           std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries,
-                                                          std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration);
+                                                          std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration,
+                                                          std::function<void(const msg::Failure&)> buffers_done);
 
 }  // namespace shardflow

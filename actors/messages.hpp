@@ -19,6 +19,9 @@
 //   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> IterationSignal
 //   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
 //   shard actor --norm_ready(exchange)--> comm stream --norm_done--> shard actor   (clipping)
+//
+// Registered buffers (Note [Rank 0's state everywhere]), when backward ends:
+//   trainer thread --buffers_ready(broadcasts)--> comm stream --completion--> IterationSignal
 #pragma once
 
 #include <caf/allowed_unsafe_message_type.hpp>
@@ -52,6 +55,7 @@ using broadcast_done_atom = caf::atom_constant<caf::atom("bcast_done")>;
 using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
 using norm_ready_atom = caf::atom_constant<caf::atom("norm_ready")>;
 using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
+using buffers_ready_atom = caf::atom_constant<caf::atom("bufs_ready")>;
 using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard actor to itself
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
@@ -73,6 +77,7 @@ using bucket_actor_t =
 using comm_stream_actor_t = caf::typed_actor<
     caf::reacts_to<set_peer_atom, shard_actor_t>,
     caf::reacts_to<bucket_ready_atom, std::uint32_t, std::shared_ptr<const BucketCollectives>, bucket_actor_t>,
-    caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>>;
+    caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>,
+    caf::reacts_to<buffers_ready_atom, CollectiveIssue>>;
 
 }  // namespace shardflow::msg

@@ -14,6 +14,8 @@ std::uint32_t ParamRegistry::add(ParamSpec spec, bool view, const Communicator& 
   if (spec.name.find('\n') != std::string::npos) throw UsageError("register_param: " + who + ": name contains a newline");
   if (by_name_.count(spec.name))
     throw UsageError("register_param: " + who + " is registered twice (names must be unique)");
+  for (const auto& b : buffers_)
+    if (b.name == spec.name) throw UsageError("register_param: " + who + " has the name of a registered buffer (names must be unique)");
   for (auto d : spec.shape)
     if (d < 0) throw UsageError("register_param: " + who + " has a negative dimension in shape " + shape_str(spec.shape));
   const auto n = numel(spec.shape);
@@ -34,6 +36,22 @@ std::uint32_t ParamRegistry::add(ParamSpec spec, bool view, const Communicator& 
   return index;
 }
 
+void ParamRegistry::add_buffer(BufferSpec spec, const Communicator& comm) {
+  const std::string who = "register_buffer: buffer '" + spec.name + "'";
+  if (spec.name.empty()) throw UsageError("register_buffer: buffer #" + std::to_string(buffers_.size()) + " has no name");
+  if (spec.name.find('\n') != std::string::npos) throw UsageError(who + ": name contains a newline");
+  bool taken = by_name_.count(spec.name) > 0;
+  for (const auto& b : buffers_) taken |= b.name == spec.name;
+  if (taken) throw UsageError(who + " is registered twice, or a parameter has its name (names must be unique)");
+  if (spec.bytes > 0 && !spec.data) throw UsageError(who + " has no data pointer");
+  if (spec.bytes % 2 != 0)
+    throw UsageError(who + " is " + std::to_string(spec.bytes) +
+                     " bytes: buffers move as whole 16-bit words (pad it to an even size)");
+  if (!comm.supports(spec.device))
+    throw UsageError(who + " lives on " + spec.device.str() + ", which the " + comm.backend_name() + " backend cannot move");
+  buffers_.push_back(std::move(spec));
+}
+
 std::optional<std::uint32_t> ParamRegistry::find(const std::string& name) const {
   auto it = by_name_.find(name);
   if (it == by_name_.end()) return std::nullopt;
@@ -43,6 +61,7 @@ std::optional<std::uint32_t> ParamRegistry::find(const std::string& name) const 
 std::string ParamRegistry::signature() const {
   std::string s;
   for (const auto& p : params_) s += p.name + " " + shape_str(p.shape) + " " + dtype_name(p.dtype) + "\n";
+  for (const auto& b : buffers_) s += "buffer " + b.name + " " + std::to_string(b.bytes) + " bytes\n";
   return s;
 }
 
@@ -79,13 +98,16 @@ CollectiveOp byte_allgather(const void* send, void* recv, std::size_t words, con
 std::string first_signature_difference(const std::string& a, int ra, const std::string& b, int rb) {
   const auto la = lines(a), lb = lines(b);
   const std::string A = "rank " + std::to_string(ra), B = "rank " + std::to_string(rb);
+  // Buffers' lines follow the parameters' (ParamRegistry::signature).
+  const bool buffers = (a + b).find("buffer ") != std::string::npos;
+  const std::string what = buffers ? " parameters and buffers, " : " parameters, ";
   for (std::size_t i = 0; i < std::min(la.size(), lb.size()); ++i)
     if (la[i] != lb[i])
-      return "parameter #" + std::to_string(i) + ": " + A + " registered '" + la[i] + "', " + B + " registered '" +
+      return (buffers ? "entry #" : "parameter #") + std::to_string(i) + ": " + A + " registered '" + la[i] + "', " + B + " registered '" +
              lb[i] + "'";
   if (la.size() != lb.size()) {
     const auto& longer = la.size() > lb.size() ? la : lb;
-    return A + " registered " + std::to_string(la.size()) + " parameters, " + B + " registered " +
+    return A + " registered " + std::to_string(la.size()) + what + B + " registered " +
            std::to_string(lb.size()) + "; the first one only one of them has is #" +
            std::to_string(std::min(la.size(), lb.size())) + " '" + longer[std::min(la.size(), lb.size())] + "'";
   }
@@ -125,7 +147,7 @@ void verify_same_params(Communicator& comm, const std::string& sig, std::chrono:
     const std::string other = text(r);
     if (other != ref)
       throw MismatchError("ranks registered different parameters: " + first_signature_difference(ref, 0, other, r) +
-                          ". Every rank must register the same parameters in the same order.");
+                          ". Every rank must register the same parameters (and buffers) in the same order.");
   }
 }
 

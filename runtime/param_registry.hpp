@@ -21,12 +21,17 @@ class ParamRegistry {
   const std::vector<ParamSpec>& params() const { return params_; }
   std::optional<std::uint32_t> find(const std::string& name) const;
   std::size_t size() const { return params_.size(); }
+  // Buffers (BufferSpec): names share the parameters' namespace.
+  void add_buffer(BufferSpec spec, const Communicator& comm);
+  const std::vector<BufferSpec>& buffers() const { return buffers_; }
 
-  // One line per parameter: name, shape, dtype. Devices may differ between ranks (cuda:0, cuda:1).
+  // One line per parameter (name, shape, dtype), then one per buffer ("buffer", name, bytes).
+  // Devices may differ between ranks (cuda:0, cuda:1).
   std::string signature() const;
 
  private:
   std::vector<ParamSpec> params_;
+  std::vector<BufferSpec> buffers_;
   std::unordered_map<std::string, std::uint32_t> by_name_;
 };
 

@@ -88,6 +88,14 @@ Param Runtime::register_param(ParamSpec spec) {
   return index;
 }
 
+void Runtime::register_buffer(BufferSpec spec) {
+  auto& I = *impl_;
+  std::lock_guard lock(I.finalize_mu);
+  if (I.finalized.load())
+    throw UsageError("register_buffer('" + spec.name + "'): registration is closed once training has started");
+  I.registry.add_buffer(std::move(spec), *I.comm);
+}
+
 Param Runtime::param(const std::string& name) const {
   auto& I = *impl_;
   auto idx = I.registry.find(name);
@@ -239,9 +247,12 @@ void Runtime::finish_backward() {
     I.order[I.order_pos.fetch_add(1)] = i;
     I.send_to_bucket(i, true);
   }
+  if (I.syncs_buffers()) I.send_buffers();
   I.timeline->stats().backward_ended(Timeline::now());
   // How many buckets were already reduced, stepped and synced when backward ended (stats()).
-  I.done_in_backward = I.plan.buckets.size() - I.signal->pending(I.signal_target + 1).size();
+  std::size_t pending = 0;
+  for (auto b : I.signal->pending(I.signal_target + 1)) pending += b < I.plan.buckets.size();
+  I.done_in_backward = I.plan.buckets.size() - pending;
   I.phase.store(Impl::Phase::reducing, std::memory_order_release);
 }
 
@@ -258,7 +269,11 @@ void Runtime::wait() {
   const bool prefetching = I.prefetch_active;
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
   // this one finishes while the next forward runs (Note [Forward prefetch]).
-  I.blocked("wait (iteration)", -1, [&] { I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target); });
+  I.blocked("wait (iteration)", -1, [&] {
+    I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
+    // The next forward reads and updates the buffers: their broadcast must be done, prefetch or not.
+    if (prefetching && I.syncs_buffers()) I.await_buffers(I.signal_target);
+  });
   // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
   if (I.shard && !prefetching) I.shard->join_compute();
   if (!I.cfg.buckets.gradient_as_bucket_view && !I.shard) {

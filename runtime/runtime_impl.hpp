@@ -3,6 +3,7 @@
 //   runtime_plan.cpp     finalizing, installing and rebuilding the bucket plan, state migration, the actors
 //   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
 //   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
+//   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
 //   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
 //   bucket_collectives.cpp   what one bucket puts on the link: reduction, cast, sync
 #pragma once
@@ -228,6 +229,14 @@ struct Runtime::Impl {
   // rest. `words`: 32-bit words, summed as f32 by an all-reduce, copied as they are by a
   // broadcast. Nothing at world 1.
   void control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root = 0);
+
+  // Note [Rank 0's state everywhere] (state_sync.cpp): the start-up broadcast of parameters and
+  // buffers (in finalize, before the buckets exist), and the buffers' broadcast each iteration.
+  void sync_initial_state();
+  bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
+  void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
+  void await_buffers(std::uint64_t target);
+  std::shared_ptr<void> buffers_event;  // device buffers: recorded on the compute stream when backward ends
 
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
   std::vector<ScheduledCollective> build_schedule() const;

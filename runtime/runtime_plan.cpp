@@ -35,10 +35,15 @@ void Runtime::Impl::ensure_finalized() {
   throw_if_failed();
   const auto n = registry.size();
   if (n == 0) throw UsageError("rank " + std::to_string(rank) + ": no parameters registered before training started");
+  for (const auto& b : registry.buffers())
+    if (!(b.device == mem->device))
+      throw UsageError("register_buffer: buffer '" + b.name + "' is on " + b.device.str() + " but the parameters are on " +
+                       mem->device.str() + "; a Runtime's buffers live where its parameters do");
   try {
     collectives->record(CollectiveOp{CollectiveKind::allgather, DType::f32, nullptr, nullptr, 4, 0, 1.0f,
                                      "verify parameter lists", {}});
     verify_same_params(*comm, registry.signature(), cfg.timeouts.collective);
+    sync_initial_state();
   } catch (const MismatchError& e) {
     fail(e);
   } catch (const TimeoutError& e) {
@@ -153,6 +158,7 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   spec.buckets = plan.buckets.size();
   spec.syncs = shard && shard->syncs();
   spec.norm = spec.syncs && shard->clips();
+  spec.buffers = syncs_buffers();
   // Syncs in the observed forward order: only the first prefetch_early interleave, each after the
   // next bucket's reduction (Note [Forward prefetch]): a reduction never queues behind a step
   // then, and the sync left over for after backward is needed second by forward, which waits
@@ -167,9 +173,12 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
 
 void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   auto& sys = actors->system();
-  signal = std::make_shared<IterationSignal>(plan.buckets.size());
+  // The buffers' broadcast counts in the signal as one more "bucket" after the real ones.
+  const std::uint32_t buffers_index = std::uint32_t(plan.buckets.size());
+  signal = std::make_shared<IterationSignal>(plan.buckets.size() + (syncs_buffers() ? 1 : 0));
   signal_target = 0;
-  comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, first_iteration);
+  comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, first_iteration,
+                           [s = signal, buffers_index](const msg::Failure& f) { s->bucket_done(buffers_index, f); });
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).

@@ -16,8 +16,9 @@ std::string spelled(const std::vector<ScheduledCollective>& order) {
   for (const auto& c : order) {
     if (!s.empty()) s += ' ';
     s += c.kind == ScheduledCollective::reduce ? "R" + std::to_string(c.bucket)
-         : c.kind == ScheduledCollective::norm ? std::string("N")
-                                         : "S" + std::to_string(c.bucket);
+         : c.kind == ScheduledCollective::norm    ? std::string("N")
+         : c.kind == ScheduledCollective::buffers ? std::string("B")
+                                                  : "S" + std::to_string(c.bucket);
   }
   return s;
 }
@@ -86,4 +87,16 @@ TEST_CASE("every bucket is reduced once and synced once, whatever the settings")
           }
           if (norm || !interleave) CHECK(first_sync > last_reduce);  // no sync before the last reduction
         }
+}
+
+TEST_CASE("the buffers' broadcast goes right after the last reduction, before the norm exchange and the syncs that follow it") {
+  auto with_buffers = [](ScheduleSpec s) {
+    s.buffers = true;
+    return spelled(collective_order(s));
+  };
+  CHECK(with_buffers(spec(3, false)) == "R0 R1 R2 B");
+  CHECK(with_buffers(spec(3, true)) == "R0 R1 R2 B S0 S1 S2");
+  CHECK(with_buffers(spec(3, true, true)) == "R0 R1 R2 B N S0 S1 S2");
+  CHECK(with_buffers(spec(4, true, false, true, 1)) == "R0 R1 S0 R2 S1 R3 B S2 S3");
+  CHECK(with_buffers(spec(1, true, false, true, 0)) == "R0 B S0");
 }

@@ -39,6 +39,7 @@ std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
       ++synced;
     }
     out.push_back({kind, bucket});
+    if (s.buffers && kind == ScheduledCollective::reduce && reduced == s.buckets) out.push_back({ScheduledCollective::buffers, 0});
   }
   return out;
 }

@@ -15,6 +15,8 @@
 // needs the global norm, which needs every reduction, so the syncs go after N.
 // With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
 // prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
+// The buffers' broadcast (B, Note [Rank 0's state everywhere]) goes right after the last
+// reduction, whatever follows it: R0 .. R(B-1) B [N] S...
 //
 // collective_order() is the order alone, a pure function of the plan's shape and the settings (every
 // rank computes the same one). What each entry puts on the link is the bucket's to say
@@ -31,9 +33,9 @@ namespace shardflow {
 // One step of a rank's collective schedule. Every rank builds the same schedule from the same plan,
 // so issuing strictly in schedule order keeps the ranks' collectives in the same order.
 struct ScheduledCollective {
-  enum Kind : std::uint8_t { reduce, norm, sync };
+  enum Kind : std::uint8_t { reduce, norm, sync, buffers };
   Kind kind = reduce;
-  std::uint32_t bucket = 0;  // 0 for the norm exchange
+  std::uint32_t bucket = 0;  // 0 for the norm exchange and the buffers' broadcast
   bool operator==(const ScheduledCollective&) const = default;
 };
 
@@ -41,6 +43,7 @@ struct ScheduleSpec {
   std::size_t buckets = 0;
   bool syncs = false;       // the runtime's optimizer syncs updated parameters (ZeRO 1 and 2)
   bool norm = false;        // gradient clipping: the norm exchange after every reduction
+  bool buffers = false;     // the registered buffers' broadcast, right after the last reduction
   bool interleave = false;  // syncs go out between the reductions (Overlap::interleaved, no clipping)
   std::size_t lag = 0;      // interleaved: S(i) after R(i + lag)
   // The order syncs go out in: empty is bucket order; with forward prefetch, the order the next

@@ -109,6 +109,20 @@ struct PrecisionConfig {
   DType comm_dtype = DType::f32;
 };
 
+// Rank 0's values to every rank, as PyTorch DDP does at construction and before each forward.
+struct SyncConfig {
+  // At the end of registration (Runtime::finalize) every parameter and registered buffer is
+  // broadcast from rank 0, so ranks that built or initialised their models apart train one model
+  // (DDP's constructor always does this). Off: the trainer guarantees equal values itself (one
+  // seed on every rank, or a checkpoint loaded before training).
+  bool initial = true;
+  // Every synchronised iteration, the registered buffers (Runtime::register_buffer) are broadcast
+  // from rank 0 once backward ends, before the next forward can use them (DDP's broadcast_buffers,
+  // also on by default there). Forward updates running statistics on each rank from its own
+  // batch; this keeps every rank's copy equal to rank 0's. No buffers registered: nothing moves.
+  bool buffers = true;
+};
+
 struct TraceConfig {
   // Writes a Chrome trace (chrome://tracing, ui.perfetto.dev) of what each rank did when (Note
   // [Timeline]): forward/backward spans the trainer adds (Runtime::span), every grad_ready, each
@@ -130,6 +144,7 @@ struct Config {
   BucketConfig buckets;
   ZeroConfig zero;
   PrecisionConfig precision;
+  SyncConfig sync;
   TraceConfig trace;
   TimeoutConfig timeouts;
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors

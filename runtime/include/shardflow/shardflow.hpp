@@ -122,6 +122,13 @@ class Runtime {
   Param register_param(ParamSpec spec);
   Param param(const std::string& name) const;  // UsageError if unknown
   std::size_t num_params() const;
+  // Registers a buffer: state that forward updates and that gets no gradient but must be the same
+  // on every rank (normalisation running statistics, counters). Like the parameters it is
+  // broadcast from rank 0 at finalize() (Config::sync.initial); with Config::sync.buffers (on by
+  // default, as DDP's broadcast_buffers) also once each synchronised iteration, after backward
+  // and before wait() returns (Note [Rank 0's state everywhere]). Before training starts; buffers
+  // and parameters share one namespace, and every rank registers the same buffers.
+  void register_buffer(BufferSpec spec);
 
   // CUDA parameters: the stream backward runs on (a cudaStream_t; default null, the legacy default
   // stream). When a bucket's last gradient is reported, an event is recorded on it, and the
@@ -131,9 +138,10 @@ class Runtime {
   // Runtime's parameters live on one device. Change it between iterations only.
   void set_stream(void* cuda_stream);
 
-  // Ends registration: checks that every rank registered the same parameters (count, names,
-  // shapes, dtypes; MismatchError naming the first difference) and builds the buckets. A
-  // collective: every rank calls it. zero_grad(), grad() and grad_ready() call it when needed.
+  // Ends registration: checks that every rank registered the same parameters and buffers (count,
+  // names, shapes, dtypes; MismatchError naming the first difference), broadcasts rank 0's values
+  // of both to every rank (Config::sync.initial, on by default as in DDP) and builds the buckets.
+  // A collective: every rank calls it. zero_grad(), grad() and grad_ready() call it when needed.
   void finalize();
 
   // Where the gradient of `p` lives (inside its bucket with Config::buckets.gradient_as_bucket_view). May move

@@ -42,4 +42,14 @@ struct ParamSpec {
   void* grad = nullptr;
 };
 
+// What a trainer registers besides parameters: state that forward updates and that must stay the
+// same on every rank but gets no gradient (normalisation running statistics, step counters,
+// masks). Raw bytes: shardflow only copies them (Config::sync).
+struct BufferSpec {
+  std::string name;
+  void* data = nullptr;  // owned by the trainer
+  std::size_t bytes = 0;  // a whole number of 16-bit words: the backends move 2- or 4-byte elements
+  Device device = Device::cpu();
+};
+
 }  // namespace shardflow

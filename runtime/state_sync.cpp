@@ -1,0 +1,85 @@
+// Note [Rank 0's state everywhere]
+// Data parallelism assumes every rank holds the same model; nothing in the gradients' average
+// repairs ranks that started apart (the average is applied to different parameters, and they stay
+// different forever, without a word). So, as PyTorch's DDP constructor does, finalize() broadcasts
+// every parameter and registered buffer from rank 0 before the buckets are built (the fp32 masters
+// and the optimizer state are made from the synced values). Config::sync.initial turns it off for
+// trainers that guarantee equal starts themselves.
+// Buffers (running statistics, counters) get no gradient, but forward updates them on each rank
+// from its own batch. With Config::sync.buffers every synchronised iteration broadcasts them from
+// rank 0, as DDP's broadcast_buffers does before each forward: here it is an entry of the
+// collective schedule right after the last reduction (Note [Collective schedule]), handed to the
+// comm stream when backward ends, since backward does not touch buffers and rank 0's values are
+// final then. wait() returns only after it completed, with forward prefetch too, so the next
+// forward never reads a buffer the link is writing.
+#include "runtime/runtime_impl.hpp"
+
+namespace shardflow {
+namespace {
+
+// A buffer moves as raw 32- or 16-bit words (the backends copy a broadcast's elements without
+// interpreting them).
+CollectiveOp buffer_broadcast(const BufferSpec& b) {
+  CollectiveOp op;
+  op.kind = CollectiveKind::broadcast;
+  op.dtype = b.bytes % 4 == 0 ? DType::f32 : DType::f16;
+  op.send = op.recv = b.data;
+  op.count = b.bytes / dtype_size(op.dtype);
+  op.root = 0;
+  op.tag = "buffer '" + b.name + "' from rank 0";
+  return op;
+}
+
+}  // namespace
+
+void Runtime::Impl::sync_initial_state() {
+  if (world == 1 || !cfg.sync.initial) return;
+  // The trainer may have initialised device parameters asynchronously on its compute stream.
+  if (mem->on_gpu()) cuda::stream_sync(mem->stream);
+  for (const auto& p : registry.params()) {
+    CollectiveOp op;
+    op.kind = CollectiveKind::broadcast;
+    op.dtype = p.dtype;
+    op.send = op.recv = p.data;
+    op.count = std::size_t(numel(p.shape));
+    op.root = 0;
+    op.tag = "initial sync: parameter '" + p.name + "' from rank 0";
+    if (op.count == 0) continue;
+    collectives->record(op);
+    comm->run(op, cfg.timeouts.collective);
+  }
+  for (const auto& b : registry.buffers()) {
+    if (b.bytes == 0) continue;
+    auto op = buffer_broadcast(b);
+    op.tag = "initial sync: " + op.tag;
+    collectives->record(op);
+    comm->run(op, cfg.timeouts.collective);
+  }
+}
+
+bool Runtime::Impl::syncs_buffers() const {
+  if (world == 1 || !cfg.sync.buffers) return false;
+  for (const auto& b : registry.buffers())
+    if (b.bytes > 0) return true;
+  return false;
+}
+
+void Runtime::Impl::send_buffers() {
+  CollectiveIssue issue;
+  // Device buffers: forward wrote them on the compute stream; the broadcast waits for that on the
+  // device (an event recorded now, after every kernel of this forward and backward was enqueued).
+  void* written = nullptr;
+  if (mem->on_gpu()) {
+    if (!buffers_event) buffers_event = std::shared_ptr<void>(cuda::event_create(mem->device.index), [](void* e) { cuda::event_destroy(cuda::Event(e)); });
+    cuda::event_record(cuda::Event(buffers_event.get()), mem->stream);
+    written = buffers_event.get();
+  }
+  for (const auto& b : registry.buffers())
+    if (b.bytes > 0) {
+      issue.ops.push_back(buffer_broadcast(b));
+      issue.ops.back().wait_event = written;
+    }
+  caf::anon_send(comm_actor_h, msg::buffers_ready_atom::value, std::move(issue));
+}
+
+}  // namespace shardflow
