@@ -44,8 +44,11 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
     case ScheduledCollective::norm:
       return [shard = s.shard](std::exception_ptr x) { caf::anon_send(shard, msg::norm_done_atom::value, to_failure(x)); };
     case ScheduledCollective::buffers:
-      return [done = s.buffers_done, last](std::exception_ptr x) {
-        if (last || x) done(to_failure(x));
+    case ScheduledCollective::unused:
+      return [done = s.handed_done, kind = e.kind, shard = s.shard, last](std::exception_ptr x) {
+        if (!last && !x) return;
+        if (kind == ScheduledCollective::unused && shard) caf::anon_send(shard, msg::unused_known_atom::value, to_failure(x));
+        done(kind, to_failure(x));
       };
     default:
       return [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
@@ -60,9 +63,9 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
                                                           std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries,
                                                           std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration,
-                                                          std::function<void(const msg::Failure&)> buffers_done) {
+                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done) {
   auto& st = self->state;
-  st.buffers_done = std::move(buffers_done);
+  st.handed_done = std::move(handed_done);
   st.iteration = first_iteration;
   st.comm = std::move(comm);
   st.logger = rank_logger(st.comm->rank());
@@ -78,8 +81,8 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
       st.last_reduce_entry = i;
     } else if (e.kind == ScheduledCollective::sync) {
       st.sync_entry[e.bucket] = i;
-    } else if (e.kind == ScheduledCollective::buffers) {
-      st.buffers_entry = i;
+    } else if (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused) {
+      st.handed_entry[e.kind] = i;
     } else {
       st.norm_entry = i;
     }
@@ -102,12 +105,14 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         switch (e.kind) {
           case ScheduledCollective::reduce: issue = s.collectives[e.bucket]->reduction(); break;
           case ScheduledCollective::sync: issue = s.collectives[e.bucket]->sync(); break;
-          case ScheduledCollective::buffers: issue = std::move(s.buffers); break;
+          case ScheduledCollective::buffers:
+          case ScheduledCollective::unused: issue = std::move(s.handed[e.kind]); break;
           default: issue = std::move(s.norm);
         }
       } catch (const std::exception& x) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
         const std::string what = e.kind == ScheduledCollective::norm      ? "the grad norm exchange"
                                  : e.kind == ScheduledCollective::buffers ? "the buffers' broadcast"
+                                 : e.kind == ScheduledCollective::unused  ? "the used counts' exchange"
                                                                           : "bucket " + std::to_string(e.bucket);
         completion_for(s, e, true, nullptr)(std::make_exception_ptr(
             CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + what + "'s collective: " + x.what())));
@@ -117,7 +122,8 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
       auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
       if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
         self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
-      if (ops.empty() && e.kind == ScheduledCollective::buffers) s.buffers_done(msg::Failure{});
+      if (ops.empty() && (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused))
+        completion_for(s, e, true, nullptr)(nullptr);
       for (std::size_t k = 0; k < ops.size(); ++k) {
         auto& op = ops[k];
         s.log->record(op);
@@ -129,8 +135,8 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         what.dtype = op.dtype;
         what.count = op.count;
         if (s.log->tracing()) what.tag = op.tag;
-        const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";
-        const std::int64_t bucket = e.kind == ScheduledCollective::norm || e.kind == ScheduledCollective::buffers ? -1 : std::int64_t(e.bucket);
+        const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
+        const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
         done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration),
                 t0 = Timeline::now(), inner = std::move(done)](std::exception_ptr x) {
           log->completed(what, world, cat, bucket, it, t0);
@@ -166,9 +172,11 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         self->state.ready[self->state.norm_entry] = 1;
         pump();
       },
-      [=](msg::buffers_ready_atom, CollectiveIssue& broadcasts) {
-        self->state.buffers = std::move(broadcasts);
-        self->state.ready[self->state.buffers_entry] = 1;
+      [=](msg::handed_over_atom, std::uint8_t kind, CollectiveIssue& issue) {
+        auto& s = self->state;
+        const auto k = ScheduledCollective::Kind(kind);
+        s.handed[k] = std::move(issue);
+        s.ready[s.handed_entry.at(k)] = 1;
         pump();
       },
   };

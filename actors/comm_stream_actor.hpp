@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -22,12 +23,14 @@ struct CommStreamState {
   // What each bucket puts on the link, given with its readiness; the norm exchange's ops with norm_ready.
   std::vector<std::shared_ptr<const BucketCollectives>> collectives;
   CollectiveIssue norm;
-  CollectiveIssue buffers;  // the buffers' broadcasts, with buffers_ready
-  // Told when the buffers' broadcast completed or failed (a call on the backend's thread: it only
-  // counts in the IterationSignal, as the bucket and shard actors do).
-  std::function<void(const msg::Failure&)> buffers_done;
+  // The trainer's entries (buffers, unused), by kind, with handed_over; told when one completed or
+  // failed (a call on the backend's thread: it only counts in the IterationSignal, as the bucket
+  // and shard actors do).
+  std::map<ScheduledCollective::Kind, CollectiveIssue> handed;
+  std::map<ScheduledCollective::Kind, std::uint32_t> handed_entry;
+  std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done;
   std::vector<std::uint32_t> reduce_entry, sync_entry;  // by bucket
-  std::uint32_t norm_entry = ~0u, buffers_entry = ~0u, last_reduce_entry = 0;
+  std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
   std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
   msg::shard_actor_t shard;                 // the shard actor, when the runtime runs the optimizer
   std::uint32_t next = 0;          // the next entry to issue
@@ -44,6 +47,6 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
                                                           std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries,
                                                           std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration,
-                                                          std::function<void(const msg::Failure&)> buffers_done);
+                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done);
 
 }  // namespace shardflow

@@ -20,8 +20,10 @@
 //   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
 //   shard actor --norm_ready(exchange)--> comm stream --norm_done--> shard actor   (clipping)
 //
-// Registered buffers (Note [Rank 0's state everywhere]), when backward ends:
-//   trainer thread --buffers_ready(broadcasts)--> comm stream --completion--> IterationSignal
+// When backward ends, the trainer's own entries (Note [Rank 0's state everywhere], Note [Unused
+// parameters]):
+//   trainer thread --handed_over(buffers | unused, ops)--> comm stream --completion--> IterationSignal
+//   comm stream --unused_known--> shard actor     (the used counts are in: the steps may go)
 #pragma once
 
 #include <caf/allowed_unsafe_message_type.hpp>
@@ -55,7 +57,10 @@ using broadcast_done_atom = caf::atom_constant<caf::atom("bcast_done")>;
 using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
 using norm_ready_atom = caf::atom_constant<caf::atom("norm_ready")>;
 using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
-using buffers_ready_atom = caf::atom_constant<caf::atom("bufs_ready")>;
+// The trainer's own entries of the schedule (the buffers' broadcast, the used counts), handed over
+// when backward ends; unused_known tells the shard the used counts are in.
+using handed_over_atom = caf::atom_constant<caf::atom("handed")>;
+using unused_known_atom = caf::atom_constant<caf::atom("unused_kn")>;
 using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard actor to itself
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
@@ -67,7 +72,8 @@ using Failure = BucketFailure;  // runtime/failure.hpp
 using shard_actor_t = caf::typed_actor<
     caf::reacts_to<set_groups_atom, std::uint64_t, std::shared_ptr<const OptimizerGroups>>,
     caf::reacts_to<reduced_atom, std::uint32_t, Failure>, caf::reacts_to<step_next_atom>, caf::reacts_to<all_issued_atom>,
-    caf::reacts_to<norm_done_atom, Failure>, caf::reacts_to<broadcast_done_atom, std::uint32_t, Failure>>;
+    caf::reacts_to<norm_done_atom, Failure>, caf::reacts_to<broadcast_done_atom, std::uint32_t, Failure>,
+    caf::reacts_to<unused_known_atom, Failure>>;
 
 using bucket_actor_t =
     caf::typed_actor<caf::reacts_to<grad_ready_atom, std::uint32_t>, caf::reacts_to<reduced_atom, std::uint32_t, Failure>>;
@@ -78,6 +84,6 @@ using comm_stream_actor_t = caf::typed_actor<
     caf::reacts_to<set_peer_atom, shard_actor_t>,
     caf::reacts_to<bucket_ready_atom, std::uint32_t, std::shared_ptr<const BucketCollectives>, bucket_actor_t>,
     caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>,
-    caf::reacts_to<buffers_ready_atom, CollectiveIssue>>;
+    caf::reacts_to<handed_over_atom, std::uint8_t, CollectiveIssue>>;
 
 }  // namespace shardflow::msg

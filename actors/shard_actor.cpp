@@ -14,6 +14,7 @@ void reset(ShardActorState& s) {
   std::fill(s.stepped.begin(), s.stepped.end(), 0);
   s.nreduced = s.nstepped = s.nsynced = s.staging_in_flight = s.first_unstepped = 0;
   s.all_issued = false;
+  s.unused_known = false;
   s.phase = s.shard->clips() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
   s.clip_coef = ClipCoef{};
 }
@@ -31,8 +32,10 @@ msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std:
 msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
                                               std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
                                               std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
-                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline) {
+                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline,
+                                              std::shared_ptr<const std::vector<float>> used_counts) {
   auto& st = self->state;
+  st.used_counts = std::move(used_counts);
   st.timeline = std::move(timeline);
   st.zero_on_done = zero_on_done;
   st.order = std::move(order);
@@ -61,6 +64,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       s.clip_coef = sh.finish_norm();  // stage 0: every rank sees every gradient
       s.phase = ShardPhase::stepping;
     }
+    if (s.used_counts && !s.unused_known) return;  // Note [Unused parameters]
     const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) ||
                          s.nreduced == B;
     // Pooled staging (stage 2): at most kStagingInFlight buckets between step and synced, so the
@@ -188,6 +192,18 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         guarded(0, [&] {
           s.clip_coef = s.shard->finish_norm();
           s.phase = ShardPhase::stepping;
+          try_step();
+        });
+      },
+      [=](msg::unused_known_atom, msg::Failure& failure) {
+        auto& s = self->state;
+        if (failure) {
+          s.iteration->bucket_done(0, failure);
+          return;
+        }
+        guarded(0, [&] {
+          s.shard->skip_unused(*s.used_counts);
+          s.unused_known = true;
           try_step();
         });
       },

@@ -40,6 +40,10 @@ struct ShardActorState {
   // newest snapshot whose tag is not beyond its own number when it starts stepping.
   std::vector<std::pair<std::uint64_t, std::shared_ptr<const OptimizerGroups>>> snapshots;
   std::shared_ptr<Timeline> timeline;  // steps and unpacks as spans, optimizer time (stats)
+  // find_unused_parameters (Note [Unused parameters]): how many ranks used each parameter, filled
+  // by the exchange; no step before unused_known.
+  std::shared_ptr<const std::vector<float>> used_counts;
+  bool unused_known = false;
   static inline const char* name = "shard";
 };
 
@@ -49,6 +53,7 @@ struct ShardActorState {
 msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
                                               std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
                                               std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
-                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline);
+                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline,
+                                              std::shared_ptr<const std::vector<float>> used_counts);
 
 }  // namespace shardflow

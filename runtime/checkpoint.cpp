@@ -85,7 +85,28 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
                       {"nesterov", h.nesterov}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
                       {"weight_decay", h.effective_weight_decay()}});
   meta["shardflow.param_groups"] = groups.dump();
+  nlohmann::json skipped = nlohmann::json::object();
+  const auto& params = shard->params();
+  for (std::size_t p = 0; p < params.size(); ++p)
+    if (shard->skipped()[p] != 0) skipped[params[p].name] = shard->skipped()[p];
+  if (!skipped.empty()) meta["shardflow.skipped_steps"] = skipped.dump();
   return meta;
+}
+
+void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::string& label) {
+  std::vector<std::int64_t> skipped(params.size(), 0);
+  if (!json.empty()) try {
+      const auto j = nlohmann::json::parse(json);
+      for (std::size_t p = 0; p < params.size(); ++p)
+        if (const auto it = j.find(params[p].name); it != j.end()) skipped[p] = it->get<std::int64_t>();
+    } catch (const nlohmann::json::exception& e) {
+      throw UsageError(label + ": shardflow.skipped_steps is malformed: " + e.what());
+    }
+  for (std::size_t p = 0; p < params.size(); ++p)
+    if (skipped[p] < 0 || skipped[p] > shard.steps())
+      throw UsageError(label + ": parameter '" + params[p].name + "' sat out " + std::to_string(skipped[p]) + " of " +
+                       std::to_string(shard.steps()) + " steps (shardflow.skipped_steps): the file is inconsistent");
+  shard.set_skipped(std::move(skipped));
 }
 
 }  // namespace ckpt
@@ -316,6 +337,8 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
     const auto it = file.metadata.find("shardflow.steps");
     if (it == file.metadata.end()) throw UsageError(label + " has optimizer state but no shardflow.steps in its metadata");
     I.shard->set_steps(std::stoll(it->second));
+    const auto skipped = file.metadata.find("shardflow.skipped_steps");
+    restore_skipped(*I.shard, params, skipped == file.metadata.end() ? "" : skipped->second, label);
   }
 }
 

@@ -32,6 +32,11 @@ void check_cpu_params(const std::vector<ParamSpec>& params, const char* what);
 
 // The step count, the stage, the partition and the groups' hyper-parameters, as metadata.
 std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* groups);
+// The steps each parameter sat out, unused on every rank (Note [Unused parameters]): metadata
+// "shardflow.skipped_steps" ({name: count}, only the non-zero ones, absent when none), so that
+// each parameter resumes with its own step count, as torch.optim's per-parameter "step" does.
+// restore_skipped takes the JSON text (empty: none) and names `label` in errors.
+void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::string& label);
 
 // Every checkpoint call starts here: between iterations, host parameters, and the last
 // iteration's parameter syncs landed. `what` names the call in errors. (A template so as not to

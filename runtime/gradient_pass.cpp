@@ -74,10 +74,11 @@ void Runtime::Impl::await_iterations(std::uint64_t target) {
   check_outcome(signal->wait_all(target, deadline), target, "iteration " + std::to_string(iterations));
 }
 
-void Runtime::Impl::await_buffers(std::uint64_t target) {
+void Runtime::Impl::await_handed(std::uint64_t target) {
   const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
-  check_outcome(signal->wait_bucket(std::uint32_t(plan.buckets.size()), target, deadline), target,
-                "the buffers' broadcast of iteration " + std::to_string(iterations));
+  for (auto kind : {ScheduledCollective::unused, ScheduledCollective::buffers})
+    if (const auto i = signal_index(kind); i != ~0u)
+      check_outcome(signal->wait_bucket(i, target, deadline), target, "iteration " + std::to_string(iterations));
 }
 
 void Runtime::Impl::check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what) {
@@ -96,7 +97,9 @@ void Runtime::Impl::check_outcome(IterationSignal::Outcome outcome, std::uint64_
     case IterationSignal::Outcome::timed_out: {
       std::string pending;
       for (auto b : signal->pending(target))
-        pending += (pending.empty() ? "" : ", ") + (b < plan.buckets.size() ? std::to_string(b) : std::string("the buffers' broadcast"));
+        pending += (pending.empty() ? "" : ", ") + (b < plan.buckets.size()                        ? std::to_string(b)
+                                                    : b == signal_index(ScheduledCollective::unused) ? std::string("the used counts' exchange")
+                                                                                                    : std::string("the buffers' broadcast"));
       fail(TimeoutError("rank " + std::to_string(rank) + ": " + what + " did not complete within " +
                         std::to_string(cfg.timeouts.collective.count()) + " ms; bucket(s) still pending: " + pending));
     }

@@ -247,6 +247,7 @@ void Runtime::finish_backward() {
     I.order[I.order_pos.fetch_add(1)] = i;
     I.send_to_bucket(i, true);
   }
+  if (I.finds_unused()) I.send_used_counts();
   if (I.syncs_buffers()) I.send_buffers();
   I.timeline->stats().backward_ended(Timeline::now());
   // How many buckets were already reduced, stepped and synced when backward ended (stats()).
@@ -271,8 +272,9 @@ void Runtime::wait() {
   // this one finishes while the next forward runs (Note [Forward prefetch]).
   I.blocked("wait (iteration)", -1, [&] {
     I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
-    // The next forward reads and updates the buffers: their broadcast must be done, prefetch or not.
-    if (prefetching && I.syncs_buffers()) I.await_buffers(I.signal_target);
+    // The next forward reads and updates the buffers, and the trainer may ask for the unused
+    // parameters: the entries handed over at the end of backward must be done, prefetch or not.
+    if (prefetching) I.await_handed(I.signal_target);
   });
   // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
   if (I.shard && !prefetching) I.shard->join_compute();

@@ -235,7 +235,16 @@ struct Runtime::Impl {
   void sync_initial_state();
   bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
-  void await_buffers(std::uint64_t target);
+  // Note [Unused parameters] (unused_params.cpp): with find_unused_parameters, how many ranks
+  // reported each parameter's gradient, all-reduced once backward ends.
+  bool finds_unused() const { return cfg.buckets.find_unused_parameters; }
+  void send_used_counts();
+  std::shared_ptr<std::vector<float>> used_counts;  // per parameter; the shard reads them too
+  // The schedule's entries the trainer hands over when backward ends (buffers, unused) count in
+  // the IterationSignal after the buckets; wait() with forward prefetch waits for them too.
+  void hand_over(ScheduledCollective::Kind kind, CollectiveIssue issue);
+  std::uint32_t signal_index(ScheduledCollective::Kind kind) const;  // ~0u: not in this schedule
+  void await_handed(std::uint64_t target);
   std::shared_ptr<void> buffers_event;  // device buffers: recorded on the compute stream when backward ends
 
   // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).

@@ -51,6 +51,7 @@ void Runtime::Impl::ensure_finalized() {
   } catch (const CommError& e) {
     fail(e);
   }
+  used_counts = std::make_shared<std::vector<float>>(n, 0.0f);
   marked.reset(new std::atomic<std::uint8_t>[n]);
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);
@@ -124,6 +125,7 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
     from.release_slot(slot);
   }
   to.set_steps(from.steps());
+  to.set_skipped(from.skipped());
 }
 
 void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
@@ -159,6 +161,7 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   spec.syncs = shard && shard->syncs();
   spec.norm = spec.syncs && shard->clips();
   spec.buffers = syncs_buffers();
+  spec.unused = finds_unused();
   // Syncs in the observed forward order: only the first prefetch_early interleave, each after the
   // next bucket's reduction (Note [Forward prefetch]): a reduction never queues behind a step
   // then, and the sync left over for after backward is needed second by forward, which waits
@@ -173,19 +176,21 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
 
 void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   auto& sys = actors->system();
-  // The buffers' broadcast counts in the signal as one more "bucket" after the real ones.
-  const std::uint32_t buffers_index = std::uint32_t(plan.buckets.size());
-  signal = std::make_shared<IterationSignal>(plan.buckets.size() + (syncs_buffers() ? 1 : 0));
+  // The trainer's entries (used counts, buffers) count in the signal after the buckets.
+  signal = std::make_shared<IterationSignal>(plan.buckets.size() + (finds_unused() ? 1 : 0) + (syncs_buffers() ? 1 : 0));
   signal_target = 0;
+  const std::map<ScheduledCollective::Kind, std::uint32_t> handed{{ScheduledCollective::unused, signal_index(ScheduledCollective::unused)},
+                                                                   {ScheduledCollective::buffers, signal_index(ScheduledCollective::buffers)}};
   comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, first_iteration,
-                           [s = signal, buffers_index](const msg::Failure& f) { s->bucket_done(buffers_index, f); });
+                           [s = signal, handed](ScheduledCollective::Kind k, const msg::Failure& f) { s->bucket_done(handed.at(k), f); });
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).
     const bool zero_on_done = cfg.zero.forward_prefetch && !bufs->pooled();
     // The syncs' order tells the shard which reduced bucket steps first (Note [Which bucket steps
     // next]).
-    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order, timeline);
+    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order, timeline,
+                              finds_unused() ? used_counts : nullptr);
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();

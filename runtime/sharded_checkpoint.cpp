@@ -100,6 +100,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     j["steps"] = shard ? shard->steps() : 0;
     const auto meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
     if (const auto g = meta.find("shardflow.param_groups"); g != meta.end()) j["param_groups"] = nlohmann::json::parse(g->second);
+    if (const auto k = meta.find("shardflow.skipped_steps"); k != meta.end()) j["skipped_steps"] = nlohmann::json::parse(k->second);
     for (const auto& p : params) j["params"].push_back({{"name", p.name}, {"dtype", safetensors_dtype(p.dtype)}, {"shape", p.shape}});
     for (const auto& b : I.plan.buckets) {
       nlohmann::json names = nlohmann::json::array();
@@ -329,7 +330,10 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
         I.shard->import_state(s, begin, values);
       }
     }
-    if (has_state) I.shard->set_steps(j.at("steps").get<std::int64_t>());
+    if (has_state) {
+      I.shard->set_steps(j.at("steps").get<std::int64_t>());
+      restore_skipped(*I.shard, params, j.contains("skipped_steps") ? j.at("skipped_steps").dump() : "", "checkpoint '" + index_path + "'");
+    }
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());
   }

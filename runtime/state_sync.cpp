@@ -79,7 +79,18 @@ void Runtime::Impl::send_buffers() {
       issue.ops.push_back(buffer_broadcast(b));
       issue.ops.back().wait_event = written;
     }
-  caf::anon_send(comm_actor_h, msg::buffers_ready_atom::value, std::move(issue));
+  hand_over(ScheduledCollective::buffers, std::move(issue));
+}
+
+void Runtime::Impl::hand_over(ScheduledCollective::Kind kind, CollectiveIssue issue) {
+  caf::anon_send(comm_actor_h, msg::handed_over_atom::value, std::uint8_t(kind), std::move(issue));
+}
+
+std::uint32_t Runtime::Impl::signal_index(ScheduledCollective::Kind kind) const {
+  const auto buckets = std::uint32_t(plan.buckets.size());
+  if (kind == ScheduledCollective::unused) return finds_unused() ? buckets : ~0u;
+  if (kind == ScheduledCollective::buffers) return syncs_buffers() ? buckets + (finds_unused() ? 1 : 0) : ~0u;
+  return ~0u;
 }
 
 }  // namespace shardflow

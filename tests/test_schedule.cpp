@@ -18,6 +18,7 @@ std::string spelled(const std::vector<ScheduledCollective>& order) {
     s += c.kind == ScheduledCollective::reduce ? "R" + std::to_string(c.bucket)
          : c.kind == ScheduledCollective::norm    ? std::string("N")
          : c.kind == ScheduledCollective::buffers ? std::string("B")
+         : c.kind == ScheduledCollective::unused  ? std::string("U")
                                                   : "S" + std::to_string(c.bucket);
   }
   return s;
@@ -99,4 +100,15 @@ TEST_CASE("the buffers' broadcast goes right after the last reduction, before th
   CHECK(with_buffers(spec(3, true, true)) == "R0 R1 R2 B N S0 S1 S2");
   CHECK(with_buffers(spec(4, true, false, true, 1)) == "R0 R1 S0 R2 S1 R3 B S2 S3");
   CHECK(with_buffers(spec(1, true, false, true, 0)) == "R0 B S0");
+}
+
+TEST_CASE("find_unused_parameters: the used counts go right after the last reduction and every sync after them, even when interleaved") {
+  auto with_unused = [](ScheduleSpec s, bool buffers = false) {
+    s.unused = true;
+    s.buffers = buffers;
+    return spelled(collective_order(s));
+  };
+  CHECK(with_unused(spec(3, false)) == "R0 R1 R2 U");
+  CHECK(with_unused(spec(3, true, false, true, 1)) == "R0 R1 R2 U S0 S1 S2");
+  CHECK(with_unused(spec(2, true, true, true, 0), true) == "R0 R1 U B N S0 S1");
 }

@@ -16,7 +16,10 @@
 // With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
 // prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
 // The buffers' broadcast (B, Note [Rank 0's state everywhere]) goes right after the last
-// reduction, whatever follows it: R0 .. R(B-1) B [N] S...
+// reduction, whatever follows it: R0 .. R(B-1) B [N] S... With find_unused_parameters the all-reduce
+// of how many ranks used each parameter (U, Note [Unused parameters]) goes there too, before B;
+// no bucket steps before it is in, so no sync goes before it either, as with the norm exchange:
+// R0 .. R(B-1) U [B] [N] S0 .. S(B-1).
 //
 // collective_order() is the order alone, a pure function of the plan's shape and the settings (every
 // rank computes the same one). What each entry puts on the link is the bucket's to say
@@ -33,9 +36,9 @@ namespace shardflow {
 // One step of a rank's collective schedule. Every rank builds the same schedule from the same plan,
 // so issuing strictly in schedule order keeps the ranks' collectives in the same order.
 struct ScheduledCollective {
-  enum Kind : std::uint8_t { reduce, norm, sync, buffers };
+  enum Kind : std::uint8_t { reduce, norm, sync, buffers, unused };
   Kind kind = reduce;
-  std::uint32_t bucket = 0;  // 0 for the norm exchange and the buffers' broadcast
+  std::uint32_t bucket = 0;  // 0 for the norm exchange, the buffers' broadcast and the used counts
   bool operator==(const ScheduledCollective&) const = default;
 };
 
@@ -44,6 +47,7 @@ struct ScheduleSpec {
   bool syncs = false;       // the runtime's optimizer syncs updated parameters (ZeRO 1 and 2)
   bool norm = false;        // gradient clipping: the norm exchange after every reduction
   bool buffers = false;     // the registered buffers' broadcast, right after the last reduction
+  bool unused = false;      // find_unused_parameters: the used counts' all-reduce, right after the last reduction
   bool interleave = false;  // syncs go out between the reductions (Overlap::interleaved, no clipping)
   std::size_t lag = 0;      // interleaved: S(i) after R(i + lag)
   // The order syncs go out in: empty is bucket order; with forward prefetch, the order the next

@@ -28,6 +28,8 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     base += std::size_t(numel(p.shape));
   }
   total_elements_ = base;
+  skipped_.assign(params_.size(), 0);
+  skip_.assign(params_.size(), 0);
   // A migrating shard gets its state slot by slot from the shard it replaces.
   auto state = [&](std::size_t n) { return migrating ? Floats{nullptr, n} : floats(n); };
   const std::size_t B = plan_.buckets.size(), r = std::size_t(shard_.rank);
@@ -93,7 +95,7 @@ void Shard::step(std::size_t b, ClipCoef clip) {
   const DType dt = plan_.buckets[b].dtype;
   const bool master = !master_[b].empty();
   for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
-    if (piece.len == 0) continue;
+    if (piece.len == 0 || skip_[piece.param]) continue;
     ShardOps::Update u;
     std::byte* param = param_bytes(piece.param) + piece.param_off * esize(b);
     u.master = master ? master_[b].data() + piece.packed_off : reinterpret_cast<float*>(param);
@@ -106,9 +108,22 @@ void Shard::step(std::size_t b, ClipCoef clip) {
     u.state_a = state_a_[b].empty() ? nullptr : state_a_[b].data() + piece.packed_off;
     u.state_b = state_b_[b].empty() ? nullptr : state_b_[b].data() + piece.packed_off;
     u.n = piece.len;
-    u.first = steps_ == 0;
-    u.step = steps_ + 1;
+    const std::int64_t own = steps_ - skipped_[piece.param];  // the parameter's own count, as torch.optim keeps it
+    u.first = own == 0;
+    u.step = own + 1;
     ops_->update(groups_->groups[groups_->group_of[piece.param]], u);
+  }
+}
+
+void Shard::skip_unused(const std::vector<float>& used) {
+  for (std::size_t p = 0; p < params_.size(); ++p) skip_[p] = used[p] == 0.0f;
+}
+
+void Shard::end_step() {
+  ++steps_;
+  for (std::size_t p = 0; p < params_.size(); ++p) {
+    skipped_[p] += skip_[p];
+    skip_[p] = 0;
   }
 }
 

@@ -79,7 +79,11 @@ class Shard {
   float last_norm() const { return ops_->last_norm(); }
 
   void step(std::size_t b, ClipCoef clip);  // updates the owned pieces of bucket b in place
-  void end_step() { ++steps_; }
+  // Note [Unused parameters]: `used[p]` is how many ranks reported p's gradient this iteration;
+  // the parameters no rank did are not stepped (no weight decay, no momentum), and their own step
+  // count stays where it was, as torch.optim skips a parameter whose grad is None.
+  void skip_unused(const std::vector<float>& used);
+  void end_step();
   // The hyper-parameters this iteration steps with (set_lr snapshots; Note [Hyper-parameter snapshots]).
   void set_groups(std::shared_ptr<const OptimizerGroups> g) { groups_ = std::move(g); }
   // Owned updated parameters -> staging (acquired here); pack_event(b) is what the sync waits for.
@@ -115,7 +119,11 @@ class Shard {
   void allocate_slot(std::size_t slot);  // zeroed (a migrating shard's state)
   void release_slot(std::size_t slot);   // migrated away: its memory goes now
   std::int64_t steps() const { return steps_; }
+  const std::vector<ParamSpec>& params() const { return params_; }
   void set_steps(std::int64_t s) { steps_ = s; }
+  // Per parameter, the steps it sat out (unused on every rank): its own count is steps() minus it.
+  const std::vector<std::int64_t>& skipped() const { return skipped_; }
+  void set_skipped(std::vector<std::int64_t> s) { skipped_ = std::move(s); }
 
  private:
   // Per bucket, packed owned elements as fp32 (empty: none kept), in the shard's memory.
@@ -159,6 +167,8 @@ class Shard {
   std::vector<std::shared_ptr<std::byte>> wire_;
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
+  std::vector<std::int64_t> skipped_;  // per parameter (Note [Unused parameters])
+  std::vector<char> skip_;             // this iteration's parameters no rank used
 };
 
 }  // namespace shardflow

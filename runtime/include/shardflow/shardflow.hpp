@@ -162,6 +162,13 @@ class Runtime {
   // parameters that got none are reduced as zeros; without it they are a UsageError naming them.
   void finish_backward();
 
+  // With Config::buckets.find_unused_parameters, after wait(): the parameters no rank reported a
+  // gradient for in the last synchronised iteration. The runtime's optimizer did not step them
+  // (as torch.optim skips a grad of None); a trainer's own optimizer should skip them too (Note
+  // [Unused parameters]). A parameter unused on some ranks only is reduced as zeros there and
+  // stepped as usual.
+  std::vector<Param> unused_parameters() const;
+
   // Blocks until this iteration's reductions completed (at most Config::timeouts.collective): afterwards the
   // gradients hold the average over all ranks. Calls finish_backward() if the trainer did not.
   void wait();
