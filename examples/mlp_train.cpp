@@ -64,6 +64,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
+  app.add_option("--freeze", opt.freeze, "register these parameters frozen (requires_grad false: never reduced or stepped), e.g. layers.0.weight,layers.0.bias")
+      ->delimiter(',');
   app.add_flag("--find-unused-parameters", opt.runtime.buckets.find_unused_parameters, "reduce parameters without a gradient as zeros");
   app.add_flag("--static-graph", opt.runtime.buckets.static_graph, "keep the registration-order buckets (no rebuild)");
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();

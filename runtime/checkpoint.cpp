@@ -51,6 +51,7 @@ const char* kind_name(OptimizerConfig::Kind k) {
 
 std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, const OptimizerGroups& groups, const Config& cfg,
                       std::uint32_t p, std::size_t slot) {
+  if (!params[p].requires_grad) return "";  // frozen: no optimizer state, no master
   if (slot == shard.state_slots())  // the fp32 masters (Note [Master weights])
     return params[p].dtype != DType::f32 || cfg.precision.comm_dtype != DType::f32 ? "master" : "";
   const auto& h = groups.groups[groups.group_of[p]];
@@ -90,10 +91,24 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
   for (std::size_t p = 0; p < params.size(); ++p)
     if (shard->skipped()[p] != 0) skipped[params[p].name] = shard->skipped()[p];
   if (!skipped.empty()) meta["shardflow.skipped_steps"] = skipped.dump();
+  nlohmann::json frozen = nlohmann::json::array();
+  for (const auto& p : params)
+    if (!p.requires_grad) frozen.push_back(p.name);
+  if (!frozen.empty()) meta["shardflow.frozen"] = frozen.dump();
   return meta;
 }
 
-void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::string& label) {
+std::set<std::string> frozen_names(const std::string& json, const std::string& label) {
+  if (json.empty()) return {};
+  try {
+    return nlohmann::json::parse(json).get<std::set<std::string>>();
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError(label + ": shardflow.frozen is malformed: " + e.what());
+  }
+}
+
+void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::set<std::string>& was_frozen,
+                     const std::string& label) {
   std::vector<std::int64_t> skipped(params.size(), 0);
   if (!json.empty()) try {
       const auto j = nlohmann::json::parse(json);
@@ -106,6 +121,8 @@ void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const s
     if (skipped[p] < 0 || skipped[p] > shard.steps())
       throw UsageError(label + ": parameter '" + params[p].name + "' sat out " + std::to_string(skipped[p]) + " of " +
                        std::to_string(shard.steps()) + " steps (shardflow.skipped_steps): the file is inconsistent");
+  for (std::size_t p = 0; p < params.size(); ++p)
+    if (was_frozen.count(params[p].name)) skipped[p] = shard.steps();
   shard.set_skipped(std::move(skipped));
 }
 
@@ -305,6 +322,8 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
 
   bool has_state = false;
   for (const auto& [name, e] : file.tensors) has_state |= name.rfind("optim.", 0) == 0;
+  const auto frozen_meta = file.metadata.find("shardflow.frozen");
+  const auto was_frozen = frozen_names(frozen_meta == file.metadata.end() ? "" : frozen_meta->second, label);
   const std::size_t slots = I.shard->migrate_slots();
   std::vector<float> window;
   for (std::size_t s = 0; s < slots; ++s) {
@@ -325,6 +344,7 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
         } else if (masters) {  // saved without masters: they start from the parameters just loaded
           kernels::convert_to_f32(params[p].dtype, window.data() + w,
                                   static_cast<const std::byte*>(params[p].data) + off * dtype_size(params[p].dtype), n);
+        } else if (was_frozen.count(params[p].name)) {  // frozen when saved: its state starts afresh (zeros)
         } else {
           throw UsageError(label + " has no '" + key + "' for this run's optimizer (" +
                            kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
@@ -338,7 +358,7 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
     if (it == file.metadata.end()) throw UsageError(label + " has optimizer state but no shardflow.steps in its metadata");
     I.shard->set_steps(std::stoll(it->second));
     const auto skipped = file.metadata.find("shardflow.skipped_steps");
-    restore_skipped(*I.shard, params, skipped == file.metadata.end() ? "" : skipped->second, label);
+    restore_skipped(*I.shard, params, skipped == file.metadata.end() ? "" : skipped->second, was_frozen, label);
   }
 }
 

@@ -3,6 +3,8 @@
 // checkpoint call makes before it starts. (Checksums and atomic small files: safetensors_stream.hpp.)
 #pragma once
 
+#include <set>
+
 #include <cstdint>
 #include <map>
 #include <string>
@@ -36,7 +38,11 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
 // "shardflow.skipped_steps" ({name: count}, only the non-zero ones, absent when none), so that
 // each parameter resumes with its own step count, as torch.optim's per-parameter "step" does.
 // restore_skipped takes the JSON text (empty: none) and names `label` in errors.
-void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::string& label);
+// Parameters frozen when the checkpoint was saved ("shardflow.frozen", a JSON list) have no
+// state in it: trained now, they start afresh (zero state, their own step count from 0).
+void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::set<std::string>& was_frozen,
+                     const std::string& label);
+std::set<std::string> frozen_names(const std::string& json, const std::string& label);
 
 // Every checkpoint call starts here: between iterations, host parameters, and the last
 // iteration's parameter syncs landed. `what` names the call in errors. (A template so as not to

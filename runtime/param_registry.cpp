@@ -27,7 +27,7 @@ std::uint32_t ParamRegistry::add(ParamSpec spec, bool view, const Communicator& 
     throw UsageError("register_param: " + who +
                      " brings its own gradient storage (ParamSpec::grad) but Config::buckets.gradient_as_bucket_view is on: "
                      "leave grad null and write gradients where Runtime::grad() points, or turn the view off");
-  if (!view && n > 0 && !spec.grad)
+  if (!view && n > 0 && !spec.grad && spec.requires_grad)
     throw UsageError("register_param: " + who +
                      " has no gradient storage (ParamSpec::grad) and Config::buckets.gradient_as_bucket_view is off");
   const auto index = std::uint32_t(params_.size());
@@ -60,7 +60,7 @@ std::optional<std::uint32_t> ParamRegistry::find(const std::string& name) const 
 
 std::string ParamRegistry::signature() const {
   std::string s;
-  for (const auto& p : params_) s += p.name + " " + shape_str(p.shape) + " " + dtype_name(p.dtype) + "\n";
+  for (const auto& p : params_) s += p.name + " " + shape_str(p.shape) + " " + dtype_name(p.dtype) + (p.requires_grad ? "" : " frozen") + "\n";
   for (const auto& b : buffers_) s += "buffer " + b.name + " " + std::to_string(b.bytes) + " bytes\n";
   return s;
 }

@@ -24,6 +24,7 @@ class ParamRegistry {
   // Buffers (BufferSpec): names share the parameters' namespace.
   void add_buffer(BufferSpec spec, const Communicator& comm);
   const std::vector<BufferSpec>& buffers() const { return buffers_; }
+  void set_requires_grad(std::uint32_t p, bool on) { params_[p].requires_grad = on; }
 
   // One line per parameter (name, shape, dtype), then one per buffer ("buffer", name, bytes).
   // Devices may differ between ranks (cuda:0, cuda:1).

@@ -126,7 +126,7 @@ void Runtime::set_stream(void* cuda_stream) {
 void* Runtime::grad(Param p) {
   auto& I = *impl_;
   I.ensure_finalized();
-  return I.grad_ptr(I.check_handle(p, "grad"));
+  return I.grad_ptr(I.check_trainable(p, "grad"));
 }
 
 float* Runtime::grad_f32(Param p) {
@@ -189,7 +189,7 @@ void Runtime::grad_ready(Param p) {
   I.ensure_finalized();
   I.throw_if_failed();
   I.check_settings_used();
-  const auto i = I.check_handle(p, "grad_ready");
+  const auto i = I.check_trainable(p, "grad_ready");
   if (I.phase.load(std::memory_order_acquire) == Impl::Phase::reducing)
     throw UsageError("grad_ready('" + I.name_of(i) + "') on rank " + std::to_string(I.rank) +
                      " after finish_backward(): call wait() before the next backward pass");
@@ -225,7 +225,7 @@ void Runtime::finish_backward() {
   }
   std::vector<std::uint32_t> missing, accumulated;
   for (std::uint32_t i = 0; i < n; ++i) {
-    if (I.marked[i].load(std::memory_order_acquire)) continue;
+    if (I.marked[i].load(std::memory_order_acquire) || !I.registry.params()[i].requires_grad) continue;
     (I.touched[i] ? accumulated : missing).push_back(i);
   }
   if (!missing.empty() && !I.cfg.buckets.find_unused_parameters) {
@@ -322,6 +322,7 @@ void Runtime::wait_param(Param p) {
   I.ensure_finalized();
   I.throw_if_failed();
   const auto b = I.plan.where[I.check_handle(p, "wait_param")].bucket;
+  if (b == ~0u) return;  // frozen: nothing ever changes it
   if (I.observing_forward) {
     std::lock_guard lock(I.forward_mu);
     if (I.observing_forward && !I.forward_seen[b]) {
@@ -411,7 +412,7 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
   I.shard.reset();
   // The optimizer may change the caps (stage 2's memory budget): the buckets anew, in the order
   // the current ones were made in (no iteration has run yet: the registration order reversed).
-  I.install_plan(I.make_plan(reverse_registration_order(I.registry.size())), I.iterations);
+  I.install_plan(I.make_plan(reverse_registration_order(I.registry.params())), I.iterations);
 }
 
 void Runtime::set_lr(std::size_t group, float lr) {

@@ -3,6 +3,7 @@
 //   runtime_plan.cpp     finalizing, installing and rebuilding the bucket plan, state migration, the actors
 //   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
 //   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
+//   trainable.cpp        freezing and unfreezing parameters between iterations (Note [Changing the trainable set])
 //   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
 //   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
 //   bucket_collectives.cpp   what one bucket puts on the link: reduction, cast, sync
@@ -147,6 +148,8 @@ struct Runtime::Impl {
   };
   std::unique_ptr<PendingSave> pending_save;
   bool rebuilt = false;
+  // set_requires_grad after finalize: per parameter -1 (unchanged), 0 or 1, until refresh_trainable().
+  std::vector<signed char> wanted_trainable;
   std::uint64_t iterations = 0;
 
   std::mutex fail_mu;
@@ -190,6 +193,15 @@ struct Runtime::Impl {
       throw UsageError(std::string(where) + ": unknown parameter handle #" + std::to_string(p.index) + " (rank " +
                        std::to_string(rank) + " has " + std::to_string(registry.size()) + " parameters)");
     return p.index;
+  }
+
+  // A frozen parameter (ParamSpec::requires_grad false) has no gradient to ask for or report.
+  std::uint32_t check_trainable(Param p, const char* where) const {
+    const auto i = check_handle(p, where);
+    if (!registry.params()[i].requires_grad)
+      throw UsageError(std::string(where) + ": parameter '" + name_of(i) + "' is frozen (requires_grad = false) and gets no gradient; "
+                       "set_requires_grad(p, true) and refresh_trainable() to train it");
+    return i;
   }
 
   const std::string& name_of(std::uint32_t i) const { return registry.params()[i].name; }

@@ -7,6 +7,7 @@
 // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
 // one-time cost of one all-reduce of the parameter count per state slot.
 #include "runtime/runtime_impl.hpp"
+#include "kernels/cpu/elementwise.hpp"
 #include "actors/bucket_actor.hpp"
 #include "actors/comm_stream_actor.hpp"
 #include "actors/shard_actor.hpp"
@@ -56,7 +57,7 @@ void Runtime::Impl::ensure_finalized() {
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);
   order.assign(n, 0);
-  install_plan(make_plan(reverse_registration_order(n)), 0);
+  install_plan(make_plan(reverse_registration_order(registry.params())), 0);
   log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
             comm->backend_name(), world, plan.describe());
   finalized.store(true, std::memory_order_release);
@@ -115,17 +116,42 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   // half-way fails the run: the old slot is partly discarded by then.
   const std::size_t total = from.total_elements();
   std::vector<float> window;
+  // The masters slot exists only while some trained parameter needs one (Note [Master weights]):
+  // after refresh_trainable() the old or the new shard may lack it.
+  const std::size_t both = std::min(from.migrate_slots(), to.migrate_slots());
   for (std::size_t slot = 0; slot < from.migrate_slots(); ++slot) {
-    to.allocate_slot(slot);
-    for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
-      window.resize(std::min(kStateWindow, total - begin));
-      state_window(from, slot, begin, window, "migrate optimizer state", true);
-      to.import_state(slot, begin, window);
+    if (slot < both) {
+      to.allocate_slot(slot);
+      for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
+        window.resize(std::min(kStateWindow, total - begin));
+        state_window(from, slot, begin, window, "migrate optimizer state", true);
+        to.import_state(slot, begin, window);
+      }
     }
     from.release_slot(slot);
   }
   to.set_steps(from.steps());
   to.set_skipped(from.skipped());
+  // Masters the old shard did not keep (parameters it did not train, or no masters slot at all)
+  // start from the parameters, as a new shard's do (Note [Changing the trainable set]).
+  if (to.migrate_slots() > to.state_slots()) {
+    const std::size_t masters = to.state_slots();
+    if (masters >= both) to.allocate_slot(masters);
+    std::size_t base = 0;
+    for (const auto& p : to.params()) {
+      const auto n = std::size_t(numel(p.shape));
+      const std::uint32_t i = std::uint32_t(&p - to.params().data());
+      if (p.requires_grad && (masters >= both || !from.params()[i].requires_grad)) {
+        if (p.device.kind != Device::Kind::cpu)
+          throw UsageError("refresh_trainable: parameter '" + p.name + "' lives on " + p.device.str() +
+                           "; starting the fp32 master of a device parameter trained again is not supported yet");
+        std::vector<float> values(n);
+        kernels::convert_to_f32(p.dtype, values.data(), static_cast<const std::byte*>(p.data), n);
+        to.import_state(masters, base, values);
+      }
+      base += n;
+    }
+  }
 }
 
 void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
@@ -210,7 +236,7 @@ void Runtime::Impl::stop_actors() {
 }
 
 void Runtime::Impl::rebuild_from_observed_order() {
-  std::vector<std::uint32_t> observed(order.begin(), order.begin() + registry.size());
+  std::vector<std::uint32_t> observed(order.begin(), order.begin() + std::ptrdiff_t(reverse_registration_order(registry.params()).size()));
   // Rank 0's order wins, so every rank builds the same buckets.
   control_collective(CollectiveKind::broadcast, observed.data(), observed.size(), "rebuild buckets: ready order");
   auto next = make_plan(observed);

@@ -45,6 +45,9 @@ std::vector<Slice> owned_slices(const Shard* shard, const std::vector<ParamSpec>
     for (const auto& b : shard->shard_plan().buckets)
       for (const auto& piece : b.pieces[std::size_t(r)])
         if (piece.len) out.push_back({piece.param, piece.param_off, piece.len});
+    if (r == 0)  // frozen parameters are in no bucket and owned by no shard: rank 0 keeps them whole
+      for (std::uint32_t p = 0; p < params.size(); ++p)
+        if (const auto n = std::size_t(numel(params[p].shape)); n && !params[p].requires_grad) out.push_back({p, 0, n});
   } else if (r == 0) {
     for (std::uint32_t p = 0; p < params.size(); ++p)
       if (const auto n = std::size_t(numel(params[p].shape))) out.push_back({p, 0, n});
@@ -101,6 +104,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     const auto meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
     if (const auto g = meta.find("shardflow.param_groups"); g != meta.end()) j["param_groups"] = nlohmann::json::parse(g->second);
     if (const auto k = meta.find("shardflow.skipped_steps"); k != meta.end()) j["skipped_steps"] = nlohmann::json::parse(k->second);
+    if (const auto f = meta.find("shardflow.frozen"); f != meta.end()) j["frozen"] = nlohmann::json::parse(f->second);
     for (const auto& p : params) j["params"].push_back({{"name", p.name}, {"dtype", safetensors_dtype(p.dtype)}, {"shape", p.shape}});
     for (const auto& b : I.plan.buckets) {
       nlohmann::json names = nlohmann::json::array();
@@ -306,6 +310,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
       return false;
     };
     const std::size_t slots = I.shard->migrate_slots();
+    const auto was_frozen = frozen_names(j.contains("frozen") ? j.at("frozen").dump() : "", "checkpoint '" + index_path + "'");
     std::vector<float> values;
     for (std::size_t s = 0; s < slots; ++s) {
       const bool masters = s == I.shard->state_slots();
@@ -323,6 +328,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
           read_slice(sl.at("rank").get<int>(), slice_name(state_key(params[p].name, name), off), values.data(), len * 4);
         } else if (masters) {  // saved without masters: they start from the parameters just loaded
           kernels::convert_to_f32(params[p].dtype, values.data(), static_cast<const std::byte*>(params[p].data) + off * dtype_size(params[p].dtype), len);
+        } else if (was_frozen.count(params[p].name)) {  // frozen when saved: its state starts afresh (zeros)
         } else {
           throw UsageError("checkpoint '" + index_path + "' has no '" + state_key(params[p].name, name) + "' for this run's optimizer (" +
                            kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
@@ -332,7 +338,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
     }
     if (has_state) {
       I.shard->set_steps(j.at("steps").get<std::int64_t>());
-      restore_skipped(*I.shard, params, j.contains("skipped_steps") ? j.at("skipped_steps").dump() : "", "checkpoint '" + index_path + "'");
+      restore_skipped(*I.shard, params, j.contains("skipped_steps") ? j.at("skipped_steps").dump() : "", was_frozen, "checkpoint '" + index_path + "'");
     }
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());

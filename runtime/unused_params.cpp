@@ -38,7 +38,7 @@ std::vector<Param> Runtime::unused_parameters() const {
   std::vector<Param> out;
   if (!I.used_counts || I.iterations == 0) return out;
   for (std::uint32_t p = 0; p < I.used_counts->size(); ++p)
-    if ((*I.used_counts)[p] == 0.0f) out.push_back(Param{p, I.owner});
+    if ((*I.used_counts)[p] == 0.0f && I.registry.params()[p].requires_grad) out.push_back(Param{p, I.owner});
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "helpers.hpp"
+#include "per_param_optimizer.hpp"
 #include "runtime/safetensors_stream.hpp"
 
 using namespace shardflow;
@@ -40,13 +41,10 @@ OptimizerConfig adamw() {
 // The reference, by hand: each parameter some rank used is stepped on the average over all ranks
 // (zeros where a rank did not use it) with its own step count; the others are not touched.
 std::vector<std::vector<float>> reference(int iterations, const Uses& uses, const OptimizerConfig& oc) {
-  std::vector<std::vector<float>> param(kSizes.size()), m(kSizes.size()), v(kSizes.size());
-  std::vector<std::int64_t> own(kSizes.size(), 0);
-  for (std::size_t p = 0; p < kSizes.size(); ++p) {
-    for (std::int64_t e = 0; e < kSizes[p]; ++e) param[p].push_back(init_at(p, e));
-    m[p].assign(std::size_t(kSizes[p]), 0.0f);
-    v[p].assign(std::size_t(kSizes[p]), 0.0f);
-  }
+  std::vector<std::vector<float>> init(kSizes.size());
+  for (std::size_t p = 0; p < kSizes.size(); ++p)
+    for (std::int64_t e = 0; e < kSizes[p]; ++e) init[p].push_back(init_at(p, e));
+  test::PerParamOptimizer ref(oc, init);
   for (int it = 0; it < iterations; ++it)
     for (std::size_t p = 0; p < kSizes.size(); ++p) {
       bool any = false;
@@ -57,11 +55,9 @@ std::vector<std::vector<float>> reference(int iterations, const Uses& uses, cons
         g[std::size_t(e)] = sum * (1.0f / float(kWorld));
       }
       for (int r = 0; r < kWorld; ++r) any |= uses(r, it, p);
-      if (!any) continue;
-      apply_update(oc, param[p].data(), g.data(), m[p].data(), v[p].data(), g.size(), own[p] == 0, own[p] + 1);
-      ++own[p];
+      if (any) ref.step(p, g);
     }
-  return param;
+  return ref.params();
 }
 
 struct Trained {

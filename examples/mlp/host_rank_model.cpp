@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -13,7 +14,7 @@ namespace {
 class HostRankModel final : public RankModel {
  public:
   HostRankModel(Model& model, const TrainOptions& opt)
-      : model_(model), pdt_(opt.param_dtype), half_(pdt_ != DType::f32), prefetch_(opt.runtime.zero.forward_prefetch) {
+      : model_(model), pdt_(opt.param_dtype), half_(pdt_ != DType::f32), prefetch_(opt.runtime.zero.forward_prefetch), freeze_(opt.freeze) {
     if (!opt.optimizer_in_runtime) optim_.emplace(opt.optimizer);
   }
 
@@ -31,7 +32,11 @@ class HostRankModel final : public RankModel {
           data = store_.back().data();
         }
         const Shape shape = bias ? Shape{l.out} : Shape{l.out, l.in};
-        handles_.push_back(rt.register_param({Model::param_name(int(i), bias), shape, pdt_, Device::cpu(), data}));
+        ParamSpec spec{Model::param_name(int(i), bias), shape, pdt_, Device::cpu(), data};
+        spec.requires_grad = std::find(freeze_.begin(), freeze_.end(), spec.name) == freeze_.end();
+        // A frozen parameter's gradient is still computed by backward, into a buffer of its own, and dropped.
+        dropped_.emplace_back(spec.requires_grad ? 0 : v.size());
+        handles_.push_back(rt.register_param(spec));
       }
     }
   }
@@ -47,12 +52,14 @@ class HostRankModel final : public RankModel {
       };
     auto grad_slot = [&](int l, bool b) -> float* {
       const auto k = std::size_t(2 * l + b);
+      if (!dropped_[k].empty()) return std::fill(dropped_[k].begin(), dropped_[k].end(), 0.0f), dropped_[k].data();
       if (!half_) return rt.grad_f32(handles_[k]);
       std::fill(scratch_[k].begin(), scratch_[k].end(), 0.0f);
       return scratch_[k].data();
     };
     auto grad_done = [&](int l, bool b) {
       const auto k = std::size_t(2 * l + b);
+      if (!dropped_[k].empty()) return;  // frozen
       if (half_) accumulate_16bit(rt, k);
       rt.grad_ready(handles_[k]);
     };
@@ -73,8 +80,8 @@ class HostRankModel final : public RankModel {
     auto span = rt.span("trainer's optimizer step", "step");
     for (std::size_t i = 0; i < model_.layers().size(); ++i) {
       auto& l = model_.layers()[i];
-      optim_->step(l.weight.data(), rt.grad_f32(handles_[2 * i]), l.weight.size(), 2 * i);
-      optim_->step(l.bias.data(), rt.grad_f32(handles_[2 * i + 1]), l.bias.size(), 2 * i + 1);
+      if (dropped_[2 * i].empty()) optim_->step(l.weight.data(), rt.grad_f32(handles_[2 * i]), l.weight.size(), 2 * i);
+      if (dropped_[2 * i + 1].empty()) optim_->step(l.bias.data(), rt.grad_f32(handles_[2 * i + 1]), l.bias.size(), 2 * i + 1);
     }
     optim_->end_step();
   }
@@ -112,6 +119,8 @@ class HostRankModel final : public RankModel {
   std::vector<std::vector<std::uint16_t>> store_;  // [2*layer + bias], 16-bit parameters
   std::vector<std::vector<float>> scratch_;        // fp32 gradients before they go into the bucket
   std::vector<Param> handles_;                     // [2*layer + bias]
+  const std::vector<std::string> freeze_;          // --freeze
+  std::vector<std::vector<float>> dropped_;        // [2*layer + bias]: a frozen parameter's gradient (empty: trainable)
   std::optional<Optimizer> optim_;                 // the trainer's own, when the runtime has none
 };
 

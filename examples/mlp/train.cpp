@@ -251,6 +251,18 @@ Prepared prepare(const TrainOptions& opt) {
                        "16-bit parameters are supported by its CPU trainer");
     if (const auto why = device_model_unavailable(); !why.empty()) throw UsageError("--device cuda: " + why);
   }
+  for (const auto& name : opt.freeze) {
+    bool known = false;
+    std::string all;
+    for (int l = 0; l < int(opt.sizes.size()) - 1; ++l)
+      for (bool bias : {false, true}) {
+        known |= Model::param_name(l, bias) == name;
+        all += (all.empty() ? "" : ", ") + Model::param_name(l, bias);
+      }
+    if (!known) throw UsageError("--freeze: the model has no parameter '" + name + "' (its parameters: " + all + ")");
+  }
+  if (!opt.freeze.empty() && opt.device.kind == Device::Kind::cuda)
+    throw UsageError("--freeze: the example's GPU model does not freeze parameters yet; use its CPU trainer");
   if (opt.resume_dir && !opt.optimizer_in_runtime)
     throw UsageError("--resume restores the runtime's optimizer state: it needs the optimizer inside the runtime");
   if (opt.checkpoint_every < 0) throw UsageError("--every must be >= 0");

@@ -80,6 +80,9 @@ struct TrainOptions {
   // optimizer state and the data position; `steps` counts the steps still to run. Any world
   // size, stage and partition.
   std::optional<std::string> resume_dir;
+  // Parameters registered frozen (ParamSpec::requires_grad false): never reduced or stepped; their
+  // gradients are computed and dropped (CPU only).
+  std::vector<std::string> freeze;
 };
 
 std::string checkpoint_file(const std::string& dir);  // DIR/checkpoint.safetensors

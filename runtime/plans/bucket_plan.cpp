@@ -15,15 +15,24 @@ std::vector<std::uint32_t> reverse_registration_order(std::size_t n) {
   return order;
 }
 
+std::vector<std::uint32_t> reverse_registration_order(const std::vector<ParamSpec>& params) {
+  std::vector<std::uint32_t> order;
+  for (auto p = std::uint32_t(params.size()); p-- > 0;)
+    if (params[p].requires_grad) order.push_back(p);
+  return order;
+}
+
 BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order,
                             std::size_t first_cap, std::size_t cap) {
-  if (order.size() != params.size())
-    throw UsageError("bucket plan: order lists " + std::to_string(order.size()) + " parameters, " +
-                     std::to_string(params.size()) + " are registered");
+  std::size_t trainable = 0;
+  for (const auto& p : params) trainable += p.requires_grad;
+  if (order.size() != trainable)
+    throw UsageError("bucket plan: order lists " + std::to_string(order.size()) + " parameters, " + std::to_string(trainable) +
+                     " of the registered ones require a gradient");
   std::vector<char> seen(params.size(), 0);
   for (auto p : order) {
-    if (p >= params.size() || seen[p])
-      throw UsageError("bucket plan: order is not a permutation of the registered parameters (index " +
+    if (p >= params.size() || seen[p] || !params[p].requires_grad)
+      throw UsageError("bucket plan: order is not a permutation of the parameters that require a gradient (index " +
                        std::to_string(p) + ")");
     seen[p] = 1;
   }

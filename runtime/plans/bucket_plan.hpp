@@ -34,7 +34,7 @@ struct Bucket {
 };
 
 struct ParamLocation {
-  std::uint32_t bucket = 0;
+  std::uint32_t bucket = ~0u;  // ~0u: in no bucket (a frozen parameter)
   std::uint32_t entry = 0;
 };
 
@@ -49,5 +49,8 @@ BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vec
                             std::size_t first_bucket_cap_bytes, std::size_t bucket_cap_bytes);
 
 std::vector<std::uint32_t> reverse_registration_order(std::size_t nparams);
+// The parameters that require a gradient (ParamSpec::requires_grad), last registered first: the
+// order a plan starts from. Frozen parameters are in no bucket.
+std::vector<std::uint32_t> reverse_registration_order(const std::vector<ParamSpec>& params);
 
 }  // namespace shardflow

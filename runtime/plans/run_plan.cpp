@@ -46,6 +46,7 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   std::size_t total = 0, largest = 0;
   const ParamSpec* big = nullptr;
   for (const auto& p : params) {
+    if (!p.requires_grad) continue;  // frozen: no gradient to shard
     total += param_bytes(p);
     if (param_bytes(p) > largest) largest = param_bytes(p), big = &p;
   }
@@ -144,7 +145,7 @@ RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
   if (params.empty()) throw UsageError("the model has no parameters");
   RunPlan rp;
   rp.settings = s;
-  const auto order = reverse_registration_order(params.size());
+  const auto order = reverse_registration_order(params);
   rp.caps = bucket_caps(params, order, s);
   rp.buckets = make_bucket_plan(params, order, rp.caps.first, rp.caps.cap);
   for (int r = 0; r < s.world; ++r) {

@@ -51,7 +51,7 @@ ShardPlan make_shard_plan(const BucketPlan& plan, const std::vector<ParamSpec>& 
   std::vector<int> param_owner, bucket_owner;
   if (sp.sharded && partition == Partition::param) {
     std::vector<std::size_t> sizes;
-    for (const auto& p : params) sizes.push_back(std::size_t(numel(p.shape)));
+    for (const auto& p : params) sizes.push_back(p.requires_grad ? std::size_t(numel(p.shape)) : 0);  // frozen: never stepped
     param_owner = greedy_owners(sizes, world);
   }
   if (sp.sharded && partition == Partition::bucket) {

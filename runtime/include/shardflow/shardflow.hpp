@@ -122,6 +122,14 @@ class Runtime {
   Param register_param(ParamSpec spec);
   Param param(const std::string& name) const;  // UsageError if unknown
   std::size_t num_params() const;
+  // Freezing and unfreezing (Note [Changing the trainable set]). Before finalize() it sets
+  // ParamSpec::requires_grad; afterwards it takes effect at the next refresh_trainable(), a
+  // collective between iterations that re-plans buckets and shards for the new set (every rank must
+  // ask for the same one). The optimizer state of parameters that stay trainable survives; a frozen
+  // one loses its state, and starts afresh when trained again.
+  void set_requires_grad(Param p, bool requires_grad);
+  void refresh_trainable();
+
   // Registers a buffer: state that forward updates and that gets no gradient but must be the same
   // on every rank (normalisation running statistics, counters). Like the parameters it is
   // broadcast from rank 0 at finalize() (Config::sync.initial); with Config::sync.buffers (on by

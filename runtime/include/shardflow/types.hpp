@@ -40,6 +40,10 @@ struct ParamSpec {
   // Gradient storage owned by the trainer. Leave null with Config::buckets.gradient_as_bucket_view (the default):
   // the gradient then lives inside the flat bucket and Runtime::grad() says where.
   void* grad = nullptr;
+  // False: a frozen parameter (torch's requires_grad = False). It is synced from rank 0 at
+  // registration and saved in checkpoints, but never bucketed, reduced, stepped or synced, and
+  // has no optimizer state; Runtime::set_requires_grad + refresh_trainable() change it later.
+  bool requires_grad = true;
 };
 
 // What a trainer registers besides parameters: state that forward updates and that must stay the
