@@ -383,56 +383,6 @@ std::vector<OwnedPiece> Runtime::owned() const {
 
 std::vector<std::string> Runtime::collective_log() const { return impl_->collectives->lines(); }
 
-void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
-  auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass() || (I.shard && I.shard->steps() > 0))
-    throw UsageError("configure_optimizer on rank " + std::to_string(I.rank) + ": call it once, before training starts");
-  if (groups.empty()) throw UsageError("configure_optimizer: no parameter groups");
-  auto og = std::make_shared<OptimizerGroups>();
-  og->group_of.assign(I.registry.size(), ~0u);
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const auto& oc = groups[g].optimizer;
-    oc.validate();
-    if (oc.kind != groups[0].optimizer.kind)
-      throw UsageError("configure_optimizer: group " + std::to_string(g) + " uses another optimizer kind than group 0");
-    for (Param p : groups[g].params) {
-      const auto i = I.check_handle(p, "configure_optimizer");
-      if (og->group_of[i] != ~0u)
-        throw UsageError("configure_optimizer: parameter '" + I.name_of(i) + "' is in groups " +
-                         std::to_string(og->group_of[i]) + " and " + std::to_string(g));
-      og->group_of[i] = std::uint32_t(g);
-    }
-    og->groups.push_back(oc);
-  }
-  for (std::size_t i = 0; i < I.registry.size(); ++i)
-    if (og->group_of[i] == ~0u) og->group_of[i] = 0;
-  I.groups = std::move(og);
-  I.shard.reset();
-  // The optimizer may change the caps (stage 2's memory budget): the buckets anew, in the order
-  // the current ones were made in (no iteration has run yet: the registration order reversed).
-  I.install_plan(I.make_plan(reverse_registration_order(I.registry.params())), I.iterations);
-}
-
-void Runtime::set_lr(std::size_t group, float lr) {
-  auto& I = *impl_;
-  if (!I.groups) throw UsageError("set_lr: no optimizer configured (configure_optimizer)");
-  if (group >= I.groups->groups.size())
-    throw UsageError("set_lr: group " + std::to_string(group) + " does not exist (" + std::to_string(I.groups->groups.size()) +
-                     " group(s))");
-  if (I.in_pass()) throw UsageError("set_lr: change the learning rate between iterations");
-  if (!(lr >= 0.0f)) throw UsageError("set_lr: lr must be >= 0");
-  // The runtime's copy changes now; the shard gets an immutable snapshot for the iterations from
-  // the next one on (Note [Hyper-parameter snapshots]).
-  auto next = std::make_shared<OptimizerGroups>(*I.groups);
-  next->groups[group].lr = lr;
-  I.groups = next;
-  if (I.shard_actor_h)
-    caf::anon_send(I.shard_actor_h, msg::set_groups_atom::value, std::uint64_t(I.iterations),
-                   std::shared_ptr<const OptimizerGroups>(next));
-}
-
 float Runtime::last_grad_norm() const { return impl_->shard ? impl_->shard->last_norm() : 0.0f; }
 
 MemoryReport Runtime::memory_report() const {

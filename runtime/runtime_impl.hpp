@@ -3,6 +3,7 @@
 //   runtime_plan.cpp     finalizing, installing and rebuilding the bucket plan, state migration, the actors
 //   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
 //   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
+//   param_groups.cpp     the optimizer's groups and hyper-parameters (Note [Changing hyper-parameters])
 //   trainable.cpp        freezing and unfreezing parameters between iterations (Note [Changing the trainable set])
 //   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
 //   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
@@ -148,6 +149,11 @@ struct Runtime::Impl {
   };
   std::unique_ptr<PendingSave> pending_save;
   bool rebuilt = false;
+  // Parameters a configure_optimizer group named (the others joined group 0 by default and may
+  // still go to a group of add_param_group's).
+  std::vector<char> explicitly_grouped;
+  // The new groups to the runtime and, as a snapshot, to the shard (Note [Changing hyper-parameters]).
+  void publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what);
   // set_requires_grad after finalize: per parameter -1 (unchanged), 0 or 1, until refresh_trainable().
   std::vector<signed char> wanted_trainable;
   std::uint64_t iterations = 0;

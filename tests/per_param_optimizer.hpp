@@ -19,9 +19,10 @@ class PerParamOptimizer {
     }
     own_.assign(param_.size(), 0);
   }
-  // One step of parameter p on gradient g, with its own count (as torch.optim keeps it).
-  void step(std::size_t p, const std::vector<float>& g) {
-    apply_update(oc_, param_[p].data(), g.data(), a_[p].data(), b_[p].data(), g.size(), own_[p] == 0, own_[p] + 1);
+  // One step of parameter p on gradient g, with its own count (as torch.optim keeps it), by the
+  // hyper-parameters `h` (the constructor's when null).
+  void step(std::size_t p, const std::vector<float>& g, const OptimizerConfig* h = nullptr) {
+    apply_update(h ? *h : oc_, param_[p].data(), g.data(), a_[p].data(), b_[p].data(), g.size(), own_[p] == 0, own_[p] + 1);
     ++own_[p];
   }
   // p's state goes (frozen): trained again, it starts afresh.

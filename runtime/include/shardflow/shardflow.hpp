@@ -209,8 +209,17 @@ class Runtime {
   // rank. Parameters in no group join group 0. Call before training starts (after registration).
   void configure_optimizer(std::vector<ParamGroup> groups);
   void configure_optimizer(const OptimizerConfig& all) { configure_optimizer({ParamGroup{{}, all}}); }
-  // Between iterations (learning-rate schedules).
+  // Between iterations (schedules; Note [Changing hyper-parameters]): the learning rate, or any
+  // hyper-parameter of a group (the kind stays, and SGD momentum cannot appear where no group had
+  // it). They apply from the next iteration on.
   void set_lr(std::size_t group, float lr);
+  void set_hyperparameters(std::size_t group, const OptimizerConfig& h);
+  OptimizerConfig hyperparameters(std::size_t group) const;
+  // torch.optim's add_param_group, between iterations: parameters that no configure_optimizer
+  // group named (they were in group 0 by default, or frozen) get the group's hyper-parameters
+  // from the next iteration on; returns its index. Unlike torch, where such a parameter was in no
+  // optimizer, a parameter trained in group 0 keeps the state it built there.
+  std::size_t add_param_group(const ParamGroup& group);
   // The global gradient norm of the last synchronised iteration (computed only when clipping).
   float last_grad_norm() const;
   MemoryReport memory_report() const;
