@@ -33,7 +33,8 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
                               std::shared_ptr<std::function<void()>> on_complete) {
   switch (e.kind) {
     case ScheduledCollective::reduce:
-      return [owner = s.owners[e.bucket], b = e.bucket, on_complete](std::exception_ptr x) {
+      return [owner = s.owners[e.bucket], b = e.bucket, on_complete, last](std::exception_ptr x) {
+        if (!last && !x) return;  // a hook's phase of several ops: the last one stands for them
         if (!x && on_complete && *on_complete) try {
             (*on_complete)();
           } catch (...) {
@@ -93,17 +94,71 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
   st.entries = std::move(entries);
   st.log = std::move(log);
 
-  // Issues every ready entry in schedule order.
-  auto pump = [self] {
+  // Submits one phase of entry e's collectives. A comm hook's reduction (Note [Comm hooks]) may
+  // take several phases: each ends in its `then`, run on the backend's stream thread when the
+  // phase's last op completed, which hands the next phase back here by message; the schedule
+  // issues nothing else until the last phase is out, so every rank's order stays the same.
+  auto submit = [self](const ScheduledCollective& e, CollectiveIssue issue) {
     auto& s = self->state;
-    while (s.next < s.entries.size() && s.ready[s.next]) {
+    auto& ops = issue.ops;
+    auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
+    std::shared_ptr<std::function<bool(CollectiveIssue&)>> then;
+    if (issue.then) {
+      then = std::make_shared<std::function<bool(CollectiveIssue&)>>(std::move(issue.then));
+      s.blocked = true;
+    }
+    if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
+      self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
+    if (ops.empty() && (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused))
+      completion_for(s, e, true, nullptr)(nullptr);
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      auto& op = ops[k];
+      s.log->record(op);
+      s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
+      CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
+      if (then && k + 1 == ops.size())
+        done = [me = msg::comm_stream_actor_t(caf::actor_cast<msg::comm_stream_actor_t>(self)), kind = std::uint8_t(e.kind), bucket = e.bucket,
+                then, finish = std::move(done)](std::exception_ptr x) {
+          if (!x) try {
+              CollectiveIssue next;
+              if ((*then)(next)) {
+                caf::anon_send(me, msg::hook_phase_atom::value, kind, bucket, true, std::move(next));
+                return;
+              }
+            } catch (...) {
+              x = std::current_exception();
+            }
+          finish(x);
+          caf::anon_send(me, msg::hook_phase_atom::value, kind, bucket, false, CollectiveIssue{});
+        };
+      // Note [Timeline]: the link figures (and the span, when tracing) end when completion is heard of.
+      CollectiveOp what;  // the op's description, without its buffers
+      what.kind = op.kind;
+      what.dtype = op.dtype;
+      what.count = op.count;
+      if (s.log->tracing()) what.tag = op.tag;
+      const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
+      const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
+      done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration),
+              t0 = Timeline::now(), inner = std::move(done)](std::exception_ptr x) {
+        log->completed(what, world, cat, bucket, it, t0);
+        inner(x);
+      };
+      s.comm->submit(std::move(op), std::move(done));
+    }
+  };
+
+  // Issues every ready entry in schedule order.
+  auto pump = [self, submit] {
+    auto& s = self->state;
+    while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
       const std::uint32_t i = s.next++;
       s.ready[i] = 0;
       const auto& e = s.entries[i];
       CollectiveIssue issue;
       try {
         switch (e.kind) {
-          case ScheduledCollective::reduce: issue = s.collectives[e.bucket]->reduction(); break;
+          case ScheduledCollective::reduce: issue = s.collectives[e.bucket]->reduction(s.iteration); break;
           case ScheduledCollective::sync: issue = s.collectives[e.bucket]->sync(); break;
           case ScheduledCollective::buffers:
           case ScheduledCollective::unused: issue = std::move(s.handed[e.kind]); break;
@@ -118,32 +173,7 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
             CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + what + "'s collective: " + x.what())));
         continue;
       }
-      auto& ops = issue.ops;
-      auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
-      if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
-        self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
-      if (ops.empty() && (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused))
-        completion_for(s, e, true, nullptr)(nullptr);
-      for (std::size_t k = 0; k < ops.size(); ++k) {
-        auto& op = ops[k];
-        s.log->record(op);
-        s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
-        CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
-        // Note [Timeline]: the link figures (and the span, when tracing) end when completion is heard of.
-        CollectiveOp what;  // the op's description, without its buffers
-        what.kind = op.kind;
-        what.dtype = op.dtype;
-        what.count = op.count;
-        if (s.log->tracing()) what.tag = op.tag;
-        const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
-        const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
-        done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration),
-                t0 = Timeline::now(), inner = std::move(done)](std::exception_ptr x) {
-          log->completed(what, world, cat, bucket, it, t0);
-          inner(x);
-        };
-        s.comm->submit(std::move(op), std::move(done));
-      }
+      submit(e, std::move(issue));
       if (e.kind == ScheduledCollective::reduce && i == s.last_reduce_entry && s.shard)
         self->send(s.shard, msg::all_issued_atom::value);
     }
@@ -170,6 +200,11 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
       [=](msg::norm_ready_atom, CollectiveIssue& exchange) {
         self->state.norm = std::move(exchange);
         self->state.ready[self->state.norm_entry] = 1;
+        pump();
+      },
+      [=](msg::hook_phase_atom, std::uint8_t kind, std::uint32_t bucket, bool more, CollectiveIssue& issue) {
+        if (more) return submit(ScheduledCollective{ScheduledCollective::Kind(kind), bucket}, std::move(issue));
+        self->state.blocked = false;
         pump();
       },
       [=](msg::handed_over_atom, std::uint8_t kind, CollectiveIssue& issue) {

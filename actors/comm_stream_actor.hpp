@@ -34,6 +34,7 @@ struct CommStreamState {
   std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
   msg::shard_actor_t shard;                 // the shard actor, when the runtime runs the optimizer
   std::uint32_t next = 0;          // the next entry to issue
+  bool blocked = false;            // a comm hook's reduction is between phases (Note [Comm hooks])
   std::uint64_t iteration = 0;     // the runtime's synchronised iteration being issued (timeline)
   std::shared_ptr<CollectiveLog> log;
   std::shared_ptr<spdlog::logger> logger;

@@ -61,6 +61,9 @@ using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
 // when backward ends; unused_known tells the shard the used counts are in.
 using handed_over_atom = caf::atom_constant<caf::atom("handed")>;
 using unused_known_atom = caf::atom_constant<caf::atom("unused_kn")>;
+// A comm hook's phase completed (Note [Comm hooks]): the next phase's collectives, or (false) the
+// reduction is done and the schedule may go on.
+using hook_phase_atom = caf::atom_constant<caf::atom("hook_phase")>;
 using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard actor to itself
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
@@ -84,6 +87,7 @@ using comm_stream_actor_t = caf::typed_actor<
     caf::reacts_to<set_peer_atom, shard_actor_t>,
     caf::reacts_to<bucket_ready_atom, std::uint32_t, std::shared_ptr<const BucketCollectives>, bucket_actor_t>,
     caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>,
-    caf::reacts_to<handed_over_atom, std::uint8_t, CollectiveIssue>>;
+    caf::reacts_to<handed_over_atom, std::uint8_t, CollectiveIssue>,
+    caf::reacts_to<hook_phase_atom, std::uint8_t, std::uint32_t, bool, CollectiveIssue>>;
 
 }  // namespace shardflow::msg

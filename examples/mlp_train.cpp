@@ -66,6 +66,11 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
   app.add_option("--freeze", opt.freeze, "register these parameters frozen (requires_grad false: never reduced or stepped), e.g. layers.0.weight,layers.0.bias")
       ->delimiter(',');
+  app.add_option("--comm-hook", opt.comm_hook, "how buckets are reduced (PyTorch's DDP comm hooks): allreduce, fp16, bf16, powersgd")
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
+  app.add_option("--powersgd-rank", opt.powersgd.rank, "PowerSGD: the rank of the approximation")->capture_default_str();
+  app.add_option("--powersgd-start-iter", opt.powersgd.start_iter, "PowerSGD: plain all-reduce for this many iterations first")
+      ->capture_default_str();
   app.add_flag("--find-unused-parameters", opt.runtime.buckets.find_unused_parameters, "reduce parameters without a gradient as zeros");
   app.add_flag("--static-graph", opt.runtime.buckets.static_graph, "keep the registration-order buckets (no rebuild)");
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();

@@ -19,10 +19,68 @@ BucketCollectives::BucketCollectives(std::uint32_t bucket, const BucketSources& 
       events_(from.events),
       timeline_(from.timeline),
       rank_(from.rank),
-      world_(from.world) {}
+      world_(from.world),
+      hook_(from.hook) {
+  if (!hook_) return;
+  const auto& bk = from.plan->buckets[bucket];
+  layout_.index = bucket;
+  layout_.rank = rank_;
+  layout_.world = world_;
+  layout_.dtype = dtype_;
+  layout_.numel = numel_;
+  for (const auto& e : bk.entries) layout_.params.push_back({(*from.params)[e.param].name, (*from.params)[e.param].shape, e.offset});
+}
 
-CollectiveIssue BucketCollectives::reduction() const {
+namespace {
+
+// A hook's phase as the comm stream issues it: its all-reduces, and its continuation as `then`
+// (Note [Comm hooks]). A phase that submits nothing runs its continuation at once.
+CollectiveIssue hook_phase(HookRun run, std::uint32_t b, const std::string& hook, int phase, std::shared_ptr<std::byte> bucket) {
+  while (run.ops().empty() && run.next()) {
+    HookRun next;
+    run.next()(next);
+    run = std::move(next);
+  }
+  CollectiveIssue issue;
+  for (const auto& o : run.ops()) {
+    CollectiveOp op;
+    op.kind = CollectiveKind::allreduce;
+    op.dtype = o.dtype;
+    op.send = op.recv = o.data;
+    op.count = o.count;
+    op.scale = o.scale;
+    op.tag = "bucket " + std::to_string(b) + " (comm hook " + hook + ", phase " + std::to_string(phase) + ")";
+    op.keep_alive = bucket;
+    issue.ops.push_back(std::move(op));
+  }
+  if (issue.ops.empty()) return issue;
+  issue.then = [next = std::move(run.next()), b, hook, phase, bucket](CollectiveIssue& out) {
+    if (!next) return false;
+    HookRun r;
+    next(r);
+    out = hook_phase(std::move(r), b, hook, phase + 1, bucket);
+    return !out.ops.empty();
+  };
+  return issue;
+}
+
+}  // namespace
+
+CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
   const auto b = b_;
+  if (hook_) {
+    auto grad = bufs_->grad(b);
+    GradBucket bucket = layout_;
+    bucket.iteration = iteration;
+    bucket.data = grad.get();
+    HookRun run;
+    hook_->reduce(bucket, run);
+    auto issue = hook_phase(std::move(run), b, hook_->name(), 1, grad);
+    if (issue.ops.empty())
+      throw UsageError("comm hook '" + hook_->name() + "' issued no collective for bucket " + std::to_string(b) +
+                       ": a hook must reduce the bucket across the ranks");
+    return issue;
+  }
   const auto& sh = shard_;
   const auto& tl = timeline_;
   const bool rs = sh && sh->reduce_scatters();

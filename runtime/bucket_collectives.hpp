@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "shardflow/comm_hook.hpp"
 #include "shardflow/communicator.hpp"
 
 namespace shardflow {
@@ -26,6 +27,9 @@ struct BucketPlan;
 struct CollectiveIssue {
   std::vector<CollectiveOp> ops;
   std::function<void()> on_complete;
+  // A comm hook's phase (Note [Comm hooks]): runs on the stream thread once the ops completed;
+  // true with the next phase in `next`, false when the reduction is done.
+  std::function<bool(CollectiveIssue& next)> then;
 };
 
 // Where a bucket's ops find their buffers. `shard` is null without the runtime's optimizer.
@@ -36,6 +40,8 @@ struct BucketSources {
   std::shared_ptr<BucketEvents> events;
   std::shared_ptr<Timeline> timeline;
   int rank = 0, world = 1;
+  std::shared_ptr<CommHook> hook;                // null: the runtime's own reduction
+  const std::vector<ParamSpec>* params = nullptr;  // names and shapes for the hook's GradBucket
 };
 
 class BucketCollectives {
@@ -45,7 +51,9 @@ class BucketCollectives {
   std::uint32_t bucket() const { return b_; }
   // The averaged reduction of the bucket's gradients: an all-reduce, or a reduce-scatter into this
   // rank's gradient shard (ZeRO-2, flat partition); cast to the wire dtype first and back after.
-  CollectiveIssue reduction() const;
+  // With a comm hook, the hook's phases instead (all-reduce reductions only). `iteration`: the
+  // synchronised iteration being issued.
+  CollectiveIssue reduction(std::uint64_t iteration) const;
   // The updated parameters from their owners: an all-gather of the packed slices (flat partition)
   // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2).
   CollectiveIssue sync() const;
@@ -58,6 +66,8 @@ class BucketCollectives {
   std::shared_ptr<Shard> shard_;
   std::shared_ptr<BucketEvents> events_;
   std::shared_ptr<Timeline> timeline_;
+  std::shared_ptr<CommHook> hook_;
+  GradBucket layout_;  // what the hook sees, less the iteration
   int rank_, world_;
 };
 

@@ -61,9 +61,6 @@ void Config::check_needs_optimizer() const {
   };
   if (zero.stage != ZeroStage::ddp) refuse("zero.stage", std::to_string(int(zero.stage)), "it shards the runtime's optimizer");
   if (zero.overlap != Overlap::none) refuse("zero.overlap", overlap_name(zero.overlap), "it overlaps the runtime's optimizer steps");
-  if (precision.comm_dtype != DType::f32)
-    refuse("precision.comm_dtype", dtype_name(precision.comm_dtype),
-           "16-bit communication needs the fp32 masters the runtime's optimizer keeps");
   if (zero.clip_grad_norm != 0.0f)
     refuse("zero.clip_grad_norm", std::to_string(zero.clip_grad_norm), "the runtime clips inside its optimizer step");
   if (zero.forward_prefetch)

@@ -149,6 +149,11 @@ struct Runtime::Impl {
   };
   std::unique_ptr<PendingSave> pending_save;
   bool rebuilt = false;
+  // Note [Comm hooks] (hooks/comm_hooks.cpp): the trainer's hook, or with a 16-bit
+  // Config::precision.comm_dtype and no runtime optimizer the matching compress hook (the shard
+  // casts itself when there is one). Null: the runtime's own reduction.
+  std::shared_ptr<CommHook> comm_hook;
+  std::shared_ptr<CommHook> effective_hook() const;
   // Parameters a configure_optimizer group named (the others joined group 0 by default and may
   // still go to a group of add_param_group's).
   std::vector<char> explicitly_grouped;

@@ -209,7 +209,6 @@ TEST_CASE("settings that need the runtime's optimizer, without one: an error at 
   const Case cases[] = {
       {"zero.stage", [](Config& c) { c.zero.stage = ZeroStage::optimizer_state; }},
       {"zero.overlap", [](Config& c) { c.zero.overlap = Overlap::interleaved; }},
-      {"precision.comm_dtype", [](Config& c) { c.precision.comm_dtype = DType::bf16; }},
       {"zero.clip_grad_norm", [](Config& c) { c.zero.clip_grad_norm = 1.0f; }},
       {"zero.forward_prefetch", [](Config& c) { c.zero.forward_prefetch = true; }},
   };

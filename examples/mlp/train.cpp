@@ -191,6 +191,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   const auto adapter =
       opt.device.kind == Device::Kind::cuda ? make_device_rank_model(model, opt) : make_host_rank_model(model, opt);
   Runtime rt(comm, opt.runtime);
+  if (!opt.comm_hook.empty()) rt.register_comm_hook(make_comm_hook(opt.comm_hook, opt.powersgd));  // one per rank: hooks keep state
   adapter->attach(rt);
   rt.finalize();
   if (opt.optimizer_in_runtime) rt.configure_optimizer(opt.optimizer);
@@ -263,6 +264,7 @@ Prepared prepare(const TrainOptions& opt) {
   }
   if (!opt.freeze.empty() && opt.device.kind == Device::Kind::cuda)
     throw UsageError("--freeze: the example's GPU model does not freeze parameters yet; use its CPU trainer");
+  if (!opt.comm_hook.empty()) (void)make_comm_hook(opt.comm_hook, opt.powersgd);  // a bad name or option, before threads start
   if (opt.resume_dir && !opt.optimizer_in_runtime)
     throw UsageError("--resume restores the runtime's optimizer state: it needs the optimizer inside the runtime");
   if (opt.checkpoint_every < 0) throw UsageError("--every must be >= 0");

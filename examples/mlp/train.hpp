@@ -83,6 +83,9 @@ struct TrainOptions {
   // Parameters registered frozen (ParamSpec::requires_grad false): never reduced or stepped; their
   // gradients are computed and dropped (CPU only).
   std::vector<std::string> freeze;
+  // Runtime::register_comm_hook: "allreduce", "fp16", "bf16", "powersgd" (empty: none).
+  std::string comm_hook;
+  PowerSGDOptions powersgd;
 };
 
 std::string checkpoint_file(const std::string& dir);  // DIR/checkpoint.safetensors

@@ -104,7 +104,9 @@ struct PrecisionConfig {
   // What fp32 parameters' gradients and parameter syncs travel as (the optional 16-bit
   // communication of FairScale's broadcast_fp16 and DeepSpeed's fp16 reduction). bf16/fp16: the
   // owner steps an fp32 master and every rank's fp32 storage holds the same 16-bit-rounded value,
-  // so ranks never drift apart. Needs configure_optimizer(); 16-bit parameters always travel as
+  // so ranks never drift apart. Without configure_optimizer() (the trainer's own optimizer) it is
+  // PyTorch's fp16/bf16 compress hook: each bucket divided by the world size, cast, all-reduced and
+  // cast back into the fp32 gradients (Note [Comm hooks]). 16-bit parameters always travel as
   // themselves.
   DType comm_dtype = DType::f32;
 };

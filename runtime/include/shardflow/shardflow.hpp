@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "shardflow/comm_hook.hpp"
 #include "shardflow/communicator.hpp"
 #include "shardflow/config.hpp"
 #include "shardflow/errors.hpp"
@@ -145,6 +146,13 @@ class Runtime {
   // stream too. After wait() the reduced gradients can be used by work on this stream. All of a
   // Runtime's parameters live on one device. Change it between iterations only.
   void set_stream(void* cuda_stream);
+
+  // Replaces how buckets are reduced (Note [Comm hooks]; PyTorch's register_comm_hook): allreduce,
+  // fp16/bf16 compression, PowerSGD (comm_hook.hpp) or the trainer's own. Once, before finalize();
+  // every rank registers the same kind. Host buckets; with ZeRO-2's reduce-scatter it is an error
+  // (use Config::precision.comm_dtype for a 16-bit wire there), as is a hook beside a 16-bit
+  // comm_dtype. Without the runtime's optimizer a 16-bit comm_dtype means the matching compress hook.
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
 
   // Ends registration: checks that every rank registered the same parameters and buffers (count,
   // names, shapes, dtypes; MismatchError naming the first difference), broadcasts rank 0's values
