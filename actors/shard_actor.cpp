@@ -15,7 +15,7 @@ void reset(ShardActorState& s) {
   s.nreduced = s.nstepped = s.nsynced = s.staging_in_flight = s.first_unstepped = 0;
   s.all_issued = false;
   s.unused_known = false;
-  s.phase = s.shard->clips() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
+  s.phase = s.shard->exchanges_norm() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
   s.clip_coef = ClipCoef{};
 }
 
@@ -45,7 +45,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
   st.overlap = overlap;
   st.comm = std::move(comm);
   st.iteration = std::move(iteration);
-  st.phase = st.shard->clips() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
+  st.phase = st.shard->exchanges_norm() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
 
   auto try_step = [self] {
     auto& s = self->state;
@@ -115,7 +115,7 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       s.stepped[b] = 1;
       ++s.nstepped;
       const auto t0 = Timeline::now();
-      sh.step(b, s.clip_coef);
+      if (!sh.skipping()) sh.step(b, s.clip_coef);  // Note [Loss scaling]: an inf somewhere: no rank steps
       // The step count advances before the last bucket is reported: without syncs that report ends
       // the iteration, and the trainer may read the count at once (state migration when the
       // buckets are rebuilt after wait()). Counting after the send raced with that read.

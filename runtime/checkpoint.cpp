@@ -95,7 +95,19 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
   for (const auto& p : params)
     if (!p.requires_grad) frozen.push_back(p.name);
   if (!frozen.empty()) meta["shardflow.frozen"] = frozen.dump();
+  if (cfg.precision.dynamic_loss_scale)
+    meta["shardflow.loss_scale"] = nlohmann::json{{"scale", shard->loss_scale()}, {"growth_tracker", shard->growth_tracker()}}.dump();
   return meta;
+}
+
+void restore_loss_scale(Shard& shard, const std::string& json, const std::string& label) {
+  if (json.empty()) return;  // saved without loss scaling: this run's starts at its init_scale
+  try {
+    const auto j = nlohmann::json::parse(json);
+    shard.set_loss_scale(j.at("scale").get<float>(), j.at("growth_tracker").get<int>());
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError(label + ": shardflow.loss_scale is malformed: " + e.what());
+  }
 }
 
 std::set<std::string> frozen_names(const std::string& json, const std::string& label) {
@@ -359,6 +371,8 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
     I.shard->set_steps(std::stoll(it->second));
     const auto skipped = file.metadata.find("shardflow.skipped_steps");
     restore_skipped(*I.shard, params, skipped == file.metadata.end() ? "" : skipped->second, was_frozen, label);
+    const auto scale = file.metadata.find("shardflow.loss_scale");
+    if (I.cfg.precision.dynamic_loss_scale) restore_loss_scale(*I.shard, scale == file.metadata.end() ? "" : scale->second, label);
   }
 }
 

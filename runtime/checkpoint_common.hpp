@@ -43,6 +43,8 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
 void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::set<std::string>& was_frozen,
                      const std::string& label);
 std::set<std::string> frozen_names(const std::string& json, const std::string& label);
+// The loss scaler's scale and growth tracker ("shardflow.loss_scale"; empty: leave them).
+void restore_loss_scale(Shard& shard, const std::string& json, const std::string& label);
 
 // Every checkpoint call starts here: between iterations, host parameters, and the last
 // iteration's parameter syncs landed. `what` names the call in errors. (A template so as not to

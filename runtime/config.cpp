@@ -36,6 +36,12 @@ void Config::validate() const {
   if (zero.max_buckets_in_flight == 1)
     bad("zero.max_buckets_in_flight", "must be 0 (the memory budget's choice) or >= 2 (one bucket being written, one being reduced)");
   if (zero.clip_grad_norm < 0.0f) bad("zero.clip_grad_norm", "must be >= 0 (0 turns clipping off)");
+  if (precision.dynamic_loss_scale) {
+    if (!(precision.init_scale > 0.0f) || !std::isfinite(precision.init_scale)) bad("precision.init_scale", "must be a finite number > 0");
+    if (!(precision.growth_factor > 1.0f)) bad("precision.growth_factor", "must be > 1");
+    if (!(precision.backoff_factor > 0.0f && precision.backoff_factor < 1.0f)) bad("precision.backoff_factor", "must be in (0, 1)");
+    if (precision.growth_interval < 1) bad("precision.growth_interval", "must be >= 1");
+  }
   if (zero.clip_grad_norm > 0.0f && zero.clip_norm_type != 2.0f && !std::isinf(zero.clip_norm_type))
     bad("zero.clip_norm_type", "must be 2 or infinity, got " + std::to_string(zero.clip_norm_type));
   if (buckets.first_cap_bytes == 0) bad("buckets.first_cap_bytes", "must be > 0 (default 1 MiB)");
@@ -61,6 +67,8 @@ void Config::check_needs_optimizer() const {
   };
   if (zero.stage != ZeroStage::ddp) refuse("zero.stage", std::to_string(int(zero.stage)), "it shards the runtime's optimizer");
   if (zero.overlap != Overlap::none) refuse("zero.overlap", overlap_name(zero.overlap), "it overlaps the runtime's optimizer steps");
+  if (precision.dynamic_loss_scale)
+    refuse("precision.dynamic_loss_scale", "true", "the runtime unscales and skips steps inside its optimizer step");
   if (zero.clip_grad_norm != 0.0f)
     refuse("zero.clip_grad_norm", std::to_string(zero.clip_grad_norm), "the runtime clips inside its optimizer step");
   if (zero.forward_prefetch)

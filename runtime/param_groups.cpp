@@ -46,6 +46,9 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
   I.install_plan(I.make_plan(reverse_registration_order(I.registry.params())), I.iterations);
 }
 
+float Runtime::loss_scale() const { return impl_->shard ? impl_->shard->loss_scale() : 1.0f; }
+bool Runtime::last_step_skipped() const { return impl_->shard && impl_->shard->last_skipped(); }
+
 void Runtime::Impl::publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what) {
   if (next->state_slots() != groups->state_slots())
     throw UsageError(std::string(what) + ": the change makes the optimizer keep " + std::to_string(next->state_slots()) +

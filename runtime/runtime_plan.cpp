@@ -132,6 +132,7 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   }
   to.set_steps(from.steps());
   to.set_skipped(from.skipped());
+  to.set_loss_scale(from.loss_scale(), from.growth_tracker());
   // Masters the old shard did not keep (parameters it did not train, or no masters slot at all)
   // start from the parameters, as a new shard's do (Note [Changing the trainable set]).
   if (to.migrate_slots() > to.state_slots()) {
@@ -185,7 +186,7 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   ScheduleSpec spec;
   spec.buckets = plan.buckets.size();
   spec.syncs = shard && shard->syncs();
-  spec.norm = spec.syncs && shard->clips();
+  spec.norm = spec.syncs && shard->exchanges_norm();
   spec.buffers = syncs_buffers();
   spec.unused = finds_unused();
   // Syncs in the observed forward order: only the first prefetch_early interleave, each after the

@@ -105,6 +105,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
     if (const auto g = meta.find("shardflow.param_groups"); g != meta.end()) j["param_groups"] = nlohmann::json::parse(g->second);
     if (const auto k = meta.find("shardflow.skipped_steps"); k != meta.end()) j["skipped_steps"] = nlohmann::json::parse(k->second);
     if (const auto f = meta.find("shardflow.frozen"); f != meta.end()) j["frozen"] = nlohmann::json::parse(f->second);
+    if (const auto l = meta.find("shardflow.loss_scale"); l != meta.end()) j["loss_scale"] = nlohmann::json::parse(l->second);
     for (const auto& p : params) j["params"].push_back({{"name", p.name}, {"dtype", safetensors_dtype(p.dtype)}, {"shape", p.shape}});
     for (const auto& b : I.plan.buckets) {
       nlohmann::json names = nlohmann::json::array();
@@ -339,6 +340,8 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
     if (has_state) {
       I.shard->set_steps(j.at("steps").get<std::int64_t>());
       restore_skipped(*I.shard, params, j.contains("skipped_steps") ? j.at("skipped_steps").dump() : "", was_frozen, "checkpoint '" + index_path + "'");
+      if (I.cfg.precision.dynamic_loss_scale)
+        restore_loss_scale(*I.shard, j.contains("loss_scale") ? j.at("loss_scale").dump() : "", "checkpoint '" + index_path + "'");
     }
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());

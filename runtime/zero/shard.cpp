@@ -54,6 +54,12 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
         ops_->cast(DType::f32, master_.back().data() + piece.packed_off, plan_.buckets[b].dtype,
                    param_bytes(piece.param) + piece.param_off * esize(b), piece.len);
   }
+  if (cfg.precision.dynamic_loss_scale) {
+    if (ops_->on_gpu())
+      throw UsageError(cfg.name_of("precision.dynamic_loss_scale") +
+                       ": dynamic loss scaling decides on the host whether to skip a step; device shards do not support it yet");
+    scaler_ = Scaler{true, cfg.precision.init_scale, cfg.precision.growth_factor, cfg.precision.backoff_factor, cfg.precision.growth_interval, 0};
+  }
   auto norm = ops_->alloc(std::size_t(shard_.world) * sizeof(float));
   norm_ = std::shared_ptr<float>(norm, reinterpret_cast<float*>(norm.get()));
 }
@@ -85,10 +91,31 @@ void Shard::partial_norm() {
   ops_->record(norm_slot());
 }
 
+// Note [Loss scaling]
+// fp16 gradients underflow unless the loss is scaled up; GradScaler's recipe, kept inside the
+// runtime's step: the trainer multiplies its loss by loss_scale(), the reduced gradients are
+// unscaled through the step's gradient coefficient (1/scale, times the clip coefficient when
+// clipping, computed on the unscaled norm as torch does after unscale_), and the global norm that
+// clipping already exchanges (Note [Collective schedule]: N) tells every rank at once whether any
+// rank's gradients hold an inf or a NaN: then no rank steps (the syncs still go out, carrying
+// the unchanged parameters, so the collectives stay in order), no parameter's step count
+// advances, and the scale backs off; after growth_interval clean steps it grows. The scale and the
+// tracker are the same on every rank, since every rank sees the same norm, and checkpoints carry
+// them. Host shards only: the decision to skip is made on the host.
 ClipCoef Shard::finish_norm() {
   // Sharded, the exchange filled every rank's slot; otherwise every rank saw every gradient.
   const float* partials = shard_.sharded ? norm_.get() : norm_.get() + shard_.rank;
-  return ops_->clip_coef(partials, shard_.sharded ? shard_.world : 1, std::isinf(clip_type_), clip_max_);
+  if (!scaler_.on) return ops_->clip_coef(partials, shard_.sharded ? shard_.world : 1, std::isinf(clip_type_), clip_max_);
+  // Note [Loss scaling]: the norm of the scaled gradients, the same on every rank; unscaled, then
+  // clipped as torch does after GradScaler.unscale_ (max / (norm + 1e-6) against unscaled values).
+  ops_->clip_coef(partials, shard_.sharded ? shard_.world : 1, std::isinf(clip_type_), 0.0f);
+  const double scaled = ops_->last_norm();
+  skipping_ = !std::isfinite(scaled);
+  if (skipping_) return ClipCoef{0.0f, nullptr};
+  const double norm = scaled / double(scaler_.scale);
+  ops_->set_last_norm(float(norm));
+  const double clip = clip_max_ > 0.0f ? std::min(1.0, double(clip_max_) / (norm + 1e-6)) : 1.0;
+  return ClipCoef{float(clip / double(scaler_.scale)), nullptr};
 }
 
 void Shard::step(std::size_t b, ClipCoef clip) {
@@ -122,9 +149,20 @@ void Shard::skip_unused(const std::vector<float>& used) {
 void Shard::end_step() {
   ++steps_;
   for (std::size_t p = 0; p < params_.size(); ++p) {
-    skipped_[p] += skip_[p];
+    skipped_[p] += skip_[p] || skipping_;  // a skipped step counts for no parameter (GradScaler skips optimizer.step)
     skip_[p] = 0;
   }
+  skipped_last_ = skipping_;
+  if (scaler_.on) {
+    if (skipping_) {
+      scaler_.scale *= scaler_.backoff;
+      scaler_.tracker = 0;
+    } else if (++scaler_.tracker == scaler_.interval) {
+      scaler_.scale *= scaler_.growth;
+      scaler_.tracker = 0;
+    }
+  }
+  skipping_ = false;
 }
 
 void Shard::take_grad_shard(std::size_t b) {

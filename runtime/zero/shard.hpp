@@ -50,7 +50,15 @@ class Shard {
   // all-reduced (and, pooled, the owned pieces copied out).
   bool reduce_scatters() const { return stage_ == 2 && shard_.sharded && flat_; }
   bool syncs() const { return shard_.sharded; }
-  bool clips() const { return clip_max_ > 0.0f; }
+  // The global gradient norm is needed before any step: to clip, or (loss scaling) to find an inf.
+  bool exchanges_norm() const { return clip_max_ > 0.0f || scaler_.on; }
+  // Note [Loss scaling]: this iteration's steps are skipped (an inf or a NaN in some rank's
+  // gradients, known once the norm is in); the scale the trainer multiplies its loss by.
+  bool skipping() const { return skipping_; }
+  bool last_skipped() const { return skipped_last_; }
+  float loss_scale() const { return scaler_.scale; }
+  int growth_tracker() const { return scaler_.tracker; }
+  void set_loss_scale(float scale, int tracker) { scaler_.scale = scale, scaler_.tracker = tracker; }
 
   BucketBuffers& buffers() const { return *buffers_; }
   // What bucket b's reduction and sync travel as: its dtype, or Config::precision.comm_dtype for fp32.
@@ -152,6 +160,12 @@ class Shard {
   int stage_;
   bool flat_ = false;
   float clip_max_, clip_type_;
+  struct Scaler {
+    bool on = false;
+    float scale = 1.0f, growth = 2.0f, backoff = 0.5f;
+    int interval = 2000, tracker = 0;
+  } scaler_;
+  bool skipping_ = false, skipped_last_ = false;
   std::vector<ParamSpec> params_;
   std::vector<std::size_t> param_base_;  // offset of each parameter in parameter coordinates
   std::size_t total_elements_ = 0;

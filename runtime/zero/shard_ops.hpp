@@ -86,6 +86,7 @@ class ShardOps {
   // exchange); also keeps the norm for last_norm().
   virtual ClipCoef clip_coef(const float* partials, int count, bool inf, float max_norm) = 0;
   virtual float last_norm() = 0;  // CUDA: waits for the shard's stream (the trainer's thread only)
+  virtual void set_last_norm(float) {}  // the unscaled norm, with loss scaling (host shards)
 
   // Events, by slots the shard numbers itself (CUDA only; nothing and null on the CPU).
   virtual void make_events(std::size_t slots) {}

@@ -91,6 +91,7 @@ class CpuShardOps final : public ShardOps {
     return ClipCoef{coef < 1.0 ? float(coef) : 1.0f, nullptr};
   }
   float last_norm() override { return last_norm_; }
+  void set_last_norm(float n) override { last_norm_ = n; }
 
  private:
   std::vector<float> scratch_;

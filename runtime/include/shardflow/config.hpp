@@ -109,6 +109,16 @@ struct PrecisionConfig {
   // cast back into the fp32 gradients (Note [Comm hooks]). 16-bit parameters always travel as
   // themselves.
   DType comm_dtype = DType::f32;
+  // Dynamic loss scaling for fp16 training, as torch.cuda.amp.GradScaler does it (Note [Loss
+  // scaling]): the trainer multiplies its loss by Runtime::loss_scale(); the runtime's optimizer
+  // unscales the reduced gradients, and when any rank's gradients hold an inf or a NaN every rank
+  // skips the step and the scale backs off; after growth_interval clean steps it grows. Needs
+  // configure_optimizer(), host shards.
+  bool dynamic_loss_scale = false;
+  float init_scale = 65536.0f;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  int growth_interval = 2000;
 };
 
 // Rank 0's values to every rank, as PyTorch DDP does at construction and before each forward.

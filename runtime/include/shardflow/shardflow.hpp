@@ -228,8 +228,14 @@ class Runtime {
   // from the next iteration on; returns its index. Unlike torch, where such a parameter was in no
   // optimizer, a parameter trained in group 0 keeps the state it built there.
   std::size_t add_param_group(const ParamGroup& group);
-  // The global gradient norm of the last synchronised iteration (computed only when clipping).
+  // The global gradient norm of the last synchronised iteration (computed only when clipping or
+  // loss scaling; unscaled).
   float last_grad_norm() const;
+  // Config::precision.dynamic_loss_scale (Note [Loss scaling]): what the trainer multiplies its
+  // loss by this iteration (1 without it), and whether the last iteration's step was skipped for
+  // an inf or a NaN in some rank's gradients (every rank skips the same steps).
+  float loss_scale() const;
+  bool last_step_skipped() const;
   MemoryReport memory_report() const;
 
   RuntimeStats stats() const;

@@ -1,0 +1,104 @@
+// Dynamic loss scaling (Note [Loss scaling]), as torch.cuda.amp.GradScaler does it: an inf on one
+// rank makes every rank skip the same step and halve the scale; clean steps grow it back; the
+// parameters follow the unscaled gradients as if no step had been attempted.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "helpers.hpp"
+#include "per_param_optimizer.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int kWorld = 2, kIterations = 7, kInfAt = 2;
+constexpr std::int64_t kNumel = 40;
+
+float grad_at(int r, int it, std::size_t p, std::int64_t e) { return 0.0078125f * float((r * 3 + it * 5 + int(p) * 7 + int(e)) % 9) - 0.03125f; }
+
+OptimizerConfig adamw() {
+  OptimizerConfig oc;
+  oc.kind = OptimizerConfig::Kind::adamw;
+  oc.lr = 0.01f;
+  oc.weight_decay = 0.1f;
+  return oc;
+}
+
+}  // namespace
+
+TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips that step, the scale halves and grows back after 3 clean steps, the parameters as if the step was never tried; stages 0-2") {
+  std::vector<std::vector<float>> init(2, std::vector<float>(kNumel));
+  for (std::size_t p = 0; p < 2; ++p)
+    for (std::int64_t e = 0; e < kNumel; ++e) init[p][std::size_t(e)] = 0.5f - 0.01f * float(e) + float(p);
+  test::PerParamOptimizer ref(adamw(), init);
+  for (int it = 0; it < kIterations; ++it)
+    for (std::size_t p = 0; p < 2; ++p) {
+      if (it == kInfAt) continue;
+      std::vector<float> g;
+      for (std::int64_t e = 0; e < kNumel; ++e) g.push_back((grad_at(0, it, p, e) + grad_at(1, it, p, e)) * 0.5f);
+      ref.step(p, g);
+    }
+  for (int stage : {0, 1, 2}) {
+    CAPTURE(stage);
+    auto w = InProcessWorld::create(kWorld, 30s);
+    Config cfg;
+    cfg.zero.stage = ZeroStage(stage);
+    cfg.zero.overlap = Overlap::interleaved;
+    cfg.precision.dynamic_loss_scale = true;
+    cfg.precision.init_scale = 1024.0f;
+    cfg.precision.growth_interval = 3;
+    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = kNumel * 4;
+    std::vector<std::vector<float>> scales(kWorld), final(kWorld);
+    std::vector<std::vector<char>> skipped(kWorld);
+    test::require_all_ok(test::run_ranks(kWorld, [&](int r) {
+      std::vector<float> flat(init[0]);
+      flat.insert(flat.end(), init[1].begin(), init[1].end());
+      Runtime rt(w->communicator(r), cfg);
+      const auto h = test::register_flat(rt, flat.data(), 2, kNumel);
+      rt.configure_optimizer(adamw());
+      std::vector<float> before;
+      for (int it = 0; it < kIterations; ++it) {
+        const float scale = rt.loss_scale();  // the trainer scales its loss: the gradients come out scaled
+        scales[std::size_t(r)].push_back(scale);
+        if (it == kInfAt) before = flat;
+        rt.zero_grad();
+        for (std::size_t p = 2; p-- > 0;) {
+          float* g = rt.grad_f32(h[p]);
+          for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e) * scale;
+          if (it == kInfAt && r == 1 && p == 0) g[3] = std::numeric_limits<float>::infinity();
+          rt.grad_ready(h[p]);
+        }
+        rt.wait();
+        skipped[std::size_t(r)].push_back(rt.last_step_skipped());
+        if (it == kInfAt) CHECK(flat == before);  // not a bit moved on any rank
+      }
+      final[std::size_t(r)] = flat;
+    }));
+    for (int r = 0; r < kWorld; ++r) {
+      CAPTURE(r);
+      CHECK(scales[std::size_t(r)] == std::vector<float>{1024, 1024, 1024, 512, 512, 512, 1024});
+      CHECK(skipped[std::size_t(r)] == std::vector<char>{0, 0, 1, 0, 0, 0, 0});
+      CHECK(std::vector<float>(final[std::size_t(r)].begin(), final[std::size_t(r)].begin() + kNumel) == ref.params()[0]);
+      CHECK(std::vector<float>(final[std::size_t(r)].begin() + kNumel, final[std::size_t(r)].end()) == ref.params()[1]);
+    }
+  }
+}
+
+TEST_CASE("loss scaling settings: bad values are named; without the runtime's optimizer it is refused at the first backward") {
+  auto w = InProcessWorld::create(1, 5s);
+  Config c;
+  c.precision.dynamic_loss_scale = true;
+  c.precision.backoff_factor = 1.5f;
+  CHECK_THROWS_WITH_AS(Runtime(w->communicator(0), c), doctest::Contains("precision.backoff_factor"), UsageError);
+  c.precision.backoff_factor = 0.5f;
+  Runtime rt(w->communicator(0), c);
+  float x[4] = {};
+  const auto p = rt.register_param({"x", {4}, DType::f32, Device::cpu(), x});
+  rt.zero_grad();
+  CHECK_THROWS_WITH_AS(rt.grad_ready(p), doctest::Contains("precision.dynamic_loss_scale = true does nothing here"), UsageError);
+}
