@@ -45,6 +45,7 @@ const char* kind_name(OptimizerConfig::Kind k) {
   switch (k) {
     case OptimizerConfig::Kind::adam: return "adam";
     case OptimizerConfig::Kind::adamw: return "adamw";
+    case OptimizerConfig::Kind::custom: return "custom";
     default: return "sgd";
   }
 }
@@ -55,6 +56,7 @@ std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, 
   if (slot == shard.state_slots())  // the fp32 masters (Note [Master weights])
     return params[p].dtype != DType::f32 || cfg.precision.comm_dtype != DType::f32 ? "master" : "";
   const auto& h = groups.groups[groups.group_of[p]];
+  if (h.kind == OptimizerConfig::Kind::custom) return h.rule->state_names().at(slot);
   if (h.kind != OptimizerConfig::Kind::sgd) return slot == 0 ? "exp_avg" : "exp_avg_sq";
   return slot == 0 && h.momentum != 0.0f ? "momentum_buffer" : "";
 }
@@ -81,10 +83,12 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
   meta["shardflow.zero_stage"] = std::to_string(int(cfg.zero.stage));
   meta["shardflow.partition"] = partition_name(cfg.zero.partition);
   nlohmann::json groups = nlohmann::json::array();
-  for (const auto& h : opt->groups)
+  for (const auto& h : opt->groups) {
     groups.push_back({{"kind", kind_name(h.kind)}, {"lr", h.lr}, {"momentum", h.momentum}, {"dampening", h.dampening},
                       {"nesterov", h.nesterov}, {"beta1", h.beta1}, {"beta2", h.beta2}, {"eps", h.eps},
                       {"weight_decay", h.effective_weight_decay()}});
+    if (h.rule) groups.back()["rule"] = h.rule->name();
+  }
   meta["shardflow.param_groups"] = groups.dump();
   nlohmann::json skipped = nlohmann::json::object();
   const auto& params = shard->params();

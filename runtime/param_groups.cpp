@@ -70,6 +70,9 @@ void Runtime::set_hyperparameters(std::size_t group, const OptimizerConfig& h) {
   if (h.kind != I.groups->groups[group].kind)
     throw UsageError("set_hyperparameters: group " + std::to_string(group) + " uses " + ckpt::kind_name(I.groups->groups[group].kind) +
                      "; the optimizer kind cannot change during training");
+  if (h.kind == OptimizerConfig::Kind::custom && h.rule->state_names() != I.groups->groups[group].rule->state_names())
+    throw UsageError("set_hyperparameters: step rule '" + h.rule->name() + "' keeps other state tensors than group " + std::to_string(group) +
+                     "'s rule; the state cannot change shape during training");
   auto next = std::make_shared<OptimizerGroups>(*I.groups);
   next->groups[group] = h;
   I.publish_groups(std::move(next), "set_hyperparameters");

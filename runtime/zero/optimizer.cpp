@@ -26,6 +26,10 @@ void OptimizerConfig::validate() const {
   if (!(beta1 >= 0.0f && beta1 < 1.0f)) throw UsageError("optimizer: beta1 must be in [0, 1)");
   if (!(beta2 >= 0.0f && beta2 < 1.0f)) throw UsageError("optimizer: beta2 must be in [0, 1)");
   if (!(eps >= 0.0f)) throw UsageError("optimizer: eps must be >= 0");
+  if (kind == Kind::custom && !rule) throw UsageError("optimizer: kind custom needs a StepRule (OptimizerConfig::rule)");
+  if (kind == Kind::custom && rule->state_names().size() > 2)
+    throw UsageError("optimizer: step rule '" + rule->name() + "' asks for " + std::to_string(rule->state_names().size()) +
+                     " state tensors; the shard keeps at most two per element");
 }
 
 Optimizer::Optimizer(OptimizerConfig cfg) : cfg_(cfg) { cfg_.validate(); }
@@ -40,8 +44,10 @@ kernels::AdamHyper adam_hyper(const OptimizerConfig& h) {
 }
 
 void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
-                  std::size_t n, bool first, std::int64_t step) {
-  if (h.kind == OptimizerConfig::Kind::sgd)
+                  std::size_t n, bool first, std::int64_t step, const std::string& param_name, std::size_t offset) {
+  if (h.kind == OptimizerConfig::Kind::custom)
+    h.rule->update(StepArgs{param, grad, {state0, state1}, n, step, h, param_name, offset});
+  else if (h.kind == OptimizerConfig::Kind::sgd)
     kernels::sgd_step(param, grad, h.momentum != 0.0f ? state0 : nullptr, n, sgd_hyper(h), first);
   else
     kernels::adam_step(param, grad, state0, state1, n, adam_hyper(h), step);
@@ -51,8 +57,11 @@ void Optimizer::step(float* param, const float* grad, std::size_t n, std::size_t
   if (slot >= state_.size()) state_.resize(slot + 1);
   State& s = state_[slot];
   const bool first = s.a.empty();
-  if (first && (cfg_.kind != OptimizerConfig::Kind::sgd || cfg_.momentum != 0.0f)) s.a.assign(n, 0.0f);
-  if (s.b.empty() && cfg_.kind != OptimizerConfig::Kind::sgd) s.b.assign(n, 0.0f);
+  const std::size_t slots = cfg_.kind == OptimizerConfig::Kind::custom ? cfg_.rule->state_names().size()
+                            : cfg_.kind != OptimizerConfig::Kind::sgd  ? 2
+                                                                        : cfg_.momentum != 0.0f;
+  if (first && slots >= 1) s.a.assign(n, 0.0f);
+  if (s.b.empty() && slots >= 2) s.b.assign(n, 0.0f);
   apply_update(cfg_, param, grad, s.a.empty() ? nullptr : s.a.data(), s.b.empty() ? nullptr : s.b.data(), n, first,
                steps_ + 1);
 }

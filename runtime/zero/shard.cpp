@@ -54,6 +54,8 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
         ops_->cast(DType::f32, master_.back().data() + piece.packed_off, plan_.buckets[b].dtype,
                    param_bytes(piece.param) + piece.param_off * esize(b), piece.len);
   }
+  if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
+    throw UsageError("optimizer: step rule '" + groups_->groups.front().rule->name() + "' runs on the host; device shards step with SGD or Adam(W)");
   if (cfg.precision.dynamic_loss_scale) {
     if (ops_->on_gpu())
       throw UsageError(cfg.name_of("precision.dynamic_loss_scale") +
@@ -138,6 +140,8 @@ void Shard::step(std::size_t b, ClipCoef clip) {
     const std::int64_t own = steps_ - skipped_[piece.param];  // the parameter's own count, as torch.optim keeps it
     u.first = own == 0;
     u.step = own + 1;
+    u.param_name = &params_[piece.param].name;
+    u.offset = piece.param_off;
     ops_->update(groups_->groups[groups_->group_of[piece.param]], u);
   }
 }
@@ -216,6 +220,7 @@ void Shard::join_compute() { ops_->fence_compute(trainer_fence()); }
 void Shard::join_bucket(std::size_t b) { ops_->compute_after(slot(done_slot, b)); }
 
 std::size_t OptimizerGroups::state_slots() const {
+  if (groups.front().kind == OptimizerConfig::Kind::custom) return groups.front().rule->state_names().size();
   if (groups.front().kind != OptimizerConfig::Kind::sgd) return 2;
   for (const auto& g : groups)
     if (g.momentum != 0.0f) return 1;

@@ -72,6 +72,8 @@ class ShardOps {
     std::size_t n = 0;
     bool first = false;
     std::int64_t step = 1;
+    const std::string* param_name = nullptr;  // for step rules (StepArgs)
+    std::size_t offset = 0;
   };
   virtual void update(const OptimizerConfig& h, const Update& u) = 0;
 

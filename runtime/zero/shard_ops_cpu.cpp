@@ -55,7 +55,7 @@ class CpuShardOps final : public ShardOps {
     }
     // In place, as torch.nn.utils.clip_grad_norm_ leaves the gradients it clipped.
     if (u.clip.host < 1.0f) kernels::scale(DType::f32, g, u.n, u.clip.host);
-    apply_update(h, u.master, g, u.state_a, u.state_b, u.n, u.first, u.step);
+    apply_update(h, u.master, g, u.state_a, u.state_b, u.n, u.first, u.step, u.param_name ? *u.param_name : std::string(), u.offset);
     if (!u.param) return;
     if (u.param_dtype != DType::f32)  // the trainer's 16-bit storage gets the master, rounded once
       kernels::convert_from_f32(u.param_dtype, u.param, u.master, u.n);

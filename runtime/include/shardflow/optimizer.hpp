@@ -4,13 +4,43 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace shardflow {
 
+struct OptimizerConfig;
+
+// Note [Step rules]
+// Bring your own optimizer: a rule the shard runs on the pieces it owns, in
+// place of SGD / Adam. It keeps up to two fp32 state tensors per element, named by state_names()
+// (zero at the start; checkpoints carry them as optim.<param>.<name>, and they migrate and reshard
+// like Adam's). update() gets fp32 values: the parameter (or its fp32 master), the reduced
+// gradient (unscaled and clipped already), the state, this parameter's own step count from 1, and
+// the group's hyper-parameters (lr, betas, eps, weight_decay, momentum: any may change between
+// iterations). Pieces of one parameter may be split over ranks (the flat partition): a rule that
+// needs whole-tensor quantities (LAMB's trust ratio) wants the param partition. Host shards.
+struct StepArgs {
+  float* param;
+  const float* grad;
+  float* state[2];  // state_names().size() of them; the rest null
+  std::size_t n;
+  std::int64_t step;
+  const OptimizerConfig& hyper;
+  const std::string& param_name;
+  std::size_t offset;  // of param[0] within the parameter
+};
+class StepRule {
+ public:
+  virtual ~StepRule() = default;
+  virtual std::string name() const = 0;
+  virtual std::vector<std::string> state_names() const = 0;  // at most two
+  virtual void update(const StepArgs& a) const = 0;
+};
+
 struct OptimizerConfig {
-  enum class Kind { sgd, adam, adamw };
+  enum class Kind { sgd, adam, adamw, custom };
   Kind kind = Kind::sgd;
   float lr = 0.01f;
   // SGD
@@ -24,6 +54,8 @@ struct OptimizerConfig {
   // L2 penalty for SGD and Adam, decoupled decay for AdamW. Negative: the torch default of the
   // kind (0, 0, 0.01).
   float weight_decay = -1.0f;
+  // Kind::custom: the rule that steps (StepRule).
+  std::shared_ptr<const StepRule> rule;
 
   static Kind parse_kind(const std::string& s);  // "sgd", "adam", "adamw"
   float effective_weight_decay() const;
@@ -35,7 +67,7 @@ struct OptimizerConfig {
 // or exp_avg; state1: exp_avg_sq (Adam). `first`: torch seeds the momentum buffer with the first
 // gradient; `step`: Adam's bias-correction step, counting from 1.
 void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
-                  std::size_t n, bool first, std::int64_t step);
+                  std::size_t n, bool first, std::int64_t step, const std::string& param_name = "", std::size_t offset = 0);
 
 class Optimizer {
  public:
