@@ -10,6 +10,15 @@
 
 namespace shardflow::test {
 
+// AdamW with decoupled weight decay: the scenarios' optimizer.
+inline OptimizerConfig adamw(float lr, float weight_decay) {
+  OptimizerConfig oc;
+  oc.kind = OptimizerConfig::Kind::adamw;
+  oc.lr = lr;
+  oc.weight_decay = weight_decay;
+  return oc;
+}
+
 class PerParamOptimizer {
  public:
   PerParamOptimizer(OptimizerConfig oc, std::vector<std::vector<float>> params) : oc_(oc), param_(std::move(params)) {

@@ -21,13 +21,7 @@ const std::vector<std::int64_t> kSizes = {48, 12};
 float grad_at(int r, int it, std::size_t p, std::int64_t e) { return 0.01f * float((r * 3 + it * 5 + int(p) * 11 + int(e)) % 17) - 0.08f; }
 float init_at(std::size_t p, std::int64_t e) { return 0.3f - 0.1f * float(p) + 0.002f * float(e); }
 
-OptimizerConfig base() {
-  OptimizerConfig oc;
-  oc.kind = OptimizerConfig::Kind::adamw;
-  oc.lr = 0.02f;
-  oc.weight_decay = 0.05f;
-  return oc;
-}
+OptimizerConfig base() { return test::adamw(0.02f, 0.05f); }
 // From iteration 3 group 0 decays harder with other betas; from iteration 4 "head" has a group of
 // its own at a tenth of the learning rate and no decay.
 OptimizerConfig later() {

@@ -21,13 +21,7 @@ constexpr std::int64_t kNumel = 40;
 
 float grad_at(int r, int it, std::size_t p, std::int64_t e) { return 0.0078125f * float((r * 3 + it * 5 + int(p) * 7 + int(e)) % 9) - 0.03125f; }
 
-OptimizerConfig adamw() {
-  OptimizerConfig oc;
-  oc.kind = OptimizerConfig::Kind::adamw;
-  oc.lr = 0.01f;
-  oc.weight_decay = 0.1f;
-  return oc;
-}
+OptimizerConfig adamw() { return test::adamw(0.01f, 0.1f); }
 
 }  // namespace
 

@@ -33,13 +33,7 @@ bool trains(int it, std::size_t p) {
 float grad_at(int r, int it, std::size_t p, std::int64_t e) { return 0.01f * float((r * 5 + it * 3 + int(p) * 7 + int(e)) % 13) - 0.05f; }
 float init_at(std::size_t p, std::int64_t e) { return 0.2f * float(p + 1) - 0.004f * float(e); }
 
-OptimizerConfig adamw() {
-  OptimizerConfig oc;
-  oc.kind = OptimizerConfig::Kind::adamw;
-  oc.lr = 0.05f;
-  oc.weight_decay = 0.1f;
-  return oc;
-}
+OptimizerConfig adamw() { return test::adamw(0.05f, 0.1f); }
 
 std::vector<float> average_grad(int it, std::size_t p) {
   std::vector<float> g;

@@ -30,13 +30,7 @@ using Uses = std::function<bool(int r, int it, std::size_t p)>;
 float grad_at(int r, int it, std::size_t p, std::int64_t e) { return 0.01f * float((r * 5 + it * 3 + int(p) * 7 + int(e)) % 11) - 0.04f; }
 float init_at(std::size_t p, std::int64_t e) { return 0.1f * float(p + 1) + 0.003f * float(e); }
 
-OptimizerConfig adamw() {
-  OptimizerConfig oc;
-  oc.kind = OptimizerConfig::Kind::adamw;
-  oc.lr = 0.05f;
-  oc.weight_decay = 0.1f;
-  return oc;
-}
+OptimizerConfig adamw() { return test::adamw(0.05f, 0.1f); }
 
 // The reference, by hand: each parameter some rank used is stepped on the average over all ranks
 // (zeros where a rank did not use it) with its own step count; the others are not touched.
