@@ -51,7 +51,8 @@ struct BucketConfig {
   // write gradients where Runtime::grad() points. Off: the trainer owns gradient storage
   // (ParamSpec::grad) and shardflow copies into and out of its buckets.
   bool gradient_as_bucket_view = true;
-  // Parameters that got no gradient in an iteration are reduced as zeros when backward finishes.
+  // Parameters that got no gradient in an iteration are reduced as zeros when backward finishes;
+  // one that no rank used is not stepped (Note [Unused parameters], Runtime::unused_parameters).
   // Off: finishing backward with unreduced parameters is an error naming them (a hang elsewhere).
   bool find_unused_parameters = false;
   // The gradient order is the same every iteration. Off (default): after the first iteration the
