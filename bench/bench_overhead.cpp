@@ -59,7 +59,7 @@ double run(int world, int stage, bool optimizer, Overlap overlap, int lag, int p
       cfg.zero.interleave_lag = lag;
       cfg.zero.stage = ZeroStage(stage);
       cfg.zero.overlap = overlap;
-      cfg.buckets.static_graph = true;
+      cfg.buckets.rebuild = false;
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4 * std::size_t(per_bucket);
       std::vector<float> p(std::size_t(params) * numel, 0.5f);
       Runtime rt(comms[std::size_t(r)], cfg);

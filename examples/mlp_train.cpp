@@ -72,7 +72,9 @@ int main(int argc, char** argv) {
   app.add_option("--powersgd-start-iter", opt.powersgd.start_iter, "PowerSGD: plain all-reduce for this many iterations first")
       ->capture_default_str();
   app.add_flag("--find-unused-parameters", opt.runtime.buckets.find_unused_parameters, "reduce parameters without a gradient as zeros");
-  app.add_flag("--static-graph", opt.runtime.buckets.static_graph, "keep the registration-order buckets (no rebuild)");
+  app.add_flag("!--no-rebuild", opt.runtime.buckets.rebuild, "keep the registration-order buckets (no rebuild after the first iteration)");
+  app.add_flag("--static-graph", opt.runtime.buckets.static_graph,
+               "PyTorch's static_graph: the same parameters every iteration, unused ones learnt once; a gradient may be reported several times");
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
   int zero_stage = 0;
   std::string overlap = "none", partition = "flat";

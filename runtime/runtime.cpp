@@ -193,19 +193,24 @@ void Runtime::grad_ready(Param p) {
   if (I.phase.load(std::memory_order_acquire) == Impl::Phase::reducing)
     throw UsageError("grad_ready('" + I.name_of(i) + "') on rank " + std::to_string(I.rank) +
                      " after finish_backward(): call wait() before the next backward pass");
-  if (I.marked[i].exchange(1, std::memory_order_acq_rel))
-    throw UsageError("parameter '" + I.name_of(i) + "' was marked ready twice in iteration " +
-                     std::to_string(I.iterations) + " on rank " + std::to_string(I.rank) +
-                     ". Report each gradient once per backward pass; a parameter used several times in forward "
-                     "is reported after its gradient is complete.");
+  const auto reports = std::uint32_t(I.marked[i].fetch_add(1, std::memory_order_acq_rel)) + 1;
+  I.count_report(i, reports);
+  // Complete after its last report (Note [Static graph]: re-entrant backward reports several times;
+  // while the graph is learnt every gradient waits for the end of backward).
+  if (I.learning_graph() || reports < I.reports_allowed(i)) {
+    if (!I.require_sync.load(std::memory_order_relaxed)) I.touched[i] = 1;
+    return;
+  }
   I.order[I.order_pos.fetch_add(1, std::memory_order_relaxed)] = i;
   if (!I.require_sync.load(std::memory_order_relaxed)) {
     I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
     return;
   }
   auto idle = Impl::Phase::idle;
-  if (I.phase.compare_exchange_strong(idle, Impl::Phase::backward, std::memory_order_acq_rel))
+  if (I.phase.compare_exchange_strong(idle, Impl::Phase::backward, std::memory_order_acq_rel)) {
     I.timeline->stats().backward_started(Timeline::now());
+    if (I.graph_learnt) I.send_learnt_zeros();
+  }
   if (I.timeline->tracing())
     I.timeline->instant("grad_ready " + I.name_of(i), "backward", Lane::compute,
                         SpanArgs{std::int64_t(I.plan.where[i].bucket), -1, nullptr, std::int64_t(I.iterations), -1});
@@ -223,12 +228,22 @@ void Runtime::finish_backward() {
     I.reset_pass();
     return;  // accumulation pass: nothing to reduce yet; wait() returns at once
   }
+  const bool learning = I.learning_graph();
+  if (learning) I.finish_learning_pass();
+  if (I.graph_learnt && I.phase.load(std::memory_order_acquire) == Impl::Phase::idle) I.send_learnt_zeros();  // a pass without reports
   std::vector<std::uint32_t> missing, accumulated;
   for (std::uint32_t i = 0; i < n; ++i) {
-    if (I.marked[i].load(std::memory_order_acquire) || !I.registry.params()[i].requires_grad) continue;
+    if (!I.registry.params()[i].requires_grad) continue;
+    const auto reports = I.marked[i].load(std::memory_order_acquire);
+    if (I.graph_learnt && I.expected_reports[i] == 0) continue;  // sent as zeros when the pass started
+    if (I.graph_learnt && reports > 0 && reports < I.expected_reports[i])
+      I.fail(UsageError("finish_backward: parameter '" + I.name_of(i) + "' was reported " + std::to_string(reports) + " of the " +
+                        std::to_string(I.expected_reports[i]) + " times the first iteration did (Config::buckets.static_graph) in iteration " +
+                        std::to_string(I.iterations) + " on rank " + std::to_string(I.rank)));
+    if (reports) continue;
     (I.touched[i] ? accumulated : missing).push_back(i);
   }
-  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters) {
+  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters && !learning) {
     std::string names;
     for (std::size_t k = 0; k < missing.size() && k < 10; ++k) names += (k ? ", " : "") + I.name_of(missing[k]);
     if (missing.size() > 10) names += ", ...";
@@ -291,7 +306,10 @@ void Runtime::wait() {
   const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
   if (!I.lag_chosen) I.choose_interleave_lag();
-  if (!I.rebuilt && !I.cfg.buckets.static_graph) {
+  const bool just_learnt = I.learning_graph();
+  if (just_learnt) I.learn_graph();
+  const auto* schedule_before = I.signal.get();
+  if (!I.rebuilt && I.cfg.buckets.rebuild) {
     const auto r0 = Timeline::now();
     I.rebuild_from_observed_order();
     I.timeline->span("rebuild buckets", "rebuild", Lane::compute, r0, Timeline::now(),
@@ -302,6 +320,9 @@ void Runtime::wait() {
     I.timeline->span("forward order for prefetch", "rebuild", Lane::compute, r0, Timeline::now(),
                      SpanArgs{-1, -1, nullptr, std::int64_t(I.iterations), -1});
   }
+  // Note [Static graph]: with the unused set fixed the used counts' exchange leaves the schedule
+  // (a rebuild just now made a new one already).
+  if (just_learnt && I.signal.get() == schedule_before) I.install_plan(BucketPlan(I.plan), I.iterations + 1);
   if (prefetch_wanted && !I.prefetch_active && !I.observing_forward) {
     std::lock_guard lock(I.forward_mu);
     I.observing_forward = true;  // the next forward's first-use order decides the sync order

@@ -4,6 +4,7 @@
 //   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
 //   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
 //   param_groups.cpp     the optimizer's groups and hyper-parameters (Note [Changing hyper-parameters])
+//   static_graph.cpp     static_graph: reports per gradient and the unused set, learnt once (Note [Static graph])
 //   trainable.cpp        freezing and unfreezing parameters between iterations (Note [Changing the trainable set])
 //   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
 //   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
@@ -260,7 +261,19 @@ struct Runtime::Impl {
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
   // Note [Unused parameters] (unused_params.cpp): with find_unused_parameters, how many ranks
   // reported each parameter's gradient, all-reduced once backward ends.
-  bool finds_unused() const { return cfg.buckets.find_unused_parameters; }
+  bool finds_unused() const { return cfg.buckets.static_graph ? !graph_learnt : cfg.buckets.find_unused_parameters; }
+  // Note [Static graph] (static_graph.cpp): the first synchronised iteration learns how many
+  // reports complete each gradient and which parameters no rank uses; from then on both are fixed.
+  bool graph_learnt = false;
+  std::vector<std::uint8_t> expected_reports;  // per parameter, once learnt
+  std::unique_ptr<std::atomic<std::uint64_t>[]> last_report;  // learning: when each was last reported
+  std::atomic<std::uint64_t> report_seq{0};
+  bool learning_graph() const { return cfg.buckets.static_graph && !graph_learnt; }
+  std::uint32_t reports_allowed(std::uint32_t p) const;  // in one pass
+  void count_report(std::uint32_t p, std::uint32_t reports);  // throws when one too many
+  void send_learnt_zeros();    // learnt: the parameters this rank never reports, as zeros, when a pass starts
+  void finish_learning_pass();  // learning: the pass's gradients into their buckets, in completion order
+  void learn_graph();          // in wait() after the learning iteration
   void send_used_counts();
   std::shared_ptr<std::vector<float>> used_counts;  // per parameter; the shard reads them too
   // The schedule's entries the trainer hands over when backward ends (buffers, unused) count in

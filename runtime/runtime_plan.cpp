@@ -53,6 +53,8 @@ void Runtime::Impl::ensure_finalized() {
     fail(e);
   }
   used_counts = std::make_shared<std::vector<float>>(n, 0.0f);
+  last_report.reset(new std::atomic<std::uint64_t>[n]);
+  for (std::size_t i = 0; i < n; ++i) last_report[i].store(0, std::memory_order_relaxed);
   marked.reset(new std::atomic<std::uint8_t>[n]);
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);
@@ -101,6 +103,7 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
   plan = std::move(next);
   bufs = std::move(next_bufs);
   shard = std::move(next_shard);
+  if (shard && graph_learnt) shard->set_fixed_skip(*used_counts);  // Note [Static graph]
   events = std::make_shared<BucketEvents>(mem, plan.buckets.size());
   std::vector<std::uint32_t> sizes;
   for (const auto& b : plan.buckets) sizes.push_back(std::uint32_t(b.entries.size()));

@@ -4,7 +4,7 @@
 // optimizer state. set_requires_grad() only records the wish; refresh_trainable(), a collective
 // between iterations, checks that every rank wants the same set and re-plans: new buckets (from
 // the registration order, then rebuilt once from the next iteration's observed order, unless
-// static_graph), a new shard into which the state of the parameters that stay trainable migrates
+// buckets.rebuild is off), a new shard into which the state of the parameters that stay trainable migrates
 // through parameter coordinates (Note [State migration]) while that of newly frozen parameters is
 // dropped. A parameter trained again starts afresh, as one just added to a torch.optim optimizer
 // would: zero state, its own step count from 0 (Shard::skipped). The forward-prefetch order and

@@ -32,8 +32,8 @@ void Runtime::Impl::send_used_counts() {
 
 std::vector<Param> Runtime::unused_parameters() const {
   const auto& I = *impl_;
-  if (!I.finds_unused())
-    throw UsageError("unused_parameters(): set Config::buckets.find_unused_parameters = true; without it every parameter must get a gradient");
+  if (!I.cfg.buckets.find_unused_parameters && !I.cfg.buckets.static_graph)
+    throw UsageError("unused_parameters(): set Config::buckets.find_unused_parameters = true (or static_graph); without it every parameter must get a gradient");
   if (I.in_pass()) throw UsageError("unused_parameters() on rank " + std::to_string(I.rank) + " before wait(): the counts are not in yet");
   std::vector<Param> out;
   if (!I.used_counts || I.iterations == 0) return out;

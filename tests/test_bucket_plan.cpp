@@ -94,7 +94,7 @@ struct RebuildRun {
   std::vector<std::vector<std::uint32_t>> order;                      // [rank] report order
 };
 
-RebuildRun run_rebuild(bool static_graph) {
+RebuildRun run_rebuild(bool rebuild) {
   const int n = 2, P = 12, numel = 256;
   RebuildRun out;
   out.before.resize(n);
@@ -107,7 +107,7 @@ RebuildRun run_rebuild(bool static_graph) {
     Config cfg;
     cfg.buckets.first_cap_bytes = 3 * 1024;
     cfg.buckets.cap_bytes = 3 * 1024;
-    cfg.buckets.static_graph = static_graph;
+    cfg.buckets.rebuild = rebuild;
     Runtime rt(world->communicator(r), cfg);
     std::vector<Param> h;
     for (int i = 0; i < P; ++i)
@@ -139,7 +139,7 @@ RebuildRun run_rebuild(bool static_graph) {
 }  // namespace
 
 TEST_CASE("after the first iteration the buckets are rebuilt from rank 0's ready order, on every rank") {
-  auto run = run_rebuild(false);
+  auto run = run_rebuild(true);
   // Before: reverse registration order, 3 per bucket.
   CHECK(run.before[0][0] == std::vector<std::string>{"w11", "w10", "w9"});
   // After: rank 0's shuffled order, on both ranks (rank 1 reported in another order).
@@ -157,8 +157,8 @@ TEST_CASE("after the first iteration the buckets are rebuilt from rank 0's ready
     for (float v : run.grads_after[std::size_t(r)]) REQUIRE(v == 0.5f);
 }
 
-TEST_CASE("static_graph keeps the registration-order plan") {
-  auto run = run_rebuild(true);
+TEST_CASE("rebuild off keeps the registration-order plan") {
+  auto run = run_rebuild(false);
   CHECK(run.after[0] == run.before[0]);
   CHECK(run.after[1] == run.before[1]);
 }

@@ -49,7 +49,7 @@ Result run(Options opt) {
     opt.forward_total = opt.forward_per_layer * opt.layers;
     opt.backward_total = opt.backward_per_layer * opt.layers;
   }
-  opt.runtime.buckets.static_graph = true;  // backward's order is fixed: no rebuild
+  opt.runtime.buckets.rebuild = false;  // backward's order is fixed: no rebuild
   std::size_t total = 0;
   std::vector<std::size_t> offset;
   for (const auto& [name, n] : opt.params) {

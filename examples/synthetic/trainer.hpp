@@ -20,7 +20,7 @@ struct Options {
   std::chrono::microseconds forward_per_layer{500};
   std::chrono::microseconds backward_per_layer{2000};
   int iterations = 12;
-  Config runtime;  // stage, overlap, prefetch, clipping, trace; bucket caps and static_graph are set here
+  Config runtime;  // stage, overlap, prefetch, clipping, trace; bucket caps and rebuild are set here
   OptimizerConfig optimizer;
   SimLink link;
   // A model of its own instead of `layers` x `numel`: parameters in forward order (name, numel),

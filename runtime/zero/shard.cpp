@@ -30,6 +30,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
   total_elements_ = base;
   skipped_.assign(params_.size(), 0);
   skip_.assign(params_.size(), 0);
+  fixed_skip_.assign(params_.size(), 0);
   // A migrating shard gets its state slot by slot from the shard it replaces.
   auto state = [&](std::size_t n) { return migrating ? Floats{nullptr, n} : floats(n); };
   const std::size_t B = plan_.buckets.size(), r = std::size_t(shard_.rank);
@@ -124,7 +125,7 @@ void Shard::step(std::size_t b, ClipCoef clip) {
   const DType dt = plan_.buckets[b].dtype;
   const bool master = !master_[b].empty();
   for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
-    if (piece.len == 0 || skip_[piece.param]) continue;
+    if (piece.len == 0 || skip_[piece.param] || fixed_skip_[piece.param]) continue;
     ShardOps::Update u;
     std::byte* param = param_bytes(piece.param) + piece.param_off * esize(b);
     u.master = master ? master_[b].data() + piece.packed_off : reinterpret_cast<float*>(param);
@@ -150,10 +151,14 @@ void Shard::skip_unused(const std::vector<float>& used) {
   for (std::size_t p = 0; p < params_.size(); ++p) skip_[p] = used[p] == 0.0f;
 }
 
+void Shard::set_fixed_skip(const std::vector<float>& used) {
+  for (std::size_t p = 0; p < params_.size(); ++p) fixed_skip_[p] = used[p] == 0.0f;
+}
+
 void Shard::end_step() {
   ++steps_;
   for (std::size_t p = 0; p < params_.size(); ++p) {
-    skipped_[p] += skip_[p] || skipping_;  // a skipped step counts for no parameter (GradScaler skips optimizer.step)
+    skipped_[p] += skip_[p] || fixed_skip_[p] || skipping_;  // a skipped step counts for no parameter (GradScaler skips optimizer.step)
     skip_[p] = 0;
   }
   skipped_last_ = skipping_;

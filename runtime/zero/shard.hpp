@@ -91,6 +91,8 @@ class Shard {
   // the parameters no rank did are not stepped (no weight decay, no momentum), and their own step
   // count stays where it was, as torch.optim skips a parameter whose grad is None.
   void skip_unused(const std::vector<float>& used);
+  // Note [Static graph]: the same, for every iteration from now on.
+  void set_fixed_skip(const std::vector<float>& used);
   void end_step();
   // The hyper-parameters this iteration steps with (set_lr snapshots; Note [Hyper-parameter snapshots]).
   void set_groups(std::shared_ptr<const OptimizerGroups> g) { groups_ = std::move(g); }
@@ -183,6 +185,7 @@ class Shard {
   std::int64_t steps_ = 0;
   std::vector<std::int64_t> skipped_;  // per parameter (Note [Unused parameters])
   std::vector<char> skip_;             // this iteration's parameters no rank used
+  std::vector<char> fixed_skip_;       // static_graph: the parameters no rank uses, ever
 };
 
 }  // namespace shardflow

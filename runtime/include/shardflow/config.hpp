@@ -55,9 +55,15 @@ struct BucketConfig {
   // one that no rank used is not stepped (Note [Unused parameters], Runtime::unused_parameters).
   // Off: finishing backward with unreduced parameters is an error naming them (a hang elsewhere).
   bool find_unused_parameters = false;
-  // The gradient order is the same every iteration. Off (default): after the first iteration the
-  // buckets are rebuilt once from the order gradients actually became ready (rank 0's, so every
-  // rank agrees). On: keep the registration-order plan.
+  // After the first iteration the buckets are rebuilt once from the order gradients actually
+  // became ready (rank 0's, so every rank agrees), as PyTorch's DDP does. Off: keep the
+  // registration-order plan (a trainer that registers in backward's order already).
+  bool rebuild = true;
+  // PyTorch's static_graph (Note [Static graph]): every iteration uses the same parameters and
+  // reports each gradient the same number of times (re-entrant backward, activation
+  // checkpointing: more than once). The first iteration learns both: which parameters no rank uses
+  // (fixed from then on: not stepped, and no exchange to find them each iteration, unlike
+  // find_unused_parameters) and how many reports complete each gradient.
   bool static_graph = false;
 };
 
