@@ -20,7 +20,8 @@ BucketCollectives::BucketCollectives(std::uint32_t bucket, const BucketSources& 
       timeline_(from.timeline),
       rank_(from.rank),
       world_(from.world),
-      hook_(from.hook) {
+      hook_(from.hook),
+      divisor_(from.divisor) {
   if (!hook_) return;
   const auto& bk = from.plan->buckets[bucket];
   layout_.index = bucket;
@@ -72,6 +73,7 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
     auto grad = bufs_->grad(b);
     GradBucket bucket = layout_;
     bucket.iteration = iteration;
+    bucket.average = divisor_ ? divisor_->load(std::memory_order_acquire) : 1.0f / float(world_);
     bucket.data = grad.get();
     HookRun run;
     hook_->reduce(bucket, run);
@@ -91,7 +93,8 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
   CollectiveOp op;
   op.wait_event = events_->get(b);  // GPU buckets: after the backward kernels that wrote them
   op.dtype = wire;
-  op.scale = 1.0f / float(world_);  // the average, fused into the reduction
+  // The average, fused into the reduction: over the ranks still training with uneven inputs.
+  op.scale = divisor_ ? divisor_->load(std::memory_order_acquire) : 1.0f / float(world_);
   op.tag = "bucket " + std::to_string(b);
   op.count = count;
   auto grad = bufs_->grad(b);

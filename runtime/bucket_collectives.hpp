@@ -4,6 +4,7 @@
 // decides when, the bucket decides what).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -42,6 +43,8 @@ struct BucketSources {
   int rank = 0, world = 1;
   std::shared_ptr<CommHook> hook;                // null: the runtime's own reduction
   const std::vector<ParamSpec>* params = nullptr;  // names and shapes for the hook's GradBucket
+  // Config::join.uneven_inputs: 1 / the ranks training this iteration (Note [Uneven inputs]).
+  std::shared_ptr<const std::atomic<float>> divisor;
 };
 
 class BucketCollectives {
@@ -67,6 +70,7 @@ class BucketCollectives {
   std::shared_ptr<BucketEvents> events_;
   std::shared_ptr<Timeline> timeline_;
   std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<const std::atomic<float>> divisor_;
   GradBucket layout_;  // what the hook sees, less the iteration
   int rank_, world_;
 };

@@ -33,6 +33,9 @@ void Config::validate() const {
   if (int(zero.stage) > 2) bad("zero.stage", "must be 0, 1 or 2, got " + std::to_string(int(zero.stage)));
   const auto wire = precision.comm_dtype;
   if (wire != DType::f32 && wire != DType::bf16 && wire != DType::f16) bad("precision.comm_dtype", "must be fp32, bf16 or fp16");
+  if (join.uneven_inputs && zero.forward_prefetch)
+    bad("join.uneven_inputs", "does not work with " + name_of("zero.forward_prefetch") +
+                                  " yet: an iteration's count of training ranks is taken while no parameter sync is in flight");
   if (zero.max_buckets_in_flight == 1)
     bad("zero.max_buckets_in_flight", "must be 0 (the memory budget's choice) or >= 2 (one bucket being written, one being reduced)");
   if (zero.clip_grad_norm < 0.0f) bad("zero.clip_grad_norm", "must be >= 0 (0 turns clipping off)");

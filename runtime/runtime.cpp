@@ -206,6 +206,7 @@ void Runtime::grad_ready(Param p) {
     I.touched[i] = 1;  // accumulates locally; reduced with the next synchronised pass
     return;
   }
+  I.count_training_ranks();  // uneven inputs: before the pass's first gradient goes to its bucket
   auto idle = Impl::Phase::idle;
   if (I.phase.compare_exchange_strong(idle, Impl::Phase::backward, std::memory_order_acq_rel)) {
     I.timeline->stats().backward_started(Timeline::now());
@@ -228,6 +229,7 @@ void Runtime::finish_backward() {
     I.reset_pass();
     return;  // accumulation pass: nothing to reduce yet; wait() returns at once
   }
+  I.count_training_ranks();  // a pass without reports
   const bool learning = I.learning_graph();
   if (learning) I.finish_learning_pass();
   if (I.graph_learnt && I.phase.load(std::memory_order_acquire) == Impl::Phase::idle) I.send_learnt_zeros();  // a pass without reports
@@ -243,7 +245,7 @@ void Runtime::finish_backward() {
     if (reports) continue;
     (I.touched[i] ? accumulated : missing).push_back(i);
   }
-  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters && !learning) {
+  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters && !learning && !I.joined) {
     std::string names;
     for (std::size_t k = 0; k < missing.size() && k < 10; ++k) names += (k ? ", " : "") + I.name_of(missing[k]);
     if (missing.size() > 10) names += ", ...";
@@ -301,6 +303,7 @@ void Runtime::wait() {
     }
   }
   I.readiness->reset();
+  I.counted.store(false, std::memory_order_release);
   I.phase.store(Impl::Phase::idle, std::memory_order_release);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;

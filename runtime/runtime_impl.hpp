@@ -5,6 +5,7 @@
 //   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
 //   param_groups.cpp     the optimizer's groups and hyper-parameters (Note [Changing hyper-parameters])
 //   static_graph.cpp     static_graph: reports per gradient and the unused set, learnt once (Note [Static graph])
+//   join.cpp             uneven inputs: the ranks still training, and join() (Note [Uneven inputs])
 //   trainable.cpp        freezing and unfreezing parameters between iterations (Note [Changing the trainable set])
 //   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
 //   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
@@ -262,6 +263,13 @@ struct Runtime::Impl {
   // Note [Unused parameters] (unused_params.cpp): with find_unused_parameters, how many ranks
   // reported each parameter's gradient, all-reduced once backward ends.
   bool finds_unused() const { return cfg.buckets.static_graph ? !graph_learnt : cfg.buckets.find_unused_parameters; }
+  // Note [Uneven inputs] (join.cpp): 1 / the ranks training this iteration, counted at the start
+  // of each synchronised pass; this rank joined (out of data, shadowing the others).
+  std::shared_ptr<std::atomic<float>> divisor = std::make_shared<std::atomic<float>>(1.0f);
+  std::atomic<bool> counted{false};
+  int training_ranks = 1;
+  bool joined = false;
+  void count_training_ranks();
   // Note [Static graph] (static_graph.cpp): the first synchronised iteration learns how many
   // reports complete each gradient and which parameters no rank uses; from then on both are fixed.
   bool graph_learnt = false;

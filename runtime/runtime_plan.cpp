@@ -224,7 +224,8 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();
-  const BucketSources sources{&plan, bufs, shard, events, timeline, rank, world, effective_hook(), &registry.params()};
+  const BucketSources sources{&plan, bufs, shard, events, timeline, rank, world, effective_hook(), &registry.params(),
+                              cfg.join.uneven_inputs ? divisor : nullptr};
   for (const auto& bk : plan.buckets)
     bucket_actors.push_back(sys.spawn(bucket_actor, std::make_shared<const BucketCollectives>(bk.index, sources),
                                       std::uint32_t(bk.entries.size()), comm_actor_h, shard_actor_h, signal));

@@ -48,7 +48,7 @@ class HalvesHook final : public CommHook {
     run.then([g, half, b](HookRun& next) {
       next.allreduce(g + half, b.numel - half, DType::f32);
       next.then([g, b](HookRun&) {
-        for (std::size_t i = 0; i < b.numel; ++i) g[i] *= 1.0f / float(b.world);
+        for (std::size_t i = 0; i < b.numel; ++i) g[i] *= b.average;
       });
     });
   }

@@ -18,7 +18,7 @@ namespace {
 class AllreduceHook final : public CommHook {
  public:
   std::string name() const override { return "allreduce"; }
-  void reduce(const GradBucket& b, HookRun& run) override { run.allreduce(b.data, b.numel, b.dtype, 1.0f / float(b.world)); }
+  void reduce(const GradBucket& b, HookRun& run) override { run.allreduce(b.data, b.numel, b.dtype, b.average); }
 };
 
 // PyTorch's fp16_compress_hook / bf16_compress_hook: divided by the world size before the cast,
@@ -29,7 +29,7 @@ class CompressHook final : public CommHook {
   std::string name() const override { return wire_ == DType::f16 ? "fp16" : "bf16"; }
   void reduce(const GradBucket& b, HookRun& run) override {
     if (b.dtype != DType::f32) {  // 16-bit gradients travel as themselves
-      run.allreduce(b.data, b.numel, b.dtype, 1.0f / float(b.world));
+      run.allreduce(b.data, b.numel, b.dtype, b.average);
       return;
     }
     std::vector<std::uint16_t>* wire;
@@ -39,7 +39,7 @@ class CompressHook final : public CommHook {
     }
     wire->resize(b.numel);
     auto* g = static_cast<float*>(b.data);
-    const float inv = 1.0f / float(b.world);
+    const float inv = b.average;
     for (std::size_t i = 0; i < b.numel; ++i) g[i] *= inv;
     kernels::convert_from_f32(wire_, wire->data(), g, b.numel);
     run.allreduce(wire->data(), b.numel, wire_);

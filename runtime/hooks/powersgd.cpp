@@ -46,7 +46,7 @@ class PowerSGDHook final : public CommHook {
   std::string name() const override { return "powersgd"; }
 
   void reduce(const GradBucket& b, HookRun& run) override {
-    const float inv = 1.0f / float(b.world);
+    const float inv = b.average;
     if (b.iteration < o_.start_iter) {  // plain all-reduce first (PyTorch's start_powerSGD_iter)
       run.allreduce(b.data, b.numel, b.dtype, inv);
       return;

@@ -22,6 +22,9 @@ struct GradBucket {
   std::uint32_t index = 0;
   std::uint64_t iteration = 0;  // the runtime's synchronised iteration, from 0
   int rank = 0, world = 1;
+  // What turns the ranks' sum into their average: 1 / world, or with uneven inputs 1 / the ranks
+  // still training (Note [Uneven inputs]).
+  float average = 1.0f;
   DType dtype = DType::f32;
   void* data = nullptr;  // the bucket's flat gradients (host memory), reduced in place
   std::size_t numel = 0;

@@ -153,6 +153,14 @@ struct TraceConfig {
   std::string path;
 };
 
+// Uneven inputs (PyTorch's Join; Note [Uneven inputs]): ranks may run out of data at different
+// iterations. Every synchronised iteration then starts with a count of the ranks still training
+// (one small all-reduce), gradients are averaged over those ranks only, and a rank out of data
+// calls Runtime::join(), which shadows the others' iterations until every rank has joined.
+struct JoinConfig {
+  bool uneven_inputs = false;
+};
+
 struct TimeoutConfig {
   // Every wait that involves another rank fails after this long with an error naming the bucket
   // and the ranks that did not arrive (PyTorch's default for NCCL is also 10 minutes).
@@ -164,6 +172,7 @@ struct Config {
   ZeroConfig zero;
   PrecisionConfig precision;
   SyncConfig sync;
+  JoinConfig join;
   TraceConfig trace;
   TimeoutConfig timeouts;
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors

@@ -185,6 +185,14 @@ class Runtime {
   // stepped as usual.
   std::vector<Param> unused_parameters() const;
 
+  // Config::join.uneven_inputs (Note [Uneven inputs], PyTorch's Join): this rank is out of data.
+  // Blocks, taking part in the other ranks' iterations with zero gradients (their averages count
+  // only the ranks that contributed), until every rank has called join(). Every rank calls it
+  // after its last iteration.
+  void join();
+  // With uneven inputs, how many ranks contributed to the last synchronised iteration.
+  int training_ranks() const;
+
   // Blocks until this iteration's reductions completed (at most Config::timeouts.collective): afterwards the
   // gradients hold the average over all ranks. Calls finish_backward() if the trainer did not.
   void wait();

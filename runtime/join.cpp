@@ -1,0 +1,49 @@
+// Note [Uneven inputs]
+// The last epoch of a real data set rarely splits evenly over the ranks: some run out of batches
+// first. As PyTorch's Join does, each synchronised iteration then starts with an all-reduce of
+// how many ranks still train (1 from each training rank, 0 from a joined one), taken on the
+// trainer's thread before the pass's first gradient goes to its bucket (no collective of the
+// runtime's is in flight then: the previous iteration is complete, which is why forward prefetch
+// is refused with it). The reductions average over that count instead of the world size. A rank
+// out of data calls join(): it keeps taking part in the others' iterations with zero gradients
+// (reduced as zeros, so the collectives match; with ZeRO it still steps and syncs the shard it
+// owns) until the count is 0, when every rank has joined and all leave together. The average of
+// iteration k is therefore the sum of the contributing ranks' gradients over their number, which
+// is what a single process computes over the same batches.
+#include "runtime/runtime_impl.hpp"
+
+namespace shardflow {
+
+void Runtime::Impl::count_training_ranks() {
+  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || counted.exchange(true, std::memory_order_acq_rel)) return;
+  float training = joined ? 0.0f : 1.0f;
+  control_collective(CollectiveKind::allreduce, &training, 1, "join: ranks still training");
+  training_ranks = int(training);
+  divisor->store(training_ranks > 0 ? 1.0f / float(training_ranks) : 0.0f, std::memory_order_release);
+}
+
+void Runtime::join() {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (!I.cfg.join.uneven_inputs)
+    throw UsageError("join() on rank " + std::to_string(I.rank) + ": set " + I.cfg.name_of("join.uneven_inputs") +
+                     " = true, so that every iteration counts the ranks still training");
+  if (I.in_pass()) throw UsageError("join() on rank " + std::to_string(I.rank) + " in the middle of a backward pass: call it after wait()");
+  I.joined = true;
+  for (;;) {
+    I.count_training_ranks();
+    if (I.training_ranks == 0) {  // every rank has joined: all leave on this count
+      I.counted.store(false, std::memory_order_release);
+      break;
+    }
+    zero_grad();  // a shadow iteration: every gradient zero
+    finish_backward();
+    wait();
+  }
+  I.log->info("joined: every rank is out of data after iteration {}", I.iterations);
+}
+
+int Runtime::training_ranks() const { return impl_->cfg.join.uneven_inputs ? impl_->training_ranks : impl_->world; }
+
+}  // namespace shardflow
