@@ -10,6 +10,12 @@
 // owns) until the count is 0, when every rank has joined and all leave together. The average of
 // iteration k is therefore the sum of the contributing ranks' gradients over their number, which
 // is what a single process computes over the same batches.
+// Without the runtime's optimizer the trainer steps after wait(), and a joined rank takes no more
+// steps: its parameters fall behind. When everyone has joined, the parameters are therefore
+// broadcast from the rank that joined last (the lowest such rank), as PyTorch's DDP does at the end
+// of Join; with the runtime's optimizer every rank stepped every iteration and nothing is needed.
+#include <algorithm>
+
 #include "runtime/runtime_impl.hpp"
 
 namespace shardflow {
@@ -31,6 +37,7 @@ void Runtime::join() {
                      " = true, so that every iteration counts the ranks still training");
   if (I.in_pass()) throw UsageError("join() on rank " + std::to_string(I.rank) + " in the middle of a backward pass: call it after wait()");
   I.joined = true;
+  const auto joined_at = float(I.iterations);
   for (;;) {
     I.count_training_ranks();
     if (I.training_ranks == 0) {  // every rank has joined: all leave on this count
@@ -40,6 +47,13 @@ void Runtime::join() {
     zero_grad();  // a shadow iteration: every gradient zero
     finish_backward();
     wait();
+  }
+  if (!I.shard && I.world > 1) {
+    std::vector<float> at(std::size_t(I.world), 0.0f);
+    at[std::size_t(I.rank)] = joined_at;
+    I.control_collective(CollectiveKind::allreduce, at.data(), at.size(), "join: when each rank joined");
+    const int last = int(std::max_element(at.begin(), at.end()) - at.begin());
+    I.broadcast_params(last, "join: final parameters");
   }
   I.log->info("joined: every rank is out of data after iteration {}", I.iterations);
 }

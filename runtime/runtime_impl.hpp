@@ -258,6 +258,7 @@ struct Runtime::Impl {
   // Note [Rank 0's state everywhere] (state_sync.cpp): the start-up broadcast of parameters and
   // buffers (in finalize, before the buckets exist), and the buffers' broadcast each iteration.
   void sync_initial_state();
+  void broadcast_params(int root, const char* what);  // every parameter from `root`, on this thread
   bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
   // Note [Unused parameters] (unused_params.cpp): with find_unused_parameters, how many ranks

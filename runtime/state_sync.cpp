@@ -32,9 +32,8 @@ CollectiveOp buffer_broadcast(const BufferSpec& b) {
 
 }  // namespace
 
-void Runtime::Impl::sync_initial_state() {
-  if (world == 1 || !cfg.sync.initial) return;
-  // The trainer may have initialised device parameters asynchronously on its compute stream.
+void Runtime::Impl::broadcast_params(int root, const char* what) {
+  // The trainer may have written device parameters asynchronously on its compute stream.
   if (mem->on_gpu()) cuda::stream_sync(mem->stream);
   for (const auto& p : registry.params()) {
     CollectiveOp op;
@@ -42,12 +41,17 @@ void Runtime::Impl::sync_initial_state() {
     op.dtype = p.dtype;
     op.send = op.recv = p.data;
     op.count = std::size_t(numel(p.shape));
-    op.root = 0;
-    op.tag = "initial sync: parameter '" + p.name + "' from rank 0";
+    op.root = root;
+    op.tag = std::string(what) + ": parameter '" + p.name + "' from rank " + std::to_string(root);
     if (op.count == 0) continue;
     collectives->record(op);
     comm->run(op, cfg.timeouts.collective);
   }
+}
+
+void Runtime::Impl::sync_initial_state() {
+  if (world == 1 || !cfg.sync.initial) return;
+  broadcast_params(0, "initial sync");
   for (const auto& b : registry.buffers()) {
     if (b.bytes == 0) continue;
     auto op = buffer_broadcast(b);

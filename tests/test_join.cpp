@@ -83,6 +83,52 @@ TEST_CASE("join: ranks with 10, 9 and 7 batches, stages 0-2: every rank ends wit
   }
 }
 
+TEST_CASE("join with the trainer's own optimizer: a joined rank stops stepping, and when all have joined every rank gets the parameters of the rank that joined last") {
+  std::vector<float> init;
+  for (int p = 0; p < kParams; ++p)
+    for (std::int64_t e = 0; e < kNumel; ++e) init.push_back(init_at(p, e));
+  auto want = init;
+  for (int it = 0; it < kBatches[0]; ++it) {
+    int contributing = 0;
+    for (int r = 0; r < kWorld; ++r) contributing += it < kBatches[r];
+    for (int p = 0; p < kParams; ++p)
+      for (std::int64_t e = 0; e < kNumel; ++e) {
+        float sum = 0.0f;
+        for (int r = 0; r < kWorld; ++r) sum += it < kBatches[r] ? grad_at(r, it, p, e) : 0.0f;
+        want[std::size_t(p * kNumel + e)] -= 0.1f * (sum * (1.0f / float(contributing)));
+      }
+  }
+  auto w = InProcessWorld::create(kWorld, 30s);
+  Config cfg;
+  cfg.join.uneven_inputs = true;
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = kNumel * 4;
+  std::vector<std::vector<float>> final(kWorld);
+  test::require_all_ok(test::run_ranks(kWorld, [&](int r) {
+    auto flat = init;
+    Runtime rt(w->communicator(r), cfg);
+    const auto h = test::register_flat(rt, flat.data(), kParams, kNumel);
+    for (int it = 0; it < kBatches[r]; ++it) {
+      rt.zero_grad();
+      for (int p = kParams - 1; p >= 0; --p) {
+        float* g = rt.grad_f32(h[std::size_t(p)]);
+        for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e);
+        rt.grad_ready(h[std::size_t(p)]);
+      }
+      rt.wait();
+      for (int p = 0; p < kParams; ++p) {  // the trainer's own SGD step
+        const float* g = rt.grad_f32(h[std::size_t(p)]);
+        for (std::int64_t e = 0; e < kNumel; ++e) flat[std::size_t(p * kNumel + e)] -= 0.1f * g[e];
+      }
+    }
+    rt.join();
+    final[std::size_t(r)] = flat;
+  }));
+  for (int r = 0; r < kWorld; ++r) {
+    CAPTURE(r);
+    CHECK(final[std::size_t(r)] == want);
+  }
+}
+
 TEST_CASE("join without uneven_inputs, or with forward prefetch, is an error that names the setting") {
   auto w = InProcessWorld::create(1, 5s);
   Runtime rt(w->communicator(0));
