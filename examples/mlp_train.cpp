@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
   app.add_option("--freeze", opt.freeze, "register these parameters frozen (requires_grad false: never reduced or stepped), e.g. layers.0.weight,layers.0.bias")
       ->delimiter(',');
+  app.add_flag("--shard-data", opt.shard_data,
+               "one epoch, each rank its own contiguous shard of the rows; uneven shards: ranks out of batches join (PyTorch's Join)");
   app.add_option("--comm-hook", opt.comm_hook, "how buckets are reduced (PyTorch's DDP comm hooks): allreduce, fp16, bf16, powersgd")
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
   app.add_option("--powersgd-rank", opt.powersgd.rank, "PowerSGD: the rank of the approximation")->capture_default_str();
@@ -116,6 +118,7 @@ int main(int argc, char** argv) {
                  "write rank 0's runtime figures (Runtime::stats(): per step and the median after the first five) as JSON");
   app.add_flag("--plot", plot, "with --trace: draw the trace as a PNG Gantt chart beside it (tools/trace_plot.py, python3-matplotlib)");
   CLI11_PARSE(app, argc, argv);
+  if (opt.shard_data) opt.runtime.join.uneven_inputs = true;  // uneven shards: ranks out of batches join
 
   try {
     opt.sizes = mlp::parse_sizes(sizes);
@@ -234,12 +237,13 @@ int main(int argc, char** argv) {
                   opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr), opt.steps, zero_stage, overlap.c_str(),
                   partition.c_str());
     auto res = comm ? mlp::train_rank(opt, comm) : mlp::train(opt);
+    if (!res.data_split.empty()) std::printf("data: %s\n", res.data_split.c_str());
     if (!report) return 0;
     if (tty && !quiet) std::printf("\n");
     double total = 0;
     for (double ms : res.step_ms) total += ms;
     const double mean = res.step_ms.empty() ? 0 : total / double(res.step_ms.size());
-    std::printf("done: %d steps, loss %.6f -> %.6f, mean step %.3f ms, %zu bucket(s)\n", opt.steps,
+    std::printf("done: %d steps, loss %.6f -> %.6f, mean step %.3f ms, %zu bucket(s)\n", res.step_ms.empty() ? opt.steps : int(res.step_ms.size()),
                 res.losses.empty() ? 0.0 : double(res.losses.front()), res.losses.empty() ? 0.0 : double(res.losses.back()),
                 mean, res.buckets.size());
     for (std::size_t r = 0; r < res.memory.size(); ++r)

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <vector>
 
+#include "examples/mlp/train.hpp"
 #include "helpers.hpp"
 #include "per_param_optimizer.hpp"
 
@@ -139,4 +140,23 @@ TEST_CASE("join without uneven_inputs, or with forward prefetch, is an error tha
   c.join.uneven_inputs = true;
   c.zero.forward_prefetch = true;
   CHECK_THROWS_WITH_AS(Runtime(w->communicator(0), c), doctest::Contains("does not work with Config::zero.forward_prefetch"), UsageError);
+}
+
+TEST_CASE("mlp_train --shard-data: 23 rows over 3 ranks in batches of 4 give 2, 2 and 1 batches; rank 2 joins early, the run ends, the split is reported") {
+  mlp::TrainOptions o;
+  o.sizes = {8, 16, 2};
+  o.world_size = 3;
+  o.global_batch = 12;
+  o.data_rows = 23;
+  o.steps = 100;
+  o.shard_data = true;
+  o.runtime.join.uneven_inputs = true;
+  o.runtime.zero.stage = ZeroStage::optimizer_state;
+  o.optimizer.kind = OptimizerConfig::Kind::adamw;
+  const auto r = mlp::train(o);
+  CHECK(r.data_split.find("rank 0 rows [0, 8) = 2 batches; rank 1 rows [8, 16) = 2 batches; rank 2 rows [16, 23) = 1 batches; 3 rows in partial batches dropped") !=
+        std::string::npos);
+  CHECK(r.step_ms.size() == 2);  // rank 0's steps: its shard's batches
+  o.accumulate = 2;
+  CHECK_THROWS_WITH_AS(mlp::train(o), doctest::Contains("--shard-data takes one micro-batch per step"), UsageError);
 }

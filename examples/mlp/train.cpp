@@ -73,12 +73,39 @@ struct Shared {
 
 // Gathers this rank's rows of global batch `step`: rows s*B ... s*B+B-1 modulo the data size, of
 // which rank r takes the r-th contiguous B/N.
-void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y) {
+// shard_data: rank r's rows [first, first + rows) and the whole local batches they hold.
+struct DataShard {
+  std::size_t first = 0, rows = 0;
+  int batches = 0;
+};
+DataShard shard_of(std::size_t total, int r, int world, int local) {
+  const std::size_t base = total / std::size_t(world), extra = total % std::size_t(world);
+  DataShard s;
+  s.first = std::size_t(r) * base + std::min<std::size_t>(std::size_t(r), extra);
+  s.rows = base + (std::size_t(r) < extra ? 1 : 0);
+  s.batches = int(s.rows / std::size_t(local));
+  return s;
+}
+std::string describe_split(std::size_t total, int world, int local) {
+  std::string s = std::to_string(total) + " rows over " + std::to_string(world) + " ranks, local batch " + std::to_string(local) + ":";
+  std::size_t dropped = 0;
+  for (int r = 0; r < world; ++r) {
+    const auto d = shard_of(total, r, world, local);
+    s += " rank " + std::to_string(r) + " rows [" + std::to_string(d.first) + ", " + std::to_string(d.first + d.rows) + ") = " +
+         std::to_string(d.batches) + " batches" + (r + 1 < world ? ";" : "");
+    dropped += d.rows - std::size_t(d.batches) * std::size_t(local);
+  }
+  return s + "; " + std::to_string(dropped) + " rows in partial batches dropped; ranks with fewer batches join early";
+}
+
+// `at`: the first row when given (shard_data), else the cyclic position of step and rank.
+void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y,
+                 std::optional<std::size_t> at = std::nullopt) {
   const int local = B / N;
   x.resize(std::size_t(local) * d.in);
   y.resize(std::size_t(local) * d.out);
   for (int k = 0; k < local; ++k) {
-    const std::size_t row = (std::size_t(step) * B + std::size_t(r) * local + k) % d.rows;
+    const std::size_t row = at ? *at + std::size_t(k) : (std::size_t(step) * B + std::size_t(r) * local + k) % d.rows;
     std::copy_n(d.x.begin() + std::ptrdiff_t(row * d.in), d.in, x.begin() + std::ptrdiff_t(std::size_t(k) * d.in));
     std::copy_n(d.y.begin() + std::ptrdiff_t(row * d.out), d.out, y.begin() + std::ptrdiff_t(std::size_t(k) * d.out));
   }
@@ -104,11 +131,11 @@ void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, R
   const auto& opt = sh.opt;
   local_losses.push_back(loss);
   const bool reduce_now = (step + 1) % std::max(1, opt.loss_every) == 0 || step + 1 == opt.steps;
-  if (opt.report_loss && opt.world_size > 1 && reduce_now) {
+  if (opt.report_loss && opt.world_size > 1 && reduce_now && !opt.shard_data) {
     global_loss(opt, comm, rt, &loss, 1);
     last_global = loss;
     if (opt.loss_every <= 1) local_losses.back() = loss;  // already global: no reduction at the end
-  } else if (opt.world_size == 1 || !opt.report_loss) {
+  } else if (opt.world_size == 1 || !opt.report_loss || opt.shard_data) {
     last_global = loss;
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -155,12 +182,17 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
   const double denom = double(local) * opt.sizes.back() * K;
   std::vector<float> x, y, local_losses;
   float last_global = 0.0f;
-  for (int step = 0; step < opt.steps; ++step) {
+  const auto shard = shard_of(sh.data.rows, rank, N, local);
+  const int steps = opt.shard_data ? std::min(opt.steps, shard.batches) : opt.steps;
+  for (int step = 0; step < steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     rt.zero_grad();
     float loss = 0.0f;
     for (int m = 0; m < K; ++m) {
-      local_batch(sh.data, (first_step + step) * K + m, B, N, rank, x, y);  // the data position goes on after a resume
+      if (opt.shard_data)
+        local_batch(sh.data, 0, local, 1, 0, x, y, shard.first + std::size_t(step) * std::size_t(local));
+      else
+        local_batch(sh.data, (first_step + step) * K + m, B, N, rank, x, y);  // the data position goes on after a resume
       rt.set_require_sync(m == K - 1);
       loss += micro(x.data(), y.data(), local, denom) / float(K);
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
@@ -174,9 +206,11 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
       opt.sharded_checkpoint ? rt.save_sharded_checkpoint_async(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir), 0, opt.checkpoint_max_file_bytes);
   }
   rt.wait_checkpoint();
+  if (opt.shard_data) rt.join();  // out of batches: shadow the ranks that still have some
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
-    if (opt.world_size > 1 && opt.loss_every > 1 && !local_losses.empty()) global_loss(opt, comm, rt, local_losses.data(), local_losses.size());
+    if (opt.world_size > 1 && opt.loss_every > 1 && !local_losses.empty() && !opt.shard_data)
+      global_loss(opt, comm, rt, local_losses.data(), local_losses.size());
     if (rank == 0) sh.result.losses = local_losses;
   }
 }
@@ -234,6 +268,7 @@ bool is_consequence(const std::exception_ptr& e) {
 struct Prepared {
   std::optional<TensorMap> init;
   Dataset data;
+  std::string data_split;  // shard_data
 };
 
 Prepared prepare(const TrainOptions& opt) {
@@ -265,6 +300,13 @@ Prepared prepare(const TrainOptions& opt) {
   if (!opt.freeze.empty() && opt.device.kind == Device::Kind::cuda)
     throw UsageError("--freeze: the example's GPU model does not freeze parameters yet; use its CPU trainer");
   if (!opt.comm_hook.empty()) (void)make_comm_hook(opt.comm_hook, opt.powersgd);  // a bad name or option, before threads start
+  if (opt.shard_data) {
+    if (!opt.runtime.join.uneven_inputs)
+      throw UsageError("--shard-data gives ranks different numbers of batches: it needs join.uneven_inputs (mlp_train sets it)");
+    if (opt.accumulate != 1) throw UsageError("--shard-data takes one micro-batch per step (--accumulate 1)");
+    if (opt.checkpoint_dir || opt.resume_dir)
+      throw UsageError("--shard-data runs one epoch to its end with ranks joining early; checkpoints mid-epoch are not supported with it");
+  }
   if (opt.resume_dir && !opt.optimizer_in_runtime)
     throw UsageError("--resume restores the runtime's optimizer state: it needs the optimizer inside the runtime");
   if (opt.checkpoint_every < 0) throw UsageError("--every must be >= 0");
@@ -282,6 +324,7 @@ Prepared prepare(const TrainOptions& opt) {
                ? Dataset::load(*opt.data_path, in, out)
                : Dataset::synthetic(in, out, opt.data_rows ? opt.data_rows : std::max<std::size_t>(16 * std::size_t(opt.global_batch), 4096),
                                     opt.seed);
+  if (opt.shard_data) p.data_split = describe_split(p.data.rows, opt.world_size, opt.global_batch / opt.world_size);
   return p;
 }
 
@@ -301,6 +344,7 @@ TrainResult train(const TrainOptions& opt) {
                                : InProcessWorld::create(opt.world_size, opt.runtime.timeouts.collective);
   Shared sh{opt, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
   sh.result.memory.resize(std::size_t(opt.world_size));
+  sh.result.data_split = prep.data_split;
   sh.result.memory_end.resize(std::size_t(opt.world_size));
   std::vector<std::thread> threads;
   for (int r = 0; r < opt.world_size; ++r)
@@ -329,6 +373,7 @@ TrainResult train_rank(const TrainOptions& options, const std::shared_ptr<Commun
   const Prepared prep = prepare(options);
   Shared sh{options, prep.data, prep.init ? &*prep.init : nullptr, {}, {}, {}};
   sh.result.memory.resize(1);
+  sh.result.data_split = prep.data_split;
   sh.result.memory_end.resize(1);
   try {
     run_rank(sh, comm->rank(), comm, 0);

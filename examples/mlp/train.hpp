@@ -83,6 +83,12 @@ struct TrainOptions {
   // Parameters registered frozen (ParamSpec::requires_grad false): never reduced or stepped; their
   // gradients are computed and dropped (CPU only).
   std::vector<std::string> freeze;
+  // One epoch over the data with each rank its own contiguous shard of the rows (the first
+  // rows % world ranks one row more), in local batches of global_batch / world_size (a shard's
+  // last partial batch dropped): shards that do not split evenly give ranks different numbers of
+  // batches, and a rank out of them joins (Runtime::join; needs runtime.join.uneven_inputs).
+  // --steps caps the epoch. Losses are then rank 0's own.
+  bool shard_data = false;
   // Runtime::register_comm_hook: "allreduce", "fp16", "bf16", "powersgd" (empty: none).
   std::string comm_hook;
   PowerSGDOptions powersgd;
@@ -100,6 +106,7 @@ struct TrainResult {
   std::vector<float> grad_norms;     // per step (with clipping)
   std::vector<std::string> collectives;  // rank 0's issued collectives
   RuntimeStats stats;                    // rank 0's Runtime::stats() at the end
+  std::string data_split;                // with shard_data: how the rows were split over the ranks
 };
 
 // Ranks as threads of this process over the in-process backend. Throws UsageError for bad options
