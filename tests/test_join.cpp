@@ -22,6 +22,17 @@ const int kBatches[kWorld] = {10, 9, 7};
 float grad_at(int r, int it, int p, std::int64_t e) { return 0.01f * float((r * 5 + it * 3 + p * 7 + int(e)) % 13) - 0.06f; }
 float init_at(int p, std::int64_t e) { return 0.2f + 0.01f * float(p) - 0.002f * float(e); }
 
+// One synchronised iteration of rank r on its batch `it`.
+void iterate(Runtime& rt, const std::vector<Param>& h, int r, int it) {
+  rt.zero_grad();
+  for (int p = kParams - 1; p >= 0; --p) {
+    float* g = rt.grad_f32(h[std::size_t(p)]);
+    for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e);
+    rt.grad_ready(h[std::size_t(p)]);
+  }
+  rt.wait();
+}
+
 }  // namespace
 
 TEST_CASE("join: ranks with 10, 9 and 7 batches, stages 0-2: every rank ends with the parameters of one process stepping on the average over the ranks that had a batch") {
@@ -61,13 +72,7 @@ TEST_CASE("join: ranks with 10, 9 and 7 batches, stages 0-2: every rank ends wit
       const auto h = test::register_flat(rt, flat.data(), kParams, kNumel);
       rt.configure_optimizer(test::adamw(0.01f, 0.05f));
       for (int it = 0; it < kBatches[r]; ++it) {
-        rt.zero_grad();
-        for (int p = kParams - 1; p >= 0; --p) {
-          float* g = rt.grad_f32(h[std::size_t(p)]);
-          for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e);
-          rt.grad_ready(h[std::size_t(p)]);
-        }
-        rt.wait();
+        iterate(rt, h, r, it);
         counts[std::size_t(r)].push_back(rt.training_ranks());
       }
       rt.join();  // out of data: shadow the others until everyone is
@@ -109,13 +114,7 @@ TEST_CASE("join with the trainer's own optimizer: a joined rank stops stepping, 
     Runtime rt(w->communicator(r), cfg);
     const auto h = test::register_flat(rt, flat.data(), kParams, kNumel);
     for (int it = 0; it < kBatches[r]; ++it) {
-      rt.zero_grad();
-      for (int p = kParams - 1; p >= 0; --p) {
-        float* g = rt.grad_f32(h[std::size_t(p)]);
-        for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e);
-        rt.grad_ready(h[std::size_t(p)]);
-      }
-      rt.wait();
+      iterate(rt, h, r, it);
       for (int p = 0; p < kParams; ++p) {  // the trainer's own SGD step
         const float* g = rt.grad_f32(h[std::size_t(p)]);
         for (std::int64_t e = 0; e < kNumel; ++e) flat[std::size_t(p * kNumel + e)] -= 0.1f * g[e];
