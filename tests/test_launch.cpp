@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -337,4 +338,26 @@ TEST_CASE("killed in the middle of a sharded save (its shards written, its index
   CHECK_FALSE(test::failed(rs));
   CHECK(resumed.output().find("2 optimizer step(s)") != std::string::npos);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("shardflow run takes torchrun's underscore spellings, and names a torchrun flag it does not take with what to do instead") {
+  auto run = [](const std::string& args) {
+    std::string out;
+    FILE* p = ::popen((test::kLauncher + " run " + args + " 2>&1").c_str(), "r");
+    REQUIRE(p);
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    const int status = ::pclose(p);
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
+  };
+  const auto [ok, out] = run("--nproc_per_node=2 --master_port " + std::to_string(test::free_port()) + " -- /bin/sh -c 'echo rank=$RANK of $WORLD_SIZE'");
+  CHECK(ok == 0);
+  CHECK(out.find("rank=0 of 2") != std::string::npos);
+  CHECK(out.find("rank=1 of 2") != std::string::npos);
+  const auto [bad, why] = run("--standalone --nproc_per_node 2 -- /bin/true");
+  CHECK(bad == 2);
+  CHECK(why.find("--standalone is torchrun's; one node is the default: drop it") != std::string::npos);
+  const auto [unknown, what] = run("--nproc_per_node 2 --frobnicate 1 -- /bin/true");
+  CHECK(unknown == 2);
+  CHECK(what.find("unknown flag --frobnicate") != std::string::npos);
 }

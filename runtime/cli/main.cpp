@@ -11,6 +11,54 @@
 #include "runtime/cli/plan_command.hpp"
 #include "runtime/launch/launcher.hpp"
 
+namespace {
+
+// torchrun's flags that shardflow run does not take, and what to do instead. A flag CLI11 does not
+// know would otherwise surface as "The following argument was not expected: <its value>".
+const char* torchrun_advice(const std::string& flag) {
+  static const std::pair<const char*, const char*> advice[] = {
+      {"--standalone", "one node is the default: drop it"},
+      {"--rdzv_backend", "shardflow's rendezvous store is built in: drop it"},
+      {"--rdzv-backend", "shardflow's rendezvous store is built in: drop it"},
+      {"--rdzv_id", "the job's store token plays its part: --token T (or SHARDFLOW_STORE_TOKEN)"},
+      {"--rdzv-id", "the job's store token plays its part: --token T (or SHARDFLOW_STORE_TOKEN)"},
+      {"--max_restarts", "shardflow fails fast and names the failed rank; restart the job from its last checkpoint"},
+      {"--max-restarts", "shardflow fails fast and names the failed rank; restart the job from its last checkpoint"},
+      {"--monitor_interval", "use --heartbeat-interval"},
+      {"--monitor-interval", "use --heartbeat-interval"},
+  };
+  for (const auto& [name, what] : advice)
+    if (flag == name) return what;
+  return nullptr;
+}
+
+// The first flag of `shardflow run` (before the program) that it does not take, with what to use
+// instead when it is torchrun's; empty when all are known.
+std::string unknown_run_flag(int argc, char** argv, const CLI::App& run) {
+  bool in_run = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;
+    if (!in_run) {
+      in_run = a == "run";
+      continue;
+    }
+    if (a.rfind("--", 0) != 0) continue;
+    const std::string flag = a.substr(0, a.find('='));
+    bool known = false;
+    for (const auto* o : run.get_options())
+      for (const auto& n : o->get_lnames()) known |= flag == "--" + n;
+    if (flag == "--help") known = true;
+    if (known) continue;
+    if (const char* what = torchrun_advice(flag)) return "shardflow run: error: " + flag + " is torchrun's; " + what;
+    return "shardflow run: error: unknown flag " + flag + " (shardflow run --help lists the flags; torchrun's underscore spellings such as "
+           "--nproc_per_node are accepted; the program and its arguments go after --)";
+  }
+  return "";
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"shardflow: data-parallel training runtime"};
   app.require_subcommand(1);
@@ -18,26 +66,30 @@ int main(int argc, char** argv) {
   shardflow::launch::LaunchSpec spec;
   double grace_s = 5;
   bool no_prefix = false;
-  run->add_option("--nproc-per-node", spec.nproc_per_node, "ranks on this node")->capture_default_str();
+  run->add_option("--nproc-per-node,--nproc_per_node", spec.nproc_per_node, "ranks on this node")->capture_default_str();
   run->add_option("--nnodes", spec.nnodes, "nodes in the job")->capture_default_str();
-  run->add_option("--node-rank", spec.node_rank, "this node's index")->capture_default_str();
-  run->add_option("--master-addr", spec.master_addr, "address of node 0 (it serves the rendezvous store)")->capture_default_str();
-  run->add_option("--master-port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
+  run->add_option("--node-rank,--node_rank", spec.node_rank, "this node's index")->capture_default_str();
+  run->add_option("--master-addr,--master_addr", spec.master_addr, "address of node 0 (it serves the rendezvous store)")->capture_default_str();
+  run->add_option("--master-port,--master_port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
   run->add_option("--token", spec.token, "the job's store token (default: SHARDFLOW_STORE_TOKEN, else random on one node)");
   std::string endpoint;
   double rdzv_s = 600, hb_s = 10, hb_interval_s = 1;
-  run->add_option("--rdzv-endpoint", endpoint, "torchrun's spelling of --master-addr and --master-port: HOST:PORT");
+  run->add_option("--rdzv-endpoint,--rdzv_endpoint", endpoint, "torchrun's spelling of --master-addr and --master-port: HOST:PORT");
   run->add_option("--iface", spec.iface,
                   "network interface whose address the ranks bind and advertise (default: SHARDFLOW_SOCKET_IFNAME, "
                   "GLOO_SOCKET_IFNAME, else the one routing to the master address)");
-  run->add_option("--local-addr", spec.local_addr, "this node's address for the ranks' sockets (overrides --iface)");
-  run->add_option("--rdzv-timeout", rdzv_s, "seconds to wait for every node to arrive")->capture_default_str();
+  run->add_option("--local-addr,--local_addr", spec.local_addr, "this node's address for the ranks' sockets (overrides --iface)");
+  run->add_option("--rdzv-timeout,--rdzv_timeout", rdzv_s, "seconds to wait for every node to arrive")->capture_default_str();
   run->add_option("--heartbeat-timeout", hb_s, "seconds of silence after which a node counts as lost")->capture_default_str();
   run->add_option("--heartbeat-interval", hb_interval_s, "seconds between a node's heartbeats")->capture_default_str();
   run->add_option("--kill-grace", grace_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")->capture_default_str();
   run->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
   const auto plan = shardflow::cli::add_plan_command(app);
+  if (const auto why = unknown_run_flag(argc, argv, *run); !why.empty()) {
+    std::fprintf(stderr, "%s\n", why.c_str());
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
   if (const int status = plan(); status >= 0) return status;
   if (spec.token.empty())
