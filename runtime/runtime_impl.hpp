@@ -6,6 +6,7 @@
 //   param_groups.cpp     the optimizer's groups and hyper-parameters (Note [Changing hyper-parameters])
 //   static_graph.cpp     static_graph: reports per gradient and the unused set, learnt once (Note [Static graph])
 //   join.cpp             uneven inputs: the ranks still training, and join() (Note [Uneven inputs])
+//   flat_buffers.cpp     one flat parameter/gradient buffer with a table, for llm.c-style engines (Note [Flat buffers])
 //   trainable.cpp        freezing and unfreezing parameters between iterations (Note [Changing the trainable set])
 //   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
 //   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
@@ -161,6 +162,12 @@ struct Runtime::Impl {
   std::vector<char> explicitly_grouped;
   // The new groups to the runtime and, as a snapshot, to the shard (Note [Changing hyper-parameters]).
   void publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what);
+  // Note [Flat buffers] (flat_buffers.cpp): the parameters register_flat made, by offset.
+  struct FlatSlot {
+    std::size_t offset, numel;
+    Param param;
+  };
+  std::vector<FlatSlot> flat_entries;
   // set_requires_grad after finalize: per parameter -1 (unchanged), 0 or 1, until refresh_trainable().
   std::vector<signed char> wanted_trainable;
   std::uint64_t iterations = 0;

@@ -55,6 +55,25 @@ struct OwnedPiece {
   bool operator==(const OwnedPiece&) const = default;
 };
 
+// Raw buffers, the way llm.c-style engines keep a model (Note [Flat buffers]): one flat parameter
+// buffer, optionally one flat gradient buffer of the same layout, and a table of where each
+// parameter sits in them (offsets and shapes in elements).
+struct FlatEntry {
+  std::string name;
+  Shape shape;
+  std::size_t offset = 0;
+};
+struct FlatBuffers {
+  void* params = nullptr;
+  // The engine's gradient buffer (Config::buckets.gradient_as_bucket_view off: shardflow copies
+  // into and out of its buckets), or null (view on: gradients live in the buckets, Runtime::grad).
+  void* grads = nullptr;
+  std::size_t numel = 0;  // elements in each buffer
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
+  std::vector<FlatEntry> table;  // in forward order
+};
+
 // Parameters that share optimizer hyper-parameters (lr, weight decay, betas...). Every group uses
 // the same optimizer kind.
 struct ParamGroup {
@@ -121,6 +140,13 @@ class Runtime {
 
   // Registers a parameter; call in forward order, before training starts. Names must be unique.
   Param register_param(ParamSpec spec);
+  // Registers every parameter of a flat buffer (FlatBuffers; entries must not overlap and must fit
+  // in it). Returns their handles in table order.
+  std::vector<Param> register_flat(const FlatBuffers& flat);
+  // Every parameter of the flat buffer lying in elements [offset, offset + count) has its gradient:
+  // what an engine knows when a layer's backward is done. A range that cuts a parameter is a
+  // UsageError naming it. Callable from any thread, like grad_ready.
+  void grads_ready(std::size_t offset, std::size_t count);
   Param param(const std::string& name) const;  // UsageError if unknown
   std::size_t num_params() const;
   // Freezing and unfreezing (Note [Changing the trainable set]). Before finalize() it sets
