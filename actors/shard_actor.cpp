@@ -159,6 +159,15 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
       self->state.iteration->bucket_done(b, shard_failure(self->state, b, e));
     }
   };
+  // An exchange every step waits for (the norm, the used counts) completed: its failure fails the
+  // iteration; otherwise `use` takes its result and the steps may go.
+  auto exchanged = [self, guarded, try_step](const msg::Failure& failure, const auto& use) {
+    if (failure) return self->state.iteration->bucket_done(0, failure);
+    guarded(0, [&] {
+      use(self->state);
+      try_step();
+    });
+  };
 
   return {
       [=](msg::set_groups_atom, std::uint64_t from_iteration, std::shared_ptr<const OptimizerGroups> groups) {
@@ -184,27 +193,15 @@ msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_point
         guarded(0, try_step);
       },
       [=](msg::norm_done_atom, msg::Failure& failure) {
-        auto& s = self->state;
-        if (failure) {
-          s.iteration->bucket_done(0, failure);
-          return;
-        }
-        guarded(0, [&] {
+        exchanged(failure, [](ShardActorState& s) {
           s.clip_coef = s.shard->finish_norm();
           s.phase = ShardPhase::stepping;
-          try_step();
         });
       },
       [=](msg::unused_known_atom, msg::Failure& failure) {
-        auto& s = self->state;
-        if (failure) {
-          s.iteration->bucket_done(0, failure);
-          return;
-        }
-        guarded(0, [&] {
+        exchanged(failure, [](ShardActorState& s) {
           s.shard->skip_unused(*s.used_counts);
           s.unused_known = true;
-          try_step();
         });
       },
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {

@@ -104,6 +104,8 @@ std::map<std::string, std::string> optimizer_metadata(int world, const Shard* sh
   return meta;
 }
 
+namespace {
+
 void restore_loss_scale(Shard& shard, const std::string& json, const std::string& label) {
   if (json.empty()) return;  // saved without loss scaling: this run's starts at its init_scale
   try {
@@ -114,7 +116,10 @@ void restore_loss_scale(Shard& shard, const std::string& json, const std::string
   }
 }
 
-std::set<std::string> frozen_names(const std::string& json, const std::string& label) {
+}  // namespace
+
+std::set<std::string> frozen_names(const CheckpointField& field, const std::string& label) {
+  const auto json = field("frozen");
   if (json.empty()) return {};
   try {
     return nlohmann::json::parse(json).get<std::set<std::string>>();
@@ -123,8 +128,10 @@ std::set<std::string> frozen_names(const std::string& json, const std::string& l
   }
 }
 
-void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::set<std::string>& was_frozen,
-                     const std::string& label) {
+void restore_counters(Shard& shard, const std::vector<ParamSpec>& params, const Config& cfg, const std::set<std::string>& was_frozen,
+                      const CheckpointField& field, const std::string& label) {
+  if (cfg.precision.dynamic_loss_scale) restore_loss_scale(shard, field("loss_scale"), label);
+  const auto json = field("skipped_steps");
   std::vector<std::int64_t> skipped(params.size(), 0);
   if (!json.empty()) try {
       const auto j = nlohmann::json::parse(json);
@@ -338,8 +345,11 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
 
   bool has_state = false;
   for (const auto& [name, e] : file.tensors) has_state |= name.rfind("optim.", 0) == 0;
-  const auto frozen_meta = file.metadata.find("shardflow.frozen");
-  const auto was_frozen = frozen_names(frozen_meta == file.metadata.end() ? "" : frozen_meta->second, label);
+  const CheckpointField field = [&](const std::string& key) {
+    const auto it = file.metadata.find("shardflow." + key);
+    return it == file.metadata.end() ? std::string() : it->second;
+  };
+  const auto was_frozen = frozen_names(field, label);
   const std::size_t slots = I.shard->migrate_slots();
   std::vector<float> window;
   for (std::size_t s = 0; s < slots; ++s) {
@@ -373,10 +383,7 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
     const auto it = file.metadata.find("shardflow.steps");
     if (it == file.metadata.end()) throw UsageError(label + " has optimizer state but no shardflow.steps in its metadata");
     I.shard->set_steps(std::stoll(it->second));
-    const auto skipped = file.metadata.find("shardflow.skipped_steps");
-    restore_skipped(*I.shard, params, skipped == file.metadata.end() ? "" : skipped->second, was_frozen, label);
-    const auto scale = file.metadata.find("shardflow.loss_scale");
-    if (I.cfg.precision.dynamic_loss_scale) restore_loss_scale(*I.shard, scale == file.metadata.end() ? "" : scale->second, label);
+    restore_counters(*I.shard, params, I.cfg, was_frozen, field, label);
   }
 }
 

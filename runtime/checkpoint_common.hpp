@@ -3,6 +3,7 @@
 // checkpoint call makes before it starts. (Checksums and atomic small files: safetensors_stream.hpp.)
 #pragma once
 
+#include <functional>
 #include <set>
 
 #include <cstdint>
@@ -34,17 +35,20 @@ void check_cpu_params(const std::vector<ParamSpec>& params, const char* what);
 
 // The step count, the stage, the partition and the groups' hyper-parameters, as metadata.
 std::map<std::string, std::string> optimizer_metadata(int world, const Shard* shard, const Config& cfg, const OptimizerGroups* groups);
-// The steps each parameter sat out, unused on every rank (Note [Unused parameters]): metadata
-// "shardflow.skipped_steps" ({name: count}, only the non-zero ones, absent when none), so that
-// each parameter resumes with its own step count, as torch.optim's per-parameter "step" does.
-// restore_skipped takes the JSON text (empty: none) and names `label` in errors.
-// Parameters frozen when the checkpoint was saved ("shardflow.frozen", a JSON list) have no
-// state in it: trained now, they start afresh (zero state, their own step count from 0).
-void restore_skipped(Shard& shard, const std::vector<ParamSpec>& params, const std::string& json, const std::set<std::string>& was_frozen,
-                     const std::string& label);
-std::set<std::string> frozen_names(const std::string& json, const std::string& label);
-// The loss scaler's scale and growth tracker ("shardflow.loss_scale"; empty: leave them).
-void restore_loss_scale(Shard& shard, const std::string& json, const std::string& label);
+// What a checkpoint holds besides tensors and the step count, by key: the consolidated file's
+// metadata "shardflow.<key>", the sharded index's "<key>"; the JSON text, or "" when absent.
+//   skipped_steps  the steps each parameter sat out, unused on every rank (Note [Unused
+//                  parameters]), {name: count} for the non-zero ones: each parameter resumes with
+//                  its own step count, as torch.optim's per-parameter "step" does
+//   frozen         parameters frozen at the save (a list): no state in it; trained now, they start
+//                  afresh (zero state, their own step count from 0)
+//   loss_scale     the loss scaler's scale and growth tracker (Note [Loss scaling])
+using CheckpointField = std::function<std::string(const std::string& key)>;
+std::set<std::string> frozen_names(const CheckpointField& field, const std::string& label);
+// The per-parameter step counts and the loss scaler into `shard`, after its set_steps. `label`
+// names the source in errors.
+void restore_counters(Shard& shard, const std::vector<ParamSpec>& params, const Config& cfg, const std::set<std::string>& was_frozen,
+                      const CheckpointField& field, const std::string& label);
 
 // Every checkpoint call starts here: between iterations, host parameters, and the last
 // iteration's parameter syncs landed. `what` names the call in errors. (A template so as not to

@@ -21,11 +21,16 @@
 namespace shardflow {
 
 void Runtime::Impl::count_training_ranks() {
-  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || counted.exchange(true, std::memory_order_acq_rel)) return;
+  // Called by every grad_ready: one acquire load once counted. Backward threads that report at
+  // the same moment wait for the count (the lock) rather than send their gradients before it.
+  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || counted.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(count_mu);
+  if (counted.load(std::memory_order_relaxed)) return;
   float training = joined ? 0.0f : 1.0f;
   control_collective(CollectiveKind::allreduce, &training, 1, "join: ranks still training");
   training_ranks = int(training);
   divisor->store(training_ranks > 0 ? 1.0f / float(training_ranks) : 0.0f, std::memory_order_release);
+  counted.store(true, std::memory_order_release);
 }
 
 void Runtime::join() {

@@ -25,6 +25,11 @@ class ParamRegistry {
   void add_buffer(BufferSpec spec, const Communicator& comm);
   const std::vector<BufferSpec>& buffers() const { return buffers_; }
   void set_requires_grad(std::uint32_t p, bool on) { params_[p].requires_grad = on; }
+  std::size_t trainable() const {  // parameters that require a gradient
+    std::size_t n = 0;
+    for (const auto& p : params_) n += p.requires_grad;
+    return n;
+  }
 
   // One line per parameter (name, shape, dtype), then one per buffer ("buffer", name, bytes).
   // Devices may differ between ranks (cuda:0, cuda:1).

@@ -275,6 +275,7 @@ struct Runtime::Impl {
   // of each synchronised pass; this rank joined (out of data, shadowing the others).
   std::shared_ptr<std::atomic<float>> divisor = std::make_shared<std::atomic<float>>(1.0f);
   std::atomic<bool> counted{false};
+  std::mutex count_mu;
   int training_ranks = 1;
   bool joined = false;
   void count_training_ranks();

@@ -241,7 +241,7 @@ void Runtime::Impl::stop_actors() {
 }
 
 void Runtime::Impl::rebuild_from_observed_order() {
-  std::vector<std::uint32_t> observed(order.begin(), order.begin() + std::ptrdiff_t(reverse_registration_order(registry.params()).size()));
+  std::vector<std::uint32_t> observed(order.begin(), order.begin() + std::ptrdiff_t(registry.trainable()));
   // Rank 0's order wins, so every rank builds the same buckets.
   control_collective(CollectiveKind::broadcast, observed.data(), observed.size(), "rebuild buckets: ready order");
   auto next = make_plan(observed);

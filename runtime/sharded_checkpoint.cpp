@@ -311,7 +311,8 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
       return false;
     };
     const std::size_t slots = I.shard->migrate_slots();
-    const auto was_frozen = frozen_names(j.contains("frozen") ? j.at("frozen").dump() : "", "checkpoint '" + index_path + "'");
+    const CheckpointField field = [&](const std::string& key) { return j.contains(key) ? j.at(key).dump() : std::string(); };
+    const auto was_frozen = frozen_names(field, "checkpoint '" + index_path + "'");
     std::vector<float> values;
     for (std::size_t s = 0; s < slots; ++s) {
       const bool masters = s == I.shard->state_slots();
@@ -339,9 +340,7 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
     }
     if (has_state) {
       I.shard->set_steps(j.at("steps").get<std::int64_t>());
-      restore_skipped(*I.shard, params, j.contains("skipped_steps") ? j.at("skipped_steps").dump() : "", was_frozen, "checkpoint '" + index_path + "'");
-      if (I.cfg.precision.dynamic_loss_scale)
-        restore_loss_scale(*I.shard, j.contains("loss_scale") ? j.at("loss_scale").dump() : "", "checkpoint '" + index_path + "'");
+      restore_counters(*I.shard, params, I.cfg, was_frozen, field, "checkpoint '" + index_path + "'");
     }
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());

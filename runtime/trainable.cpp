@@ -41,7 +41,7 @@ void Runtime::refresh_trainable() {
     I.registry.set_requires_grad(p, I.wanted_trainable[p] != 0);
   }
   I.wanted_trainable.clear();
-  if (reverse_registration_order(params).empty())
+  if (I.registry.trainable() == 0)
     throw UsageError("refresh_trainable() on rank " + std::to_string(I.rank) + ": every parameter is frozen; keep at least one trainable");
   // Every rank must train the same set (the buckets and the collectives follow from it).
   try {
@@ -63,7 +63,7 @@ void Runtime::refresh_trainable() {
     for (auto p : thawed) skipped[p] = I.shard->steps();  // its own step count starts over
     I.shard->set_skipped(std::move(skipped));
   }
-  I.log->info("trainable set refreshed: {} of {} parameters trainable, {} bucket(s)", reverse_registration_order(params).size(), params.size(),
+  I.log->info("trainable set refreshed: {} of {} parameters trainable, {} bucket(s)", I.registry.trainable(), params.size(),
               I.plan.buckets.size());
 }
 
