@@ -18,11 +18,14 @@ configure: deps
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# Two ranks (threads of one process, in-process collectives) train an MLP data-parallel with
-# ZeRO-1: each rank keeps half of AdamW's state and steps its buckets as their reductions land.
+# Two ranks (threads of one process, in-process collectives) train an MLP classifier on
+# scikit-learn's handwritten digits (1,437 training images, 360 held out) data-parallel with ZeRO-1:
+# each rank keeps half of AdamW's state and steps its buckets as their reductions land. It ends
+# with the accuracy on the held-out images (a linear model gets 96.1% of them).
 demo: build
-	$(BUILD)/examples/mlp_train --sizes 784,256,256,10 --steps 300 --global-batch 64 \
-	  --world-size 2 --optimizer adamw --lr 1e-3 --seed 1 --zero-stage 1 --overlap interleaved
+	$(BUILD)/examples/mlp_train --data $(BUILD)/data/digits.safetensors --loss cross-entropy \
+	  --sizes 64,256,256,10 --steps 600 --global-batch 64 --world-size 2 --optimizer adamw --lr 1e-3 \
+	  --seed 1 --zero-stage 1 --overlap interleaved
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600

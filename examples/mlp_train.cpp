@@ -44,7 +44,11 @@ int main(int argc, char** argv) {
   app.add_option("--beta2", opt.optimizer.beta2, "Adam beta2")->capture_default_str();
   app.add_option("--eps", opt.optimizer.eps, "Adam eps")->capture_default_str();
   app.add_option("--init", init, "initial parameters (safetensors, nn.Linear names)");
-  app.add_option("--data", data, "training data: safetensors with x [rows, in] and y [rows, out]");
+  app.add_option("--data", data,
+                 "training data: safetensors with x [rows, in] and y [rows, out], and optionally held-out x_test / y_test "
+                 "(the demo's digits: build/data/digits.safetensors)");
+  std::string loss = "mse";
+  app.add_option("--loss", loss, "mse (regression) | cross-entropy (softmax over the last layer; y one-hot)")->capture_default_str();
   app.add_option("--save", save, "write the final parameters (safetensors)");
   std::string checkpoint_dir, resume_dir;
   int every = 0;
@@ -122,6 +126,7 @@ int main(int argc, char** argv) {
 
   try {
     opt.sizes = mlp::parse_sizes(sizes);
+    opt.loss = mlp::parse_loss(loss);
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
     opt.runtime.zero.stage = ZeroStage(zero_stage);
     opt.param_dtype = parse_dtype(param_dtype);
@@ -232,9 +237,9 @@ int main(int argc, char** argv) {
     const std::string where = std::string(comm ? comm->backend_name() : simulated ? "in-process threads, sim link" : "in-process threads") +
                               (opt.device.kind == Device::Kind::cuda ? " on " + opt.device.str() : "");
     if (report)
-      std::printf("mlp_train: sizes %s, world %d (%s), global batch %d x %d, %s lr %g, %d steps, zero stage %d, overlap %s, partition %s\n",
+      std::printf("mlp_train: sizes %s, world %d (%s), global batch %d x %d, %s lr %g, %s loss, %d steps, zero stage %d, overlap %s, partition %s\n",
                   sizes.c_str(), opt.world_size, where.c_str(), opt.global_batch,
-                  opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr), opt.steps, zero_stage, overlap.c_str(),
+                  opt.accumulate, optimizer.c_str(), double(opt.optimizer.lr), mlp::loss_name(opt.loss), opt.steps, zero_stage, overlap.c_str(),
                   partition.c_str());
     auto res = comm ? mlp::train_rank(opt, comm) : mlp::train(opt);
     if (!res.data_split.empty()) std::printf("data: %s\n", res.data_split.c_str());
@@ -257,6 +262,8 @@ int main(int argc, char** argv) {
     for (const auto& b : res.buckets)
       std::printf("  bucket %u: %.2f MiB, %zu param(s): %s ... %s\n", b.index, double(b.bytes) / 1048576.0, b.params.size(),
                   b.params.front().c_str(), b.params.back().c_str());
+    if (res.heldout_accuracy)
+      std::printf("held-out accuracy %.1f%% (%zu rows never trained on)\n", 100.0 * *res.heldout_accuracy, res.heldout_rows);
     if (opt.save_path) std::printf("saved %s\n", opt.save_path->c_str());
     const auto& m = res.stats.median;
     std::printf("runtime (rank 0, median): iteration %.3f ms, compute %.3f ms, exposed %.3f ms, link %.3f ms (hidden %.3f ms), "

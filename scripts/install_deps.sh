@@ -9,6 +9,7 @@ packages=(
   nlohmann-json3-dev libopenblas-dev libcli11-dev
   libisal-dev  # CRC-32 of checkpoints (ISA-L: carry-less multiply, 7x zlib)
   python3 python3-matplotlib
+  python3-sklearn  # the demo's real data: scikit-learn's handwritten digits, converted at build time
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config
 )

@@ -97,6 +97,35 @@ TEST_CASE("Linear backward matches finite differences of the MSE loss") {
   }
 }
 
+TEST_CASE("softmax cross-entropy: finite differences of the loss, and logits of 1000 neither overflow nor lose it") {
+  const int B = 3, in = 4, C = 5;
+  mlp::Model m({in, C}, mlp::Loss::cross_entropy);
+  m.init(11);
+  std::vector<float> x(B * in), y(B * C, 0.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 0.3f * float(int(i % 7) - 3);
+  for (int r = 0; r < B; ++r) y[std::size_t(r * C + (2 * r + 1) % C)] = 1.0f;  // one-hot labels
+  std::vector<float> dW(C * in, 0.0f), db(C, 0.0f);
+  m.forward(x.data(), y.data(), B);
+  m.backward(y.data(), double(B), [&](int, bool bias) { return bias ? db.data() : dW.data(); }, [](int, bool) {});
+  auto& W = m.layers()[0].weight;
+  for (std::size_t k : {std::size_t{0}, std::size_t{6}, std::size_t{17}}) {
+    const float h = 1e-2f, keep = W[k];
+    W[k] = keep + h;
+    const double up = m.forward(x.data(), y.data(), B);
+    W[k] = keep - h;
+    const double down = m.forward(x.data(), y.data(), B);
+    W[k] = keep;
+    CHECK(dW[k] == doctest::Approx((up - down) / (2 * h)).epsilon(1e-2));
+  }
+  // A confident wrong answer: loss 1000 - 0 exactly, gradient softmax - target.
+  const float logits[2] = {1000.0f, 0.0f}, target[2] = {0.0f, 1.0f};
+  CHECK(softmax_xent_loss(logits, target, 1, 2) == doctest::Approx(1000.0));
+  float d[2];
+  softmax_xent_backward(logits, target, d, 1, 2, 1.0);
+  CHECK(d[0] == doctest::Approx(1.0));
+  CHECK(d[1] == doctest::Approx(-1.0));
+}
+
 TEST_CASE("linear_backward accumulates into the gradient, as autograd does") {
   const int B = 2, in = 3, out = 2;
   std::vector<float> x{1, 2, 3, 4, 5, 6}, W(out * in, 0.5f), dy{1, 0, 0, 1};

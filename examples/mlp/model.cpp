@@ -1,5 +1,6 @@
 #include "examples/mlp/model.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -10,7 +11,15 @@
 
 namespace shardflow::mlp {
 
-Model::Model(std::vector<int> sizes) : sizes_(std::move(sizes)) {
+Loss parse_loss(const std::string& name) {
+  if (name == "mse") return Loss::mse;
+  if (name == "cross-entropy" || name == "xent") return Loss::cross_entropy;
+  throw UsageError("--loss '" + name + "': expected mse (regression) or cross-entropy (classification, one-hot y)");
+}
+
+const char* loss_name(Loss loss) { return loss == Loss::mse ? "mse" : "cross-entropy"; }
+
+Model::Model(std::vector<int> sizes, Loss loss) : sizes_(std::move(sizes)), loss_(loss) {
   if (sizes_.size() < 2) throw UsageError("--sizes needs at least two numbers (input and output width)");
   for (int s : sizes_)
     if (s <= 0) throw UsageError("--sizes: every width must be positive");
@@ -77,9 +86,7 @@ TensorMap Model::release_state_dict() {
   return out;
 }
 
-float Model::forward(const float* x, const float* y, int rows, const std::function<void(int)>& before_layer) {
-  x_ = x;
-  rows_ = rows;
+void Model::run_layers(const float* x, int rows, const std::function<void(int)>& before_layer) {
   const float* in = x;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     auto& l = layers_[i];
@@ -89,13 +96,40 @@ float Model::forward(const float* x, const float* y, int rows, const std::functi
     if (i + 1 < layers_.size()) kernels::relu_forward(acts_[i].data(), acts_[i].data(), acts_[i].size());
     in = acts_[i].data();
   }
+}
+
+float Model::forward(const float* x, const float* y, int rows, const std::function<void(int)>& before_layer) {
+  x_ = x;
+  rows_ = rows;
+  run_layers(x, rows, before_layer);
+  if (loss_ == Loss::cross_entropy) return kernels::softmax_xent_loss(acts_.back().data(), y, rows, sizes_.back());
   return kernels::mse_loss(acts_.back().data(), y, acts_.back().size());
+}
+
+double Model::accuracy(const float* x, const float* y, std::size_t rows) {
+  if (rows == 0) return 0.0;
+  const int C = sizes_.back(), in = sizes_.front();
+  constexpr std::size_t kBatch = 256;
+  std::size_t right = 0;
+  for (std::size_t first = 0; first < rows; first += kBatch) {
+    const int n = int(std::min(kBatch, rows - first));
+    run_layers(x + first * std::size_t(in), n, {});
+    for (int r = 0; r < n; ++r) {
+      const float* p = acts_.back().data() + std::size_t(r) * C;
+      const float* t = y + (first + std::size_t(r)) * std::size_t(C);
+      right += std::max_element(p, p + C) - p == std::max_element(t, t + C) - t;
+    }
+  }
+  return double(right) / double(rows);
 }
 
 void Model::backward(const float* y, double denom, const GradSlot& grads, const GradReady& ready) {
   const int L = int(layers_.size());
   dy_.resize(acts_.back().size());
-  kernels::mse_backward(acts_.back().data(), y, dy_.data(), dy_.size(), denom);
+  if (loss_ == Loss::cross_entropy)
+    kernels::softmax_xent_backward(acts_.back().data(), y, dy_.data(), rows_, sizes_.back(), denom);
+  else
+    kernels::mse_backward(acts_.back().data(), y, dy_.data(), dy_.size(), denom);
   for (int i = L - 1; i >= 0; --i) {
     auto& l = layers_[std::size_t(i)];
     const float* in = i == 0 ? x_ : acts_[std::size_t(i) - 1].data();

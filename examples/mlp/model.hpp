@@ -1,5 +1,5 @@
 // The example trainer's model: Linear layers with ReLU between them (none after the last), loss
-// mean((pred - y)^2). Parameter names and layouts are nn.Linear's: layers.{i}.weight [out, in],
+// mean((pred - y)^2) or softmax cross-entropy. Parameter names and layouts are nn.Linear's: layers.{i}.weight [out, in],
 // layers.{i}.bias [out], so a torch state dict saved as safetensors loads directly.
 #pragma once
 
@@ -12,6 +12,12 @@
 
 namespace shardflow::mlp {
 
+// What the last layer's outputs are scored with: regression (MSE against y) or classification
+// (softmax cross-entropy against one-hot y; accuracy by argmax).
+enum class Loss { mse, cross_entropy };
+Loss parse_loss(const std::string& name);  // "mse" | "cross-entropy"; UsageError naming --loss otherwise
+const char* loss_name(Loss loss);
+
 struct Layer {
   int in = 0, out = 0;
   std::vector<float> weight;  // [out, in]
@@ -20,7 +26,7 @@ struct Layer {
 
 class Model {
  public:
-  explicit Model(std::vector<int> sizes);  // e.g. {784, 256, 256, 10}
+  explicit Model(std::vector<int> sizes, Loss loss = Loss::mse);  // e.g. {784, 256, 256, 10}
 
   const std::vector<int>& sizes() const { return sizes_; }
   std::vector<Layer>& layers() { return layers_; }
@@ -37,22 +43,31 @@ class Model {
   TensorMap release_state_dict();
 
   // Forward on `rows` rows of x [rows, sizes[0]]; keeps the activations for backward and returns
-  // the loss mean over this batch. `before_layer(i)` runs right before layer i reads its
+  // the loss mean over this batch (MSE: over its elements; cross-entropy: over its rows). `before_layer(i)` runs right before layer i reads its
   // parameters (forward prefetch waits for their update there).
   float forward(const float* x, const float* y, int rows, const std::function<void(int)>& before_layer = {});
 
   // Backward through the last forward. Gradients accumulate into grads(layer, is_bias) and
   // `ready(layer, is_bias)` is called as soon as each one is complete, last layer first — the
-  // moment a DDP runtime can start reducing it. `loss_denominator` is the element count the loss
-  // mean is over.
+  // moment a DDP runtime can start reducing it. `loss_denominator` is the count the loss mean is
+  // over (elements for MSE, rows for cross-entropy), the global batch's for data parallel.
   using GradSlot = std::function<float*(int layer, bool bias)>;
   using GradReady = std::function<void(int layer, bool bias)>;
   void backward(const float* y, double loss_denominator, const GradSlot& grads, const GradReady& ready);
 
   static std::string param_name(int layer, bool bias);
 
+  // The fraction of `rows` rows whose largest output is at the index of their largest y (top-1
+  // accuracy with one-hot labels). Forward only, in batches: no activations kept for backward.
+  double accuracy(const float* x, const float* y, std::size_t rows);
+  Loss loss() const { return loss_; }
+
  private:
+  // The outputs of the layers on `rows` rows of x (acts_.back() the last).
+  void run_layers(const float* x, int rows, const std::function<void(int)>& before_layer);
+
   std::vector<int> sizes_;
+  Loss loss_;
   std::vector<Layer> layers_;
   const float* x_ = nullptr;
   int rows_ = 0;

@@ -46,17 +46,30 @@ Dataset Dataset::load(const std::string& path, int in, int out) {
                   std::to_string(width) + "] to match --sizes");
     return it->second;
   };
-  const Tensor& x = get("x", in);
-  const Tensor& y = get("y", out);
-  if (x.shape[0] != y.shape[0])
-    throw Error("--data '" + path + "': x has " + std::to_string(x.shape[0]) + " rows, y has " + std::to_string(y.shape[0]));
-  if (x.shape[0] == 0) throw Error("--data '" + path + "': no rows");
+  auto rows_of = [&](const char* xn, const char* yn) {
+    const Tensor& x = get(xn, in);
+    const Tensor& y = get(yn, out);
+    if (x.shape[0] != y.shape[0])
+      throw Error("--data '" + path + "': " + xn + " has " + std::to_string(x.shape[0]) + " rows, " + yn + " has " +
+                  std::to_string(y.shape[0]));
+    if (x.shape[0] == 0) throw Error("--data '" + path + "': " + xn + " has no rows");
+    return std::size_t(x.shape[0]);
+  };
   Dataset d;
   d.in = in;
   d.out = out;
-  d.rows = std::size_t(x.shape[0]);
-  d.x = x.to_f32("--data '" + path + "': tensor 'x'");
-  d.y = y.to_f32("--data '" + path + "': tensor 'y'");
+  d.rows = rows_of("x", "y");
+  d.x = t.at("x").to_f32("--data '" + path + "': tensor 'x'");
+  d.y = t.at("y").to_f32("--data '" + path + "': tensor 'y'");
+  const bool has_x = t.count("x_test") != 0, has_y = t.count("y_test") != 0;
+  if (has_x != has_y)
+    throw Error("--data '" + path + "': has " + (has_x ? "x_test but no y_test" : "y_test but no x_test") +
+                "; held-out rows need both");
+  if (has_x) {
+    d.test_rows = rows_of("x_test", "y_test");
+    d.x_test = t.at("x_test").to_f32("--data '" + path + "': tensor 'x_test'");
+    d.y_test = t.at("y_test").to_f32("--data '" + path + "': tensor 'y_test'");
+  }
   return d;
 }
 
@@ -152,6 +165,10 @@ void finish_rank(Shared& sh, int rank, const Runtime& rt, Model& model, std::siz
     sh.result.memory_end[slot] = rt.memory_report();
   }
   if (rank == 0) {
+    if (sh.data.test_rows > 0) {
+      sh.result.heldout_accuracy = model.accuracy(sh.data.x_test.data(), sh.data.y_test.data(), sh.data.test_rows);
+      sh.result.heldout_rows = sh.data.test_rows;
+    }
     sh.result.params = model.release_state_dict();  // the model is not used again
     sh.result.buckets = rt.buckets();
     sh.result.collectives = rt.collective_log();
@@ -160,7 +177,7 @@ void finish_rank(Shared& sh, int rank, const Runtime& rt, Model& model, std::siz
 }
 
 Model initial_model(const Shared& sh) {
-  Model model(sh.opt.sizes);
+  Model model(sh.opt.sizes, sh.opt.loss);
   if (sh.init)
     model.load(*sh.init, "--init '" + *sh.opt.init_path + "'");
   else
@@ -179,7 +196,7 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
   const int N = opt.world_size, B = opt.global_batch, local = B / N, K = opt.accumulate;
   // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
   // loss counts 1/K: together they equal one K-times-larger batch.
-  const double denom = double(local) * opt.sizes.back() * K;
+  const double denom = double(local) * (opt.loss == Loss::mse ? opt.sizes.back() : 1) * K;
   std::vector<float> x, y, local_losses;
   float last_global = 0.0f;
   const auto shard = shard_of(sh.data.rows, rank, N, local);
@@ -285,6 +302,9 @@ Prepared prepare(const TrainOptions& opt) {
     if (opt.param_dtype != DType::f32)
       throw UsageError("--device cuda: the example's GPU model computes in fp32 parameters (--param-dtype fp32); "
                        "16-bit parameters are supported by its CPU trainer");
+    if (opt.loss != Loss::mse)
+      throw UsageError("--device cuda: the example's GPU model computes the MSE loss (--loss mse); --loss " +
+                       std::string(loss_name(opt.loss)) + " is supported by its CPU trainer");
     if (const auto why = device_model_unavailable(); !why.empty()) throw UsageError("--device cuda: " + why);
   }
   for (const auto& name : opt.freeze) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/mlp/model.hpp"
 #include "shardflow/optimizer.hpp"
 #include "shardflow/safetensors.hpp"
 #include "shardflow/shardflow.hpp"
@@ -19,10 +20,14 @@ struct Dataset {
   int in = 0, out = 0;
   std::size_t rows = 0;
   std::vector<float> x, y;  // [rows, in], [rows, out]
+  // Held-out rows, never trained on (the file's x_test / y_test, when it has them).
+  std::size_t test_rows = 0;
+  std::vector<float> x_test, y_test;
 
   // Regression targets from a fixed random teacher network, so the loss has somewhere to go.
   static Dataset synthetic(int in, int out, std::size_t rows, std::uint64_t seed);
-  // `x` [rows, in] and `y` [rows, out], float32; Error naming the file and tensor otherwise.
+  // `x` [rows, in] and `y` [rows, out], and optionally the held-out `x_test` / `y_test` (both or
+  // neither), float32; Error naming the file and tensor otherwise.
   static Dataset load(const std::string& path, int in, int out);
 };
 
@@ -35,6 +40,7 @@ struct StepReport {
 
 struct TrainOptions {
   std::vector<int> sizes{784, 256, 256, 10};
+  Loss loss = Loss::mse;  // cross_entropy: y holds one-hot labels
   int steps = 100;
   int global_batch = 64;
   int world_size = 1;
@@ -107,6 +113,9 @@ struct TrainResult {
   std::vector<std::string> collectives;  // rank 0's issued collectives
   RuntimeStats stats;                    // rank 0's Runtime::stats() at the end
   std::string data_split;                // with shard_data: how the rows were split over the ranks
+  // Top-1 accuracy of the final parameters on the data's held-out rows (rank 0; none without them).
+  std::optional<double> heldout_accuracy;
+  std::size_t heldout_rows = 0;
 };
 
 // Ranks as threads of this process over the in-process backend. Throws UsageError for bad options

@@ -1,6 +1,7 @@
 #include "kernels/cpu/elementwise.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -148,6 +149,42 @@ float mse_loss(const float* pred, const float* target, std::size_t n) {
 void mse_backward(const float* pred, const float* target, float* dpred, std::size_t n, double denom) {
   const float k = float(2.0 / denom);
   for (std::size_t i = 0; i < n; ++i) dpred[i] = k * (pred[i] - target[i]);
+}
+
+namespace {
+// log sum_c exp(z_c), from the row's maximum.
+double log_sum_exp(const float* z, int classes, float& max_out) {
+  float m = z[0];
+  for (int c = 1; c < classes; ++c) m = std::max(m, z[c]);
+  double sum = 0.0;
+  for (int c = 0; c < classes; ++c) sum += std::exp(double(z[c]) - double(m));
+  max_out = m;
+  return double(m) + std::log(sum);
+}
+}  // namespace
+
+float softmax_xent_loss(const float* logits, const float* target, int rows, int classes) {
+  if (rows <= 0) return 0.0f;
+  double total = 0.0;
+  for (int r = 0; r < rows; ++r) {
+    const float* z = logits + std::size_t(r) * classes;
+    const float* t = target + std::size_t(r) * classes;
+    float m;
+    const double lse = log_sum_exp(z, classes, m);
+    for (int c = 0; c < classes; ++c)
+      if (t[c] != 0.0f) total -= double(t[c]) * (double(z[c]) - lse);
+  }
+  return float(total / rows);
+}
+
+void softmax_xent_backward(const float* logits, const float* target, float* dlogits, int rows, int classes, double denom) {
+  const double k = 1.0 / denom;
+  for (int r = 0; r < rows; ++r) {
+    const std::size_t o = std::size_t(r) * classes;
+    float m;
+    const double lse = log_sum_exp(logits + o, classes, m);
+    for (int c = 0; c < classes; ++c) dlogits[o + c] = float(k * (std::exp(double(logits[o + c]) - lse) - double(target[o + c])));
+  }
 }
 
 }  // namespace shardflow::kernels

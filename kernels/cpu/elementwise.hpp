@@ -1,5 +1,5 @@
 // Memory-bound kernels over flat buffers: the reduction used by the CPU collectives, bucket scaling,
-// ReLU and the MSE loss of the example trainer.
+// ReLU and the losses of the example trainer (MSE, softmax cross-entropy).
 #pragma once
 
 #include <cstddef>
@@ -32,5 +32,12 @@ void relu_backward(const float* y, const float* dy, float* dx, std::size_t n);
 // the element count the mean is over (the global batch's, for data parallel equivalence).
 float mse_loss(const float* pred, const float* target, std::size_t n);
 void mse_backward(const float* pred, const float* target, float* dpred, std::size_t n, double denom);
+
+// Softmax cross-entropy of `rows` rows of `classes` logits against target distributions (one-hot
+// labels, or soft targets summing to 1): loss = mean over rows of -sum_c target log softmax(logits).
+// dlogits = (softmax(logits) - target) / denom, where denom is the row count the mean is over.
+// The log-sum-exp subtracts each row's maximum, so large logits neither overflow nor lose the loss.
+float softmax_xent_loss(const float* logits, const float* target, int rows, int classes);
+void softmax_xent_backward(const float* logits, const float* target, float* dlogits, int rows, int classes, double denom);
 
 }  // namespace shardflow::kernels
