@@ -10,6 +10,7 @@ packages=(
   libisal-dev  # CRC-32 of checkpoints (ISA-L: carry-less multiply, 7x zlib)
   python3 python3-matplotlib
   python3-sklearn  # the demo's real data: scikit-learn's handwritten digits, converted at build time
+  libtorch-dev     # the libtorch client's example and tests (shardflow/libtorch.hpp; CPU, 1.13)
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config
 )

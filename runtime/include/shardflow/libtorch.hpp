@@ -1,0 +1,212 @@
+// shardflow for libtorch: data parallelism, ZeRO-1/2 and every overlap mode for a torch::nn::Module
+// in one call, the way DDP(model) does in Python (libtorch has no DDP, ZeRO or FSDP in C++).
+//
+//   auto comm = shardflow::init_process_group(shardflow::LaunchEnv::detect());  // under `shardflow run`
+//   Net net;                                          // any torch::nn::Module
+//   shardflow::libtorch::Options opts;
+//   opts.config.zero.stage = shardflow::ZeroStage::optimizer_state;
+//   opts.optimizer = shardflow::OptimizerConfig{shardflow::OptimizerConfig::Kind::adamw, 1e-3f};
+//   shardflow::libtorch::DataParallel ddp(*net, comm, opts);   // rank 0's weights everywhere
+//   for (...) {
+//     ddp.zero_grad();
+//     ddp.backward(torch::nn::functional::cross_entropy(net->forward(x), y));  // reduced, stepped
+//   }
+//
+// Header-only: it needs libtorch's headers (Debian's libtorch-dev 1.13) wherever it is included,
+// and nothing of libtorch inside libshardflow. Note [libtorch gradients] says where gradients live.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "shardflow/shardflow.hpp"
+
+namespace shardflow::libtorch {
+
+struct Options {
+  Config config;  // buckets, ZeRO stage, overlap, prefetch, timeouts, tracing: config.hpp's defaults
+  // The optimizer step inside shardflow: each rank steps its shard as its buckets' reductions land
+  // (ZeRO stages 1-2, or every parameter at stage 0). None: backward() leaves the averaged
+  // gradients in each parameter's .grad() for a torch::optim optimizer of the trainer's own.
+  std::optional<OptimizerConfig> optimizer;
+};
+
+// Note [libtorch gradients]
+// Each parameter's .grad() is a tensor over the parameter's slot in its bucket (from_blob, no
+// ownership), set by zero_grad(). libtorch's AccumulateGrad then adds each new gradient into it in
+// place ("variable_grad += new_grad" when a grad is defined and no double backward is being set up),
+// so the gradient lands in the bucket with no copy of ours, as DDP's gradient_as_bucket_view. What
+// libtorch 1.13 forces: autograd always computes a gradient into a fresh tensor of its own before
+// accumulating it, so each gradient is written twice (that tensor, then the add into the bucket);
+// no public API lets backward write into memory we choose. Readiness comes from a post hook on
+// each parameter's AccumulateGrad node, which runs right after the add — the moment DDP's reducer
+// marks a gradient ready. If something replaces a .grad() (module.zero_grad(true), an optimizer's
+// set_to_none), the gradient is copied into the bucket once and the view restored.
+class DataParallel {
+ public:
+  // Registers `module`'s parameters (named_parameters order: registration order, the forward order
+  // of the usual Module) and buffers, broadcasts rank 0's values of both to every rank
+  // (Config::sync.initial) and builds the buckets: a collective, every rank constructs one. CPU
+  // tensors, contiguous, float32 / float16 / bfloat16; anything else is a UsageError naming the
+  // parameter. `module` must outlive this object.
+  DataParallel(torch::nn::Module& module, std::shared_ptr<Communicator> comm, Options options = {})
+      : rt_(std::move(comm), options.config) {
+    for (auto& item : module.named_buffers(/*recurse=*/true)) {
+      const auto& b = item.value();
+      check_tensor(item.key(), b, "buffer");
+      rt_.register_buffer(BufferSpec{item.key(), b.data_ptr(), std::size_t(b.nbytes()), Device::cpu()});
+    }
+    for (auto& item : module.named_parameters(/*recurse=*/true)) {
+      const auto& p = item.value();
+      check_tensor(item.key(), p, "parameter");
+      ParamSpec spec{item.key(), Shape(p.sizes().begin(), p.sizes().end()), dtype_of(item.key(), p), Device::cpu(), p.data_ptr()};
+      spec.requires_grad = p.requires_grad();
+      // Without gradient_as_bucket_view the gradient is a tensor of ours that the runtime copies
+      // into the bucket and the average back out of; .grad() views it the same way.
+      torch::Tensor own;
+      if (!options.config.buckets.gradient_as_bucket_view && spec.requires_grad) {
+        own = torch::zeros_like(p, p.options().requires_grad(false));
+        spec.grad = own.data_ptr();
+      }
+      Entry e{p, rt_.register_param(spec), nullptr, nullptr, 0, own};
+      by_impl_[p.unsafeGetTensorImpl()] = e.handle;
+      entries_.push_back(std::move(e));
+    }
+    if (entries_.empty()) throw UsageError("shardflow::libtorch::DataParallel: the module has no parameters");
+    rt_.finalize();
+    if (options.optimizer) rt_.configure_optimizer(*options.optimizer);
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      auto& e = entries_[i];
+      if (!e.param.requires_grad()) continue;
+      // The accumulator is held weakly by the parameter: keep it alive, or the hook dies with it.
+      e.accumulator = torch::autograd::impl::grad_accumulator(e.param);
+      e.hook_key = e.accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i));
+    }
+    zero_grad();
+  }
+
+  ~DataParallel() {
+    for (auto& e : entries_)
+      if (e.accumulator) e.accumulator->del_post_hook(e.hook_key);
+  }
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  Runtime& runtime() { return rt_; }
+
+  // Zeroes the buckets and points each trainable parameter's .grad() at its slot (the slots move
+  // once, when the buckets are rebuilt after the first iteration).
+  void zero_grad() {
+    rt_.zero_grad();
+    bind_all();
+  }
+
+  // loss.backward(), with each gradient reduced as it completes; returns once the gradients are
+  // averaged over the ranks (and, with the runtime's optimizer, the parameters stepped; with
+  // forward prefetch the parameter syncs may still be landing: wait_for() each module in forward).
+  void backward(const torch::Tensor& loss) {
+    {
+      auto span = rt_.span("backward", "backward");
+      loss.backward();
+    }
+    rt_.finish_backward();
+    rt_.wait();
+    bind_all();  // the first iteration's end rebuilt the buckets: .grad() follows the averages there
+  }
+
+  // Gradient accumulation (DDP's no_sync): backward passes inside the guard's life accumulate
+  // locally and are reduced with the first backward after it.
+  Runtime::NoSync no_sync() { return rt_.no_sync(); }
+
+  // Config::zero.forward_prefetch: call right before `submodule`'s forward reads its parameters.
+  void wait_for(const torch::nn::Module& submodule) {
+    for (const auto& p : submodule.parameters(/*recurse=*/true)) {
+      auto it = by_impl_.find(p.unsafeGetTensorImpl());
+      if (it == by_impl_.end()) throw UsageError("shardflow::libtorch::DataParallel::wait_for: a parameter of '" + submodule.name() + "' was not registered (another module's?)");
+      rt_.wait_param(it->second);
+    }
+  }
+
+ private:
+  struct Entry {
+    torch::Tensor param;
+    Param handle;
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    void* bound;  // the slot .grad() views
+    std::uintptr_t hook_key;
+    torch::Tensor own_grad;  // without gradient_as_bucket_view: the gradient's own storage
+  };
+
+  struct ReadyHook final : torch::autograd::FunctionPostHook {
+    ReadyHook(DataParallel* owner, std::size_t index) : owner_(owner), index_(index) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+      owner_->grad_landed(index_);
+      return outputs;
+    }
+    DataParallel* owner_;
+    std::size_t index_;
+  };
+
+  void grad_landed(std::size_t i) {
+    auto& e = entries_[i];
+    const auto& g = e.param.grad();
+    if (!g.defined() || g.data_ptr() != e.bound) {
+      // Replaced behind our back (see the note): into the bucket once, and the view back.
+      torch::NoGradGuard no_grad;
+      const torch::Tensor got = g;
+      bind(e, e.bound);
+      if (got.defined()) e.param.mutable_grad().copy_(got);
+    }
+    rt_.grad_ready(e.handle);
+  }
+
+  void bind_all() {
+    torch::NoGradGuard no_grad;
+    for (auto& e : entries_) {
+      if (!e.param.requires_grad()) continue;
+      void* slot = rt_.grad(e.handle);
+      if (slot != e.bound || !e.param.grad().defined() || e.param.grad().data_ptr() != slot) bind(e, slot);
+    }
+  }
+
+  void bind(Entry& e, void* slot) {
+    e.bound = slot;
+    e.param.mutable_grad() = torch::from_blob(slot, e.param.sizes(), e.param.options().requires_grad(false));
+  }
+
+  static void check_tensor(const std::string& name, const torch::Tensor& t, const char* what) {
+    if (!t.device().is_cpu())
+      throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name + "' is on " + t.device().str() +
+                       "; this adapter takes CPU tensors (Debian's libtorch 1.13 is a CPU build)");
+    if (!t.is_contiguous())
+      throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name +
+                       "' is not contiguous; shardflow steps and syncs it in place as one run of elements");
+  }
+
+  static DType dtype_of(const std::string& name, const torch::Tensor& p) {
+    switch (p.scalar_type()) {
+      case torch::kFloat: return DType::f32;
+      case torch::kHalf: return DType::f16;
+      case torch::kBFloat16: return DType::bf16;
+      default:
+        throw UsageError("shardflow::libtorch: parameter '" + name + "' is " + std::string(c10::toString(p.scalar_type())) +
+                         "; shardflow trains float32, float16 and bfloat16 parameters");
+    }
+  }
+
+  Runtime rt_;
+  std::vector<Entry> entries_;
+  std::unordered_map<const void*, Param> by_impl_;
+};
+
+}  // namespace shardflow::libtorch

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""The libtorch example's checks (ctest runs them; exit 77 = skipped).
+
+  torch_digits_ddp.py worlds TORCH_DIGITS LAUNCHER DATA WORKDIR
+      examples/torch_digits under `shardflow run` at world 2 (ZeRO-1, ZeRO-2 with forward prefetch,
+      and plain DDP with torch::optim) ends where world 1 ends on the same global batches.
+  torch_digits_ddp.py python-ddp TORCH_DIGITS LAUNCHER DATA WORKDIR
+      ... and where Python's DistributedDataParallel (Debian's python3-torch, Gloo, two processes)
+      ends from the same initial weights and data, after 20 steps of AdamW.
+
+Both compare every parameter with ||a - b|| / ||b|| <= 1e-5. numpy alone reads the files.
+"""
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+STEPS, BATCH, LR = 20, 64, 1e-3
+TOL = 1e-5
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        assert v["dtype"] == "F32", (path, name, v["dtype"])
+        b, e = v["data_offsets"]
+        out[name] = np.frombuffer(data[b:e], dtype="<f4").reshape(v["shape"])
+    return out
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, arr in tensors.items():
+        blob = np.ascontiguousarray(arr, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [off, off + len(blob)]}
+        blobs.append(blob)
+        off += len(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def compare(got_path, want_path, what):
+    got, want = read_safetensors(got_path), read_safetensors(want_path)
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    worst = 0.0
+    for name in want:
+        a, b = got[name].astype(np.float64), want[name].astype(np.float64)
+        err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        worst = max(worst, err)
+        if err > TOL:
+            print(f"FAIL {what}: {name} differs by {err:.3g} (relative, bound {TOL})")
+            return False
+    print(f"ok   {what}: worst relative difference {worst:.3g} over {len(want)} parameters")
+    return True
+
+
+def run_example(exe, launcher, world, data, out, extra, steps=STEPS):
+    cmd = [launcher, "run", "--nproc_per_node", str(world), "--", exe, "--data", data, "--steps", str(steps),
+           "--global-batch", str(BATCH), "--lr", str(LR), "--save", out, "--log-every", "10"] + extra
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    print(res.stdout[-600:], res.stderr[-600:], sep="")
+    if res.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)} exited {res.returncode}")
+
+
+def python_ddp_rank(rank, world, port, init_path, data_path, out_path):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Net(nn.Module):  # examples/torch_digits.cpp's NetImpl, attribute for attribute
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+            self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+            self.fc1 = nn.Linear(32 * 4 * 4, 64)
+            self.fc2 = nn.Linear(64, 10)
+
+        def forward(self, x):
+            x = F.relu(self.conv1(x))
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2).flatten(1)
+            return self.fc2(F.relu(self.fc1(x)))
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    net = Net()
+    init = read_safetensors(init_path)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(torch.from_numpy(init[name].copy()))
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    d = read_safetensors(data_path)
+    x = torch.from_numpy(d["x"].copy()).view(-1, 1, 8, 8)
+    labels = torch.from_numpy(d["y"].copy()).argmax(1)
+    local = BATCH // world
+    for step in range(STEPS):  # torch_digits' rows: step * B + rank * local + k, modulo the rows
+        idx = (torch.arange(local) + step * BATCH + rank * local) % x.shape[0]
+        opt.zero_grad()
+        F.cross_entropy(ddp(x[idx]), labels[idx]).backward()
+        opt.step()
+    if rank == 0:
+        write_safetensors(out_path, {n: p.detach().numpy() for n, p in net.named_parameters()})
+    dist.destroy_process_group()
+
+
+def main():
+    mode, exe, launcher, data, work = sys.argv[1:6]
+    if not os.path.exists(data):
+        print(f"skipped: no digits file {data} (python3-sklearn missing)")
+        sys.exit(77)
+    os.makedirs(work, exist_ok=True)
+    p = lambda name: os.path.join(work, name)
+    ok = True
+    if mode == "worlds":
+        run_example(exe, launcher, 1, data, p("w1.safetensors"), ["--seed", "3"])
+        for tag, extra in [("zero1", ["--zero-stage", "1"]),
+                           ("zero2_prefetch", ["--zero-stage", "2", "--forward-prefetch"]),
+                           ("ddp_torch_optim", ["--zero-stage", "0", "--own-optimizer"])]:
+            out = p(f"w2_{tag}.safetensors")
+            run_example(exe, launcher, 2, data, out, ["--seed", "3"] + extra)
+            ok &= compare(out, p("w1.safetensors"), f"world 2 {tag} vs world 1")
+    elif mode == "python-ddp":
+        try:
+            import torch  # noqa: F401
+            import torch.multiprocessing as mp
+        except ImportError:
+            print("skipped: python3-torch is not installed")
+            sys.exit(77)
+        import torch
+        torch.manual_seed(5)
+        run_example(exe, launcher, 1, data, p("init_probe.safetensors"), [], steps=0)  # the module's names
+        probe = read_safetensors(p("init_probe.safetensors"))
+        # Initial weights unlike the example's own seed: both sides load them.
+        write_safetensors(p("init.safetensors"), {n: torch.randn(a.shape).numpy() * 0.1 for n, a in probe.items()})
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(python_ddp_rank, args=(2, port, p("init.safetensors"), data, p("python_ddp.safetensors")), nprocs=2, join=True)
+        run_example(exe, launcher, 2, data, p("w2.safetensors"), ["--init", p("init.safetensors"), "--zero-stage", "1"])
+        ok &= compare(p("w2.safetensors"), p("python_ddp.safetensors"), "world 2 shardflow ZeRO-1 vs Python DDP + AdamW")
+    else:
+        sys.exit(f"unknown mode {mode}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+// The libtorch client (shardflow/libtorch.hpp) as a trainer author uses it: a torch::nn::Module
+// wrapped in one call, ranks as threads here (the example runs them as processes under the
+// launcher: tests/libtorch/torch_digits_ddp.py).
+// libtorch first: it brings glog, whose CHECK macros would replace doctest's.
+#include "shardflow/libtorch.hpp"
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+
+#include <doctest/doctest.h>
+
+#include "helpers.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+// With `norm`, a BatchNorm between the layers: its batch statistics are each rank's own (DDP's
+// too, without SyncBatchNorm), so only the buffer scenario uses it.
+struct TinyImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  explicit TinyImpl(bool with_norm = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 12));
+    if (with_norm) norm = register_module("norm", torch::nn::BatchNorm1d(12));
+    fc2 = register_module("fc2", torch::nn::Linear(12, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = fc1(x);
+    return fc2(torch::relu(norm ? norm(h) : h));
+  }
+};
+TORCH_MODULE(Tiny);
+
+// libtorch's generator is global: models and data are drawn on the test's thread, never on the
+// ranks' threads at once. Rank r's model starts from seed r (apart: the constructor's broadcast
+// must make them one model).
+std::vector<Tiny> models(int world, bool with_norm = false) {
+  std::vector<Tiny> out;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(r);
+    out.emplace_back(with_norm);
+  }
+  return out;
+}
+
+// 8 rows per global batch; rank r of `world` takes its contiguous share of each.
+struct Batches {
+  std::vector<torch::Tensor> x, y;
+  Batches(int steps) {
+    torch::manual_seed(1000);
+    for (int s = 0; s < steps; ++s) x.push_back(torch::randn({8, 6})), y.push_back(torch::randn({8, 3}));
+  }
+  std::pair<torch::Tensor, torch::Tensor> at(int step, int rank, int world) const {
+    const int local = 8 / world;
+    return {x[std::size_t(step)].narrow(0, rank * local, local), y[std::size_t(step)].narrow(0, rank * local, local)};
+  }
+};
+
+using Setup = std::function<void(libtorch::Options&)>;
+
+// `steps` steps at `world` ranks (threads); every rank starts from its own seed's weights (the
+// constructor makes them rank 0's). Returns rank 0's parameters and buffers.
+std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& setup = {}) {
+  auto comms = InProcessWorld::create(world, 30s);
+  auto nets = models(world);
+  const Batches data(steps);
+  std::map<std::string, torch::Tensor> out;
+  test::require_all_ok(test::run_ranks(world, [&](int r) {
+    auto& net = nets[std::size_t(r)];
+    libtorch::Options o;
+    o.config.timeouts.collective = 30s;
+    o.config.buckets.first_cap_bytes = 64;  // several buckets
+    o.config.buckets.cap_bytes = 256;
+    o.optimizer = OptimizerConfig{};
+    o.optimizer->kind = OptimizerConfig::Kind::adamw;
+    o.optimizer->lr = 1e-2f;
+    if (setup) setup(o);
+    libtorch::DataParallel ddp(*net, comms->communicator(r), o);
+    for (int s = 0; s < steps; ++s) {
+      ddp.zero_grad();
+      auto [x, y] = data.at(s, r, world);
+      ddp.backward(torch::mse_loss(net->forward(x), y));
+    }
+    ddp.runtime().wait_all_params();
+    if (r == 0)
+      for (auto& item : net->named_parameters()) out[item.key()] = item.value().detach().clone();
+  }));
+  return out;
+}
+
+void check_close(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want, double tol) {
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    const double err = (got.at(name) - t).norm().item<double>() / std::max(1e-30, t.norm().item<double>());
+    CHECK(err <= tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("libtorch: world 2 and 4, ZeRO 0/1/2, every overlap mode, ranks initialised apart -> world 1's parameters") {
+  const auto want = train(1, 6);
+  for (int world : {2, 4}) {
+    for (auto stage : {ZeroStage::ddp, ZeroStage::optimizer_state, ZeroStage::gradients})
+      for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) {
+        CAPTURE(world);
+        CAPTURE(int(stage));
+        CAPTURE(int(overlap));
+        check_close(train(world, 6, [&](libtorch::Options& o) {
+                      o.config.zero.stage = stage;
+                      o.config.zero.overlap = overlap;
+                    }), want, 1e-5);
+      }
+  }
+}
+
+TEST_CASE("libtorch: each .grad() is its parameter's slot in the bucket, filled by autograd's in-place add") {
+  auto comms = InProcessWorld::create(1, 30s);
+  Tiny net = models(1)[0];
+  libtorch::DataParallel ddp(*net, comms->communicator(0));
+  auto [x, y] = Batches(1).at(0, 0, 1);
+  for (int s = 0; s < 3; ++s) {  // the buckets are rebuilt after the first: the views follow
+    ddp.zero_grad();
+    for (auto& item : net->named_parameters()) {
+      CAPTURE(item.key());
+      CHECK(item.value().grad().data_ptr() == ddp.runtime().grad(ddp.runtime().param(item.key())));
+    }
+    auto ref = net->fc2->weight.grad().clone();
+    ddp.backward(torch::mse_loss(net->forward(x), y));
+    CHECK(net->fc2->weight.grad().data_ptr() == ddp.runtime().grad(ddp.runtime().param("fc2.weight")));
+    CHECK(net->fc2->weight.grad().abs().sum().item<float>() > 0.0f);
+  }
+}
+
+TEST_CASE("libtorch: a .grad() set to none behind the adapter's back is copied into the bucket once, and equal results") {
+  const auto want = train(2, 4);
+  const auto got = [] {
+    auto comms = InProcessWorld::create(2, 30s);
+    auto nets = models(2);
+    const Batches data(4);
+    std::map<std::string, torch::Tensor> out;
+    test::require_all_ok(test::run_ranks(2, [&](int r) {
+      auto& net = nets[std::size_t(r)];
+      libtorch::Options o;
+      o.config.buckets.first_cap_bytes = 64;
+      o.config.buckets.cap_bytes = 256;
+      o.optimizer = OptimizerConfig{};
+      o.optimizer->kind = OptimizerConfig::Kind::adamw;
+      o.optimizer->lr = 1e-2f;
+      libtorch::DataParallel ddp(*net, comms->communicator(r), o);
+      for (int s = 0; s < 4; ++s) {
+        ddp.zero_grad();
+        net->zero_grad(/*set_to_none=*/true);  // what torch::optim's zero_grad(true) would do
+        auto [x, y] = data.at(s, r, 2);
+        ddp.backward(torch::mse_loss(net->forward(x), y));
+        for (auto& item : net->named_parameters())
+          if (item.value().grad().data_ptr() != ddp.runtime().grad(ddp.runtime().param(item.key())))
+            throw Error("the view of " + item.key() + " was not restored");
+      }
+      ddp.runtime().wait_all_params();
+      if (r == 0)
+        for (auto& item : net->named_parameters()) out[item.key()] = item.value().detach().clone();
+    }));
+    return out;
+  }();
+  check_close(got, want, 1e-6);
+}
+
+TEST_CASE("libtorch: gradient_as_bucket_view off, forward prefetch, no_sync accumulation -> the same parameters") {
+  const auto want = train(1, 6);
+  check_close(train(2, 6, [](libtorch::Options& o) { o.config.buckets.gradient_as_bucket_view = false; }), want, 1e-5);
+  check_close(train(2, 6, [](libtorch::Options& o) {
+                o.config.zero.stage = ZeroStage::gradients;
+                o.config.zero.forward_prefetch = true;
+              }), want, 1e-5);
+}
+
+TEST_CASE("libtorch: buffers (BatchNorm's running statistics) are rank 0's on every rank after each backward") {
+  auto comms = InProcessWorld::create(2, 30s);
+  std::vector<torch::Tensor> means(2);
+  auto nets = models(2, /*with_norm=*/true);
+  const Batches data(3);
+  test::require_all_ok(test::run_ranks(2, [&](int r) {
+    auto& net = nets[std::size_t(r)];
+    libtorch::DataParallel ddp(*net, comms->communicator(r));
+    for (int s = 0; s < 3; ++s) {
+      ddp.zero_grad();
+      auto [x, y] = data.at(s, r, 2);  // each rank's forward updates the statistics with its own rows
+      ddp.backward(torch::mse_loss(net->forward(x), y));
+    }
+    means[std::size_t(r)] = net->norm->running_mean.clone();
+  }));
+  CHECK(torch::equal(means[0], means[1]));
+  CHECK(means[0].abs().sum().item<float>() > 0.0f);
+}
+
+TEST_CASE("libtorch: frozen parameters stay as they are; bad parameters are refused naming them") {
+  auto comms = InProcessWorld::create(1, 30s);
+  {
+    Tiny net = models(1)[0];
+    net->fc1->weight.set_requires_grad(false);
+    const auto before = net->fc1->weight.clone();
+    libtorch::Options o;
+    o.optimizer = OptimizerConfig{};
+    libtorch::DataParallel ddp(*net, comms->communicator(0), o);
+    ddp.zero_grad();
+    const auto fc2_before = net->fc2->weight.clone();
+    auto [x, y] = Batches(1).at(0, 0, 1);
+    ddp.backward(torch::mse_loss(net->forward(x), y));
+    CHECK(torch::equal(net->fc1->weight, before));
+    CHECK_FALSE(torch::equal(net->fc2->weight, fc2_before));
+  }
+  struct Odd : torch::nn::Module {
+    Odd(torch::Tensor t) { register_parameter("odd", std::move(t)); }
+  };
+  Odd transposed(torch::randn({3, 4}).t());
+  CHECK_THROWS_WITH_AS(libtorch::DataParallel(transposed, comms->communicator(0)), doctest::Contains("'odd' is not contiguous"), UsageError);
+  Odd doubles(torch::randn({3}, torch::kDouble));
+  CHECK_THROWS_WITH_AS(libtorch::DataParallel(doubles, comms->communicator(0)), doctest::Contains("parameter 'odd' is Double"), UsageError);
+}
