@@ -10,6 +10,7 @@
 // Started plainly it is world 1.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -115,7 +116,8 @@ float global_mean(Communicator& comm, float v, std::chrono::milliseconds timeout
 
 int main(int argc, char** argv) {
   CLI::App app{"A libtorch CNN on the digits, data-parallel on shardflow (one process per rank under `shardflow run`)"};
-  std::string data = SHARDFLOW_DIGITS_DEFAULT, optimizer = "adamw", overlap = "interleaved", init, save, ckpt_dir, resume, trace;
+  std::string data = SHARDFLOW_DIGITS_DEFAULT, optimizer = "adamw", overlap = "interleaved", init, save, ckpt_dir, resume, trace,
+              backend = "auto";
   int steps = 400, global_batch = 64, zero_stage = 1, every = 0, threads = 0, log_every = 0;
   float lr = 1e-3f;
   std::uint64_t seed = 0;
@@ -139,14 +141,17 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace, "Chrome trace of every rank's forward, backward, reductions and steps");
   app.add_option("--threads", threads, "torch intra-op threads per rank (0: OMP_NUM_THREADS, which the launcher sets, else 1)")->capture_default_str();
   app.add_option("--log-every", log_every, "progress line every N steps (0: about 20 lines)")->capture_default_str();
+  app.add_option("--backend", backend, "under a launcher: auto (shm on one host, else gloo) | shm | gloo")->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {
     const LaunchEnv env = LaunchEnv::detect();
     std::shared_ptr<Communicator> comm =
-        env.launched() ? init_process_group(env, ProcessGroupOptions{"auto", std::chrono::milliseconds(std::int64_t(timeout_s * 1000))})
+        env.launched() ? init_process_group(env, ProcessGroupOptions{backend, std::chrono::milliseconds(std::int64_t(timeout_s * 1000))})
                        : InProcessWorld::create(1)->communicator(0);
+    if (!env.launched() && app.count("--backend"))
+      throw UsageError("--backend picks how processes talk; started plainly torch_digits is world 1 (start it with `shardflow run --nproc_per_node N --`)");
     const int world = comm->world_size(), rank = comm->rank();
     if (steps < 0) throw UsageError("--steps must be >= 0");
     if (global_batch < 1 || global_batch % world != 0)
@@ -197,7 +202,7 @@ int main(int argc, char** argv) {
       std::printf("torch_digits: world %d (%s), global batch %d, %s lr %g %s, zero stage %d, overlap %s%s, %d torch thread(s) per rank\n", world,
                   comm->backend_name().c_str(), global_batch, optimizer.c_str(), double(lr), own_optimizer ? "(torch::optim)" : "(in shardflow)",
                   zero_stage, own_optimizer ? "none" : overlap.c_str(), prefetch ? ", forward prefetch" : "", threads);
-    double total_ms = 0;
+    std::vector<double> step_ms;
     float first_loss = 0, last_loss = 0;
     for (int s = 0; s < steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -217,7 +222,7 @@ int main(int argc, char** argv) {
         torch_opt->step();
       }
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      total_ms += ms;
+      step_ms.push_back(ms);
       if (!ckpt_dir.empty() && (s + 1 == steps || (every > 0 && (step + 1) % every == 0)))
         rt.save_checkpoint((std::filesystem::path(ckpt_dir) / "checkpoint.safetensors").string());
       if ((s + 1) % print_every == 0 || s == 0 || s + 1 == steps) {
@@ -234,8 +239,9 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       net->eval();
       const double acc = net->forward(d.x_test).argmax(1).eq(d.labels_test).to(torch::kDouble).mean().item<double>();
-      std::printf("done: %d steps, loss %.6f -> %.6f, mean step %.3f ms\n", steps, double(first_loss), double(last_loss),
-                  steps ? total_ms / steps : 0.0);
+      std::sort(step_ms.begin(), step_ms.end());
+      std::printf("done: %d steps, loss %.6f -> %.6f, median step %.3f ms\n", steps, double(first_loss), double(last_loss),
+                  step_ms.empty() ? 0.0 : step_ms[step_ms.size() / 2]);
       std::printf("held-out accuracy %.1f%% (%lld images never trained on)\n", 100.0 * acc, static_cast<long long>(d.x_test.size(0)));
       if (!save.empty()) {
         save_params(net, save);

@@ -3,7 +3,8 @@
 
   torch_digits_ddp.py worlds TORCH_DIGITS LAUNCHER DATA WORKDIR
       examples/torch_digits under `shardflow run` at world 2 (ZeRO-1, ZeRO-2 with forward prefetch,
-      and plain DDP with torch::optim) ends where world 1 ends on the same global batches.
+      and plain DDP with torch::optim) ends where world 1 ends on the same global batches; so does
+      a run checkpointed at world 2 halfway and resumed at world 1, whose trace has its spans.
   torch_digits_ddp.py python-ddp TORCH_DIGITS LAUNCHER DATA WORKDIR
       ... and where Python's DistributedDataParallel (Debian's python3-torch, Gloo, two processes)
       ends from the same initial weights and data, after 20 steps of AdamW.
@@ -135,6 +136,17 @@ def main():
             out = p(f"w2_{tag}.safetensors")
             run_example(exe, launcher, 2, data, out, ["--seed", "3"] + extra)
             ok &= compare(out, p("w1.safetensors"), f"world 2 {tag} vs world 1")
+        # Half the steps at world 2 with a checkpoint, the rest resumed at world 1 (ZeRO-2 there).
+        run_example(exe, launcher, 2, data, p("half.safetensors"), ["--seed", "3", "--checkpoint-dir", p("ckpt")], steps=STEPS // 2)
+        run_example(exe, launcher, 1, data, p("resumed.safetensors"), ["--resume", p("ckpt"), "--zero-stage", "2", "--trace", p("trace.json")],
+                    steps=STEPS - STEPS // 2)
+        ok &= compare(p("resumed.safetensors"), p("w1.safetensors"), "world 2 checkpoint resumed at world 1 vs world 1")
+        with open(p("trace.json")) as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+        for want in ("forward", "backward"):
+            if want not in names:
+                print(f"FAIL: the trace has no '{want}' span")
+                ok = False
     elif mode == "python-ddp":
         try:
             import torch  # noqa: F401
