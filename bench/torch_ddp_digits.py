@@ -14,7 +14,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "libtorch"))
-from torch_digits_ddp import read_safetensors  # noqa: E402
+from torch_digits_ddp import make_net, read_safetensors  # noqa: E402
 
 
 def rank_main(rank, world, port, data_path, steps, zero):
@@ -23,23 +23,10 @@ def rank_main(rank, world, port, data_path, steps, zero):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-            self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-            self.fc1 = nn.Linear(32 * 4 * 4, 64)
-            self.fc2 = nn.Linear(64, 10)
-
-        def forward(self, x):
-            x = F.relu(self.conv1(x))
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2).flatten(1)
-            return self.fc2(F.relu(self.fc1(x)))
-
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    ddp = nn.parallel.DistributedDataParallel(Net())
+    ddp = nn.parallel.DistributedDataParallel(make_net())
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)

@@ -72,6 +72,24 @@ TEST_CASE("Optimizer defaults are torch's: AdamW decays by 0.01, Adam and SGD do
   CHECK_THROWS_AS(bad.validate(), UsageError);
 }
 
+namespace {
+// dW[k] (layer 0's weight gradient) against central differences of the model's loss.
+void check_by_finite_differences(mlp::Model& m, const std::vector<float>& x, const std::vector<float>& y, int rows,
+                                 const std::vector<float>& dW, std::initializer_list<std::size_t> at) {
+  auto& W = m.layers()[0].weight;
+  for (std::size_t k : at) {
+    CAPTURE(k);
+    const float h = 1e-2f, keep = W[k];
+    W[k] = keep + h;
+    const double up = m.forward(x.data(), y.data(), rows);
+    W[k] = keep - h;
+    const double down = m.forward(x.data(), y.data(), rows);
+    W[k] = keep;
+    CHECK(dW[k] == doctest::Approx((up - down) / (2 * h)).epsilon(1e-2));
+  }
+}
+}  // namespace
+
 TEST_CASE("Linear backward matches finite differences of the MSE loss") {
   const int B = 3, in = 4, out = 5;
   mlp::Model m({in, out});
@@ -85,16 +103,7 @@ TEST_CASE("Linear backward matches finite differences of the MSE loss") {
   m.backward(y.data(), double(B * out), [&](int, bool bias) { return bias ? db.data() : dW.data(); },
              [&](int, bool) { ++ready_calls; });
   CHECK(ready_calls == 2);
-  auto& W = m.layers()[0].weight;
-  for (std::size_t k : {std::size_t{0}, std::size_t{7}, std::size_t{19}}) {
-    const float h = 1e-2f, keep = W[k];
-    W[k] = keep + h;
-    const double up = m.forward(x.data(), y.data(), B);
-    W[k] = keep - h;
-    const double down = m.forward(x.data(), y.data(), B);
-    W[k] = keep;
-    CHECK(dW[k] == doctest::Approx((up - down) / (2 * h)).epsilon(1e-2));
-  }
+  check_by_finite_differences(m, x, y, B, dW, {0, 7, 19});
 }
 
 TEST_CASE("softmax cross-entropy: finite differences of the loss, and logits of 1000 neither overflow nor lose it") {
@@ -107,16 +116,7 @@ TEST_CASE("softmax cross-entropy: finite differences of the loss, and logits of 
   std::vector<float> dW(C * in, 0.0f), db(C, 0.0f);
   m.forward(x.data(), y.data(), B);
   m.backward(y.data(), double(B), [&](int, bool bias) { return bias ? db.data() : dW.data(); }, [](int, bool) {});
-  auto& W = m.layers()[0].weight;
-  for (std::size_t k : {std::size_t{0}, std::size_t{6}, std::size_t{17}}) {
-    const float h = 1e-2f, keep = W[k];
-    W[k] = keep + h;
-    const double up = m.forward(x.data(), y.data(), B);
-    W[k] = keep - h;
-    const double down = m.forward(x.data(), y.data(), B);
-    W[k] = keep;
-    CHECK(dW[k] == doctest::Approx((up - down) / (2 * h)).epsilon(1e-2));
-  }
+  check_by_finite_differences(m, x, y, B, dW, {0, 6, 17});
   // A confident wrong answer: loss 1000 - 0 exactly, gradient softmax - target.
   const float logits[2] = {1000.0f, 0.0f}, target[2] = {0.0f, 1.0f};
   CHECK(softmax_xent_loss(logits, target, 1, 2) == doctest::Approx(1000.0));

@@ -77,13 +77,12 @@ def run_example(exe, launcher, world, data, out, extra, steps=STEPS):
         sys.exit(f"FAIL: {' '.join(cmd)} exited {res.returncode}")
 
 
-def python_ddp_rank(rank, world, port, init_path, data_path, out_path):
-    import torch
-    import torch.distributed as dist
+def make_net():
+    """examples/torch_digits.cpp's NetImpl in Python, attribute for attribute (bench/ uses it too)."""
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class Net(nn.Module):  # examples/torch_digits.cpp's NetImpl, attribute for attribute
+    class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
@@ -96,10 +95,19 @@ def python_ddp_rank(rank, world, port, init_path, data_path, out_path):
             x = F.max_pool2d(F.relu(self.conv2(x)), 2).flatten(1)
             return self.fc2(F.relu(self.fc1(x)))
 
+    return Net()
+
+
+def python_ddp_rank(rank, world, port, init_path, data_path, out_path):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    net = Net()
+    net = make_net()
     init = read_safetensors(init_path)
     with torch.no_grad():
         for name, p in net.named_parameters():
