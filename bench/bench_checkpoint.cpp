@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "bench/proc_memory.hpp"
 #include "shardflow/shardflow.hpp"
 
 using namespace shardflow;
@@ -26,16 +27,8 @@ namespace {
 
 volatile char sink;
 
-// Resident memory, MB (10^6 bytes): VmRSS now, or VmHWM (the peak since reset_peak()).
-double resident_mb(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(field, 0) == 0) return std::stod(line.substr(std::strlen(field))) * 1024 / 1e6;  // kB
-  return 0;
-}
-// Linux: writing 5 to clear_refs starts the peak (VmHWM) over from the current RSS.
-void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+using bench::resident_mb;
+using bench::reset_peak;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 

@@ -5,6 +5,7 @@
 
 #include <boost/asio.hpp>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <thread>
@@ -31,6 +32,7 @@ struct TcpStoreServer::Impl {
   asio::io_context io;
   tcp::acceptor acceptor{io};
   std::map<std::string, std::string> kv;
+  std::size_t kv_bytes = 0;  // keys and values, against opt.max_bytes
   std::vector<std::shared_ptr<Waiter>> waiters;
   std::thread thread;
 
@@ -41,6 +43,27 @@ struct TcpStoreServer::Impl {
   }
   void wake_waiters();
   void accept();
+
+  // kv[key] = value within the limits; else why not (the store unchanged).
+  std::string put(const std::string& key, std::string value) {
+    auto it = kv.find(key);
+    const std::size_t was = it == kv.end() ? 0 : key.size() + it->second.size();
+    if (it == kv.end() && kv.size() >= opt.max_keys)
+      return "the store holds " + std::to_string(kv.size()) + " keys (limit " + std::to_string(opt.max_keys) + "); '" + key + "' refused";
+    const std::size_t after = kv_bytes - was + key.size() + value.size();
+    if (after > opt.max_bytes)
+      return "setting '" + key + "' would make the store hold " + std::to_string(after) + " bytes (limit " + std::to_string(opt.max_bytes) + ")";
+    kv_bytes = after;
+    kv[key] = std::move(value);
+    return {};
+  }
+  bool erase(const std::string& key) {
+    auto it = kv.find(key);
+    if (it == kv.end()) return false;
+    kv_bytes -= key.size() + it->second.size();
+    kv.erase(it);
+    return true;
+  }
 };
 
 struct TcpStoreServer::Impl::Session : std::enable_shared_from_this<Session> {
@@ -65,9 +88,10 @@ struct TcpStoreServer::Impl::Session : std::enable_shared_from_this<Session> {
       if (ec) return self->close();
       std::uint32_t len;
       std::memcpy(&len, self->header, 4);
-      if (len == 0 || len > self->srv.opt.max_frame_bytes)
-        return self->reply(false, "frame of " + std::to_string(len) + " bytes refused (limit " +
-                                      std::to_string(self->srv.opt.max_frame_bytes) + ")", true);
+      const std::size_t limit = self->authed ? self->srv.opt.max_frame_bytes : self->srv.opt.max_hello_bytes;
+      if (len == 0 || len > limit)
+        return self->reply(false, "frame of " + std::to_string(len) + " bytes refused (limit " + std::to_string(limit) +
+                                      (self->authed ? ")" : " before the token)"), true);
       self->body.assign(len, '\0');
       // Between frames a client may idle; inside a frame it may not stall.
       self->stall.expires_after(self->srv.opt.stall_timeout);
@@ -106,7 +130,7 @@ struct TcpStoreServer::Impl::Session : std::enable_shared_from_this<Session> {
         return reply(true, "");
       case store::set:
         if (!r.str(key) || !r.str(value) || !r.done()) return malformed();
-        srv.kv[key] = value;
+        if (auto why = srv.put(key, std::move(value)); !why.empty()) return reply(false, why);
         srv.wake_waiters();
         return reply(true, "");
       case store::get: {
@@ -128,8 +152,8 @@ struct TcpStoreServer::Impl::Session : std::enable_shared_from_this<Session> {
             return reply(false, "key '" + key + "' does not hold a counter");
           }
         }
-        v += delta;
-        srv.kv[key] = std::to_string(v);
+        if (__builtin_add_overflow(v, delta, &v)) return reply(false, "key '" + key + "': adding " + std::to_string(delta) + " overflows");
+        if (auto why = srv.put(key, std::to_string(v)); !why.empty()) return reply(false, why);
         srv.wake_waiters();
         return reply(true, std::to_string(v));
       }
@@ -148,7 +172,9 @@ struct TcpStoreServer::Impl::Session : std::enable_shared_from_this<Session> {
         auto w = std::make_shared<Waiter>();
         w->session = shared_from_this();
         w->keys = std::move(keys);
-        w->timer = std::make_unique<asio::steady_timer>(srv.io, std::chrono::milliseconds(std::max<std::int64_t>(0, timeout_ms)));
+        // Clamped to a day: a huge timeout would overflow the clock's nanoseconds.
+        timeout_ms = std::clamp<std::int64_t>(timeout_ms, 0, 24 * 3600 * 1000);
+        w->timer = std::make_unique<asio::steady_timer>(srv.io, std::chrono::milliseconds(timeout_ms));
         w->timer->async_wait([w, this](boost::system::error_code e) {
           if (e || w->done) return;
           w->done = true;
@@ -162,7 +188,7 @@ struct TcpStoreServer::Impl::Session : std::enable_shared_from_this<Session> {
       }
       case store::remove:
         if (!r.str(key) || !r.done()) return malformed();
-        return reply(true, srv.kv.erase(key) ? "1" : "0");
+        return reply(true, srv.erase(key) ? "1" : "0");
       default:
         return reply(false, "unknown request " + std::to_string(op), true);
     }

@@ -22,6 +22,13 @@ struct StoreServerOptions {
   std::uint16_t port = 0;          // 0: any free port (see TcpStoreServer::port())
   std::string token;               // clients must present it; empty is refused
   std::size_t max_frame_bytes = std::size_t{64} << 20;
+  // Before a connection has shown the token it may send only a HELLO this small: a stranger cannot
+  // make the server allocate a large frame.
+  std::size_t max_hello_bytes = 4096;
+  // What the whole store may hold (a rendezvous needs a few keys per rank): a SET or ADD past
+  // either limit is refused to that client with an error naming the limit; the others go on.
+  std::size_t max_keys = std::size_t{1} << 20;
+  std::size_t max_bytes = std::size_t{256} << 20;  // keys and values together
   // A client that sends part of a frame and then stalls is disconnected after this long.
   std::chrono::milliseconds stall_timeout = std::chrono::seconds(30);
 };

@@ -1,0 +1,15 @@
+# SHARDFLOW_SANITIZE=address,undefined or thread: every C++ target of this build is instrumented
+# (nvcc takes no -fsanitize, and `make sanitize` configures without CUDA). Undefined behaviour stops
+# the process (-fno-sanitize-recover), so a test that meets it fails instead of logging and passing.
+if(SHARDFLOW_SANITIZE)
+  if(NOT SHARDFLOW_SANITIZE MATCHES "^(address,undefined|undefined,address|address|undefined|thread)$")
+    message(FATAL_ERROR "SHARDFLOW_SANITIZE='${SHARDFLOW_SANITIZE}': expected address,undefined or thread")
+  endif()
+  set(shardflow_san_flags -fsanitize=${SHARDFLOW_SANITIZE} -fno-omit-frame-pointer -g)
+  if(SHARDFLOW_SANITIZE MATCHES "undefined")
+    list(APPEND shardflow_san_flags -fno-sanitize-recover=undefined)
+  endif()
+  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:${shardflow_san_flags}>")
+  add_link_options(-fsanitize=${SHARDFLOW_SANITIZE})
+  message(STATUS "shardflow: sanitizers ${SHARDFLOW_SANITIZE}")
+endif()
