@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sys/wait.h>
 #include <iostream>
+#include <set>
 
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/train.hpp"
@@ -128,6 +129,7 @@ int main(int argc, char** argv) {
     opt.sizes = mlp::parse_sizes(sizes);
     opt.loss = mlp::parse_loss(loss);
     opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
+    if (zero_stage < 0 || zero_stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
     opt.runtime.zero.stage = ZeroStage(zero_stage);
     opt.param_dtype = parse_dtype(param_dtype);
     opt.runtime.precision.comm_dtype = parse_dtype(comm_dtype);
@@ -181,6 +183,11 @@ int main(int argc, char** argv) {
       if (!f) throw UsageError("--stats-json '" + stats_json + "': cannot write: " + std::strerror(errno));
       std::fclose(f);
     }
+    static const std::set<std::string> backends{"auto", "in-process", "sim", "shm", "gloo", "nccl"};
+    if (!backends.count(backend)) throw UsageError("--backend '" + backend + "': expected auto, in-process, sim, shm, gloo or nccl");
+    // An explicit --weight-decay is the user's number (-1 is only the default's marker).
+    if (app.count("--weight-decay") && opt.optimizer.weight_decay < 0)
+      throw UsageError("--weight-decay must be >= 0, got " + std::to_string(opt.optimizer.weight_decay));
     const bool simulated = backend == "sim";
     if (!simulated && (app.count("--sim-latency-us") || app.count("--sim-gbytes-per-s") || app.count("--sim-world")))
       throw UsageError("--sim-latency-us, --sim-gbytes-per-s and --sim-world describe the simulated link: add --backend sim");

@@ -18,10 +18,10 @@ BucketCollectives::BucketCollectives(std::uint32_t bucket, const BucketSources& 
       shard_(from.shard),
       events_(from.events),
       timeline_(from.timeline),
-      rank_(from.rank),
-      world_(from.world),
       hook_(from.hook),
-      divisor_(from.divisor) {
+      divisor_(from.divisor),
+      rank_(from.rank),
+      world_(from.world) {
   if (!hook_) return;
   const auto& bk = from.plan->buckets[bucket];
   layout_.index = bucket;

@@ -38,7 +38,10 @@ void Config::validate() const {
                                   " yet: an iteration's count of training ranks is taken while no parameter sync is in flight");
   if (zero.max_buckets_in_flight == 1)
     bad("zero.max_buckets_in_flight", "must be 0 (the memory budget's choice) or >= 2 (one bucket being written, one being reduced)");
-  if (zero.clip_grad_norm < 0.0f) bad("zero.clip_grad_norm", "must be >= 0 (0 turns clipping off)");
+  if (!(zero.clip_grad_norm >= 0.0f) || !std::isfinite(zero.clip_grad_norm))
+    bad("zero.clip_grad_norm", "must be a finite number >= 0 (0 turns clipping off)");
+  if (int(zero.partition) < 0 || int(zero.partition) > 2) bad("zero.partition", "must be param, bucket or flat");
+  if (int(zero.overlap) < 0 || int(zero.overlap) > 2) bad("zero.overlap", "must be none, after_backward or interleaved");
   if (precision.dynamic_loss_scale) {
     if (!(precision.init_scale > 0.0f) || !std::isfinite(precision.init_scale)) bad("precision.init_scale", "must be a finite number > 0");
     if (!(precision.growth_factor > 1.0f)) bad("precision.growth_factor", "must be > 1");

@@ -116,7 +116,12 @@ bool is_local_address(const std::string& ip) {
 
 LocalAddress choose_local_address(const SocketChoice& choice, const std::string& master_host, bool single_host) {
   if (!choice.address.empty()) {
-    const std::string ip = resolve_ipv4(choice.address);
+    std::string ip;
+    try {
+      ip = resolve_ipv4(choice.address);
+    } catch (const CommError& e) {
+      throw UsageError(choice.origin + ": " + e.what());
+    }
     if (!is_local_address(ip))
       throw UsageError(choice.origin + ": address " + choice.address + " is not one of this host's (interfaces: " +
                        join(ipv4_interfaces()) + ")");

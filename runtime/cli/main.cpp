@@ -60,6 +60,11 @@ std::string unknown_run_flag(int argc, char** argv, const CLI::App& run) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // CLI11 would say only "A subcommand is required" for a misspelt one.
+  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" && std::string(argv[1]) != "plan") {
+    std::fprintf(stderr, "shardflow: unknown command '%s': expected run or plan (shardflow --help)\n", argv[1]);
+    return 2;
+  }
   CLI::App app{"shardflow: data-parallel training runtime"};
   app.require_subcommand(1);
   auto* run = app.add_subcommand("run", "start this node's ranks with torchrun's environment and supervise them");

@@ -23,6 +23,7 @@ void validate(const LaunchSpec& spec) {
     throw UsageError("shardflow run: --heartbeat-timeout must be longer than the heartbeat interval (" +
                      std::to_string(spec.heartbeat_interval.count()) + " ms)");
   if (spec.rdzv_timeout.count() <= 0) throw UsageError("shardflow run: --rdzv-timeout must be positive");
+  if (spec.kill_grace.count() < 0) throw UsageError("shardflow run: --kill-grace must be >= 0 seconds");
   if (spec.nnodes > 1 && spec.node_rank != 0 && spec.master_port < 0)
     throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
 }

@@ -1,5 +1,7 @@
 #include "shardflow/optimizer.hpp"
 
+#include <cmath>
+
 #include "kernels/cpu/optim.hpp"
 #include "runtime/zero/optimizer_hyper.hpp"
 #include "shardflow/errors.hpp"
@@ -19,13 +21,17 @@ float OptimizerConfig::effective_weight_decay() const {
 }
 
 void OptimizerConfig::validate() const {
-  if (!(lr >= 0.0f)) throw UsageError("optimizer: lr must be >= 0, got " + std::to_string(lr));
-  if (!(momentum >= 0.0f)) throw UsageError("optimizer: momentum must be >= 0");
+  // Finite too: an infinite lr or eps would train into NaNs without a word.
+  if (!(lr >= 0.0f) || !std::isfinite(lr)) throw UsageError("optimizer: lr must be finite and >= 0, got " + std::to_string(lr));
+  if (!(momentum >= 0.0f) || !std::isfinite(momentum)) throw UsageError("optimizer: momentum must be finite and >= 0");
+  if (!(weight_decay >= 0.0f || weight_decay == -1.0f) || !std::isfinite(weight_decay))
+    throw UsageError("optimizer: weight_decay must be finite and >= 0 (or -1: torch's default for the kind), got " + std::to_string(weight_decay));
+  if (!std::isfinite(dampening)) throw UsageError("optimizer: dampening must be finite");
   if (nesterov && (momentum <= 0.0f || dampening != 0.0f))
     throw UsageError("optimizer: nesterov needs momentum > 0 and dampening 0 (as in torch.optim.SGD)");
   if (!(beta1 >= 0.0f && beta1 < 1.0f)) throw UsageError("optimizer: beta1 must be in [0, 1)");
   if (!(beta2 >= 0.0f && beta2 < 1.0f)) throw UsageError("optimizer: beta2 must be in [0, 1)");
-  if (!(eps >= 0.0f)) throw UsageError("optimizer: eps must be >= 0");
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) throw UsageError("optimizer: eps must be finite and >= 0");
   if (kind == Kind::custom && !rule) throw UsageError("optimizer: kind custom needs a StepRule (OptimizerConfig::rule)");
   if (kind == Kind::custom && rule->state_names().size() > 2)
     throw UsageError("optimizer: step rule '" + rule->name() + "' asks for " + std::to_string(rule->state_names().size()) +
