@@ -5,7 +5,7 @@ CMAKE_FLAGS ?=
 SHARDFLOW_CUDA ?= AUTO
 PREFIX  ?= /usr/local
 
-.PHONY: all deps configure build demo test bench install clean sanitize sanitize-address sanitize-thread
+.PHONY: all deps configure build demo test bench install clean sanitize sanitize-address sanitize-thread soak
 
 all: build
 
@@ -49,6 +49,13 @@ sanitize-thread: deps
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && TSAN_OPTIONS=suppressions=$(SAN_DIR)/tsan.supp:halt_on_error=1:second_deadlock_stack=1:print_suppressions=0 \
 	  ctest --output-on-failure -j $(JOBS) --timeout 1800
+
+# The failure matrix, repeated (not in CI: ~45 min): kill -9 and SIGSTOP of each rank at each phase
+# (registration, backward, inside a collective, a parameter sync, a checkpoint write), over shm and
+# Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md).
+SOAK_REPS ?= 20
+soak: build
+	/usr/bin/python3 scripts/soak.py $(BUILD) --reps $(SOAK_REPS)
 
 bench: build
 	$(BUILD)/bench/bench_collectives

@@ -3,6 +3,7 @@
 // actors (actors/messages.hpp), which this file only spawns and feeds.
 #include <caf/all.hpp>
 
+#include "runtime/fault_injection.hpp"
 #include "runtime/runtime_impl.hpp"
 #include "shardflow/launch.hpp"
 namespace shardflow {
@@ -110,7 +111,10 @@ Param Runtime::param(const std::string& name) const {
   return Param{*idx, I.owner};
 }
 
-void Runtime::finalize() { impl_->ensure_finalized(); }
+void Runtime::finalize() {
+  test_fault::reached("registration");
+  impl_->ensure_finalized();
+}
 
 void Runtime::set_stream(void* cuda_stream) {
   auto& I = *impl_;
@@ -185,6 +189,7 @@ Runtime::Span::~Span() {
 }
 
 void Runtime::grad_ready(Param p) {
+  test_fault::reached("backward");
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();

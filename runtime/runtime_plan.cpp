@@ -7,6 +7,7 @@
 // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
 // one-time cost of one all-reduce of the parameter count per state slot.
 #include "runtime/runtime_impl.hpp"
+#include "runtime/fault_injection.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "actors/bucket_actor.hpp"
 #include "actors/comm_stream_actor.hpp"
@@ -173,6 +174,7 @@ void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::si
 
 void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what,
                                  bool discard) {
+  if (!discard) test_fault::reached("checkpoint");
   from.export_state(slot, begin, window);
   if (discard) from.discard_state(slot, begin, window.size());
   if (!from.shard_plan().sharded) return;  // every rank holds all of it

@@ -139,7 +139,10 @@ class GlooComm final : public Communicator {
         case CollectiveKind::allgather: {
           if (op.count == 0) return;
           gloo::AllgatherOptions o(context_);
-          o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
+          // In place (this rank's block already where the output wants it, as ZeRO's syncs have
+          // it): no input, or Gloo would memcpy the block onto itself.
+          if (op.send != static_cast<const std::byte*>(op.recv) + std::size_t(rank_) * op.count * es)
+            o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
           o.setOutput(static_cast<std::uint8_t*>(op.recv), op.count * es * std::size_t(world_));
           o.setTag(tag);
           o.setTimeout(timeout_);
@@ -149,7 +152,10 @@ class GlooComm final : public Communicator {
         case CollectiveKind::broadcast: {
           if (op.count == 0) return;
           gloo::BroadcastOptions o(context_);
-          if (rank_ == op.root) o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
+          // In place at the root: no input. With one, Gloo sends from it and meanwhile memcpys it onto
+          // the output, the same bytes, while its I/O thread reads them (ThreadSanitizer's report).
+          if (rank_ == op.root && op.send != op.recv)
+            o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
           o.setOutput(static_cast<std::uint8_t*>(op.recv), op.count * es);
           o.setRoot(op.root);
           o.setTag(tag);
@@ -164,7 +170,11 @@ class GlooComm final : public Communicator {
       const std::string what = e.what();
       const std::string msg = "gloo rank " + std::to_string(rank_) + ": " + collective_name(op.kind) + " #" +
                               std::to_string(tag) + " ('" + op.tag + "') failed: " + what;
-      if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) throw TimeoutError(msg);
+      if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) {
+        // Gloo does not say which peer it waited for; with two ranks there is only one.
+        const std::string peer = world_ == 2 ? "rank " + std::to_string(1 - rank_) : "a peer";
+        throw TimeoutError(msg + " (" + peer + " did not answer within Config::timeouts.collective)");
+      }
       throw CommError(msg);
     }
   }

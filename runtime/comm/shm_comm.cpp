@@ -39,6 +39,7 @@
 #include <thread>
 
 #include "runtime/comm/peer_collective.hpp"
+#include "runtime/comm/shm_names.hpp"
 #include "runtime/comm/shm_segment.hpp"
 #include "runtime/comm/stream_worker.hpp"
 #include "shardflow/errors.hpp"
@@ -169,7 +170,7 @@ class ShmComm final : public Communicator {
     if (rank_ == 0) {
       sweep_stale_segments();
       std::random_device rd;
-      const std::string name = "/shardflow-" + std::to_string(::getpid()) + "-" + std::to_string(rd());
+      const std::string name = "/" + shm::segment_prefix(::getpid()) + std::to_string(rd());
       world_name_ = name;
       seg = std::make_unique<Segment>(name, true, staging_offset + staging * std::size_t(n_));
       auto* h = new (seg->base()) Header{};  // the pages are zero: every atomic starts at 0

@@ -1,5 +1,6 @@
 #include "runtime/comm/stream_worker.hpp"
 
+#include "runtime/fault_injection.hpp"
 #include "runtime/thread_priority.hpp"
 
 namespace shardflow {
@@ -42,6 +43,8 @@ void StreamWorker::loop() {
       running_op_ = true;
     }
     std::exception_ptr error;
+    if (item.first.tag.rfind("bucket ", 0) == 0) test_fault::reached("collective");
+    if (item.first.tag.rfind("sync bucket", 0) == 0) test_fault::reached("sync");
     try {
       if (enqueue_)
         enqueue_(item.first, item.second);  // takes item.second over unless it throws

@@ -15,6 +15,7 @@
 #include <optional>
 #include <random>
 
+#include "runtime/comm/shm_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
@@ -32,6 +33,7 @@ struct Rank {
   pid_t pid = -1;
   bool running = false;
   int status = 0;  // waitpid status once exited
+  int stopped_by = 0;  // the signal that stopped it (SIGSTOP, SIGTSTP...), while it is stopped
   int out_fd = -1, err_fd = -1;
   std::unique_ptr<OutputRelay> out, err;
 };
@@ -164,10 +166,22 @@ class Supervisor {
   void reap() {
     for (;;) {
       int status = 0;
-      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      // Stops too: a stopped rank hangs its peers until they time out, and the peer that times out
+      // first is not the one to blame, so the verdict names the stopped rank as the likely cause.
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
       if (pid <= 0) return;
       for (auto& r : ranks_) {
         if (r.pid != pid) continue;
+        if (WIFSTOPPED(status)) {
+          r.stopped_by = WSTOPSIG(status);
+          say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") was stopped by SIG" +
+              sigabbrev_np(r.stopped_by) + "; its peers wait for it until their timeout");
+          continue;
+        }
+        if (WIFCONTINUED(status)) {
+          r.stopped_by = 0;
+          continue;
+        }
         r.running = false;
         r.status = status;
         const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -286,6 +300,11 @@ class Supervisor {
   }
 
   int finish() {
+    // A rank that died (or was stopped) left its shared-memory buffers in /dev/shm: this job's are
+    // named after its ranks' pids (runtime/comm/shm_names.hpp).
+    std::vector<long> pids;
+    for (const auto& r : ranks_) pids.push_back(r.pid);
+    shm::remove_segments_of(pids);
     if (watch_) {
       // Node 0 keeps the store up until the others have read the outcome (or are gone).
       const bool failing = peer_failure_ || first_failure_ || interrupted_;
@@ -312,13 +331,17 @@ class Supervisor {
     }
     if (!first_failure_) return 0;
     const Rank* failed = nullptr;
-    std::string others;
+    std::string others, stopped;
     for (const auto& r : ranks_) {
       if (r.global == *first_failure_)
         failed = &r;
       else
         others += "; rank " + std::to_string(r.global) + " " + describe_status(r.status);
+      if (r.stopped_by && r.global != *first_failure_)
+        stopped += "; rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ") had been stopped by SIG" +
+                   sigabbrev_np(r.stopped_by) + ": likely the cause";
     }
+    others += stopped;
     say("FAILED: rank " + std::to_string(failed->global) + " (local rank " + std::to_string(failed->local) + ", pid " +
         std::to_string(failed->pid) + ") " + describe_status(failed->status) + others + (store_lost_.empty() ? "" : "; " + store_lost_) +
         (other_nodes_.empty() ? "" : "; " + other_nodes_ + ": likely the cause"));

@@ -22,14 +22,19 @@ test -f "$work/prefix/lib/cmake/shardflow/shardflowConfig.cmake"
 test -f "$work/prefix/lib/cmake/shardflow/shardflowConfigVersion.cmake"
 test -x "$work/prefix/bin/shardflow"
 
-quiet configure.log cmake -S "$here" -B "$work/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release
+# A sanitized build (make sanitize) installs an instrumented library: its consumer must load the
+# sanitizer's runtime too.
+san=$(sed -n 's/^SHARDFLOW_SANITIZE:STRING=//p' "$build/CMakeCache.txt")
+san_flags=${san:+-fsanitize=$san}
+quiet configure.log cmake -S "$here" -B "$work/cmake" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_FLAGS="$san_flags"
 quiet build.log cmake --build "$work/cmake"
 "$work/cmake/consumer"
 
 if command -v pkg-config > /dev/null; then
   export PKG_CONFIG_PATH="$work/prefix/lib/pkgconfig"
   # shellcheck disable=SC2046
-  quiet pkg-config.log c++ -std=c++20 -O1 "$here/consumer.cpp" $(pkg-config --cflags --libs shardflow) -o "$work/consumer_pc"
+  quiet pkg-config.log c++ -std=c++20 -O1 $san_flags "$here/consumer.cpp" $(pkg-config --cflags --libs shardflow) -o "$work/consumer_pc"
   LD_LIBRARY_PATH="$work/prefix/lib" "$work/consumer_pc"
 else
   echo "run.sh: no pkg-config here: the .pc file was installed but not tried"

@@ -1,0 +1,32 @@
+// Where the shared-memory backend's segments live: /dev/shm/shardflow-<pid>-<random>[-r<rank>-<serial>],
+// <pid> being the world's rank 0 (it names the world at rendezvous). The backend unlinks the world
+// segment once every rank mapped it, and each buffer when freed; a job that dies leaves its buffers.
+// Those are removed by the launcher when the job ends (it knows its ranks' pids), or, without one,
+// by the next shm job's rank 0 (any whose pid no longer runs). Header-only: the launcher does not
+// link the library.
+#pragma once
+
+#include <sys/mman.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace shardflow::shm {
+
+inline std::string segment_prefix(long pid) { return "shardflow-" + std::to_string(pid) + "-"; }
+
+// Unlinks every segment whose name carries one of `pids`; returns how many.
+inline int remove_segments_of(const std::vector<long>& pids) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  int removed = 0;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    for (long pid : pids)
+      if (name.rfind(segment_prefix(pid), 0) == 0 && ::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+}  // namespace shardflow::shm
