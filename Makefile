@@ -47,7 +47,9 @@ sanitize-address: deps
 sanitize-thread: deps
 	@cmake -S . -B build-tsan $(SAN_CMAKE) -DSHARDFLOW_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS)
-	cd build-tsan && TSAN_OPTIONS=suppressions=$(SAN_DIR)/tsan.supp:halt_on_error=1:second_deadlock_stack=1:print_suppressions=0 \
+	JOBS=$(JOBS) bash scripts/build_caf_tsan.sh build-tsan/caf
+	cd build-tsan && LD_LIBRARY_PATH=$(CURDIR)/build-tsan/caf/lib \
+	  TSAN_OPTIONS=suppressions=$(SAN_DIR)/tsan.supp:halt_on_error=1:second_deadlock_stack=1:print_suppressions=0 \
 	  ctest --output-on-failure -j $(JOBS) --timeout 1800
 
 # The failure matrix, repeated (not in CI: ~45 min): kill -9 and SIGSTOP of each rank at each phase

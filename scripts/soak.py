@@ -152,12 +152,17 @@ def main():
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--actions", default="kill,stop")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
+    ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
     a = ap.parse_args()
+    started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
     stats = collections.OrderedDict()
     failures = 0
     try:
         for rep in range(a.reps):
+            if a.minutes and time.monotonic() - started > a.minutes * 60:
+                print(f"stopping after {rep} repetitions: --minutes {a.minutes} reached", flush=True)
+                break
             for backend in a.backends.split(","):
                 for phase in a.phases.split(","):
                     for action in a.actions.split(","):

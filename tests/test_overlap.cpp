@@ -100,9 +100,22 @@ synthetic::Result run_until(const synthetic::Options& o, Ok ok) {
   return res;
 }
 
+// ThreadSanitizer slows the runtime's own threads 5-15x against the simulated link's fixed times, so
+// promises about how much of the link hides behind backward mean nothing there (the order of
+// collectives and the results are checked by the other suites, which run under it).
+bool timing_meaningful() {
+#if defined(__SANITIZE_THREAD__)
+  MESSAGE("skipped under ThreadSanitizer: a timing promise");
+  return false;
+#else
+  return true;
+#endif
+}
+
 }  // namespace
 
 TEST_CASE("world 2 and 3, stages 1 and 2, interleaved: every bucket but the last is reduced, stepped and synced inside backward") {
+  if (!timing_meaningful()) return;
   for (int world : {2, 3})
     for (int stage : {1, 2}) {
       auto o = scenario(world, stage, Overlap::interleaved);
@@ -182,6 +195,7 @@ TEST_CASE("none and after_backward keep the promises of their names; interleaved
 }
 
 TEST_CASE("forward prefetch, every sync after backward: the syncs of later layers complete during the next forward") {
+  if (!timing_meaningful()) return;
   for (int stage : {1, 2}) {
     auto o = scenario(2, stage, Overlap::interleaved);
     o.runtime.zero.forward_prefetch = true;
@@ -231,6 +245,7 @@ TEST_CASE("forward prefetch, every sync after backward: the syncs of later layer
 }
 
 TEST_CASE("forward prefetch, split chosen by the runtime: backward has idle link time, so syncs go there and little is left to wait for") {
+  if (!timing_meaningful()) return;
   for (int stage : {1, 2}) {
     auto o = scenario(2, stage, Overlap::interleaved);
     o.runtime.zero.forward_prefetch = true;  // prefetch_syncs_in_backward -1: measured in iteration 2

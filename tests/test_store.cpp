@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/proc_memory.hpp"
 #include "helpers.hpp"
 #include "shardflow/store.hpp"
 
@@ -232,6 +233,8 @@ TEST_CASE("fuzz: 8 connections x 2,500 random and mutated frames; a well-behaved
   o.max_bytes = 64 * 1024;
   o.max_frame_bytes = 4096;
   TcpStoreServer server(o);
+  const double rss_before = bench::resident_mb("VmRSS:");
+  bench::reset_peak();
 
   std::atomic<bool> stop{false};
   std::atomic<int> served{0};
@@ -358,5 +361,7 @@ TEST_CASE("fuzz: 8 connections x 2,500 random and mutated frames; a well-behaved
   CHECK(refusal.find("(limit 65536)") != std::string::npos);
   after.set("still", "serving");
   CHECK(after.get("still") == "serving");
-  MESSAGE("fuzz: " << frames.load() << " frames, well-behaved client served " << served.load() << " set+get pairs meanwhile");
+  MESSAGE("fuzz: " << frames.load() << " frames, well-behaved client served " << served.load()
+                   << " set+get pairs meanwhile; this process (server and all clients) resident " << rss_before << " MB before, peak "
+                   << bench::resident_mb("VmHWM:") << " MB");
 }

@@ -34,6 +34,7 @@ struct Rank {
   bool running = false;
   int status = 0;  // waitpid status once exited
   int stopped_by = 0;  // the signal that stopped it (SIGSTOP, SIGTSTP...), while it is stopped
+  bool signal_ours = false;  // killed by the signal this launcher sent while stopping the job
   int out_fd = -1, err_fd = -1;
   std::unique_ptr<OutputRelay> out, err;
 };
@@ -184,6 +185,8 @@ class Supervisor {
         }
         r.running = false;
         r.status = status;
+        r.signal_ours = WIFSIGNALED(status) && stop_deadline_ &&
+                        (WTERMSIG(status) == SIGTERM || (WTERMSIG(status) == SIGKILL && killed_));
         const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
         if (failed && !first_failure_ && !interrupted_ && !peer_failure_) {
           first_failure_ = r.global;
@@ -330,14 +333,23 @@ class Supervisor {
       return 128 + interrupted_;
     }
     if (!first_failure_) return 0;
+    // The first rank to fail is usually the cause. But a rank killed by a signal nobody here sent
+    // (kill -9, the OOM killer) often dies a moment before a peer notices the closed connection
+    // and exits first: then the killed rank is the one to name.
+    int blamed = *first_failure_;
+    for (const auto& r : ranks_)
+      if (r.global != *first_failure_ && !r.running && WIFSIGNALED(r.status) && !r.signal_ours) {
+        blamed = r.global;
+        break;
+      }
     const Rank* failed = nullptr;
     std::string others, stopped;
     for (const auto& r : ranks_) {
-      if (r.global == *first_failure_)
+      if (r.global == blamed)
         failed = &r;
       else
         others += "; rank " + std::to_string(r.global) + " " + describe_status(r.status);
-      if (r.stopped_by && r.global != *first_failure_)
+      if (r.stopped_by && r.global != blamed)
         stopped += "; rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ") had been stopped by SIG" +
                    sigabbrev_np(r.stopped_by) + ": likely the cause";
     }

@@ -35,7 +35,7 @@ if command -v pkg-config > /dev/null; then
   export PKG_CONFIG_PATH="$work/prefix/lib/pkgconfig"
   # shellcheck disable=SC2046
   quiet pkg-config.log c++ -std=c++20 -O1 $san_flags "$here/consumer.cpp" $(pkg-config --cflags --libs shardflow) -o "$work/consumer_pc"
-  LD_LIBRARY_PATH="$work/prefix/lib" "$work/consumer_pc"
+  LD_LIBRARY_PATH="$work/prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$work/consumer_pc"
 else
   echo "run.sh: no pkg-config here: the .pc file was installed but not tried"
 fi
