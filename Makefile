@@ -52,7 +52,7 @@ sanitize-thread: deps
 	  TSAN_OPTIONS=suppressions=$(SAN_DIR)/tsan.supp:halt_on_error=1:second_deadlock_stack=1:print_suppressions=0 \
 	  ctest --output-on-failure -j $(JOBS) --timeout 1800
 
-# The failure matrix, repeated (not in CI: ~45 min): kill -9 and SIGSTOP of each rank at each phase
+# The failure matrix, repeated (not in CI: ~35 min): kill -9 and SIGSTOP of each rank at each phase
 # (registration, backward, inside a collective, a parameter sync, a checkpoint write), over shm and
 # Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md).
 SOAK_REPS ?= 20
