@@ -47,6 +47,13 @@ struct TcpStoreClient::Impl {
   // One request, one reply. Returns the reply's payload; a server-side error becomes `Err`.
   template <class Err = CommError>
   std::string transact(const std::string& frame, const char* what, std::chrono::milliseconds limit) {
+    auto [ok, payload] = exchange(frame, what, limit);
+    if (!ok) throw Err("store at " + where + ": " + what + ": " + payload);
+    return payload;
+  }
+
+  // One request and its reply: whether the server said ok, and its payload.
+  std::pair<bool, std::string> exchange(const std::string& frame, const char* what, std::chrono::milliseconds limit) {
     std::uint8_t header[4];
     std::string body;
     run(what, limit, [&](auto done) {
@@ -65,8 +72,7 @@ struct TcpStoreClient::Impl {
     std::uint8_t status = 1;
     std::string payload;
     if (!r.u8(status) || !r.str(payload)) throw CommError("store at " + where + ": malformed reply to " + what);
-    if (status != 0) throw Err("store at " + where + ": " + what + ": " + payload);
-    return payload;
+    return {status == 0, std::move(payload)};
   }
 };
 
@@ -106,8 +112,12 @@ void TcpStoreClient::set(const std::string& key, const std::string& value) {
 }
 
 std::string TcpStoreClient::get(const std::string& key) {
+  // One round trip when the key is there, as it usually is by the time it is asked for; only a
+  // missing key costs the wait and a second read.
+  const std::string frame = store::Writer().u8(store::get).str(key).frame();
+  if (auto [ok, value] = impl_->exchange(frame, "get", impl_->timeout); ok) return value;
   wait({key}, impl_->timeout);
-  return impl_->transact(store::Writer().u8(store::get).str(key).frame(), "get", impl_->timeout);
+  return impl_->transact(frame, "get", impl_->timeout);
 }
 
 std::int64_t TcpStoreClient::add(const std::string& key, std::int64_t delta) {
