@@ -44,6 +44,10 @@ inline const Spec& spec() {
   return s;
 }
 
+// Whether this process has a fault to inject (call sites that must first work out their phase
+// ask, so that an unarmed run pays one branch).
+inline bool armed() { return spec().armed; }
+
 inline void reached(const char* phase) {
   static std::atomic<long> seen{0};
   const auto& s = spec();

@@ -12,12 +12,12 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
-#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "bench/proc_memory.hpp"
+#include "runtime/bootstrap/store_protocol.hpp"
 #include "helpers.hpp"
 #include "shardflow/store.hpp"
 
@@ -261,21 +261,17 @@ TEST_CASE("fuzz: 8 connections x 2,500 random and mutated frames; a well-behaved
     }
   });
 
-  // Valid requests of every kind, as templates to mutate.
-  auto req = [](std::uint8_t op, std::initializer_list<std::string> strs, std::optional<std::int64_t> tail = {}) {
-    std::string p(1, char(op));
-    for (const auto& s : strs) {
-      const auto n = std::uint32_t(s.size());
-      p.append(reinterpret_cast<const char*>(&n), 4);
-      p += s;
-    }
-    if (tail) p.append(reinterpret_cast<const char*>(&*tail), 8);
-    return p;
-  };
+  // Valid requests of every kind, as templates to mutate (the protocol's own encoder; a frame's
+  // payload is what follows its 4-byte length).
+  using store::Writer;
+  auto payload_of = [](const Writer& w) { return w.frame().substr(4); };
   const std::vector<std::string> templates = {
-      req(2, {"k", "v"}), req(3, {"k"}), req(4, {"c"}, 1), req(7, {"k"}),
-      std::string("\x05\x02\x00\x00\x00", 5) + req(0, {"a", "b"}).substr(1),                         // check 2 keys
-      std::string("\x06\x01\x00\x00\x00", 5) + req(0, {"z"}).substr(1) + std::string("\x0a\0\0\0\0\0\0\0", 8),  // wait 10 ms
+      payload_of(Writer().u8(store::set).str("k").str("v")),
+      payload_of(Writer().u8(store::get).str("k")),
+      payload_of(Writer().u8(store::add).str("c").i64(1)),
+      payload_of(Writer().u8(store::remove).str("k")),
+      payload_of(Writer().u8(store::check).u32(2).str("a").str("b")),
+      payload_of(Writer().u8(store::wait).u32(1).str("z").i64(10)),  // 10 ms
   };
   std::atomic<int> refused_strangers{0}, frames{0};
   std::vector<std::thread> fuzzers;
@@ -319,7 +315,8 @@ TEST_CASE("fuzz: 8 connections x 2,500 random and mutated frames; a well-behaved
             payload = pick(2) ? payload.substr(0, std::size_t(pick(int(payload.size())))) : payload + std::string(std::size_t(1 + pick(8)), char(rng()));
             break;
           default:  // a valid request with a random key (fills the store toward its limits)
-            payload = req(2, {"fuzz/" + std::to_string(t) + "/" + std::to_string(pick(2000)), std::string(std::size_t(pick(300)), 'v')});
+            payload = payload_of(Writer().u8(store::set).str("fuzz/" + std::to_string(t) + "/" + std::to_string(pick(2000)))
+                                     .str(std::string(std::size_t(pick(300)), 'v')));
         }
         std::string bytes = frame(payload);
         if (pick(20) == 0) bytes = bytes.substr(0, std::size_t(pick(4)));  // a broken length prefix

@@ -153,12 +153,11 @@ void mse_backward(const float* pred, const float* target, float* dpred, std::siz
 
 namespace {
 // log sum_c exp(z_c), from the row's maximum.
-double log_sum_exp(const float* z, int classes, float& max_out) {
+double log_sum_exp(const float* z, int classes) {
   float m = z[0];
   for (int c = 1; c < classes; ++c) m = std::max(m, z[c]);
   double sum = 0.0;
   for (int c = 0; c < classes; ++c) sum += std::exp(double(z[c]) - double(m));
-  max_out = m;
   return double(m) + std::log(sum);
 }
 }  // namespace
@@ -169,8 +168,7 @@ float softmax_xent_loss(const float* logits, const float* target, int rows, int 
   for (int r = 0; r < rows; ++r) {
     const float* z = logits + std::size_t(r) * classes;
     const float* t = target + std::size_t(r) * classes;
-    float m;
-    const double lse = log_sum_exp(z, classes, m);
+    const double lse = log_sum_exp(z, classes);
     for (int c = 0; c < classes; ++c)
       if (t[c] != 0.0f) total -= double(t[c]) * (double(z[c]) - lse);
   }
@@ -181,8 +179,7 @@ void softmax_xent_backward(const float* logits, const float* target, float* dlog
   const double k = 1.0 / denom;
   for (int r = 0; r < rows; ++r) {
     const std::size_t o = std::size_t(r) * classes;
-    float m;
-    const double lse = log_sum_exp(logits + o, classes, m);
+    const double lse = log_sum_exp(logits + o, classes);
     for (int c = 0; c < classes; ++c) dlogits[o + c] = float(k * (std::exp(double(logits[o + c]) - lse) - double(target[o + c])));
   }
 }

@@ -8,6 +8,8 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -16,17 +18,24 @@ namespace shardflow::shm {
 
 inline std::string segment_prefix(long pid) { return "shardflow-" + std::to_string(pid) + "-"; }
 
-// Unlinks every segment whose name carries one of `pids`; returns how many.
-inline int remove_segments_of(const std::vector<long>& pids) {
+// Unlinks every shardflow segment whose pid `doomed(pid)` picks; returns how many.
+template <class Pred>
+int remove_segments_if(Pred doomed) {
   namespace fs = std::filesystem;
   std::error_code ec;
   int removed = 0;
   for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
     const std::string name = e.path().filename().string();
-    for (long pid : pids)
-      if (name.rfind(segment_prefix(pid), 0) == 0 && ::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+    if (name.rfind("shardflow-", 0) != 0) continue;
+    const long pid = std::atol(name.c_str() + 10);
+    if (pid > 0 && doomed(pid) && ::shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
   return removed;
+}
+
+// A finished job's: the launcher knows its ranks' pids.
+inline int remove_segments_of(const std::vector<long>& pids) {
+  return remove_segments_if([&](long pid) { return std::find(pids.begin(), pids.end(), pid) != pids.end(); });
 }
 
 }  // namespace shardflow::shm

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "runtime/comm/shm_names.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow::shm {
@@ -78,14 +79,8 @@ std::string host_identity() {
 }
 
 void sweep_stale_segments() {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("shardflow-", 0) != 0) continue;
-    const int pid = std::atoi(name.c_str() + 10);
-    if (pid > 0 && ::kill(pid, 0) == -1 && errno == ESRCH) ::shm_unlink(("/" + name).c_str());
-  }
+  // Those of jobs whose rank 0 no longer runs.
+  remove_segments_if([](long pid) { return ::kill(pid_t(pid), 0) == -1 && errno == ESRCH; });
 }
 
 }  // namespace shardflow::shm
