@@ -60,6 +60,11 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
 
 }  // namespace
 
+CommStreamState::~CommStreamState() {
+  for (auto& t : trainer_ops)
+    t.done(std::make_exception_ptr(CommError("trainer collective '" + t.op.tag + "': the runtime stopped before issuing it")));
+}
+
 msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
                                                           std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries,
@@ -148,9 +153,29 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
     }
   };
 
-  // Issues every ready entry in schedule order.
-  auto pump = [self, submit] {
+  // A trainer's collective (Runtime::collective) goes out between two iterations' schedules. It is
+  // in the collective log, not in the runtime's link figures (Runtime::stats: the runtime's own).
+  auto submit_trainer = [self](CommStreamState::TrainerOp t) {
     auto& s = self->state;
+    s.log->record(t.op);
+    s.comm->submit(std::move(t.op), std::move(t.done));
+  };
+  auto release_trainer_ops = [self, submit_trainer] {
+    auto& s = self->state;
+    if (s.next != 0 || s.blocked) return;
+    std::vector<CommStreamState::TrainerOp> later;
+    for (auto& t : s.trainer_ops) {
+      if (t.before <= s.iteration) submit_trainer(std::move(t));
+      else later.push_back(std::move(t));
+    }
+    s.trainer_ops = std::move(later);
+  };
+
+  // Issues every ready entry in schedule order. At an iteration's boundary (and once a comm hook's
+  // last phase is out) the trainer's collectives go first: before the next iteration's entries.
+  auto pump = [self, submit, release_trainer_ops] {
+    auto& s = self->state;
+    release_trainer_ops();
     while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
       const std::uint32_t i = s.next++;
       s.ready[i] = 0;
@@ -180,6 +205,7 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
     if (s.next == s.entries.size()) {  // the iteration's schedule is out: start over
       s.next = 0;
       ++s.iteration;
+      release_trainer_ops();
     }
   };
 
@@ -206,6 +232,19 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
         if (more) return submit(ScheduledCollective{ScheduledCollective::Kind(kind), bucket}, std::move(issue));
         self->state.blocked = false;
         pump();
+      },
+      // Every rank places it after the same entries: those of the iterations before `before`. One
+      // whose iteration `before` is already going out on this rank came during a backward pass.
+      [=](msg::trainer_op_atom, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) {
+        auto& s = self->state;
+        if (before < s.iteration || (before == s.iteration && s.next != 0)) {
+          done(std::make_exception_ptr(UsageError("rank " + std::to_string(s.comm->rank()) + ": Runtime::collective ('" + op.tag +
+                                                  "') during the backward pass of iteration " + std::to_string(s.iteration) +
+                                                  ": call it between wait() and the next backward")));
+          return;
+        }
+        s.trainer_ops.push_back({before, std::move(op), std::move(done)});
+        release_trainer_ops();
       },
       [=](msg::handed_over_atom, std::uint8_t kind, CollectiveIssue& issue) {
         auto& s = self->state;

@@ -36,6 +36,15 @@ struct CommStreamState {
   std::uint32_t next = 0;          // the next entry to issue
   bool blocked = false;            // a comm hook's reduction is between phases (Note [Comm hooks])
   std::uint64_t iteration = 0;     // the runtime's synchronised iteration being issued (timeline)
+  // Collectives of the trainer's own waiting for the schedule of the iterations before `before`
+  // to be out (Runtime::collective); failed if the actor goes first.
+  struct TrainerOp {
+    std::uint64_t before;
+    CollectiveOp op;
+    CollectiveDone done;
+  };
+  std::vector<TrainerOp> trainer_ops;
+  ~CommStreamState();
   std::shared_ptr<CollectiveLog> log;
   std::shared_ptr<spdlog::logger> logger;
   static inline const char* name = "comm_stream";

@@ -20,6 +20,10 @@
 //   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
 //   shard actor --norm_ready(exchange)--> comm stream --norm_done--> shard actor   (clipping)
 //
+// Between iterations, a collective of the trainer's own (a loss):
+//   trainer thread --trainer_op(before, op, done)--> comm stream  (out after the last iteration's
+//                                                            entries, before the next one's)
+//
 // When backward ends, the trainer's own entries (Note [Rank 0's state everywhere], Note [Unused
 // parameters]):
 //   trainer thread --handed_over(buffers | unused, ops)--> comm stream --completion--> IterationSignal
@@ -46,6 +50,8 @@ struct OptimizerGroups;
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::OptimizerGroups>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::BucketCollectives>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveIssue)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveOp)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveDone)
 
 namespace shardflow::msg {
 
@@ -61,6 +67,9 @@ using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
 // when backward ends; unused_known tells the shard the used counts are in.
 using handed_over_atom = caf::atom_constant<caf::atom("handed")>;
 using unused_known_atom = caf::atom_constant<caf::atom("unused_kn")>;
+// A collective of the trainer's own (Runtime::collective): it goes out once every entry of the
+// iterations before `before` is out and before any of iteration `before`'s.
+using trainer_op_atom = caf::atom_constant<caf::atom("trainer_op")>;
 // A comm hook's phase completed (Note [Comm hooks]): the next phase's collectives, or (false) the
 // reduction is done and the schedule may go on.
 using hook_phase_atom = caf::atom_constant<caf::atom("hook_phase")>;
@@ -88,6 +97,7 @@ using comm_stream_actor_t = caf::typed_actor<
     caf::reacts_to<bucket_ready_atom, std::uint32_t, std::shared_ptr<const BucketCollectives>, bucket_actor_t>,
     caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>,
     caf::reacts_to<handed_over_atom, std::uint8_t, CollectiveIssue>,
+    caf::reacts_to<trainer_op_atom, std::uint64_t, CollectiveOp, CollectiveDone>,
     caf::reacts_to<hook_phase_atom, std::uint8_t, std::uint32_t, bool, CollectiveIssue>>;
 
 }  // namespace shardflow::msg

@@ -7,7 +7,17 @@
    (its launcher killed with SIGKILL and its link taken down) to host a's launcher exiting, at a
    given --heartbeat-timeout; and from one rank's SIGKILL on host b to host a's exit.
 
+3. --table: the side-by-side table on a rate-limited link (scripts/netns_pair.sh rate: tc tbf on
+   both ends) at each --rates (1gbit, 10gbit, off = unshaped), 2 hosts x 1 rank, per model: PyTorch
+   DDP and DDP + ZeroRedundancyOptimizer (python3-torch, bench/torch_mlp_worker.py), shardflow's
+   ZeRO stages in each overlap mode, the link's own time for DDP's bytes (bench_collectives'
+   all-reduce, reduce-scatter and all-gather of the model's fp32 bytes between the hosts) and the
+   compute alone (mlp_train at world 1). Every configuration once per round, --reps rounds (A B A
+   B), medians; --png draws it.
+
 Root only. Usage: sudo python3 bench/two_hosts.py --build build [--reps 3] [--json out.json]
+       sudo /usr/bin/python3 bench/two_hosts.py --build build --table [--rates 1gbit,10gbit,off]
+            [--models 512x8,1024x8] [--reps 3] [--json bench/two_hosts_link.json] [--png bench/two_hosts_link.png]
 """
 import argparse
 import json
@@ -24,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR = os.path.join(HERE, "..", "scripts", "netns_pair.sh")
 NAME = "sfbench%d" % (os.getpid() % 100000)
 HOST_A, HOST_B = "10.213.0.1", "10.213.0.2"
-MODELS = {"256x4": [256] * 5, "1024x8": [1024] * 9}
+MODELS = {"256x4": [256] * 5, "1024x8": [1024] * 9, "512x8": [512] * 9}
 BATCH = 32  # per rank
 
 
@@ -117,16 +127,170 @@ def detection_s(build, how, hb_timeout):
         sh("link", NAME, "up")
 
 
+# --table: what each row runs. shardflow rows are mlp_train flags; the stages' best modes as a user
+# would set them (interleaved + forward prefetch), and stage 1's modes one by one.
+SHARDFLOW_ROWS = {
+    "shardflow ZeRO-0 (DDP)": ["--zero-stage", "0"],
+    "shardflow ZeRO-1 none": ["--zero-stage", "1", "--overlap", "none"],
+    "shardflow ZeRO-1 after_backward": ["--zero-stage", "1", "--overlap", "after_backward"],
+    "shardflow ZeRO-1 interleaved": ["--zero-stage", "1", "--overlap", "interleaved"],
+    "shardflow ZeRO-1 interleaved + prefetch": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch"],
+    "shardflow ZeRO-1 interleaved + prefetch, all-reduced grads": ["--zero-stage", "1", "--overlap", "interleaved",
+                                                                   "--forward-prefetch", "--no-reduce-scatter"],
+    "shardflow ZeRO-2 interleaved + prefetch": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
+}
+TABLE_STEPS = 40
+
+
+def mlp_cmd(build, sizes, steps, world, flags, stats):
+    return [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join(map(str, sizes)), "--steps", str(steps),
+            "--global-batch", str(BATCH * world), "--optimizer", "adam", "--lr", "1e-3", "--quiet", "--stats-json", stats,
+            "--timeout", "300", *flags]
+
+
+def run_both(argvs, what):
+    procs = [subprocess.Popen(a, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for a in argvs]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        sys.exit("two_hosts: %s failed:\n%s" % (what, "\n".join(outs)))
+    return outs
+
+
+def shardflow_row(build, sizes, flags, tmp):
+    stats = os.path.join(tmp, "stats.json")
+    prog = mlp_cmd(build, sizes, TABLE_STEPS, 2, ["--backend", "gloo", *flags], stats)
+    run_both([launcher(build, h, n, 2, 1, prog) for h, n in (("a", 0), ("b", 1))], "shardflow " + " ".join(flags))
+    with open(stats) as f:
+        m = json.load(f)["median"]
+    return m["iteration_ms"], m.get("wire_bytes", 0)
+
+
+def torch_row(sizes, mode, tmp):
+    store, out = os.path.join(tmp, "torch_store"), os.path.join(tmp, "torch.json")
+    for f in (store, out):
+        if os.path.exists(f):
+            os.remove(f)
+    worker = os.path.join(HERE, "torch_mlp_worker.py")
+    argvs = [["ip", "netns", "exec", "%s-%s" % (NAME, h), "env", "GLOO_SOCKET_IFNAME=%s%s" % (NAME, h), "/usr/bin/python3", worker,
+              str(r), "2", store, ",".join(map(str, sizes)), str(TABLE_STEPS), mode, out] for h, r in (("a", 0), ("b", 1))]
+    run_both(argvs, "PyTorch " + mode)
+    with open(out) as f:
+        return json.load(f)["median_step_ms"]
+
+
+def world1_row(build, sizes, tmp):
+    stats = os.path.join(tmp, "w1.json")
+    run_both([["ip", "netns", "exec", NAME + "-a"] + mlp_cmd(build, sizes, TABLE_STEPS, 1, [], stats)], "world 1")
+    with open(stats) as f:
+        return json.load(f)["median"]["iteration_ms"]
+
+
+def link_rows(build, sizes):
+    """bench_collectives between the hosts on the model's fp32 bytes: {op: ms}."""
+    psi = sum(sizes[i] * sizes[i + 1] + sizes[i + 1] for i in range(len(sizes) - 1))
+    nbytes = psi * 4 // 8 * 8  # divisible by the world's blocks
+    prog = [os.path.join(build, "bench/bench_collectives"), "--backend", "gloo", "--bytes", str(nbytes), "--reps", "6"]
+    outs = run_both([launcher(build, h, n, 2, 1, prog) for h, n in (("a", 0), ("b", 1))], "bench_collectives")
+    ms = {}
+    for line in "\n".join(outs).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[0] == "gloo" and cells[2] in ("allreduce", "reduce_scatter", "allgather"):
+            ms[cells[2]] = float(cells[4]) / 1e3
+    return ms
+
+
+def table(args, build):
+    rates = args.rates.split(",")
+    models = args.models.split(",")
+    torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
+    rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(SHARDFLOW_ROWS)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o777)
+        for rate in rates:
+            sh("rate", NAME, rate)
+            for model in models:
+                sizes = MODELS[model]
+                key = "%s, link %s" % (model, "unshaped" if rate == "off" else rate)
+                runs = {r: [] for r in rows}
+                wire = {}
+                runs["compute alone (world 1)"] = []
+                links = []
+                for rep in range(args.reps):  # A B A B: every row once per round
+                    links.append(link_rows(build, sizes))
+                    runs["compute alone (world 1)"].append(world1_row(build, sizes, tmp))
+                    for r in rows:
+                        if r.startswith("PyTorch"):
+                            runs[r].append(torch_row(sizes, "zero" if "Zero" in r else "ddp", tmp))
+                        else:
+                            ms, wire[r] = shardflow_row(build, sizes, SHARDFLOW_ROWS[r], tmp)
+                            runs[r].append(ms)
+                    print("  %s round %d done" % (key, rep + 1), flush=True)
+                med = {r: statistics.median(v) for r, v in runs.items()}
+                link = {op: statistics.median(l[op] for l in links) for op in links[0]}
+                out[key] = {"runs_ms": runs, "median_ms": med, "link_ms": link, "wire_bytes": wire}
+                ddp_link = link.get("allreduce", 0.0)
+                bound = max(ddp_link, med["compute alone (world 1)"])
+                print("\n%s: link alone (bench_collectives, median) all-reduce %.1f ms, reduce-scatter %.1f ms, "
+                      "all-gather %.1f ms; compute alone %.1f ms; bound max(link, compute) %.1f ms" %
+                      (key, link.get("allreduce", 0), link.get("reduce_scatter", 0), link.get("allgather", 0),
+                       med["compute alone (world 1)"], bound))
+                ref = med.get("PyTorch DDP")
+                for r in rows:
+                    extra = ", %.2fx PyTorch DDP" % (med[r] / ref) if ref else ""
+                    print("  %-62s %8.1f ms  %.2fx bound%s%s" % (r, med[r], med[r] / bound, extra,
+                                                               ", %.1f MB on the wire" % (wire[r] / 1e6) if wire.get(r) else ""),
+                          flush=True)
+        sh("rate", NAME, "off")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.png:
+        plot(out, args.png)
+
+
+def plot(out, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(out)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 + 0.45 * len(out[keys[0]]["median_ms"]) * len(keys) / 1.6), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        med = out[key]["median_ms"]
+        names = list(med)
+        colors = ["#999999" if n.startswith("PyTorch") else "#4c72b0" if n.startswith("shardflow") else "#55a868" for n in names]
+        ax.barh(names, [med[n] for n in names], color=colors)
+        link = out[key]["link_ms"].get("allreduce", 0)
+        ax.axvline(link, color="#c44e52", linestyle="--", label="link alone: all-reduce of the model (%.0f ms)" % link)
+        ax.axvline(med["compute alone (world 1)"], color="#55a868", linestyle=":", label="compute alone")
+        ax.invert_yaxis()
+        ax.set_title("MLP %s, 2 hosts x 1 rank, Gloo, median step (ms)" % key, fontsize=10)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--table", action="store_true", help="the side-by-side table on a rate-limited link (3.)")
+    ap.add_argument("--rates", default="1gbit,10gbit,off")
+    ap.add_argument("--models", default="512x8,1024x8")
+    ap.add_argument("--png")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("two_hosts: needs root (network namespaces)")
     build = os.path.abspath(args.build)
     sh("up", NAME)
+    if args.table:
+        try:
+            table(args, build)
+        finally:
+            sh("down", NAME)
+        return
     out = {"steps": {}, "detection": {}}
     try:
         with tempfile.TemporaryDirectory() as tmp:

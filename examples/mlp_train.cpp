@@ -88,6 +88,10 @@ int main(int argc, char** argv) {
   app.add_option("--zero-stage", zero_stage, "0 (DDP), 1 (sharded optimizer state), 2 (+ reduce-scattered gradients)")->capture_default_str();
   app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
   app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
+  bool allreduce_grads = false;
+  app.add_flag("--no-reduce-scatter", allreduce_grads,
+               "ZeRO-1: all-reduce the gradients (every rank's buckets hold the whole average) instead of reduce-scattering "
+               "each rank's slice (1.5x the bytes)");
   app.add_option("--interleave-lag", opt.runtime.zero.interleave_lag,
                  "interleaved: bucket b's sync goes after the reduction of bucket b+lag (0: as soon as stepped; 1: keeps the link "
                  "busy when it is the bottleneck; -1: chosen after the first iteration)")->capture_default_str();
@@ -135,10 +139,12 @@ int main(int argc, char** argv) {
     opt.runtime.precision.comm_dtype = parse_dtype(comm_dtype);
     opt.runtime.zero.overlap = parse_overlap(overlap);
     opt.runtime.zero.partition = parse_partition(partition);
+    opt.runtime.zero.reduce_scatter = !allreduce_grads;
     // Errors about these settings name the flags this program's users typed.
     opt.runtime.setting_names = {{"zero.stage", "--zero-stage"},
                                  {"zero.overlap", "--overlap"},
                                  {"zero.partition", "--partition"},
+                                 {"zero.reduce_scatter", "--no-reduce-scatter"},
                                  {"zero.forward_prefetch", "--forward-prefetch"},
                                  {"zero.clip_grad_norm", "--clip-grad-norm"},
                                  {"precision.comm_dtype", "--comm-dtype"},

@@ -31,7 +31,7 @@ class CollectiveLog {
                  Timeline::Time begin) const {
     if (!timeline_) return;
     timeline_->collective([&] { return std::string(collective_name(op.kind)) + " " + op.tag; }, cat, int(op.kind),
-                          collective_bytes(op, world), begin, Timeline::now(), SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1});
+                          collective_bytes(op, world), wire_bytes(op, world), begin, Timeline::now(), SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1});
   }
   std::vector<std::string> lines() const {
     std::lock_guard lock(mu_);

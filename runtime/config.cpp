@@ -41,6 +41,9 @@ void Config::validate() const {
   if (!(zero.clip_grad_norm >= 0.0f) || !std::isfinite(zero.clip_grad_norm))
     bad("zero.clip_grad_norm", "must be a finite number >= 0 (0 turns clipping off)");
   if (int(zero.partition) < 0 || int(zero.partition) > 2) bad("zero.partition", "must be param, bucket or flat");
+  if (!zero.reduce_scatter && zero.stage == ZeroStage::gradients && zero.partition == Partition::flat)
+    bad("zero.reduce_scatter", "= false does not work with ZeRO-2's flat partition, which keeps only the rank's shard of the "
+                               "reduced gradients; use ZeRO-1 for all-reduced gradients");
   if (int(zero.overlap) < 0 || int(zero.overlap) > 2) bad("zero.overlap", "must be none, after_backward or interleaved");
   if (precision.dynamic_loss_scale) {
     if (!(precision.init_scale > 0.0f) || !std::isfinite(precision.init_scale)) bad("precision.init_scale", "must be a finite number > 0");

@@ -43,11 +43,12 @@ double median_of(std::vector<double> v) {
 
 }  // namespace
 
-void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, bool sync, std::int64_t bucket, Time issued) {
+void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, std::size_t wire, bool sync, std::int64_t bucket, Time issued) {
   std::lock_guard lock(mu_);
   link_.push_back({begin, end});
   (sync ? sync_us_ : reduce_us_) += end - begin;
   if (kind >= 0 && kind < int(bytes_.size())) bytes_[std::size_t(kind)] += bytes;
+  wire_bytes_ += wire;
   if (bucket < 0) return;
   const auto b = std::size_t(bucket);
   if (b >= reduce_done_.size()) {
@@ -123,7 +124,9 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   s.buckets = buckets;
   s.buckets_done_in_backward = done_in_backward;
   s.bytes = bytes_;
+  s.wire_bytes = wire_bytes_;
   bytes_ = {};
+  wire_bytes_ = 0;
   sync_us_ = reduce_us_ = 0;
   first_grad_ = backward_end_ = -1;
   reduce_done_.clear();
@@ -161,6 +164,7 @@ RuntimeStats OverlapStats::snapshot() const {
   m.buckets = std::size_t(med([](const IterationStats& s) { return s.buckets; }));
   m.buckets_done_in_backward = std::size_t(med([](const IterationStats& s) { return s.buckets_done_in_backward; }));
   for (std::size_t k = 0; k < m.bytes.size(); ++k) m.bytes[k] = std::uint64_t(med([k](const IterationStats& s) { return s.bytes[k]; }));
+  m.wire_bytes = std::uint64_t(med([](const IterationStats& s) { return s.wire_bytes; }));
   return r;
 }
 
@@ -171,7 +175,7 @@ nlohmann::json to_json(const IterationStats& s) {
   return {{"iteration", s.iteration},       {"iteration_ms", s.iteration_ms}, {"compute_ms", s.compute_ms},
           {"link_ms", s.link_ms},           {"hidden_ms", s.hidden_ms},       {"exposed_ms", s.exposed_ms},
           {"optimizer_ms", s.optimizer_ms}, {"buckets", s.buckets},           {"buckets_done_in_backward", s.buckets_done_in_backward},
-          {"bytes", bytes}};
+          {"bytes", bytes},                 {"wire_bytes", s.wire_bytes}};
 }
 }  // namespace
 

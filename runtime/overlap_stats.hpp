@@ -22,10 +22,11 @@ namespace shardflow {
 class OverlapStats {
  public:
   using Time = std::int64_t;  // microseconds
-  // A collective on the link: [begin, end), of kind `kind` (CollectiveKind) moving `bytes`; a
+  // A collective on the link: [begin, end), of kind `kind` (CollectiveKind) moving `bytes` (`wire`
+  // of them on this rank's link: wire_bytes); a
   // parameter sync or a reduction (norm exchanges count as reductions). For bucket `bucket` (-1:
   // none), also when it was issued (Note [Choosing the interleave lag]).
-  void link(Time begin, Time end, int kind, std::size_t bytes, bool sync, std::int64_t bucket, Time issued);
+  void link(Time begin, Time end, int kind, std::size_t bytes, std::size_t wire, bool sync, std::int64_t bucket, Time issued);
   // The first gradient of a synchronised pass (forward and zero_grad ended), and finish_backward.
   void backward_started(Time t);
   void backward_ended(Time t);
@@ -64,6 +65,7 @@ class OverlapStats {
   std::vector<Interval> link_, blocked_, optimizer_;
   std::vector<Time> reduce_done_, sync_issued_;  // per bucket in this window, -1: not yet
   std::array<std::uint64_t, 5> bytes_{};
+  std::uint64_t wire_bytes_ = 0;
   std::vector<IterationStats> steps_;
 };
 

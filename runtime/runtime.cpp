@@ -378,6 +378,34 @@ void Runtime::wait_all_params() {
   }
 }
 
+std::future<void> Runtime::collective(CollectiveOp op) {
+  auto& I = *impl_;
+  I.ensure_finalized();
+  I.throw_if_failed();
+  if (I.in_pass())
+    throw UsageError("Runtime::collective ('" + op.tag + "') on rank " + std::to_string(I.rank) +
+                     " in the middle of a synchronised backward pass: call it between wait() and the next backward");
+  auto promise = std::make_shared<std::promise<void>>();
+  auto future = promise->get_future();
+  {
+    std::lock_guard lock(I.trainer_ops->mu);
+    ++I.trainer_ops->outstanding;
+  }
+  CollectiveDone done = [promise, ops = I.trainer_ops](std::exception_ptr e) {
+    e ? promise->set_exception(e) : promise->set_value();
+    std::lock_guard lock(ops->mu);
+    if (--ops->outstanding == 0) ops->cv.notify_all();
+  };
+  if (I.world == 1 || !I.comm_actor_h) {
+    I.collectives->record(op);
+    I.comm->submit(std::move(op), std::move(done));
+  } else {
+    // The comm stream numbers iterations as I.iterations does: the next one to go out is this.
+    caf::anon_send(I.comm_actor_h, msg::trainer_op_atom::value, std::uint64_t(I.iterations), std::move(op), std::move(done));
+  }
+  return future;
+}
+
 void Runtime::set_require_sync(bool sync) {
   auto& I = *impl_;
   if (I.in_pass())

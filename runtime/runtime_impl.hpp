@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -261,6 +262,16 @@ struct Runtime::Impl {
   // rest. `words`: 32-bit words, summed as f32 by an all-reduce, copied as they are by a
   // broadcast. Nothing at world 1.
   void control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root = 0);
+  // A collective of the runtime's own issued on the calling thread, recorded. The trainer's
+  // collectives (Runtime::collective) still on the comm stream complete first: the two paths
+  // would otherwise reach the backend in a different order on different ranks.
+  void run_now(const CollectiveOp& op);
+  struct TrainerOps {
+    std::mutex mu;
+    std::condition_variable cv;
+    int outstanding = 0;  // handed to the comm stream, not yet completed
+  };
+  std::shared_ptr<TrainerOps> trainer_ops = std::make_shared<TrainerOps>();
 
   // Note [Rank 0's state everywhere] (state_sync.cpp): the start-up broadcast of parameters and
   // buffers (in finalize, before the buckets exist), and the buffers' broadcast each iteration.

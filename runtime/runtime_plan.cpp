@@ -159,6 +159,17 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   }
 }
 
+void Runtime::Impl::run_now(const CollectiveOp& op) {
+  {
+    std::unique_lock lock(trainer_ops->mu);
+    if (!trainer_ops->cv.wait_for(lock, cfg.timeouts.collective, [&] { return trainer_ops->outstanding == 0; }))
+      throw TimeoutError("rank " + std::to_string(rank) + ": " + op.tag + ": the trainer's own collectives (Runtime::collective) " +
+                         "did not complete within Config::timeouts.collective");
+  }
+  collectives->record(op);
+  comm->run(op, cfg.timeouts.collective);
+}
+
 void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
   if (world == 1) return;
   CollectiveOp op;
@@ -168,8 +179,7 @@ void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::si
   op.count = count;
   op.root = root;
   op.tag = tag;
-  collectives->record(op);
-  comm->run(op, cfg.timeouts.collective);
+  run_now(op);
 }
 
 void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what,
@@ -183,8 +193,7 @@ void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begi
   op.send = op.recv = window.data();
   op.count = window.size();
   op.tag = std::string(what) + " " + std::to_string(slot) + " from element " + std::to_string(begin);
-  collectives->record(op);
-  comm->run(op, cfg.timeouts.collective);
+  run_now(op);
 }
 
 std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {

@@ -44,8 +44,7 @@ void Runtime::Impl::broadcast_params(int root, const char* what) {
     op.root = root;
     op.tag = std::string(what) + ": parameter '" + p.name + "' from rank " + std::to_string(root);
     if (op.count == 0) continue;
-    collectives->record(op);
-    comm->run(op, cfg.timeouts.collective);
+    run_now(op);
   }
 }
 
@@ -56,8 +55,7 @@ void Runtime::Impl::sync_initial_state() {
     if (b.bytes == 0) continue;
     auto op = buffer_broadcast(b);
     op.tag = "initial sync: " + op.tag;
-    collectives->record(op);
-    comm->run(op, cfg.timeouts.collective);
+    run_now(op);
   }
 }
 

@@ -155,8 +155,8 @@ void Timeline::instant(std::string name, const char* cat, Lane lane, SpanArgs ar
   if (!closed_) events_.push_back(Event{std::move(name), cat, lane, t, -1, args});
 }
 
-void Timeline::collective(const std::function<std::string()>& name, const char* cat, int kind, std::size_t bytes, Time issued,
-                          Time completed, SpanArgs args) {
+void Timeline::collective(const std::function<std::string()>& name, const char* cat, int kind, std::size_t bytes, std::size_t wire,
+                          Time issued, Time completed, SpanArgs args) {
   Time begin;
   {
     std::lock_guard lock(mu_);
@@ -164,7 +164,7 @@ void Timeline::collective(const std::function<std::string()>& name, const char* 
     if (begin > completed) begin = completed;
     comm_free_ = completed;
   }
-  stats_.link(begin, completed, kind, bytes, std::strcmp(cat, "sync") == 0, args.bucket, issued);
+  stats_.link(begin, completed, kind, bytes, wire, std::strcmp(cat, "sync") == 0, args.bucket, issued);
   if (!tracing()) return;
   args.issued_us = issued;
   args.bytes = std::int64_t(bytes);

@@ -61,8 +61,9 @@ class Timeline {
   // A collective completed: its span on the comm lane starts where the previous one ended (or at
   // its issue, if later). Feeds the link figures too.
   // `name` is called only when a trace file is written (it runs once per collective).
-  void collective(const std::function<std::string()>& name, const char* cat, int kind, std::size_t bytes, Time issued,
-                  Time completed, SpanArgs args);
+  // `bytes`: the collective's buffer (collective_bytes); `wire`: what this rank put on the link (wire_bytes).
+  void collective(const std::function<std::string()>& name, const char* cat, int kind, std::size_t bytes, std::size_t wire,
+                  Time issued, Time completed, SpanArgs args);
 
   OverlapStats& stats() { return stats_; }
 

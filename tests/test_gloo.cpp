@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "helpers.hpp"
+#include "kernels/cpu/dtype.hpp"
 #include "shardflow/gloo.hpp"
 #include "shardflow/store.hpp"
 
@@ -40,6 +41,49 @@ TEST_CASE("gloo: every collective, element by element, worlds 2 and 3, sizes 0, 
       CAPTURE(count);
       CHECK(test::wrong_elements(comms, count) == 0);
     }
+  }
+}
+
+// Note [Ring reduce-scatter]: blocks that span several segments, in place (the block is the
+// rank's own slice of its send buffer, as ZeRO's buckets have it), 16-bit through fp32, the scale
+// fused in, and several in a row of different sizes so that one's segments never match another's.
+TEST_CASE("gloo: the ring reduce-scatter at world 4, in place, bf16 and scaled, several segments, back to back") {
+  TcpStoreServer server(store_opts());
+  const int n = 4;
+  auto comms = gloo_world(server, n, "ring/");
+  const std::size_t seg = (std::size_t{256} << 10) / 4;  // GlooRing::kSegmentBytes in fp32 elements
+  const std::vector<std::size_t> counts = {3 * seg + 17, 1, seg, 5};
+  auto value = [](int r, std::size_t i) { return float(int((i * 7 + std::size_t(r) * 13) % 41) - 20); };
+  std::vector<std::size_t> bad(n, 0), bad16(n, 0);
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    auto& c = *comms[std::size_t(r)];
+    for (const std::size_t count : counts) {
+      std::vector<float> buf(count * n);
+      for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = value(r, i);
+      float* mine = buf.data() + std::size_t(r) * count;
+      c.run(make(CollectiveKind::reduce_scatter, buf.data(), mine, count, 0.25f), 30s);
+      for (std::size_t i = 0; i < count; ++i) {
+        float sum = 0;
+        for (int k = 0; k < n; ++k) sum += value(k, std::size_t(r) * count + i);
+        bad[std::size_t(r)] += mine[i] != sum * 0.25f;
+      }
+      // bf16: small integers are exact, and so are their sums here.
+      std::vector<std::uint16_t> b16(count * n), out(count);
+      for (std::size_t i = 0; i < b16.size(); ++i) b16[i] = kernels::f32_to_bf16(value(r, i));
+      auto op = make(CollectiveKind::reduce_scatter, b16.data(), out.data(), count);
+      op.dtype = DType::bf16;
+      c.run(op, 30s);
+      for (std::size_t i = 0; i < count; ++i) {
+        float sum = 0;
+        for (int k = 0; k < n; ++k) sum += value(k, std::size_t(r) * count + i);
+        bad16[std::size_t(r)] += kernels::bf16_to_f32(out[i]) != sum;
+      }
+    }
+  }));
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(bad[std::size_t(r)] == 0);
+    CHECK(bad16[std::size_t(r)] == 0);
   }
 }
 

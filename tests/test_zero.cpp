@@ -402,6 +402,53 @@ TEST_CASE("interleaved, 24 buckets' gradients reported at once: each sync trails
   }
 }
 
+// ZeRO's bytes: each rank's step reads only its slice of the reduced gradient, so stages 1 and 2
+// reduce-scatter and all-gather, which moves what DDP's all-reduce moves (Rajbhandari et al.:
+// 2 Psi either way). Layer sizes where every bucket splits into equal slices without padding.
+TEST_CASE("stages 1 and 2 with the flat partition put DDP's bytes on the link; all-reduced gradients cost 1.5x") {
+  for (int world : {2, 4}) {
+    auto wire = [&](int stage, bool reduce_scatter, Partition partition) {
+      auto o = base(OptimizerConfig::Kind::adamw);
+      o.sizes = {64, 64, 64, 64};  // 4096 + 64 per layer: multiples of 64 elements
+      o.global_batch = 8 * world;
+      o.world_size = world;
+      o.steps = 8;
+      o.runtime.buckets.first_cap_bytes = o.runtime.buckets.cap_bytes = 8 << 10;
+      o.runtime.zero.stage = ZeroStage(stage);
+      o.runtime.zero.overlap = Overlap::interleaved;
+      o.runtime.zero.partition = partition;
+      o.runtime.zero.reduce_scatter = reduce_scatter;
+      return mlp::train(o).stats.median.wire_bytes;
+    };
+    CAPTURE(world);
+    const auto ddp = wire(0, true, Partition::flat);
+    const double psi_bytes = 3.0 * (4096 + 64) * 4;
+    CHECK(double(ddp) == doctest::Approx(2.0 * (world - 1) / world * psi_bytes));
+    CHECK(wire(1, true, Partition::flat) == ddp);
+    CHECK(wire(2, true, Partition::flat) == ddp);
+    CHECK(double(wire(1, false, Partition::flat)) == doctest::Approx(1.5 * double(ddp)));
+    CHECK(double(wire(1, true, Partition::param)) == doctest::Approx(1.5 * double(ddp)));  // unequal pieces: all-reduce + broadcasts
+  }
+}
+
+TEST_CASE("stage 1 with all-reduced gradients (reduce_scatter off) trains as with reduce-scatter; ZeRO-2's flat partition refuses it") {
+  auto o = base(OptimizerConfig::Kind::adamw);
+  o.world_size = 3;
+  o.runtime.zero.stage = ZeroStage::optimizer_state;
+  o.runtime.zero.overlap = Overlap::interleaved;
+  const auto rs = mlp::train(o);
+  o.runtime.zero.reduce_scatter = false;
+  const auto ar = mlp::train(o);
+  CHECK(worst_error(ar.params, rs.params) <= 1e-6);
+  o.runtime.zero.stage = ZeroStage::gradients;
+  try {
+    mlp::train(o);
+    FAIL("no error");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()).find("reduce_scatter") != std::string::npos);
+  }
+}
+
 TEST_CASE("configure_optimizer refuses what it cannot do, naming it") {
   auto world = InProcessWorld::create(1);
   Runtime rt(world->communicator(0));

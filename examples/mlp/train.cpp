@@ -124,38 +124,67 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
   }
 }
 
-// The global mean of this rank's per-step losses (an all-reduce; host memory, which device backends
-// stage). Our own collective on the runtime's communicator: it must not race the runtime's
-// parameter syncs, which forward prefetch leaves running past wait().
-void global_loss(const TrainOptions& opt, const std::shared_ptr<Communicator>& comm, Runtime& rt, float* loss, std::size_t n) {
-  if (opt.runtime.zero.forward_prefetch) rt.wait_all_params();
+// The global mean of this rank's per-step losses: an all-reduce of the trainer's own, queued on
+// the runtime's comm stream after the parameter syncs forward prefetch leaves running past wait()
+// (Runtime::collective), so it neither races them nor waits for them here.
+std::future<void> global_loss(const TrainOptions& opt, Runtime& rt, float* loss, std::size_t n) {
   CollectiveOp op;
   op.kind = CollectiveKind::allreduce;
   op.send = op.recv = loss;
   op.count = n;
   op.scale = 1.0f / float(opt.world_size);  // equal shards: the global mean is the mean of the local means
   op.tag = "loss";
-  comm->run(op, opt.runtime.timeouts.collective);
+  return rt.collective(op);
+}
+
+// Rank 0's step reports in step order, each with its global loss. A step whose loss is being
+// reduced holds its report (and the ones after it) until the next step reads the result: by
+// then the next iteration's reductions are out, so the read never waits for the syncs.
+struct LossLog {
+  std::future<void> pending;
+  float value = 0.0f;  // the pending reduction's buffer
+  int pending_step = -1;
+  float last_global = 0.0f;
+  std::vector<StepReport> held;
+};
+
+void resolve(Shared& sh, LossLog& log, std::vector<float>& local_losses) {
+  if (!log.pending.valid()) return;
+  log.pending.get();
+  log.last_global = log.value;
+  if (sh.opt.loss_every <= 1) local_losses[std::size_t(log.pending_step)] = log.value;  // already global: no reduction at the end
+  for (auto& r : log.held) {
+    r.loss = log.last_global;
+    if (sh.opt.on_step) sh.opt.on_step(r);
+  }
+  log.held.clear();
 }
 
 // The end of a step on any device: the global loss every loss_every steps, and rank 0's report.
-void end_step(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, Runtime& rt, int step, float loss,
-              std::chrono::steady_clock::time_point t0, std::vector<float>& local_losses, float& last_global) {
+void end_step(Shared& sh, int rank, Runtime& rt, int step, float loss, std::chrono::steady_clock::time_point t0,
+              std::vector<float>& local_losses, LossLog& log) {
   const auto& opt = sh.opt;
   local_losses.push_back(loss);
+  resolve(sh, log, local_losses);
   const bool reduce_now = (step + 1) % std::max(1, opt.loss_every) == 0 || step + 1 == opt.steps;
-  if (opt.report_loss && opt.world_size > 1 && reduce_now && !opt.shard_data) {
-    global_loss(opt, comm, rt, &loss, 1);
-    last_global = loss;
-    if (opt.loss_every <= 1) local_losses.back() = loss;  // already global: no reduction at the end
-  } else if (opt.world_size == 1 || !opt.report_loss || opt.shard_data) {
-    last_global = loss;
+  const bool reduces = opt.report_loss && opt.world_size > 1 && !opt.shard_data;
+  if (!reduces) log.last_global = loss;
+  if (reduces && reduce_now) {
+    log.value = loss;
+    log.pending_step = step;
+    log.pending = global_loss(opt, rt, &log.value, 1);
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  if (rank != 0) return;
-  if (opt.runtime.zero.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
-  sh.result.step_ms.push_back(ms);
-  if (opt.on_step) opt.on_step(StepReport{step, last_global, ms, rt.last_stats()});
+  if (rank == 0) {
+    if (opt.runtime.zero.clip_grad_norm > 0) sh.result.grad_norms.push_back(rt.last_grad_norm());
+    sh.result.step_ms.push_back(ms);
+    log.held.push_back(StepReport{step, log.last_global, ms, rt.last_stats()});
+  }
+  if (!log.pending.valid()) {  // nothing in flight: the report goes now
+    for (const auto& r : log.held)
+      if (opt.on_step) opt.on_step(r);
+    log.held.clear();
+  }
 }
 
 // After the last step: memory at the end, and rank 0's parameters, buckets and collectives.
@@ -198,7 +227,7 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
   // loss counts 1/K: together they equal one K-times-larger batch.
   const double denom = double(local) * (opt.loss == Loss::mse ? opt.sizes.back() : 1) * K;
   std::vector<float> x, y, local_losses;
-  float last_global = 0.0f;
+  LossLog loss_log;
   const auto shard = shard_of(sh.data.rows, rank, N, local);
   const int steps = opt.shard_data ? std::min(opt.steps, shard.batches) : opt.steps;
   for (int step = 0; step < steps; ++step) {
@@ -215,19 +244,20 @@ void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
     update(step);
-    end_step(sh, rank, comm, rt, step, loss, t0, local_losses, last_global);
+    end_step(sh, rank, rt, step, loss, t0, local_losses, loss_log);
     const int done = first_step + step + 1;
     if (opt.checkpoint_dir && ((opt.checkpoint_every > 0 && done % opt.checkpoint_every == 0) || step + 1 == opt.steps))
       // Sharded: the files are written while training goes on, and waited for at the next save
       // (save_sharded_checkpoint_async waits for the one before) or after the last step.
       opt.sharded_checkpoint ? rt.save_sharded_checkpoint_async(*opt.checkpoint_dir) : rt.save_checkpoint(checkpoint_file(*opt.checkpoint_dir), 0, opt.checkpoint_max_file_bytes);
   }
+  resolve(sh, loss_log, local_losses);  // the last step's loss
   rt.wait_checkpoint();
   if (opt.shard_data) rt.join();  // out of batches: shadow the ranks that still have some
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
     if (opt.world_size > 1 && opt.loss_every > 1 && !local_losses.empty() && !opt.shard_data)
-      global_loss(opt, comm, rt, local_losses.data(), local_losses.size());
+      global_loss(opt, rt, local_losses.data(), local_losses.size()).get();
     if (rank == 0) sh.result.losses = local_losses;
   }
 }

@@ -12,7 +12,9 @@
 namespace shardflow::synthetic {
 
 std::chrono::nanoseconds reduce_time(const Options& opt) {
-  const auto kind = opt.runtime.zero.stage == ZeroStage::gradients ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
+  const auto& z = opt.runtime.zero;
+  const bool rs = z.stage == ZeroStage::gradients || (z.stage == ZeroStage::optimizer_state && z.reduce_scatter);
+  const auto kind = rs && z.partition == Partition::flat ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
   return opt.link.cost(kind, opt.numel * 4, opt.world);
 }
 
@@ -86,6 +88,9 @@ Result run(Options opt) {
                                              params.data() + offset[l]}));
         rt.configure_optimizer(opt.optimizer);
         using Clock = std::chrono::steady_clock;
+        // log_loss: a loss all-reduce of the trainer's own after every wait(), read after the next.
+        float loss = 0.0f;
+        std::future<void> loss_reduced;
         for (int it = 0; it < opt.iterations; ++it) {
           rt.zero_grad();
           {
@@ -120,7 +125,13 @@ Result run(Options opt) {
           }
           rt.finish_backward();
           rt.wait();
+          if (opt.log_loss) {
+            if (loss_reduced.valid()) loss_reduced.get();
+            loss = float(it);
+            loss_reduced = rt.collective({CollectiveKind::allreduce, DType::f32, &loss, &loss, 1, 0, 1.0f, "loss"});
+          }
         }
+        if (loss_reduced.valid()) loss_reduced.get();
         rt.wait_all_params();
         std::lock_guard lock(mu);
         res.stats[std::size_t(r)] = rt.stats();

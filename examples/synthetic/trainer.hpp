@@ -28,6 +28,9 @@ struct Options {
   // out in proportion to each parameter's size (a transformer's FLOPs follow its parameters).
   std::vector<std::pair<std::string, std::size_t>> params;
   std::chrono::microseconds forward_total{0}, backward_total{0};
+  // After every wait(), a loss all-reduce of the trainer's own (Runtime::collective), read after
+  // the next wait(), as a trainer that logs every step does.
+  bool log_loss = false;
 };
 
 // Parameters from a text file: one "name numel" per line, '#' comments (bench/gpt2_124m.params).

@@ -11,6 +11,16 @@ std::size_t collective_bytes(const CollectiveOp& op, int world) {
   return op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::allgather ? b * std::size_t(world) : b;
 }
 
+std::size_t wire_bytes(const CollectiveOp& op, int world) {
+  const auto W = std::size_t(world);
+  const std::size_t full = collective_bytes(op, world);
+  switch (op.kind) {
+    case CollectiveKind::allreduce: return 2 * full * (W - 1) / W;
+    case CollectiveKind::barrier: return 0;
+    default: return full * (W - 1) / W;
+  }
+}
+
 std::shared_ptr<std::byte> Communicator::allocate(std::size_t bytes) { return alloc_zeroed(bytes); }
 
 void Communicator::run(CollectiveOp op, std::chrono::milliseconds timeout) {

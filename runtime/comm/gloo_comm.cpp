@@ -1,6 +1,7 @@
 // The Gloo backend. Gloo's collectives block, so they run on the rank's StreamWorker (the CPU comm
 // stream), never on a CAF or trainer thread. Gloo sums; the average is applied right after on the
-// same thread (Gloo's algorithms take no scale).
+// same thread (Gloo's algorithms take no scale). Gloo's all-reduce and all-gather are rings already;
+// its new-style API has no reduce-scatter, so that one is ours (runtime/comm/gloo_ring.hpp).
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -17,6 +18,7 @@
 
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
+#include "runtime/comm/gloo_ring.hpp"
 #include "runtime/comm/stream_worker.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/gloo.hpp"
@@ -87,6 +89,7 @@ class GlooComm final : public Communicator {
                       std::to_string(o.world_size - 1) + " peer(s): " + e.what());
     }
     context_ = std::move(ctx);
+    ring_ = std::make_unique<GlooRing>(context_, timeout_);
   }
 
   int rank() const override { return rank_; }
@@ -124,18 +127,11 @@ class GlooComm final : public Communicator {
           allreduce(op.recv, op.count, op.dtype, tag);
           if (op.scale != 1.0f) kernels::scale(op.dtype, op.recv, op.count, op.scale);
           return;
-        case CollectiveKind::reduce_scatter: {
-          // Gloo's new-style API has no reduce-scatter: all-reduce a copy, keep this rank's block.
-          // Twice the traffic of a true reduce-scatter (Gloo's ReduceScatterHalvingDoubling needs
-          // buffers fixed at construction).
-          const std::size_t total = op.count * std::size_t(world_);
-          scratch_.resize(total * es);
-          if (total) std::memcpy(scratch_.data(), op.send, total * es);
-          allreduce(scratch_.data(), total, op.dtype, tag);
-          if (op.count) std::memcpy(op.recv, scratch_.data() + std::size_t(rank_) * op.count * es, op.count * es);
-          if (op.scale != 1.0f) kernels::scale(op.dtype, op.recv, op.count, op.scale);
+        case CollectiveKind::reduce_scatter:
+          // A ring on Gloo's unbound buffers (Note [Ring reduce-scatter]): (world - 1) / world of
+          // the buffer each way, half of what an all-reduce of a copy moved.
+          ring_->reduce_scatter(op.send, op.recv, op.count, op.dtype, op.scale, tag);
           return;
-        }
         case CollectiveKind::allgather: {
           if (op.count == 0) return;
           gloo::AllgatherOptions o(context_);
@@ -205,8 +201,8 @@ class GlooComm final : public Communicator {
   const int rank_, world_;
   const std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::Context> context_;
-  std::uint64_t seq_ = 0;  // stream thread only
-  std::vector<std::uint8_t> scratch_;
+  std::unique_ptr<GlooRing> ring_;  // stream thread only
+  std::uint64_t seq_ = 0;           // stream thread only
   std::mutex abort_mu_;
   bool aborted_ = false;
   std::string abort_reason_;

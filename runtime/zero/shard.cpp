@@ -22,6 +22,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
       buffers_(std::move(buffers)),
       ops_(make_shard_ops(std::move(mem))),
       comm_dtype_(cfg.precision.comm_dtype) {
+  reduce_scatter_ = cfg.zero.reduce_scatter;
   std::size_t base = 0;
   for (const auto& p : params_) {
     param_base_.push_back(base);

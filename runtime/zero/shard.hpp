@@ -44,11 +44,12 @@ class Shard {
   // own (Note [Pooled buckets (ZeRO-2)]): flat slices arrive by reduce-scatter, other partitions
   // are copied out of the all-reduced bucket.
   bool keeps_grad_shard() const { return stage_ == 2 && shard_.sharded && buffers_->pooled(); }
-  // Stage 2 with the flat partition reduce-scatters: into the rank's own gradient shard when the
-  // buckets are pooled, else into the rank's slice of the bucket itself, in place (Note [Memory
-  // at the ZeRO formula]). Other partitions own pieces of unequal size: their buckets are
-  // all-reduced (and, pooled, the owned pieces copied out).
-  bool reduce_scatters() const { return stage_ == 2 && shard_.sharded && flat_; }
+  // Stages 1 and 2 with the flat partition reduce-scatter (Config::zero.reduce_scatter): into the
+  // rank's own gradient shard when the buckets are pooled, else into the rank's slice of the
+  // bucket itself, in place (Note [Memory at the ZeRO formula]); the step reads nothing else.
+  // Other partitions own pieces of unequal size: their buckets are all-reduced (and, pooled, the
+  // owned pieces copied out).
+  bool reduce_scatters() const { return stage_ >= 1 && shard_.sharded && flat_ && (stage_ == 2 || reduce_scatter_); }
   bool syncs() const { return shard_.sharded; }
   // The global gradient norm is needed before any step: to clip, or (loss scaling) to find an inf.
   bool exchanges_norm() const { return clip_max_ > 0.0f || scaler_.on; }
@@ -161,6 +162,7 @@ class Shard {
 
   int stage_;
   bool flat_ = false;
+  bool reduce_scatter_ = true;  // Config::zero.reduce_scatter
   float clip_max_, clip_type_;
   struct Scaler {
     bool on = false;

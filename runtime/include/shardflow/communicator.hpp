@@ -53,6 +53,11 @@ struct CollectiveOp {
 // The bytes a collective moves as a whole: the buffer (all-reduce, broadcast), the full unscattered
 // or gathered buffer (reduce-scatter, all-gather: world * count elements).
 std::size_t collective_bytes(const CollectiveOp& op, int world);
+// The bytes one rank puts on the link for the collective under bandwidth-optimal (ring)
+// algorithms, averaged over the ranks: 2 (world - 1) / world of an all-reduce's buffer, (world - 1)
+// / world of a reduce-scatter's, all-gather's or broadcast's full buffer. What a slow link charges
+// for: a ZeRO stage that reduce-scatters and all-gathers moves what an all-reduce moves.
+std::size_t wire_bytes(const CollectiveOp& op, int world);
 
 // nullptr on success; otherwise the reason (TimeoutError, MismatchError, CommError).
 using CollectiveDone = std::function<void(std::exception_ptr)>;

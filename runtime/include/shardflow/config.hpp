@@ -71,11 +71,19 @@ struct BucketConfig {
 // Runtime::configure_optimizer(); set without it, the first backward stops with an error.
 struct ZeroConfig {
   // ddp: every rank keeps all optimizer state. optimizer_state (ZeRO-1): each rank keeps the
-  // optimizer state of its shard; gradients are all-reduced, updated parameters synced from their
-  // owners. gradients (ZeRO-2): as 1, but gradients are reduce-scattered (flat partition) so a
-  // rank only receives its shard's.
+  // optimizer state of its shard and steps it; updated parameters are synced from their owners.
+  // gradients (ZeRO-2): as 1, and a rank holds only its shard of the reduced gradients (its
+  // buckets are pooled: Note [Pooled buckets (ZeRO-2)]).
   ZeroStage stage = ZeroStage::ddp;
   Partition partition = Partition::flat;
+  // Stages 1 and 2 with the flat partition reduce each bucket by reduce-scatter: a rank receives
+  // only its slice's averaged gradient, which is all its step reads (Megatron's distributed
+  // optimizer, DeepSpeed's reduce_scatter), so reduce-scatter + all-gather of the parameters moves
+  // what DDP's all-reduce moves. Off (stage 1 only): an all-reduce, every rank's bucket holding the
+  // whole averaged gradient until its step (1.5x DDP's bytes). A comm hook replaces the reduction
+  // with its own all-reduces either way. The param and bucket partitions own pieces of unequal
+  // size and always all-reduce.
+  bool reduce_scatter = true;
   Overlap overlap = Overlap::none;
   // Interleaved overlap: bucket b's parameter sync goes out right after the reduction of bucket
   // b + interleave_lag (the same order on every rank; Note [Collective schedule]). 0: each sync as

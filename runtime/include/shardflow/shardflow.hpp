@@ -18,6 +18,7 @@
 
 #include <array>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -104,7 +105,11 @@ struct IterationStats {
   double optimizer_ms = 0;  // the shard's steps (host time; on a GPU: enqueueing)
   std::size_t buckets = 0;
   std::size_t buckets_done_in_backward = 0;  // reduced, stepped and synced before backward ended
-  std::array<std::uint64_t, 5> bytes{};      // bytes moved per CollectiveKind (allreduce, ...)
+  std::array<std::uint64_t, 5> bytes{};      // bytes moved per CollectiveKind (allreduce, ...): the buffers
+  // What this rank put on the link (wire_bytes in communicator.hpp: an all-reduce's buffer counts
+  // 2 (N - 1) / N, a reduce-scatter's, all-gather's or broadcast's (N - 1) / N). ZeRO-1 and -2 with
+  // the flat partition move what DDP moves.
+  std::uint64_t wire_bytes = 0;
 };
 struct RuntimeStats {
   std::vector<IterationStats> steps;  // the most recent iterations (up to 10,000)
@@ -227,9 +232,20 @@ class Runtime {
   // in forward before p is used, for every parameter (wait() then returns without waiting for the
   // updates, so they overlap the next forward). Without prefetch it returns at once.
   void wait_param(Param p);
-  // Every parameter's update landed. Needed before a collective of the trainer's own on the same
-  // communicator (it would race the runtime's syncs), before saving, and at the end of training.
+  // Every parameter's update landed. Needed before saving, at the end of training, and before a
+  // collective of the trainer's own issued on the communicator directly (it would race the
+  // runtime's syncs; Runtime::collective does not).
   void wait_all_params();
+  // A collective of the trainer's own (a loss, a metric) on the runtime's communicator, queued on
+  // its comm stream in the runtime's order: after every collective of the synchronised iterations
+  // so far (the parameter syncs that forward prefetch leaves running past wait() included) and
+  // before the next iteration's first, the same place on every rank. It neither races the
+  // runtime's collectives nor holds the trainer up until they are done: get() the future when the
+  // value is needed (at the next step, say; by then the next iteration's reductions are out, so it
+  // is ready). Returns at once. Call it between wait() and the next backward, every rank the same
+  // collectives in the same order; the op's buffers must stay valid until the future is ready.
+  // get() rethrows a failure (TimeoutError, CommError; UsageError when called during backward).
+  std::future<void> collective(CollectiveOp op);
 
   // Gradient accumulation: while set, backward passes accumulate locally and wait() returns at
   // once; the first backward after clearing it reduces the accumulated gradients.

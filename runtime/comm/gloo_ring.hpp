@@ -1,0 +1,47 @@
+// A reduce-scatter that Gloo's new-style API lacks, built on its unbound buffers (Note [Ring
+// reduce-scatter]). Runs on the rank's comm stream, like every Gloo collective.
+#pragma once
+
+#include <gloo/context.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+// Note [Ring reduce-scatter]
+// Every rank's `send` holds world blocks of `count` elements; block r, summed over the ranks and
+// multiplied by `scale`, lands in rank r's `recv` (which may be block r of its own `send`: in
+// place). Around the ring rank -> rank + 1, world - 1 steps: in step s a rank passes on the
+// partial sum of block (rank - 1 - s) mod world (its own values in step 0) and receives the
+// partial sum of block (rank - 2 - s), to which it adds its own values; the last step receives
+// its own block. Each rank sends and receives (world - 1) / world of the buffer, half of what an
+// all-reduce of a copy moved. Each step's block travels in segments so that adding one segment
+// overlaps the next one's transfer and the next step's send starts before the block is whole.
+// 16-bit blocks are summed through fp32 and travel rounded, as Gloo's own 16-bit reductions do.
+// Deterministic: every element's sum is taken in the same ring order on every run.
+class GlooRing {
+ public:
+  GlooRing(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout);
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag);
+
+  // Bytes per segment: large enough that a segment's latency is small next to its transfer, small
+  // enough that a step's first segment goes on before its block has arrived whole.
+  static constexpr std::size_t kSegmentBytes = std::size_t{256} << 10;
+
+ private:
+  void wait_recv(gloo::transport::UnboundBuffer& b, const char* what);
+  void wait_send(gloo::transport::UnboundBuffer& b);
+
+  std::shared_ptr<gloo::Context> context_;
+  std::chrono::milliseconds timeout_;
+  int rank_, world_;
+  std::vector<std::byte> scratch_;  // two blocks: step s receives into half s % 2
+};
+
+}  // namespace shardflow
