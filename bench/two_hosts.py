@@ -193,6 +193,7 @@ def link_rows(build, sizes):
     outs = run_both([launcher(build, h, n, 2, 1, prog) for h, n in (("a", 0), ("b", 1))], "bench_collectives")
     ms = {}
     for line in "\n".join(outs).splitlines():
+        line = line[line.find("|"):] if "|" in line else ""  # the launcher's "[rank 0] " prefix
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 5 and cells[0] == "gloo" and cells[2] in ("allreduce", "reduce_scatter", "allgather"):
             ms[cells[2]] = float(cells[4]) / 1e3

@@ -2,7 +2,6 @@
 // stream), never on a CAF or trainer thread. Gloo sums; the average is applied right after on the
 // same thread (Gloo's algorithms take no scale). Gloo's all-reduce and all-gather are rings already;
 // its new-style API has no reduce-scatter, so that one is ours (runtime/comm/gloo_ring.hpp).
-#include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -132,19 +131,9 @@ class GlooComm final : public Communicator {
           // the buffer each way, half of what an all-reduce of a copy moved.
           ring_->reduce_scatter(op.send, op.recv, op.count, op.dtype, op.scale, tag);
           return;
-        case CollectiveKind::allgather: {
-          if (op.count == 0) return;
-          gloo::AllgatherOptions o(context_);
-          // In place (this rank's block already where the output wants it, as ZeRO's syncs have
-          // it): no input, or Gloo would memcpy the block onto itself.
-          if (op.send != static_cast<const std::byte*>(op.recv) + std::size_t(rank_) * op.count * es)
-            o.setInput(const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(op.send)), op.count * es);
-          o.setOutput(static_cast<std::uint8_t*>(op.recv), op.count * es * std::size_t(world_));
-          o.setTag(tag);
-          o.setTimeout(timeout_);
-          gloo::allgather(o);
+        case CollectiveKind::allgather:
+          ring_->allgather(op.send, op.recv, op.count, op.dtype, tag);
           return;
-        }
         case CollectiveKind::broadcast: {
           if (op.count == 0) return;
           gloo::BroadcastOptions o(context_);

@@ -4,6 +4,7 @@
 #include <gloo/types.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "kernels/cpu/elementwise.hpp"
@@ -15,6 +16,17 @@ namespace {
 // Gloo gives each collective kind a slot prefix (gloo/types.h uses 0x01-0x08); ours stays clear
 // of them, so a reduce-scatter and a Gloo collective with the same tag never match each other.
 constexpr std::uint8_t kReduceScatterSlotPrefix = 0x40;
+constexpr std::uint8_t kRingAllgatherSlotPrefix = 0x41;
+
+// A block cut into segments of GlooRing::kSegmentBytes (the last one shorter).
+struct Segments {
+  Segments(std::size_t elems, std::size_t es) : es(es), per(std::max<std::size_t>(1, GlooRing::kSegmentBytes / es)), elems(elems) {
+    count = (elems + per - 1) / per;
+  }
+  std::size_t offset(std::size_t k) const { return k * per * es; }
+  std::size_t bytes(std::size_t k) const { return std::min(per, elems - k * per) * es; }
+  std::size_t es, per, elems, count = 0;
+};
 
 }  // namespace
 
@@ -44,45 +56,71 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
   const int right = (rank_ + 1) % world_, left = (rank_ + world_ - 1) % world_;
   auto block_of = [&](int s) { return std::size_t(((s % world_) + world_) % world_); };
   const auto* local = static_cast<const std::byte*>(send);
+  const Segments seg(count, es);
 
-  const std::size_t seg_elems = std::max<std::size_t>(1, kSegmentBytes / es);
-  const std::size_t segments = (count + seg_elems - 1) / seg_elems;
-  auto seg_len = [&](std::size_t k) { return std::min(seg_elems, count - k * seg_elems) * es; };
-
-  scratch_.resize(2 * block);
-  auto in = context_->createUnboundBuffer(const_cast<void*>(send), std::size_t(world_) * block);
-  std::unique_ptr<gloo::transport::UnboundBuffer> half[2] = {
-      context_->createUnboundBuffer(scratch_.data(), block), context_->createUnboundBuffer(scratch_.data() + block, block)};
-  std::size_t pending[2] = {0, 0};  // sends out of each half not yet known complete
-
+  // Every step's partial sum lands in a block of its own, so every receive is posted before the
+  // first send: the peers' "ready to receive" notices then never queue behind our data on the
+  // connection (posted after the sends, they arrived a whole block late and the ring ran at half
+  // its speed in one direction).
+  const int steps = world_ - 1;
+  scratch_.resize(std::size_t(steps) * block);
+  auto partial = context_->createUnboundBuffer(scratch_.data(), scratch_.size());
+  for (int s = 0; s < steps; ++s)
+    for (std::size_t k = 0; k < seg.count; ++k) partial->recv(left, slot, std::size_t(s) * block + seg.offset(k), seg.bytes(k));
   // Step 0 passes this rank's own values of block rank - 1.
+  auto in = context_->createUnboundBuffer(const_cast<void*>(send), std::size_t(world_) * block);
   const std::size_t first = block_of(rank_ - 1) * block;
-  for (std::size_t k = 0; k < segments; ++k) in->send(right, slot, first + k * seg_elems * es, seg_len(k));
+  for (std::size_t k = 0; k < seg.count; ++k) in->send(right, slot, first + seg.offset(k), seg.bytes(k));
 
-  for (int s = 0; s < world_ - 1; ++s) {
-    auto& buf = *half[s % 2];
-    std::byte* base = scratch_.data() + std::size_t(s % 2) * block;
-    // This half was passed on two steps ago: those sends must be out before it is overwritten.
-    for (; pending[s % 2] > 0; --pending[s % 2]) wait_send(buf);
-    for (std::size_t k = 0; k < segments; ++k) buf.recv(left, slot, k * seg_elems * es, seg_len(k));
-    const bool last = s == world_ - 2;
+  std::size_t sent = 0;
+  for (int s = 0; s < steps; ++s) {
+    std::byte* base = scratch_.data() + std::size_t(s) * block;
+    const bool last = s == steps - 1;
     const std::byte* mine = local + block_of(rank_ - 2 - s) * block;  // the last step: block rank
-    for (std::size_t k = 0; k < segments; ++k) {
-      wait_recv(buf, "a partial sum from the previous rank");
-      const std::size_t off = k * seg_elems * es, n = seg_len(k) / es;
+    for (std::size_t k = 0; k < seg.count; ++k) {
+      wait_recv(*partial, "a partial sum from the previous rank");
+      const std::size_t off = seg.offset(k), n = seg.bytes(k) / es;
       const void* srcs[2] = {base + off, mine + off};
       if (last) {
         kernels::reduce_sum(dtype, static_cast<std::byte*>(recv) + off, srcs, 2, n, scale);
       } else {
         kernels::reduce_sum(dtype, base + off, srcs, 2, n, 1.0f);
-        buf.send(right, slot, off, seg_len(k));
-        ++pending[s % 2];
+        partial->send(right, slot, std::size_t(s) * block + off, seg.bytes(k));
+        ++sent;
       }
     }
   }
-  for (std::size_t k = 0; k < segments; ++k) wait_send(*in);
-  for (int h = 0; h < 2; ++h)
-    for (; pending[h] > 0; --pending[h]) wait_send(*half[h]);
+  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*in);
+  for (; sent > 0; --sent) wait_send(*partial);
+}
+
+void GlooRing::allgather(const void* send, void* recv, std::size_t count, DType dtype, std::uint32_t tag) {
+  const std::size_t es = dtype_size(dtype);
+  const std::size_t block = count * es;
+  auto* out = static_cast<std::byte*>(recv);
+  auto block_of = [&](int s) { return std::size_t(((s % world_) + world_) % world_); };
+  if (count == 0) return;
+  if (send != out + std::size_t(rank_) * block) std::memcpy(out + std::size_t(rank_) * block, send, block);
+  if (world_ == 1) return;
+  const auto slot = gloo::Slot::build(kRingAllgatherSlotPrefix, tag);
+  const int right = (rank_ + 1) % world_, left = (rank_ + world_ - 1) % world_;
+  const Segments seg(count, es);
+  // Receives first, each straight into its block of the output (see reduce_scatter); step s
+  // receives block rank - 1 - s and passes on block rank - s.
+  auto buf = context_->createUnboundBuffer(out, std::size_t(world_) * block);
+  for (int s = 0; s < world_ - 1; ++s)
+    for (std::size_t k = 0; k < seg.count; ++k) buf->recv(left, slot, block_of(rank_ - 1 - s) * block + seg.offset(k), seg.bytes(k));
+  std::size_t sent = 0;
+  for (std::size_t k = 0; k < seg.count; ++k, ++sent) buf->send(right, slot, std::size_t(rank_) * block + seg.offset(k), seg.bytes(k));
+  for (int s = 0; s < world_ - 1; ++s)
+    for (std::size_t k = 0; k < seg.count; ++k) {
+      wait_recv(*buf, "a block from the previous rank");
+      if (s + 1 < world_ - 1) {  // pass it on as it arrives
+        buf->send(right, slot, block_of(rank_ - 1 - s) * block + seg.offset(k), seg.bytes(k));
+        ++sent;
+      }
+    }
+  for (; sent > 0; --sent) wait_send(*buf);
 }
 
 }  // namespace shardflow

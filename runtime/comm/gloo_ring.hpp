@@ -1,5 +1,6 @@
-// A reduce-scatter that Gloo's new-style API lacks, built on its unbound buffers (Note [Ring
-// reduce-scatter]). Runs on the rank's comm stream, like every Gloo collective.
+// A reduce-scatter that Gloo's new-style API lacks, and an all-gather that posts its receives
+// first, built on Gloo's unbound buffers (Note [Ring reduce-scatter]). Run on the rank's comm
+// stream, like every Gloo collective.
 #pragma once
 
 #include <gloo/context.h>
@@ -25,10 +26,19 @@ namespace shardflow {
 // overlaps the next one's transfer and the next step's send starts before the block is whole.
 // 16-bit blocks are summed through fp32 and travel rounded, as Gloo's own 16-bit reductions do.
 // Deterministic: every element's sum is taken in the same ring order on every run.
+//
+// Every receive is posted before the first send. Gloo's unbound sends wait for the receiver's
+// notice that its receive is posted, and that notice travels on the same TCP connection as the
+// receiver's own data: posted after a block of sends, it queued behind them, so on a 1 Gbit/s
+// link one direction of the exchange started a whole block late and a collective took up to 2x
+// its time (seen in traces of ZeRO-1 between two hosts; Gloo's own all-gather posts its send
+// first and has the same trouble, hence allgather() here).
 class GlooRing {
  public:
   GlooRing(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout);
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag);
+  // Block rank of recv (world blocks of count) from every rank's send (in place when send is that block).
+  void allgather(const void* send, void* recv, std::size_t count, DType dtype, std::uint32_t tag);
 
   // Bytes per segment: large enough that a segment's latency is small next to its transfer, small
   // enough that a step's first segment goes on before its block has arrived whole.
@@ -41,7 +51,7 @@ class GlooRing {
   std::shared_ptr<gloo::Context> context_;
   std::chrono::milliseconds timeout_;
   int rank_, world_;
-  std::vector<std::byte> scratch_;  // two blocks: step s receives into half s % 2
+  std::vector<std::byte> scratch_;  // reduce_scatter: world - 1 blocks, step s receives into block s
 };
 
 }  // namespace shardflow
