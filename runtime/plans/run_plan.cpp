@@ -29,6 +29,7 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   s.partition = cfg.zero.partition;
   s.first_cap_bytes = cfg.buckets.first_cap_bytes;
   s.cap_bytes = cfg.buckets.cap_bytes;
+  s.min_buckets = cfg.buckets.min_buckets;
   s.max_buckets_in_flight = cfg.zero.max_buckets_in_flight;
   s.state_slots = state_slots;
   s.comm_dtype = cfg.precision.comm_dtype;
@@ -40,16 +41,24 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   BucketCaps c;
   c.first = s.first_cap_bytes;
   c.cap = s.cap_bytes;
-  if (!(sharded(s) && s.stage == ZeroStage::gradients)) return c;
-  c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
-  const std::size_t slots = pool_buffers(c.grads_in_flight);
   std::size_t total = 0, largest = 0;
   const ParamSpec* big = nullptr;
   for (const auto& p : params) {
-    if (!p.requires_grad) continue;  // frozen: no gradient to shard
+    if (!p.requires_grad) continue;  // frozen: no gradient to reduce
     total += param_bytes(p);
     if (param_bytes(p) > largest) largest = param_bytes(p), big = &p;
   }
+  // Note [Buckets for small models]
+  // The overlap is a pipeline over buckets: reductions start once a bucket's gradients are in,
+  // steps once its reduction is, syncs once its step is, and with forward prefetch the next
+  // forward waits only for the bucket it needs. With one or two buckets every stage waits for
+  // nearly all of the one before. PyTorch's 25 MiB gives any model under 25 MiB one bucket
+  // after the first; below min_buckets x cap the cap follows the model instead. Smaller buckets
+  // cost a collective's latency each, which the first bucket's cap bounds from below.
+  if (s.min_buckets > 0) c.cap = std::min(c.cap, std::max(c.first, total / s.min_buckets));
+  if (!(sharded(s) && s.stage == ZeroStage::gradients)) return c;
+  c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
+  const std::size_t slots = pool_buffers(c.grads_in_flight);
   // The pool (the buckets in flight, the overrun and the staging buffers) gets two buckets of the
   // larger of the cap and the default cap, or what one bucket per slot of the largest parameter
   // needs; never more than sharding the gradients saves, so stage 2 never holds more than stage 1.

@@ -55,6 +55,7 @@ struct PlanSettings {
   Partition partition = Partition::flat;
   std::size_t first_cap_bytes = BucketConfig{}.first_cap_bytes;
   std::size_t cap_bytes = BucketConfig{}.cap_bytes;
+  std::size_t min_buckets = BucketConfig{}.min_buckets;
   std::size_t max_buckets_in_flight = 0;  // 0: the stage-2 default
   std::size_t state_slots = 0;            // fp32 words of optimizer state per owned element (SGD 0, momentum 1, Adam 2)
   DType comm_dtype = DType::f32;
