@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Overlap on real compute: mlp_train (16 x Linear(512, 512), world 2 as threads, AdamW, 1 MiB
+buckets, its default loss logging) on the simulated link, with the link's time per iteration set to
+--ratios x the iteration's compute (the same run over the in-process backend, no link).
+
+efficiency = (T_comp + T_comm - T_iter) / min(T_comp, T_comm): 1 when the shorter of compute and
+link hides entirely behind the longer, 0 when they add up. T_comm is the link model's own time for
+the iteration's collectives (Note [Simulated link]: rs/ag (N-1)(alpha + B/(N beta)) per bucket),
+T_iter the run's median iteration. Every configuration once per round, --reps rounds (A B A B).
+
+    python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+LAYERS, WIDTH, WORLD, BATCH = 16, 512, 2, 64
+LATENCY_US = 10.0
+MODES = {"none": ["--overlap", "none"], "after_backward": ["--overlap", "after_backward"],
+         "interleaved": ["--overlap", "interleaved"], "interleaved + prefetch": ["--overlap", "interleaved", "--forward-prefetch"]}
+
+
+def run(build, stage, flags, tmp, steps):
+    stats = os.path.join(tmp, "stats.json")
+    cmd = [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join([str(WIDTH)] * (LAYERS + 1)), "--steps", str(steps),
+           "--global-batch", str(BATCH), "--world-size", str(WORLD), "--optimizer", "adamw", "--lr", "1e-3",
+           "--zero-stage", str(stage), "--first-bucket-mb", "1", "--bucket-mb", "1", "--stats-json", stats, *flags]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    if out.returncode != 0:
+        sys.exit("overlap_real: mlp_train failed:\n" + out.stdout)
+    with open(stats) as f:
+        return json.load(f)["median"]["iteration_ms"]
+
+
+def link_ms(stage, gbytes_per_s):
+    """The sim link's time for one iteration: per layer-sized bucket a reduction and (stage >= 1) a sync."""
+    bucket = (WIDTH * WIDTH + WIDTH) * 4
+    per_op = (WORLD - 1) * (LATENCY_US * 1e3 + bucket / WORLD / gbytes_per_s) / 1e6  # ms; 1 GB/s = 1 byte/ns
+    ops = 2 if stage >= 1 else 0
+    if stage == 0:
+        per_op *= 2  # an all-reduce: twice a reduce-scatter's steps
+        ops = 1
+    return LAYERS * ops * per_op
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--ratios", default="1,2")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        comp = [run(build, args.stage, ["--overlap", "interleaved"], tmp, args.steps) for _ in range(args.reps)]
+        t_comp = statistics.median(comp)
+        print("compute alone (in-process backend, no link): %.2f ms (%s)" % (t_comp, ", ".join("%.2f" % c for c in comp)), flush=True)
+        for ratio in ratios:
+            # Solve the link's bandwidth for T_comm = ratio x T_comp.
+            target = ratio * t_comp
+            fixed = link_ms(args.stage, 1e30)
+            gbps = (link_ms(args.stage, 1.0) - fixed) / (target - fixed)
+            t_comm = link_ms(args.stage, gbps)
+            sim = ["--backend", "sim", "--sim-latency-us", str(LATENCY_US), "--sim-gbytes-per-s", "%.6f" % gbps]
+            runs = {m: [] for m in MODES}
+            for _ in range(args.reps):
+                for m, flags in MODES.items():
+                    runs[m].append(run(build, args.stage, sim + flags, tmp, args.steps))
+            print("\nlink/compute %.1f: link %.2f GB/s, T_comm %.2f ms" % (ratio, gbps, t_comm), flush=True)
+            res = {}
+            for m, v in runs.items():
+                t_iter = statistics.median(v)
+                eff = (t_comp + t_comm - t_iter) / min(t_comp, t_comm)
+                res[m] = {"runs_ms": v, "median_ms": t_iter, "efficiency": eff}
+                print("  %-24s %7.2f ms  efficiency %.2f  (%s)" % (m, t_iter, eff, ", ".join("%.2f" % x for x in v)), flush=True)
+            out["ratio %.1f" % ratio] = {"t_comp_ms": t_comp, "t_comm_ms": t_comm, "gbytes_per_s": gbps, "modes": res}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
