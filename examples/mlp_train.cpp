@@ -98,6 +98,11 @@ int main(int argc, char** argv) {
   app.add_option("--clip-grad-norm", opt.runtime.zero.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "micro-batches of --global-batch rows per optimizer step")->capture_default_str();
   app.add_flag("--forward-prefetch", opt.runtime.zero.forward_prefetch, "parameter syncs overlap the next forward (waited for per layer)");
+  app.add_option("--prefetch-syncs-in-backward", opt.runtime.zero.prefetch_syncs_in_backward,
+                 "forward prefetch: how many buckets' syncs go out during backward, the rest after it (-1: chosen from iteration 2)")
+      ->capture_default_str();
+  app.add_option("--max-buckets-in-flight", opt.runtime.zero.max_buckets_in_flight,
+                 "ZeRO-2: gradient buffers held at once (0: as many as the memory budget holds)")->capture_default_str();
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
@@ -146,6 +151,8 @@ int main(int argc, char** argv) {
                                  {"zero.partition", "--partition"},
                                  {"zero.reduce_scatter", "--no-reduce-scatter"},
                                  {"zero.forward_prefetch", "--forward-prefetch"},
+                                 {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
+                                 {"zero.max_buckets_in_flight", "--max-buckets-in-flight"},
                                  {"zero.clip_grad_norm", "--clip-grad-norm"},
                                  {"precision.comm_dtype", "--comm-dtype"},
                                  {"buckets.first_cap_bytes", "--first-bucket-mb"},
