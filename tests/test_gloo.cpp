@@ -47,7 +47,7 @@ TEST_CASE("gloo: every collective, element by element, worlds 2 and 3, sizes 0, 
 // Note [Ring reduce-scatter]: blocks that span several segments, in place (the block is the
 // rank's own slice of its send buffer, as ZeRO's buckets have it), 16-bit through fp32, the scale
 // fused in, and several in a row of different sizes so that one's segments never match another's.
-TEST_CASE("gloo: the ring reduce-scatter at world 4, in place, bf16 and scaled, several segments, back to back") {
+TEST_CASE("gloo: the ring reduce-scatter and all-gather at world 4, in place, bf16 and scaled, several segments, back to back") {
   TcpStoreServer server(store_opts());
   const int n = 4;
   auto comms = gloo_world(server, n, "ring/");
@@ -67,6 +67,12 @@ TEST_CASE("gloo: the ring reduce-scatter at world 4, in place, bf16 and scaled, 
         for (int k = 0; k < n; ++k) sum += value(k, std::size_t(r) * count + i);
         bad[std::size_t(r)] += mine[i] != sum * 0.25f;
       }
+      // The all-gather in place (ZeRO's syncs): block r is already where the output wants it.
+      std::vector<float> gathered(count * n, -1.0f);
+      for (std::size_t i = 0; i < count; ++i) gathered[std::size_t(r) * count + i] = value(r, i);
+      c.run(make(CollectiveKind::allgather, gathered.data() + std::size_t(r) * count, gathered.data(), count), 30s);
+      for (int k = 0; k < n; ++k)
+        for (std::size_t i = 0; i < count; ++i) bad[std::size_t(r)] += gathered[std::size_t(k) * count + i] != value(k, i);
       // bf16: small integers are exact, and so are their sums here.
       std::vector<std::uint16_t> b16(count * n), out(count);
       for (std::size_t i = 0; i < b16.size(); ++i) b16[i] = kernels::f32_to_bf16(value(r, i));

@@ -28,20 +28,23 @@ struct Segments {
   std::size_t es, per, elems, count = 0;
 };
 
+// Block k of a ring of `world`, for any k (rank - 1 - step may be negative).
+std::size_t ring_block(int k, int world) { return std::size_t(((k % world) + world) % world); }
+
 }  // namespace
 
 GlooRing::GlooRing(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout)
     : context_(std::move(context)), timeout_(timeout), rank_(context_->rank), world_(context_->size) {}
 
-void GlooRing::wait_recv(gloo::transport::UnboundBuffer& b, const char* what) {
+void GlooRing::wait_recv(gloo::transport::UnboundBuffer& b, const char* op, const char* what) {
   if (!b.waitRecv(timeout_))
-    throw CommError("gloo rank " + std::to_string(rank_) + ": reduce-scatter: receiving " + what + " from rank " +
+    throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": receiving " + what + " from rank " +
                     std::to_string((rank_ + world_ - 1) % world_) + " was aborted");
 }
 
-void GlooRing::wait_send(gloo::transport::UnboundBuffer& b) {
+void GlooRing::wait_send(gloo::transport::UnboundBuffer& b, const char* op) {
   if (!b.waitSend(timeout_))
-    throw CommError("gloo rank " + std::to_string(rank_) + ": reduce-scatter: a send to rank " + std::to_string((rank_ + 1) % world_) +
+    throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": a send to rank " + std::to_string((rank_ + 1) % world_) +
                     " was aborted");
 }
 
@@ -54,7 +57,6 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
   }
   const auto slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
   const int right = (rank_ + 1) % world_, left = (rank_ + world_ - 1) % world_;
-  auto block_of = [&](int s) { return std::size_t(((s % world_) + world_) % world_); };
   const auto* local = static_cast<const std::byte*>(send);
   const Segments seg(count, es);
 
@@ -69,16 +71,16 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
     for (std::size_t k = 0; k < seg.count; ++k) partial->recv(left, slot, std::size_t(s) * block + seg.offset(k), seg.bytes(k));
   // Step 0 passes this rank's own values of block rank - 1.
   auto in = context_->createUnboundBuffer(const_cast<void*>(send), std::size_t(world_) * block);
-  const std::size_t first = block_of(rank_ - 1) * block;
+  const std::size_t first = ring_block(rank_ - 1, world_) * block;
   for (std::size_t k = 0; k < seg.count; ++k) in->send(right, slot, first + seg.offset(k), seg.bytes(k));
 
   std::size_t sent = 0;
   for (int s = 0; s < steps; ++s) {
     std::byte* base = scratch_.data() + std::size_t(s) * block;
     const bool last = s == steps - 1;
-    const std::byte* mine = local + block_of(rank_ - 2 - s) * block;  // the last step: block rank
+    const std::byte* mine = local + ring_block(rank_ - 2 - s, world_) * block;  // the last step: block rank
     for (std::size_t k = 0; k < seg.count; ++k) {
-      wait_recv(*partial, "a partial sum from the previous rank");
+      wait_recv(*partial, "reduce-scatter", "a partial sum");
       const std::size_t off = seg.offset(k), n = seg.bytes(k) / es;
       const void* srcs[2] = {base + off, mine + off};
       if (last) {
@@ -90,15 +92,14 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
       }
     }
   }
-  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*in);
-  for (; sent > 0; --sent) wait_send(*partial);
+  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*in, "reduce-scatter");
+  for (; sent > 0; --sent) wait_send(*partial, "reduce-scatter");
 }
 
 void GlooRing::allgather(const void* send, void* recv, std::size_t count, DType dtype, std::uint32_t tag) {
   const std::size_t es = dtype_size(dtype);
   const std::size_t block = count * es;
   auto* out = static_cast<std::byte*>(recv);
-  auto block_of = [&](int s) { return std::size_t(((s % world_) + world_) % world_); };
   if (count == 0) return;
   if (send != out + std::size_t(rank_) * block) std::memcpy(out + std::size_t(rank_) * block, send, block);
   if (world_ == 1) return;
@@ -109,18 +110,18 @@ void GlooRing::allgather(const void* send, void* recv, std::size_t count, DType 
   // receives block rank - 1 - s and passes on block rank - s.
   auto buf = context_->createUnboundBuffer(out, std::size_t(world_) * block);
   for (int s = 0; s < world_ - 1; ++s)
-    for (std::size_t k = 0; k < seg.count; ++k) buf->recv(left, slot, block_of(rank_ - 1 - s) * block + seg.offset(k), seg.bytes(k));
+    for (std::size_t k = 0; k < seg.count; ++k) buf->recv(left, slot, ring_block(rank_ - 1 - s, world_) * block + seg.offset(k), seg.bytes(k));
   std::size_t sent = 0;
   for (std::size_t k = 0; k < seg.count; ++k, ++sent) buf->send(right, slot, std::size_t(rank_) * block + seg.offset(k), seg.bytes(k));
   for (int s = 0; s < world_ - 1; ++s)
     for (std::size_t k = 0; k < seg.count; ++k) {
-      wait_recv(*buf, "a block from the previous rank");
+      wait_recv(*buf, "all-gather", "a block");
       if (s + 1 < world_ - 1) {  // pass it on as it arrives
-        buf->send(right, slot, block_of(rank_ - 1 - s) * block + seg.offset(k), seg.bytes(k));
+        buf->send(right, slot, ring_block(rank_ - 1 - s, world_) * block + seg.offset(k), seg.bytes(k));
         ++sent;
       }
     }
-  for (; sent > 0; --sent) wait_send(*buf);
+  for (; sent > 0; --sent) wait_send(*buf, "all-gather");
 }
 
 }  // namespace shardflow

@@ -45,8 +45,8 @@ class GlooRing {
   static constexpr std::size_t kSegmentBytes = std::size_t{256} << 10;
 
  private:
-  void wait_recv(gloo::transport::UnboundBuffer& b, const char* what);
-  void wait_send(gloo::transport::UnboundBuffer& b);
+  void wait_recv(gloo::transport::UnboundBuffer& b, const char* op, const char* what);
+  void wait_send(gloo::transport::UnboundBuffer& b, const char* op);
 
   std::shared_ptr<gloo::Context> context_;
   std::chrono::milliseconds timeout_;
