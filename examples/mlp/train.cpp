@@ -148,16 +148,19 @@ struct LossLog {
   std::vector<StepReport> held;
 };
 
+void report_held(const TrainOptions& opt, LossLog& log) {
+  for (const auto& r : log.held)
+    if (opt.on_step) opt.on_step(r);
+  log.held.clear();
+}
+
 void resolve(Shared& sh, LossLog& log, std::vector<float>& local_losses) {
   if (!log.pending.valid()) return;
   log.pending.get();
   log.last_global = log.value;
   if (sh.opt.loss_every <= 1) local_losses[std::size_t(log.pending_step)] = log.value;  // already global: no reduction at the end
-  for (auto& r : log.held) {
-    r.loss = log.last_global;
-    if (sh.opt.on_step) sh.opt.on_step(r);
-  }
-  log.held.clear();
+  for (auto& r : log.held) r.loss = log.last_global;
+  report_held(sh.opt, log);
 }
 
 // The end of a step on any device: the global loss every loss_every steps, and rank 0's report.
@@ -180,11 +183,7 @@ void end_step(Shared& sh, int rank, Runtime& rt, int step, float loss, std::chro
     sh.result.step_ms.push_back(ms);
     log.held.push_back(StepReport{step, log.last_global, ms, rt.last_stats()});
   }
-  if (!log.pending.valid()) {  // nothing in flight: the report goes now
-    for (const auto& r : log.held)
-      if (opt.on_step) opt.on_step(r);
-    log.held.clear();
-  }
+  if (!log.pending.valid()) report_held(opt, log);  // nothing in flight: the report goes now
 }
 
 // After the last step: memory at the end, and rank 0's parameters, buckets and collectives.
@@ -219,7 +218,7 @@ Model initial_model(const Shared& sh) {
 // then the global loss and rank 0's report. `micro(x, y, rows, denom)` runs forward and backward
 // and returns the micro-batch's loss.
 using MicroBatch = std::function<float(const float* x, const float* y, int rows, double loss_denominator)>;
-void train_steps(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, Runtime& rt, const MicroBatch& micro,
+void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
                  const std::function<void(int step)>& update, int first_step) {
   const auto& opt = sh.opt;
   const int N = opt.world_size, B = opt.global_batch, local = B / N, K = opt.accumulate;
@@ -292,7 +291,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
     sh.result.memory[slot] = rt.memory_report();
   }
   train_steps(
-      sh, rank, comm, rt,
+      sh, rank, rt,
       [&](const float* x, const float* y, int rows, double denom) { return adapter->micro_batch(rt, x, y, rows, denom); },
       [&](int step) { adapter->after_step(rt, step); }, first_step);
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
