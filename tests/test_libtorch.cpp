@@ -13,6 +13,7 @@
 
 #include <doctest/doctest.h>
 
+#include "gpt/model.hpp"  // examples/gpt: the tied-embedding transformer gpt_train trains
 #include "helpers.hpp"
 
 using namespace shardflow;
@@ -224,4 +225,70 @@ TEST_CASE("libtorch: frozen parameters stay as they are; bad parameters are refu
   CHECK_THROWS_WITH_AS(libtorch::DataParallel(transposed, comms->communicator(0)), doctest::Contains("'odd' is not contiguous"), UsageError);
   Odd doubles(torch::randn({3}, torch::kDouble));
   CHECK_THROWS_WITH_AS(libtorch::DataParallel(doubles, comms->communicator(0)), doctest::Contains("parameter 'odd' is Double"), UsageError);
+}
+
+TEST_CASE("libtorch GPT: the tied embedding is one parameter in one bucket, ready once, reduced once, its gradient both uses' sum") {
+  // examples/gpt's transformer: wte is read at the start of forward and again by the head at its
+  // end, so autograd adds two gradients into it, the last at the very end of backward. It must be
+  // registered once, marked ready once (after both adds: the runtime refuses a second mark) and
+  // reduced with its bucket once, and the averaged gradient must hold both uses.
+  constexpr int world = 2, rows = 4, T = 8;
+  gpt::GptConfig cfg;
+  cfg.vocab = 11;
+  cfg.context = T;
+  cfg.layers = 1;
+  cfg.d_model = 16;
+  cfg.heads = 2;
+  torch::manual_seed(4);
+  std::vector<gpt::Gpt> nets;
+  for (int r = 0; r < world; ++r) nets.emplace_back(cfg);  // rank 1's weights become rank 0's
+  const auto x = torch::randint(cfg.vocab, {rows, T}, torch::kLong), y = torch::randint(cfg.vocab, {rows, T}, torch::kLong);
+  auto loss_of = [&](gpt::Gpt& net, const torch::Tensor& xs, const torch::Tensor& ys) {
+    return torch::nn::functional::cross_entropy(net->forward(xs).view({-1, cfg.vocab}), ys.view({-1}));
+  };
+  // The reference: one copy of the model on the whole batch (the mean of the two halves' losses).
+  gpt::Gpt ref(cfg);
+  {
+    torch::NoGradGuard no_grad;
+    auto src = nets[0]->named_parameters();
+    for (auto& item : ref->named_parameters()) item.value().copy_(src[item.key()]);
+  }
+  loss_of(ref, x, y).backward();
+  const auto want = ref->wte->weight.grad().clone();
+
+  auto comms = InProcessWorld::create(world, 30s);
+  std::vector<torch::Tensor> got(world);
+  test::require_all_ok(test::run_ranks(world, [&](int r) {
+    auto& net = nets[std::size_t(r)];
+    libtorch::Options o;
+    o.config.timeouts.collective = 30s;
+    o.config.buckets.first_cap_bytes = 1024;  // several buckets
+    o.config.buckets.cap_bytes = 4096;
+    libtorch::DataParallel ddp(*net, comms->communicator(r), o);
+    Runtime& rt = ddp.runtime();
+    CHECK(rt.num_params() == net->named_parameters().size());
+    int holding = 0;
+    for (const auto& b : rt.buckets()) holding += int(std::count(b.params.begin(), b.params.end(), "wte.weight"));
+    CHECK(holding == 1);
+    for (int step = 0; step < 2; ++step) {  // the second after the buckets' rebuild in arrival order
+      const auto before = rt.collective_log().size();
+      ddp.zero_grad();
+      ddp.backward(loss_of(net, x.narrow(0, r * rows / world, rows / world), y.narrow(0, r * rows / world, rows / world)));
+      // One reduction per bucket, wte's bucket's among them once (the first iteration also
+      // broadcasts the rebuilt order).
+      const auto log = rt.collective_log();
+      std::map<std::string, int> reduced;
+      for (auto i = before; i < log.size(); ++i)
+        if (log[i].rfind("allreduce bucket ", 0) == 0) ++reduced[log[i].substr(0, log[i].find(' ', 17))];
+      const auto buckets = rt.buckets();
+      CHECK(reduced.size() == buckets.size());
+      for (const auto& b : buckets)
+        if (std::count(b.params.begin(), b.params.end(), "wte.weight")) CHECK(reduced["allreduce bucket " + std::to_string(b.index)] == 1);
+    }
+    got[std::size_t(r)] = net->wte->weight.grad().clone();
+  }));
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    CHECK((got[std::size_t(r)] - want).norm().item<double>() <= 1e-5 * want.norm().item<double>());
+  }
 }

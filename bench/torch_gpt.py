@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""examples/gpt_train's model, data and schedule in PyTorch: the reference the GPT is checked and
+timed against (Debian's python3-torch 1.13, CPU, Gloo).
+
+The module has gpt_train's parameter names (wte, wpe, h.N.attn.c_attn, ..., ln_f; the head is wte's
+weight), starts from the safetensors file `gpt_train --save-init` writes, draws the same windows
+(Note [GPT batches] in examples/gpt/text.hpp: splitmix64 of the seed, step and global row) and
+follows the same warm-up + cosine schedule with the same two AdamW groups. So after N steps
+PyTorch DDP + AdamW ends where shardflow ends, and their step times compare like for like.
+
+  # ranks as processes on loopback (the tests):
+  torch_gpt.py --spawn 2 --data D --init I --steps 20 --save OUT.safetensors [model flags]
+  # one rank of a job whose ranks meet through a FileStore (bench/two_hosts.py, in namespaces):
+  torch_gpt.py --rank R --world W --store FILE --data D --init I --steps 20 --timing OUT.json
+  # --zero: DDP + ZeroRedundancyOptimizer instead of DDP + AdamW
+
+numpy and torch only; the files are read and written by hand (no safetensors package).
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+
+MASK = (1 << 64) - 1
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    kinds = {"F32": "<f4", "U8": "u1", "I64": "<i8"}
+    out = {}
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = v["data_offsets"]
+        out[name] = np.frombuffer(data[b:e], dtype=kinds[v["dtype"]]).reshape(v["shape"])
+    return out
+
+
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, arr in tensors.items():
+        blob = np.ascontiguousarray(arr, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [off, off + len(blob)]}
+        blobs.append(blob)
+        off += len(blob)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def window_start(seed, step, row, tokens, context):
+    """gpt::window_start, bit for bit."""
+    return splitmix64(splitmix64(seed) ^ ((step << 20 | row) & MASK)) % (tokens - context)
+
+
+def batch(train, seed, step, first_row, rows, context):
+    starts = [window_start(seed, step, first_row + r, len(train), context) for r in range(rows)]
+    x = np.stack([train[s:s + context] for s in starts]).astype(np.int64)
+    y = np.stack([train[s + 1:s + context + 1] for s in starts]).astype(np.int64)
+    return x, y
+
+
+def lr_at(peak, step, warmup, steps):
+    """gpt::lr_at (examples/gpt/schedule.hpp), in its float32 and double steps."""
+    peak = np.float32(peak)
+    if step < warmup:
+        return float(peak * np.float32(step + 1) / np.float32(warmup))
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    top = float(peak)
+    floor = 0.1 * top
+    return float(np.float32(floor + (top - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))))
+
+
+def make_gpt(vocab, context, layers, d_model, heads):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(d_model, 3 * d_model)
+            self.c_proj = nn.Linear(d_model, d_model)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            hd = C // heads
+            q, k, v = (t.view(B, T, heads, hd).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+            att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            future = torch.ones(T, T, dtype=torch.bool).triu(1)
+            att = torch.softmax(att.masked_fill(future, float("-inf")), -1)
+            return self.c_proj(torch.matmul(att, v).transpose(1, 2).contiguous().view(B, T, C))
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = nn.Linear(d_model, 4 * d_model)
+            self.c_proj = nn.Linear(4 * d_model, d_model)
+
+        def forward(self, x):
+            return self.c_proj(F.gelu(self.c_fc(x)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(d_model)
+            self.attn = Attention()
+            self.ln_2 = nn.LayerNorm(d_model)
+            self.mlp = Mlp()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class Gpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, d_model)
+            self.wpe = nn.Embedding(context, d_model)
+            self.h = nn.ModuleList([Block() for _ in range(layers)])
+            self.ln_f = nn.LayerNorm(d_model)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.h:
+                x = block(x)
+            return F.linear(self.ln_f(x), self.wte.weight)  # tied head
+
+    return Gpt()
+
+
+def run_rank(rank, world, init_method, a):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(a.threads)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    corpus = read_safetensors(a.data)
+    train = corpus["train"]
+    model = make_gpt(len(corpus["vocab"]), a.context, a.layers, a.d_model, a.heads)
+    init = read_safetensors(a.init)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(init[name].copy()))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    flat = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": flat, "weight_decay": 0.0}]
+    if a.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
+        opt.add_param_group({"params": flat, "weight_decay": 0.0})
+    else:
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
+    local = a.batch // world
+    times = []
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(a.lr, step, a.warmup, a.steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batch(train, a.seed, step, rank * local, local, a.context)
+        opt.zero_grad()
+        logits = ddp(torch.from_numpy(x))
+        F.cross_entropy(logits.view(-1, logits.shape[-1]), torch.from_numpy(y).view(-1)).backward()
+        opt.step()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    if rank == 0:
+        if a.save:
+            write_safetensors(a.save, {n: p.detach().numpy() for n, p in model.named_parameters()})
+        if a.timing:
+            steady = sorted(times[2:] if len(times) > 4 else times)
+            with open(a.timing, "w") as f:
+                json.dump({"median_step_ms": steady[len(steady) // 2], "steps_ms": times}, f)
+    dist.destroy_process_group()
+
+
+def spawned(rank, world, port, a):
+    run_rank(rank, world, f"tcp://127.0.0.1:{port}", a)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spawn", type=int, help="start this many ranks on loopback")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--world", type=int)
+    p.add_argument("--store", help="FileStore path the ranks meet at")
+    p.add_argument("--data", required=True)
+    p.add_argument("--init", required=True, help="gpt_train --save-init's file")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--bucket-mb", type=float, default=25)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    p.add_argument("--zero", action="store_true", help="DDP + ZeroRedundancyOptimizer(AdamW)")
+    p.add_argument("--save", help="rank 0's final parameters (safetensors)")
+    p.add_argument("--timing", help="rank 0's median step (JSON)")
+    a = p.parse_args()
+    if a.spawn:
+        import torch.multiprocessing as mp
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(spawned, args=(a.spawn, port, a), nprocs=a.spawn, join=True)
+    elif a.rank is not None and a.world and a.store:
+        run_rank(a.rank, a.world, "file://" + a.store, a)
+    else:
+        sys.exit("torch_gpt.py: give --spawn N, or --rank, --world and --store")
+
+
+if __name__ == "__main__":
+    main()
