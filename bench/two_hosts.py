@@ -14,10 +14,16 @@
    all-reduce, reduce-scatter and all-gather of the model's fp32 bytes between the hosts) and the
    compute alone (mlp_train at world 1). Every configuration once per round, --reps rounds (A B A
    B), medians; --png draws it.
+4. --gpt: the same for examples/gpt_train (the default 10.7 M-parameter GPT, 8 sequences of 64
+   characters per rank) against bench/torch_gpt.py's PyTorch DDP and DDP + ZeroRedundancyOptimizer,
+   at 1 and/or 2 ranks per host; --trace-dir traces the best shardflow row and draws its median
+   iteration with tools/trace_plot.py.
 
 Root only. Usage: sudo python3 bench/two_hosts.py --build build [--reps 3] [--json out.json]
        sudo /usr/bin/python3 bench/two_hosts.py --build build --table [--rates 1gbit,10gbit,off]
             [--models 512x8,1024x8] [--reps 3] [--json bench/two_hosts_link.json] [--png bench/two_hosts_link.png]
+       sudo /usr/bin/python3 bench/two_hosts.py --build build --gpt [--rates 1gbit,10gbit] [--ranks-per-host 1,2]
+            [--reps 2] [--json bench/two_hosts_gpt.json] [--png bench/two_hosts_gpt.png] [--trace-dir bench/gpt_traces]
 """
 import argparse
 import json
@@ -185,12 +191,14 @@ def world1_row(build, sizes, tmp):
         return json.load(f)["median"]["iteration_ms"]
 
 
-def link_rows(build, sizes):
+def link_rows(build, sizes=None, nbytes=None, per_host=1):
     """bench_collectives between the hosts on the model's fp32 bytes: {op: ms}."""
-    psi = sum(sizes[i] * sizes[i + 1] + sizes[i + 1] for i in range(len(sizes) - 1))
-    nbytes = psi * 4 // 8 * 8  # divisible by the world's blocks
+    if nbytes is None:
+        psi = sum(sizes[i] * sizes[i + 1] + sizes[i + 1] for i in range(len(sizes) - 1))
+        nbytes = psi * 4
+    nbytes = nbytes // 64 * 64  # divisible by the world's blocks
     prog = [os.path.join(build, "bench/bench_collectives"), "--backend", "gloo", "--bytes", str(nbytes), "--reps", "6"]
-    outs = run_both([launcher(build, h, n, 2, 1, prog) for h, n in (("a", 0), ("b", 1))], "bench_collectives")
+    outs = run_both([launcher(build, h, n, 2, per_host, prog) for h, n in (("a", 0), ("b", 1))], "bench_collectives")
     ms = {}
     for line in "\n".join(outs).splitlines():
         line = line[line.find("|"):] if "|" in line else ""  # the launcher's "[rank 0] " prefix
@@ -250,7 +258,115 @@ def table(args, build):
         plot(out, args.png)
 
 
-def plot(out, png):
+# --gpt: examples/gpt_train against bench/torch_gpt.py (the same model, windows and AdamW groups)
+# on the rate-limited link, --ranks-per-host 1 and/or 2. Each rank takes GPT_ROWS sequences of the
+# global batch. shardflow rows are gpt_train flags.
+GPT_ROWS = 8
+GPT_STEPS = 12
+GPT_ROWS_SHARDFLOW = {
+    "shardflow ZeRO-0 (DDP)": ["--zero-stage", "0"],
+    "shardflow ZeRO-1 none": ["--zero-stage", "1", "--overlap", "none"],
+    "shardflow ZeRO-1 interleaved": ["--zero-stage", "1", "--overlap", "interleaved"],
+    "shardflow ZeRO-1 interleaved + prefetch": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch"],
+    "shardflow ZeRO-2 interleaved + prefetch": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
+}
+
+
+def gpt_cmd(build, world, flags, steps=GPT_STEPS):
+    return [os.path.join(build, "examples/gpt_train"), "--batch", str(GPT_ROWS * world), "--steps", str(steps),
+            "--sample-chars", "0", "--eval-windows", "16", "--log-every", str(steps), "--timeout", "600", *flags]
+
+
+def median_step(outs):
+    for line in "\n".join(outs).splitlines():
+        if "median step " in line:
+            return float(line.split("median step ")[1].split(" ms")[0])
+    sys.exit("two_hosts: no 'median step' line in:\n" + "\n".join(outs))
+
+
+def gpt_shardflow_row(build, per_host, flags, trace=None):
+    prog = gpt_cmd(build, 2 * per_host, ["--backend", "gloo", *flags] + (["--trace", trace] if trace else []),
+                   steps=GPT_STEPS + (4 if trace else 0))
+    outs = run_both([launcher(build, h, n, 2, per_host, prog) for h, n in (("a", 0), ("b", 1))], "gpt_train " + " ".join(flags))
+    return median_step(outs)
+
+
+def gpt_torch_row(per_host, zero, init, data, tmp):
+    store, out = os.path.join(tmp, "torch_store"), os.path.join(tmp, "torch.json")
+    for f in (store, out):
+        if os.path.exists(f):
+            os.remove(f)
+    world = 2 * per_host
+    argvs = [["ip", "netns", "exec", "%s-%s" % (NAME, h), "env", "GLOO_SOCKET_IFNAME=%s%s" % (NAME, h), "/usr/bin/python3",
+              os.path.join(HERE, "torch_gpt.py"), "--rank", str(node * per_host + local), "--world", str(world), "--store", store,
+              "--data", data, "--init", init, "--steps", str(GPT_STEPS), "--batch", str(GPT_ROWS * world), "--threads", "1",
+              "--timing", out] + (["--zero"] if zero else [])
+             for h, node in (("a", 0), ("b", 1)) for local in range(per_host)]
+    run_both(argvs, "PyTorch GPT" + (" + ZeroRedundancyOptimizer" if zero else ""))
+    with open(out) as f:
+        return json.load(f)["median_step_ms"]
+
+
+def gpt_table(args, build):
+    data = os.path.join(build, "data", "fortunes.safetensors")
+    torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
+    rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(GPT_ROWS_SHARDFLOW)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o777)
+        init = os.path.join(tmp, "init.safetensors")
+        run_both([gpt_cmd(build, 1, ["--save-init", init], steps=0)], "gpt_train --save-init")
+        nbytes = os.path.getsize(init)  # the fp32 parameters (and a small header)
+        for rate in args.rates.split(","):
+            sh("rate", NAME, rate)
+            for per_host in [int(x) for x in args.ranks_per_host.split(",")]:
+                key = "GPT, 2 hosts x %d rank%s, link %s" % (per_host, "s" if per_host > 1 else "", "unshaped" if rate == "off" else rate)
+                runs = {r: [] for r in rows}
+                runs["compute alone (world 1)"] = []
+                links = []
+                for rep in range(args.reps):  # A B A B
+                    links.append(link_rows(build, nbytes=nbytes, per_host=per_host))
+                    runs["compute alone (world 1)"].append(median_step(run_both(
+                        [["ip", "netns", "exec", NAME + "-a"] + gpt_cmd(build, 1, ["--threads", "1"])], "world 1")))
+                    for r in rows:
+                        if r.startswith("PyTorch"):
+                            runs[r].append(gpt_torch_row(per_host, "Zero" in r, init, data, tmp))
+                        else:
+                            runs[r].append(gpt_shardflow_row(build, per_host, GPT_ROWS_SHARDFLOW[r]))
+                    print("  %s round %d done" % (key, rep + 1), flush=True)
+                med = {r: statistics.median(v) for r, v in runs.items()}
+                link = {op: statistics.median(l[op] for l in links) for op in links[0]}
+                out[key] = {"runs_ms": runs, "median_ms": med, "link_ms": link, "param_bytes": nbytes}
+                bound = max(link.get("allreduce", 0.0), med["compute alone (world 1)"])
+                print("\n%s: link alone all-reduce of the parameters' bytes %.1f ms; compute alone %.1f ms; bound %.1f ms" %
+                      (key, link.get("allreduce", 0), med["compute alone (world 1)"], bound))
+                ref, zref = med.get("PyTorch DDP"), med.get("PyTorch DDP + ZeroRedundancyOptimizer")
+                for r in rows:
+                    print("  %-45s %8.1f ms  %.2fx bound%s%s" % (r, med[r], med[r] / bound, ", %.2fx PyTorch DDP" % (med[r] / ref) if ref else "",
+                                                             ", %.2fx PyTorch ZeRO" % (med[r] / zref) if zref else ""), flush=True)
+                if args.trace_dir:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    # The best shardflow row once more with a trace, drawn at its median iteration.
+                    best = min(GPT_ROWS_SHARDFLOW, key=lambda r: med[r])
+                    stem = os.path.join(tmp, "trace.json")
+                    gpt_shardflow_row(build, per_host, GPT_ROWS_SHARDFLOW[best], trace=stem)
+                    tag = key.replace("GPT, ", "gpt_").replace(" x ", "x").replace(" ", "_").replace(",", "")
+                    png = os.path.join(args.trace_dir, tag + ".png")
+                    traces = sorted(os.path.join(tmp, f) for f in os.listdir(tmp) if f.startswith("trace.rank"))
+                    subprocess.run(["/usr/bin/python3", os.path.join(HERE, "..", "tools", "trace_plot.py"), *traces, "-o", png], check=True)
+                    for t in traces:
+                        os.replace(t, os.path.join(args.trace_dir, tag + "." + os.path.basename(t).split(".", 1)[1]))
+                    out[key]["trace"] = {"row": best, "png": os.path.relpath(png, os.path.join(HERE, ".."))}
+                    print("  trace of '%s' -> %s" % (best, png), flush=True)
+        sh("rate", NAME, "off")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.png:
+        plot(out, args.png, "")
+
+
+def plot(out, png, what="MLP "):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -265,7 +381,7 @@ def plot(out, png):
         ax.axvline(link, color="#c44e52", linestyle="--", label="link alone: all-reduce of the model (%.0f ms)" % link)
         ax.axvline(med["compute alone (world 1)"], color="#55a868", linestyle=":", label="compute alone")
         ax.invert_yaxis()
-        ax.set_title("MLP %s, 2 hosts x 1 rank, Gloo, median step (ms)" % key, fontsize=10)
+        ax.set_title("%s%s%s, Gloo, median step (ms)" % (what, key, ", 2 hosts x 1 rank" if what else ""), fontsize=10)
         ax.tick_params(axis="y", labelsize=7)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -281,14 +397,17 @@ def main():
     ap.add_argument("--rates", default="1gbit,10gbit,off")
     ap.add_argument("--models", default="512x8,1024x8")
     ap.add_argument("--png")
+    ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/torch_gpt.py (4.)")
+    ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
+    ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("two_hosts: needs root (network namespaces)")
     build = os.path.abspath(args.build)
     sh("up", NAME)
-    if args.table:
+    if args.table or args.gpt:
         try:
-            table(args, build)
+            (gpt_table if args.gpt else table)(args, build)
         finally:
             sh("down", NAME)
         return

@@ -47,6 +47,7 @@ struct Args {
   float lr = 1e-3f, weight_decay = 0.1f, clip = 0.0f, temperature = 0.8f;
   double bucket_mb = 25, first_bucket_mb = 1, timeout_s = 300;
   std::uint64_t seed = 1;
+  int syncs_in_backward = -1;
   bool prefetch = false, quiet = false;
 };
 
@@ -140,13 +141,14 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   cfg.zero.overlap = parse_overlap(a.overlap);
   cfg.zero.partition = parse_partition(a.partition);
   cfg.zero.forward_prefetch = a.prefetch;
+  cfg.zero.prefetch_syncs_in_backward = a.syncs_in_backward;
   cfg.zero.clip_grad_norm = a.clip;
   cfg.buckets.cap_bytes = std::size_t(a.bucket_mb * 1048576.0);
   cfg.buckets.first_cap_bytes = std::size_t(a.first_bucket_mb * 1048576.0);
   cfg.timeouts.collective = std::chrono::milliseconds(std::int64_t(a.timeout_s * 1000));
   cfg.trace.path = a.trace;
   cfg.setting_names = {{"zero.stage", "--zero-stage"},         {"zero.overlap", "--overlap"},
-                       {"zero.partition", "--partition"},      {"zero.forward_prefetch", "--forward-prefetch"},
+                       {"zero.partition", "--partition"},      {"zero.forward_prefetch", "--forward-prefetch"}, {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
                        {"zero.clip_grad_norm", "--clip-grad-norm"}, {"buckets.cap_bytes", "--bucket-mb"},
                        {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"timeouts.collective", "--timeout"}};
   libtorch::DataParallel ddp(*net, comm, opts);  // rank 0's weights on every rank from here
@@ -273,6 +275,9 @@ int main(int argc, char** argv) {
   app.add_option("--overlap", a.overlap, "none | after_backward | interleaved: when the shards step")->capture_default_str();
   app.add_option("--partition", a.partition, "param | bucket | flat")->capture_default_str();
   app.add_flag("--forward-prefetch", a.prefetch, "parameter syncs land during the next forward, waited for block by block");
+  app.add_option("--prefetch-syncs-in-backward", a.syncs_in_backward,
+                 "with --forward-prefetch: parameter syncs sent during backward (-1: chosen from the second step)")
+      ->capture_default_str();
   app.add_option("--bucket-mb", a.bucket_mb, "bucket cap, MiB")->capture_default_str();
   app.add_option("--first-bucket-mb", a.first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--backend", a.backend, "under a launcher: auto (shm on one host, else gloo) | shm | gloo")->capture_default_str();

@@ -86,6 +86,7 @@ std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& se
     for (int s = 0; s < steps; ++s) {
       ddp.zero_grad();
       auto [x, y] = data.at(s, r, world);
+      if (o.config.zero.forward_prefetch) ddp.wait_for(*net);  // forward reads every parameter
       ddp.backward(torch::mse_loss(net->forward(x), y));
     }
     ddp.runtime().wait_all_params();
@@ -181,6 +182,35 @@ TEST_CASE("libtorch: gradient_as_bucket_view off, forward prefetch, no_sync accu
                 o.config.zero.stage = ZeroStage::gradients;
                 o.config.zero.forward_prefetch = true;
               }), want, 1e-5);
+}
+
+TEST_CASE("libtorch: forward prefetch, a forward that reads a parameter without wait_for() -> an error naming it, not last step's values") {
+  auto comms = InProcessWorld::create(2, 30s);
+  auto nets = models(2);
+  const Batches data(1);
+  std::vector<std::string> errors(2);
+  test::run_ranks(2, [&](int r) {
+    auto& net = nets[std::size_t(r)];
+    libtorch::Options o;
+    o.config.timeouts.collective = 5s;
+    o.config.zero.stage = ZeroStage::optimizer_state;
+    o.config.zero.forward_prefetch = true;
+    o.optimizer = OptimizerConfig{};
+    libtorch::DataParallel ddp(*net, comms->communicator(r), o);
+    ddp.zero_grad();
+    ddp.wait_for(*net->fc2);  // fc1 forgotten
+    auto [x, y] = data.at(0, r, 2);
+    try {
+      ddp.backward(torch::mse_loss(net->forward(x), y));
+    } catch (const UsageError& e) {
+      errors[std::size_t(r)] = e.what();
+    }
+  });
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(e.find("'fc1.") != std::string::npos);
+    CHECK(e.find("wait_for()") != std::string::npos);
+  }
 }
 
 TEST_CASE("libtorch: buffers (BatchNorm's running statistics) are rank 0's on every rank after each backward") {

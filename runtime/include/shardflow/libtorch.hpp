@@ -77,8 +77,8 @@ class DataParallel {
         own = torch::zeros_like(p, p.options().requires_grad(false));
         spec.grad = own.data_ptr();
       }
-      Entry e{p, rt_.register_param(spec), nullptr, nullptr, 0, own};
-      by_impl_[p.unsafeGetTensorImpl()] = e.handle;
+      Entry e{p, rt_.register_param(spec), nullptr, nullptr, 0, own, item.key()};
+      by_impl_[p.unsafeGetTensorImpl()] = Index{e.handle, entries_.size()};
       entries_.push_back(std::move(e));
     }
     if (entries_.empty()) throw UsageError("shardflow::libtorch::DataParallel: the module has no parameters");
@@ -104,23 +104,38 @@ class DataParallel {
   Runtime& runtime() { return rt_; }
 
   // Zeroes the buckets and points each trainable parameter's .grad() at its slot (the slots move
-  // once, when the buckets are rebuilt after the first iteration).
+  // once, when the buckets are rebuilt after the first iteration). With forward prefetch the views
+  // are pointed when backward starts instead (Note [Binding .grad() with forward prefetch]).
   void zero_grad() {
     rt_.zero_grad();
-    bind_all();
+    if (!prefetch_) bind_all();
   }
 
   // loss.backward(), with each gradient reduced as it completes; returns once the gradients are
   // averaged over the ranks (and, with the runtime's optimizer, the parameters stepped; with
   // forward prefetch the parameter syncs may still be landing: wait_for() each module in forward).
   void backward(const torch::Tensor& loss) {
+    if (prefetch_) bind_all();  // forward has waited for its parameters: no slot is still a sync's
     {
       auto span = rt_.span("backward", "backward");
       loss.backward();
     }
+    if (prefetch_) {
+      // A parameter forward read without wait_for() may have been read before its sync landed:
+      // refuse, naming it, rather than train on last step's values.
+      std::string unwaited;
+      for (auto& e : entries_) {
+        if (e.used && !e.waited && unwaited.empty()) unwaited = e.name;
+        e.used = e.waited = false;
+      }
+      if (!unwaited.empty())
+        throw UsageError("shardflow::libtorch::DataParallel: with forward prefetch (Config::zero.forward_prefetch) forward read parameter '" +
+                         unwaited + "' without wait_for() on its module first; its parameter sync may not have landed");
+    }
     rt_.finish_backward();
     rt_.wait();
-    bind_all();  // the first iteration's end rebuilt the buckets: .grad() follows the averages there
+    // The first iteration's end rebuilt the buckets: .grad() follows the averages there.
+    if (!prefetch_) bind_all();
   }
 
   // Gradient accumulation (DDP's no_sync): backward passes inside the guard's life accumulate
@@ -132,7 +147,8 @@ class DataParallel {
     for (const auto& p : submodule.parameters(/*recurse=*/true)) {
       auto it = by_impl_.find(p.unsafeGetTensorImpl());
       if (it == by_impl_.end()) throw UsageError("shardflow::libtorch::DataParallel::wait_for: a parameter of '" + submodule.name() + "' was not registered (another module's?)");
-      rt_.wait_param(it->second);
+      rt_.wait_param(it->second.handle);
+      entries_[it->second.index].waited = true;
     }
   }
 
@@ -144,6 +160,12 @@ class DataParallel {
     void* bound;  // the slot .grad() views
     std::uintptr_t hook_key;
     torch::Tensor own_grad;  // without gradient_as_bucket_view: the gradient's own storage
+    std::string name;
+    bool used = false, waited = false;  // this step: a gradient landed / wait_for() covered it
+  };
+  struct Index {
+    Param handle;
+    std::size_t index;
   };
 
   struct ReadyHook final : torch::autograd::FunctionPostHook {
@@ -159,6 +181,7 @@ class DataParallel {
 
   void grad_landed(std::size_t i) {
     auto& e = entries_[i];
+    e.used = true;
     const auto& g = e.param.grad();
     if (!g.defined() || g.data_ptr() != e.bound) {
       // Replaced behind our back (see the note): into the bucket once, and the view back.
@@ -204,9 +227,20 @@ class DataParallel {
     }
   }
 
+  // Note [Binding .grad() with forward prefetch]
+  // At ZeRO stages 1-2 a bucket is also its parameters' sync staging, so asking the runtime for a
+  // gradient slot (Runtime::grad) waits until that bucket's sync of the last step has landed.
+  // With forward prefetch the syncs are still landing when wait() returns, in the order the next
+  // forward needs them: binding every .grad() then (after wait(), or in zero_grad()) made the next
+  // forward wait for all of them, and the parameter all-gathers no longer overlapped it (a GPT at
+  // 1 Gbit/s: the forward started ~170 ms late, after the last sync). So with prefetch the views
+  // are bound when backward starts: by then forward has waited for every parameter it reads, and
+  // nothing reads .grad() in between (the runtime's optimizer steps; the bucket holds parameters
+  // until backward writes gradients into it).
   Runtime rt_;
+  bool prefetch_ = rt_.config().zero.forward_prefetch;
   std::vector<Entry> entries_;
-  std::unordered_map<const void*, Param> by_impl_;
+  std::unordered_map<const void*, Index> by_impl_;
 };
 
 }  // namespace shardflow::libtorch
