@@ -14,49 +14,22 @@ PyTorch DDP + AdamW ends where shardflow ends, and their step times compare like
   torch_gpt.py --rank R --world W --store FILE --data D --init I --steps 20 --timing OUT.json
   # --zero: DDP + ZeroRedundancyOptimizer instead of DDP + AdamW
 
-numpy and torch only; the files are read and written by hand (no safetensors package).
+numpy and torch only; tools/safetensors_np.py reads and writes the files (Debian has no python3-safetensors).
 """
 import argparse
 import json
 import math
 import os
 import socket
-import struct
 import sys
 import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from safetensors_np import load as read_safetensors, save as write_safetensors  # noqa: E402
+
 MASK = (1 << 64) - 1
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
-    kinds = {"F32": "<f4", "U8": "u1", "I64": "<i8"}
-    out = {}
-    for name, v in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = v["data_offsets"]
-        out[name] = np.frombuffer(data[b:e], dtype=kinds[v["dtype"]]).reshape(v["shape"])
-    return out
-
-
-def write_safetensors(path, tensors):
-    header, blobs, off = {}, [], 0
-    for name, arr in tensors.items():
-        blob = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [off, off + len(blob)]}
-        blobs.append(blob)
-        off += len(blob)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
 def splitmix64(x):
