@@ -50,7 +50,8 @@ struct Options {
 // no public API lets backward write into memory we choose. Readiness comes from a post hook on
 // each parameter's AccumulateGrad node, which runs right after the add — the moment DDP's reducer
 // marks a gradient ready. If something replaces a .grad() (module.zero_grad(true), an optimizer's
-// set_to_none), the gradient is copied into the bucket once and the view restored.
+// set_to_none), the gradient is copied into the bucket once and the view restored. At ZeRO-2 no
+// view is bound at all (Note [Gradients at ZeRO-2]).
 class DataParallel {
  public:
   // Registers `module`'s parameters (named_parameters order: registration order, the forward order
