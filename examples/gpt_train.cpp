@@ -33,6 +33,7 @@
 #include "shardflow/launch.hpp"
 #include "shardflow/libtorch.hpp"
 #include "shardflow/safetensors.hpp"
+#include "torch_params.hpp"
 
 namespace {
 
@@ -50,31 +51,6 @@ struct Args {
   int syncs_in_backward = -1;
   bool prefetch = false, quiet = false;
 };
-
-// The parameters as safetensors under the module's names (what --init and bench/torch_gpt.py read).
-void save_params(gpt::Gpt& net, const std::string& path) {
-  TensorMap out;
-  for (auto& item : net->named_parameters()) {
-    const auto p = item.value().detach().contiguous();
-    out[item.key()] = Tensor::from_f32(p.data_ptr<float>(), Shape(p.sizes().begin(), p.sizes().end()));
-  }
-  save_safetensors(path, out, {{"format", "pt"}});
-}
-
-void load_params(gpt::Gpt& net, const std::string& path) {
-  const auto t = load_safetensors(path);
-  torch::NoGradGuard no_grad;
-  for (auto& item : net->named_parameters()) {
-    auto it = t.find(item.key());
-    if (it == t.end()) throw UsageError("--init '" + path + "': tensor '" + item.key() + "' is missing");
-    const Shape want(item.value().sizes().begin(), item.value().sizes().end());
-    if (it->second.shape != want)
-      throw UsageError("--init '" + path + "': tensor '" + item.key() + "' has shape " + shape_str(it->second.shape) + ", the model's is " +
-                       shape_str(want) + " (check --layers, --d-model, --context)");
-    auto v = it->second.to_f32("--init '" + path + "': tensor '" + item.key() + "'");
-    item.value().copy_(torch::from_blob(v.data(), it->second.shape));
-  }
-}
 
 // Autoregressive sampling from rank 0's final model: the last --context tokens in, one character
 // out at a time, softmax at --temperature.
@@ -133,7 +109,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
     torch::manual_seed(a.seed);
     net = gpt::Gpt(mc);
   }
-  if (!a.init.empty()) load_params(net, a.init);
+  if (!a.init.empty()) examples::load_params(*net, a.init, " (check --layers, --d-model, --context)");
 
   libtorch::Options opts;
   auto& cfg = opts.config;
@@ -166,7 +142,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   for (auto& item : net->named_parameters()) (item.value().dim() >= 2 ? g_decay : g_flat).params.push_back(rt.param(item.key()));
   rt.configure_optimizer({g_decay, g_flat});
 
-  if (!a.save_init.empty() && rank == 0) save_params(net, a.save_init);
+  if (!a.save_init.empty() && rank == 0) examples::save_params(*net, a.save_init);
   int first = 0;
   if (!a.resume.empty()) {
     rt.load_checkpoint((std::filesystem::path(a.resume) / "checkpoint.safetensors").string());
@@ -243,7 +219,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   if (report) {
     auto fwd = [&](const torch::Tensor& x) { return net->forward(x); };
     out.heldout = gpt::heldout_loss(*net, fwd, corpus, T, a.eval_windows, std::max(1, local));
-    if (!a.save.empty()) save_params(net, a.save);
+    if (!a.save.empty()) examples::save_params(*net, a.save);
     if (a.sample_chars > 0) out.sample = sample(net, corpus, a.prompt, a.sample_chars, a.temperature, a.seed);
   }
 }

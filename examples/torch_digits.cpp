@@ -20,6 +20,7 @@
 #include "shardflow/launch.hpp"
 #include "shardflow/libtorch.hpp"
 #include "shardflow/safetensors.hpp"
+#include "torch_params.hpp"
 
 namespace {
 
@@ -76,29 +77,6 @@ Digits load_digits(const std::string& path) {
   d.x_test = images(tensor_of(t, path, "x_test"), "--data '" + path + "': x_test");
   d.labels_test = tensor_of(t, path, "y_test").argmax(1);
   return d;
-}
-
-void load_init(Net& net, const std::string& path) {
-  const auto t = load_safetensors(path);
-  torch::NoGradGuard no_grad;
-  for (auto& item : net->named_parameters()) {
-    auto it = t.find(item.key());
-    if (it == t.end()) throw Error("--init '" + path + "': tensor '" + item.key() + "' is missing");
-    if (Shape(item.value().sizes().begin(), item.value().sizes().end()) != it->second.shape)
-      throw Error("--init '" + path + "': tensor '" + item.key() + "' has shape " + shape_str(it->second.shape) + ", the model's is " +
-                  c10::str(item.value().sizes()));
-    auto v = it->second.to_f32("--init '" + path + "': tensor '" + item.key() + "'");
-    item.value().copy_(torch::from_blob(v.data(), it->second.shape));
-  }
-}
-
-void save_params(Net& net, const std::string& path) {
-  TensorMap out;
-  for (auto& item : net->named_parameters()) {
-    const auto p = item.value().contiguous();
-    out[item.key()] = Tensor::from_f32(p.data_ptr<float>(), Shape(p.sizes().begin(), p.sizes().end()));
-  }
-  save_safetensors(path, out, {{"format", "pt"}});
 }
 
 // The mean of one float over the ranks (the progress line's global loss).
@@ -165,7 +143,7 @@ int main(int argc, char** argv) {
     const Digits d = load_digits(data);
     torch::manual_seed(seed);
     Net net;
-    if (!init.empty()) load_init(net, init);
+    if (!init.empty()) examples::load_params(*net, init);
 
     libtorch::Options opts;
     opts.config.zero.stage = ZeroStage(zero_stage);
@@ -244,7 +222,7 @@ int main(int argc, char** argv) {
                   step_ms.empty() ? 0.0 : step_ms[step_ms.size() / 2]);
       std::printf("held-out accuracy %.1f%% (%lld images never trained on)\n", 100.0 * acc, static_cast<long long>(d.x_test.size(0)));
       if (!save.empty()) {
-        save_params(net, save);
+        examples::save_params(*net, save);
         std::printf("saved %s\n", save.c_str());
       }
       if (!ckpt_dir.empty()) std::printf("checkpoint %s/checkpoint.safetensors\n", ckpt_dir.c_str());

@@ -20,6 +20,8 @@ import sys
 
 import numpy as np
 
+import param_compare
+
 STEPS, BATCH, LR = 20, 64, 1e-3
 TOL = 1e-5
 
@@ -54,18 +56,7 @@ def write_safetensors(path, tensors):
 
 
 def compare(got_path, want_path, what):
-    got, want = read_safetensors(got_path), read_safetensors(want_path)
-    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
-    worst = 0.0
-    for name in want:
-        a, b = got[name].astype(np.float64), want[name].astype(np.float64)
-        err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-        worst = max(worst, err)
-        if err > TOL:
-            print(f"FAIL {what}: {name} differs by {err:.3g} (relative, bound {TOL})")
-            return False
-    print(f"ok   {what}: worst relative difference {worst:.3g} over {len(want)} parameters")
-    return True
+    return param_compare.compare(got_path, want_path, what, TOL)
 
 
 def run_example(exe, launcher, world, data, out, extra, steps=STEPS):
