@@ -6,7 +6,7 @@
 #include <string>
 
 #include "actors/messages.hpp"
-#include "runtime/iteration_signal.hpp"
+#include "runtime/core/iteration_signal.hpp"
 
 namespace shardflow {
 

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "actors/messages.hpp"
-#include "runtime/collective_log.hpp"
+#include "runtime/observe/collective_log.hpp"
 #include "runtime/plans/collective_schedule.hpp"
-#include "runtime/logging.hpp"
+#include "runtime/observe/logging.hpp"
 #include "shardflow/communicator.hpp"
 
 namespace shardflow {

@@ -4,7 +4,7 @@
 //                                                            by the last; Note [One count per bucket])
 //   bucket actor b --bucket_ready(b, its collectives, self)--> comm stream actor
 //                                                           (what b puts on the link: reduction, cast,
-//                                                            sync; runtime/bucket_collectives.hpp)
+//                                                            sync; runtime/core/bucket_collectives.hpp)
 //   comm stream    --submit in schedule order--> Communicator    (same order on every rank)
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)
 //   bucket actor b --bucket_done(b, failure)--> IterationSignal  (a call, not a message: wait()
@@ -39,8 +39,8 @@
 #include <memory>
 #include <string>
 
-#include "runtime/bucket_collectives.hpp"
-#include "runtime/failure.hpp"
+#include "runtime/core/bucket_collectives.hpp"
+#include "runtime/core/failure.hpp"
 
 namespace shardflow {
 struct OptimizerGroups;
@@ -77,7 +77,7 @@ using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard act
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
 
-using Failure = BucketFailure;  // runtime/failure.hpp
+using Failure = BucketFailure;  // runtime/core/failure.hpp
 
 // The protocol as types: each actor's handle says which messages it takes, so sending one a
 // message it does not handle is a compile error, not a dropped message at run time.

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "actors/messages.hpp"
-#include "runtime/iteration_signal.hpp"
+#include "runtime/core/iteration_signal.hpp"
 #include "runtime/zero/shard.hpp"
-#include "runtime/timeline.hpp"
+#include "runtime/observe/timeline.hpp"
 
 namespace shardflow {
 

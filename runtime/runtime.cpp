@@ -3,7 +3,7 @@
 // actors (actors/messages.hpp), which this file only spawns and feeds.
 #include <caf/all.hpp>
 
-#include "runtime/fault_injection.hpp"
+#include "runtime/process/fault_injection.hpp"
 #include "runtime/runtime_impl.hpp"
 #include "shardflow/launch.hpp"
 namespace shardflow {

@@ -2,7 +2,7 @@
 """The failure matrix, repeated (`make soak`; not in CI): a 2-rank mlp_train job under `shardflow run`
 in which one rank is killed (SIGKILL) or hung (SIGSTOP) at one phase, for every backend, phase,
 victim rank and action, REPS times each. The fault comes from the runtime's test hook
-(SHARDFLOW_TEST_FAULT, runtime/fault_injection.hpp), so it lands in the phase named:
+(SHARDFLOW_TEST_FAULT, runtime/process/fault_injection.hpp), so it lands in the phase named:
 
   registration  Runtime::finalize, before the initial broadcast
   backward      a grad_ready, some iterations in

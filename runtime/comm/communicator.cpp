@@ -1,7 +1,7 @@
 #include <future>
 
 #include "shardflow/communicator.hpp"
-#include "runtime/bucket_buffers.hpp"
+#include "runtime/core/bucket_buffers.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {

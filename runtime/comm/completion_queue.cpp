@@ -1,5 +1,5 @@
 #include "runtime/comm/completion_queue.hpp"
-#include "runtime/thread_priority.hpp"
+#include "runtime/process/thread_priority.hpp"
 
 #include <algorithm>
 #include <vector>

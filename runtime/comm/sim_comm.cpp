@@ -7,7 +7,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "runtime/thread_priority.hpp"
+#include "runtime/process/thread_priority.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/sim.hpp"
 

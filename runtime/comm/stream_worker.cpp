@@ -1,7 +1,7 @@
 #include "runtime/comm/stream_worker.hpp"
 
-#include "runtime/fault_injection.hpp"
-#include "runtime/thread_priority.hpp"
+#include "runtime/process/fault_injection.hpp"
+#include "runtime/process/thread_priority.hpp"
 
 namespace shardflow {
 

@@ -15,6 +15,15 @@ OptimizerConfig::Kind OptimizerConfig::parse_kind(const std::string& s) {
   throw UsageError("unknown optimizer '" + s + "': expected sgd, adam or adamw");
 }
 
+const char* kind_name(OptimizerConfig::Kind k) {
+  switch (k) {
+    case OptimizerConfig::Kind::adam: return "adam";
+    case OptimizerConfig::Kind::adamw: return "adamw";
+    case OptimizerConfig::Kind::custom: return "custom";
+    default: return "sgd";
+  }
+}
+
 float OptimizerConfig::effective_weight_decay() const {
   if (weight_decay >= 0.0f) return weight_decay;
   return kind == Kind::adamw ? 0.01f : 0.0f;

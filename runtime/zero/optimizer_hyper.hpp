@@ -9,5 +9,7 @@ namespace shardflow {
 
 kernels::SgdHyper sgd_hyper(const OptimizerConfig& h);
 kernels::AdamHyper adam_hyper(const OptimizerConfig& h);  // AdamW: decoupled weight decay
+// The kind as OptimizerConfig::parse_kind reads it (checkpoint metadata, error messages).
+const char* kind_name(OptimizerConfig::Kind k);
 
 }  // namespace shardflow

@@ -10,9 +10,9 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/bucket_buffers.hpp"
+#include "runtime/core/bucket_buffers.hpp"
 #include "runtime/plans/bucket_plan.hpp"
-#include "runtime/device_memory.hpp"
+#include "runtime/core/device_memory.hpp"
 #include "runtime/zero/shard_ops.hpp"
 #include "runtime/plans/shard_plan.hpp"
 #include "shardflow/config.hpp"

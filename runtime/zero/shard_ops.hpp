@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "kernels/cuda/stream.hpp"
-#include "runtime/device_memory.hpp"
+#include "runtime/core/device_memory.hpp"
 #include "shardflow/optimizer.hpp"
 #include "shardflow/types.hpp"
 

@@ -9,7 +9,7 @@
 #include <mutex>
 
 #include "kernels/cpu/elementwise.hpp"
-#include "runtime/bucket_buffers.hpp"
+#include "runtime/core/bucket_buffers.hpp"
 #include "runtime/zero/shard_ops.hpp"
 
 namespace shardflow {

@@ -314,7 +314,7 @@ class Runtime {
   };
   Span span(std::string name, const char* cat);
 
-  // Checkpoints (Note [Checkpoints], runtime/checkpoint.cpp). A collective: the parameters and the
+  // Checkpoints (Note [Checkpoints], runtime/checkpoint/checkpoint.cpp). A collective: the parameters and the
   // optimizer state of every rank's shard go into one safetensors file in parameter coordinates
   // (parameters under their names, state as optim.<name>.exp_avg / exp_avg_sq / momentum_buffer /
   // master, the step count and the groups' hyper-parameters in the metadata). The state streams

@@ -1,4 +1,4 @@
-#include "runtime/thread_priority.hpp"
+#include "runtime/process/thread_priority.hpp"
 
 #include <pthread.h>
 #include <sched.h>

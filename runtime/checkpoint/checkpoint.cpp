@@ -8,7 +8,7 @@
 // migrates state through), whatever layout saved it.
 // Saving streams: per state slot, windows of parameter coordinates (Shard::export_state; the
 // owners' pieces, summed across ranks when sharded) go to the recipient, which writes each into
-// the file at its place, behind the stream (runtime/write_behind.hpp: the parameters and each
+// the file at its place, behind the stream (runtime/checkpoint/write_behind.hpp: the parameters and each
 // half window are written while the next half is exported and reduced). No rank holds more than
 // one window beyond its own state; nothing is serialised on the way. The file appears under its name only once complete and on disk (a
 // temporary file, fsync, rename): a crash mid-save leaves the previous checkpoint as it was.
@@ -25,9 +25,10 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/elementwise.hpp"
-#include "runtime/checkpoint_common.hpp"
-#include "runtime/safetensors_stream.hpp"
-#include "runtime/write_behind.hpp"
+#include "runtime/checkpoint/checkpoint_common.hpp"
+#include "runtime/zero/optimizer_hyper.hpp"
+#include "runtime/checkpoint/safetensors_stream.hpp"
+#include "runtime/checkpoint/write_behind.hpp"
 
 namespace shardflow {
 namespace ckpt {
@@ -38,15 +39,6 @@ const char* safetensors_dtype(DType t) {
     case DType::bf16: return "BF16";
     case DType::f16: return "F16";
     default: return "?";
-  }
-}
-
-const char* kind_name(OptimizerConfig::Kind k) {
-  switch (k) {
-    case OptimizerConfig::Kind::adam: return "adam";
-    case OptimizerConfig::Kind::adamw: return "adamw";
-    case OptimizerConfig::Kind::custom: return "custom";
-    default: return "sgd";
   }
 }
 

@@ -7,7 +7,7 @@
 // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
 // one-time cost of one all-reduce of the parameter count per state slot.
 #include "runtime/runtime_impl.hpp"
-#include "runtime/fault_injection.hpp"
+#include "runtime/process/fault_injection.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "actors/bucket_actor.hpp"
 #include "actors/comm_stream_actor.hpp"

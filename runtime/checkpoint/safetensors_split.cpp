@@ -14,7 +14,7 @@
 #include <random>
 #include <set>
 
-#include "runtime/safetensors_stream.hpp"
+#include "runtime/checkpoint/safetensors_stream.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/timeline.hpp"
+#include "runtime/observe/timeline.hpp"
 #include "shardflow/communicator.hpp"
 
 namespace shardflow {

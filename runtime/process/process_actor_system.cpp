@@ -1,6 +1,6 @@
-#include "runtime/process_actor_system.hpp"
+#include "runtime/process/process_actor_system.hpp"
 
-#include "runtime/thread_priority.hpp"
+#include "runtime/process/thread_priority.hpp"
 
 #include <caf/all.hpp>
 

@@ -1,4 +1,4 @@
-#include "runtime/bucket_buffers.hpp"
+#include "runtime/core/bucket_buffers.hpp"
 
 #include <sys/mman.h>
 

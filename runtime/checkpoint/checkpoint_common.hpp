@@ -16,7 +16,6 @@
 namespace shardflow::ckpt {
 
 const char* safetensors_dtype(DType t);
-const char* kind_name(OptimizerConfig::Kind k);
 
 // What slot `slot` of the shard holds for parameter p, as a checkpoint name; empty when p has none.
 std::string slot_name(const std::vector<ParamSpec>& params, const Shard& shard, const OptimizerGroups& groups, const Config& cfg,

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/failure.hpp"
+#include "runtime/core/failure.hpp"
 
 namespace shardflow {
 

@@ -24,8 +24,9 @@
 #include <random>
 
 #include "kernels/cpu/elementwise.hpp"
-#include "runtime/checkpoint_common.hpp"
-#include "runtime/safetensors_stream.hpp"
+#include "runtime/checkpoint/checkpoint_common.hpp"
+#include "runtime/zero/optimizer_hyper.hpp"
+#include "runtime/checkpoint/safetensors_stream.hpp"
 
 namespace shardflow {
 namespace {

@@ -1,4 +1,4 @@
-#include "runtime/param_registry.hpp"
+#include "runtime/core/param_registry.hpp"
 
 #include <algorithm>
 #include <cstring>

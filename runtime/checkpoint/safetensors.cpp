@@ -13,7 +13,7 @@
 #include <fstream>
 #include <isa-l/crc.h>
 
-#include "runtime/safetensors_stream.hpp"
+#include "runtime/checkpoint/safetensors_stream.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {

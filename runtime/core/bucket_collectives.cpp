@@ -1,11 +1,11 @@
-#include "runtime/bucket_collectives.hpp"
+#include "runtime/core/bucket_collectives.hpp"
 
 #include <string>
 
-#include "runtime/bucket_buffers.hpp"
-#include "runtime/device_memory.hpp"
+#include "runtime/core/bucket_buffers.hpp"
+#include "runtime/core/device_memory.hpp"
 #include "runtime/plans/bucket_plan.hpp"
-#include "runtime/timeline.hpp"
+#include "runtime/observe/timeline.hpp"
 #include "runtime/zero/shard.hpp"
 
 namespace shardflow {

@@ -1,4 +1,4 @@
-#include "runtime/bucket_readiness.hpp"
+#include "runtime/core/bucket_readiness.hpp"
 
 namespace shardflow {
 

@@ -6,8 +6,8 @@
 // the values it started with. What cannot change between iterations is the shape of the state:
 // the optimizer kind, and SGD momentum appearing where no group had it (or going from every
 // group), which would add or drop a state slot.
-#include "runtime/checkpoint_common.hpp"
 #include "runtime/runtime_impl.hpp"
+#include "runtime/zero/optimizer_hyper.hpp"
 
 namespace shardflow {
 
@@ -68,7 +68,7 @@ void Runtime::set_hyperparameters(std::size_t group, const OptimizerConfig& h) {
   if (I.in_pass()) throw UsageError("set_hyperparameters: change hyper-parameters between iterations");
   h.validate();
   if (h.kind != I.groups->groups[group].kind)
-    throw UsageError("set_hyperparameters: group " + std::to_string(group) + " uses " + ckpt::kind_name(I.groups->groups[group].kind) +
+    throw UsageError("set_hyperparameters: group " + std::to_string(group) + " uses " + kind_name(I.groups->groups[group].kind) +
                      "; the optimizer kind cannot change during training");
   if (h.kind == OptimizerConfig::Kind::custom && h.rule->state_names() != I.groups->groups[group].rule->state_names())
     throw UsageError("set_hyperparameters: step rule '" + h.rule->name() + "' keeps other state tensors than group " + std::to_string(group) +
@@ -104,7 +104,7 @@ std::size_t Runtime::add_param_group(const ParamGroup& g) {
   if (g.params.empty()) throw UsageError("add_param_group: the group has no parameters");
   g.optimizer.validate();
   if (g.optimizer.kind != I.groups->groups[0].kind)
-    throw UsageError(std::string("add_param_group: every group uses one optimizer kind (") + ckpt::kind_name(I.groups->groups[0].kind) + ")");
+    throw UsageError(std::string("add_param_group: every group uses one optimizer kind (") + kind_name(I.groups->groups[0].kind) + ")");
   auto next = std::make_shared<OptimizerGroups>(*I.groups);
   const auto index = std::uint32_t(next->groups.size());
   for (Param p : g.params) {

@@ -1,4 +1,4 @@
-#include "runtime/overlap_stats.hpp"
+#include "runtime/observe/overlap_stats.hpp"
 
 #include <nlohmann/json.hpp>
 

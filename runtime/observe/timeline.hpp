@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/overlap_stats.hpp"
+#include "runtime/observe/overlap_stats.hpp"
 
 namespace shardflow {
 

@@ -1,4 +1,4 @@
-#include "runtime/timeline.hpp"
+#include "runtime/observe/timeline.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -9,7 +9,7 @@
 #include <map>
 #include <set>
 
-#include "runtime/logging.hpp"
+#include "runtime/observe/logging.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/shardflow.hpp"
 

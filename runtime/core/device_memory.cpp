@@ -1,4 +1,4 @@
-#include "runtime/device_memory.hpp"
+#include "runtime/core/device_memory.hpp"
 
 #include <cstring>
 
