@@ -22,8 +22,7 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   config.validate();
   auto& I = *impl_;
   I.cfg = config;
-  I.interleave_lag = config.zero.interleave_lag >= 0 ? std::size_t(config.zero.interleave_lag) : 0;
-  I.lag_chosen = config.zero.interleave_lag >= 0;
+  I.lag = InterleaveLagState(config);
   I.comm = std::move(comm);
   I.rank = I.comm->rank();
   I.world = I.comm->world_size();
@@ -49,10 +48,8 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
 
 Runtime::~Runtime() {
   auto& I = *impl_;
-  // A background checkpoint write ends before the runtime does; with no wait_checkpoint() its
-  // index is never written, so the previous checkpoint stays the one the directory names.
-  if (I.pending_save && I.pending_save->writer.joinable()) I.pending_save->writer.join();
-  if (I.prefetch_active && !I.failed.load() && !I.in_pass()) {
+  I.saves.finish_writer();
+  if (I.prefetching() && !I.failed.load() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
     // trainer frees them.
     I.signal->wait_all(I.signal_target, std::chrono::steady_clock::now() + I.cfg.timeouts.collective);
@@ -215,7 +212,7 @@ void Runtime::grad_ready(Param p) {
   auto idle = Impl::Phase::idle;
   if (I.phase.compare_exchange_strong(idle, Impl::Phase::backward, std::memory_order_acq_rel)) {
     I.timeline->stats().backward_started(Timeline::now());
-    if (I.graph_learnt) I.send_learnt_zeros();
+    I.send_learnt_zeros();
   }
   if (I.timeline->tracing())
     I.timeline->instant("grad_ready " + I.name_of(i), "backward", Lane::compute,
@@ -237,20 +234,16 @@ void Runtime::finish_backward() {
   I.count_training_ranks();  // a pass without reports
   const bool learning = I.learning_graph();
   if (learning) I.finish_learning_pass();
-  if (I.graph_learnt && I.phase.load(std::memory_order_acquire) == Impl::Phase::idle) I.send_learnt_zeros();  // a pass without reports
+  if (I.phase.load(std::memory_order_acquire) == Impl::Phase::idle) I.send_learnt_zeros();  // a pass without reports
   std::vector<std::uint32_t> missing, accumulated;
   for (std::uint32_t i = 0; i < n; ++i) {
     if (!I.registry.params()[i].requires_grad) continue;
     const auto reports = I.marked[i].load(std::memory_order_acquire);
-    if (I.graph_learnt && I.expected_reports[i] == 0) continue;  // sent as zeros when the pass started
-    if (I.graph_learnt && reports > 0 && reports < I.expected_reports[i])
-      I.fail(UsageError("finish_backward: parameter '" + I.name_of(i) + "' was reported " + std::to_string(reports) + " of the " +
-                        std::to_string(I.expected_reports[i]) + " times the first iteration did (Config::buckets.static_graph) in iteration " +
-                        std::to_string(I.iterations) + " on rank " + std::to_string(I.rank)));
+    if (I.learnt_as_unused(i, reports)) continue;  // sent as zeros when the pass started
     if (reports) continue;
     (I.touched[i] ? accumulated : missing).push_back(i);
   }
-  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters && !learning && !I.joined) {
+  if (!missing.empty() && !I.cfg.buckets.find_unused_parameters && !learning && !I.has_joined()) {
     std::string names;
     for (std::size_t k = 0; k < missing.size() && k < 10; ++k) names += (k ? ", " : "") + I.name_of(missing[k]);
     if (missing.size() > 10) names += ", ...";
@@ -289,7 +282,7 @@ void Runtime::wait() {
   }
   finish_backward();
   ++I.signal_target;
-  const bool prefetching = I.prefetch_active;
+  const bool prefetching = I.prefetching();
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
   // this one finishes while the next forward runs (Note [Forward prefetch]).
   I.blocked("wait (iteration)", -1, [&] {
@@ -308,12 +301,12 @@ void Runtime::wait() {
     }
   }
   I.readiness->reset();
-  I.counted.store(false, std::memory_order_release);
+  I.join.recount();
   I.phase.store(Impl::Phase::idle, std::memory_order_release);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;
   const Shard* stepped_by = I.shard.get();
-  if (!I.lag_chosen) I.choose_interleave_lag();
+  I.choose_interleave_lag();
   const bool just_learnt = I.learning_graph();
   if (just_learnt) I.learn_graph();
   const auto* schedule_before = I.signal.get();
@@ -322,7 +315,7 @@ void Runtime::wait() {
     I.rebuild_from_observed_order();
     I.timeline->span("rebuild buckets", "rebuild", Lane::compute, r0, Timeline::now(),
                      SpanArgs{-1, -1, nullptr, std::int64_t(I.iterations), -1});
-  } else if (prefetch_wanted && !I.prefetch_active && I.observing_forward) {
+  } else if (prefetch_wanted && !I.prefetching() && I.observing_forward()) {
     const auto r0 = Timeline::now();
     I.establish_sync_order();
     I.timeline->span("forward order for prefetch", "rebuild", Lane::compute, r0, Timeline::now(),
@@ -331,13 +324,7 @@ void Runtime::wait() {
   // Note [Static graph]: with the unused set fixed the used counts' exchange leaves the schedule
   // (a rebuild just now made a new one already).
   if (just_learnt && I.signal.get() == schedule_before) I.install_plan(BucketPlan(I.plan), I.iterations + 1);
-  if (prefetch_wanted && !I.prefetch_active && !I.observing_forward) {
-    std::lock_guard lock(I.forward_mu);
-    I.observing_forward = true;  // the next forward's first-use order decides the sync order
-    I.forward_seen.assign(I.plan.buckets.size(), 0);
-    I.forward_order.clear();
-    I.forward_asked_us.clear();
-  }
+  if (prefetch_wanted && !I.prefetching() && !I.observing_forward()) I.start_observing_forward();
   // A rebuilt shard copied its masters and state on its own stream: the compute stream waits for
   // that too, so that wait()'s promise holds for whichever shard the next iteration uses.
   if (I.shard && I.shard.get() != stepped_by && !prefetching) I.shard->join_compute();
@@ -352,15 +339,8 @@ void Runtime::wait_param(Param p) {
   I.throw_if_failed();
   const auto b = I.plan.where[I.check_handle(p, "wait_param")].bucket;
   if (b == ~0u) return;  // frozen: nothing ever changes it
-  if (I.observing_forward) {
-    std::lock_guard lock(I.forward_mu);
-    if (I.observing_forward && !I.forward_seen[b]) {
-      I.forward_seen[b] = 1;
-      I.forward_order.push_back(b);
-      I.forward_asked_us.push_back(Timeline::now());
-    }
-  }
-  if (!I.prefetch_active) return;  // wait() waited for everything
+  if (I.observing_forward()) I.note_forward_use(b);
+  if (!I.prefetching()) return;  // wait() waited for everything
   const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
   const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.signal_target, deadline); });
   I.check_outcome(outcome, I.signal_target,
@@ -372,7 +352,7 @@ void Runtime::wait_all_params() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
-  if (I.prefetch_active) {
+  if (I.prefetching()) {
     I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.signal_target); });
     if (I.shard) I.shard->join_compute();
   }

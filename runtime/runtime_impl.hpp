@@ -1,16 +1,15 @@
-// Runtime::Impl: one rank's state behind the trainer-facing Runtime. Its parts live by concept:
-//   runtime.cpp          the facade: the public Runtime calls, the iteration's phases as the trainer sees them
-//   runtime_plan.cpp     finalizing, installing and rebuilding the bucket plan, state migration, the actors
-//   gradient_pass.cpp    a gradient's way into its bucket, backpressure, awaiting and failing iterations
-//   forward_prefetch.cpp the sync order the next forward needs (Note [Forward prefetch])
-//   param_groups.cpp     the optimizer's groups and hyper-parameters (Note [Changing hyper-parameters])
-//   static_graph.cpp     static_graph: reports per gradient and the unused set, learnt once (Note [Static graph])
-//   join.cpp             uneven inputs: the ranks still training, and join() (Note [Uneven inputs])
-//   flat_buffers.cpp     one flat parameter/gradient buffer with a table, for llm.c-style engines (Note [Flat buffers])
-//   trainable.cpp        freezing and unfreezing parameters between iterations (Note [Changing the trainable set])
-//   state_sync.cpp       rank 0's parameters and buffers to every rank (Note [Rank 0's state everywhere])
-//   plans/collective_schedule.cpp  the order of the collectives (Note [Collective schedule])
-//   bucket_collectives.cpp   what one bucket puts on the link: reduction, cast, sync
+// Runtime::Impl: one rank's state behind the trainer-facing Runtime (ARCHITECTURE.md draws the whole).
+// Its fields are the core's: the parameters, the plan with its buffers, shard and actors, the pass
+// in progress, the failure. Each feature keeps its own state in a struct of its own, a member here:
+//   core/        runtime_plan.cpp (finalize, install and rebuild plans, state migration, the actors),
+//                gradient_pass.cpp (a gradient into its bucket, backpressure, awaiting iterations)
+//   semantics/   join, static_graph, unused_params, trainable, param_groups, state_sync,
+//                flat_buffers, comm_hook_use                         (semantics_state.hpp)
+//   overlap/     forward_prefetch, interleave_lag, schedule            (overlap_state.hpp)
+//   checkpoint/  checkpoint, sharded_checkpoint                        (background_save.hpp)
+// runtime.cpp, the facade, holds the public calls and the iteration's phases as the trainer sees
+// them. A feature's file works on its own struct and the core's fields; what the core or another
+// feature needs of a feature is one of the named calls declared beside its struct below.
 #pragma once
 
 #include <caf/all.hpp>
@@ -22,6 +21,7 @@
 #include <thread>
 
 #include "actors/messages.hpp"
+#include "runtime/checkpoint/background_save.hpp"
 #include "runtime/core/bucket_buffers.hpp"
 #include "runtime/plans/bucket_plan.hpp"
 #include "runtime/core/bucket_readiness.hpp"
@@ -36,6 +36,8 @@
 #include "runtime/zero/shard.hpp"
 #include "runtime/plans/shard_plan.hpp"
 #include "runtime/observe/timeline.hpp"
+#include "runtime/overlap/overlap_state.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow {
@@ -86,19 +88,6 @@ struct Runtime::Impl {
   std::shared_ptr<IterationSignal> signal;
   std::uint64_t signal_target = 0;  // synchronised iterations handed to the current actors
 
-  // Forward prefetch (Note [Forward prefetch]).
-  std::mutex forward_mu;
-  bool observing_forward = false;       // recording the first-use order of buckets in forward
-  std::vector<char> forward_seen;
-  std::vector<std::uint32_t> forward_order, sync_order;  // sync_order: S entries, empty = bucket order
-  std::vector<std::int64_t> forward_asked_us;            // when forward first asked for forward_order[i]
-  // Interleaved: bucket b's sync goes after the reduction of b + interleave_lag. Config's, or 0
-  // until chosen after the first iteration (lag_chosen; Note [Choosing the interleave lag]).
-  std::size_t interleave_lag = 0;
-  bool lag_chosen = false;
-  void choose_interleave_lag();
-  std::size_t prefetch_early = 0;  // with prefetch: syncs interleaved into backward (the first of sync_order)
-  bool prefetch_active = false;
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
   // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
   std::shared_ptr<Timeline> timeline;
@@ -141,36 +130,7 @@ struct Runtime::Impl {
   enum class Phase : std::uint8_t { idle, backward, reducing };
   std::atomic<Phase> phase{Phase::idle};
   bool in_pass() const { return phase.load(std::memory_order_acquire) != Phase::idle; }
-  // A sharded checkpoint saved in the background (Runtime::save_sharded_checkpoint_async): this
-  // rank's file is written by `writer` from a staged copy; wait_checkpoint() joins it, and then
-  // the ranks agree and rank 0 writes the index (Note [Sharded checkpoints]).
-  struct PendingSave {
-    std::string dir;
-    std::string index;  // rank 0: the index as of the save
-    std::thread writer;
-    std::string failure;
-    std::size_t slices = 0;
-  };
-  std::unique_ptr<PendingSave> pending_save;
   bool rebuilt = false;
-  // Note [Comm hooks] (hooks/comm_hooks.cpp): the trainer's hook, or with a 16-bit
-  // Config::precision.comm_dtype and no runtime optimizer the matching compress hook (the shard
-  // casts itself when there is one). Null: the runtime's own reduction.
-  std::shared_ptr<CommHook> comm_hook;
-  std::shared_ptr<CommHook> effective_hook() const;
-  // Parameters a configure_optimizer group named (the others joined group 0 by default and may
-  // still go to a group of add_param_group's).
-  std::vector<char> explicitly_grouped;
-  // The new groups to the runtime and, as a snapshot, to the shard (Note [Changing hyper-parameters]).
-  void publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what);
-  // Note [Flat buffers] (flat_buffers.cpp): the parameters register_flat made, by offset.
-  struct FlatSlot {
-    std::size_t offset, numel;
-    Param param;
-  };
-  std::vector<FlatSlot> flat_entries;
-  // set_requires_grad after finalize: per parameter -1 (unchanged), 0 or 1, until refresh_trainable().
-  std::vector<signed char> wanted_trainable;
   std::uint64_t iterations = 0;
 
   std::mutex fail_mu;
@@ -273,52 +233,15 @@ struct Runtime::Impl {
   };
   std::shared_ptr<TrainerOps> trainer_ops = std::make_shared<TrainerOps>();
 
-  // Note [Rank 0's state everywhere] (state_sync.cpp): the start-up broadcast of parameters and
-  // buffers (in finalize, before the buckets exist), and the buffers' broadcast each iteration.
-  void sync_initial_state();
-  void broadcast_params(int root, const char* what);  // every parameter from `root`, on this thread
-  bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
-  void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
-  // Note [Unused parameters] (unused_params.cpp): with find_unused_parameters, how many ranks
-  // reported each parameter's gradient, all-reduced once backward ends.
-  bool finds_unused() const { return cfg.buckets.static_graph ? !graph_learnt : cfg.buckets.find_unused_parameters; }
-  // Note [Uneven inputs] (join.cpp): 1 / the ranks training this iteration, counted at the start
-  // of each synchronised pass; this rank joined (out of data, shadowing the others).
-  std::shared_ptr<std::atomic<float>> divisor = std::make_shared<std::atomic<float>>(1.0f);
-  std::atomic<bool> counted{false};
-  std::mutex count_mu;
-  int training_ranks = 1;
-  bool joined = false;
-  void count_training_ranks();
-  // Note [Static graph] (static_graph.cpp): the first synchronised iteration learns how many
-  // reports complete each gradient and which parameters no rank uses; from then on both are fixed.
-  bool graph_learnt = false;
-  std::vector<std::uint8_t> expected_reports;  // per parameter, once learnt
-  std::unique_ptr<std::atomic<std::uint64_t>[]> last_report;  // learning: when each was last reported
-  std::atomic<std::uint64_t> report_seq{0};
-  bool learning_graph() const { return cfg.buckets.static_graph && !graph_learnt; }
-  std::uint32_t reports_allowed(std::uint32_t p) const;  // in one pass
-  void count_report(std::uint32_t p, std::uint32_t reports);  // throws when one too many
-  void send_learnt_zeros();    // learnt: the parameters this rank never reports, as zeros, when a pass starts
-  void finish_learning_pass();  // learning: the pass's gradients into their buckets, in completion order
-  void learn_graph();          // in wait() after the learning iteration
-  void send_used_counts();
-  std::shared_ptr<std::vector<float>> used_counts;  // per parameter; the shard reads them too
   // The schedule's entries the trainer hands over when backward ends (buffers, unused) count in
   // the IterationSignal after the buckets; wait() with forward prefetch waits for them too.
   void hand_over(ScheduledCollective::Kind kind, CollectiveIssue issue);
   std::uint32_t signal_index(ScheduledCollective::Kind kind) const;  // ~0u: not in this schedule
   void await_handed(std::uint64_t target);
-  std::shared_ptr<void> buffers_event;  // device buffers: recorded on the compute stream when backward ends
-
-  // The iteration's collectives in the order every rank issues them (Note [Collective schedule]).
-  std::vector<ScheduledCollective> build_schedule() const;
 
   void spawn_actors(std::uint64_t first_iteration);
-
   void stop_actors();
 
-  // ---------------------------------------------------------------------------------------------
   // Hands p's gradient to its bucket actor. In copy mode the gradient goes into the bucket here,
   // on the caller's (backward) thread, not on a scheduler thread.
   void send_to_bucket(std::uint32_t p, bool zero);
@@ -333,13 +256,94 @@ struct Runtime::Impl {
 
   void check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what);
 
-  // Note [Forward prefetch] (forward_prefetch.cpp).
-  void establish_sync_order();
+  void rebuild_from_observed_order();
 
+  // =============================================================================================
+  // The features: each one's state, and the calls through which the core and the other features
+  // reach it. Each is defined in the feature's own file.
+
+  // ---- semantics/state_sync.cpp: Note [Rank 0's state everywhere] -----------------------------
+  // The start-up broadcast of parameters and buffers (in finalize, before the buckets exist), and
+  // the buffers' broadcast each iteration.
+  StateSyncState state_sync;
+  void sync_initial_state();
+  void broadcast_params(int root, const char* what);  // every parameter from `root`, on this thread
+  bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
+  void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
+
+  // ---- semantics/unused_params.cpp: Note [Unused parameters] ----------------------------------
+  UnusedParamsState unused;
+  bool finds_unused() const { return cfg.buckets.static_graph ? !graph.learnt : cfg.buckets.find_unused_parameters; }
+  void send_used_counts();
+  // The counts the shard reads (a parameter no rank used sits the step out); null when not counted.
+  std::shared_ptr<std::vector<float>> used_counts_for_shard() const { return finds_unused() ? unused.used_counts : nullptr; }
+  // Per parameter, the ranks that used it in the last synchronised iteration (0: unused everywhere).
+  const std::vector<float>& used_counts() const { return *unused.used_counts; }
+
+  // ---- semantics/join.cpp: Note [Uneven inputs] -----------------------------------------------
+  JoinState join;
+  void count_training_ranks();
+  bool has_joined() const { return join.joined; }
+  // What the bucket actors divide by; null without Config::join.uneven_inputs.
+  std::shared_ptr<std::atomic<float>> join_divisor() const { return cfg.join.uneven_inputs ? join.divisor : nullptr; }
+
+  // ---- semantics/static_graph.cpp: Note [Static graph] ----------------------------------------
+  StaticGraphState graph;
+  bool learning_graph() const { return cfg.buckets.static_graph && !graph.learnt; }
+  std::uint32_t reports_allowed(std::uint32_t p) const;  // in one pass
+  void count_report(std::uint32_t p, std::uint32_t reports);  // throws when one too many
+  void send_learnt_zeros();    // learnt: the parameters this rank never reports, as zeros, when a pass starts
+  void finish_learning_pass();  // learning: the pass's gradients into their buckets, in completion order
+  void learn_graph();          // in wait() after the learning iteration
+  // finish_backward's look at parameter p, reported `reports` times this pass: true when the
+  // learnt graph already sent it (as zeros); fails the run when it was reported too few times.
+  bool learnt_as_unused(std::uint32_t p, std::uint32_t reports);
+  void fix_unused_in(Shard& next);  // learnt: a new shard skips the parameters no rank uses
+
+  // ---- semantics/trainable.cpp: Note [Changing the trainable set] -----------------------------
+  TrainableState trainable;
+
+  // ---- semantics/param_groups.cpp: Note [Changing hyper-parameters] ---------------------------
+  ParamGroupsState grouping;
+  // The new groups to the runtime and, as a snapshot, to the shard.
+  void publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what);
+
+  // ---- semantics/flat_buffers.cpp: Note [Flat buffers] ----------------------------------------
+  FlatBuffersState flat;
+
+  // ---- semantics/comm_hook_use.cpp: Note [Comm hooks] -----------------------------------------
+  CommHookState hook;
+  // The trainer's hook, or with a 16-bit Config::precision.comm_dtype and no runtime optimizer the
+  // matching compress hook (the shard casts itself when there is one). Null: the runtime's own reduction.
+  std::shared_ptr<CommHook> effective_hook() const;
+
+  // ---- overlap/interleave_lag.cpp: Note [Choosing the interleave lag] -------------------------
+  InterleaveLagState lag;
+  void choose_interleave_lag();  // once, after the first iteration of a plan (unless the Config fixed it)
+
+  // ---- overlap/forward_prefetch.cpp: Note [Forward prefetch] ----------------------------------
+  ForwardPrefetchState prefetch;
+  bool prefetching() const { return prefetch.active; }
+  bool observing_forward() const { return prefetch.observing; }
+  void start_observing_forward();  // the next forward's first-use order decides the sync order
+  void note_forward_use(std::uint32_t bucket);  // wait_param: forward asks for `bucket`
+  void establish_sync_order();
   // From when forward first asked for each bucket (wait_param) and this pass's times; rank 0's answer is used.
   std::size_t choose_early_syncs(const std::vector<std::uint32_t>& order, std::vector<std::int64_t> asked) const;
+  // The order the shard steps reduced buckets in (Note [Which bucket steps next]): the syncs'.
+  const std::vector<std::uint32_t>& sync_order() const { return prefetch.sync_order; }
+  // A new trainable set: the prefetch order and the interleave lag are measured again.
+  void forget_overlap_choices() {
+    prefetch.forget();
+    lag.forget(cfg);
+  }
 
-  void rebuild_from_observed_order();
+  // ---- overlap/schedule.cpp: Note [Collective schedule] ---------------------------------------
+  // The iteration's collectives in the order every rank issues them, from the overlap choices.
+  std::vector<ScheduledCollective> build_schedule() const;
+
+  // ---- checkpoint/sharded_checkpoint.cpp: Note [Sharded checkpoints] --------------------------
+  BackgroundSaveState saves;
 };
 
 }  // namespace shardflow

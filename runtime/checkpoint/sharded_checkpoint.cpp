@@ -76,7 +76,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto& I = *impl_;
   if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
   checkpoint_entry(I, *this, "save_sharded_checkpoint");
-  if (I.pending_save) wait_checkpoint();  // one save in flight at a time
+  if (I.saves.pending) wait_checkpoint();  // one save in flight at a time
   const auto& params = I.registry.params();
   const Coordinates at(params);
   const Shard* shard = I.shard.get();
@@ -90,7 +90,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
   std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
-  auto pending = std::make_unique<Impl::PendingSave>();
+  auto pending = std::make_unique<BackgroundSaveState::Pending>();
   pending->dir = dir;
   // The index as of this save (rank 0), written by wait_checkpoint once every shard is on disk:
   // the step count and the plan are this moment's, whatever training does meanwhile.
@@ -182,13 +182,13 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
       }
     });
   }
-  I.pending_save = std::move(pending);
+  I.saves.pending = std::move(pending);
 }
 
 void Runtime::wait_checkpoint() {
   auto& I = *impl_;
-  if (!I.pending_save) return;
-  auto pending = std::move(I.pending_save);
+  if (!I.saves.pending) return;
+  auto pending = std::move(I.saves.pending);
   if (pending->writer.joinable()) pending->writer.join();
   finish_sharded_checkpoint(pending->dir, pending->index, pending->failure, pending->slices);
 }

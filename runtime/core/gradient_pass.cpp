@@ -15,7 +15,7 @@ std::byte* Runtime::Impl::grad_ptr(std::uint32_t p) {
 }
 
 std::shared_ptr<std::byte> Runtime::Impl::bucket_grad(std::uint32_t b) {
-  if (prefetch_active) {
+  if (prefetching()) {
     const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
     const auto outcome = blocked("wait for bucket (last iteration)", b, [&] { return signal->wait_bucket(b, signal_target, deadline); });
     check_outcome(outcome, signal_target, "bucket " + std::to_string(b) + " of the last iteration");
@@ -72,6 +72,17 @@ void Runtime::Impl::await_iterations(std::uint64_t target) {
   // deadline is a backstop for an actor or backend that never answers at all.
   const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
   check_outcome(signal->wait_all(target, deadline), target, "iteration " + std::to_string(iterations));
+}
+
+void Runtime::Impl::hand_over(ScheduledCollective::Kind kind, CollectiveIssue issue) {
+  caf::anon_send(comm_actor_h, msg::handed_over_atom::value, std::uint8_t(kind), std::move(issue));
+}
+
+std::uint32_t Runtime::Impl::signal_index(ScheduledCollective::Kind kind) const {
+  const auto buckets = std::uint32_t(plan.buckets.size());
+  if (kind == ScheduledCollective::unused) return finds_unused() ? buckets : ~0u;
+  if (kind == ScheduledCollective::buffers) return syncs_buffers() ? buckets + (finds_unused() ? 1 : 0) : ~0u;
+  return ~0u;
 }
 
 void Runtime::Impl::await_handed(std::uint64_t target) {

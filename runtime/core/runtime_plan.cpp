@@ -53,9 +53,8 @@ void Runtime::Impl::ensure_finalized() {
   } catch (const CommError& e) {
     fail(e);
   }
-  used_counts = std::make_shared<std::vector<float>>(n, 0.0f);
-  last_report.reset(new std::atomic<std::uint64_t>[n]);
-  for (std::size_t i = 0; i < n; ++i) last_report[i].store(0, std::memory_order_relaxed);
+  unused.reset(n);
+  graph.reset(n);
   marked.reset(new std::atomic<std::uint8_t>[n]);
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);
@@ -104,7 +103,7 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration)
   plan = std::move(next);
   bufs = std::move(next_bufs);
   shard = std::move(next_shard);
-  if (shard && graph_learnt) shard->set_fixed_skip(*used_counts);  // Note [Static graph]
+  if (shard) fix_unused_in(*shard);  // Note [Static graph]
   events = std::make_shared<BucketEvents>(mem, plan.buckets.size());
   std::vector<std::uint32_t> sizes;
   for (const auto& b : plan.buckets) sizes.push_back(std::uint32_t(b.entries.size()));
@@ -196,25 +195,6 @@ void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begi
   run_now(op);
 }
 
-std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
-  ScheduleSpec spec;
-  spec.buckets = plan.buckets.size();
-  spec.syncs = shard && shard->syncs();
-  spec.norm = spec.syncs && shard->exchanges_norm();
-  spec.buffers = syncs_buffers();
-  spec.unused = finds_unused();
-  // Syncs in the observed forward order: only the first prefetch_early interleave, each after the
-  // next bucket's reduction (Note [Forward prefetch]): a reduction never queues behind a step
-  // then, and the sync left over for after backward is needed second by forward, which waits
-  // for the first.
-  const bool prefetching = !sync_order.empty();
-  spec.interleave = cfg.zero.overlap == Overlap::interleaved && (!prefetching || prefetch_early > 0);
-  spec.lag = prefetching ? std::max<std::size_t>(1, interleave_lag) : interleave_lag;
-  spec.sync_order = sync_order;
-  spec.interleaved_syncs = prefetching ? prefetch_early : spec.buckets;
-  return collective_order(spec);
-}
-
 void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   auto& sys = actors->system();
   // The trainer's entries (used counts, buffers) count in the signal after the buckets.
@@ -230,13 +210,13 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
     const bool zero_on_done = cfg.zero.forward_prefetch && !bufs->pooled();
     // The syncs' order tells the shard which reduced bucket steps first (Note [Which bucket steps
     // next]).
-    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order, timeline,
-                              finds_unused() ? used_counts : nullptr);
+    shard_actor_h = sys.spawn(shard_actor, shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order(), timeline,
+                              used_counts_for_shard());
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();
   const BucketSources sources{&plan, bufs, shard, events, timeline, rank, world, effective_hook(), &registry.params(),
-                              cfg.join.uneven_inputs ? divisor : nullptr};
+                              join_divisor()};
   for (const auto& bk : plan.buckets)
     bucket_actors.push_back(sys.spawn(bucket_actor, std::make_shared<const BucketCollectives>(bk.index, sources),
                                       std::uint32_t(bk.entries.size()), comm_actor_h, shard_actor_h, signal));

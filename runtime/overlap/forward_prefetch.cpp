@@ -23,24 +23,40 @@ void Runtime::Impl::establish_sync_order() {
   std::vector<std::uint32_t> order;
   std::vector<std::int64_t> asked;
   {
-    std::lock_guard lock(forward_mu);
-    observing_forward = false;
-    order = forward_order;
-    asked = forward_asked_us;
+    std::lock_guard lock(prefetch.mu);
+    prefetch.observing = false;
+    order = prefetch.forward_order;
+    asked = prefetch.asked_us;
   }
   const std::size_t early = choose_early_syncs(order, asked);
   const std::size_t B = plan.buckets.size();
   order = complete_forward_order(std::move(order), B);
   order.push_back(std::uint32_t(early));  // rank 0's choice travels with its order
   control_collective(CollectiveKind::broadcast, order.data(), order.size(), "forward order");
-  prefetch_early = std::min<std::size_t>(order.back(), B);
+  prefetch.early = std::min<std::size_t>(order.back(), B);
   order.pop_back();
-  sync_order = prefetch_sync_order(order, prefetch_early);
-  log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward", prefetch_early, B,
-            B - prefetch_early);
-  prefetch_active = true;
+  prefetch.sync_order = prefetch_sync_order(order, prefetch.early);
+  log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward", prefetch.early, B,
+            B - prefetch.early);
+  prefetch.active = true;
   stop_actors();
   spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
+}
+
+void Runtime::Impl::start_observing_forward() {
+  std::lock_guard lock(prefetch.mu);
+  prefetch.observing = true;
+  prefetch.seen.assign(plan.buckets.size(), 0);
+  prefetch.forward_order.clear();
+  prefetch.asked_us.clear();
+}
+
+void Runtime::Impl::note_forward_use(std::uint32_t b) {
+  std::lock_guard lock(prefetch.mu);
+  if (!prefetch.observing || prefetch.seen[b]) return;
+  prefetch.seen[b] = 1;
+  prefetch.forward_order.push_back(b);
+  prefetch.asked_us.push_back(Timeline::now());
 }
 
 std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& order, std::vector<std::int64_t> asked) const {
@@ -59,7 +75,7 @@ std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& 
     if (t >= 0) t = st.unblocked(t);
   for (auto& t : asked) t = st.unblocked(t);
   const auto times = observed_prefetch_times(order, asked, ready, bytes, open.reduce_ms, open.sync_ms,
-                                             std::max<std::size_t>(1, interleave_lag));
+                                             std::max<std::size_t>(1, lag.lag));
   const auto choice = best_early_syncs(times);
   log->debug("forward prefetch: replayed iteration {:.3f} ms with {} syncs in backward ({:.3f} ms with none)", choice.iteration_ms,
              choice.early, steady_iteration_ms(times, 0));

@@ -6,7 +6,8 @@
 namespace shardflow {
 
 void Runtime::Impl::choose_interleave_lag() {
-  lag_chosen = true;
+  if (lag.chosen) return;
+  lag.chosen = true;
   if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return;
   auto& st = timeline->stats();
   const auto open = st.open_window();
@@ -19,13 +20,13 @@ void Runtime::Impl::choose_interleave_lag() {
   // reductions' buffers and the staging window back (measured at link/compute 1: 0.50 with the
   // backlog's lag 16 against 0.61 at lag 1).
   const std::size_t max_lag = bufs->pooled() ? std::max<std::size_t>(1, caps.grads_in_flight) : 64;
-  std::uint32_t lag = std::uint32_t(shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0,
-                                                                     B ? open.sync_ms / double(B) : 0, open.step_chain_ms, max_lag));
-  control_collective(CollectiveKind::broadcast, &lag, 1, "interleave lag");  // rank 0's choice: every rank issues the same order
-  log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}", lag,
-            lag ? " (the step and its hops take longer than the gradients leave between reductions)" : "");
-  if (lag == interleave_lag) return;
-  interleave_lag = lag;
+  std::uint32_t chosen = std::uint32_t(shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0,
+                                                                        B ? open.sync_ms / double(B) : 0, open.step_chain_ms, max_lag));
+  control_collective(CollectiveKind::broadcast, &chosen, 1, "interleave lag");  // rank 0's choice: every rank issues the same order
+  log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}", chosen,
+            chosen ? " (the step and its hops take longer than the gradients leave between reductions)" : "");
+  if (chosen == lag.lag) return;
+  lag.lag = chosen;
   stop_actors();
   spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
 }

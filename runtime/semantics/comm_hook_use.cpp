@@ -20,13 +20,13 @@ void Runtime::register_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard lock(I.finalize_mu);
   if (!hook) throw UsageError("register_comm_hook: null hook");
   if (I.finalized.load()) throw UsageError("register_comm_hook('" + hook->name() + "'): register it before training starts (finalize)");
-  if (I.comm_hook) throw UsageError("register_comm_hook('" + hook->name() + "'): '" + I.comm_hook->name() + "' is registered already (one hook per Runtime)");
-  I.comm_hook = std::move(hook);
+  if (I.hook.hook) throw UsageError("register_comm_hook('" + hook->name() + "'): '" + I.hook.hook->name() + "' is registered already (one hook per Runtime)");
+  I.hook.hook = std::move(hook);
 }
 
 std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {
   const bool wire16 = cfg.precision.comm_dtype != DType::f32;
-  if (!comm_hook) {
+  if (!hook.hook) {
     if (!wire16 || shard) return nullptr;
     if (mem->on_gpu())
       throw UsageError(cfg.name_of("precision.comm_dtype") + " = " + dtype_name(cfg.precision.comm_dtype) +
@@ -34,7 +34,7 @@ std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {
     return cfg.precision.comm_dtype == DType::f16 ? fp16_compress_hook() : bf16_compress_hook();
     return nullptr;
   }
-  const std::string who = "comm hook '" + comm_hook->name() + "'";
+  const std::string who = "comm hook '" + hook.hook->name() + "'";
   if (wire16)
     throw UsageError(who + " beside " + cfg.name_of("precision.comm_dtype") + " = " + dtype_name(cfg.precision.comm_dtype) +
                      ": the gradients would be compressed twice; use one of them");
@@ -44,7 +44,7 @@ std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {
     throw UsageError(who + ": ZeRO-2 with the flat partition reduce-scatters its buckets, and hooks replace an all-reduce; use " +
                      cfg.name_of("precision.comm_dtype") + " for a 16-bit wire there, ZeRO-1, or the param or bucket partition");
   if (mem->on_gpu()) throw UsageError(who + ": hooks reduce host buckets; this Runtime's parameters are on " + mem->device.str());
-  return comm_hook;
+  return hook.hook;
 }
 
 }  // namespace shardflow

@@ -41,18 +41,18 @@ std::vector<Param> Runtime::register_flat(const FlatBuffers& flat) {
     ParamSpec spec{e.name, e.shape, flat.dtype, flat.device, static_cast<std::byte*>(flat.params) + e.offset * es};
     if (flat.grads) spec.grad = static_cast<std::byte*>(flat.grads) + e.offset * es;
     out.push_back(register_param(std::move(spec)));
-    I.flat_entries.push_back({e.offset, std::size_t(numel(e.shape)), out.back()});
+    I.flat.entries.push_back({e.offset, std::size_t(numel(e.shape)), out.back()});
   }
-  std::sort(I.flat_entries.begin(), I.flat_entries.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  std::sort(I.flat.entries.begin(), I.flat.entries.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
   return out;
 }
 
 void Runtime::grads_ready(std::size_t offset, std::size_t count) {
   auto& I = *impl_;
-  if (I.flat_entries.empty()) throw UsageError("grads_ready: no flat buffer registered (register_flat)");
+  if (I.flat.entries.empty()) throw UsageError("grads_ready: no flat buffer registered (register_flat)");
   const std::size_t end = offset + count;
   std::vector<Param> ready;
-  for (const auto& e : I.flat_entries) {
+  for (const auto& e : I.flat.entries) {
     const std::size_t e_end = e.offset + e.numel;
     if (e_end <= offset || e.offset >= end) continue;
     if (e.offset < offset || e_end > end)

@@ -23,14 +23,14 @@ namespace shardflow {
 void Runtime::Impl::count_training_ranks() {
   // Called by every grad_ready: one acquire load once counted. Backward threads that report at
   // the same moment wait for the count (the lock) rather than send their gradients before it.
-  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || counted.load(std::memory_order_acquire)) return;
-  std::lock_guard lock(count_mu);
-  if (counted.load(std::memory_order_relaxed)) return;
-  float training = joined ? 0.0f : 1.0f;
+  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || join.counted.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(join.count_mu);
+  if (join.counted.load(std::memory_order_relaxed)) return;
+  float training = join.joined ? 0.0f : 1.0f;
   control_collective(CollectiveKind::allreduce, &training, 1, "join: ranks still training");
-  training_ranks = int(training);
-  divisor->store(training_ranks > 0 ? 1.0f / float(training_ranks) : 0.0f, std::memory_order_release);
-  counted.store(true, std::memory_order_release);
+  join.training_ranks = int(training);
+  join.divisor->store(join.training_ranks > 0 ? 1.0f / float(join.training_ranks) : 0.0f, std::memory_order_release);
+  join.counted.store(true, std::memory_order_release);
 }
 
 void Runtime::join() {
@@ -41,12 +41,12 @@ void Runtime::join() {
     throw UsageError("join() on rank " + std::to_string(I.rank) + ": set " + I.cfg.name_of("join.uneven_inputs") +
                      " = true, so that every iteration counts the ranks still training");
   if (I.in_pass()) throw UsageError("join() on rank " + std::to_string(I.rank) + " in the middle of a backward pass: call it after wait()");
-  I.joined = true;
+  I.join.joined = true;
   const auto joined_at = float(I.iterations);
   for (;;) {
     I.count_training_ranks();
-    if (I.training_ranks == 0) {  // every rank has joined: all leave on this count
-      I.counted.store(false, std::memory_order_release);
+    if (I.join.training_ranks == 0) {  // every rank has joined: all leave on this count
+      I.join.recount();
       break;
     }
     zero_grad();  // a shadow iteration: every gradient zero
@@ -63,6 +63,6 @@ void Runtime::join() {
   I.log->info("joined: every rank is out of data after iteration {}", I.iterations);
 }
 
-int Runtime::training_ranks() const { return impl_->cfg.join.uneven_inputs ? impl_->training_ranks : impl_->world; }
+int Runtime::training_ranks() const { return impl_->cfg.join.uneven_inputs ? impl_->join.training_ranks : impl_->world; }
 
 }  // namespace shardflow

@@ -72,9 +72,9 @@ void Runtime::Impl::send_buffers() {
   // device (an event recorded now, after every kernel of this forward and backward was enqueued).
   void* written = nullptr;
   if (mem->on_gpu()) {
-    if (!buffers_event) buffers_event = std::shared_ptr<void>(cuda::event_create(mem->device.index), [](void* e) { cuda::event_destroy(cuda::Event(e)); });
-    cuda::event_record(cuda::Event(buffers_event.get()), mem->stream);
-    written = buffers_event.get();
+    if (!state_sync.buffers_event) state_sync.buffers_event = std::shared_ptr<void>(cuda::event_create(mem->device.index), [](void* e) { cuda::event_destroy(cuda::Event(e)); });
+    cuda::event_record(cuda::Event(state_sync.buffers_event.get()), mem->stream);
+    written = state_sync.buffers_event.get();
   }
   for (const auto& b : registry.buffers())
     if (b.bytes > 0) {
@@ -82,17 +82,6 @@ void Runtime::Impl::send_buffers() {
       issue.ops.back().wait_event = written;
     }
   hand_over(ScheduledCollective::buffers, std::move(issue));
-}
-
-void Runtime::Impl::hand_over(ScheduledCollective::Kind kind, CollectiveIssue issue) {
-  caf::anon_send(comm_actor_h, msg::handed_over_atom::value, std::uint8_t(kind), std::move(issue));
-}
-
-std::uint32_t Runtime::Impl::signal_index(ScheduledCollective::Kind kind) const {
-  const auto buckets = std::uint32_t(plan.buckets.size());
-  if (kind == ScheduledCollective::unused) return finds_unused() ? buckets : ~0u;
-  if (kind == ScheduledCollective::buffers) return syncs_buffers() ? buckets + (finds_unused() ? 1 : 0) : ~0u;
-  return ~0u;
 }
 
 }  // namespace shardflow

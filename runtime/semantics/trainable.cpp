@@ -23,8 +23,8 @@ void Runtime::set_requires_grad(Param p, bool on) {
     I.registry.set_requires_grad(i, on);
     return;
   }
-  I.wanted_trainable.resize(I.registry.size(), -1);
-  I.wanted_trainable[i] = on ? 1 : 0;
+  I.trainable.wanted.resize(I.registry.size(), -1);
+  I.trainable.wanted[i] = on ? 1 : 0;
 }
 
 void Runtime::refresh_trainable() {
@@ -35,12 +35,12 @@ void Runtime::refresh_trainable() {
   wait_all_params();
   const auto& params = I.registry.params();
   std::vector<std::uint32_t> thawed;
-  for (std::uint32_t p = 0; p < I.wanted_trainable.size(); ++p) {
-    if (I.wanted_trainable[p] < 0 || bool(I.wanted_trainable[p]) == params[p].requires_grad) continue;
-    if (I.wanted_trainable[p]) thawed.push_back(p);
-    I.registry.set_requires_grad(p, I.wanted_trainable[p] != 0);
+  for (std::uint32_t p = 0; p < I.trainable.wanted.size(); ++p) {
+    if (I.trainable.wanted[p] < 0 || bool(I.trainable.wanted[p]) == params[p].requires_grad) continue;
+    if (I.trainable.wanted[p]) thawed.push_back(p);
+    I.registry.set_requires_grad(p, I.trainable.wanted[p] != 0);
   }
-  I.wanted_trainable.clear();
+  I.trainable.wanted.clear();
   if (I.registry.trainable() == 0)
     throw UsageError("refresh_trainable() on rank " + std::to_string(I.rank) + ": every parameter is frozen; keep at least one trainable");
   // Every rank must train the same set (the buckets and the collectives follow from it).
@@ -51,11 +51,7 @@ void Runtime::refresh_trainable() {
     I.fail(MismatchError(std::string("refresh_trainable: ") + e.what()));
   }
   // What was measured on the old buckets is measured again on the new ones.
-  I.prefetch_active = false;
-  I.observing_forward = false;
-  I.sync_order.clear();
-  I.prefetch_early = 0;
-  I.lag_chosen = I.cfg.zero.interleave_lag >= 0;
+  I.forget_overlap_choices();
   I.rebuilt = false;
   I.install_plan(I.make_plan(reverse_registration_order(params)), I.iterations);
   if (I.shard) {

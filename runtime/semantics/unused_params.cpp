@@ -16,7 +16,7 @@
 namespace shardflow {
 
 void Runtime::Impl::send_used_counts() {
-  auto& counts = *used_counts;
+  auto& counts = *unused.used_counts;
   for (std::size_t p = 0; p < counts.size(); ++p) counts[p] = marked[p].load(std::memory_order_acquire) || touched[p] ? 1.0f : 0.0f;
   CollectiveIssue issue;
   CollectiveOp op;
@@ -25,7 +25,7 @@ void Runtime::Impl::send_used_counts() {
   op.send = op.recv = counts.data();
   op.count = counts.size();
   op.tag = "used counts, iteration " + std::to_string(iterations);
-  op.keep_alive = used_counts;
+  op.keep_alive = unused.used_counts;
   issue.ops.push_back(std::move(op));
   hand_over(ScheduledCollective::unused, std::move(issue));
 }
@@ -36,9 +36,9 @@ std::vector<Param> Runtime::unused_parameters() const {
     throw UsageError("unused_parameters(): set Config::buckets.find_unused_parameters = true (or static_graph); without it every parameter must get a gradient");
   if (I.in_pass()) throw UsageError("unused_parameters() on rank " + std::to_string(I.rank) + " before wait(): the counts are not in yet");
   std::vector<Param> out;
-  if (!I.used_counts || I.iterations == 0) return out;
-  for (std::uint32_t p = 0; p < I.used_counts->size(); ++p)
-    if ((*I.used_counts)[p] == 0.0f && I.registry.params()[p].requires_grad) out.push_back(Param{p, I.owner});
+  if (!I.unused.used_counts || I.iterations == 0) return out;
+  for (std::uint32_t p = 0; p < I.unused.used_counts->size(); ++p)
+    if ((*I.unused.used_counts)[p] == 0.0f && I.registry.params()[p].requires_grad) out.push_back(Param{p, I.owner});
   return out;
 }
 

@@ -1,0 +1,28 @@
+// A sharded checkpoint saved in the background (Runtime::save_sharded_checkpoint_async): this
+// rank's file is written by `writer` from a staged copy; wait_checkpoint() joins it, and then the
+// ranks agree and rank 0 writes the index (Note [Sharded checkpoints], sharded_checkpoint.cpp).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace shardflow {
+
+struct BackgroundSaveState {
+  struct Pending {
+    std::string dir;
+    std::string index;  // rank 0: the index as of the save
+    std::thread writer;
+    std::string failure;
+    std::size_t slices = 0;
+  };
+  std::unique_ptr<Pending> pending;
+  // The runtime ends: a write in flight finishes first. With no wait_checkpoint() its index is
+  // never written, so the previous checkpoint stays the one the directory names.
+  void finish_writer() {
+    if (pending && pending->writer.joinable()) pending->writer.join();
+  }
+};
+
+}  // namespace shardflow

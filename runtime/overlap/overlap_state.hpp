@@ -1,0 +1,46 @@
+// The overlap choices' state, one struct per choice, owned by Runtime::Impl and worked on by this
+// folder's files; the core reads the choices only through the named calls declared with them in
+// runtime_impl.hpp (prefetching(), build_schedule(), ...).
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "shardflow/config.hpp"
+
+namespace shardflow {
+
+// Note [Forward prefetch] (forward_prefetch.cpp): the first-use order of buckets observed in one
+// forward, and the sync order chosen from it.
+struct ForwardPrefetchState {
+  std::mutex mu;  // wait_param may run on several trainer threads
+  bool observing = false;  // recording the first-use order of buckets in forward
+  std::vector<char> seen;
+  std::vector<std::uint32_t> forward_order;
+  std::vector<std::int64_t> asked_us;  // when forward first asked for forward_order[i]
+  std::vector<std::uint32_t> sync_order;  // S entries, empty = bucket order
+  std::size_t early = 0;  // syncs interleaved into backward (the first of sync_order)
+  bool active = false;
+  // What was measured on one plan's buckets is measured again on the next's.
+  void forget() {
+    active = false;
+    observing = false;
+    sync_order.clear();
+    early = 0;
+  }
+};
+
+// Note [Choosing the interleave lag] (interleave_lag.cpp): bucket b's sync goes after the reduction
+// of b + lag. Config's, or 0 until chosen after the first iteration.
+struct InterleaveLagState {
+  std::size_t lag = 0;
+  bool chosen = false;
+  explicit InterleaveLagState(const Config& cfg)
+      : lag(cfg.zero.interleave_lag >= 0 ? std::size_t(cfg.zero.interleave_lag) : 0), chosen(cfg.zero.interleave_lag >= 0) {}
+  InterleaveLagState() = default;
+  // A new plan: chosen again after its first iteration, unless the Config fixed it.
+  void forget(const Config& cfg) { chosen = cfg.zero.interleave_lag >= 0; }
+};
+
+}  // namespace shardflow

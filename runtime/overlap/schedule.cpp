@@ -1,0 +1,27 @@
+// The iteration's collectives in the order every rank issues them (Note [Collective schedule],
+// plans/collective_schedule.cpp), from the overlap choices this folder made: the interleave lag and,
+// with forward prefetch, the sync order and how many syncs go inside backward.
+#include "runtime/runtime_impl.hpp"
+
+namespace shardflow {
+
+std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
+  ScheduleSpec spec;
+  spec.buckets = plan.buckets.size();
+  spec.syncs = shard && shard->syncs();
+  spec.norm = spec.syncs && shard->exchanges_norm();
+  spec.buffers = syncs_buffers();
+  spec.unused = finds_unused();
+  // Syncs in the observed forward order: only the first prefetch.early interleave, each after the
+  // next bucket's reduction (Note [Forward prefetch]): a reduction never queues behind a step
+  // then, and the sync left over for after backward is needed second by forward, which waits
+  // for the first.
+  const bool in_forward_order = !prefetch.sync_order.empty();
+  spec.interleave = cfg.zero.overlap == Overlap::interleaved && (!in_forward_order || prefetch.early > 0);
+  spec.lag = in_forward_order ? std::max<std::size_t>(1, lag.lag) : lag.lag;
+  spec.sync_order = prefetch.sync_order;
+  spec.interleaved_syncs = in_forward_order ? prefetch.early : spec.buckets;
+  return collective_order(spec);
+}
+
+}  // namespace shardflow
