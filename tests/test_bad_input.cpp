@@ -178,6 +178,7 @@ TEST_CASE("shardflow run and plan: invalid flags and malformed parameter lists a
                                           {{"run", "--rdzv-timeout", "-1", "--", "/bin/true"}, "--rdzv-timeout"},
                                           {{"run", "--heartbeat-timeout", "0", "--", "/bin/true"}, "--heartbeat-timeout"},
                                           {{"run", "--kill-grace", "-1", "--", "/bin/true"}, "--kill-grace"},
+                                          {{"run", "--max-restarts", "-1", "--", "/bin/true"}, "--max-restarts"},
                                           {{"run", "--standalone", "--", "/bin/true"}, "--standalone"},
                                           {{"run", "--", "/no/such/program"}, "rank 0"},
                                           {{"plan", "--params", (f.dir / "missing.json").string(), "--world-size", "2"}, "missing.json"},

@@ -271,6 +271,18 @@ TEST_CASE("launch environment: torchrun, Slurm and Open MPI variables; malformed
     CHECK(e.store_port == 29501);
     CHECK(e.token == "torchrun-abc");
   }
+  SUBCASE("the worker group's generation: shardflow run's SHARDFLOW_RESTART_COUNT, else torchrun's; malformed named") {
+    std::map<std::string, std::string> base{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+    CHECK(detect(base).restart_count == 0);
+    auto torchrun = base;
+    torchrun["TORCHELASTIC_RESTART_COUNT"] = "2";
+    CHECK(detect(torchrun).restart_count == 2);
+    auto ours = torchrun;
+    ours["SHARDFLOW_RESTART_COUNT"] = "1";
+    CHECK(detect(ours).restart_count == 1);
+    ours["SHARDFLOW_RESTART_COUNT"] = "x";
+    CHECK_THROWS_WITH_AS(detect(ours), doctest::Contains("SHARDFLOW_RESTART_COUNT='x' is not an integer"), UsageError);
+  }
   SUBCASE("shardflow run: the launcher serves the store") {
     const auto e = detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SHARDFLOW_LAUNCHER", "1"}, {"SHARDFLOW_STORE_HOSTED", "1"},
                            {"SHARDFLOW_STORE_TOKEN", "tok"}, {"MASTER_PORT", "4000"}});
@@ -360,4 +372,90 @@ TEST_CASE("shardflow run takes torchrun's underscore spellings, and names a torc
   const auto [unknown, what] = run("--nproc_per_node 2 --frobnicate 1 -- /bin/true");
   CHECK(unknown == 2);
   CHECK(what.find("unknown flag --frobnicate") != std::string::npos);
+}
+
+// Note [Restarting the worker group]
+TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank again in a new generation; used up -> the failure, named") {
+  auto with_restarts = [](int nproc, int restarts, std::vector<std::string> prog) {
+    auto argv = launch(nproc, std::move(prog));
+    argv.insert(argv.begin() + 2, {"--max-restarts", std::to_string(restarts)});
+    return argv;
+  };
+  SUBCASE("rank 1 killed in generation 0 -> generation 1 runs every rank, the job exits 0") {
+    Child job(with_restarts(2, 2, {"/bin/sh", "-c",
+                                   "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then kill -9 $$; fi; "
+                                   "echo rank $RANK generation $SHARDFLOW_RESTART_COUNT/$TORCHELASTIC_MAX_RESTARTS torchrun $TORCHELASTIC_RESTART_COUNT"}),
+              no_launch_env());
+    const auto st = job.wait(30s);
+    INFO(job.output());
+    REQUIRE(test::exited_ok(st));
+    CHECK(job.output().find("rank 1 (local rank 1, pid ") != std::string::npos);
+    CHECK(job.output().find("was killed by signal 9") != std::string::npos);
+    CHECK(job.output().find("restarting every rank (1 of 2 restarts)") != std::string::npos);
+    CHECK(job.output().find("; restart 1 of 2") != std::string::npos);
+    for (int r : {0, 1})
+      CHECK(job.output().find("[rank " + std::to_string(r) + "] rank " + std::to_string(r) + " generation 1/2 torchrun 1") !=
+            std::string::npos);
+    CHECK(job.output().find("restart 2 of 2") == std::string::npos);
+  }
+  SUBCASE("rank 1 fails every time -> restarts used up: its exit status, the rank and the count named") {
+    Child job(with_restarts(2, 2, {"/bin/sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 30"}), no_launch_env());
+    const auto st = job.wait(60s);
+    INFO(job.output());
+    REQUIRE(st.has_value());
+    CHECK(WEXITSTATUS(*st) == 3);
+    CHECK(job.output().find("restarting every rank (2 of 2 restarts)") != std::string::npos);
+    CHECK(job.output().find("FAILED: rank 1 (local rank 1") != std::string::npos);
+    CHECK(job.output().find("restarts used up (2 of 2)") != std::string::npos);
+  }
+  SUBCASE("Ctrl-C ends the job instead of restarting it") {
+    Child job(with_restarts(2, 3, {"/bin/sh", "-c", "trap 'exit 1' INT; while true; do sleep 0.05; done"}), no_launch_env());
+    REQUIRE(job.read_until("started rank 0", 10s));
+    std::this_thread::sleep_for(300ms);
+    ::kill(job.pid(), SIGINT);
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(st.has_value());
+    CHECK(WEXITSTATUS(*st) == 130);
+    CHECK(job.output().find("restarting") == std::string::npos);
+  }
+  SUBCASE("training over shm and gloo: rank 1 killed at its 3rd collective in generation 0 -> the rendezvous of generation 1 "
+          "on the same store, and the parameters of an uninterrupted run") {
+    // No snapshot yet: generation 1 trains from the start, so it must end where world 2 in process ends.
+    const TensorMap want = in_process(2, 1);
+    for (std::string backend : {"shm", "gloo"}) {
+      CAPTURE(backend);
+      const std::string out = scratch("restart_" + backend + ".safetensors");
+      std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:3; fi; exec";
+      auto args = mlp_args(1);
+      args.insert(args.begin(), kTrainer);
+      for (auto a : {"--backend", backend.c_str(), "--save", out.c_str()}) args.push_back(a);
+      for (const auto& a : args) cmd += " '" + a + "'";
+      Child job(with_restarts(2, 1, {"/bin/sh", "-c", cmd}), no_launch_env());
+      const auto st = job.wait(120s);
+      INFO(job.output());
+      REQUIRE(test::exited_ok(st));
+      CHECK(job.output().find("restarting every rank (1 of 1 restarts)") != std::string::npos);
+      const TensorMap got = load_safetensors(out);
+      REQUIRE(got.size() == want.size());
+      for (const auto& [name, t] : want) {
+        CAPTURE(name);
+        REQUIRE(got.count(name));
+        if (backend == "shm")
+          CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+        else
+          CHECK(test::rel_error(got.at(name).to_f32("got"), t.to_f32("want")) <= 1e-6);
+      }
+    }
+  }
+  SUBCASE("across nodes it is refused, naming the flag") {
+    auto argv = with_restarts(1, 1, {"/bin/true"});
+    argv.insert(argv.begin() + 2, {"--nnodes", "2", "--token", "t", "--master-port", std::to_string(test::free_port())});
+    Child job(argv, no_launch_env());
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(st.has_value());
+    CHECK(WEXITSTATUS(*st) != 0);
+    CHECK(job.output().find("--max-restarts 1 restarts the ranks of one node only") != std::string::npos);
+  }
 }

@@ -112,6 +112,9 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
   if (e.store_hosted && !env.has("SHARDFLOW_STORE_TOKEN"))
     bad("SHARDFLOW_STORE_HOSTED=1 but SHARDFLOW_STORE_TOKEN is not set: start the job with `shardflow run`");
   e.store_port = std::uint16_t(env.integer("SHARDFLOW_STORE_PORT", port, 1, 65535));
+  // Note [Restarting the worker group]: shardflow run's generation, else torchrun's.
+  e.restart_count = int(env.integer(env.has("SHARDFLOW_RESTART_COUNT") ? "SHARDFLOW_RESTART_COUNT" : "TORCHELASTIC_RESTART_COUNT", 0, 0,
+                                    1 << 20));
   if (env.has("MASTER_ADDR"))
     e.master_addr = env.str("MASTER_ADDR");
   else if (!e.single_host())

@@ -59,7 +59,9 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
     }
     store_host = so.host;
   }
-  const std::string prefix = "pg" + std::to_string(groups_created++) + "/";
+  // The store outlives a restarted worker group: each generation's keys are its own (Note
+  // [Restarting the worker group]).
+  const std::string prefix = "g" + std::to_string(env.restart_count) + "/pg" + std::to_string(groups_created++) + "/";
   {
     TcpStoreClient client(store_host, env.store_port, env.token, o.timeout);
     PrefixStore store(client, prefix);

@@ -22,8 +22,6 @@ const char* torchrun_advice(const std::string& flag) {
       {"--rdzv-backend", "shardflow's rendezvous store is built in: drop it"},
       {"--rdzv_id", "the job's store token plays its part: --token T (or SHARDFLOW_STORE_TOKEN)"},
       {"--rdzv-id", "the job's store token plays its part: --token T (or SHARDFLOW_STORE_TOKEN)"},
-      {"--max_restarts", "shardflow fails fast and names the failed rank; restart the job from its last checkpoint"},
-      {"--max-restarts", "shardflow fails fast and names the failed rank; restart the job from its last checkpoint"},
       {"--monitor_interval", "use --heartbeat-interval"},
       {"--monitor-interval", "use --heartbeat-interval"},
   };
@@ -89,6 +87,10 @@ int main(int argc, char** argv) {
   run->add_option("--heartbeat-interval", hb_interval_s, "seconds between a node's heartbeats")->capture_default_str();
   run->add_option("--kill-grace", grace_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")->capture_default_str();
   run->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
+  run->add_option("--max-restarts,--max_restarts", spec.max_restarts,
+                  "when a rank fails, stop the others and start every rank again, up to this many times "
+                  "(SHARDFLOW_RESTART_COUNT tells each generation which it is; one node)")
+      ->capture_default_str();
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
   const auto plan = shardflow::cli::add_plan_command(app);
   if (const auto why = unknown_run_flag(argc, argv, *run); !why.empty()) {

@@ -110,17 +110,22 @@ class Supervisor {
       watch_->start();
     }
 
-    std::string started;
-    for (int l = 0; l < spec_.nproc_per_node; ++l) {
-      auto& r = ranks_.emplace_back();
-      r.local = l;
-      r.global = spec_.node_rank * spec_.nproc_per_node + l;
-      spawn(r, world, port, token, old);
-      started += (started.empty() ? "" : ", ") + ("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ")");
+    for (;;) {
+      std::string started;
+      for (int l = 0; l < spec_.nproc_per_node; ++l) {
+        auto& r = ranks_.emplace_back();
+        r.local = l;
+        r.global = spec_.node_rank * spec_.nproc_per_node + l;
+        spawn(r, world, port, token, old);
+        started += (started.empty() ? "" : ", ") + ("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ")");
+      }
+      say("started " + started + "; world " + std::to_string(world) + ", store " + spec_.master_addr + ":" +
+          std::to_string(port) + (spec_.node_rank == 0 ? " (served here)" : "") +
+          (restart_ ? "; restart " + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) : ""));
+      supervise();
+      if (!restart_wanted()) break;
+      next_generation();
     }
-    say("started " + started + "; world " + std::to_string(world) + ", store " + spec_.master_addr + ":" +
-        std::to_string(port) + (spec_.node_rank == 0 ? " (served here)" : ""));
-    supervise();
     return finish();
   }
 
@@ -141,7 +146,7 @@ class Supervisor {
   }
 
   void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
-    const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token});
+    const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;
@@ -302,12 +307,39 @@ class Supervisor {
     }
   }
 
-  int finish() {
-    // A rank that died (or was stopped) left its shared-memory buffers in /dev/shm: this job's are
-    // named after its ranks' pids (runtime/comm/shm_names.hpp).
+  // Note [Restarting the worker group]
+  // With --max-restarts N a rank's failure (its exit non-zero, a signal, or a hang its peers'
+  // timeouts turn into one) stops the other ranks as without it, and then, instead of ending the
+  // job, starts every rank again: the same command and ranks, the same store, a new generation in
+  // SHARDFLOW_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT). The store outlives the
+  // generations, so each generation's keys are its own: init_process_group puts the generation in
+  // every key (g<k>/pg<n>/...), and no rank of generation k+1 reads an address of generation k.
+  // What the ranks resume from is theirs to find (the runtime's snapshots, or the trainer's own
+  // checkpoint); a signal to the launcher (Ctrl-C) ends the job rather than restarting it.
+  bool restart_wanted() const { return first_failure_ && !interrupted_ && !peer_failure_ && restart_ < spec_.max_restarts; }
+
+  void next_generation() {
+    say(blame() + "; restarting every rank (" + std::to_string(restart_ + 1) + " of " + std::to_string(spec_.max_restarts) +
+        " restarts)");
+    remove_shared_memory();
+    ranks_.clear();
+    first_failure_.reset();
+    stop_deadline_.reset();
+    killed_ = false;
+    store_lost_.clear();
+    ++restart_;
+  }
+
+  // A rank that died (or was stopped) left its shared-memory buffers in /dev/shm: this job's are
+  // named after its ranks' pids (runtime/comm/shm_names.hpp).
+  void remove_shared_memory() {
     std::vector<long> pids;
     for (const auto& r : ranks_) pids.push_back(r.pid);
     shm::remove_segments_of(pids);
+  }
+
+  int finish() {
+    remove_shared_memory();
     if (watch_) {
       // Node 0 keeps the store up until the others have read the outcome (or are gone).
       const bool failing = peer_failure_ || first_failure_ || interrupted_;
@@ -333,6 +365,13 @@ class Supervisor {
       return 128 + interrupted_;
     }
     if (!first_failure_) return 0;
+    say("FAILED: " + blame() +
+        (spec_.max_restarts ? "; restarts used up (" + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) + ")" : ""));
+    return exit_code_of(blamed_rank().status);
+  }
+
+  // Which rank failed and how, with the others' fate: the verdict's words, and a restart's.
+  const Rank& blamed_rank() const {
     // The first rank to fail is usually the cause. But a rank killed by a signal nobody here sent
     // (kill -9, the OOM killer) often dies a moment before a peer notices the closed connection
     // and exits first: then the killed rank is the one to name.
@@ -342,22 +381,26 @@ class Supervisor {
         blamed = r.global;
         break;
       }
-    const Rank* failed = nullptr;
+    for (const auto& r : ranks_)
+      if (r.global == blamed) return r;
+    return ranks_.front();
+  }
+
+  std::string blame() const {
+    const Rank* failed = &blamed_rank();
+    const int blamed = failed->global;
     std::string others, stopped;
     for (const auto& r : ranks_) {
-      if (r.global == blamed)
-        failed = &r;
-      else
+      if (r.global != blamed)
         others += "; rank " + std::to_string(r.global) + " " + describe_status(r.status);
       if (r.stopped_by && r.global != blamed)
         stopped += "; rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ") had been stopped by SIG" +
                    sigabbrev_np(r.stopped_by) + ": likely the cause";
     }
     others += stopped;
-    say("FAILED: rank " + std::to_string(failed->global) + " (local rank " + std::to_string(failed->local) + ", pid " +
-        std::to_string(failed->pid) + ") " + describe_status(failed->status) + others + (store_lost_.empty() ? "" : "; " + store_lost_) +
-        (other_nodes_.empty() ? "" : "; " + other_nodes_ + ": likely the cause"));
-    return exit_code_of(failed->status);
+    return "rank " + std::to_string(failed->global) + " (local rank " + std::to_string(failed->local) + ", pid " +
+           std::to_string(failed->pid) + ") " + describe_status(failed->status) + others + (store_lost_.empty() ? "" : "; " + store_lost_) +
+           (other_nodes_.empty() ? "" : "; " + other_nodes_ + ": likely the cause");
   }
 
   const LaunchSpec& spec_;
@@ -373,6 +416,7 @@ class Supervisor {
   int interrupted_ = 0;
   bool killed_ = false;
   std::optional<int> first_failure_;
+  int restart_ = 0;  // the worker group's generation (Note [Restarting the worker group])
   std::optional<clock::time_point> stop_deadline_;
 };
 

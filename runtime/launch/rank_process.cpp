@@ -67,6 +67,10 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
       {"SHARDFLOW_STORE_HOSTED", "1"},
       {"SHARDFLOW_STORE_TOKEN", ids.token},
       {"SHARDFLOW_STORE_PORT", std::to_string(ids.store_port)},
+      // torchrun's names too: a script written for torchrun's restarts reads these.
+      {"SHARDFLOW_RESTART_COUNT", std::to_string(ids.restart)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(ids.restart)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(ids.max_restarts)},
   };
   // The ranks bind where this launcher chose (flags reach them as the variables they read).
   if (socket.origin == "--local-addr") env["SHARDFLOW_SOCKET_ADDR"] = socket.address;

@@ -31,6 +31,8 @@ struct RankIds {
   std::string store_host;
   int store_port = 0;
   std::string token;
+  int restart = 0;  // the worker group's generation (Note [Restarting the worker group])
+  int max_restarts = 0;
 };
 
 // The torchrun-style environment of one rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), the

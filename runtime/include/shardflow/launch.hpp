@@ -39,6 +39,10 @@ struct LaunchEnv {
   std::string socket_address;
   std::string socket_ifname;
   std::string socket_origin;      // the variable that set one of them, for error messages
+  // Which start of the worker group this is: 0 the first, k after k restarts (SHARDFLOW_RESTART_COUNT
+  // from `shardflow run --max-restarts`, TORCHELASTIC_RESTART_COUNT from torchrun). The store keys of
+  // a generation are its own.
+  int restart_count = 0;
 
   // Reads the environment of this process; `getenv` replaces ::getenv (tests). UsageError naming
   // the variable when a value is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
