@@ -66,6 +66,10 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume_dir,
                  "start from DIR (its index.json if sharded, else DIR/checkpoint.safetensors) at any --world-size / --zero-stage / "
                  "--partition; --steps counts the steps still to run");
+  app.add_option("--snapshot-dir", opt.runtime.snapshot.dir,
+                 "the runtime's own snapshots (sharded, in the background) go to DIR/step-<N>; a restarted job "
+                 "(shardflow run --max-restarts) resumes from the newest complete one; --steps counts from the start");
+  app.add_option("--snapshot-every", opt.runtime.snapshot.every, "with --snapshot-dir: a snapshot every K steps")->capture_default_str();
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
@@ -157,7 +161,9 @@ int main(int argc, char** argv) {
                                  {"precision.comm_dtype", "--comm-dtype"},
                                  {"buckets.first_cap_bytes", "--first-bucket-mb"},
                                  {"buckets.cap_bytes", "--bucket-mb"},
-                                 {"timeouts.collective", "--timeout"}};
+                                 {"timeouts.collective", "--timeout"},
+                                 {"snapshot.dir", "--snapshot-dir"},
+                                 {"snapshot.every", "--snapshot-every"}};
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;

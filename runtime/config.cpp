@@ -61,6 +61,12 @@ void Config::validate() const {
   if (zero.interleave_lag < -1 || zero.interleave_lag > 64)
     bad("zero.interleave_lag", "must be -1 (auto) or 0 to 64, got " + std::to_string(zero.interleave_lag));
   if (timeouts.collective.count() <= 0) bad("timeouts.collective", "must be positive (default 10 min)");
+  if (snapshot.every < 0) bad("snapshot.every", "must be >= 0, got " + std::to_string(snapshot.every));
+  if (!snapshot.dir.empty() && snapshot.every == 0)
+    bad("snapshot.every", "must be > 0 with " + name_of("snapshot.dir") + " set: snapshots are taken every that many iterations");
+  if (snapshot.dir.empty() && snapshot.every > 0)
+    bad("snapshot.dir", "is not set, but " + name_of("snapshot.every") + " = " + std::to_string(snapshot.every) + " asks for snapshots");
+  if (snapshot.keep < 1) bad("snapshot.keep", "must be >= 1, got " + std::to_string(snapshot.keep));
 }
 
 std::string Config::name_of(const std::string& path) const {

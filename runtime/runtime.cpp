@@ -331,6 +331,7 @@ void Runtime::wait() {
   I.reset_pass();
   I.end_iteration();
   ++I.iterations;
+  snapshot_if_due();
 }
 
 void Runtime::wait_param(Param p) {

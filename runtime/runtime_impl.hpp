@@ -6,7 +6,7 @@
 //   semantics/   join, static_graph, unused_params, trainable, param_groups, state_sync,
 //                flat_buffers, comm_hook_use                         (semantics_state.hpp)
 //   overlap/     forward_prefetch, interleave_lag, schedule            (overlap_state.hpp)
-//   checkpoint/  checkpoint, sharded_checkpoint                        (background_save.hpp)
+//   checkpoint/  checkpoint, sharded_checkpoint, snapshots             (background_save.hpp)
 // runtime.cpp, the facade, holds the public calls and the iteration's phases as the trainer sees
 // them. A feature's file works on its own struct and the core's fields; what the core or another
 // feature needs of a feature is one of the named calls declared beside its struct below.
@@ -142,6 +142,7 @@ struct Runtime::Impl {
   void check_settings_used() {
     if (settings_checked.load(std::memory_order_relaxed)) return;
     if (!groups) cfg.check_needs_optimizer();
+    check_resumed();
     settings_checked.store(true, std::memory_order_relaxed);
   }
 
@@ -344,6 +345,11 @@ struct Runtime::Impl {
 
   // ---- checkpoint/sharded_checkpoint.cpp: Note [Sharded checkpoints] --------------------------
   BackgroundSaveState saves;
+
+  // ---- checkpoint/snapshots.cpp: Note [Snapshots] ---------------------------------------------
+  SnapshotState snapshots;
+  // Before the first backward: with snapshots, resumed_step() must have run (UsageError otherwise).
+  void check_resumed() const;
 };
 
 }  // namespace shardflow

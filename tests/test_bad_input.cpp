@@ -219,6 +219,10 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"timeouts.collective", [](Config& c) { c.timeouts.collective = 0ms; }},
       {"join.uneven_inputs", [](Config& c) { c.join.uneven_inputs = c.zero.forward_prefetch = true; }},
       {"trace.path", [](Config& c) { c.trace.path = "/nonexistent/dir/trace.json"; }},
+      {"snapshot.every", [](Config& c) { c.snapshot.every = -1; }},
+      {"snapshot.every", [](Config& c) { c.snapshot.dir = "/tmp/s"; }},
+      {"snapshot.dir", [](Config& c) { c.snapshot.every = 2; }},
+      {"snapshot.keep", [](Config& c) { c.snapshot.dir = "/tmp/s", c.snapshot.every = 2, c.snapshot.keep = 0; }},
   };
   auto world = InProcessWorld::create(1);
   for (const auto& row : rows) {
@@ -247,4 +251,44 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
     row.set(o);
     CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains(row.says), UsageError);
   }
+}
+
+// Note [Snapshots]
+TEST_CASE("snapshots misused: no resumed_step() before the first backward, no runtime optimizer, resumed_step() after training started — each named") {
+  const auto dir = (std::filesystem::temp_directory_path() / ("shardflow_snapshots_" + std::to_string(::getpid()))).string();
+  Config cfg;
+  cfg.snapshot.dir = dir;
+  cfg.snapshot.every = 1;
+  cfg.setting_names = {{"snapshot.dir", "--snapshot-dir"}};
+  auto world = InProcessWorld::create(1);
+  float w[4] = {1, 2, 3, 4};
+  {
+    Runtime rt(world->communicator(0), cfg);
+    const auto p = rt.register_param({"w", {4}, DType::f32, Device::cpu(), w});
+    rt.configure_optimizer(OptimizerConfig{});
+    CHECK_THROWS_WITH_AS(rt.grad_ready(p), doctest::Contains("--snapshot-dir is set, but resumed_step() was not called"), UsageError);
+  }
+  {
+    Runtime rt(world->communicator(0), cfg);
+    rt.register_param({"w", {4}, DType::f32, Device::cpu(), w});
+    CHECK_THROWS_WITH_AS(rt.resumed_step(), doctest::Contains("call configure_optimizer first"), UsageError);
+  }
+  {
+    Runtime rt(world->communicator(0), cfg);
+    const auto p = rt.register_param({"w", {4}, DType::f32, Device::cpu(), w});
+    rt.configure_optimizer(OptimizerConfig{});
+    CHECK(rt.resumed_step() == 0);  // nothing there yet: a fresh start
+    rt.grad_ready(p);
+    rt.wait();
+    CHECK(rt.resumed_step() == 0);  // the same answer later
+    rt.wait_checkpoint();
+    CHECK(std::filesystem::exists(dir + "/step-1/index.json"));
+  }
+  {
+    Runtime rt(world->communicator(0), cfg);
+    rt.register_param({"w", {4}, DType::f32, Device::cpu(), w});
+    rt.configure_optimizer(OptimizerConfig{});
+    CHECK(rt.resumed_step() == 1);  // the snapshot the run before left
+  }
+  std::filesystem::remove_all(dir);
 }

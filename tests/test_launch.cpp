@@ -33,10 +33,10 @@ using test::no_launch_env;
 
 std::string scratch(const std::string& name) { return test::scratch("test_launch", name); }
 
-TensorMap in_process(int world, int zero_stage) {
+TensorMap in_process(int world, int zero_stage, int steps = 6) {
   mlp::TrainOptions o;
   o.sizes = {24, 40, 40, 6};
-  o.steps = 6;
+  o.steps = steps;
   o.global_batch = 12;
   o.world_size = world;
   o.optimizer.kind = OptimizerConfig::Kind::adamw;
@@ -457,5 +457,45 @@ TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank aga
     REQUIRE(st.has_value());
     CHECK(WEXITSTATUS(*st) != 0);
     CHECK(job.output().find("--max-restarts 1 restarts the ranks of one node only") != std::string::npos);
+  }
+}
+
+// Note [Snapshots]
+TEST_CASE("shardflow run --max-restarts with snapshots every 2 steps: rank 1 killed at step 7 -> resumed from step 4, "
+          "the parameters of an uninterrupted run (bit for bit over shm)") {
+  const TensorMap want = in_process(2, 1, 8);
+  for (std::string backend : {"shm", "gloo"}) {
+    CAPTURE(backend);
+    const std::string snaps = scratch("snapshots_" + backend), out = scratch("snapshots_" + backend + ".safetensors");
+    std::filesystem::remove_all(snaps);
+    // Two collectives a step (reduce-scatter, all-gather): the 13th is in step 7, when the snapshot
+    // of step 6 is still being completed and step 4's is the newest complete one.
+    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:13; fi; exec";
+    auto args = mlp_args(1);
+    args.insert(args.begin(), kTrainer);
+    test::set_flag(args, "--steps", "8");
+    for (auto a : {"--backend", backend.c_str(), "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "2"})
+      args.push_back(a);
+    for (const auto& a : args) cmd += " '" + a + "'";
+    auto argv = launch(2, {"/bin/sh", "-c", cmd});
+    argv.insert(argv.begin() + 2, {"--max-restarts", "1"});
+    Child job(argv, no_launch_env());
+    const auto st = job.wait(120s);
+    INFO(job.output());
+    REQUIRE(test::exited_ok(st));
+    CHECK(job.output().find("restarting every rank (1 of 1 restarts)") != std::string::npos);
+    CHECK(job.output().find("[rank 0] done: 4 steps") != std::string::npos);  // steps 5 to 8 after the restart
+    CHECK(std::filesystem::exists(snaps + "/step-8/index.json"));
+    CHECK(!std::filesystem::exists(snaps + "/step-2"));  // older than the newest 2 complete ones
+    const TensorMap got = load_safetensors(out);
+    REQUIRE(got.size() == want.size());
+    for (const auto& [name, t] : want) {
+      CAPTURE(name);
+      REQUIRE(got.count(name));
+      if (backend == "shm")
+        CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+      else
+        CHECK(test::rel_error(got.at(name).to_f32("got"), t.to_f32("want")) <= 1e-6);
+    }
   }
 }

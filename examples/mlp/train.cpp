@@ -219,7 +219,7 @@ Model initial_model(const Shared& sh) {
 // and returns the micro-batch's loss.
 using MicroBatch = std::function<float(const float* x, const float* y, int rows, double loss_denominator)>;
 void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
-                 const std::function<void(int step)>& update, int first_step) {
+                 const std::function<void(int step)>& update, int first_step, int steps_done) {
   const auto& opt = sh.opt;
   const int N = opt.world_size, B = opt.global_batch, local = B / N, K = opt.accumulate;
   // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
@@ -228,7 +228,8 @@ void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
   std::vector<float> x, y, local_losses;
   LossLog loss_log;
   const auto shard = shard_of(sh.data.rows, rank, N, local);
-  const int steps = opt.shard_data ? std::min(opt.steps, shard.batches) : opt.steps;
+  // steps_done: resumed from a snapshot, --steps counts from the start (Note [Snapshots]).
+  const int steps = (opt.shard_data ? std::min(opt.steps, shard.batches) : opt.steps) - steps_done;
   for (int step = 0; step < steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     rt.zero_grad();
@@ -285,6 +286,12 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
     first_step = int(rt.optimizer_steps());
     adapter->after_step(rt, -1);  // compute copies of 16-bit parameters from what was loaded
   }
+  int steps_done = 0;
+  if (!opt.runtime.snapshot.dir.empty()) {
+    steps_done = int(rt.resumed_step());
+    first_step += steps_done;
+    if (steps_done) adapter->after_step(rt, -1);
+  }
   if (opt.checkpoint_dir) std::filesystem::create_directories(*opt.checkpoint_dir);
   {
     std::lock_guard lock(sh.mu);
@@ -293,7 +300,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
   train_steps(
       sh, rank, rt,
       [&](const float* x, const float* y, int rows, double denom) { return adapter->micro_batch(rt, x, y, rows, denom); },
-      [&](int step) { adapter->after_step(rt, step); }, first_step);
+      [&](int step) { adapter->after_step(rt, step); }, first_step, steps_done);
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   adapter->finish(rt, model);
   finish_rank(sh, rank, rt, model, slot);
@@ -356,6 +363,8 @@ Prepared prepare(const TrainOptions& opt) {
     if (opt.checkpoint_dir || opt.resume_dir)
       throw UsageError("--shard-data runs one epoch to its end with ranks joining early; checkpoints mid-epoch are not supported with it");
   }
+  if (!opt.runtime.snapshot.dir.empty() && !opt.optimizer_in_runtime)
+    throw UsageError("--snapshot-dir snapshots the runtime's optimizer state: it needs the optimizer inside the runtime");
   if (opt.resume_dir && !opt.optimizer_in_runtime)
     throw UsageError("--resume restores the runtime's optimizer state: it needs the optimizer inside the runtime");
   if (opt.checkpoint_every < 0) throw UsageError("--every must be >= 0");

@@ -25,4 +25,10 @@ struct BackgroundSaveState {
   }
 };
 
+// Note [Snapshots] (snapshots.cpp): where the runtime's own snapshots stand.
+struct SnapshotState {
+  bool resumed = false;       // resumed_step() ran (it must, before the first backward, with snapshots)
+  std::uint64_t base = 0;     // the step resumed at: snapshot N is taken after base + iterations = N
+};
+
 }  // namespace shardflow

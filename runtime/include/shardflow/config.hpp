@@ -181,6 +181,18 @@ struct TimeoutConfig {
   std::chrono::milliseconds collective = std::chrono::minutes(10);
 };
 
+// Snapshots the runtime takes and resumes from by itself (Note [Snapshots]): every `every`
+// synchronised iterations each rank writes its shard of the parameters and optimizer state to
+// dir/step-<N>/ in the background (a sharded checkpoint); the snapshot is complete once its index
+// is written, at the next snapshot or wait_checkpoint(). Runtime::resumed_step() loads the newest
+// complete one and says its N, so that a restarted job (shardflow run --max-restarts) goes on
+// where it was. The newest `keep` complete snapshots stay; older ones are removed. Empty dir: off.
+struct SnapshotConfig {
+  std::string dir;
+  int every = 0;
+  int keep = 2;
+};
+
 struct Config {
   BucketConfig buckets;
   ZeroConfig zero;
@@ -189,6 +201,7 @@ struct Config {
   JoinConfig join;
   TraceConfig trace;
   TimeoutConfig timeouts;
+  SnapshotConfig snapshot;
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
   // only route messages; the heavy lifting happens on comm streams and trainer threads.
   unsigned actor_threads = 0;

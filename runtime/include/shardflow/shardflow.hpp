@@ -335,6 +335,12 @@ class Runtime {
   // writes the index; until then the previous checkpoint in `dir` is the loadable one.
   void save_sharded_checkpoint_async(const std::string& dir);
   void wait_checkpoint();
+  // With Config::snapshot.dir (Note [Snapshots]): restores the newest complete snapshot there, the
+  // same one on every rank, and returns the synchronised iteration it was taken after (0: none
+  // yet; a fresh start). A collective, called once before the first forward, after
+  // configure_optimizer: the trainer's data position follows the step it returns. Without
+  // snapshots: 0. Later calls return the same step.
+  std::uint64_t resumed_step();
   // Loads a consolidated file, a state dict of parameters alone, or a sharded checkpoint (its
   // directory or index.json), at any world size, stage and partition: each rank reads the
   // parameters and the state of the pieces it owns. Between iterations, after
@@ -363,6 +369,7 @@ class Runtime {
   std::unique_ptr<Impl> impl_;
   void load_sharded_checkpoint(const std::string& index_path);
   void finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& failure, std::size_t slices);
+  void snapshot_if_due();  // at the end of a synchronised iteration (Note [Snapshots])
 };
 
 }  // namespace shardflow

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""How long a lost rank costs under `shardflow run --max-restarts` with the runtime's snapshots
+(Note [Restarting the worker group], Note [Snapshots]): from rank 1's kill -9 (the fault hook, at
+its N-th collective) to rank 0's first step after the restart, and how many steps were lost.
+
+  bench/restart_time.py --build build [--sizes 4096,4096] [--every 10] [--kill-at 61] [--reps 3]
+
+The default model is one 4096 x 4096 layer: 64 MiB of fp32 parameters, AdamW at ZeRO-1 over shm,
+world 2. Each rep runs the job once and reads the launcher's output as it comes.
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def one_run(a, snaps):
+    shutil.rmtree(snaps, ignore_errors=True)
+    trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", "8",
+               "--optimizer", "adamw", "--zero-stage", "1", "--overlap", "interleaved", "--backend", a.backend,
+               "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
+    script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:%d; fi; exec %s'
+              % (a.kill_at, " ".join("'%s'" % t for t in trainer)))
+    cmd = [os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
+           "--", "/bin/sh", "-c", script]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    killed_at = restarted = first_after = None
+    last_step_before = resumed_first = None
+    lines = []
+    for line in p.stdout:
+        now = time.monotonic()
+        lines.append(line)
+        m = re.match(r"\[rank 0\] step (\d+)/", line)
+        if "dies at collective" in line and killed_at is None:
+            killed_at = now
+        elif "restart 1 of 1" in line and line.startswith("shardflow run: started"):
+            restarted = now
+        elif m and killed_at is None:
+            last_step_before = int(m.group(1))
+        elif m and restarted is not None and first_after is None:
+            first_after, resumed_first = now, int(m.group(1))
+    if p.wait() != 0 or None in (killed_at, first_after):
+        sys.exit("restart_time: the job failed or did not restart:\n" + "".join(lines[-40:]))
+    return first_after - killed_at, restarted - killed_at, last_step_before - (resumed_first - 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--sizes", default="4096,4096")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--kill-at", type=int, default=61, help="rank 1's collective that kills it (2 a step at ZeRO-1)")
+    ap.add_argument("--backend", default="shm")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [one_run(a, os.path.join(tmp, "snapshots")) for _ in range(a.reps)]
+    total, stop, lost = zip(*runs)
+    print(f"restart_time: --sizes {a.sizes}, world 2 ({a.backend}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
+          f"collective {a.kill_at}; {a.reps} runs")
+    print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
+          f"(runs: {', '.join(f'{t:.2f}' for t in total)})")
+    print(f"  of which kill -> the new generation started: median {statistics.median(stop):.2f} s")
+    print(f"  steps lost (done before the kill, done again): {', '.join(str(n) for n in lost)}")
+
+
+if __name__ == "__main__":
+    main()
