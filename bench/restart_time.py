@@ -30,13 +30,17 @@ def one_run(a, snaps):
            "--", "/bin/sh", "-c", script]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    killed_at = restarted = first_after = None
+    started = first_step = killed_at = restarted = first_after = None
     last_step_before = resumed_first = None
     lines = []
     for line in p.stdout:
         now = time.monotonic()
         lines.append(line)
         m = re.match(r"\[rank 0\] step (\d+)/", line)
+        if started is None and line.startswith("shardflow run: started"):
+            started = now
+        if m and first_step is None:
+            first_step = now
         if "dies at collective" in line and killed_at is None:
             killed_at = now
         elif "restart 1 of 1" in line and line.startswith("shardflow run: started"):
@@ -47,7 +51,7 @@ def one_run(a, snaps):
             first_after, resumed_first = now, int(m.group(1))
     if p.wait() != 0 or None in (killed_at, first_after):
         sys.exit("restart_time: the job failed or did not restart:\n" + "".join(lines[-40:]))
-    return first_after - killed_at, restarted - killed_at, last_step_before - (resumed_first - 1)
+    return first_after - killed_at, restarted - killed_at, last_step_before - (resumed_first - 1), first_step - started
 
 
 def main():
@@ -62,12 +66,13 @@ def main():
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         runs = [one_run(a, os.path.join(tmp, "snapshots")) for _ in range(a.reps)]
-    total, stop, lost = zip(*runs)
+    total, stop, lost, fresh = zip(*runs)
     print(f"restart_time: --sizes {a.sizes}, world 2 ({a.backend}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
           f"collective {a.kill_at}; {a.reps} runs")
     print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
           f"(runs: {', '.join(f'{t:.2f}' for t in total)})")
     print(f"  of which kill -> the new generation started: median {statistics.median(stop):.2f} s")
+    print(f"  for comparison, the first start -> its first step: median {statistics.median(fresh):.2f} s")
     print(f"  steps lost (done before the kill, done again): {', '.join(str(n) for n in lost)}")
 
 

@@ -174,7 +174,7 @@ void end_step(Shared& sh, int rank, Runtime& rt, int step, float loss, std::chro
   if (!reduces) log.last_global = loss;
   if (reduces && reduce_now) {
     log.value = loss;
-    log.pending_step = step;
+    log.pending_step = int(local_losses.size()) - 1;  // its slot (step counts from the start of the training)
     log.pending = global_loss(opt, rt, &log.value, 1);
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -244,7 +244,7 @@ void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
       rt.wait();  // no_sync passes return at once; the last one: gradients reduced (and stepped)
     }
     update(step);
-    end_step(sh, rank, rt, step, loss, t0, local_losses, loss_log);
+    end_step(sh, rank, rt, steps_done + step, loss, t0, local_losses, loss_log);  // counted from the start of the training
     const int done = first_step + step + 1;
     if (opt.checkpoint_dir && ((opt.checkpoint_every > 0 && done % opt.checkpoint_every == 0) || step + 1 == opt.steps))
       // Sharded: the files are written while training goes on, and waited for at the next save

@@ -29,6 +29,7 @@ struct BackgroundSaveState {
 struct SnapshotState {
   bool resumed = false;       // resumed_step() ran (it must, before the first backward, with snapshots)
   std::uint64_t base = 0;     // the step resumed at: snapshot N is taken after base + iterations = N
+  std::uint64_t started = 0;  // the step of the snapshot last started (completed one iteration later)
 };
 
 }  // namespace shardflow

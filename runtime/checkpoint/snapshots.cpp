@@ -3,8 +3,7 @@
 // was without the trainer saving and finding checkpoints itself. With Config::snapshot the runtime
 // takes a sharded checkpoint every `every` synchronised iterations into dir/step-<N>/ in the
 // background (save_sharded_checkpoint_async: training waits only while each rank stages its
-// slices), and completes it, writing the index last, when the next one starts or at
-// wait_checkpoint(). A snapshot without its index is incomplete and never loaded: a rank killed in
+// slices), and completes it, writing the index last, one iteration later (or at wait_checkpoint()). A snapshot without its index is incomplete and never loaded: a rank killed in
 // the middle of a write leaves the one before as the newest. resumed_step(), once before the first
 // forward, loads the newest complete snapshot. Rank 0 looks, and its choice is broadcast, so every
 // rank loads the same one (across hosts the directory must be one every host sees). The trainer's
@@ -105,12 +104,16 @@ void Runtime::snapshot_if_due() {
   const auto every = std::uint64_t(I.cfg.snapshot.every);
   if (every == 0) return;
   const std::uint64_t step = I.snapshots.base + I.iterations;
-  if (step % every != 0) return;
-  if (I.saves.pending) {
-    wait_checkpoint();  // the snapshot before is complete from here on
+  // Completed one iteration after it started: the files had that iteration to be written, and a
+  // rank lost from here on loses at most `every` steps (completing it at the next snapshot instead
+  // would let a loss just before that one cost two intervals).
+  if (I.saves.pending && (step == I.snapshots.started + 1 || step % every == 0)) {
+    wait_checkpoint();
     if (I.rank == 0) prune(I.cfg.snapshot.dir, I.cfg.snapshot.keep, *I.log);
   }
+  if (step % every != 0) return;
   save_sharded_checkpoint_async(snapshot_dir(I.cfg.snapshot.dir, step));
+  I.snapshots.started = step;
 }
 
 }  // namespace shardflow
