@@ -3,6 +3,7 @@
 // ranks agree and rank 0 writes the index (Note [Sharded checkpoints], sharded_checkpoint.cpp).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@ struct BackgroundSaveState {
     std::thread writer;
     std::string failure;
     std::size_t slices = 0;
+    std::atomic<bool> written{false};  // the writer is done (or had nothing to write): joining will not wait
   };
   std::unique_ptr<Pending> pending;
   // The runtime ends: a write in flight finishes first. With no wait_checkpoint() its index is
@@ -29,7 +31,7 @@ struct BackgroundSaveState {
 struct SnapshotState {
   bool resumed = false;       // resumed_step() ran (it must, before the first backward, with snapshots)
   std::uint64_t base = 0;     // the step resumed at: snapshot N is taken after base + iterations = N
-  std::uint64_t started = 0;  // the step of the snapshot last started (completed one iteration later)
+  std::uint64_t started = 0;  // the step of the snapshot last started
 };
 
 }  // namespace shardflow

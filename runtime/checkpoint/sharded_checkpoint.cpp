@@ -180,7 +180,10 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
       } catch (const std::exception& e) {
         out->failure = e.what();
       }
+      out->written.store(true, std::memory_order_release);
     });
+  } else {
+    pending->written.store(true, std::memory_order_release);  // nothing in the background
   }
   I.saves.pending = std::move(pending);
 }

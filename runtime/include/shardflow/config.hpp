@@ -184,7 +184,8 @@ struct TimeoutConfig {
 // Snapshots the runtime takes and resumes from by itself (Note [Snapshots]): every `every`
 // synchronised iterations each rank writes its shard of the parameters and optimizer state to
 // dir/step-<N>/ in the background (a sharded checkpoint); the snapshot is complete once its index
-// is written, one iteration later (or at wait_checkpoint()): a lost rank costs at most `every` steps. Runtime::resumed_step() loads the newest
+// is written, at the end of the first iteration by which every rank's files are on disk (or at
+// wait_checkpoint()): a lost rank costs `every` steps and the write's time at most. Runtime::resumed_step() loads the newest
 // complete one and says its N, so that a restarted job (shardflow run --max-restarts) goes on
 // where it was. The newest `keep` complete snapshots stay; older ones are removed. Empty dir: off.
 struct SnapshotConfig {
