@@ -63,6 +63,14 @@ void check_params(const std::string& path, const TensorMap& want, const std::str
   }
 }
 
+// Ctrl-C to the launcher once its ranks are running; its exit status.
+auto interrupt_once_started(Child& job) {
+  REQUIRE(job.read_until("started rank 0", 10s));
+  std::this_thread::sleep_for(300ms);
+  ::kill(job.pid(), SIGINT);
+  return job.wait(20s);
+}
+
 std::vector<std::string> launch(int nproc, std::vector<std::string> prog) {
   std::vector<std::string> argv{kLauncher, "run", "--nproc-per-node", std::to_string(nproc), "--kill-grace", "2", "--"};
   argv.insert(argv.end(), prog.begin(), prog.end());
@@ -234,10 +242,7 @@ TEST_CASE("shardflow run: a failing rank's exit status and SIGINT are passed on"
   SUBCASE("SIGINT to the launcher reaches every rank; exit 130") {
     Child job(launch(2, {"/bin/sh", "-c", "trap 'echo rank $RANK got INT; exit 0' INT; while true; do sleep 0.05; done"}),
               no_launch_env());
-    REQUIRE(job.read_until("started rank 0", 10s));
-    std::this_thread::sleep_for(300ms);
-    ::kill(job.pid(), SIGINT);
-    const auto st = job.wait(20s);
+    const auto st = interrupt_once_started(job);
     INFO(job.output());
     REQUIRE(st.has_value());
     CHECK(WEXITSTATUS(*st) == 130);
@@ -416,10 +421,7 @@ TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank aga
   }
   SUBCASE("Ctrl-C ends the job instead of restarting it") {
     Child job(with_restarts(2, 3, {"/bin/sh", "-c", "trap 'exit 1' INT; while true; do sleep 0.05; done"}), no_launch_env());
-    REQUIRE(job.read_until("started rank 0", 10s));
-    std::this_thread::sleep_for(300ms);
-    ::kill(job.pid(), SIGINT);
-    const auto st = job.wait(20s);
+    const auto st = interrupt_once_started(job);
     INFO(job.output());
     REQUIRE(st.has_value());
     CHECK(WEXITSTATUS(*st) == 130);
