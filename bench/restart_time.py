@@ -7,6 +7,11 @@ its N-th collective) to rank 0's first step after the restart, and how many step
 
 The default model is one 4096 x 4096 layer: 64 MiB of fp32 parameters, AdamW at ZeRO-1 over shm,
 world 2. Each rep runs the job once and reads the launcher's output as it comes.
+
+--data-file: the trainer reads its data from a safetensors file written once beforehand, as a real
+trainer reads its dataset, instead of synthesising it (mlp_train's synthetic set draws 4096 x 4096
+normals and multiplies them by a 4096 x 4096 teacher at every start: seconds of the trainer's own
+start-up that say nothing about the restart).
 """
 import argparse
 import os
@@ -19,11 +24,25 @@ import tempfile
 import time
 
 
-def one_run(a, snaps):
+def write_data(a, path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import numpy as np
+    import safetensors_np
+    sizes = [int(s) for s in a.sizes.split(",")]
+    rng = np.random.default_rng(1)
+    rows = 256
+    x = rng.standard_normal((rows, sizes[0]), dtype=np.float32)
+    y = np.tanh(x @ (rng.standard_normal((sizes[0], sizes[-1]), dtype=np.float32) / np.sqrt(sizes[0])))
+    safetensors_np.save(path, {"x": x, "y": y})
+
+
+def one_run(a, snaps, data):
     shutil.rmtree(snaps, ignore_errors=True)
     trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", "8",
                "--optimizer", "adamw", "--zero-stage", "1", "--overlap", "interleaved", "--backend", a.backend,
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
+    if data:
+        trainer += ["--data", data]
     script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:%d; fi; exec %s'
               % (a.kill_at, " ".join("'%s'" % t for t in trainer)))
     cmd = [os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
@@ -63,12 +82,18 @@ def main():
     ap.add_argument("--kill-at", type=int, default=61, help="rank 1's collective that kills it (2 a step at ZeRO-1)")
     ap.add_argument("--backend", default="shm")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--data-file", action="store_true", help="the trainer reads 256 rows of data from a file (see above)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [one_run(a, os.path.join(tmp, "snapshots")) for _ in range(a.reps)]
+        data = None
+        if a.data_file:
+            data = os.path.join(tmp, "data.safetensors")
+            write_data(a, data)
+        runs = [one_run(a, os.path.join(tmp, "snapshots"), data) for _ in range(a.reps)]
     total, stop, lost, fresh = zip(*runs)
     print(f"restart_time: --sizes {a.sizes}, world 2 ({a.backend}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
-          f"collective {a.kill_at}; {a.reps} runs")
+          f"collective {a.kill_at}; {a.reps} runs; data "
+          f"{'from a file' if a.data_file else 'synthesised at start-up'}")
     print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
           f"(runs: {', '.join(f'{t:.2f}' for t in total)})")
     print(f"  of which kill -> the new generation started: median {statistics.median(stop):.2f} s")

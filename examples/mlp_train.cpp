@@ -70,6 +70,12 @@ int main(int argc, char** argv) {
                  "the runtime's own snapshots (sharded, in the background) go to DIR/step-<N>; a restarted job "
                  "(shardflow run --max-restarts) resumes from the newest complete one; --steps counts from the start");
   app.add_option("--snapshot-every", opt.runtime.snapshot.every, "with --snapshot-dir: a snapshot every K steps")->capture_default_str();
+  app.add_option("--snapshot-disk-every", opt.runtime.snapshot.disk_every,
+                 "under shardflow run on one node snapshots go to memory the launcher holds, and every N steps to --snapshot-dir "
+                 "(0: 10 x --snapshot-every)")
+      ->capture_default_str();
+  bool no_snapshot_memory = false;
+  app.add_flag("--no-snapshot-memory", no_snapshot_memory, "every snapshot to --snapshot-dir, none to the launcher's memory");
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
@@ -137,6 +143,7 @@ int main(int argc, char** argv) {
   app.add_flag("--plot", plot, "with --trace: draw the trace as a PNG Gantt chart beside it (tools/trace_plot.py, python3-matplotlib)");
   CLI11_PARSE(app, argc, argv);
   if (opt.shard_data) opt.runtime.join.uneven_inputs = true;  // uneven shards: ranks out of batches join
+  opt.runtime.snapshot.memory = !no_snapshot_memory;
 
   try {
     opt.sizes = mlp::parse_sizes(sizes);
@@ -163,7 +170,9 @@ int main(int argc, char** argv) {
                                  {"buckets.cap_bytes", "--bucket-mb"},
                                  {"timeouts.collective", "--timeout"},
                                  {"snapshot.dir", "--snapshot-dir"},
-                                 {"snapshot.every", "--snapshot-every"}};
+                                 {"snapshot.every", "--snapshot-every"},
+                                 {"snapshot.disk_every", "--snapshot-disk-every"},
+                                 {"snapshot.memory", "--no-snapshot-memory"}};
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;

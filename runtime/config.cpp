@@ -67,6 +67,10 @@ void Config::validate() const {
   if (snapshot.dir.empty() && snapshot.every > 0)
     bad("snapshot.dir", "is not set, but " + name_of("snapshot.every") + " = " + std::to_string(snapshot.every) + " asks for snapshots");
   if (snapshot.keep < 1) bad("snapshot.keep", "must be >= 1, got " + std::to_string(snapshot.keep));
+  if (snapshot.disk_every < 0) bad("snapshot.disk_every", "must be >= 0 (0: every 10 x " + name_of("snapshot.every") + "), got " + std::to_string(snapshot.disk_every));
+  if (snapshot.disk_every > 0 && snapshot.every > 0 && snapshot.disk_every % snapshot.every != 0)
+    bad("snapshot.disk_every", "must be a multiple of " + name_of("snapshot.every") + " (" + std::to_string(snapshot.every) + "), got " +
+                                   std::to_string(snapshot.disk_every) + ": only a snapshot's step can go to disk");
 }
 
 std::string Config::name_of(const std::string& path) const {

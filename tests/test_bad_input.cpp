@@ -223,6 +223,8 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"snapshot.every", [](Config& c) { c.snapshot.dir = "/tmp/s"; }},
       {"snapshot.dir", [](Config& c) { c.snapshot.every = 2; }},
       {"snapshot.keep", [](Config& c) { c.snapshot.dir = "/tmp/s", c.snapshot.every = 2, c.snapshot.keep = 0; }},
+      {"snapshot.disk_every", [](Config& c) { c.snapshot.disk_every = -1; }},
+      {"snapshot.disk_every", [](Config& c) { c.snapshot.dir = "/tmp/s", c.snapshot.every = 2, c.snapshot.disk_every = 3; }},
   };
   auto world = InProcessWorld::create(1);
   for (const auto& row : rows) {

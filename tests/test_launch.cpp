@@ -459,33 +459,51 @@ TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank aga
   }
 }
 
-// Note [Snapshots]
-TEST_CASE("shardflow run --max-restarts with snapshots every 2 steps: rank 1 killed at step 7 -> resumed from step 4, "
-          "the parameters of an uninterrupted run (bit for bit over shm)") {
+// Note [Snapshots], Note [Snapshots in memory]
+TEST_CASE("shardflow run --max-restarts with a snapshot every step, every 3rd on disk: rank 1 killed in step 7 -> resumed "
+          "from step 5 in the launcher's memory, or from step 3 on disk when the memory is lost; the parameters of an "
+          "uninterrupted run (bit for bit over shm)") {
   const TensorMap want = in_process(2, 1, 8);
-  for (std::string backend : {"shm", "gloo"}) {
-    CAPTURE(backend);
-    const std::string snaps = scratch("snapshots_" + backend), out = scratch("snapshots_" + backend + ".safetensors");
+  struct Case {
+    std::string backend;
+    bool lose_memory;  // generation 1 starts with the launcher's memory emptied
+    int resumed;
+  };
+  for (const auto& c : {Case{"shm", false, 5}, Case{"gloo", false, 5}, Case{"shm", true, 3}}) {
+    CAPTURE(c.backend);
+    CAPTURE(c.lose_memory);
+    const std::string tag = c.backend + (c.lose_memory ? "_lost" : "");
+    const std::string snaps = scratch("snapshots_" + tag), out = scratch("snapshots_" + tag + ".safetensors");
     std::filesystem::remove_all(snaps);
-    // Two collectives a step (reduce-scatter, all-gather): the 13th is in step 7, when the snapshot
-    // of step 6 is still being completed and step 4's is the newest complete one.
-    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:13; fi; exec";
+    // Two collectives a step (reduce-scatter, all-gather): the 13th is in step 7, when the
+    // snapshot of step 6 (on disk) is still being completed; step 5's (in memory) is the newest
+    // complete one, step 3's the newest on disk.
+    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:13; ";
+    if (c.lose_memory) cmd += "else rm -rf \"$SHARDFLOW_SNAPSHOT_MEMORY\"/step-*; ";
+    cmd += "fi; SHARDFLOW_LOG_LEVEL=info exec";  // the runtime's "resumed from" line
     auto args = mlp_args(1);
     args.insert(args.begin(), kTrainer);
     test::set_flag(args, "--steps", "8");
-    for (auto a : {"--backend", backend.c_str(), "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "2"})
+    for (auto a : {"--backend", c.backend.c_str(), "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "1",
+                   "--snapshot-disk-every", "3"})
       args.push_back(a);
     for (const auto& a : args) cmd += " '" + a + "'";
     auto argv = launch(2, {"/bin/sh", "-c", cmd});
     argv.insert(argv.begin() + 2, {"--max-restarts", "1"});
     Child job(argv, no_launch_env());
+    const std::string memory = "/dev/shm/shardflow-snapshots-" + std::to_string(job.pid());
     const auto st = job.wait(120s);
     INFO(job.output());
     REQUIRE(test::exited_ok(st));
     CHECK(job.output().find("restarting every rank (1 of 1 restarts)") != std::string::npos);
-    CHECK(job.output().find("[rank 0] done: 4 steps") != std::string::npos);  // steps 5 to 8 after the restart
-    CHECK(std::filesystem::exists(snaps + "/step-8/index.json"));
-    CHECK(!std::filesystem::exists(snaps + "/step-2"));  // older than the newest 2 complete ones
-    check_params(out, want, backend);
+    const std::string resumed = "resumed from the snapshot of step " + std::to_string(c.resumed) + (c.lose_memory ? " on disk" : " in memory");
+    CHECK(job.output().find(resumed) != std::string::npos);
+    CHECK(job.output().find("[rank 0] done: " + std::to_string(8 - c.resumed) + " steps") != std::string::npos);
+    // Only every 3rd step's snapshot went to disk; the launcher's memory is gone with the job.
+    CHECK(std::filesystem::exists(snaps + "/step-6/index.json"));
+    CHECK(!std::filesystem::exists(snaps + "/step-5"));
+    CHECK(!std::filesystem::exists(snaps + "/step-7"));
+    CHECK(!std::filesystem::exists(memory));
+    check_params(out, want, c.backend);
   }
 }

@@ -39,6 +39,11 @@ struct SnapshotState {
   bool resumed = false;       // resumed_step() ran (it must, before the first backward, with snapshots)
   std::uint64_t base = 0;     // the step resumed at: snapshot N is taken after base + iterations = N
   std::uint64_t started = 0;  // the step of the snapshot last started
+  bool started_in_memory = false;
+  // Note [Snapshots in memory]: where memory snapshots go (empty: none, every snapshot to disk),
+  // and every how many iterations one goes to disk instead. Chosen by resumed_step().
+  std::string memory_dir;
+  std::uint64_t disk_every = 0;
 };
 
 }  // namespace shardflow

@@ -20,6 +20,7 @@
 #include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
 #include "runtime/launch/rank_process.hpp"
+#include "runtime/launch/snapshot_memory.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
 
@@ -110,6 +111,9 @@ class Supervisor {
       watch_->start();
     }
 
+    // Across nodes a rank's snapshot would have to be copied to another host to survive its
+    // host: not built, so only a one-node job is offered memory (Note [Snapshots in memory]).
+    if (one_node) snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
     for (;;) {
       std::string started;
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
@@ -146,7 +150,8 @@ class Supervisor {
   }
 
   void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
-    const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts});
+    const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts,
+                                                         snapshot_memory_ ? snapshot_memory_->path() : std::string()});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;
@@ -340,6 +345,7 @@ class Supervisor {
 
   int finish() {
     remove_shared_memory();
+    if (snapshot_memory_) snapshot_memory_->remove();
     if (watch_) {
       // Node 0 keeps the store up until the others have read the outcome (or are gone).
       const bool failing = peer_failure_ || first_failure_ || interrupted_;
@@ -408,6 +414,7 @@ class Supervisor {
   net::SocketChoice socket_;
   std::string store_at_;
   std::unique_ptr<NodeWatch> watch_;  // across nodes only; destroyed before the store
+  std::unique_ptr<SnapshotMemory> snapshot_memory_;  // one node only
   std::optional<std::string> peer_failure_;
   std::string store_lost_;
   std::string other_nodes_;  // what node 0 learned of the others while finishing

@@ -33,6 +33,7 @@ struct RankIds {
   std::string token;
   int restart = 0;  // the worker group's generation (Note [Restarting the worker group])
   int max_restarts = 0;
+  std::string snapshot_memory;  // Note [Snapshots in memory]; empty: none offered
 };
 
 // The torchrun-style environment of one rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), the

@@ -184,14 +184,22 @@ struct TimeoutConfig {
 // Snapshots the runtime takes and resumes from by itself (Note [Snapshots]): every `every`
 // synchronised iterations each rank writes its shard of the parameters and optimizer state to
 // dir/step-<N>/ in the background (a sharded checkpoint); the snapshot is complete once its index
-// is written, at the end of the first iteration by which every rank's files are on disk (or at
-// wait_checkpoint()): a lost rank costs `every` steps and the write's time at most. Runtime::resumed_step() loads the newest
-// complete one and says its N, so that a restarted job (shardflow run --max-restarts) goes on
-// where it was. The newest `keep` complete snapshots stay; older ones are removed. Empty dir: off.
+// is written, at the end of the first iteration by which every rank's files are written (or at
+// wait_checkpoint()): a lost rank costs `every` steps and the write's time at most.
+// Runtime::resumed_step() loads the newest complete one and says its N, so that a restarted job
+// (shardflow run --max-restarts) goes on where it was. The newest `keep` complete snapshots stay;
+// older ones are removed. Empty dir: off.
+// In memory (Note [Snapshots in memory]): under `shardflow run` on one node the launcher holds
+// memory that outlives the ranks (SHARDFLOW_SNAPSHOT_MEMORY, a tmpfs directory), and with `memory`
+// the snapshots go there, double-buffered (the last complete one and the one being written), and
+// only every `disk_every` iterations to `dir` (0: every 10 x `every`). Without that memory (no
+// launcher, several nodes, too little room) every snapshot goes to `dir`.
 struct SnapshotConfig {
   std::string dir;
   int every = 0;
   int keep = 2;
+  bool memory = true;
+  int disk_every = 0;
 };
 
 struct Config {
