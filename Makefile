@@ -54,10 +54,14 @@ sanitize-thread: deps
 
 # The failure matrix, repeated (not in CI: ~35 min): kill -9 and SIGSTOP of each rank at each phase
 # (registration, backward, inside a collective, a parameter sync, a checkpoint write), over shm and
-# Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md).
+# Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md);
+# then the same faults in jobs that heal themselves (--max-restarts and snapshots) at worlds 2 and
+# 3, which must end bit for bit where an uninterrupted job ends, HEAL_REPS times each.
 SOAK_REPS ?= 20
+HEAL_REPS ?= 5
 soak: build
 	/usr/bin/python3 scripts/soak.py $(BUILD) --reps $(SOAK_REPS)
+	/usr/bin/python3 scripts/soak.py $(BUILD) --heal --reps $(HEAL_REPS)
 
 bench: build
 	$(BUILD)/bench/bench_collectives

@@ -258,6 +258,13 @@ struct Runtime::Impl {
   void check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what);
 
   void rebuild_from_observed_order();
+  // A run resumed from a snapshot takes the buckets its saved run had rebuilt (`order`: the
+  // trainable parameters, bucket by bucket) instead of rebuilding after its own first iteration.
+  // Where a bucket's elements lie decides the order in which a ring adds them up: at world 3 and
+  // more over Gloo a layout that differs for one iteration already changes the last bits.
+  // Between iterations; false (nothing changed) when `order` is not one of this run's trainable
+  // parameters, each once.
+  bool adopt_bucket_order(const std::vector<std::uint32_t>& order);
 
   // =============================================================================================
   // The features: each one's state, and the calls through which the core and the other features
@@ -350,6 +357,8 @@ struct Runtime::Impl {
   SnapshotState snapshots;
   // Before the first backward: with snapshots, resumed_step() must have run (UsageError otherwise).
   void check_resumed() const;
+  // Before loading a snapshot: its saved run's buckets, through adopt_bucket_order.
+  void adopt_saved_buckets(const std::string& snapshot);
 };
 
 }  // namespace shardflow

@@ -21,7 +21,16 @@ In-process ranks are threads of one process: a kill takes them all, and a failin
 covered by tests/test_errors.cpp. Results: one line per run, and a table of counts to paste into
 bench/RESULTS.md.
 
+--heal: the same faults in generation 0 of a job that heals itself (`shardflow run --max-restarts
+1`, the runtime's snapshots every 2 steps, in the launcher's memory and every 4th step on disk;
+Note [Snapshots], Note [Snapshots in memory]), at worlds 2 and 3 (--worlds), every rank a victim
+in turn. A run passes when the job exits 0 after one restart, its final parameters equal the same
+job's uninterrupted run's bit for bit, and nothing of it is left (processes, shared memory, the
+launcher's snapshot memory). Two network-namespace hosts are not in it: restarts are for one node
+so far.
+
   scripts/soak.py BUILD_DIR [--reps 20] [--backends shm,gloo] [--phases ...] [--timeout 3]
+  scripts/soak.py BUILD_DIR --heal [--reps 1] [--worlds 2,3] [--phases registration,backward,collective,sync]
 """
 import argparse
 import collections
@@ -61,6 +70,56 @@ def shm_segments():
         return set()
 
 
+def leftovers(soak_id, out, shm_before):
+    """What a finished job left behind (and removes it): its processes, its shared memory."""
+    problems = []
+    time.sleep(0.3)
+    stray = job_processes(soak_id)
+    if stray:
+        problems.append(f"stray processes {stray}")
+        for pid in stray:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+    # This job's segments carry a rank's pid (runtime/comm/shm_names.hpp), its snapshot memory the
+    # launcher's; other jobs on the machine may come and go meanwhile.
+    mine = tuple(f"shardflow-{pid}-" for pid in re.findall(r"started rank \d+ \(pid (\d+)\)", out))
+    mine += tuple(f"shardflow-snapshots-{pid}" for pid in re.findall(r"^LAUNCHER (\d+)$", out, re.M))
+    left = {n for n in shm_segments() - shm_before if mine and n.startswith(mine)}
+    if left:
+        problems.append(f"shared memory left: {sorted(left)}")
+        for name in left:
+            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+    return problems
+
+
+def run_job(cmd, env, limit_s):
+    """Runs a job, its output read as it comes; (exit code or None when it hung, output, when the fault was reached)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, fault_at = [f"LAUNCHER {proc.pid}\n"], [None]
+
+    def reader():
+        for line in proc.stdout:
+            lines.append(line)
+            if fault_at[0] is None and "shardflow test fault:" in line:
+                fault_at[0] = time.monotonic()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        rc = proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = None
+    t.join(5)
+    return rc, "".join(lines), fault_at[0]
+
+
 def one_run(build, backend, phase, victim, action, timeout_s, work):
     soak_id = uuid.uuid4().hex[:12]
     ckpt = os.path.join(work, f"ckpt_{soak_id}")
@@ -72,35 +131,19 @@ def one_run(build, backend, phase, victim, action, timeout_s, work):
     env = dict(os.environ, SOAK_ID=soak_id, SHARDFLOW_TEST_FAULT=f"{phase}:{victim}:{action}:{PHASES[phase]}")
     shm_before = shm_segments()
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, fault_at = [], [None]
-
-    def reader():
-        for line in proc.stdout:
-            lines.append(line)
-            if fault_at[0] is None and "shardflow test fault:" in line:
-                fault_at[0] = time.monotonic()
-
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        rc = proc.wait(timeout=timeout_s + 60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = None
-    t.join(5)
+    rc, out, fault_at = run_job(cmd, env, timeout_s + 60)
     end = time.monotonic()
-    out = "".join(lines)
+    lines = out.splitlines(keepends=True)
     problems = []
     if rc is None:
         problems.append("the job hung past timeout + 60 s")
     elif rc == 0:
         problems.append("the job exited 0")
-    if fault_at[0] is None:
+    if fault_at is None:
         problems.append("the fault was not reached")
         exit_s = end - start
     else:
-        exit_s = end - fault_at[0]
+        exit_s = end - fault_at
         if exit_s > timeout_s + 5:
             problems.append(f"exit {exit_s:.1f} s after the fault (bound {timeout_s + 5} s)")
     if action == "kill":
@@ -112,27 +155,7 @@ def one_run(build, backend, phase, victim, action, timeout_s, work):
                          for l in lines))
     if not named:
         problems.append(f"no message names rank {victim}")
-    time.sleep(0.3)
-    stray = job_processes(soak_id)
-    if stray:
-        problems.append(f"stray processes {stray}")
-        for pid in stray:
-            try:
-                os.kill(pid, 9)
-            except OSError:
-                pass
-    # This job's segments carry its rank 0's pid (runtime/comm/shm_names.hpp); other jobs on the
-    # machine may come and go meanwhile.
-    m = re.search(r"started rank 0 \(pid (\d+)\)", out)
-    mine = f"shardflow-{m.group(1)}-" if m else None
-    left = {n for n in shm_segments() - shm_before if mine and n.startswith(mine)}
-    if left:
-        problems.append(f"shared-memory segments left: {sorted(left)}")
-        for name in left:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
+    problems += leftovers(soak_id, out, shm_before)
     if os.path.exists(os.path.join(ckpt, "checkpoint.safetensors")):
         load = subprocess.run([trainer, "--sizes", SIZES, "--steps", "1", "--global-batch", "16", "--optimizer", "adamw",
                                "--resume", ckpt, "--quiet"], capture_output=True, text=True, timeout=60)
@@ -144,18 +167,123 @@ def one_run(build, backend, phase, victim, action, timeout_s, work):
     return problems, exit_s, out
 
 
+HEAL_PHASES = "registration,backward,collective,sync"
+# Where the faults land in a 24-step healing job (one bucket, six parameters): the 13th collective
+# and sync in step 13, the 60th gradient in step 10; the newest complete snapshot is then step 12's
+# or 10's (in memory) or 8's (on disk).
+HEAL_AT = {"registration": 1, "backward": 60, "collective": 13, "sync": 13}
+
+
+def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None):
+    """A self-healing job: its launcher command, its environment, where its final parameters go."""
+    out_path = os.path.join(work, f"params_{soak_id}.safetensors")
+    snaps = os.path.join(work, f"snaps_{soak_id}")
+    trainer = [os.path.join(build, "examples", "mlp_train"), "--sizes", SIZES, "--steps", "24", "--global-batch", "24",
+               "--optimizer", "adamw", "--lr", "1e-3", "--zero-stage", "1", "--overlap", "interleaved", "--backend", backend,
+               "--timeout", str(timeout_s), "--snapshot-dir", snaps, "--snapshot-every", "2", "--snapshot-disk-every", "4",
+               "--save", out_path, "--log-every", "1"]
+    script = "exec " + " ".join(f"'{t}'" for t in trainer)
+    if fault:  # generation 0 only: the restarted job must run clean
+        script = f'if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT={fault}; fi; ' + script
+    cmd = [os.path.join(build, "bin", "shardflow"), "run", "--nproc-per-node", str(world), "--max-restarts", "1", "--kill-grace", "1",
+           "--", "/bin/sh", "-c", script]
+    # info: the runtime's "resumed from the snapshot of step N in memory" line
+    return cmd, dict(os.environ, SOAK_ID=soak_id, SHARDFLOW_LOG_LEVEL="info"), out_path, snaps
+
+
+def same_params(a, b):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import numpy as np
+    import safetensors_np
+    x, y = safetensors_np.load(a), safetensors_np.load(b)
+    return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def heal_reference(build, backend, world, timeout_s, work):
+    """The uninterrupted run's final parameters."""
+    cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, f"ref_{backend}_{world}")
+    rc, out, _ = run_job(cmd, env, 300)
+    shutil.rmtree(snaps, ignore_errors=True)
+    if rc != 0:
+        sys.exit(f"soak --heal: the uninterrupted run ({backend}, world {world}) failed:\n{out[-3000:]}")
+    return out_path
+
+
+def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want):
+    soak_id = uuid.uuid4().hex[:12]
+    cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, soak_id,
+                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}")
+    shm_before = shm_segments()
+    start = time.monotonic()
+    rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120)
+    took = time.monotonic() - start
+    problems = []
+    if fault_at is None:
+        problems.append("the fault was not reached")
+    if rc is None:
+        problems.append("the job hung")
+    elif rc != 0:
+        problems.append(f"the job exited {rc}")
+    elif "restarting every rank (1 of 1 restarts)" not in out:
+        problems.append("no restart")
+    elif not same_params(out_path, want):
+        problems.append("its parameters differ from the uninterrupted run's")
+    problems += leftovers(soak_id, out, shm_before)
+    resumed = re.search(r"resumed from the snapshot of step (\d+) (in memory|on disk)", out)
+    shutil.rmtree(snaps, ignore_errors=True)
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    return problems, took, out, (f"step {resumed.group(1)} {resumed.group(2)}" if resumed else "the start")
+
+
+def heal_matrix(a, work):
+    stats = collections.OrderedDict()
+    failures = 0
+    wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work) for b in a.backends.split(",") for w in map(int, a.worlds.split(","))}
+    for rep in range(a.reps):
+        for (backend, world), want in wants.items():
+            for phase in a.phases.split(","):
+                for action in a.actions.split(","):
+                    for victim in range(world):
+                        problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want)
+                        s = stats.setdefault((backend, world, phase, action), {"runs": 0, "passes": 0, "worst": 0.0})
+                        s["runs"] += 1
+                        s["passes"] += not problems
+                        s["worst"] = max(s["worst"], took)
+                        print(f"{'ok  ' if not problems else 'FAIL'} rep {rep + 1} {backend:4} world {world} {phase:12} {action:4} rank {victim}: "
+                              f"{took:5.2f} s, resumed from {resumed}" + ("" if not problems else " -- " + "; ".join(problems)), flush=True)
+                        if problems:
+                            failures += 1
+                            print("     " + out[-1500:].replace("\n", "\n     "), flush=True)
+    print("\n| backend | world | phase | fault | runs | bit for bit after one restart | worst job time (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for (backend, world, phase, action), s in stats.items():
+        print(f"| {backend} | {world} | {phase} | {'kill -9' if action == 'kill' else 'SIGSTOP'} | {s['runs']} | {s['passes']} | {s['worst']:.2f} |")
+    print(f"\n{sum(s['runs'] for s in stats.values())} runs, {failures} failed (trainer --timeout {a.timeout} s)")
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--backends", default="shm,gloo")
-    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--phases", default=None, help="default: every phase (--heal: " + HEAL_PHASES + ")")
+    ap.add_argument("--heal", action="store_true", help="the faults in a job that heals itself (see above)")
+    ap.add_argument("--worlds", default="2,3", help="with --heal")
     ap.add_argument("--actions", default="kill,stop")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
     a = ap.parse_args()
+    if a.phases is None:
+        a.phases = HEAL_PHASES if a.heal else ",".join(PHASES)
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
+    if a.heal:
+        try:
+            sys.exit(1 if heal_matrix(a, work) else 0)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     stats = collections.OrderedDict()
     failures = 0
     try:

@@ -36,6 +36,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
 
 #include "runtime/runtime_impl.hpp"
 
@@ -99,6 +103,30 @@ void prune(const std::string& dir, int keep, spdlog::logger& log) {
 }
 
 }  // namespace
+
+// The saved run's buckets (its index lists them), so that the resumed run adds its gradients up
+// in the same order as an uninterrupted one would (Runtime::Impl::adopt_bucket_order).
+void Runtime::Impl::adopt_saved_buckets(const std::string& snapshot) {
+  auto& I = *this;
+  std::ifstream in(snapshot + "/index.json");
+  std::vector<std::uint32_t> order;
+  try {
+    const auto j = nlohmann::json::parse(in);
+    std::map<std::string, std::uint32_t> by_name;
+    for (std::uint32_t p = 0; p < I.registry.params().size(); ++p) by_name[I.registry.params()[p].name] = p;
+    for (const auto& bucket : j.at("buckets"))
+      for (const auto& name : bucket) {
+        const auto it = by_name.find(name.get<std::string>());
+        if (it == by_name.end()) return;  // another model: load_checkpoint names it
+        order.push_back(it->second);
+      }
+  } catch (const std::exception&) {
+    return;  // unreadable: load_checkpoint says why
+  }
+  if (!I.adopt_bucket_order(order))
+    I.log->warn("snapshot '{}': its buckets hold other parameters than this run trains; the buckets are rebuilt after the first "
+                "iteration instead (the sums' last bits may differ from an uninterrupted run's at world 3 and more)", snapshot);
+}
 
 void Runtime::Impl::check_resumed() const {
   if (cfg.snapshot.dir.empty() || snapshots.resumed) return;
@@ -167,6 +195,7 @@ std::uint64_t Runtime::resumed_step() {
   const std::uint64_t step = words[0] | (std::uint64_t(words[1]) << 32);
   if (step == 0) return 0;
   const std::string from = snapshot_dir(words[2] ? I.snapshots.memory_dir : dir, step);
+  I.adopt_saved_buckets(from);
   load_checkpoint(from);
   I.snapshots.base = step;
   I.log->info("resumed from the snapshot of step {} {} ({})", step, words[2] ? "in memory" : "on disk", from);

@@ -242,4 +242,15 @@ void Runtime::Impl::rebuild_from_observed_order() {
   log->info("buckets rebuilt from the observed gradient order:\n{}", plan.describe());
 }
 
+bool Runtime::Impl::adopt_bucket_order(const std::vector<std::uint32_t>& order) {
+  if (order.size() != registry.trainable()) return false;
+  std::vector<char> seen(registry.params().size(), 0);
+  for (const auto p : order)
+    if (p >= seen.size() || seen[p]++ || !registry.params()[p].requires_grad) return false;
+  auto next = make_plan(order);
+  rebuilt = true;
+  if (!same_layout(plan, next)) install_plan(std::move(next), iterations);
+  return true;
+}
+
 }  // namespace shardflow
