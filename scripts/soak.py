@@ -26,8 +26,8 @@ bench/RESULTS.md.
 Note [Snapshots], Note [Snapshots in memory]), at worlds 2 and 3 (--worlds), every rank a victim
 in turn. A run passes when the job exits 0 after one restart, its final parameters equal the same
 job's uninterrupted run's bit for bit, and nothing of it is left (processes, shared memory, the
-launcher's snapshot memory). Two network-namespace hosts are not in it: restarts are for one node
-so far.
+launcher's snapshot memory). Several nodes and two network-namespace hosts are not in it yet
+(tests/test_nodes.cpp restarts a job across two launcher nodes).
 
   scripts/soak.py BUILD_DIR [--reps 20] [--backends shm,gloo] [--phases ...] [--timeout 3]
   scripts/soak.py BUILD_DIR --heal [--reps 1] [--worlds 2,3] [--phases registration,backward,collective,sync]

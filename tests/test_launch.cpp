@@ -447,16 +447,6 @@ TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank aga
       check_params(out, want, backend);
     }
   }
-  SUBCASE("across nodes it is refused, naming the flag") {
-    auto argv = with_restarts(1, 1, {"/bin/true"});
-    argv.insert(argv.begin() + 2, {"--nnodes", "2", "--token", "t", "--master-port", std::to_string(test::free_port())});
-    Child job(argv, no_launch_env());
-    const auto st = job.wait(20s);
-    INFO(job.output());
-    REQUIRE(st.has_value());
-    CHECK(WEXITSTATUS(*st) != 0);
-    CHECK(job.output().find("--max-restarts 1 restarts the ranks of one node only") != std::string::npos);
-  }
 }
 
 // Note [Snapshots], Note [Snapshots in memory]

@@ -5,6 +5,7 @@
 
 #include <signal.h>
 
+#include <filesystem>
 #include <thread>
 
 #include "helpers.hpp"
@@ -277,4 +278,63 @@ TEST_CASE("socket address rules: explicit, interface, one host, the route to the
   CHECK(addr.socket_address == "127.0.0.1");
   CHECK(addr.socket_ifname.empty());
   CHECK(addr.socket_bind_address() == "127.0.0.1");
+}
+
+// Note [Restarting the worker group] across nodes, Note [Snapshots]
+TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps in a directory both see: rank 3 (node 1) killed in "
+          "step 7 -> both nodes restart together, resume from step 4, and end where 1 node x 4 ranks ends uninterrupted, bit for bit") {
+  const std::string one = scratch("restart_one_node.safetensors"), two = scratch("restart_two_nodes.safetensors");
+  const std::string snaps = scratch("restart_snapshots");
+  std::filesystem::remove_all(snaps);
+  auto prog = [&](const std::string& save, bool snapshots) {
+    std::vector<std::string> extra{"--save", save};
+    if (snapshots) extra.insert(extra.end(), {"--snapshot-dir", snaps, "--snapshot-every", "2"});
+    auto args = gloo_trainer(extra);
+    test::set_flag(args, "--steps", "8");
+    return args;
+  };
+  {
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, prog(one, false)), env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  // Two collectives a step at ZeRO-1: rank 3's 13th is in step 7, while step 6's snapshot is pending.
+  auto faulty = [&](const std::string& save) {
+    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:3:kill:13; fi; exec";
+    for (const auto& a : prog(save, true)) cmd += " '" + a + "'";
+    return std::vector<std::string>{"/bin/sh", "-c", cmd};
+  };
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 2, port, {"--max-restarts", "1"}}, faulty(two)), env());
+  Child n1(node_cmd({1, 2, 2, port, {"--max-restarts", "1"}}, faulty(scratch("unused.safetensors"))), env());
+  const auto s1 = n1.wait(120s);
+  const auto s0 = n0.wait(120s);
+  INFO(n0.output());
+  INFO(n1.output());
+  REQUIRE(test::exited_ok(s0));
+  REQUIRE(test::exited_ok(s1));
+  CHECK(n1.says("rank 3 (local rank 1, pid "));
+  CHECK(n1.says("restarting every rank (1 of 1 restarts)"));
+  CHECK(n0.says("restarting every rank (1 of 1 restarts)"));
+  CHECK(n0.says("; restart 1 of 1"));
+  CHECK(n0.says("[rank 0] done: 4 steps"));  // steps 5 to 8 after the restart
+  const TensorMap want = load_safetensors(one), got = load_safetensors(two);
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+  }
+}
+
+TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why") {
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 1, port, {"--max-restarts", "3"}}, test::endless_gloo_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {"--max-restarts", "3"}}, test::endless_gloo_trainer()), env());
+  REQUIRE(n0.read_until("3/1000000", 60s));
+  ::kill(n1.pid(), SIGKILL);  // its rank dies with it (PR_SET_PDEATHSIG)
+  const auto s0 = n0.wait(60s);
+  INFO(n0.output());
+  REQUIRE(test::failed(s0));
+  CHECK(n0.says("not restarted: "));
+  CHECK(!n0.says("restarting every rank"));
 }

@@ -27,12 +27,6 @@ void validate(const LaunchSpec& spec) {
   if (spec.nnodes > 1 && spec.node_rank != 0 && spec.master_port < 0)
     throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
   if (spec.max_restarts < 0) throw UsageError("shardflow run: --max-restarts must be >= 0");
-  // Across nodes every launcher would have to agree on each restart through the store; until they
-  // do, a restart on one node would meet the others' old generation.
-  if (spec.max_restarts > 0 && spec.nnodes > 1)
-    throw UsageError("shardflow run: --max-restarts " + std::to_string(spec.max_restarts) +
-                     " restarts the ranks of one node only; with --nnodes " + std::to_string(spec.nnodes) +
-                     " it is not supported yet (run each attempt from the last checkpoint instead)");
 }
 
 }  // namespace shardflow::launch

@@ -319,19 +319,40 @@ class Supervisor {
   // SHARDFLOW_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT). The store outlives the
   // generations, so each generation's keys are its own: init_process_group puts the generation in
   // every key (g<k>/pg<n>/...), and no rank of generation k+1 reads an address of generation k.
-  // What the ranks resume from is theirs to find (the runtime's snapshots, or the trainer's own
-  // checkpoint); a signal to the launcher (Ctrl-C) ends the job rather than restarting it.
-  bool restart_wanted() const { return first_failure_ && !interrupted_ && !peer_failure_ && restart_ < spec_.max_restarts; }
+  // Across nodes every node's launcher stops its ranks on the failure (Note [Failures cross
+  // hosts]), and they restart together only when all of them choose to (NodeWatch::
+  // agree_to_restart); a node lost, rather than a rank, ends the job. What the ranks resume from
+  // is theirs to find (the runtime's snapshots, or the trainer's own checkpoint); a signal to the
+  // launcher (Ctrl-C) ends the job rather than restarting it.
+  bool restart_wanted() {
+    if (!first_failure_ && !peer_failure_) return false;  // the job is done
+    if (spec_.max_restarts == 0) return false;
+    const bool lost = watch_ && watch_->lost_a_node();
+    bool want = !interrupted_ && !lost && restart_ < spec_.max_restarts;
+    if (watch_) {
+      std::string why_not;
+      const bool all = watch_->agree_to_restart(want, spec_.heartbeat_timeout + spec_.kill_grace + std::chrono::seconds(5), why_not);
+      if (want && !all) {
+        say("not restarting: " + why_not);
+        not_restarted_ = why_not;
+      }
+      want = all;
+    }
+    if (lost && !interrupted_) not_restarted_ = "a lost node is not restarted around (the world would shrink; not built)";
+    return want;
+  }
 
   void next_generation() {
-    say(blame() + "; restarting every rank (" + std::to_string(restart_ + 1) + " of " + std::to_string(spec_.max_restarts) +
-        " restarts)");
+    say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + 1) + " of " +
+        std::to_string(spec_.max_restarts) + " restarts)");
     remove_shared_memory();
     ranks_.clear();
     first_failure_.reset();
+    peer_failure_.reset();
     stop_deadline_.reset();
     killed_ = false;
     store_lost_.clear();
+    if (watch_) watch_->next_generation();
     ++restart_;
   }
 
@@ -363,7 +384,7 @@ class Supervisor {
 
   int verdict() {
     if (peer_failure_) {
-      say("FAILED: " + *peer_failure_ + "; this node's rank(s) were stopped");
+      say("FAILED: " + *peer_failure_ + "; this node's rank(s) were stopped" + restarts_note());
       return 1;
     }
     if (interrupted_) {
@@ -371,9 +392,15 @@ class Supervisor {
       return 128 + interrupted_;
     }
     if (!first_failure_) return 0;
-    say("FAILED: " + blame() +
-        (spec_.max_restarts ? "; restarts used up (" + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) + ")" : ""));
+    say("FAILED: " + blame() + restarts_note());
     return exit_code_of(blamed_rank().status);
+  }
+
+  // Why the job ends after a failure although it could restart.
+  std::string restarts_note() const {
+    if (!spec_.max_restarts || interrupted_) return "";
+    if (!not_restarted_.empty()) return "; not restarted: " + not_restarted_;
+    return "; restarts used up (" + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) + ")";
   }
 
   // Which rank failed and how, with the others' fate: the verdict's words, and a restart's.
@@ -424,6 +451,7 @@ class Supervisor {
   bool killed_ = false;
   std::optional<int> first_failure_;
   int restart_ = 0;  // the worker group's generation (Note [Restarting the worker group])
+  std::string not_restarted_;  // why a failure was not restarted although restarts were left
   std::optional<clock::time_point> stop_deadline_;
 };
 

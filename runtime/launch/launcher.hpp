@@ -38,7 +38,7 @@ struct LaunchSpec {
   std::chrono::milliseconds kill_grace = std::chrono::seconds(5);
   bool prefix_output = true;
   // Note [Restarting the worker group]: when a rank fails, stop the others and start them all
-  // again, up to this many times (torchrun's --max_restarts). One node only, for now.
+  // again, up to this many times (torchrun's --max_restarts); across nodes all of them together.
   int max_restarts = 0;
   std::vector<std::string> command;
 };

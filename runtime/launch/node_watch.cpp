@@ -41,7 +41,21 @@ struct NodeInfo {
   }
 };
 
+// A posted failure says what kind it is: a rank failed on a node still there, or a node was lost.
+constexpr std::string_view kRankFailed = "rank|", kNodeLost = "lost|";
+
+std::pair<std::string, bool> parse_failure(const std::string& posted) {  // (words, a node was lost)
+  if (posted.rfind(kNodeLost, 0) == 0) return {posted.substr(kNodeLost.size()), true};
+  if (posted.rfind(kRankFailed, 0) == 0) return {posted.substr(kRankFailed.size()), false};
+  return {posted, false};
+}
+
 }  // namespace
+
+std::string NodeWatch::generation_key(const std::string& k) const {
+  std::lock_guard lock(mu_);
+  return key("g" + std::to_string(generation_) + "/" + k);
+}
 
 NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
   store_where_ = o_.store_host + ":" + std::to_string(o_.store_port);
@@ -179,7 +193,10 @@ void NodeWatch::heartbeat_loop() {
     lock.unlock();
     try {
       beat_->add(key("hb/" + me), 1);
-      if (!known && beat_->add(key("failures"), 0) > 0) peer_failed(beat_->get(key("failure/1")), false, nullptr);
+      if (!known && beat_->add(generation_key("failures"), 0) > 0) {
+        const auto [what, lost] = parse_failure(beat_->get(generation_key("failure/1")));
+        peer_failed(what, false, nullptr, lost);
+      }
       if (o_.node_rank == 0) watch_peers(*beat_, clock::now());
     } catch (const std::exception& e) {
       lock.lock();
@@ -189,7 +206,7 @@ void NodeWatch::heartbeat_loop() {
       if (o_.node_rank != 0 && !done)
         peer_failed(label(0) + " is unreachable: its store at " + store_where_ + " failed (" + e.what() +
                         "); its launcher was killed, or its host or the link is down",
-                    false, nullptr);
+                    false, nullptr, true);
       return;
     }
     lock.lock();
@@ -225,20 +242,21 @@ void NodeWatch::watch_peers(TcpStoreClient& store, clock::time_point now) {
     }
     peer_failed(label(k) + " lost: no heartbeat for " + seconds(silent) +
                     " (its launcher was killed, or its host or the link is down)",
-                true, &store);
+                true, &store, true);
   }
 }
 
-void NodeWatch::peer_failed(const std::string& what, bool publish, TcpStoreClient* store) {
+void NodeWatch::peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost) {
   {
     std::lock_guard lock(mu_);
     if (failure_ || reported_) return;  // the first failure is the cause; later ones are its echo
     failure_ = what;
+    failure_lost_ = lost;
   }
   if (publish && store) {
     try {
-      const auto n = store->add(key("failures"), 1);
-      store->set(key("failure/" + std::to_string(n)), what);
+      const auto n = store->add(generation_key("failures"), 1);
+      store->set(generation_key("failure/" + std::to_string(n)), std::string(lost ? kNodeLost : kRankFailed) + what);
     } catch (const std::exception&) {
     }
   }
@@ -254,10 +272,14 @@ std::optional<std::string> NodeWatch::report_failure(const std::string& what) {
     own_report_ = label(o_.node_rank) + ": " + what;
   }
   try {
-    const auto n = main_->add(key("failures"), 1);
-    main_->set(key("failure/" + std::to_string(n)), own_report_);
+    const auto n = main_->add(generation_key("failures"), 1);
+    main_->set(generation_key("failure/" + std::to_string(n)), std::string(kRankFailed) + own_report_);
     // Another node got there first (its rank died, ours saw the connection go): that is the cause.
-    return n == 1 ? own_report_ : main_->get(key("failure/1"));
+    if (n == 1) return own_report_;
+    const auto [first, lost] = parse_failure(main_->get(generation_key("failure/1")));
+    std::lock_guard lock(mu_);
+    failure_lost_ = lost;
+    return first;
   } catch (const std::exception&) {
     return std::nullopt;
   }
@@ -269,9 +291,9 @@ std::string NodeWatch::finish(int exit_code, milliseconds limit) {
   // came first, the output names every node and rank that failed.
   auto collect_failures = [&] {
     try {
-      const auto n = main_->add(key("failures"), 0);
+      const auto n = main_->add(generation_key("failures"), 0);
       for (std::int64_t i = 1; i <= n; ++i) {
-        const auto msg = main_->get(key("failure/" + std::to_string(i)));
+        const auto msg = parse_failure(main_->get(generation_key("failure/" + std::to_string(i)))).first;
         std::lock_guard lock(mu_);
         if (msg != own_report_ && msg != failure_.value_or("")) notes.push_back(msg);
       }
@@ -304,6 +326,60 @@ std::string NodeWatch::finish(int exit_code, milliseconds limit) {
   std::string out;
   for (const auto& n : notes) out += (out.empty() ? "" : "; ") + n;
   return out;
+}
+
+bool NodeWatch::lost_a_node() const {
+  std::lock_guard lock(mu_);
+  return failure_lost_;
+}
+
+bool NodeWatch::agree_to_restart(bool want, milliseconds limit, std::string& why_not) {
+  const auto deadline = clock::now() + limit;
+  try {
+    main_->set(generation_key("next/" + std::to_string(o_.node_rank)), want ? "restart" : "stop");
+    if (!want) return false;
+    for (;;) {
+      std::string silent;
+      for (int k = 0; k < o_.nnodes; ++k) {
+        {
+          std::lock_guard lock(mu_);
+          if (std::size_t(k) < lost_.size() && lost_[std::size_t(k)]) {  // node 0's heartbeat watch
+            why_not = label(k) + " was lost (no heartbeat)";
+            return false;
+          }
+        }
+        const auto key_k = generation_key("next/" + std::to_string(k));
+        if (!main_->check({key_k})) {
+          silent += (silent.empty() ? "" : ", ") + label(k);
+          continue;
+        }
+        if (main_->get(key_k) != "restart") {
+          why_not = label(k) + " does not restart (interrupted, out of restarts, or it lost a node)";
+          return false;
+        }
+      }
+      if (silent.empty()) return true;
+      if (clock::now() >= deadline) {
+        why_not = silent + " did not say within " + seconds(limit) + " whether it restarts";
+        return false;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+  } catch (const std::exception& e) {
+    why_not = label(0) + "'s store is unreachable (" + std::string(e.what()) + ")";
+    return false;
+  }
+}
+
+void NodeWatch::next_generation() {
+  std::lock_guard lock(mu_);
+  ++generation_;
+  failure_.reset();
+  failure_lost_ = false;
+  reported_ = false;
+  own_report_.clear();
+  std::uint64_t count;
+  [[maybe_unused]] auto r = ::read(event_fd_, &count, sizeof count);  // the last generation's news
 }
 
 }  // namespace shardflow::launch

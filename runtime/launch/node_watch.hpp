@@ -17,6 +17,13 @@
 //   timeout (the store calls' deadline) if the link is down.
 // - The end: each launcher posts its exit code; node 0 keeps serving the store until every node
 //   has posted one or is lost, so no node mistakes a finished job for a dead node 0.
+// - Restarts (--max-restarts, Note [Restarting the worker group]): failures are posted per
+//   generation of ranks (g<k>/failures). Once a generation failed and every node stopped its
+//   ranks, each launcher posts whether it restarts (g<k>/next/<node>), and all restart only when
+//   every node says yes within the heartbeat timeout + the kill grace + 5 s: one node that is
+//   interrupted, out of restarts or lost keeps every node from starting ranks that would wait for
+//   it. A lost node (no heartbeat, or node 0's store gone) is not restarted around: the job ends,
+//   naming it (shrinking the world is not built).
 #pragma once
 
 #include <chrono>
@@ -73,11 +80,21 @@ class NodeWatch {
   // other nodes meanwhile ("node 1 (...) was lost"), empty when nothing went wrong there.
   std::string finish(int exit_code, std::chrono::milliseconds limit);
 
+  // The failure this generation saw was a node lost (not a rank of a node still there).
+  bool lost_a_node() const;
+  // Posts this node's choice for the generation that just failed and, when it wants to restart,
+  // waits (at most `limit`) for every node's: true when all restart. `why_not` says which node
+  // did not, or did not answer.
+  bool agree_to_restart(bool want, std::chrono::milliseconds limit, std::string& why_not);
+  // The next generation of ranks: its failures are its own.
+  void next_generation();
+
  private:
   void heartbeat_loop();
   void watch_peers(TcpStoreClient& store, std::chrono::steady_clock::time_point now);
-  void peer_failed(const std::string& what, bool publish, TcpStoreClient* store);
+  void peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost);
   std::string key(const std::string& k) const { return "launch/" + k; }
+  std::string generation_key(const std::string& k) const;  // launch/g<generation>/k
 
   NodeWatchOptions o_;
   std::string store_where_;
@@ -92,6 +109,8 @@ class NodeWatch {
   bool reported_ = false;                 // this node posted a failure: later ones are its echo
   std::optional<std::string> failure_;    // another node's failure, once seen
   std::string own_report_;                // what this node posted
+  bool failure_lost_ = false;             // failure_ is a node lost, not a rank failed
+  int generation_ = 0;
   std::vector<bool> exited_, lost_;       // node 0's view of the others
   std::vector<std::int64_t> last_beat_;
   std::vector<std::chrono::steady_clock::time_point> beat_seen_;
