@@ -3,7 +3,10 @@
 (Note [Restarting the worker group], Note [Snapshots]): from rank 1's kill -9 (the fault hook, at
 its N-th collective) to rank 0's first step after the restart, and how many steps were lost.
 
-  bench/restart_time.py --build build [--sizes 4096,4096] [--every 10] [--kill-at 61] [--reps 3]
+  bench/restart_time.py --build build [--sizes 4096,4096] [--every 10] [--kill-at 61] [--reps 3] [--data-file]
+  sudo bench/restart_time.py --build build --two-hosts [--rate 1gbit] [--heartbeat-timeout 10]
+      rank 1 on another network-namespace host (scripts/netns_pair.sh), Gloo over a tc-tbf link;
+      restarts across nodes: both launchers stop their ranks and agree through the store
 
 The default model is one 4096 x 4096 layer: 64 MiB of fp32 parameters, AdamW at ZeRO-1 over shm,
 world 2. Each rep runs the job once and reads the launcher's output as it comes.
@@ -21,7 +24,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import two_hosts  # noqa: E402  (the netns pair and its launchers)
 
 
 def write_data(a, path):
@@ -36,6 +43,25 @@ def write_data(a, path):
     safetensors_np.save(path, {"x": x, "y": y})
 
 
+def read_all(procs):
+    """Every launcher's output lines with the moment each arrived, in time order."""
+    events, lock = [], threading.Lock()
+
+    def reader(p):
+        for line in p.stdout:
+            now = time.monotonic()
+            with lock:
+                events.append((now, line))
+
+    threads = [threading.Thread(target=reader, args=(p,)) for p in procs]
+    for t in threads:
+        t.start()
+    codes = [p.wait() for p in procs]
+    for t in threads:
+        t.join()
+    return codes, sorted(events, key=lambda e: e[0])
+
+
 def one_run(a, snaps, data):
     shutil.rmtree(snaps, ignore_errors=True)
     trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", "8",
@@ -45,31 +71,34 @@ def one_run(a, snaps, data):
         trainer += ["--data", data]
     script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:%d; fi; exec %s'
               % (a.kill_at, " ".join("'%s'" % t for t in trainer)))
-    cmd = [os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
-           "--", "/bin/sh", "-c", script]
+    prog = ["/bin/sh", "-c", script]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if a.two_hosts:  # rank 0 on host a, rank 1 on host b
+        cmds = [two_hosts.launcher(a.build, h, n, 2, 1, prog, a.heartbeat_timeout)[:-len(prog) - 1] +
+                ["--max-restarts", "1", "--"] + prog for h, n in (("a", 0), ("b", 1))]
+    else:
+        cmds = [[os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
+                 "--"] + prog]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in cmds]
+    codes, events = read_all(procs)
     started = first_step = killed_at = restarted = first_after = None
     last_step_before = resumed_first = None
-    lines = []
-    for line in p.stdout:
-        now = time.monotonic()
-        lines.append(line)
-        m = re.match(r"\[rank 0\] step (\d+)/", line)
+    for now, line in events:
+        m = re.match(r"\[rank 0\] step +(\d+)/", line)
         if started is None and line.startswith("shardflow run: started"):
             started = now
         if m and first_step is None:
             first_step = now
         if "dies at collective" in line and killed_at is None:
             killed_at = now
-        elif "restart 1 of 1" in line and line.startswith("shardflow run: started"):
+        elif "restart 1 of 1" in line and line.startswith("shardflow run: started") and restarted is None:
             restarted = now
         elif m and killed_at is None:
             last_step_before = int(m.group(1))
         elif m and restarted is not None and first_after is None:
             first_after, resumed_first = now, int(m.group(1))
-    if p.wait() != 0 or None in (killed_at, first_after):
-        sys.exit("restart_time: the job failed or did not restart:\n" + "".join(lines[-40:]))
+    if any(codes) or None in (killed_at, first_after):
+        sys.exit("restart_time: the job failed or did not restart:\n" + "".join(l for _, l in events[-40:]))
     return first_after - killed_at, restarted - killed_at, last_step_before - (resumed_first - 1), first_step - started
 
 
@@ -83,15 +112,32 @@ def main():
     ap.add_argument("--backend", default="shm")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--data-file", action="store_true", help="the trainer reads 256 rows of data from a file (see above)")
+    ap.add_argument("--two-hosts", action="store_true", help="rank 0 and rank 1 on two network-namespace hosts (root), over Gloo")
+    ap.add_argument("--rate", default="1gbit", help="with --two-hosts: the link's rate (tc tbf), or off")
+    ap.add_argument("--heartbeat-timeout", type=int, default=10, help="with --two-hosts: the launchers' --heartbeat-timeout")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    if a.two_hosts:
+        a.backend = "gloo"
+        two_hosts.sh("up", two_hosts.NAME)
+        if a.rate != "off":
+            two_hosts.sh("rate", two_hosts.NAME, a.rate)
+    try:
+        measure(a)
+    finally:
+        if a.two_hosts:
+            two_hosts.sh("down", two_hosts.NAME)
+
+
+def measure(a):
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:  # one directory both hosts see
         data = None
         if a.data_file:
             data = os.path.join(tmp, "data.safetensors")
             write_data(a, data)
         runs = [one_run(a, os.path.join(tmp, "snapshots"), data) for _ in range(a.reps)]
     total, stop, lost, fresh = zip(*runs)
-    print(f"restart_time: --sizes {a.sizes}, world 2 ({a.backend}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
+    where = f"2 hosts x 1 rank, link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
+    print(f"restart_time: --sizes {a.sizes}, world 2 ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
           f"collective {a.kill_at}; {a.reps} runs; data "
           f"{'from a file' if a.data_file else 'synthesised at start-up'}")
     print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "

@@ -26,11 +26,13 @@ bench/RESULTS.md.
 Note [Snapshots], Note [Snapshots in memory]), at worlds 2 and 3 (--worlds), every rank a victim
 in turn. A run passes when the job exits 0 after one restart, its final parameters equal the same
 job's uninterrupted run's bit for bit, and nothing of it is left (processes, shared memory, the
-launcher's snapshot memory). Several nodes and two network-namespace hosts are not in it yet
-(tests/test_nodes.cpp restarts a job across two launcher nodes).
+launcher's snapshot memory). --two-hosts (root): the same across two network-namespace hosts
+(bench/two_hosts.py's pair, scripts/netns_pair.sh), Gloo, worlds 2 and 4 (1 and 2 ranks a host);
+across nodes the snapshots are on disk only.
 
   scripts/soak.py BUILD_DIR [--reps 20] [--backends shm,gloo] [--phases ...] [--timeout 3]
   scripts/soak.py BUILD_DIR --heal [--reps 1] [--worlds 2,3] [--phases registration,backward,collective,sync]
+  sudo scripts/soak.py BUILD_DIR --heal --two-hosts [--worlds 2,4]
 """
 import argparse
 import collections
@@ -98,25 +100,36 @@ def leftovers(soak_id, out, shm_before):
     return problems
 
 
-def run_job(cmd, env, limit_s):
-    """Runs a job, its output read as it comes; (exit code or None when it hung, output, when the fault was reached)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, fault_at = [f"LAUNCHER {proc.pid}\n"], [None]
+def run_job(cmds, env, limit_s):
+    """Runs a job's launchers (one command, or one per node), their output read as it comes; (the
+    first non-zero exit code, 0, or None when it hung; the output; when the fault was reached)."""
+    if isinstance(cmds[0], str):
+        cmds = [cmds]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    lines, fault_at, lock = [f"LAUNCHER {p.pid}\n" for p in procs], [None], threading.Lock()
 
-    def reader():
-        for line in proc.stdout:
-            lines.append(line)
-            if fault_at[0] is None and "shardflow test fault:" in line:
-                fault_at[0] = time.monotonic()
+    def reader(p):
+        for line in p.stdout:
+            with lock:
+                lines.append(line)
+                if fault_at[0] is None and "shardflow test fault:" in line:
+                    fault_at[0] = time.monotonic()
 
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        rc = proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = None
-    t.join(5)
+    threads = [threading.Thread(target=reader, args=(p,)) for p in procs]
+    for t in threads:
+        t.start()
+    end, codes = time.monotonic() + limit_s, []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for t in threads:
+        t.join(5)
+    rc = None if None in codes else next((c for c in codes if c != 0), 0)
     return rc, "".join(lines), fault_at[0]
 
 
@@ -174,8 +187,10 @@ HEAL_PHASES = "registration,backward,collective,sync"
 HEAL_AT = {"registration": 1, "backward": 60, "collective": 13, "sync": 13}
 
 
-def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None):
-    """A self-healing job: its launcher command, its environment, where its final parameters go."""
+def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1):
+    """A self-healing job: its launcher command(s), its environment, where its final parameters go.
+    hosts 2: one launcher on each network-namespace host (bench/two_hosts.py's pair), world / 2
+    ranks each, Gloo between them."""
     out_path = os.path.join(work, f"params_{soak_id}.safetensors")
     snaps = os.path.join(work, f"snaps_{soak_id}")
     trainer = [os.path.join(build, "examples", "mlp_train"), "--sizes", SIZES, "--steps", "24", "--global-batch", "24",
@@ -187,6 +202,11 @@ def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None):
         script = f'if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT={fault}; fi; ' + script
     cmd = [os.path.join(build, "bin", "shardflow"), "run", "--nproc-per-node", str(world), "--max-restarts", "1", "--kill-grace", "1",
            "--", "/bin/sh", "-c", script]
+    if hosts == 2:
+        import two_hosts
+        cmd = [two_hosts.launcher(build, h, n, 2, world // 2, [], 3)[:-1] + ["--max-restarts", "1", "--",
+                                                                            "/bin/sh", "-c", script]
+               for h, n in (("a", 0), ("b", 1))]
     # info: the runtime's "resumed from the snapshot of step N in memory" line
     return cmd, dict(os.environ, SOAK_ID=soak_id, SHARDFLOW_LOG_LEVEL="info"), out_path, snaps
 
@@ -199,9 +219,9 @@ def same_params(a, b):
     return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
 
 
-def heal_reference(build, backend, world, timeout_s, work):
+def heal_reference(build, backend, world, timeout_s, work, hosts):
     """The uninterrupted run's final parameters."""
-    cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, f"ref_{backend}_{world}")
+    cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, f"ref_{backend}_{world}_{hosts}", hosts=hosts)
     rc, out, _ = run_job(cmd, env, 300)
     shutil.rmtree(snaps, ignore_errors=True)
     if rc != 0:
@@ -209,10 +229,10 @@ def heal_reference(build, backend, world, timeout_s, work):
     return out_path
 
 
-def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want):
+def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts):
     soak_id = uuid.uuid4().hex[:12]
     cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, soak_id,
-                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}")
+                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts)
     shm_before = shm_segments()
     start = time.monotonic()
     rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120)
@@ -239,13 +259,16 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
 def heal_matrix(a, work):
     stats = collections.OrderedDict()
     failures = 0
-    wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work) for b in a.backends.split(",") for w in map(int, a.worlds.split(","))}
+    hosts = 2 if a.two_hosts else 1
+    wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work, hosts)
+             for b in a.backends.split(",") for w in map(int, a.worlds.split(","))}
     for rep in range(a.reps):
         for (backend, world), want in wants.items():
             for phase in a.phases.split(","):
                 for action in a.actions.split(","):
                     for victim in range(world):
-                        problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want)
+                        problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want,
+                                                                hosts)
                         s = stats.setdefault((backend, world, phase, action), {"runs": 0, "passes": 0, "worst": 0.0})
                         s["runs"] += 1
                         s["passes"] += not problems
@@ -255,6 +278,7 @@ def heal_matrix(a, work):
                         if problems:
                             failures += 1
                             print("     " + out[-1500:].replace("\n", "\n     "), flush=True)
+    print(f"\n{'2 network-namespace hosts, world / 2 ranks each' if a.two_hosts else 'one host'}:")
     print("\n| backend | world | phase | fault | runs | bit for bit after one restart | worst job time (s) |")
     print("|---|---|---|---|---|---|---|")
     for (backend, world, phase, action), s in stats.items():
@@ -270,7 +294,8 @@ def main():
     ap.add_argument("--backends", default="shm,gloo")
     ap.add_argument("--phases", default=None, help="default: every phase (--heal: " + HEAL_PHASES + ")")
     ap.add_argument("--heal", action="store_true", help="the faults in a job that heals itself (see above)")
-    ap.add_argument("--worlds", default="2,3", help="with --heal")
+    ap.add_argument("--worlds", default=None, help="with --heal (default 2,3; with --two-hosts 2,4)")
+    ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root)")
     ap.add_argument("--actions", default="kill,stop")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
@@ -280,10 +305,19 @@ def main():
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
     if a.heal:
+        if a.worlds is None:
+            a.worlds = "2,4" if a.two_hosts else "2,3"
+        if a.two_hosts:
+            a.backends = "gloo"  # shm does not cross hosts
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+            import two_hosts
+            two_hosts.sh("up", two_hosts.NAME)
         try:
             sys.exit(1 if heal_matrix(a, work) else 0)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            if a.two_hosts:
+                two_hosts.sh("down", two_hosts.NAME)
     stats = collections.OrderedDict()
     failures = 0
     try:
