@@ -338,3 +338,74 @@ TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, n
   CHECK(n0.says("not restarted: "));
   CHECK(!n0.says("restarting every rank"));
 }
+
+// Note [Shrinking the world]
+TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher and ranks gone at once) -> node 0 goes on alone "
+          "after --rejoin-timeout, resumes the world-4 snapshot at world 2, and ends where 1 node x 4 ranks ends, to float rounding") {
+  const std::string one = scratch("shrink_one_node.safetensors"), two = scratch("shrink_two_nodes.safetensors");
+  const std::string snaps = scratch("shrink_snapshots");
+  std::filesystem::remove_all(snaps);
+  auto prog = [&](const std::string& save, bool snapshots) {
+    std::vector<std::string> extra{"--save", save};
+    if (snapshots) extra.insert(extra.end(), {"--snapshot-dir", snaps, "--snapshot-every", "2"});
+    auto args = gloo_trainer(extra);  // a global batch of 12: 3 a rank at world 4, 6 at world 2
+    test::set_flag(args, "--steps", "8");
+    return args;
+  };
+  {
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, prog(one, false)), env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  auto faulty = [&](const std::string& save) {  // rank 3 takes node 1's launcher down with it at its 13th collective (step 7)
+    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:3:host:13; fi; exec";
+    for (const auto& a : prog(save, true)) cmd += " '" + a + "'";
+    return std::vector<std::string>{"/bin/sh", "-c", cmd};
+  };
+  const int port = test::free_port();
+  const std::vector<std::string> elastic{"--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"};
+  auto cmd_for = [&](int node, const std::string& save) {
+    auto argv = node_cmd({node, 2, 2, port, {}}, faulty(save));
+    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
+    argv.erase(at, at + 2);  // MIN:MAX instead
+    argv.insert(argv.begin() + 2, elastic.begin(), elastic.end());
+    return argv;
+  };
+  Child n0(cmd_for(0, two), env());
+  Child n1(cmd_for(1, scratch("shrink_unused.safetensors")), env());
+  const auto s1 = n1.wait(120s);
+  const auto s0 = n0.wait(120s);
+  INFO(n0.output());
+  INFO(n1.output());
+  REQUIRE(test::exited_ok(s0));
+  CHECK(test::failed(s1));  // killed
+  CHECK(n0.says("going on without node 1 (host "));
+  CHECK(n0.says("1 node(s), world 2"));
+  CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 2 (gloo)"));
+  CHECK(n0.says("[rank 0] done: 4 steps"));  // steps 5 to 8, from step 4's snapshot
+  const TensorMap want = load_safetensors(one), got = load_safetensors(two);
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    const double err = test::rel_error(got.at(name).to_f32("got"), t.to_f32("want"));
+    CAPTURE(err);
+    CHECK(err <= 1e-5);  // the same global batch of 12, summed in another order
+  }
+}
+
+TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside [1, MAX], or not a number: each named") {
+  for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--nnodes", "1:2", "--node-rank", "0", "--token", "t"}, "give --max-restarts N too"},
+           {{"--nnodes", "3:2", "--node-rank", "0", "--token", "t", "--max-restarts", "1"}, "MIN must be in [1, MAX]"},
+           {{"--nnodes", "1:x", "--node-rank", "0", "--token", "t"}, "--nnodes '1:x' is not N or MIN:MAX"}}) {
+    std::vector<std::string> argv{test::kLauncher, "run"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.insert(argv.end(), {"--", "/bin/true"});
+    Child job(argv, env());
+    const auto st = job.wait(20s);
+    INFO(job.output());
+    REQUIRE(st.has_value());
+    CHECK(test::failed(st));
+    CHECK(job.says(says));
+  }
+}

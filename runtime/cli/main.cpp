@@ -70,7 +70,14 @@ int main(int argc, char** argv) {
   double grace_s = 5;
   bool no_prefix = false;
   run->add_option("--nproc-per-node,--nproc_per_node", spec.nproc_per_node, "ranks on this node")->capture_default_str();
-  run->add_option("--nnodes", spec.nnodes, "nodes in the job")->capture_default_str();
+  std::string nnodes = "1";
+  run->add_option("--nnodes", nnodes,
+                  "nodes in the job, or MIN:MAX: with --max-restarts a node lost for longer than --rejoin-timeout is left "
+                  "out at the next restart while MIN nodes remain (the job starts with MAX)")
+      ->capture_default_str();
+  double rejoin_s = 10;
+  run->add_option("--rejoin-timeout", rejoin_s, "with --nnodes MIN:MAX: seconds a lost node has to come back before the others go on without it")
+      ->capture_default_str();
   run->add_option("--node-rank,--node_rank", spec.node_rank, "this node's index")->capture_default_str();
   run->add_option("--master-addr,--master_addr", spec.master_addr, "address of node 0 (it serves the rendezvous store)")->capture_default_str();
   run->add_option("--master-port,--master_port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
@@ -89,7 +96,7 @@ int main(int argc, char** argv) {
   run->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
   run->add_option("--max-restarts,--max_restarts", spec.max_restarts,
                   "when a rank fails, stop the others and start every rank again, up to this many times "
-                  "(SHARDFLOW_RESTART_COUNT tells each generation which it is; one node)")
+                  "(SHARDFLOW_RESTART_COUNT tells each generation which it is; across nodes all restart together)")
       ->capture_default_str();
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
   const auto plan = shardflow::cli::add_plan_command(app);
@@ -123,6 +130,19 @@ int main(int argc, char** argv) {
     spec.master_port = std::atoi(endpoint.c_str() + colon + 1);
   }
   spec.kill_grace = std::chrono::milliseconds(long(grace_s * 1000));
+  spec.rejoin_timeout = std::chrono::milliseconds(long(rejoin_s * 1000));
+  {
+    // N or MIN:MAX
+    const auto colon = nnodes.find(':');
+    auto number = [](const std::string& t) { return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 6; };
+    const std::string lo = colon == std::string::npos ? nnodes : nnodes.substr(0, colon), hi = colon == std::string::npos ? "" : nnodes.substr(colon + 1);
+    if (!number(lo) || (colon != std::string::npos && !number(hi))) {
+      std::fprintf(stderr, "shardflow run: error: --nnodes '%s' is not N or MIN:MAX\n", nnodes.c_str());
+      return 2;
+    }
+    spec.nnodes = std::atoi((colon == std::string::npos ? lo : hi).c_str());
+    if (colon != std::string::npos) spec.min_nnodes = std::atoi(lo.c_str());
+  }
   try {
     return shardflow::launch::run(spec);
   } catch (const std::exception& e) {

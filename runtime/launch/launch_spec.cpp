@@ -27,6 +27,15 @@ void validate(const LaunchSpec& spec) {
   if (spec.nnodes > 1 && spec.node_rank != 0 && spec.master_port < 0)
     throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
   if (spec.max_restarts < 0) throw UsageError("shardflow run: --max-restarts must be >= 0");
+  if (spec.min_nnodes) {
+    if (spec.min_nnodes < 1 || spec.min_nnodes > spec.nnodes)
+      throw UsageError("shardflow run: --nnodes " + std::to_string(spec.min_nnodes) + ":" + std::to_string(spec.nnodes) +
+                       ": MIN must be in [1, MAX]");
+    if (spec.max_restarts == 0)
+      throw UsageError("shardflow run: --nnodes " + std::to_string(spec.min_nnodes) + ":" + std::to_string(spec.nnodes) +
+                       " lets the job go on without a lost node at its next restart: give --max-restarts N too");
+  }
+  if (spec.rejoin_timeout.count() < 0) throw UsageError("shardflow run: --rejoin-timeout must be >= 0 seconds");
 }
 
 }  // namespace shardflow::launch

@@ -58,7 +58,7 @@ class Supervisor {
 
   int run() {
     validate(spec_);
-    const int world = spec_.nproc_per_node * spec_.nnodes;
+    for (int k = 0; k < spec_.nnodes; ++k) members_.push_back(k);
     std::string token = spec_.token;
     if (token.empty()) token = random_token();
     // Signals arrive through a descriptor, in the same poll loop as the ranks' output. Blocked
@@ -99,6 +99,8 @@ class Supervisor {
       wo.rdzv_timeout = spec_.rdzv_timeout;
       wo.heartbeat_interval = spec_.heartbeat_interval;
       wo.heartbeat_timeout = spec_.heartbeat_timeout;
+      wo.min_nnodes = spec_.min_nnodes;
+      wo.rejoin_timeout = spec_.rejoin_timeout;
       say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
           local.address + " (" + local.why + "), waiting for the other nodes at " + store_at_ + ":" + std::to_string(port));
       try {
@@ -116,11 +118,14 @@ class Supervisor {
     if (one_node) snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
     for (;;) {
       std::string started;
+      // This node's place among the generation's nodes (Note [Shrinking the world]).
+      const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
+      const int world = spec_.nproc_per_node * int(members_.size());
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
         auto& r = ranks_.emplace_back();
         r.local = l;
-        r.global = spec_.node_rank * spec_.nproc_per_node + l;
-        spawn(r, world, port, token, old);
+        r.global = node * spec_.nproc_per_node + l;
+        spawn(r, node, world, port, token, old);
         started += (started.empty() ? "" : ", ") + ("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ")");
       }
       say("started " + started + "; world " + std::to_string(world) + ", store " + spec_.master_addr + ":" +
@@ -149,9 +154,9 @@ class Supervisor {
     return interrupted_ != 0;
   }
 
-  void spawn(Rank& r, int world, int port, const std::string& token, const sigset_t& old_mask) {
+  void spawn(Rank& r, int node, int world, int port, const std::string& token, const sigset_t& old_mask) {
     const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts,
-                                                         snapshot_memory_ ? snapshot_memory_->path() : std::string()});
+                                                         snapshot_memory_ ? snapshot_memory_->path() : std::string(), node});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;
@@ -328,18 +333,27 @@ class Supervisor {
     if (!first_failure_ && !peer_failure_) return false;  // the job is done
     if (spec_.max_restarts == 0) return false;
     const bool lost = watch_ && watch_->lost_a_node();
-    bool want = !interrupted_ && !lost && restart_ < spec_.max_restarts;
-    if (watch_) {
-      std::string why_not;
-      const bool all = watch_->agree_to_restart(want, spec_.heartbeat_timeout + spec_.kill_grace + std::chrono::seconds(5), why_not);
-      if (want && !all) {
+    bool want = !interrupted_ && restart_ < spec_.max_restarts && (!lost || spec_.min_nnodes > 0);
+    if (lost && !spec_.min_nnodes && !interrupted_) not_restarted_ = "a lost node is not restarted around without --nnodes MIN:MAX";
+    if (!watch_) return want;
+    std::string why_not;
+    const auto next = watch_->decide_restart(want, spec_.heartbeat_timeout + spec_.kill_grace + std::chrono::seconds(5), why_not);
+    if (!next) {
+      if (want) {
         say("not restarting: " + why_not);
         not_restarted_ = why_not;
       }
-      want = all;
+      return false;
     }
-    if (lost && !interrupted_) not_restarted_ = "a lost node is not restarted around (the world would shrink; not built)";
-    return want;
+    if (next->size() != members_.size()) {
+      std::string gone;
+      for (int k : members_)
+        if (std::find(next->begin(), next->end(), k) == next->end()) gone += (gone.empty() ? "" : ", ") + watch_->label(k);
+      say("going on without " + gone + " (lost for longer than --rejoin-timeout): " + std::to_string(next->size()) + " node(s), world " +
+          std::to_string(int(next->size()) * spec_.nproc_per_node));
+    }
+    members_ = *next;
+    return true;
   }
 
   void next_generation() {
@@ -452,6 +466,7 @@ class Supervisor {
   std::optional<int> first_failure_;
   int restart_ = 0;  // the worker group's generation (Note [Restarting the worker group])
   std::string not_restarted_;  // why a failure was not restarted although restarts were left
+  std::vector<int> members_;   // this generation's nodes, by node rank at the start (Note [Shrinking the world])
   std::optional<clock::time_point> stop_deadline_;
 };
 

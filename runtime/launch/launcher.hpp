@@ -40,6 +40,10 @@ struct LaunchSpec {
   // Note [Restarting the worker group]: when a rank fails, stop the others and start them all
   // again, up to this many times (torchrun's --max_restarts); across nodes all of them together.
   int max_restarts = 0;
+  // Note [Shrinking the world]: --nnodes MIN:MAX. 0: not elastic (MIN = MAX = nnodes). A node lost
+  // for longer than rejoin_timeout is left out of the next generation, while MIN nodes remain.
+  int min_nnodes = 0;
+  std::chrono::milliseconds rejoin_timeout = std::chrono::seconds(10);
   std::vector<std::string> command;
 };
 

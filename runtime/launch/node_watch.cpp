@@ -177,6 +177,8 @@ void NodeWatch::start() {
   lost_.assign(std::size_t(o_.nnodes), false);
   last_beat_.assign(std::size_t(o_.nnodes), -1);
   beat_seen_.assign(std::size_t(o_.nnodes), now);
+  members_.clear();
+  for (int k = 0; k < o_.nnodes; ++k) members_.push_back(k);
   thread_ = std::thread([this] { heartbeat_loop(); });
 }
 
@@ -219,7 +221,7 @@ void NodeWatch::watch_peers(TcpStoreClient& store, clock::time_point now) {
     const auto i = std::size_t(k);
     {
       std::lock_guard lock(mu_);
-      if (exited_[i] || lost_[i]) continue;
+      if (exited_[i] || lost_[i] || !member(k)) continue;
     }
     if (store.check({key("exit/" + std::to_string(k))})) {
       std::lock_guard lock(mu_);
@@ -312,10 +314,11 @@ std::string NodeWatch::finish(int exit_code, milliseconds limit) {
     std::unique_lock lock(mu_);
     cv_.wait_for(lock, limit, [&] {
       for (int k = 1; k < o_.nnodes; ++k)
-        if (!exited_[std::size_t(k)] && !lost_[std::size_t(k)]) return false;
+        if (member(k) && !exited_[std::size_t(k)] && !lost_[std::size_t(k)]) return false;
       return true;
     });
     for (int k = 1; k < o_.nnodes; ++k) {
+      if (!member(k)) continue;  // left out at a restart (Note [Shrinking the world]): said then
       if (failure_ && failure_->find(label(k)) != std::string::npos) continue;  // said already
       if (lost_[std::size_t(k)]) notes.push_back(label(k) + " was lost (no heartbeat)");
       else if (!exited_[std::size_t(k)]) notes.push_back(label(k) + " had not finished");
@@ -333,42 +336,112 @@ bool NodeWatch::lost_a_node() const {
   return failure_lost_;
 }
 
-bool NodeWatch::agree_to_restart(bool want, milliseconds limit, std::string& why_not) {
+bool NodeWatch::member(int node) const {
+  return std::find(members_.begin(), members_.end(), node) != members_.end();
+}
+
+std::string NodeWatch::decide(milliseconds limit) {
+  auto posted = [&](int k) -> std::optional<std::string> {
+    const auto key_k = generation_key("next/" + std::to_string(k));
+    if (!main_->check({key_k})) return std::nullopt;
+    return main_->get(key_k);
+  };
+  auto is_lost = [&](int k) {
+    std::lock_guard lock(mu_);
+    return lost_[std::size_t(k)];
+  };
+  std::vector<int> members;
+  {
+    std::lock_guard lock(mu_);
+    members = members_;
+  }
+  // Every node of this generation says, or is found lost by its heartbeats.
   const auto deadline = clock::now() + limit;
+  std::vector<int> lost;
+  for (;;) {
+    std::string silent;
+    lost.clear();
+    for (int k : members) {
+      const auto said = posted(k);
+      if (said && *said != "restart") return "stop " + label(k) + " does not restart (interrupted or out of restarts)";
+      if (said) continue;
+      if (is_lost(k)) lost.push_back(k);
+      else silent += (silent.empty() ? "" : ", ") + label(k);
+    }
+    if (silent.empty()) break;
+    if (clock::now() >= deadline) return "stop " + silent + " did not say within " + seconds(limit) + " whether it restarts";
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  if (!lost.empty()) {
+    if (!o_.min_nnodes) return "stop " + label(lost.front()) + " was lost (no heartbeat), and --nnodes is not elastic (MIN:MAX)";
+    // A lost node has --rejoin-timeout to come back and say it restarts.
+    const auto rejoin_until = clock::now() + o_.rejoin_timeout;
+    for (;;) {
+      lost.erase(std::remove_if(lost.begin(), lost.end(), [&](int k) { return posted(k) == std::optional<std::string>("restart"); }),
+                 lost.end());
+      if (lost.empty() || clock::now() >= rejoin_until) break;
+      std::this_thread::sleep_for(milliseconds(100));
+    }
+  }
+  std::string next = "restart";
+  int count = 0;
+  for (int k : members)
+    if (std::find(lost.begin(), lost.end(), k) == lost.end()) next += " " + std::to_string(k), ++count;
+  if (count < std::max(1, o_.min_nnodes))
+    return "stop only " + std::to_string(count) + " node(s) left, and --nnodes " + std::to_string(o_.min_nnodes) + ":" +
+           std::to_string(o_.nnodes) + " needs at least " + std::to_string(o_.min_nnodes);
+  return next;
+}
+
+std::optional<std::vector<int>> NodeWatch::decide_restart(bool want, milliseconds limit, std::string& why_not) {
+  const auto wait_limit = limit + (o_.min_nnodes ? o_.rejoin_timeout : milliseconds(0)) + std::chrono::seconds(5);
+  std::string decision;
   try {
     main_->set(generation_key("next/" + std::to_string(o_.node_rank)), want ? "restart" : "stop");
-    if (!want) return false;
-    for (;;) {
-      std::string silent;
-      for (int k = 0; k < o_.nnodes; ++k) {
-        {
-          std::lock_guard lock(mu_);
-          if (std::size_t(k) < lost_.size() && lost_[std::size_t(k)]) {  // node 0's heartbeat watch
-            why_not = label(k) + " was lost (no heartbeat)";
-            return false;
-          }
+    if (o_.node_rank == 0) {
+      decision = want ? decide(limit) : "stop " + label(0) + " does not restart (interrupted or out of restarts)";
+      main_->set(generation_key("decision"), decision);
+    } else {
+      const auto deadline = clock::now() + wait_limit;
+      while (!main_->check({generation_key("decision")})) {
+        if (clock::now() >= deadline) {
+          why_not = label(0) + " decided nothing within " + seconds(wait_limit);
+          return std::nullopt;
         }
-        const auto key_k = generation_key("next/" + std::to_string(k));
-        if (!main_->check({key_k})) {
-          silent += (silent.empty() ? "" : ", ") + label(k);
-          continue;
-        }
-        if (main_->get(key_k) != "restart") {
-          why_not = label(k) + " does not restart (interrupted, out of restarts, or it lost a node)";
-          return false;
-        }
+        std::this_thread::sleep_for(milliseconds(50));
       }
-      if (silent.empty()) return true;
-      if (clock::now() >= deadline) {
-        why_not = silent + " did not say within " + seconds(limit) + " whether it restarts";
-        return false;
-      }
-      std::this_thread::sleep_for(milliseconds(50));
+      decision = main_->get(generation_key("decision"));
     }
   } catch (const std::exception& e) {
     why_not = label(0) + "'s store is unreachable (" + std::string(e.what()) + ")";
-    return false;
+    return std::nullopt;
   }
+  if (decision.rfind("restart", 0) != 0) {
+    why_not = decision.substr(decision.find(' ') + 1);
+    return std::nullopt;
+  }
+  std::vector<int> next;
+  std::istringstream in(decision.substr(7));
+  for (int k; in >> k;) next.push_back(k);
+  if (std::find(next.begin(), next.end(), o_.node_rank) == next.end()) {
+    why_not = "this node was left out of the next generation: lost for longer than --rejoin-timeout (the others go on without it)";
+    return std::nullopt;
+  }
+  if (!want) {
+    why_not = "this node does not restart";
+    return std::nullopt;
+  }
+  std::lock_guard lock(mu_);
+  for (int k = 0; k < o_.nnodes; ++k) {
+    const bool in_next = std::find(next.begin(), next.end(), k) != next.end();
+    if (in_next && lost_[std::size_t(k)]) {  // came back: watched afresh
+      lost_[std::size_t(k)] = false;
+      last_beat_[std::size_t(k)] = -1;
+      beat_seen_[std::size_t(k)] = clock::now();
+    }
+  }
+  members_ = next;
+  return next;
 }
 
 void NodeWatch::next_generation() {

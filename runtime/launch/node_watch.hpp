@@ -18,12 +18,24 @@
 // - The end: each launcher posts its exit code; node 0 keeps serving the store until every node
 //   has posted one or is lost, so no node mistakes a finished job for a dead node 0.
 // - Restarts (--max-restarts, Note [Restarting the worker group]): failures are posted per
-//   generation of ranks (g<k>/failures). Once a generation failed and every node stopped its
-//   ranks, each launcher posts whether it restarts (g<k>/next/<node>), and all restart only when
-//   every node says yes within the heartbeat timeout + the kill grace + 5 s: one node that is
-//   interrupted, out of restarts or lost keeps every node from starting ranks that would wait for
-//   it. A lost node (no heartbeat, or node 0's store gone) is not restarted around: the job ends,
-//   naming it (shrinking the world is not built).
+//   generation of ranks (g<k>/failures). Once a generation failed and a node stopped its ranks,
+//   its launcher posts whether it restarts (g<k>/next/<node>). Node 0 decides for all: once every
+//   node of the generation has posted or been declared lost (heartbeats), it posts g<k>/decision,
+//   "restart" and the nodes of the next generation, or "stop" and why; the others wait for it.
+//   One node that is interrupted or out of restarts stops every node, so that no rank waits for a
+//   peer that will never start. A lost node stops the job too, unless it is elastic (Note
+//   [Shrinking the world]). Node 0 serves the store: its loss always ends the job.
+//
+// Note [Shrinking the world]
+// With --nnodes MIN:MAX (and --max-restarts) a node lost during a generation is waited for
+// --rejoin-timeout more: a launcher that comes back (a link that healed, a stopped process
+// continued) and posts its choice in time is in the next generation again. Otherwise the next
+// generation is the nodes left, if at least MIN: they keep their order and are numbered afresh
+// (node ranks 0..n-1, RANK and WORLD_SIZE from them), and the ranks resume from the newest
+// snapshot at the smaller world (load_checkpoint reshards N to M; the snapshot directory must be
+// one every node sees). A left-out launcher that is still running learns it from the decision and
+// ends, naming why. A node that returns after that would join at the next restart: not built (it
+// is refused at the rendezvous, its node rank taken).
 #pragma once
 
 #include <chrono>
@@ -54,6 +66,8 @@ struct NodeWatchOptions {
   std::chrono::milliseconds rdzv_timeout = std::chrono::seconds(600);
   std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
   std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(15);
+  int min_nnodes = 0;  // Note [Shrinking the world]; 0: not elastic
+  std::chrono::milliseconds rejoin_timeout = std::chrono::seconds(10);
 };
 
 class NodeWatch {
@@ -82,10 +96,10 @@ class NodeWatch {
 
   // The failure this generation saw was a node lost (not a rank of a node still there).
   bool lost_a_node() const;
-  // Posts this node's choice for the generation that just failed and, when it wants to restart,
-  // waits (at most `limit`) for every node's: true when all restart. `why_not` says which node
-  // did not, or did not answer.
-  bool agree_to_restart(bool want, std::chrono::milliseconds limit, std::string& why_not);
+  // Posts this node's choice for the generation that just failed and waits (at most `limit`, plus
+  // the rejoin timeout when elastic) for node 0's decision: the nodes of the next generation (by
+  // their node rank at the start), or nullopt with `why_not` when the job stops.
+  std::optional<std::vector<int>> decide_restart(bool want, std::chrono::milliseconds limit, std::string& why_not);
   // The next generation of ranks: its failures are its own.
   void next_generation();
 
@@ -93,6 +107,8 @@ class NodeWatch {
   void heartbeat_loop();
   void watch_peers(TcpStoreClient& store, std::chrono::steady_clock::time_point now);
   void peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost);
+  std::string decide(std::chrono::milliseconds limit);  // node 0: the decision it posts
+  bool member(int node) const;
   std::string key(const std::string& k) const { return "launch/" + k; }
   std::string generation_key(const std::string& k) const;  // launch/g<generation>/k
 
@@ -110,6 +126,7 @@ class NodeWatch {
   std::optional<std::string> failure_;    // another node's failure, once seen
   std::string own_report_;                // what this node posted
   bool failure_lost_ = false;             // failure_ is a node lost, not a rank failed
+  std::vector<int> members_;              // the nodes of this generation, by node rank at the start
   int generation_ = 0;
   std::vector<bool> exited_, lost_;       // node 0's view of the others
   std::vector<std::int64_t> last_beat_;

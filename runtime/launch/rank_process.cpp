@@ -60,7 +60,7 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
       {"WORLD_SIZE", std::to_string(ids.world)},
       {"LOCAL_RANK", std::to_string(ids.local)},
       {"LOCAL_WORLD_SIZE", std::to_string(spec.nproc_per_node)},
-      {"GROUP_RANK", std::to_string(spec.node_rank)},
+      {"GROUP_RANK", std::to_string(ids.node)},
       {"MASTER_ADDR", ids.store_host},
       {"MASTER_PORT", std::to_string(ids.store_port)},
       {"SHARDFLOW_LAUNCHER", "1"},

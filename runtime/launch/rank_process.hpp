@@ -34,6 +34,7 @@ struct RankIds {
   int restart = 0;  // the worker group's generation (Note [Restarting the worker group])
   int max_restarts = 0;
   std::string snapshot_memory;  // Note [Snapshots in memory]; empty: none offered
+  int node = 0;                 // GROUP_RANK: this node's place in the generation (Note [Shrinking the world])
 };
 
 // The torchrun-style environment of one rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), the

@@ -1,6 +1,7 @@
 // Test hook for the failure matrix (scripts/soak.py, `make soak`): SHARDFLOW_TEST_FAULT =
 // PHASE:RANK:ACTION:N makes the process whose RANK (the launcher's variable) is RANK kill itself
-// with SIGKILL (ACTION kill) or stop itself with SIGSTOP (ACTION stop, a hang) the N-th time it
+// with SIGKILL (ACTION kill) or stop itself with SIGSTOP (ACTION stop, a hang), or kill its
+// launcher and then itself (ACTION host: a host lost, launcher and ranks at once) the N-th time it
 // reaches PHASE: registration (Runtime::finalize), backward (a grad_ready), collective (a bucket's
 // reduction starting on the comm stream), sync (a parameter sync starting there), checkpoint (a
 // window of a consolidated save's state stream). It says so on stderr first, so the soak driver
@@ -22,6 +23,7 @@ struct Spec {
   bool armed = false;
   std::string phase;
   bool stop = false;
+  bool host = false;  // the parent (shardflow run) first
   long at = 1;
 };
 
@@ -38,6 +40,7 @@ inline const Spec& spec() {
     out.armed = rank && std::atoi(rank) == r;
     out.phase = phase;
     out.stop = std::strcmp(action, "stop") == 0;
+    out.host = std::strcmp(action, "host") == 0;
     out.at = n;
     return out;
   }();
@@ -52,8 +55,10 @@ inline void reached(const char* phase) {
   static std::atomic<long> seen{0};
   const auto& s = spec();
   if (!s.armed || s.phase != phase || ++seen != s.at) return;
-  std::fprintf(stderr, "shardflow test fault: rank %s %s at %s #%ld\n", std::getenv("RANK"), s.stop ? "stops" : "dies", phase, s.at);
+  std::fprintf(stderr, "shardflow test fault: rank %s %s at %s #%ld\n", std::getenv("RANK"),
+               s.stop ? "stops" : s.host ? "takes its host down" : "dies", phase, s.at);
   std::fflush(stderr);
+  if (s.host) ::kill(::getppid(), SIGKILL);
   ::raise(s.stop ? SIGSTOP : SIGKILL);
 }
 
