@@ -42,6 +42,46 @@ std::vector<std::string> node_cmd(const Node& n, const std::vector<std::string>&
   return argv;
 }
 
+// Bit for bit (tolerance 0), or each tensor within `tolerance` in relative norm.
+void check_params(const std::string& got_path, const std::string& want_path, double tolerance = 0.0) {
+  const TensorMap want = load_safetensors(want_path), got = load_safetensors(got_path);
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    if (tolerance == 0.0) {
+      CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
+    } else {
+      const double err = test::rel_error(got.at(name).to_f32("got"), t.to_f32("want"));
+      CAPTURE(err);
+      CHECK(err <= tolerance);
+    }
+  }
+}
+
+// The restart scenarios' trainer: 8 steps over Gloo, saving its parameters, with snapshots every 2
+// steps in `snaps` (a directory every node sees) unless empty.
+std::vector<std::string> eight_steps(const std::string& save, const std::string& snaps) {
+  std::vector<std::string> extra{"--save", save};
+  if (!snaps.empty()) extra.insert(extra.end(), {"--snapshot-dir", snaps, "--snapshot-every", "2"});
+  auto args = gloo_trainer(extra);  // a global batch of 12
+  test::set_flag(args, "--steps", "8");
+  return args;
+}
+
+// The same trainer uninterrupted on one node of 4 ranks: the parameters a restarted job must end with.
+void one_node_of_four(const std::string& save) {
+  Child job(node_cmd({0, 1, 4, test::free_port(), {}}, eight_steps(save, "")), env());
+  INFO(job.output());
+  REQUIRE(test::exited_ok(job.wait(120s)));
+}
+
+// `prog` with SHARDFLOW_TEST_FAULT=`fault` in generation 0 only.
+std::vector<std::string> fault_in_first_generation(const std::string& fault, const std::vector<std::string>& prog) {
+  std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=" + fault + "; fi; exec";
+  for (const auto& a : prog) cmd += " '" + a + "'";
+  return {"/bin/sh", "-c", cmd};
+}
+
 pid_t pid_of_rank(const std::string& out, int rank) {
   const std::string needle = "rank " + std::to_string(rank) + " (pid ";
   const auto at = out.find(needle);
@@ -72,12 +112,7 @@ TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x
   CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 4 (gloo)"));
   CHECK(n1.says("started rank 2 (pid"));
   CHECK(n1.says("rank 3 (pid"));
-  const TensorMap want = load_safetensors(one), got = load_safetensors(two);
-  REQUIRE(got.size() == want.size());
-  for (const auto& [name, t] : want) {
-    CAPTURE(name);
-    CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
-  }
+  check_params(two, one);
 }
 
 TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within seconds, naming node 1 and the rank") {
@@ -286,27 +321,14 @@ TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps in a dir
   const std::string one = scratch("restart_one_node.safetensors"), two = scratch("restart_two_nodes.safetensors");
   const std::string snaps = scratch("restart_snapshots");
   std::filesystem::remove_all(snaps);
-  auto prog = [&](const std::string& save, bool snapshots) {
-    std::vector<std::string> extra{"--save", save};
-    if (snapshots) extra.insert(extra.end(), {"--snapshot-dir", snaps, "--snapshot-every", "2"});
-    auto args = gloo_trainer(extra);
-    test::set_flag(args, "--steps", "8");
-    return args;
-  };
-  {
-    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, prog(one, false)), env());
-    INFO(job.output());
-    REQUIRE(test::exited_ok(job.wait(120s)));
-  }
+  one_node_of_four(one);
   // Two collectives a step at ZeRO-1: rank 3's 13th is in step 7, while step 6's snapshot is pending.
-  auto faulty = [&](const std::string& save) {
-    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:3:kill:13; fi; exec";
-    for (const auto& a : prog(save, true)) cmd += " '" + a + "'";
-    return std::vector<std::string>{"/bin/sh", "-c", cmd};
-  };
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 2, port, {"--max-restarts", "1"}}, faulty(two)), env());
-  Child n1(node_cmd({1, 2, 2, port, {"--max-restarts", "1"}}, faulty(scratch("unused.safetensors"))), env());
+  Child n0(node_cmd({0, 2, 2, port, {"--max-restarts", "1"}}, fault_in_first_generation("collective:3:kill:13", eight_steps(two, snaps))),
+           env());
+  Child n1(node_cmd({1, 2, 2, port, {"--max-restarts", "1"}},
+                    fault_in_first_generation("collective:3:kill:13", eight_steps(scratch("unused.safetensors"), snaps))),
+           env());
   const auto s1 = n1.wait(120s);
   const auto s0 = n0.wait(120s);
   INFO(n0.output());
@@ -318,12 +340,7 @@ TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps in a dir
   CHECK(n0.says("restarting every rank (1 of 1 restarts)"));
   CHECK(n0.says("; restart 1 of 1"));
   CHECK(n0.says("[rank 0] done: 4 steps"));  // steps 5 to 8 after the restart
-  const TensorMap want = load_safetensors(one), got = load_safetensors(two);
-  REQUIRE(got.size() == want.size());
-  for (const auto& [name, t] : want) {
-    CAPTURE(name);
-    CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
-  }
+  check_params(two, one);
 }
 
 TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why") {
@@ -345,30 +362,15 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
   const std::string one = scratch("shrink_one_node.safetensors"), two = scratch("shrink_two_nodes.safetensors");
   const std::string snaps = scratch("shrink_snapshots");
   std::filesystem::remove_all(snaps);
-  auto prog = [&](const std::string& save, bool snapshots) {
-    std::vector<std::string> extra{"--save", save};
-    if (snapshots) extra.insert(extra.end(), {"--snapshot-dir", snaps, "--snapshot-every", "2"});
-    auto args = gloo_trainer(extra);  // a global batch of 12: 3 a rank at world 4, 6 at world 2
-    test::set_flag(args, "--steps", "8");
-    return args;
-  };
-  {
-    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, prog(one, false)), env());
-    INFO(job.output());
-    REQUIRE(test::exited_ok(job.wait(120s)));
-  }
-  auto faulty = [&](const std::string& save) {  // rank 3 takes node 1's launcher down with it at its 13th collective (step 7)
-    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:3:host:13; fi; exec";
-    for (const auto& a : prog(save, true)) cmd += " '" + a + "'";
-    return std::vector<std::string>{"/bin/sh", "-c", cmd};
-  };
+  one_node_of_four(one);
+  // Rank 3 takes node 1's launcher down with it at its 13th collective (step 7). A global batch of
+  // 12 is 3 a rank at world 4 and 6 at world 2.
   const int port = test::free_port();
-  const std::vector<std::string> elastic{"--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"};
   auto cmd_for = [&](int node, const std::string& save) {
-    auto argv = node_cmd({node, 2, 2, port, {}}, faulty(save));
+    auto argv = node_cmd({node, 2, 2, port, {}}, fault_in_first_generation("collective:3:host:13", eight_steps(save, snaps)));
     const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
     argv.erase(at, at + 2);  // MIN:MAX instead
-    argv.insert(argv.begin() + 2, elastic.begin(), elastic.end());
+    argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"});
     return argv;
   };
   Child n0(cmd_for(0, two), env());
@@ -383,14 +385,7 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
   CHECK(n0.says("1 node(s), world 2"));
   CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 2 (gloo)"));
   CHECK(n0.says("[rank 0] done: 4 steps"));  // steps 5 to 8, from step 4's snapshot
-  const TensorMap want = load_safetensors(one), got = load_safetensors(two);
-  REQUIRE(got.size() == want.size());
-  for (const auto& [name, t] : want) {
-    CAPTURE(name);
-    const double err = test::rel_error(got.at(name).to_f32("got"), t.to_f32("want"));
-    CAPTURE(err);
-    CHECK(err <= 1e-5);  // the same global batch of 12, summed in another order
-  }
+  check_params(two, one, 1e-5);  // the same global batch, summed in another order (measured 4e-8)
 }
 
 TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside [1, MAX], or not a number: each named") {
