@@ -28,9 +28,11 @@ in turn. A run passes when the job exits 0 after one restart, its final paramete
 job's uninterrupted run's bit for bit, and nothing of it is left (processes, shared memory, the
 launcher's snapshot memory). --two-hosts (root): the same across two network-namespace hosts
 (bench/two_hosts.py's pair, scripts/netns_pair.sh), Gloo, worlds 2 and 4 (1 and 2 ranks a host);
-across nodes the snapshots are on disk only. There the fault "host" is added: a rank of node 1
-kills its launcher and itself (the host lost); with --nnodes 1:2 node 0 must go on alone at half
-the world and end within SHRINK_TOLERANCE of the uninterrupted run (Note [Shrinking the world]).
+each host's memory also holds the other's copies (Note [Snapshots on the other host]). There the
+fault "host" is added: a rank of node 1 kills its launcher and itself (the host lost); with
+--nnodes 1:2 node 0 must go on alone at half the world, from memory, and end within
+SHRINK_TOLERANCE of the uninterrupted run (Note [Shrinking the world]). The table says where each
+restart resumed from.
 
   scripts/soak.py BUILD_DIR [--reps 20] [--backends shm,gloo] [--phases ...] [--timeout 3]
   scripts/soak.py BUILD_DIR --heal [--reps 1] [--worlds 2,3] [--phases registration,backward,collective,sync]
@@ -74,8 +76,9 @@ def shm_segments():
         return set()
 
 
-def leftovers(soak_id, out, shm_before):
-    """What a finished job left behind (and removes it): its processes, its shared memory."""
+def leftovers(soak_id, out, shm_before, killed_launchers=()):
+    """What a finished job left behind (and removes it): its processes, its shared memory. A killed
+    launcher's snapshot memory is expected (the next launcher on its host removes it) and is only removed."""
     problems = []
     time.sleep(0.3)
     stray = job_processes(soak_id)
@@ -91,6 +94,9 @@ def leftovers(soak_id, out, shm_before):
     mine = tuple(f"shardflow-{pid}-" for pid in re.findall(r"started rank \d+ \(pid (\d+)\)", out))
     mine += tuple(f"shardflow-snapshots-{pid}" for pid in re.findall(r"^LAUNCHER (\d+)$", out, re.M))
     left = {n for n in shm_segments() - shm_before if mine and n.startswith(mine)}
+    for name in {f"shardflow-snapshots-{pid}" for pid in killed_launchers} & left:
+        shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+        left.discard(name)
     if left:
         problems.append(f"shared memory left: {sorted(left)}")
         for name in left:
@@ -266,7 +272,7 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
         problems.append("node 0 did not go on without node 1")
     elif not same_params(out_path, want, SHRINK_TOLERANCE if shrink else 0.0):
         problems.append("its parameters differ from the uninterrupted run's" + (f" by more than {SHRINK_TOLERANCE}" if shrink else ""))
-    problems += leftovers(soak_id, out, shm_before)
+    problems += leftovers(soak_id, out, shm_before, re.findall(r"^LAUNCHER (\d+)$", out, re.M)[1:] if shrink else ())
     resumed = re.search(r"resumed from the snapshot of step (\d+) (in memory|on disk)", out)
     shutil.rmtree(snaps, ignore_errors=True)
     if os.path.exists(out_path):
@@ -292,8 +298,9 @@ def heal_matrix(a, work):
                     for victim in victims:
                         problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want,
                                                                 hosts)
-                        s = stats.setdefault((backend, world, phase, action), {"runs": 0, "passes": 0, "worst": 0.0})
+                        s = stats.setdefault((backend, world, phase, action), {"runs": 0, "passes": 0, "worst": 0.0, "memory": 0})
                         s["runs"] += 1
+                        s["memory"] += resumed.endswith("in memory")
                         s["passes"] += not problems
                         s["worst"] = max(s["worst"], took)
                         print(f"{'ok  ' if not problems else 'FAIL'} rep {rep + 1} {backend:4} world {world} {phase:12} {action:4} rank {victim}: "
@@ -302,11 +309,12 @@ def heal_matrix(a, work):
                             failures += 1
                             print("     " + out[-1500:].replace("\n", "\n     "), flush=True)
     print(f"\n{'2 network-namespace hosts, world / 2 ranks each' if a.two_hosts else 'one host'}:")
-    print("\n| backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) | worst job time (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) | resumed from memory "
+          "| worst job time (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for (backend, world, phase, action), s in stats.items():
         fault = {"kill": "kill -9", "stop": "SIGSTOP", "host": "node 1 lost (shrink, within %g)" % SHRINK_TOLERANCE}[action]
-        print(f"| {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['worst']:.2f} |")
+        print(f"| {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['memory']} | {s['worst']:.2f} |")
     print(f"\n{sum(s['runs'] for s in stats.values())} runs, {failures} failed (trainer --timeout {a.timeout} s)")
     return failures
 

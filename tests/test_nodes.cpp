@@ -3,9 +3,15 @@
 // tests/test_two_hosts.cpp runs the same jobs across two network namespaces joined by a veth link.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "helpers.hpp"
@@ -14,6 +20,7 @@
 #include "shardflow/errors.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/safetensors.hpp"
+#include "shardflow/store.hpp"
 #include "subprocess.hpp"
 
 using namespace shardflow;
@@ -315,20 +322,33 @@ TEST_CASE("socket address rules: explicit, interface, one host, the route to the
   CHECK(addr.socket_bind_address() == "127.0.0.1");
 }
 
-// Note [Restarting the worker group] across nodes, Note [Snapshots]
-TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps in a directory both see: rank 3 (node 1) killed in "
-          "step 7 -> both nodes restart together, resume from step 4, and end where 1 node x 4 ranks ends uninterrupted, bit for bit") {
+// The launchers' environment with the runtime's info lines ("resumed from the snapshot of step N in memory").
+std::map<std::string, std::string> env_info() {
+  auto e = env();
+  e["SHARDFLOW_LOG_LEVEL"] = "info";
+  return e;
+}
+
+// Note [Restarting the worker group] across nodes, Note [Snapshots], Note [Snapshots on the other host]
+TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps: rank 3 (node 1) killed in step 7 -> both nodes restart "
+          "together, resume from step 4 (in memory, each host holding the other's copies; or on disk), and end where 1 node x 4 "
+          "ranks ends uninterrupted, bit for bit") {
   const std::string one = scratch("restart_one_node.safetensors"), two = scratch("restart_two_nodes.safetensors");
   const std::string snaps = scratch("restart_snapshots");
   std::filesystem::remove_all(snaps);
   one_node_of_four(one);
+  bool memory = true;
+  SUBCASE("in memory") {}
+  SUBCASE("on disk (--no-snapshot-memory)") { memory = false; }
+  auto prog = [&](const std::string& save) {
+    auto args = eight_steps(save, snaps);
+    if (!memory) args.push_back("--no-snapshot-memory");
+    return fault_in_first_generation("collective:3:kill:13", args);
+  };
   // Two collectives a step at ZeRO-1: rank 3's 13th is in step 7, while step 6's snapshot is pending.
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 2, port, {"--max-restarts", "1"}}, fault_in_first_generation("collective:3:kill:13", eight_steps(two, snaps))),
-           env());
-  Child n1(node_cmd({1, 2, 2, port, {"--max-restarts", "1"}},
-                    fault_in_first_generation("collective:3:kill:13", eight_steps(scratch("unused.safetensors"), snaps))),
-           env());
+  Child n0(node_cmd({0, 2, 2, port, {"--max-restarts", "1"}}, prog(two)), env_info());
+  Child n1(node_cmd({1, 2, 2, port, {"--max-restarts", "1"}}, prog(scratch("unused.safetensors"))), env_info());
   const auto s1 = n1.wait(120s);
   const auto s0 = n0.wait(120s);
   INFO(n0.output());
@@ -340,6 +360,10 @@ TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps in a dir
   CHECK(n0.says("restarting every rank (1 of 1 restarts)"));
   CHECK(n0.says("; restart 1 of 1"));
   CHECK(n0.says("[rank 0] done: 4 steps"));  // steps 5 to 8 after the restart
+  // Every rank reads every rank's parameter slices: node 1's from node 0's copies, and back.
+  const std::string where = memory ? "in memory (/dev/shm/shardflow-snapshots-" : "on disk (" + snaps;
+  CHECK(n0.says("[shardflow] [rank 0] [info] resumed from the snapshot of step 4 " + where));
+  CHECK(n1.says("[shardflow] [rank 3] [info] resumed from the snapshot of step 4 " + where));
   check_params(two, one);
 }
 
@@ -373,8 +397,8 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
     argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"});
     return argv;
   };
-  Child n0(cmd_for(0, two), env());
-  Child n1(cmd_for(1, scratch("shrink_unused.safetensors")), env());
+  Child n0(cmd_for(0, two), env_info());
+  Child n1(cmd_for(1, scratch("shrink_unused.safetensors")), env_info());
   const auto s1 = n1.wait(120s);
   const auto s0 = n0.wait(120s);
   INFO(n0.output());
@@ -385,7 +409,73 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
   CHECK(n0.says("1 node(s), world 2"));
   CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 2 (gloo)"));
   CHECK(n0.says("[rank 0] done: 4 steps"));  // steps 5 to 8, from step 4's snapshot
+  // Node 1's shards come from the copies node 0's memory holds (Note [Snapshots on the other host]).
+  CHECK(n0.says("[shardflow] [rank 1] [info] resumed from the snapshot of step 4 in memory"));
   check_params(two, one, 1e-5);  // the same global batch, summed in another order (measured 4e-8)
+}
+
+namespace {
+
+// One file pushed to a launcher's copy port as the other node's launcher would (Note [Snapshots on
+// the other host]): the greeting with `token`, then `path` holding "abcd". Returns the answer byte,
+// 0 when the launcher closed the connection instead.
+char push_copy(const std::string& where, const std::string& token, const std::string& path) {
+  const auto colon = where.rfind(':');
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(std::uint16_t(std::stoi(where.substr(colon + 1))));
+  REQUIRE(::inet_pton(AF_INET, where.substr(0, colon).c_str(), &a.sin_addr) == 1);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0);
+  std::string msg;
+  auto u32 = [&](std::uint32_t v) { msg.append(reinterpret_cast<const char*>(&v), 4); };
+  auto str = [&](const std::string& v) {
+    u32(std::uint32_t(v.size()));
+    msg += v;
+  };
+  u32(0x524d4653);  // "SFMR"
+  str(token);
+  str(path);
+  const std::uint64_t size = 4;
+  msg.append(reinterpret_cast<const char*>(&size), 8);
+  msg += "abcd";
+  ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL);
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char ack = 0;
+  if (::recv(fd, &ack, 1, 0) != 1) ack = 0;
+  ::close(fd);
+  return ack;
+}
+
+}  // namespace
+
+TEST_CASE("two nodes: a launcher's copy port keeps a snapshot's shard file only from a sender with the job's token, and no "
+          "other name (no path out of its memory)") {
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
+  REQUIRE(n0.read_until("3/1000000", 60s));
+  TcpStoreClient store("127.0.0.1", std::uint16_t(port), "test-nodes", 10s);
+  const std::string where = store.get("launch/mirror/0");
+  const std::string memory = "/dev/shm/shardflow-snapshots-" + std::to_string(n0.pid());
+  REQUIRE(std::filesystem::is_directory(memory));
+  const std::string good = "step-2/ckpt-0000abcd-rank1-of-2.safetensors";
+  CHECK(push_copy(where, "not-the-token", good) == 0);
+  CHECK(!std::filesystem::exists(memory + "/" + good));
+  CHECK(push_copy(where, "test-nodes", "step-2/../../escape-rank1-of-2.safetensors") == 0);
+  CHECK(push_copy(where, "test-nodes", "step-2/notes.txt") == 0);
+  CHECK(push_copy(where, "test-nodes", good) == 'k');
+  std::ifstream kept(memory + "/" + good);
+  std::string got((std::istreambuf_iterator<char>(kept)), std::istreambuf_iterator<char>());
+  CHECK(got == "abcd");
+  ::kill(n0.pid(), SIGTERM);
+  ::kill(n1.pid(), SIGTERM);
+  n0.wait(60s);
+  n1.wait(60s);
+  INFO(n0.output());
+  CHECK(n0.says("refused 'step-2/../../escape-rank1-of-2.safetensors' from the other node"));
+  CHECK(!std::filesystem::exists(memory));  // the job's end takes its memory
 }
 
 TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside [1, MAX], or not a number: each named") {

@@ -14,7 +14,8 @@ namespace shardflow {
 struct BackgroundSaveState {
   struct Pending {
     std::string dir;
-    std::string index;  // rank 0: the index as of the save
+    std::string index;  // the index as of the save, on the rank that writes it (rank 0; Note [Snapshots on the other host])
+    std::string mirrored_marker;  // exists once the other host holds this rank's file; empty: no copy awaited
     std::thread writer;
     std::string failure;
     std::size_t slices = 0;
@@ -27,6 +28,10 @@ struct BackgroundSaveState {
   // so the writer is done with it before the next save copies into it.
   std::shared_ptr<std::byte> staging;
   std::size_t staging_bytes = 0;
+  // For the next save only (a snapshot into memory copied to the other host): this rank writes the
+  // index into its host's copy too, and its file counts as written once the copy is there.
+  bool next_host_index = false;
+  bool next_mirrored = false;
   // The runtime ends: a write in flight finishes first. With no wait_checkpoint() its index is
   // never written, so the previous checkpoint stays the one the directory names.
   void finish_writer() {
@@ -44,6 +49,10 @@ struct SnapshotState {
   // and every how many iterations one goes to disk instead. Chosen by resumed_step().
   std::string memory_dir;
   std::uint64_t disk_every = 0;
+  // Note [Snapshots on the other host]: the launcher copies this host's files to that node (its
+  // label; empty: no copies), and whether this rank writes the index into this host's memory.
+  std::string mirror;
+  bool host_index = false;
 };
 
 }  // namespace shardflow

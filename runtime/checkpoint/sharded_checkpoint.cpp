@@ -22,6 +22,8 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
+#include <utility>
 
 #include <sys/mman.h>
 
@@ -29,6 +31,7 @@
 #include "runtime/checkpoint/checkpoint_common.hpp"
 #include "runtime/zero/optimizer_hyper.hpp"
 #include "runtime/checkpoint/safetensors_stream.hpp"
+#include "runtime/bootstrap/snapshot_env.hpp"
 
 namespace shardflow {
 namespace {
@@ -77,6 +80,18 @@ std::string file_name(std::uint32_t id, int rank, int world) {
   return b;
 }
 
+// Note [Snapshots on the other host]: the launcher marks a rank's file once the other host holds
+// it. Waited for as long as any wait on another rank.
+bool await_copy(const std::string& marker, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::error_code ec;
+  while (!fs::exists(marker, ec)) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return true;
+}
+
 }  // namespace
 
 void Runtime::save_sharded_checkpoint(const std::string& dir) {
@@ -105,9 +120,11 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
   auto pending = std::make_unique<BackgroundSaveState::Pending>();
   pending->dir = dir;
+  const bool mirrored = std::exchange(I.saves.next_mirrored, false), host_index = std::exchange(I.saves.next_host_index, false);
   // The index as of this save (rank 0), written by wait_checkpoint once every shard is on disk:
-  // the step count and the plan are this moment's, whatever training does meanwhile.
-  if (I.rank == 0) {
+  // the step count and the plan are this moment's, whatever training does meanwhile. Every rank
+  // knows the plan, so another host's first rank builds the same index for its host's copy.
+  if (I.rank == 0 || host_index) {
     nlohmann::json j;
     j["format"] = "shardflow-sharded-checkpoint";
     j["version"] = 1;
@@ -193,6 +210,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   }
   if (!mine.empty() && pending->failure.empty()) {
     const std::string path = dir + "/" + file_name(id, I.rank, I.world);
+    if (mirrored) pending->mirrored_marker = path + std::string(snapshot_env::kMirroredSuffix);
     pending->writer = std::thread([staged, path, out = pending.get()] {
       try {
         SafetensorsWriter file(path, staged->entries, staged->meta, /*checksums=*/true);
@@ -215,6 +233,10 @@ void Runtime::wait_checkpoint() {
   if (!I.saves.pending) return;
   auto pending = std::move(I.saves.pending);
   if (pending->writer.joinable()) pending->writer.join();
+  if (!pending->mirrored_marker.empty() && pending->failure.empty() && !await_copy(pending->mirrored_marker, I.cfg.timeouts.collective))
+    I.log->warn("snapshot '{}': the copy of rank {}'s file did not reach {} within {} s: this snapshot is whole on this host only, and "
+                "a restart after this host's loss resumes from an older one (or the disk's)",
+                pending->dir, I.rank, I.snapshots.mirror, std::chrono::duration_cast<std::chrono::seconds>(I.cfg.timeouts.collective).count());
   finish_sharded_checkpoint(pending->dir, pending->index, pending->failure, pending->slices);
 }
 
@@ -228,13 +250,13 @@ void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::strin
                                 : "save_sharded_checkpoint: rank " + std::to_string(I.rank) + ": " + written +
                                       "; the previous checkpoint in '" + dir + "' is untouched");
   std::string failure;
-  float index_ok = 1.0f;
-  if (I.rank == 0) try {
+  float index_failed = 0.0f;
+  if (I.rank == 0 || !index.empty()) try {
       // Test hook (tests/test_launch.cpp): SHARDFLOW_TEST_KILL_BEFORE_INDEX=N kills this process
       // at its N-th sharded save, every shard file written and the index not: a crash at the
       // worst moment, after which the previous checkpoint must still load.
       static std::atomic<int> saves{0};
-      if (const char* k = std::getenv("SHARDFLOW_TEST_KILL_BEFORE_INDEX"); k && std::atoi(k) == ++saves) ::raise(SIGKILL);
+      if (const char* k = std::getenv("SHARDFLOW_TEST_KILL_BEFORE_INDEX"); I.rank == 0 && k && std::atoi(k) == ++saves) ::raise(SIGKILL);
       write_file_atomically(dir + "/index.json", index);
       // The index names this save's files now: earlier saves' files go.
       const auto files = nlohmann::json::parse(index).at("files").get<std::vector<std::string>>();
@@ -246,12 +268,13 @@ void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::strin
       }
     } catch (const std::exception& e) {
       failure = e.what();
-      index_ok = 0.0f;
+      index_failed = 1.0f;
     }
-  I.control_collective(CollectiveKind::broadcast, &index_ok, 1, "sharded checkpoint: index written");
-  if (index_ok != 1.0f)
-    throw Error(I.rank == 0 ? "save_sharded_checkpoint: writing '" + dir + "/index.json': " + failure
-                            : "save_sharded_checkpoint: rank 0 could not write '" + dir + "/index.json' (its error says why)");
+  I.control_collective(CollectiveKind::allreduce, &index_failed, 1, "sharded checkpoint: index written");
+  if (index_failed > 0)
+    throw Error(!failure.empty() ? "save_sharded_checkpoint: rank " + std::to_string(I.rank) + " writing '" + dir + "/index.json': " + failure
+                                 : "save_sharded_checkpoint: the index of '" + dir + "' could not be written (rank 0's error, or that of "
+                                   "another host's first rank for its copy, says why)");
   I.log->info("sharded checkpoint written to '{}' ({} slice(s) from this rank)", dir, slices);
 }
 

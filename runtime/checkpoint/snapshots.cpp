@@ -17,17 +17,22 @@
 // A snapshot on disk costs the disk's time and, on a small machine, the cores that copy it into
 // the page cache and flush it (measured: the mean step of a 64 MiB model at K = 10 went from 61
 // to 156 ms on a 2-core VM, 84-89 ms with the same files on tmpfs, which has no flush). A rank's
-// death kills its process, not its host's memory: `shardflow run` on one node creates a tmpfs
+// death kills its process, not its host's memory: `shardflow run` on one node (or two) creates a tmpfs
 // directory that outlives every generation of ranks, removes it when the job ends, and names it
 // in SHARDFLOW_SNAPSHOT_MEMORY. With Config::snapshot.memory (the default) the snapshots go there,
 // and only every `disk_every` iterations one goes to `dir`, the fallback for the launcher's or
-// the host's loss (or a job started again by hand). In memory the newest complete snapshot and the
+// the host's loss (or a job started again by hand). In memory the newest whole snapshot and the
 // one being written stay (double-buffered: a write in flight never replaces the last complete
 // one, since a snapshot counts only once its index is written). resumed_step() takes the newest
-// complete snapshot of either place. Rank 0 decides for everyone whether the memory is used: it
-// must have room for two snapshots of the whole model (every rank's files are on this host);
-// otherwise every snapshot goes to disk, and rank 0 says why. Across nodes the launchers offer no
-// memory (a rank's copy on its neighbour host is not built): snapshots are on disk only.
+// complete snapshot of either place. The ranks decide together whether the memory is used: every
+// host must have room for two snapshots of the whole model; otherwise every snapshot goes to
+// disk, and the rank that lacks it says why. Across two nodes the launchers copy each host's
+// files into the other's memory (Note [Snapshots on the other host], runtime/launch/
+// snapshot_mirror.hpp): a file counts as written once its copy is there, the first rank of each
+// host writes the index into its host's memory too, and a snapshot in memory is loaded only when
+// every host holds it whole (its index and every file it names), so a host's loss leaves the
+// other with the whole of it. With more than two nodes no memory is offered: snapshots are on
+// disk only.
 #include <sys/statvfs.h>
 
 #include <algorithm>
@@ -41,6 +46,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/bootstrap/snapshot_env.hpp"
 #include "runtime/runtime_impl.hpp"
 
 namespace shardflow {
@@ -48,10 +54,8 @@ namespace {
 
 namespace fs = std::filesystem;
 constexpr std::string_view kPrefix = "step-";
-constexpr const char* kMemoryEnv = "SHARDFLOW_SNAPSHOT_MEMORY";  // set by shardflow run (Note [Snapshots in memory])
-
 std::string memory_offered() {
-  const char* m = std::getenv(kMemoryEnv);
+  const char* m = std::getenv(snapshot_env::kMemory);
   return m ? m : "";
 }
 
@@ -100,6 +104,61 @@ void prune(const std::string& dir, int keep, spdlog::logger& log) {
     fs::remove_all(snapshot_dir(dir, step), ec);
     if (ec) log.warn("snapshots: could not remove {}: {}", snapshot_dir(dir, step), ec.message());
   }
+}
+
+// A snapshot this host can load by itself: its index, and every file the index names.
+bool whole(const std::string& snapshot) {
+  std::ifstream in(snapshot + "/index.json");
+  if (!in) return false;
+  try {
+    std::error_code ec;
+    for (const auto& f : nlohmann::json::parse(in).at("files"))
+      if (const auto name = f.get<std::string>(); !name.empty() && !fs::exists(snapshot + "/" + name, ec)) return false;
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+std::uint64_t newest_whole(const std::string& dir) {
+  const auto found = snapshots_in(dir);
+  for (auto it = found.rbegin(); it != found.rend(); ++it)
+    if (it->second && whole(snapshot_dir(dir, it->first))) return it->first;
+  return 0;
+}
+
+// In memory: everything older than the newest whole snapshot goes. One newer than it that is not
+// whole yet (a copy from the other host on its way, or given up) leaves the older one in place.
+void prune_memory(const std::string& dir, spdlog::logger& log) {
+  const std::uint64_t keep = newest_whole(dir);
+  for (const auto& [step, done] : snapshots_in(dir)) {
+    if (step >= keep) break;
+    std::error_code ec;
+    fs::remove_all(snapshot_dir(dir, step), ec);
+    if (ec) log.warn("snapshots: could not remove {}: {}", snapshot_dir(dir, step), ec.message());
+  }
+}
+
+// Whether this host's memory has room for `need` bytes, and why not when it has not (`disk`:
+// where the snapshots go instead, for the message).
+bool memory_room(int rank, const std::string& memory, std::size_t need, const std::string& disk, spdlog::logger& log) {
+  if (memory.empty()) {
+    log.warn("snapshots: rank {} was given no memory ({} is not set) while rank 0 was: every snapshot goes to {}", rank,
+             snapshot_env::kMemory, disk);
+    return false;
+  }
+  struct statvfs vfs {};
+  if (::statvfs(memory.c_str(), &vfs) != 0) {
+    log.warn("snapshots: rank {}: {} '{}' cannot be used ({}); every snapshot goes to {}", rank, snapshot_env::kMemory, memory,
+             std::strerror(errno), disk);
+    return false;
+  }
+  if (const std::size_t room = std::size_t(vfs.f_bavail) * vfs.f_frsize; room < need) {
+    log.warn("snapshots: rank {}: {} MiB free in '{}' ({}), two snapshots of this model need {} MiB: every snapshot goes to {}", rank,
+             room >> 20, memory, snapshot_env::kMemory, need >> 20, disk);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -152,53 +211,56 @@ std::uint64_t Runtime::resumed_step() {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw UsageError(I.cfg.name_of("snapshot.dir") + " '" + dir + "' cannot be created on rank " + std::to_string(I.rank) + ": " + ec.message());
-  // Rank 0 decides for every rank: the newest complete snapshot, where it is, and whether the
-  // memory the launcher offers is used (Note [Snapshots in memory]).
-  std::uint32_t words[4] = {0, 0, 0, 0};  // newest step (low, high), it is in memory, memory used
+  // The ranks decide together (Note [Snapshots in memory]): rank 0 names the newest complete
+  // snapshot on disk and the newest whole one in its host's memory; every rank says whether its
+  // host has room for memory snapshots and holds that one whole; the memory is used only if every
+  // host has room, and its snapshot only if every host holds it.
+  const std::string memory = I.cfg.snapshot.memory ? memory_offered() : "";
+  std::uint32_t words[5] = {0, 0, 0, 0, 0};  // newest on disk (low, high), newest whole in memory (low, high), memory used
   if (I.rank == 0) {
-    const std::string memory = I.cfg.snapshot.memory ? memory_offered() : "";
-    bool use_memory = false;
     if (memory.empty() && I.cfg.snapshot.memory)
-      I.log->info("snapshots: on disk only, in '{}' (no memory offered: {} is set by shardflow run on one node)", dir, kMemoryEnv);
-    if (!memory.empty()) {
-      // Every rank's files are on this host: room for two snapshots of the whole model.
-      std::size_t need = 0;
-      const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
-      for (const auto& p : I.registry.params()) need += std::size_t(numel(p.shape)) * (dtype_size(p.dtype) + 4 * slots);
-      need *= 2;
-      struct statvfs vfs {};
-      if (::statvfs(memory.c_str(), &vfs) != 0) {
-        I.log->warn("snapshots: {} '{}' cannot be used ({}); every snapshot goes to {} '{}'", kMemoryEnv, memory, std::strerror(errno),
-                    I.cfg.name_of("snapshot.dir"), dir);
-      } else if (const std::size_t room = std::size_t(vfs.f_bavail) * vfs.f_frsize; room < need) {
-        I.log->warn("snapshots: {} MiB free in '{}' ({}), two snapshots of this model need {} MiB: every snapshot goes to {} '{}'",
-                    room >> 20, memory, kMemoryEnv, need >> 20, I.cfg.name_of("snapshot.dir"), dir);
-      } else {
-        use_memory = true;
-      }
-    }
-    const std::uint64_t on_disk = newest_complete(dir), in_memory = use_memory ? newest_complete(memory) : 0;
-    const std::uint64_t newest = std::max(on_disk, in_memory);
-    words[0] = std::uint32_t(newest), words[1] = std::uint32_t(newest >> 32);
-    words[2] = newest != 0 && in_memory == newest;
-    words[3] = use_memory;
+      I.log->info("snapshots: on disk only, in '{}' (no memory offered: {} is set by shardflow run on one or two nodes)", dir,
+                  snapshot_env::kMemory);
+    const std::uint64_t on_disk = newest_complete(dir), in_memory = memory.empty() ? 0 : newest_whole(memory);
+    words[0] = std::uint32_t(on_disk), words[1] = std::uint32_t(on_disk >> 32);
+    words[2] = std::uint32_t(in_memory), words[3] = std::uint32_t(in_memory >> 32);
+    words[4] = !memory.empty();
   }
-  I.control_collective(CollectiveKind::broadcast, words, 4, "snapshot: the newest complete step and where it is");
-  if (words[3]) {
-    I.snapshots.memory_dir = memory_offered();
-    if (I.snapshots.memory_dir.empty())
-      throw Error("resumed_step() on rank " + std::to_string(I.rank) + ": rank 0 keeps snapshots in the memory " + kMemoryEnv +
-                  " names, and this rank was given no " + kMemoryEnv + ": were the ranks started by different launchers?");
+  I.control_collective(CollectiveKind::broadcast, words, 5, "snapshot: the newest complete steps");
+  const std::uint64_t on_disk = words[0] | (std::uint64_t(words[1]) << 32), in_memory = words[2] | (std::uint64_t(words[3]) << 32);
+  float missing[2] = {0.0f, 0.0f};  // ranks whose host cannot keep memory snapshots; ranks whose host lacks rank 0's newest
+  if (words[4]) {
+    // With two nodes each host holds every rank's files: room for two snapshots of the whole model.
+    std::size_t need = 0;
+    const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
+    for (const auto& p : I.registry.params()) need += std::size_t(numel(p.shape)) * (dtype_size(p.dtype) + 4 * slots);
+    missing[0] = memory_room(I.rank, memory, 2 * need, I.cfg.name_of("snapshot.dir") + " '" + dir + "'", *I.log) ? 0.0f : 1.0f;
+    missing[1] = in_memory != 0 && (missing[0] > 0 || !whole(snapshot_dir(memory, in_memory))) ? 1.0f : 0.0f;
+  }
+  I.control_collective(CollectiveKind::allreduce, missing, 2, "snapshot: every host holds the newest in memory");
+  const bool use_memory = words[4] && missing[0] == 0;
+  if (use_memory) {
+    I.snapshots.memory_dir = memory;
     const auto every = std::uint64_t(I.cfg.snapshot.every);
     I.snapshots.disk_every = I.cfg.snapshot.disk_every > 0 ? std::uint64_t(I.cfg.snapshot.disk_every) : 10 * every;
+    // Note [Snapshots on the other host]: the launcher copies this host's files to the other node's memory.
+    if (const char* m = std::getenv(snapshot_env::kMirror); m && *m) {
+      I.snapshots.mirror = m;
+      const char* local = std::getenv("LOCAL_RANK");
+      I.snapshots.host_index = I.rank != 0 && local && std::string(local) == "0";
+    }
   }
-  const std::uint64_t step = words[0] | (std::uint64_t(words[1]) << 32);
+  if (use_memory && in_memory != 0 && missing[1] > 0 && I.rank == 0)
+    I.log->warn("snapshots: the snapshot of step {} in memory is not whole on every host ({} rank(s) lack files of it there): "
+                "resuming from the disk's newest instead", in_memory, int(missing[1]));
+  const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
+  const std::uint64_t step = from_memory ? in_memory : on_disk;
   if (step == 0) return 0;
-  const std::string from = snapshot_dir(words[2] ? I.snapshots.memory_dir : dir, step);
+  const std::string from = snapshot_dir(from_memory ? I.snapshots.memory_dir : dir, step);
   I.adopt_saved_buckets(from);
   load_checkpoint(from);
   I.snapshots.base = step;
-  I.log->info("resumed from the snapshot of step {} {} ({})", step, words[2] ? "in memory" : "on disk", from);
+  I.log->info("resumed from the snapshot of step {} {} ({})", step, from_memory ? "in memory" : "on disk", from);
   return step;
 }
 
@@ -214,19 +276,26 @@ void Runtime::snapshot_if_due() {
   // is waited for.
   if (I.saves.pending && I.snapshots.started > 0) {
     const bool due = step % every == 0;
-    float written = I.saves.pending->written.load(std::memory_order_acquire) ? 1.0f : 0.0f;
+    // Across two nodes a file counts once the other host holds its copy too (Note [Snapshots on the other host]).
+    const auto& marker = I.saves.pending->mirrored_marker;
+    std::error_code ec;
+    float written = I.saves.pending->written.load(std::memory_order_acquire) && (marker.empty() || fs::exists(marker, ec)) ? 1.0f : 0.0f;
     if (!due) I.control_collective(CollectiveKind::allreduce, &written, 1, "snapshot: every rank's files written");
     if (due || written == float(I.world)) {
       wait_checkpoint();
       I.snapshots.started = 0;
-      // In memory the newest complete one stays; the one written next is the second buffer.
-      if (I.rank == 0)
-        prune(I.snapshots.started_in_memory ? I.snapshots.memory_dir : I.cfg.snapshot.dir,
-              I.snapshots.started_in_memory ? 1 : I.cfg.snapshot.keep, *I.log);
+      // In memory the newest whole one stays (the one written next is the second buffer), pruned on
+      // each host by the rank that writes its index; on disk the newest `keep`, by rank 0.
+      if (I.snapshots.started_in_memory && (I.rank == 0 || I.snapshots.host_index))
+        prune_memory(I.snapshots.memory_dir, *I.log);
+      else if (!I.snapshots.started_in_memory && I.rank == 0)
+        prune(I.cfg.snapshot.dir, I.cfg.snapshot.keep, *I.log);
     }
   }
   if (step % every != 0) return;
   const bool to_memory = !I.snapshots.memory_dir.empty() && step % I.snapshots.disk_every != 0;
+  I.saves.next_mirrored = to_memory && !I.snapshots.mirror.empty();
+  I.saves.next_host_index = to_memory && I.snapshots.host_index;
   save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.snapshots.memory_dir : I.cfg.snapshot.dir, step));
   I.snapshots.started = step;
   I.snapshots.started_in_memory = to_memory;

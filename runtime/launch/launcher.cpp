@@ -21,6 +21,7 @@
 #include "runtime/launch/output_relay.hpp"
 #include "runtime/launch/rank_process.hpp"
 #include "runtime/launch/snapshot_memory.hpp"
+#include "runtime/launch/snapshot_mirror.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
 
@@ -113,14 +114,18 @@ class Supervisor {
       watch_->start();
     }
 
-    // Across nodes a rank's snapshot would have to be copied to another host to survive its
-    // host: not built, so only a one-node job is offered memory (Note [Snapshots in memory]).
-    if (one_node) snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
+    // Memory for the ranks' snapshots (Note [Snapshots in memory]); across two nodes each host
+    // keeps the other's copies too (Note [Snapshots on the other host]). More nodes: disk only.
+    if (spec_.nnodes <= 2) snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
+    if (spec_.nnodes == 2) offer_mirrored_memory(local.address, token);
     for (;;) {
       std::string started;
       // This node's place among the generation's nodes (Note [Shrinking the world]).
       const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
       const int world = spec_.nproc_per_node * int(members_.size());
+      // The copies go to the other node while it is in the generation; alone, they stay here.
+      mirror_label_ = mirror_ && members_.size() == 2 ? watch_->label(1 - spec_.node_rank) : "";
+      if (mirror_) mirror_->send_to(mirror_label_.empty() ? "" : mirror_peer_, mirror_label_);
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
         auto& r = ranks_.emplace_back();
         r.local = l;
@@ -146,6 +151,26 @@ class Supervisor {
     return net::socket_choice_from_env();
   }
 
+  // Note [Snapshots on the other host]: both nodes copy, or neither keeps snapshots in memory (a
+  // snapshot would be whole on neither host, and the restart would fall back to an older one on disk).
+  void offer_mirrored_memory(const std::string& address, const std::string& token) {
+    std::string mine = "none";
+    if (!snapshot_memory_->path().empty()) try {
+        mirror_ = std::make_unique<SnapshotMirror>(snapshot_memory_->path(), address, token, [](const std::string& line) { say(line); });
+        mine = mirror_->address();
+      } catch (const Error& e) {
+        say(e.what());
+      }
+    const int other = 1 - spec_.node_rank;
+    watch_->post("mirror/" + std::to_string(spec_.node_rank), mine);
+    mirror_peer_ = watch_->read("mirror/" + std::to_string(other));
+    if (mirror_ && mirror_peer_ != "none") return;
+    say("snapshots on disk only: " + (mirror_ ? watch_->label(other) : "this node") +
+        " has no memory to keep them in (a tmpfs /dev/shm) or could not listen for copies");
+    mirror_.reset();
+    snapshot_memory_.reset();
+  }
+
   // Polled during the rendezvous, before any rank exists: Ctrl-C must not wait for the deadline.
   bool interrupted_by_signal() {
     signalfd_siginfo si{};
@@ -156,7 +181,8 @@ class Supervisor {
 
   void spawn(Rank& r, int node, int world, int port, const std::string& token, const sigset_t& old_mask) {
     const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts,
-                                                         snapshot_memory_ ? snapshot_memory_->path() : std::string(), node});
+                                                         snapshot_memory_ ? snapshot_memory_->path() : std::string(), mirror_label_,
+                                                         node});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;
@@ -380,6 +406,7 @@ class Supervisor {
 
   int finish() {
     remove_shared_memory();
+    mirror_.reset();  // before the memory it writes into goes
     if (snapshot_memory_) snapshot_memory_->remove();
     if (watch_) {
       // Node 0 keeps the store up until the others have read the outcome (or are gone).
@@ -455,7 +482,10 @@ class Supervisor {
   net::SocketChoice socket_;
   std::string store_at_;
   std::unique_ptr<NodeWatch> watch_;  // across nodes only; destroyed before the store
-  std::unique_ptr<SnapshotMemory> snapshot_memory_;  // one node only
+  std::unique_ptr<SnapshotMemory> snapshot_memory_;  // one or two nodes
+  std::unique_ptr<SnapshotMirror> mirror_;           // two nodes (Note [Snapshots on the other host])
+  std::string mirror_peer_;                          // the other node's mirror, "ip:port"
+  std::string mirror_label_;                         // this generation's: the other node, or empty when alone
   std::optional<std::string> peer_failure_;
   std::string store_lost_;
   std::string other_nodes_;  // what node 0 learned of the others while finishing

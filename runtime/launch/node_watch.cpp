@@ -455,4 +455,8 @@ void NodeWatch::next_generation() {
   [[maybe_unused]] auto r = ::read(event_fd_, &count, sizeof count);  // the last generation's news
 }
 
+void NodeWatch::post(const std::string& k, const std::string& value) { main_->set(key(k), value); }
+
+std::string NodeWatch::read(const std::string& k) { return main_->get(key(k)); }
+
 }  // namespace shardflow::launch

@@ -102,6 +102,10 @@ class NodeWatch {
   std::optional<std::vector<int>> decide_restart(bool want, std::chrono::milliseconds limit, std::string& why_not);
   // The next generation of ranks: its failures are its own.
   void next_generation();
+  // A value for the other launchers (launch/<k>), and another node's, waited for up to the
+  // heartbeat timeout (TimeoutError naming the key).
+  void post(const std::string& k, const std::string& value);
+  std::string read(const std::string& k);
 
  private:
   void heartbeat_loop();

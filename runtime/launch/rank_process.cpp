@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "runtime/bootstrap/snapshot_env.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow::launch {
@@ -72,7 +73,8 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(ids.restart)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(ids.max_restarts)},
   };
-  if (!ids.snapshot_memory.empty()) env["SHARDFLOW_SNAPSHOT_MEMORY"] = ids.snapshot_memory;
+  if (!ids.snapshot_memory.empty()) env[snapshot_env::kMemory] = ids.snapshot_memory;
+  if (!ids.snapshot_mirror.empty()) env[snapshot_env::kMirror] = ids.snapshot_mirror;
   // The ranks bind where this launcher chose (flags reach them as the variables they read).
   if (socket.origin == "--local-addr") env["SHARDFLOW_SOCKET_ADDR"] = socket.address;
   if (socket.origin == "--iface") env["SHARDFLOW_SOCKET_IFNAME"] = socket.ifname;

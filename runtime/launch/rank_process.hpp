@@ -34,6 +34,7 @@ struct RankIds {
   int restart = 0;  // the worker group's generation (Note [Restarting the worker group])
   int max_restarts = 0;
   std::string snapshot_memory;  // Note [Snapshots in memory]; empty: none offered
+  std::string snapshot_mirror;  // Note [Snapshots on the other host]: the node holding the copies; empty: none
   int node = 0;                 // GROUP_RANK: this node's place in the generation (Note [Shrinking the world])
 };
 

@@ -1,8 +1,8 @@
 // The memory a one-node job's snapshots go to (Note [Snapshots in memory],
 // runtime/checkpoint/snapshots.cpp): a tmpfs directory the launcher creates before the first
 // generation of ranks, names to every rank in SHARDFLOW_SNAPSHOT_MEMORY, keeps across restarts and
-// removes when the job ends, however it ends (a killed launcher leaves it: /dev/shm/shardflow-
-// snapshots-<its pid>).
+// removes when the job ends, however it ends. A killed launcher leaves it (/dev/shm/shardflow-
+// snapshots-<its pid>); the next launcher on the host removes every one whose launcher is gone.
 #pragma once
 
 #include <sys/types.h>

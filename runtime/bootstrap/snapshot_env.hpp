@@ -1,0 +1,26 @@
+// What `shardflow run` tells its ranks about the memory their snapshots may go to, and how the
+// launcher tells a rank that its file has a copy on the other host (Note [Snapshots in memory],
+// runtime/checkpoint/snapshots.cpp; Note [Snapshots on the other host], runtime/launch/
+// snapshot_mirror.hpp). Both sides read these names from here.
+#pragma once
+
+#include <string_view>
+
+namespace shardflow::snapshot_env {
+
+// A tmpfs directory the launcher holds for the whole job; the ranks' snapshots go to <it>/step-<N>/.
+constexpr const char* kMemory = "SHARDFLOW_SNAPSHOT_MEMORY";
+// Set when the launcher copies this host's snapshot files to the other node's memory: that node's
+// label ("node 1 (host b, 10.0.0.2)"), for messages.
+constexpr const char* kMirror = "SHARDFLOW_SNAPSHOT_MIRROR";
+// Created next to a rank's file once the other host holds the copy: "<file>.mirrored".
+constexpr std::string_view kMirroredSuffix = ".mirrored";
+
+// A rank's file in a snapshot: what the launcher copies (ckpt-<id>-rank<r>-of-<w>.safetensors).
+inline bool is_shard_file(std::string_view name) {
+  constexpr std::string_view prefix = "ckpt-", suffix = ".safetensors";
+  return name.size() > prefix.size() + suffix.size() && name.substr(0, prefix.size()) == prefix &&
+         name.substr(name.size() - suffix.size()) == suffix && name.find('/') == std::string_view::npos;
+}
+
+}  // namespace shardflow::snapshot_env

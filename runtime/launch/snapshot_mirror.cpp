@@ -1,0 +1,351 @@
+#include "runtime/launch/snapshot_mirror.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+
+#include "runtime/bootstrap/snapshot_env.hpp"
+#include "shardflow/errors.hpp"
+
+namespace shardflow::launch {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr std::uint32_t kMagic = 0x524d4653;  // "SFMR"
+constexpr std::uint64_t kMaxFile = std::uint64_t(1) << 40;
+constexpr std::uint32_t kMaxString = 4096;
+constexpr int kIoSeconds = 60;  // a send or an acknowledgement that takes longer: the other side is gone
+
+bool send_all(int fd, const void* p, std::size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, c, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    c += w;
+    n -= std::size_t(w);
+  }
+  return true;
+}
+
+bool recv_all(int fd, void* p, std::size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, c, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    c += r;
+    n -= std::size_t(r);
+  }
+  return true;
+}
+
+bool send_string(int fd, const std::string& s) {
+  const auto n = std::uint32_t(s.size());
+  return send_all(fd, &n, 4) && send_all(fd, s.data(), s.size());
+}
+
+bool recv_string(int fd, std::string& s) {
+  std::uint32_t n = 0;
+  if (!recv_all(fd, &n, 4) || n > kMaxString) return false;
+  s.resize(n);
+  return recv_all(fd, s.data(), n);
+}
+
+bool write_file_all(int fd, const char* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= std::size_t(w);
+  }
+  return true;
+}
+
+// "step-<digits>/<a shard file>": nothing else is written, so no name leaves the memory.
+bool valid_path(const std::string& rel) {
+  const auto slash = rel.find('/');
+  if (slash == std::string::npos) return false;
+  const std::string_view dir(rel.data(), slash);
+  if (dir.size() <= 5 || dir.substr(0, 5) != "step-") return false;
+  if (!std::all_of(dir.begin() + 5, dir.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) return false;
+  return snapshot_env::is_shard_file(std::string_view(rel).substr(slash + 1));
+}
+
+std::uint64_t step_of(const std::string& rel) {
+  std::uint64_t step = 0;
+  std::from_chars(rel.data() + 5, rel.data() + rel.size(), step);
+  return step;
+}
+
+void set_io_timeouts(int fd) {
+  timeval tv{kIoSeconds, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+sockaddr_in ipv4(const std::string& host, std::uint16_t port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  if (::inet_pton(AF_INET, host.c_str(), &a.sin_addr) != 1) throw Error("snapshot copies: '" + host + "' is no IPv4 address");
+  return a;
+}
+
+// A connect that gives up after 2 s or when `wake` is signalled: a host that is gone answers no
+// SYN, and a blocking connect would hold the launcher's end for minutes.
+bool connect_within(int fd, const sockaddr_in& a, int wake) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int r = ::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a);
+  if (r != 0 && errno == EINPROGRESS) {
+    pollfd p[2] = {{fd, POLLOUT, 0}, {wake, POLLIN, 0}};
+    if (::poll(p, 2, 2000) > 0 && p[0].revents) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      r = err ? -1 : 0;
+      errno = err;
+    } else {
+      errno = ETIMEDOUT;
+    }
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  return r == 0;
+}
+
+}  // namespace
+
+SnapshotMirror::SnapshotMirror(std::string memory, const std::string& address, std::string token,
+                               std::function<void(const std::string&)> say)
+    : memory_(std::move(memory)), token_(std::move(token)), say_(std::move(say)), host_(address) {
+  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listen_fd_ < 0) throw Error("snapshot copies: socket: " + std::string(std::strerror(errno)));
+  const sockaddr_in a = ipv4(address, 0);
+  socklen_t len = sizeof a;
+  sockaddr_in bound{};
+  if (::bind(listen_fd_, reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0 || ::listen(listen_fd_, 8) != 0 ||
+      ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len) != 0) {
+    const int err = errno;
+    ::close(listen_fd_);
+    throw Error("snapshot copies: cannot listen on " + address + ": " + std::strerror(err));
+  }
+  port_ = ntohs(bound.sin_port);
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  server_ = std::thread([this] { serve(); });
+  sender_ = std::thread([this] { send_loop(); });
+}
+
+SnapshotMirror::~SnapshotMirror() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+    for (int fd : connections_) ::shutdown(fd, SHUT_RDWR);
+    if (peer_fd_ >= 0) ::shutdown(peer_fd_, SHUT_RDWR);
+  }
+  const std::uint64_t one = 1;
+  [[maybe_unused]] auto w = ::write(wake_fd_, &one, sizeof one);
+  server_.join();
+  sender_.join();
+  for (auto& t : receivers_) t.join();  // the server, the only one to add to them, is done
+  if (peer_fd_ >= 0) ::close(peer_fd_);
+  ::close(listen_fd_);
+  ::close(wake_fd_);
+}
+
+std::string SnapshotMirror::address() const { return host_ + ":" + std::to_string(port_); }
+
+void SnapshotMirror::send_to(const std::string& peer, const std::string& label) {
+  std::lock_guard lock(mu_);
+  if (peer == peer_) return;
+  peer_ = peer;
+  peer_label_ = label;
+  if (peer_fd_ >= 0) ::shutdown(peer_fd_, SHUT_RDWR);  // the sender closes it and connects anew
+}
+
+void SnapshotMirror::serve() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
+    if (stopping_ || fds[1].revents) return;
+    if (!fds[0].revents) continue;
+    const int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      ::close(c);
+      return;
+    }
+    connections_.push_back(c);
+    receivers_.emplace_back([this, c] { receive(c); });
+  }
+}
+
+void SnapshotMirror::receive(int fd) {
+  std::uint32_t magic = 0;
+  std::string token;
+  bool ok = recv_all(fd, &magic, 4) && magic == kMagic && recv_string(fd, token) && token == token_;
+  std::vector<char> buf(std::size_t(1) << 20);
+  while (ok) {
+    std::string rel;
+    std::uint64_t size = 0;
+    if (!recv_string(fd, rel) || !recv_all(fd, &size, 8)) break;
+    if (!valid_path(rel) || size > kMaxFile) {
+      say_("snapshot copies: refused '" + rel + "' from the other node (not a shard file of a snapshot)");
+      break;
+    }
+    const fs::path to = fs::path(memory_) / rel;
+    std::error_code ec;
+    fs::create_directories(to.parent_path(), ec);
+    const std::string part = to.string() + ".part";
+    const int out = ::open(part.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    bool good = out >= 0;
+    for (std::uint64_t left = size; left > 0 && ok;) {
+      const std::size_t n = std::size_t(std::min<std::uint64_t>(left, buf.size()));
+      ok = recv_all(fd, buf.data(), n);
+      if (ok && good) good = write_file_all(out, buf.data(), n);
+      left -= n;
+    }
+    if (out >= 0) ::close(out);
+    if (!ok) {
+      ::unlink(part.c_str());
+      break;
+    }
+    // Marked before it has its name (the other host holds the original): the sender here must
+    // never see it unmarked and send it back.
+    const std::string marker = to.string() + std::string(snapshot_env::kMirroredSuffix);
+    if (good) {
+      const int m = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+      good = m >= 0;
+      if (good) ::close(m);
+    }
+    if (good && ::rename(part.c_str(), to.c_str()) != 0) {
+      good = false;
+      ::unlink(marker.c_str());
+    }
+    if (!good) {
+      ::unlink(part.c_str());
+      say_("snapshot copies: cannot keep '" + to.string() + "' from the other node: " + std::strerror(errno));
+    }
+    const char ack = good ? 'k' : 'e';
+    if (!send_all(fd, &ack, 1)) break;
+  }
+  std::lock_guard lock(mu_);
+  connections_.erase(std::find(connections_.begin(), connections_.end(), fd));
+  ::close(fd);
+}
+
+void SnapshotMirror::send_loop() {
+  while (!stopping_) {
+    if (send_round()) continue;
+    pollfd p{wake_fd_, POLLIN, 0};
+    ::poll(&p, 1, 20);
+  }
+}
+
+// Sends every finished shard file here without its marker: neither sent yet nor a copy received.
+// False when there was nothing to do (or it failed: the next round retries).
+bool SnapshotMirror::send_round() {
+  std::string peer, label;
+  {
+    std::lock_guard lock(mu_);
+    peer = peer_;
+    label = peer_label_;
+  }
+  std::vector<std::string> todo;
+  std::error_code ec;
+  if (!peer.empty())
+    for (const auto& step : fs::directory_iterator(memory_, ec)) {
+      const auto dir = step.path().filename().string();
+      if (dir.rfind("step-", 0) != 0) continue;
+      std::error_code ec2;
+      for (const auto& f : fs::directory_iterator(step.path(), ec2)) {
+        const std::string rel = dir + "/" + f.path().filename().string();
+        if (valid_path(rel) && !fs::exists(f.path().string() + std::string(snapshot_env::kMirroredSuffix), ec2)) todo.push_back(rel);
+      }
+    }
+  if (todo.empty()) return false;
+  std::sort(todo.begin(), todo.end(), [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
+
+  auto fail = [&](const std::string& why) {
+    std::lock_guard lock(mu_);
+    if (peer_fd_ >= 0) ::close(peer_fd_);
+    peer_fd_ = -1;
+    if (!failing_ && !stopping_) say_("snapshot copies to " + label + " failed (" + why + "); retrying");
+    failing_ = true;
+    return false;
+  };
+  int fd;
+  {
+    std::lock_guard lock(mu_);
+    if (peer_ != peer) return true;  // changed meanwhile: look again
+    if (peer_fd_ >= 0 && connected_to_ != peer) {
+      ::close(peer_fd_);
+      peer_fd_ = -1;
+    }
+    fd = peer_fd_;
+  }
+  if (fd < 0) {
+    const auto colon = peer.rfind(':');
+    const sockaddr_in a = ipv4(peer.substr(0, colon), std::uint16_t(std::stoi(peer.substr(colon + 1))));
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    set_io_timeouts(fd);
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) {
+        ::close(fd);
+        return false;
+      }
+      peer_fd_ = fd;  // from here the destructor can shut it down
+      connected_to_ = peer;
+    }
+    if (!connect_within(fd, a, wake_fd_)) {
+      const std::string why = std::strerror(errno);
+      fail("connecting to " + peer + ": " + why);
+      pollfd p{wake_fd_, POLLIN, 0};
+      ::poll(&p, 1, 200);
+      return false;
+    }
+    if (!send_all(fd, &kMagic, 4) || !send_string(fd, token_)) return fail("greeting " + peer);
+  }
+  for (const auto& rel : todo) {
+    const std::string path = (fs::path(memory_) / rel).string();
+    const int in = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (in < 0) continue;  // removed meanwhile (an older snapshot pruned)
+    struct stat st {};
+    ::fstat(in, &st);
+    const auto size = std::uint64_t(st.st_size);
+    bool sent = send_string(fd, rel) && send_all(fd, &size, 8);
+    for (off_t at = 0; sent && std::uint64_t(at) < size;) {
+      const ssize_t n = ::sendfile(fd, in, &at, std::size_t(size - std::uint64_t(at)));
+      if (n < 0 && errno == EINTR) continue;
+      sent = n > 0;
+    }
+    ::close(in);
+    char ack = 0;
+    if (!sent || !recv_all(fd, &ack, 1)) return fail("sending " + rel);
+    if (ack != 'k') return fail(label + " could not keep " + rel);
+    const int marker = ::open((path + std::string(snapshot_env::kMirroredSuffix)).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (marker >= 0) ::close(marker);
+  }
+  std::lock_guard lock(mu_);
+  if (failing_) say_("snapshot copies to " + label + " go through again");
+  failing_ = false;
+  return true;
+}
+
+}  // namespace shardflow::launch
