@@ -49,6 +49,17 @@ std::vector<std::string> node_cmd(const Node& n, const std::vector<std::string>&
   return argv;
 }
 
+// Waits for both nodes' launchers (node 1 first: node 0 serves the store until the others are
+// done), puts both outputs into every later failure's report (a macro, so that the INFO stays in
+// the test's scope), and requires that both succeeded.
+#define REQUIRE_BOTH_NODES_OK(n0, n1)    \
+  const auto s1_ = (n1).wait(120s);      \
+  const auto s0_ = (n0).wait(120s);      \
+  INFO((n0).output());                   \
+  INFO((n1).output());                   \
+  REQUIRE(test::exited_ok(s0_));         \
+  REQUIRE(test::exited_ok(s1_))
+
 // Bit for bit (tolerance 0), or each tensor within `tolerance` in relative norm.
 void check_params(const std::string& got_path, const std::string& want_path, double tolerance = 0.0) {
   const TensorMap want = load_safetensors(want_path), got = load_safetensors(got_path);
@@ -110,12 +121,7 @@ TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x
   auto cmd = node_cmd(second, gloo_trainer({}));
   cmd.erase(std::find(cmd.begin(), cmd.end(), "--master-port"), std::find(cmd.begin(), cmd.end(), "--master-port") + 2);
   Child n1(cmd, env());
-  const auto s1 = n1.wait(120s);
-  const auto s0 = n0.wait(120s);
-  INFO(n0.output());
-  INFO(n1.output());
-  REQUIRE(test::exited_ok(s0));
-  REQUIRE(test::exited_ok(s1));
+  REQUIRE_BOTH_NODES_OK(n0, n1);
   CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 4 (gloo)"));
   CHECK(n1.says("started rank 2 (pid"));
   CHECK(n1.says("rank 3 (pid"));
@@ -349,12 +355,7 @@ TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps: rank 3 
   const int port = test::free_port();
   Child n0(node_cmd({0, 2, 2, port, {"--max-restarts", "1"}}, prog(two)), env_info());
   Child n1(node_cmd({1, 2, 2, port, {"--max-restarts", "1"}}, prog(scratch("unused.safetensors"))), env_info());
-  const auto s1 = n1.wait(120s);
-  const auto s0 = n0.wait(120s);
-  INFO(n0.output());
-  INFO(n1.output());
-  REQUIRE(test::exited_ok(s0));
-  REQUIRE(test::exited_ok(s1));
+  REQUIRE_BOTH_NODES_OK(n0, n1);
   CHECK(n1.says("rank 3 (local rank 1, pid "));
   CHECK(n1.says("restarting every rank (1 of 1 restarts)"));
   CHECK(n0.says("restarting every rank (1 of 1 restarts)"));
