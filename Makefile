@@ -56,12 +56,15 @@ sanitize-thread: deps
 # (registration, backward, inside a collective, a parameter sync, a checkpoint write), over shm and
 # Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md);
 # then the same faults in jobs that heal themselves (--max-restarts and snapshots) at worlds 2 and
-# 3, which must end bit for bit where an uninterrupted job ends, HEAL_REPS times each.
+# 3, which must end bit for bit where an uninterrupted job ends, HEAL_REPS times each; as root also
+# across two network-namespace hosts (worlds 2 and 4, and node 1's host lost: a shrink).
 SOAK_REPS ?= 20
 HEAL_REPS ?= 5
 soak: build
 	/usr/bin/python3 scripts/soak.py $(BUILD) --reps $(SOAK_REPS)
 	/usr/bin/python3 scripts/soak.py $(BUILD) --heal --reps $(HEAL_REPS)
+	@if [ "$$(id -u)" = 0 ]; then /usr/bin/python3 scripts/soak.py $(BUILD) --heal --two-hosts --reps $(HEAL_REPS); \
+	else echo "soak: the two-host cases need root (network namespaces): skipped"; fi
 
 bench: build
 	$(BUILD)/bench/bench_collectives

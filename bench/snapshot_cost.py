@@ -71,8 +71,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--two-hosts", action="store_true")
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--modes", default="off,memory,disk", help="which of off, memory, disk (off is the ratios' base)")
     a = ap.parse_args()
-    modes = ["off", "memory", "disk"]
+    modes = a.modes.split(",")
+    if "off" not in modes or not set(modes) <= {"off", "memory", "disk"}:
+        sys.exit("snapshot_cost: --modes takes off, memory and disk, off among them (the ratios' base), not '%s'" % a.modes)
     run = on_two_hosts if a.two_hosts else one_host
     got = {m: [] for m in modes}
     if a.two_hosts:
