@@ -479,6 +479,96 @@ TEST_CASE("two nodes: a launcher's copy port keeps a snapshot's shard file only 
   CHECK(!std::filesystem::exists(memory));  // the job's end takes its memory
 }
 
+// Note [Rejoining]
+TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on alone; node 1's launcher started again waits, and "
+          "the next restart (a rank of node 0 killed) takes it back in at world 4, from node 0's snapshot copied into its memory: "
+          "the run ends where 1 node x 4 ranks ends, to float rounding") {
+  const std::string one = scratch("rejoin_one_node.safetensors"), two = scratch("rejoin_two_nodes.safetensors");
+  const std::string snaps = scratch("rejoin_snapshots"), go = scratch("rejoin_go");
+  std::filesystem::remove_all(snaps);
+  std::filesystem::remove(go);
+  one_node_of_four(one);
+  // Generation 0: rank 3 takes node 1 down at its 13th collective (step 7). Generation 1 (node 0
+  // alone) waits until the returning launcher has asked to rejoin, then loses its rank 1 at its 5th.
+  auto prog = [&](const std::string& save) {
+    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:3:host:13; fi; "
+                      "if [ \"$SHARDFLOW_RESTART_COUNT\" = 1 ]; then while [ ! -e '" + go + "' ]; do sleep 0.05; done; "
+                      "export SHARDFLOW_TEST_FAULT=collective:1:kill:5; fi; exec";
+    for (const auto& a : eight_steps(save, snaps)) cmd += " '" + a + "'";
+    return std::vector<std::string>{"/bin/sh", "-c", cmd};
+  };
+  const int port = test::free_port();
+  auto cmd_for = [&](int node, const std::string& save) {
+    auto argv = node_cmd({node, 2, 2, port, {}}, prog(save));
+    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
+    argv.erase(at, at + 2);
+    argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "2", "--rejoin-timeout", "1"});
+    return argv;
+  };
+  Child n0(cmd_for(0, two), env_info());
+  Child n1(cmd_for(1, scratch("rejoin_unused.safetensors")), env_info());
+  REQUIRE(n0.read_until("going on without node 1 (host ", 60s));
+  CHECK(test::failed(n1.wait(60s)));  // its launcher was killed with its host
+  Child back(cmd_for(1, scratch("rejoin_unused.safetensors")), env_info());
+  REQUIRE(back.read_until("for the next restart to take it back in", 60s));
+  std::ofstream(go).put('1');
+  const auto s_back = back.wait(120s);
+  const auto s0 = n0.wait(120s);
+  INFO(n0.output());
+  INFO(back.output());
+  REQUIRE(test::exited_ok(s0));
+  REQUIRE(test::exited_ok(s_back));
+  CHECK(n0.says("taking node 1 (host "));
+  CHECK(n0.says("back in, which asked to rejoin: 2 node(s), world 4"));
+  CHECK(back.says("node 1 rejoins the job at its restart 2: 2 node(s), world 4"));
+  CHECK(back.says("started rank 2 (pid"));
+  // Its ranks read every rank's files from its own memory: node 0 copied its newest snapshot there first.
+  CHECK(back.says("[shardflow] [rank 2] [info] resumed from the snapshot of step 4 in memory"));
+  CHECK(n0.says("[rank 0] done: 4 steps"));
+  check_params(two, one, 1e-5);  // world 4, then 2, then 4 again: the same global batch in other orders
+}
+
+TEST_CASE("node 1 left out, its launcher started again, and no restart comes before the job ends -> the returning launcher "
+          "fails naming that; a second returning launcher for the same node is refused") {
+  const std::string snaps = scratch("rejoin_end_snapshots"), go = scratch("rejoin_end_go");
+  std::filesystem::remove_all(snaps);
+  std::filesystem::remove(go);
+  auto prog = [&]() {  // generation 1 (node 0 alone) starts once the returning launcher waits, and ends
+    std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:3:host:13; fi; "
+                      "if [ \"$SHARDFLOW_RESTART_COUNT\" = 1 ]; then while [ ! -e '" + go + "' ]; do sleep 0.05; done; fi; exec";
+    for (const auto& a : eight_steps(scratch("rejoin_end.safetensors"), snaps)) cmd += " '" + a + "'";
+    return std::vector<std::string>{"/bin/sh", "-c", cmd};
+  };
+  const int port = test::free_port();
+  auto cmd_for = [&](int node) {
+    auto argv = node_cmd({node, 2, 2, port, {}}, prog());
+    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
+    argv.erase(at, at + 2);
+    argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "2", "--rejoin-timeout", "1"});
+    return argv;
+  };
+  Child n0(cmd_for(0), env());
+  Child n1(cmd_for(1), env());
+  REQUIRE(n0.read_until("going on without node 1 (host ", 60s));
+  n1.wait(60s);
+  Child back(cmd_for(1), env());
+  REQUIRE(back.read_until("for the next restart to take it back in", 60s));
+  Child twice(cmd_for(1), env());
+  const auto s_twice = twice.wait(60s);
+  std::ofstream(go).put('1');
+  const auto s0 = n0.wait(120s);
+  const auto s_back = back.wait(60s);
+  INFO(n0.output());
+  INFO(back.output());
+  INFO(twice.output());
+  CHECK(test::exited_ok(s0));
+  CHECK(test::failed(s_back));
+  CHECK(back.says("the job ended"));
+  CHECK(back.says("before a restart took node 1 (host "));
+  CHECK(test::failed(s_twice));
+  CHECK(twice.says("node rank 1 is already taken by host "));
+}
+
 TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside [1, MAX], or not a number: each named") {
   for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--nnodes", "1:2", "--node-rank", "0", "--token", "t"}, "give --max-restarts N too"},

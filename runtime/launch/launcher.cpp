@@ -102,6 +102,7 @@ class Supervisor {
       wo.heartbeat_timeout = spec_.heartbeat_timeout;
       wo.min_nnodes = spec_.min_nnodes;
       wo.rejoin_timeout = spec_.rejoin_timeout;
+      wo.say = [](const std::string& line) { say(line); };
       say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
           local.address + " (" + local.why + "), waiting for the other nodes at " + store_at_ + ":" + std::to_string(port));
       try {
@@ -110,6 +111,12 @@ class Supervisor {
         if (!interrupted_) throw;
         say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)) + " during the rendezvous; no rank was started");
         return 128 + interrupted_;
+      }
+      if (const int g = watch_->joined_at(); g > 0) {  // Note [Rejoining]
+        restart_ = g;
+        members_ = watch_->members();
+        say("node " + std::to_string(spec_.node_rank) + " rejoins the job at its restart " + std::to_string(g) + ": " +
+            std::to_string(members_.size()) + " node(s), world " + std::to_string(int(members_.size()) * spec_.nproc_per_node));
       }
       watch_->start();
     }
@@ -123,9 +130,7 @@ class Supervisor {
       // This node's place among the generation's nodes (Note [Shrinking the world]).
       const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
       const int world = spec_.nproc_per_node * int(members_.size());
-      // The copies go to the other node while it is in the generation; alone, they stay here.
-      mirror_label_ = mirror_ && members_.size() == 2 ? watch_->label(1 - spec_.node_rank) : "";
-      if (mirror_) mirror_->send_to(mirror_label_.empty() ? "" : mirror_peer_, mirror_label_);
+      point_mirror();
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
         auto& r = ranks_.emplace_back();
         r.local = l;
@@ -169,6 +174,27 @@ class Supervisor {
         " has no memory to keep them in (a tmpfs /dev/shm) or could not listen for copies");
     mirror_.reset();
     snapshot_memory_.reset();
+  }
+
+  // The copies go to the other node while it is in the generation; alone, they stay here. Its
+  // address is read again each generation: a node that rejoined (Note [Rejoining]) has a new one,
+  // and first gets this host's newest snapshot, before this node's ranks start.
+  void point_mirror() {
+    mirror_label_.clear();
+    if (!mirror_) return;
+    const int other = 1 - spec_.node_rank;
+    if (members_.size() == 2) {
+      try {
+        mirror_peer_ = watch_->read("mirror/" + std::to_string(other));
+      } catch (const Error& e) {
+        say("snapshot copies: " + watch_->label(other) + " posted no address (" + e.what() + "); this generation's stay here");
+        mirror_peer_ = "none";
+      }
+      if (mirror_peer_ != "none") mirror_label_ = watch_->label(other);
+    }
+    mirror_->send_to(mirror_label_.empty() ? "" : mirror_peer_, mirror_label_);
+    if (!mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
+      say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
   }
 
   // Polled during the rendezvous, before any rank exists: Ctrl-C must not wait for the deadline.
@@ -371,13 +397,14 @@ class Supervisor {
       }
       return false;
     }
-    if (next->size() != members_.size()) {
-      std::string gone;
-      for (int k : members_)
-        if (std::find(next->begin(), next->end(), k) == next->end()) gone += (gone.empty() ? "" : ", ") + watch_->label(k);
-      say("going on without " + gone + " (lost for longer than --rejoin-timeout): " + std::to_string(next->size()) + " node(s), world " +
-          std::to_string(int(next->size()) * spec_.nproc_per_node));
-    }
+    std::string gone, back;
+    for (int k : members_)
+      if (std::find(next->begin(), next->end(), k) == next->end()) gone += (gone.empty() ? "" : ", ") + watch_->label(k);
+    for (int k : *next)
+      if (std::find(members_.begin(), members_.end(), k) == members_.end()) back += (back.empty() ? "" : ", ") + watch_->label(k);
+    const std::string size = std::to_string(next->size()) + " node(s), world " + std::to_string(int(next->size()) * spec_.nproc_per_node);
+    if (!gone.empty()) say("going on without " + gone + " (lost for longer than --rejoin-timeout): " + size);
+    if (!back.empty()) say("taking " + back + " back in, which asked to rejoin: " + size);
     members_ = *next;
     return true;
   }

@@ -87,7 +87,10 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
   }
   main_->set_timeout(o_.heartbeat_timeout);
 
-  if (main_->add(key("claim/" + me), 1) > 1) {
+  // Note [Rejoining]: a node left out at a restart may claim its rank again, once.
+  const bool rejoining = main_->add(key("claim/" + me), 1) > 1 && o_.min_nnodes > 0 && main_->check({key("left/" + me)}) &&
+                         main_->add(key("rejoin-claim/" + me), 1) == 1;
+  if (!rejoining && main_->add(key("claim/" + me), 0) > 1) {
     std::string holder = "another launcher";
     if (main_->check({key("node/" + me)})) holder = "host " + NodeInfo::parse(main_->get(key("node/" + me))).host;
     throw UsageError("rendezvous: node rank " + me + " is already taken by " + holder +
@@ -154,6 +157,65 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
   }
   event_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (event_fd_ < 0) throw Error("eventfd: " + std::string(std::strerror(errno)));
+  members_.clear();
+  for (int k = 0; k < o_.nnodes; ++k) members_.push_back(k);
+  if (rejoining) wait_to_rejoin(deadline, interrupted);
+}
+
+void NodeWatch::wait_to_rejoin(clock::time_point deadline, const std::function<bool()>& interrupted) {
+  const std::string me = std::to_string(o_.node_rank);
+  try {
+    main_->remove(key("joined/" + me));
+    main_->set(key("join/" + me), "1");
+    if (o_.say)
+      o_.say(label(o_.node_rank) + " was left out of this job at a restart: waiting (--rdzv-timeout " + seconds(o_.rdzv_timeout) +
+             ") for the next restart to take it back in");
+    auto next_beat = clock::now();
+    while (!main_->check({key("joined/" + me)})) {
+      if (interrupted && interrupted()) throw Error("rejoining: interrupted by a signal");
+      if (main_->check({key("exit/0")}))
+        throw Error("rejoining: the job ended (" + label(0) + " finished) before a restart took " + label(o_.node_rank) + " back in");
+      if (clock::now() >= deadline)
+        throw TimeoutError("rejoining: no restart took " + label(o_.node_rank) + " back in within --rdzv-timeout " +
+                           seconds(o_.rdzv_timeout) + " (the job restarts only after a failure)");
+      if (clock::now() >= next_beat) {  // node 0 takes in only a node whose heartbeat moves
+        main_->add(key("hb/" + me), 1);
+        next_beat += o_.heartbeat_interval;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    joined_at_ = std::stoi(main_->get(key("joined/" + me)));
+    std::istringstream in(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")).substr(7));
+    members_.clear();
+    for (int k; in >> k;) members_.push_back(k);
+  } catch (const CommError& e) {
+    throw Error("rejoining: " + label(0) + "'s store went away (" + std::string(e.what()) + "): the job ended before a restart took " +
+                label(o_.node_rank) + " back in");
+  }
+  generation_ = joined_at_;
+}
+
+std::vector<int> NodeWatch::members() const {
+  std::lock_guard lock(mu_);
+  return members_;
+}
+
+// Note [Rejoining]: the nodes not in `next` that asked to join and whose heartbeat moves (watched
+// for two heartbeat intervals).
+std::vector<int> NodeWatch::returning(const std::vector<int>& next) {
+  std::vector<int> asking;
+  std::vector<std::int64_t> beats;
+  for (int k = 1; k < o_.nnodes; ++k)
+    if (std::find(next.begin(), next.end(), k) == next.end() && main_->check({key("join/" + std::to_string(k))})) {
+      asking.push_back(k);
+      beats.push_back(main_->add(key("hb/" + std::to_string(k)), 0));
+    }
+  if (asking.empty()) return {};
+  std::this_thread::sleep_for(std::max(2 * o_.heartbeat_interval, milliseconds(200)));
+  std::vector<int> alive;
+  for (std::size_t i = 0; i < asking.size(); ++i)
+    if (main_->add(key("hb/" + std::to_string(asking[i])), 0) != beats[i]) alive.push_back(asking[i]);
+  return alive;
 }
 
 NodeWatch::~NodeWatch() {
@@ -177,8 +239,6 @@ void NodeWatch::start() {
   lost_.assign(std::size_t(o_.nnodes), false);
   last_beat_.assign(std::size_t(o_.nnodes), -1);
   beat_seen_.assign(std::size_t(o_.nnodes), now);
-  members_.clear();
-  for (int k = 0; k < o_.nnodes; ++k) members_.push_back(k);
   thread_ = std::thread([this] { heartbeat_loop(); });
 }
 
@@ -383,14 +443,35 @@ std::string NodeWatch::decide(milliseconds limit) {
       std::this_thread::sleep_for(milliseconds(100));
     }
   }
-  std::string next = "restart";
-  int count = 0;
+  std::vector<int> next;
   for (int k : members)
-    if (std::find(lost.begin(), lost.end(), k) == lost.end()) next += " " + std::to_string(k), ++count;
-  if (count < std::max(1, o_.min_nnodes))
-    return "stop only " + std::to_string(count) + " node(s) left, and --nnodes " + std::to_string(o_.min_nnodes) + ":" +
+    if (std::find(lost.begin(), lost.end(), k) == lost.end()) next.push_back(k);
+  if (int(next.size()) < std::max(1, o_.min_nnodes))
+    return "stop only " + std::to_string(next.size()) + " node(s) left, and --nnodes " + std::to_string(o_.min_nnodes) + ":" +
            std::to_string(o_.nnodes) + " needs at least " + std::to_string(o_.min_nnodes);
-  return next;
+  for (int k : lost) main_->set(key("left/" + std::to_string(k)), "1");  // may come back (Note [Rejoining])
+  if (o_.min_nnodes) {
+    const int next_generation = [&] {
+      std::lock_guard lock(mu_);
+      return generation_ + 1;
+    }();
+    for (int k : returning(next)) {
+      const std::string kk = std::to_string(k);
+      // Its earlier launcher's exit and copy address are not this one's.
+      for (const auto& stale : {"join/", "left/", "exit/", "mirror/", "rejoin-claim/"}) main_->remove(key(stale + kk));
+      {
+        std::lock_guard lock(mu_);
+        exited_[std::size_t(k)] = false;
+        lost_[std::size_t(k)] = true;  // watched afresh once the decision is taken (decide_restart)
+      }
+      main_->set(key("joined/" + kk), std::to_string(next_generation));
+      next.push_back(k);
+    }
+    std::sort(next.begin(), next.end());
+  }
+  std::string decision = "restart";
+  for (int k : next) decision += " " + std::to_string(k);
+  return decision;
 }
 
 std::optional<std::vector<int>> NodeWatch::decide_restart(bool want, milliseconds limit, std::string& why_not) {

@@ -32,10 +32,21 @@
 // continued) and posts its choice in time is in the next generation again. Otherwise the next
 // generation is the nodes left, if at least MIN: they keep their order and are numbered afresh
 // (node ranks 0..n-1, RANK and WORLD_SIZE from them), and the ranks resume from the newest
-// snapshot at the smaller world (load_checkpoint reshards N to M; the snapshot directory must be
-// one every node sees). A left-out launcher that is still running learns it from the decision and
-// ends, naming why. A node that returns after that would join at the next restart: not built (it
-// is refused at the rendezvous, its node rank taken).
+// snapshot at the smaller world (load_checkpoint reshards N to M): with two nodes from memory, the
+// survivor holding the lost node's copies (Note [Snapshots on the other host]); otherwise from the
+// snapshot directory, which must be one every node sees. A left-out launcher that is still running learns it from the decision and
+// ends, naming why.
+//
+// Note [Rejoining]
+// A node left out may come back: its launcher, started again with the same --node-rank (and the
+// job's flags), finds its claim taken and the node marked left (launch/left/<k>), asks to join
+// (launch/join/<k>) and waits, beating its heartbeat, up to --rdzv-timeout. Node 0 takes it in at
+// the next restart (a failure of the smaller world): when it decides, a node that asked and whose
+// heartbeat still moves is in the next generation again, in node-rank order, and learns the
+// generation it starts at (launch/joined/<k>). The world grows back (the snapshot resharded M to
+// N); with two nodes node 0's launcher first copies its newest snapshot into the returning node's
+// memory (Note [Snapshots on the other host]), so that the restart resumes from memory. A job that
+// ends first ends the wait with an error naming it; so does a second launcher for the same node.
 #pragma once
 
 #include <chrono>
@@ -68,6 +79,7 @@ struct NodeWatchOptions {
   std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(15);
   int min_nnodes = 0;  // Note [Shrinking the world]; 0: not elastic
   std::chrono::milliseconds rejoin_timeout = std::chrono::seconds(10);
+  std::function<void(const std::string&)> say;  // the launcher's messages (a node waiting to rejoin says so)
 };
 
 class NodeWatch {
@@ -106,12 +118,18 @@ class NodeWatch {
   // heartbeat timeout (TimeoutError naming the key).
   void post(const std::string& k, const std::string& value);
   std::string read(const std::string& k);
+  // Note [Rejoining]: the generation this launcher joined the job at (0 for one there from the
+  // start), and the nodes of that generation.
+  int joined_at() const { return joined_at_; }
+  std::vector<int> members() const;
 
  private:
   void heartbeat_loop();
   void watch_peers(TcpStoreClient& store, std::chrono::steady_clock::time_point now);
   void peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost);
   std::string decide(std::chrono::milliseconds limit);  // node 0: the decision it posts
+  void wait_to_rejoin(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& interrupted);
+  std::vector<int> returning(const std::vector<int>& next);  // node 0: left-out nodes asking to join, alive
   bool member(int node) const;
   std::string key(const std::string& k) const { return "launch/" + k; }
   std::string generation_key(const std::string& k) const;  // launch/g<generation>/k
@@ -132,6 +150,7 @@ class NodeWatch {
   bool failure_lost_ = false;             // failure_ is a node lost, not a rank failed
   std::vector<int> members_;              // the nodes of this generation, by node rank at the start
   int generation_ = 0;
+  int joined_at_ = 0;
   std::vector<bool> exited_, lost_;       // node 0's view of the others
   std::vector<std::int64_t> last_beat_;
   std::vector<std::chrono::steady_clock::time_point> beat_seen_;

@@ -83,7 +83,8 @@ bool valid_path(const std::string& rel) {
   const std::string_view dir(rel.data(), slash);
   if (dir.size() <= 5 || dir.substr(0, 5) != "step-") return false;
   if (!std::all_of(dir.begin() + 5, dir.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); })) return false;
-  return snapshot_env::is_shard_file(std::string_view(rel).substr(slash + 1));
+  const auto name = std::string_view(rel).substr(slash + 1);
+  return snapshot_env::is_shard_file(name) || name == "index.json";  // the index only when seeding a node that rejoined
 }
 
 std::uint64_t step_of(const std::string& rel) {
@@ -174,7 +175,34 @@ void SnapshotMirror::send_to(const std::string& peer, const std::string& label) 
   if (peer == peer_) return;
   peer_ = peer;
   peer_label_ = label;
+  seed_ = !peer.empty();
   if (peer_fd_ >= 0) ::shutdown(peer_fd_, SHUT_RDWR);  // the sender closes it and connects anew
+}
+
+bool SnapshotMirror::wait_seeded(std::chrono::milliseconds limit) {
+  std::unique_lock lock(mu_);
+  return seeded_.wait_for(lock, limit, [&] { return !seed_ || stopping_; });
+}
+
+// Every file of the newest snapshot here that has its index ("step-N/..."), the index last.
+std::vector<std::string> SnapshotMirror::newest_snapshot() const {
+  std::uint64_t newest = 0;
+  std::string dir;
+  std::error_code ec;
+  for (const auto& step : fs::directory_iterator(memory_, ec)) {
+    const auto name = step.path().filename().string();
+    std::error_code ec2;
+    if (!valid_path(name + "/index.json") || !fs::exists(step.path() / "index.json", ec2)) continue;
+    if (const auto n = step_of(name + "/"); n >= newest) newest = n, dir = name;
+  }
+  std::vector<std::string> rels;
+  if (dir.empty()) return rels;
+  for (const auto& f : fs::directory_iterator(memory_ + "/" + dir, ec)) {
+    const std::string rel = dir + "/" + f.path().filename().string();
+    if (valid_path(rel) && f.path().filename() != "index.json") rels.push_back(rel);
+  }
+  rels.push_back(dir + "/index.json");
+  return rels;
 }
 
 void SnapshotMirror::serve() {
@@ -228,7 +256,7 @@ void SnapshotMirror::receive(int fd) {
     // Marked before it has its name (the other host holds the original): the sender here must
     // never see it unmarked and send it back.
     const std::string marker = to.string() + std::string(snapshot_env::kMirroredSuffix);
-    if (good) {
+    if (good && snapshot_env::is_shard_file(to.filename().string())) {
       const int m = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
       good = m >= 0;
       if (good) ::close(m);
@@ -261,25 +289,36 @@ void SnapshotMirror::send_loop() {
 // False when there was nothing to do (or it failed: the next round retries).
 bool SnapshotMirror::send_round() {
   std::string peer, label;
+  bool seeding;
   {
     std::lock_guard lock(mu_);
     peer = peer_;
     label = peer_label_;
+    seeding = seed_;
   }
   std::vector<std::string> todo;
   std::error_code ec;
-  if (!peer.empty())
+  if (seeding) todo = newest_snapshot();
+  if (seeding && todo.empty()) {  // nothing to give the new peer
+    std::lock_guard lock(mu_);
+    seed_ = false;
+    seeded_.notify_all();
+  }
+  if (!peer.empty() && !seeding)
     for (const auto& step : fs::directory_iterator(memory_, ec)) {
       const auto dir = step.path().filename().string();
       if (dir.rfind("step-", 0) != 0) continue;
       std::error_code ec2;
       for (const auto& f : fs::directory_iterator(step.path(), ec2)) {
         const std::string rel = dir + "/" + f.path().filename().string();
-        if (valid_path(rel) && !fs::exists(f.path().string() + std::string(snapshot_env::kMirroredSuffix), ec2)) todo.push_back(rel);
+        if (valid_path(rel) && snapshot_env::is_shard_file(f.path().filename().string()) &&
+            !fs::exists(f.path().string() + std::string(snapshot_env::kMirroredSuffix), ec2))
+          todo.push_back(rel);
       }
     }
   if (todo.empty()) return false;
-  std::sort(todo.begin(), todo.end(), [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
+  if (!seeding)
+    std::stable_sort(todo.begin(), todo.end(), [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
 
   auto fail = [&](const std::string& why) {
     std::lock_guard lock(mu_);
@@ -322,7 +361,32 @@ bool SnapshotMirror::send_round() {
     }
     if (!send_all(fd, &kMagic, 4) || !send_string(fd, token_)) return fail("greeting " + peer);
   }
-  for (const auto& rel : todo) {
+  if (!send_files(fd, todo, label)) {
+    std::lock_guard lock(mu_);
+    if (peer_fd_ >= 0) ::close(peer_fd_);
+    peer_fd_ = -1;
+    return false;
+  }
+  std::lock_guard lock(mu_);
+  if (seeding && peer_ == peer) {
+    seed_ = false;
+    seeded_.notify_all();
+  }
+  if (failing_) say_("snapshot copies to " + label + " go through again");
+  failing_ = false;
+  return true;
+}
+
+// Sends each file, waits for its acknowledgement and marks a shard file as copied. False (said
+// once per failure streak) when the connection failed.
+bool SnapshotMirror::send_files(int fd, const std::vector<std::string>& rels, const std::string& label) {
+  auto fail = [&](const std::string& why) {
+    std::lock_guard lock(mu_);
+    if (!failing_ && !stopping_) say_("snapshot copies to " + label + " failed (" + why + "); retrying");
+    failing_ = true;
+    return false;
+  };
+  for (const auto& rel : rels) {
     const std::string path = (fs::path(memory_) / rel).string();
     const int in = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (in < 0) continue;  // removed meanwhile (an older snapshot pruned)
@@ -339,12 +403,11 @@ bool SnapshotMirror::send_round() {
     char ack = 0;
     if (!sent || !recv_all(fd, &ack, 1)) return fail("sending " + rel);
     if (ack != 'k') return fail(label + " could not keep " + rel);
-    const int marker = ::open((path + std::string(snapshot_env::kMirroredSuffix)).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-    if (marker >= 0) ::close(marker);
+    if (snapshot_env::is_shard_file(fs::path(rel).filename().string())) {
+      const int marker = ::open((path + std::string(snapshot_env::kMirroredSuffix)).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+      if (marker >= 0) ::close(marker);
+    }
   }
-  std::lock_guard lock(mu_);
-  if (failing_) say_("snapshot copies to " + label + " go through again");
-  failing_ = false;
   return true;
 }
 

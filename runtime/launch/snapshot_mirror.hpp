@@ -23,6 +23,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -43,14 +45,19 @@ class SnapshotMirror {
   // "ip:port": what the other node connects to.
   std::string address() const;
   // Where this host's shard files go ("ip:port" of the other node's mirror; empty: nowhere, the
-  // generation has one node). `label` names that node in messages.
+  // generation has one node). `label` names that node in messages. A new peer (a node that
+  // rejoined, Note [Rejoining]) first gets the newest snapshot here whole: every file and its index.
   void send_to(const std::string& peer, const std::string& label);
+  // Waits until that newest snapshot reached the new peer (true), or `limit` passed.
+  bool wait_seeded(std::chrono::milliseconds limit);
 
  private:
   void serve();
   void receive(int fd);
   void send_loop();
   bool send_round();
+  bool send_files(int fd, const std::vector<std::string>& rels, const std::string& label);
+  std::vector<std::string> newest_snapshot() const;
 
   const std::string memory_, token_;
   const std::function<void(const std::string&)> say_;
@@ -65,6 +72,8 @@ class SnapshotMirror {
   int peer_fd_ = -1;                    // owned by the sender; others only shut it down
   std::string connected_to_;            // where peer_fd_ leads
   bool failing_ = false;                // a failure was reported; the next success says so
+  bool seed_ = false;                   // the new peer still needs the newest snapshot whole
+  std::condition_variable seeded_;
   std::vector<int> connections_;        // open receiving sockets (shut down by the destructor)
   std::vector<std::thread> receivers_;
   std::thread server_, sender_;
