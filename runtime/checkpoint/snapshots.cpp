@@ -17,22 +17,22 @@
 // A snapshot on disk costs the disk's time and, on a small machine, the cores that copy it into
 // the page cache and flush it (measured: the mean step of a 64 MiB model at K = 10 went from 61
 // to 156 ms on a 2-core VM, 84-89 ms with the same files on tmpfs, which has no flush). A rank's
-// death kills its process, not its host's memory: `shardflow run` on one node (or two) creates a tmpfs
+// death kills its process, not its host's memory: `shardflow run` creates a tmpfs
 // directory that outlives every generation of ranks, removes it when the job ends, and names it
 // in SHARDFLOW_SNAPSHOT_MEMORY. With Config::snapshot.memory (the default) the snapshots go there,
 // and only every `disk_every` iterations one goes to `dir`, the fallback for the launcher's or
-// the host's loss (or a job started again by hand). In memory the newest whole snapshot and the
+// the host's loss (or a job started again by hand). In memory the newest complete snapshot and the
 // one being written stay (double-buffered: a write in flight never replaces the last complete
 // one, since a snapshot counts only once its index is written). resumed_step() takes the newest
 // complete snapshot of either place. The ranks decide together whether the memory is used: every
 // host must have room for two snapshots of the whole model; otherwise every snapshot goes to
-// disk, and the rank that lacks it says why. Across two nodes the launchers copy each host's
-// files into the other's memory (Note [Snapshots on the other host], runtime/launch/
-// snapshot_mirror.hpp): a file counts as written once its copy is there, the first rank of each
-// host writes the index into its host's memory too, and a snapshot in memory is loaded only when
-// every host holds it whole (its index and every file it names), so a host's loss leaves the
-// other with the whole of it. With more than two nodes no memory is offered: snapshots are on
-// disk only.
+// disk, and the rank that lacks it says why. Across nodes each launcher copies its host's files
+// into the next host's memory, the nodes taken as a ring (Note [Snapshots on the other host],
+// runtime/launch/snapshot_mirror.hpp): a file counts as written once its copy is there, and the
+// first rank of each host writes the index into its host's memory too. So one host's loss leaves
+// a copy of every file. A snapshot in memory is loaded only when every host holds it whole (its
+// index and every file it names): with two nodes each host holds every file anyway; with more,
+// the launchers fetch what their host lacks from the others before a restart's ranks start.
 #include <sys/statvfs.h>
 
 #include <algorithm>
@@ -112,7 +112,8 @@ bool whole(const std::string& snapshot) {
   if (!in) return false;
   try {
     std::error_code ec;
-    for (const auto& f : nlohmann::json::parse(in).at("files"))
+    const auto index = nlohmann::json::parse(in);  // named: a range-for over parse(in).at(...) would dangle
+    for (const auto& f : index.at("files"))
       if (const auto name = f.get<std::string>(); !name.empty() && !fs::exists(snapshot + "/" + name, ec)) return false;
     return true;
   } catch (const std::exception&) {
@@ -127,10 +128,12 @@ std::uint64_t newest_whole(const std::string& dir) {
   return 0;
 }
 
-// In memory: everything older than the newest whole snapshot goes. One newer than it that is not
-// whole yet (a copy from the other host on its way, or given up) leaves the older one in place.
+// In memory: everything older than the newest complete snapshot goes. Complete means every rank's
+// file is on its own host and the next one of the ring (each file counts only once its copy is
+// there), so one host's loss leaves a copy of every file; with more than two nodes no host holds
+// it whole until a restart assembles it (SnapshotMirror::assemble).
 void prune_memory(const std::string& dir, spdlog::logger& log) {
-  const std::uint64_t keep = newest_whole(dir);
+  const std::uint64_t keep = newest_complete(dir);
   for (const auto& [step, done] : snapshots_in(dir)) {
     if (step >= keep) break;
     std::error_code ec;
@@ -219,7 +222,7 @@ std::uint64_t Runtime::resumed_step() {
   std::uint32_t words[5] = {0, 0, 0, 0, 0};  // newest on disk (low, high), newest whole in memory (low, high), memory used
   if (I.rank == 0) {
     if (memory.empty() && I.cfg.snapshot.memory)
-      I.log->info("snapshots: on disk only, in '{}' (no memory offered: {} is set by shardflow run on one or two nodes)", dir,
+      I.log->info("snapshots: on disk only, in '{}' (no memory offered: {} is set by shardflow run)", dir,
                   snapshot_env::kMemory);
     const std::uint64_t on_disk = newest_complete(dir), in_memory = memory.empty() ? 0 : newest_whole(memory);
     words[0] = std::uint32_t(on_disk), words[1] = std::uint32_t(on_disk >> 32);
@@ -230,7 +233,8 @@ std::uint64_t Runtime::resumed_step() {
   const std::uint64_t on_disk = words[0] | (std::uint64_t(words[1]) << 32), in_memory = words[2] | (std::uint64_t(words[3]) << 32);
   float missing[2] = {0.0f, 0.0f};  // ranks whose host cannot keep memory snapshots; ranks whose host lacks rank 0's newest
   if (words[4]) {
-    // With two nodes each host holds every rank's files: room for two snapshots of the whole model.
+    // Across nodes each host holds every rank's files once a restart assembled them: room for two
+    // snapshots of the whole model.
     std::size_t need = 0;
     const std::size_t slots = I.shard ? I.shard->migrate_slots() : 0;
     for (const auto& p : I.registry.params()) need += std::size_t(numel(p.shape)) * (dtype_size(p.dtype) + 4 * slots);
@@ -276,7 +280,7 @@ void Runtime::snapshot_if_due() {
   // is waited for.
   if (I.saves.pending && I.snapshots.started > 0) {
     const bool due = step % every == 0;
-    // Across two nodes a file counts once the other host holds its copy too (Note [Snapshots on the other host]).
+    // Across nodes a file counts once the next host holds its copy too (Note [Snapshots on the other host]).
     const auto& marker = I.saves.pending->mirrored_marker;
     std::error_code ec;
     float written = I.saves.pending->written.load(std::memory_order_acquire) && (marker.empty() || fs::exists(marker, ec)) ? 1.0f : 0.0f;

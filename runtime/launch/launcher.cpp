@@ -121,16 +121,19 @@ class Supervisor {
       watch_->start();
     }
 
-    // Memory for the ranks' snapshots (Note [Snapshots in memory]); across two nodes each host
-    // keeps the other's copies too (Note [Snapshots on the other host]). More nodes: disk only.
-    if (spec_.nnodes <= 2) snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
-    if (spec_.nnodes == 2) offer_mirrored_memory(local.address, token);
+    // Memory for the ranks' snapshots (Note [Snapshots in memory]); across nodes each host keeps
+    // the copies of the node before it in the ring too (Note [Snapshots on the other host]).
+    snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
+    if (!one_node) offer_mirrored_memory(local.address, token);
+    std::vector<int> before = members_;  // the nodes of the generation before (a joiner's: none but node 0)
+    if (restart_ > 0) before.erase(std::remove(before.begin(), before.end(), spec_.node_rank), before.end());
     for (;;) {
       std::string started;
       // This node's place among the generation's nodes (Note [Shrinking the world]).
       const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
       const int world = spec_.nproc_per_node * int(members_.size());
-      point_mirror();
+      point_mirror(before);
+      before = members_;
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
         auto& r = ranks_.emplace_back();
         r.local = l;
@@ -156,8 +159,8 @@ class Supervisor {
     return net::socket_choice_from_env();
   }
 
-  // Note [Snapshots on the other host]: both nodes copy, or neither keeps snapshots in memory (a
-  // snapshot would be whole on neither host, and the restart would fall back to an older one on disk).
+  // Note [Snapshots on the other host]: every node copies, or none keeps snapshots in memory (a
+  // snapshot would be whole on no host, and the restart would fall back to an older one on disk).
   void offer_mirrored_memory(const std::string& address, const std::string& token) {
     std::string mine = "none";
     if (!snapshot_memory_->path().empty()) try {
@@ -166,34 +169,51 @@ class Supervisor {
       } catch (const Error& e) {
         say(e.what());
       }
-    const int other = 1 - spec_.node_rank;
     watch_->post("mirror/" + std::to_string(spec_.node_rank), mine);
-    mirror_peer_ = watch_->read("mirror/" + std::to_string(other));
-    if (mirror_ && mirror_peer_ != "none") return;
-    say("snapshots on disk only: " + (mirror_ ? watch_->label(other) : "this node") +
-        " has no memory to keep them in (a tmpfs /dev/shm) or could not listen for copies");
-    mirror_.reset();
-    snapshot_memory_.reset();
+    for (int k = 0; k < spec_.nnodes; ++k) {
+      if (k == spec_.node_rank || !mirror_) continue;
+      if (watch_->read("mirror/" + std::to_string(k)) != "none") continue;
+      say("snapshots on disk only: " + watch_->label(k) + " has no memory to keep them in (a tmpfs /dev/shm) or could not listen "
+          "for copies");
+      mirror_.reset();
+    }
+    if (!mirror_) {
+      if (mine == "none") say("snapshots on disk only: this node has no memory to keep them in (a tmpfs /dev/shm) or could not listen");
+      snapshot_memory_.reset();
+    }
   }
 
-  // The copies go to the other node while it is in the generation; alone, they stay here. Its
-  // address is read again each generation: a node that rejoined (Note [Rejoining]) has a new one,
-  // and first gets this host's newest snapshot, before this node's ranks start.
-  void point_mirror() {
+  // Each generation: the copies go to the next node of the ring (the generation's nodes in order);
+  // alone, they stay here. Addresses are read afresh: a node that rejoined (Note [Rejoining]) has
+  // a new one, and first gets this host's newest snapshot whole. After a failure this host first
+  // fetches what it lacks of its newest snapshot from the others (with more than two nodes at the
+  // snapshot's time it holds only its own and its predecessor's files), so that it holds it
+  // whole. Both happen before this node's ranks start.
+  void point_mirror(const std::vector<int>& before) {
     mirror_label_.clear();
     if (!mirror_) return;
-    const int other = 1 - spec_.node_rank;
-    if (members_.size() == 2) {
+    auto address_of = [&](int k) {
       try {
-        mirror_peer_ = watch_->read("mirror/" + std::to_string(other));
+        return watch_->read("mirror/" + std::to_string(k));
       } catch (const Error& e) {
-        say("snapshot copies: " + watch_->label(other) + " posted no address (" + e.what() + "); this generation's stay here");
-        mirror_peer_ = "none";
+        say("snapshot copies: " + watch_->label(k) + " posted no address (" + e.what() + ")");
+        return std::string("none");
       }
-      if (mirror_peer_ != "none") mirror_label_ = watch_->label(other);
+    };
+    std::string next_address;
+    const auto me = std::find(members_.begin(), members_.end(), spec_.node_rank);
+    const int next = members_.size() >= 2 ? *(std::next(me) == members_.end() ? members_.begin() : std::next(me)) : -1;
+    if (next >= 0 && (next_address = address_of(next)) != "none") mirror_label_ = watch_->label(next);
+    if (restart_ > 0 && members_.size() >= 2) {  // with two from the start a no-op: each host holds every file
+      std::vector<std::string> peers;
+      for (int k : members_)
+        if (k != spec_.node_rank)
+          if (auto a = address_of(k); a != "none") peers.push_back(a);
+      mirror_->assemble(peers);
     }
-    mirror_->send_to(mirror_label_.empty() ? "" : mirror_peer_, mirror_label_);
-    if (!mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
+    const bool returned = next >= 0 && std::find(before.begin(), before.end(), next) == before.end();
+    mirror_->send_to(mirror_label_.empty() ? "" : next_address, mirror_label_, returned);
+    if (returned && !mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
       say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
   }
 
@@ -509,10 +529,9 @@ class Supervisor {
   net::SocketChoice socket_;
   std::string store_at_;
   std::unique_ptr<NodeWatch> watch_;  // across nodes only; destroyed before the store
-  std::unique_ptr<SnapshotMemory> snapshot_memory_;  // one or two nodes
-  std::unique_ptr<SnapshotMirror> mirror_;           // two nodes (Note [Snapshots on the other host])
-  std::string mirror_peer_;                          // the other node's mirror, "ip:port"
-  std::string mirror_label_;                         // this generation's: the other node, or empty when alone
+  std::unique_ptr<SnapshotMemory> snapshot_memory_;
+  std::unique_ptr<SnapshotMirror> mirror_;           // across nodes (Note [Snapshots on the other host])
+  std::string mirror_label_;                         // this generation's: the next node of the ring, or empty when alone
   std::optional<std::string> peer_failure_;
   std::string store_lost_;
   std::string other_nodes_;  // what node 0 learned of the others while finishing

@@ -32,9 +32,8 @@
 // continued) and posts its choice in time is in the next generation again. Otherwise the next
 // generation is the nodes left, if at least MIN: they keep their order and are numbered afresh
 // (node ranks 0..n-1, RANK and WORLD_SIZE from them), and the ranks resume from the newest
-// snapshot at the smaller world (load_checkpoint reshards N to M): with two nodes from memory, the
-// survivor holding the lost node's copies (Note [Snapshots on the other host]); otherwise from the
-// snapshot directory, which must be one every node sees. A left-out launcher that is still running learns it from the decision and
+// snapshot at the smaller world (load_checkpoint reshards N to M), from memory: the lost node's
+// files have copies on the next node of the ring (Note [Snapshots on the other host]). A left-out launcher that is still running learns it from the decision and
 // ends, naming why.
 //
 // Note [Rejoining]
@@ -44,8 +43,8 @@
 // the next restart (a failure of the smaller world): when it decides, a node that asked and whose
 // heartbeat still moves is in the next generation again, in node-rank order, and learns the
 // generation it starts at (launch/joined/<k>). The world grows back (the snapshot resharded M to
-// N); with two nodes node 0's launcher first copies its newest snapshot into the returning node's
-// memory (Note [Snapshots on the other host]), so that the restart resumes from memory. A job that
+// N); the launcher of the node before it in the ring first copies its newest snapshot into the
+// returning node's memory (Note [Snapshots on the other host]), so that the restart resumes from memory. A job that
 // ends first ends the wait with an error naming it; so does a second launcher for the same node.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The memory a job's snapshots go to on this host, with one or two nodes (Note [Snapshots in memory],
+// The memory a job's snapshots go to on this host (Note [Snapshots in memory],
 // runtime/checkpoint/snapshots.cpp): a tmpfs directory the launcher creates before the first
 // generation of ranks, names to every rank in SHARDFLOW_SNAPSHOT_MEMORY, keeps across restarts and
 // removes when the job ends, however it ends. A killed launcher leaves it (/dev/shm/shardflow-

@@ -16,6 +16,9 @@
 #include <charconv>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "runtime/bootstrap/snapshot_env.hpp"
 #include "shardflow/errors.hpp"
@@ -26,6 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 constexpr std::uint32_t kMagic = 0x524d4653;  // "SFMR"
 constexpr std::uint64_t kMaxFile = std::uint64_t(1) << 40;
+constexpr std::uint64_t kGet = ~std::uint64_t(0);  // in place of a size: "send me this file"
 constexpr std::uint32_t kMaxString = 4096;
 constexpr int kIoSeconds = 60;  // a send or an acknowledgement that takes longer: the other side is gone
 
@@ -170,12 +174,12 @@ SnapshotMirror::~SnapshotMirror() {
 
 std::string SnapshotMirror::address() const { return host_ + ":" + std::to_string(port_); }
 
-void SnapshotMirror::send_to(const std::string& peer, const std::string& label) {
+void SnapshotMirror::send_to(const std::string& peer, const std::string& label, bool seed) {
   std::lock_guard lock(mu_);
+  seed_ = seed && !peer.empty();
   if (peer == peer_) return;
   peer_ = peer;
   peer_label_ = label;
-  seed_ = !peer.empty();
   if (peer_fd_ >= 0) ::shutdown(peer_fd_, SHUT_RDWR);  // the sender closes it and connects anew
 }
 
@@ -227,54 +231,129 @@ void SnapshotMirror::receive(int fd) {
   std::uint32_t magic = 0;
   std::string token;
   bool ok = recv_all(fd, &magic, 4) && magic == kMagic && recv_string(fd, token) && token == token_;
-  std::vector<char> buf(std::size_t(1) << 20);
   while (ok) {
     std::string rel;
     std::uint64_t size = 0;
     if (!recv_string(fd, rel) || !recv_all(fd, &size, 8)) break;
-    if (!valid_path(rel) || size > kMaxFile) {
-      say_("snapshot copies: refused '" + rel + "' from the other node (not a shard file of a snapshot)");
+    if (!valid_path(rel) || (size > kMaxFile && size != kGet)) {
+      say_("snapshot copies: refused '" + rel + "' from another node (not a file of a snapshot)");
       break;
     }
-    const fs::path to = fs::path(memory_) / rel;
-    std::error_code ec;
-    fs::create_directories(to.parent_path(), ec);
-    const std::string part = to.string() + ".part";
-    const int out = ::open(part.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    bool good = out >= 0;
-    for (std::uint64_t left = size; left > 0 && ok;) {
-      const std::size_t n = std::size_t(std::min<std::uint64_t>(left, buf.size()));
-      ok = recv_all(fd, buf.data(), n);
-      if (ok && good) good = write_file_all(out, buf.data(), n);
-      left -= n;
+    if (size == kGet) {  // another node assembles a snapshot (assemble): this host's file, or its absence
+      ok = serve_file(fd, rel);
+      continue;
     }
-    if (out >= 0) ::close(out);
-    if (!ok) {
-      ::unlink(part.c_str());
-      break;
-    }
-    // Marked before it has its name (the other host holds the original): the sender here must
-    // never see it unmarked and send it back.
-    const std::string marker = to.string() + std::string(snapshot_env::kMirroredSuffix);
-    if (good && snapshot_env::is_shard_file(to.filename().string())) {
-      const int m = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
-      good = m >= 0;
-      if (good) ::close(m);
-    }
-    if (good && ::rename(part.c_str(), to.c_str()) != 0) {
-      good = false;
-      ::unlink(marker.c_str());
-    }
-    if (!good) {
-      ::unlink(part.c_str());
-      say_("snapshot copies: cannot keep '" + to.string() + "' from the other node: " + std::strerror(errno));
-    }
+    const bool good = keep_file(fd, rel, size, ok);
     const char ack = good ? 'k' : 'e';
-    if (!send_all(fd, &ack, 1)) break;
+    if (ok && !send_all(fd, &ack, 1)) break;
   }
   std::lock_guard lock(mu_);
   connections_.erase(std::find(connections_.begin(), connections_.end(), fd));
   ::close(fd);
+}
+
+// Reads `size` bytes of `rel` off `fd` into the memory: written as "<file>.part", marked when a
+// shard file (the original is elsewhere: never sent on), then renamed into place. `ok` turns false
+// when the connection failed; returns whether the file was kept.
+bool SnapshotMirror::keep_file(int fd, const std::string& rel, std::uint64_t size, bool& ok) {
+  const fs::path to = fs::path(memory_) / rel;
+  std::error_code ec;
+  fs::create_directories(to.parent_path(), ec);
+  const std::string part = to.string() + ".part";
+  const int out = ::open(part.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  bool good = out >= 0;
+  std::vector<char> buf(std::size_t(1) << 20);
+  for (std::uint64_t left = size; left > 0 && ok;) {
+    const std::size_t n = std::size_t(std::min<std::uint64_t>(left, buf.size()));
+    ok = recv_all(fd, buf.data(), n);
+    if (ok && good) good = write_file_all(out, buf.data(), n);
+    left -= n;
+  }
+  if (out >= 0) ::close(out);
+  if (!ok) {
+    ::unlink(part.c_str());
+    return false;
+  }
+  // Marked before it has its name: the sender here must never see it unmarked and send it on.
+  const std::string marker = to.string() + std::string(snapshot_env::kMirroredSuffix);
+  if (good && snapshot_env::is_shard_file(to.filename().string())) {
+    const int m = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    good = m >= 0;
+    if (good) ::close(m);
+  }
+  if (good && ::rename(part.c_str(), to.c_str()) != 0) {
+    good = false;
+    ::unlink(marker.c_str());
+  }
+  if (!good) {
+    ::unlink(part.c_str());
+    say_("snapshot copies: cannot keep '" + to.string() + "' from another node: " + std::strerror(errno));
+  }
+  return good;
+}
+
+// Answers a request for `rel`: its size and bytes, or kGet when this host does not hold it.
+bool SnapshotMirror::serve_file(int fd, const std::string& rel) {
+  const std::string path = (fs::path(memory_) / rel).string();
+  const int in = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) return send_all(fd, &kGet, 8);
+  struct stat st {};
+  ::fstat(in, &st);
+  const auto size = std::uint64_t(st.st_size);
+  bool sent = send_all(fd, &size, 8);
+  for (off_t at = 0; sent && std::uint64_t(at) < size;) {
+    const ssize_t n = ::sendfile(fd, in, &at, std::size_t(size - std::uint64_t(at)));
+    if (n < 0 && errno == EINTR) continue;
+    sent = n > 0;
+  }
+  ::close(in);
+  return sent;
+}
+
+bool SnapshotMirror::assemble(const std::vector<std::string>& peers) {
+  // The newest snapshot here with its index: the one the ranks will ask for.
+  std::uint64_t newest = 0;
+  std::string dir;
+  std::error_code ec;
+  for (const auto& step : fs::directory_iterator(memory_, ec)) {
+    const auto name = step.path().filename().string();
+    std::error_code ec2;
+    if (!valid_path(name + "/index.json") || !fs::exists(step.path() / "index.json", ec2)) continue;
+    if (const auto n = step_of(name + "/"); n >= newest) newest = n, dir = name;
+  }
+  if (dir.empty()) return true;
+  std::vector<std::string> missing;
+  try {
+    std::ifstream in(memory_ + "/" + dir + "/index.json");
+    const auto index = nlohmann::json::parse(in);  // named: a range-for over parse(in).at(...) would dangle
+    for (const auto& f : index.at("files"))
+      if (const auto name = f.get<std::string>(); !name.empty() && !fs::exists(memory_ + "/" + dir + "/" + name, ec))
+        missing.push_back(dir + "/" + name);
+  } catch (const std::exception& e) {
+    say_("snapshot copies: '" + memory_ + "/" + dir + "/index.json' cannot be read (" + e.what() + ")");
+    return false;
+  }
+  for (const auto& rel : missing) {
+    bool got = false;
+    for (const auto& peer : peers) {
+      if (stopping_) return false;
+      const auto colon = peer.rfind(':');
+      const sockaddr_in a = ipv4(peer.substr(0, colon), std::uint16_t(std::stoi(peer.substr(colon + 1))));
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      set_io_timeouts(fd);
+      std::uint64_t size = kGet;
+      bool ok = connect_within(fd, a, wake_fd_) && send_all(fd, &kMagic, 4) && send_string(fd, token_) && send_string(fd, rel) &&
+                send_all(fd, &kGet, 8) && recv_all(fd, &size, 8);
+      if (ok && size != kGet && size <= kMaxFile) got = keep_file(fd, rel, size, ok);
+      ::close(fd);
+      if (got) break;
+    }
+    if (!got) {
+      say_("snapshot copies: no node holds '" + rel + "': this host's ranks resume from an older snapshot or the disk's");
+      return false;
+    }
+  }
+  return true;
 }
 
 void SnapshotMirror::send_loop() {

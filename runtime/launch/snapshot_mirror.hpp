@@ -1,25 +1,29 @@
-// The copy of a two-node job's snapshots on the other host.
+// The copies of a job's snapshots on another host.
 //
 // Note [Snapshots on the other host]
 // A rank's snapshot in its own host's memory (Note [Snapshots in memory]) survives the rank, not
-// the host. So across two nodes each launcher copies the shard files its ranks write into its
-// memory to the other node's launcher, which keeps them in its own memory: after either host's
-// loss the other holds every rank's files of the snapshot, and the job resumes from memory, at
-// the same world after a rank's loss or at half of it after a node's (Note [Shrinking the world]).
+// the host. So across nodes each launcher copies the shard files its ranks write into its memory
+// to the next node of the ring (the generation's nodes in order, the last to the first), whose
+// launcher keeps them in its own memory: after any one host's loss every rank's file is still on
+// some host, and the job resumes from memory, at the same world after a rank's loss or at a
+// smaller one after a node's (Note [Shrinking the world]).
 // - Each launcher listens on its socket address and posts where in the store (launch/mirror/<node>);
-//   a connection starts with the job's token, so nothing else writes into the memory.
+//   a connection starts with the job's token, and only names of a snapshot's files are kept, so
+//   nothing else writes into the memory or outside it.
 // - The sender polls the memory every 20 ms for finished shard files (a file is renamed to its
 //   name once written) without a "<file>.mirrored" marker, sends each with sendfile, and on the
 //   other side's acknowledgement (the file renamed into place there) creates the marker. A copy
-//   received is marked before it takes its name, so it is never sent back.
-// - A rank counts its file written only once that marker exists (SHARDFLOW_SNAPSHOT_MIRROR is set
-//   for it): the snapshot is complete, and its index written on both hosts, only when both hosts
-//   hold every rank's files. A copy that does not arrive within the runtime's collective timeout
-//   is given up with a warning: that snapshot is then whole on one host only, and the restart
-//   takes an older one or the disk's.
-// - Only with two nodes: a ring of more would leave each host with its own and its predecessor's
-//   files, never a whole snapshot, so there the launchers offer no memory (snapshots on disk).
-// The link is shared with training: the copy costs what it costs on the wire (bench/RESULTS.md).
+//   received is marked before it takes its name, so it is never sent on.
+// - A rank counts its file written only once that marker exists (SHARDFLOW_SNAPSHOT_MIRROR names
+//   the next node to it): the snapshot is complete, and its index written on every host, only
+//   when each file is on two hosts. A copy that does not arrive within the runtime's collective
+//   timeout is given up with a warning: that snapshot then lacks a second copy of that file.
+// - With two nodes each host then holds every file. With more, a host holds its own and its
+//   predecessor's: before a restart's ranks start, each launcher fetches what its host lacks of
+//   its newest snapshot from the others (assemble), so that the ranks load it from memory.
+// - A node that rejoins (Note [Rejoining]) first gets its predecessor's newest snapshot whole.
+// The link is shared with training: the copy costs what its bytes cost on the wire
+// (bench/RESULTS.md).
 #pragma once
 
 #include <atomic>
@@ -44,16 +48,22 @@ class SnapshotMirror {
 
   // "ip:port": what the other node connects to.
   std::string address() const;
-  // Where this host's shard files go ("ip:port" of the other node's mirror; empty: nowhere, the
-  // generation has one node). `label` names that node in messages. A new peer (a node that
-  // rejoined, Note [Rejoining]) first gets the newest snapshot here whole: every file and its index.
-  void send_to(const std::string& peer, const std::string& label);
+  // Where this host's shard files go ("ip:port" of the next node's mirror; empty: nowhere, the
+  // generation has one node). `label` names that node in messages. With `seed` (a node that
+  // rejoined, Note [Rejoining]) it first gets the newest snapshot here whole: every file and its index.
+  void send_to(const std::string& peer, const std::string& label, bool seed);
   // Waits until that newest snapshot reached the new peer (true), or `limit` passed.
   bool wait_seeded(std::chrono::milliseconds limit);
+  // Before a restart's ranks start: fetches from `peers` (their mirrors' addresses) every file of
+  // the newest snapshot here that this host lacks, so that it holds it whole (with more than two
+  // nodes it holds only its own and its predecessor's). False (said) when some file is on no peer.
+  bool assemble(const std::vector<std::string>& peers);
 
  private:
   void serve();
   void receive(int fd);
+  bool keep_file(int fd, const std::string& rel, std::uint64_t size, bool& ok);
+  bool serve_file(int fd, const std::string& rel);
   void send_loop();
   bool send_round();
   bool send_files(int fd, const std::vector<std::string>& rels, const std::string& label);

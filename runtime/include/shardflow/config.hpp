@@ -189,12 +189,12 @@ struct TimeoutConfig {
 // Runtime::resumed_step() loads the newest complete one and says its N, so that a restarted job
 // (shardflow run --max-restarts) goes on where it was. The newest `keep` complete snapshots stay;
 // older ones are removed. Empty dir: off.
-// In memory (Note [Snapshots in memory]): under `shardflow run` on one or two nodes the launcher
-// holds memory that outlives the ranks (SHARDFLOW_SNAPSHOT_MEMORY, a tmpfs directory; across two
-// nodes each host also holds the other's copies), and with `memory` the snapshots go there,
+// In memory (Note [Snapshots in memory]): under `shardflow run` the launcher holds memory that
+// outlives the ranks (SHARDFLOW_SNAPSHOT_MEMORY, a tmpfs directory; across nodes each host also
+// holds the copies of the node before it in the ring), and with `memory` the snapshots go there,
 // double-buffered (the last complete one and the one being written), and only every `disk_every`
-// iterations to `dir` (0: every 10 x `every`). Without that memory (no launcher, more than two
-// nodes, too little room) every snapshot goes to `dir`.
+// iterations to `dir` (0: every 10 x `every`). Without that memory (no launcher, too little room)
+// every snapshot goes to `dir`.
 struct SnapshotConfig {
   std::string dir;
   int every = 0;
