@@ -125,7 +125,7 @@ class Supervisor {
     // the copies of the node before it in the ring too (Note [Snapshots on the other host]).
     snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
     if (!one_node) offer_mirrored_memory(local.address, token);
-    std::vector<int> before = members_;  // the nodes of the generation before (a joiner's: none but node 0)
+    std::vector<int> before = members_;  // the nodes of the generation before (a joiner's: the others)
     if (restart_ > 0) before.erase(std::remove(before.begin(), before.end(), spec_.node_rank), before.end());
     for (;;) {
       std::string started;

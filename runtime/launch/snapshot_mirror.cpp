@@ -45,6 +45,16 @@ bool send_all(int fd, const void* p, std::size_t n) {
   return true;
 }
 
+// A file's `size` bytes from `in` onto the socket, without copying them through user space.
+bool send_body(int fd, int in, std::uint64_t size) {
+  for (off_t at = 0; std::uint64_t(at) < size;) {
+    const ssize_t n = ::sendfile(fd, in, &at, std::size_t(size - std::uint64_t(at)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+  }
+  return true;
+}
+
 bool recv_all(int fd, void* p, std::size_t n) {
   char* c = static_cast<char*>(p);
   while (n > 0) {
@@ -188,8 +198,8 @@ bool SnapshotMirror::wait_seeded(std::chrono::milliseconds limit) {
   return seeded_.wait_for(lock, limit, [&] { return !seed_ || stopping_; });
 }
 
-// Every file of the newest snapshot here that has its index ("step-N/..."), the index last.
-std::vector<std::string> SnapshotMirror::newest_snapshot() const {
+// "step-N" of the newest snapshot here that has its index; empty when none has.
+std::string SnapshotMirror::newest_indexed() const {
   std::uint64_t newest = 0;
   std::string dir;
   std::error_code ec;
@@ -199,6 +209,13 @@ std::vector<std::string> SnapshotMirror::newest_snapshot() const {
     if (!valid_path(name + "/index.json") || !fs::exists(step.path() / "index.json", ec2)) continue;
     if (const auto n = step_of(name + "/"); n >= newest) newest = n, dir = name;
   }
+  return dir;
+}
+
+// Every file of the newest snapshot here that has its index ("step-N/..."), the index last.
+std::vector<std::string> SnapshotMirror::newest_snapshot() const {
+  const std::string dir = newest_indexed();
+  std::error_code ec;
   std::vector<std::string> rels;
   if (dir.empty()) return rels;
   for (const auto& f : fs::directory_iterator(memory_ + "/" + dir, ec)) {
@@ -300,27 +317,15 @@ bool SnapshotMirror::serve_file(int fd, const std::string& rel) {
   struct stat st {};
   ::fstat(in, &st);
   const auto size = std::uint64_t(st.st_size);
-  bool sent = send_all(fd, &size, 8);
-  for (off_t at = 0; sent && std::uint64_t(at) < size;) {
-    const ssize_t n = ::sendfile(fd, in, &at, std::size_t(size - std::uint64_t(at)));
-    if (n < 0 && errno == EINTR) continue;
-    sent = n > 0;
-  }
+  const bool sent = send_all(fd, &size, 8) && send_body(fd, in, size);
   ::close(in);
   return sent;
 }
 
 bool SnapshotMirror::assemble(const std::vector<std::string>& peers) {
   // The newest snapshot here with its index: the one the ranks will ask for.
-  std::uint64_t newest = 0;
-  std::string dir;
+  const std::string dir = newest_indexed();
   std::error_code ec;
-  for (const auto& step : fs::directory_iterator(memory_, ec)) {
-    const auto name = step.path().filename().string();
-    std::error_code ec2;
-    if (!valid_path(name + "/index.json") || !fs::exists(step.path() / "index.json", ec2)) continue;
-    if (const auto n = step_of(name + "/"); n >= newest) newest = n, dir = name;
-  }
   if (dir.empty()) return true;
   std::vector<std::string> missing;
   try {
@@ -472,12 +477,7 @@ bool SnapshotMirror::send_files(int fd, const std::vector<std::string>& rels, co
     struct stat st {};
     ::fstat(in, &st);
     const auto size = std::uint64_t(st.st_size);
-    bool sent = send_string(fd, rel) && send_all(fd, &size, 8);
-    for (off_t at = 0; sent && std::uint64_t(at) < size;) {
-      const ssize_t n = ::sendfile(fd, in, &at, std::size_t(size - std::uint64_t(at)));
-      if (n < 0 && errno == EINTR) continue;
-      sent = n > 0;
-    }
+    const bool sent = send_string(fd, rel) && send_all(fd, &size, 8) && send_body(fd, in, size);
     ::close(in);
     char ack = 0;
     if (!sent || !recv_all(fd, &ack, 1)) return fail("sending " + rel);

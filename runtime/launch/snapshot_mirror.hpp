@@ -68,6 +68,7 @@ class SnapshotMirror {
   bool send_round();
   bool send_files(int fd, const std::vector<std::string>& rels, const std::string& label);
   std::vector<std::string> newest_snapshot() const;
+  std::string newest_indexed() const;
 
   const std::string memory_, token_;
   const std::function<void(const std::string&)> say_;
