@@ -95,6 +95,14 @@ void one_node_of(int ranks, const std::string& save) {
 }
 void one_node_of_four(const std::string& save) { one_node_of(4, save); }
 
+// A node's command with `nnodes` (e.g. {"--nnodes", "1:2", "--max-restarts", "1"}) in place of its --nnodes N.
+std::vector<std::string> with_nnodes(std::vector<std::string> argv, const std::vector<std::string>& nnodes) {
+  const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
+  argv.erase(at, at + 2);
+  argv.insert(argv.begin() + 2, nnodes.begin(), nnodes.end());
+  return argv;
+}
+
 // `prog` with SHARDFLOW_TEST_FAULT=`fault` in generation 0 only.
 std::vector<std::string> fault_in_first_generation(const std::string& fault, const std::vector<std::string>& prog) {
   std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ]; then export SHARDFLOW_TEST_FAULT=" + fault + "; fi; exec";
@@ -394,11 +402,8 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
   // 12 is 3 a rank at world 4 and 6 at world 2.
   const int port = test::free_port();
   auto cmd_for = [&](int node, const std::string& save) {
-    auto argv = node_cmd({node, 2, 2, port, {}}, fault_in_first_generation("collective:3:host:13", eight_steps(save, snaps)));
-    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
-    argv.erase(at, at + 2);  // MIN:MAX instead
-    argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"});
-    return argv;
+    return with_nnodes(node_cmd({node, 2, 2, port, {}}, fault_in_first_generation("collective:3:host:13", eight_steps(save, snaps))),
+                       {"--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"});
   };
   Child n0(cmd_for(0, two), env_info());
   Child n1(cmd_for(1, scratch("shrink_unused.safetensors")), env_info());
@@ -501,10 +506,7 @@ TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holdin
   for (int k = 0; k < 3; ++k) {
     auto argv = node_cmd({k, 3, 1, port, {"--max-restarts", "1"}},
                          fault_in_first_generation(fault, eight_steps(k == 0 ? three : scratch("ring_unused.safetensors"), snaps)));
-    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
-    argv.erase(at, at + 2);
-    argv.insert(argv.begin() + 2, elastic.begin(), elastic.end());
-    nodes.push_back(std::make_unique<Child>(argv, env_info()));
+    nodes.push_back(std::make_unique<Child>(with_nnodes(argv, elastic), env_info()));
   }
   const auto s2 = nodes[2]->wait(120s);
   const auto s1 = nodes[1]->wait(120s);
@@ -547,11 +549,7 @@ TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on 
   };
   const int port = test::free_port();
   auto cmd_for = [&](int node, const std::string& save) {
-    auto argv = node_cmd({node, 2, 2, port, {}}, prog(save));
-    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
-    argv.erase(at, at + 2);
-    argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "2", "--rejoin-timeout", "1"});
-    return argv;
+    return with_nnodes(node_cmd({node, 2, 2, port, {}}, prog(save)), {"--nnodes", "1:2", "--max-restarts", "2", "--rejoin-timeout", "1"});
   };
   Child n0(cmd_for(0, two), env_info());
   Child n1(cmd_for(1, scratch("rejoin_unused.safetensors")), env_info());
@@ -560,12 +558,7 @@ TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on 
   Child back(cmd_for(1, scratch("rejoin_unused.safetensors")), env_info());
   REQUIRE(back.read_until("for the next restart to take it back in", 60s));
   std::ofstream(go).put('1');
-  const auto s_back = back.wait(120s);
-  const auto s0 = n0.wait(120s);
-  INFO(n0.output());
-  INFO(back.output());
-  REQUIRE(test::exited_ok(s0));
-  REQUIRE(test::exited_ok(s_back));
+  REQUIRE_BOTH_NODES_OK(n0, back);
   CHECK(n0.says("taking node 1 (host "));
   CHECK(n0.says("back in, which asked to rejoin: 2 node(s), world 4"));
   CHECK(back.says("node 1 rejoins the job at its restart 2: 2 node(s), world 4"));
@@ -589,11 +582,7 @@ TEST_CASE("node 1 left out, its launcher started again, and no restart comes bef
   };
   const int port = test::free_port();
   auto cmd_for = [&](int node) {
-    auto argv = node_cmd({node, 2, 2, port, {}}, prog());
-    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
-    argv.erase(at, at + 2);
-    argv.insert(argv.begin() + 2, {"--nnodes", "1:2", "--max-restarts", "2", "--rejoin-timeout", "1"});
-    return argv;
+    return with_nnodes(node_cmd({node, 2, 2, port, {}}, prog()), {"--nnodes", "1:2", "--max-restarts", "2", "--rejoin-timeout", "1"});
   };
   Child n0(cmd_for(0), env());
   Child n1(cmd_for(1), env());
