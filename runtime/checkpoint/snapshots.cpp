@@ -128,20 +128,6 @@ std::uint64_t newest_whole(const std::string& dir) {
   return 0;
 }
 
-// In memory: everything older than the newest complete snapshot goes. Complete means every rank's
-// file is on its own host and the next one of the ring (each file counts only once its copy is
-// there), so one host's loss leaves a copy of every file; with more than two nodes no host holds
-// it whole until a restart assembles it (SnapshotMirror::assemble).
-void prune_memory(const std::string& dir, spdlog::logger& log) {
-  const std::uint64_t keep = newest_complete(dir);
-  for (const auto& [step, done] : snapshots_in(dir)) {
-    if (step >= keep) break;
-    std::error_code ec;
-    fs::remove_all(snapshot_dir(dir, step), ec);
-    if (ec) log.warn("snapshots: could not remove {}: {}", snapshot_dir(dir, step), ec.message());
-  }
-}
-
 // Whether this host's memory has room for `need` bytes, and why not when it has not (`disk`:
 // where the snapshots go instead, for the message).
 bool memory_room(int rank, const std::string& memory, std::size_t need, const std::string& disk, spdlog::logger& log) {
@@ -288,12 +274,13 @@ void Runtime::snapshot_if_due() {
     if (due || written == float(I.world)) {
       wait_checkpoint();
       I.snapshots.started = 0;
-      // In memory the newest whole one stays (the one written next is the second buffer), pruned on
-      // each host by the rank that writes its index; on disk the newest `keep`, by rank 0.
-      if (I.snapshots.started_in_memory && (I.rank == 0 || I.snapshots.host_index))
-        prune_memory(I.snapshots.memory_dir, *I.log);
-      else if (!I.snapshots.started_in_memory && I.rank == 0)
-        prune(I.cfg.snapshot.dir, I.cfg.snapshot.keep, *I.log);
+      // In memory the newest complete one stays (the one written next is the second buffer),
+      // pruned on each host by the rank that writes its index there. Complete means every file is
+      // on two hosts (Note [Snapshots on the other host]); with more than two nodes no host holds
+      // it whole until a restart assembles it. On disk the newest `keep` stay, pruned by rank 0.
+      if (I.rank == 0 || (I.snapshots.started_in_memory && I.snapshots.host_index))
+        prune(I.snapshots.started_in_memory ? I.snapshots.memory_dir : I.cfg.snapshot.dir,
+              I.snapshots.started_in_memory ? 1 : I.cfg.snapshot.keep, *I.log);
     }
   }
   if (step % every != 0) return;

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <map>
 #include <optional>
 #include <random>
 
@@ -192,27 +193,25 @@ class Supervisor {
   void point_mirror(const std::vector<int>& before) {
     mirror_label_.clear();
     if (!mirror_) return;
-    auto address_of = [&](int k) {
+    std::map<int, std::string> address;  // the other nodes' copy ports
+    for (int k : members_) {
+      if (k == spec_.node_rank) continue;
       try {
-        return watch_->read("mirror/" + std::to_string(k));
+        if (auto a = watch_->read("mirror/" + std::to_string(k)); a != "none") address[k] = a;
       } catch (const Error& e) {
         say("snapshot copies: " + watch_->label(k) + " posted no address (" + e.what() + ")");
-        return std::string("none");
       }
-    };
-    std::string next_address;
+    }
     const auto me = std::find(members_.begin(), members_.end(), spec_.node_rank);
     const int next = members_.size() >= 2 ? *(std::next(me) == members_.end() ? members_.begin() : std::next(me)) : -1;
-    if (next >= 0 && (next_address = address_of(next)) != "none") mirror_label_ = watch_->label(next);
-    if (restart_ > 0 && members_.size() >= 2) {  // with two from the start a no-op: each host holds every file
+    if (address.count(next)) mirror_label_ = watch_->label(next);
+    if (restart_ > 0 && !address.empty()) {  // with two from the start a no-op: each host holds every file
       std::vector<std::string> peers;
-      for (int k : members_)
-        if (k != spec_.node_rank)
-          if (auto a = address_of(k); a != "none") peers.push_back(a);
+      for (const auto& [k, a] : address) peers.push_back(a);
       mirror_->assemble(peers);
     }
     const bool returned = next >= 0 && std::find(before.begin(), before.end(), next) == before.end();
-    mirror_->send_to(mirror_label_.empty() ? "" : next_address, mirror_label_, returned);
+    mirror_->send_to(mirror_label_.empty() ? "" : address[next], mirror_label_, returned);
     if (returned && !mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
       say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
   }

@@ -44,6 +44,14 @@ struct NodeInfo {
 // A posted failure says what kind it is: a rank failed on a node still there, or a node was lost.
 constexpr std::string_view kRankFailed = "rank|", kNodeLost = "lost|";
 
+// The nodes of the next generation in node 0's decision, "restart 0 2 3".
+std::vector<int> decided_nodes(const std::string& decision) {
+  std::vector<int> nodes;
+  std::istringstream in(decision.substr(std::string_view("restart").size()));
+  for (int k; in >> k;) nodes.push_back(k);
+  return nodes;
+}
+
 std::pair<std::string, bool> parse_failure(const std::string& posted) {  // (words, a node was lost)
   if (posted.rfind(kNodeLost, 0) == 0) return {posted.substr(kNodeLost.size()), true};
   if (posted.rfind(kRankFailed, 0) == 0) return {posted.substr(kRankFailed.size()), false};
@@ -88,9 +96,10 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
   main_->set_timeout(o_.heartbeat_timeout);
 
   // Note [Rejoining]: a node left out at a restart may claim its rank again, once.
-  const bool rejoining = main_->add(key("claim/" + me), 1) > 1 && o_.min_nnodes > 0 && main_->check({key("left/" + me)}) &&
-                         main_->add(key("rejoin-claim/" + me), 1) == 1;
-  if (!rejoining && main_->add(key("claim/" + me), 0) > 1) {
+  const bool taken = main_->add(key("claim/" + me), 1) > 1;
+  const bool rejoining =
+      taken && o_.min_nnodes > 0 && main_->check({key("left/" + me)}) && main_->add(key("rejoin-claim/" + me), 1) == 1;
+  if (taken && !rejoining) {
     std::string holder = "another launcher";
     if (main_->check({key("node/" + me)})) holder = "host " + NodeInfo::parse(main_->get(key("node/" + me))).host;
     throw UsageError("rendezvous: node rank " + me + " is already taken by " + holder +
@@ -185,9 +194,7 @@ void NodeWatch::wait_to_rejoin(clock::time_point deadline, const std::function<b
       std::this_thread::sleep_for(milliseconds(50));
     }
     joined_at_ = std::stoi(main_->get(key("joined/" + me)));
-    std::istringstream in(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")).substr(7));
-    members_.clear();
-    for (int k; in >> k;) members_.push_back(k);
+    members_ = decided_nodes(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")));
   } catch (const CommError& e) {
     throw Error("rejoining: " + label(0) + "'s store went away (" + std::string(e.what()) + "): the job ended before a restart took " +
                 label(o_.node_rank) + " back in");
@@ -501,9 +508,7 @@ std::optional<std::vector<int>> NodeWatch::decide_restart(bool want, millisecond
     why_not = decision.substr(decision.find(' ') + 1);
     return std::nullopt;
   }
-  std::vector<int> next;
-  std::istringstream in(decision.substr(7));
-  for (int k; in >> k;) next.push_back(k);
+  const std::vector<int> next = decided_nodes(decision);
   if (std::find(next.begin(), next.end(), o_.node_rank) == next.end()) {
     why_not = "this node was left out of the next generation: lost for longer than --rejoin-timeout (the others go on without it)";
     return std::nullopt;

@@ -342,13 +342,11 @@ bool SnapshotMirror::assemble(const std::vector<std::string>& peers) {
     bool got = false;
     for (const auto& peer : peers) {
       if (stopping_) return false;
-      const auto colon = peer.rfind(':');
-      const sockaddr_in a = ipv4(peer.substr(0, colon), std::uint16_t(std::stoi(peer.substr(colon + 1))));
-      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      set_io_timeouts(fd);
+      std::string why;
+      const int fd = connect_to(peer, why);
+      if (fd < 0) continue;
       std::uint64_t size = kGet;
-      bool ok = connect_within(fd, a, wake_fd_) && send_all(fd, &kMagic, 4) && send_string(fd, token_) && send_string(fd, rel) &&
-                send_all(fd, &kGet, 8) && recv_all(fd, &size, 8);
+      bool ok = send_string(fd, rel) && send_all(fd, &kGet, 8) && recv_all(fd, &size, 8);
       if (ok && size != kGet && size <= kMaxFile) got = keep_file(fd, rel, size, ok);
       ::close(fd);
       if (got) break;
@@ -404,70 +402,74 @@ bool SnapshotMirror::send_round() {
   if (!seeding)
     std::stable_sort(todo.begin(), todo.end(), [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
 
-  auto fail = [&](const std::string& why) {
-    std::lock_guard lock(mu_);
-    if (peer_fd_ >= 0) ::close(peer_fd_);
-    peer_fd_ = -1;
-    if (!failing_ && !stopping_) say_("snapshot copies to " + label + " failed (" + why + "); retrying");
-    failing_ = true;
-    return false;
-  };
   int fd;
   {
     std::lock_guard lock(mu_);
     if (peer_ != peer) return true;  // changed meanwhile: look again
-    if (peer_fd_ >= 0 && connected_to_ != peer) {
-      ::close(peer_fd_);
-      peer_fd_ = -1;
-    }
+    if (peer_fd_ >= 0 && connected_to_ != peer) drop_connection();
     fd = peer_fd_;
   }
+  std::string why;
   if (fd < 0) {
-    const auto colon = peer.rfind(':');
-    const sockaddr_in a = ipv4(peer.substr(0, colon), std::uint16_t(std::stoi(peer.substr(colon + 1))));
-    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    set_io_timeouts(fd);
-    {
-      std::lock_guard lock(mu_);
-      if (stopping_) {
-        ::close(fd);
-        return false;
-      }
-      peer_fd_ = fd;  // from here the destructor can shut it down
-      connected_to_ = peer;
-    }
-    if (!connect_within(fd, a, wake_fd_)) {
-      const std::string why = std::strerror(errno);
-      fail("connecting to " + peer + ": " + why);
-      pollfd p{wake_fd_, POLLIN, 0};
-      ::poll(&p, 1, 200);
+    fd = connect_to(peer, why);
+    std::lock_guard lock(mu_);
+    if (fd >= 0 && stopping_) {
+      ::close(fd);
       return false;
     }
-    if (!send_all(fd, &kMagic, 4) || !send_string(fd, token_)) return fail("greeting " + peer);
+    peer_fd_ = fd;  // from here the destructor can shut it down
+    connected_to_ = peer;
   }
-  if (!send_files(fd, todo, label)) {
+  if (fd >= 0 && send_files(fd, todo, label, why)) {
     std::lock_guard lock(mu_);
-    if (peer_fd_ >= 0) ::close(peer_fd_);
-    peer_fd_ = -1;
-    return false;
+    if (seeding && peer_ == peer) {
+      seed_ = false;
+      seeded_.notify_all();
+    }
+    if (failing_) say_("snapshot copies to " + label + " go through again");
+    failing_ = false;
+    return true;
   }
-  std::lock_guard lock(mu_);
-  if (seeding && peer_ == peer) {
-    seed_ = false;
-    seeded_.notify_all();
-  }
-  if (failing_) say_("snapshot copies to " + label + " go through again");
-  failing_ = false;
-  return true;
-}
-
-// Sends each file, waits for its acknowledgement and marks a shard file as copied. False (said
-// once per failure streak) when the connection failed.
-bool SnapshotMirror::send_files(int fd, const std::vector<std::string>& rels, const std::string& label) {
-  auto fail = [&](const std::string& why) {
+  {
     std::lock_guard lock(mu_);
+    drop_connection();
     if (!failing_ && !stopping_) say_("snapshot copies to " + label + " failed (" + why + "); retrying");
     failing_ = true;
+  }
+  pollfd p{wake_fd_, POLLIN, 0};
+  ::poll(&p, 1, 200);  // a peer that is not there yet (or gone): not every 20 ms
+  return false;
+}
+
+// "ip:port" connected and greeted with the job's token, or -1 with `why`. The wait for the
+// connection ends early when the mirror is being destroyed.
+int SnapshotMirror::connect_to(const std::string& peer, std::string& why) {
+  const auto colon = peer.rfind(':');
+  const sockaddr_in a = ipv4(peer.substr(0, colon), std::uint16_t(std::stoi(peer.substr(colon + 1))));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  set_io_timeouts(fd);
+  if (!connect_within(fd, a, wake_fd_)) {
+    why = "connecting to " + peer + ": " + std::strerror(errno);
+  } else if (!send_all(fd, &kMagic, 4) || !send_string(fd, token_)) {
+    why = "greeting " + peer;
+  } else {
+    return fd;
+  }
+  ::close(fd);
+  return -1;
+}
+
+// Under mu_: the sender's connection goes (the next round connects anew).
+void SnapshotMirror::drop_connection() {
+  if (peer_fd_ >= 0) ::close(peer_fd_);
+  peer_fd_ = -1;
+}
+
+// Sends each file, waits for its acknowledgement and marks a shard file as copied. False, with
+// `why`, when one did not get through.
+bool SnapshotMirror::send_files(int fd, const std::vector<std::string>& rels, const std::string& label, std::string& why) {
+  auto fail = [&](const std::string& what) {
+    why = what;
     return false;
   };
   for (const auto& rel : rels) {
