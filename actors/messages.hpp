@@ -41,6 +41,7 @@
 
 #include "runtime/core/bucket_collectives.hpp"
 #include "runtime/core/failure.hpp"
+#include "shardflow/actor.hpp"  // the trainer-facing messages; CollectiveOp as a message type
 
 namespace shardflow {
 struct OptimizerGroups;
@@ -50,7 +51,6 @@ struct OptimizerGroups;
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::OptimizerGroups>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<const shardflow::BucketCollectives>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveIssue)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveOp)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveDone)
 
 namespace shardflow::msg {

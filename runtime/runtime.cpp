@@ -3,6 +3,7 @@
 // actors (actors/messages.hpp), which this file only spawns and feeds.
 #include <caf/all.hpp>
 
+#include "actors/rank_actor.hpp"
 #include "runtime/process/fault_injection.hpp"
 #include "runtime/runtime_impl.hpp"
 #include "shardflow/launch.hpp"
@@ -44,10 +45,13 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   }
   I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
   I.collectives->set_timeline(I.timeline);
+  I.rank_actor_h = spawn_rank_actor(I.actors->system(), *this);
 }
 
 Runtime::~Runtime() {
   auto& I = *impl_;
+  // First, so that nothing runs on the rank actor's thread while the rest goes.
+  stop_rank_actor(I.actors->system(), I.rank_actor_h);
   I.saves.finish_writer();
   if (I.prefetching() && !I.failed.load() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
@@ -272,25 +276,37 @@ void Runtime::finish_backward() {
   I.phase.store(Impl::Phase::reducing, std::memory_order_release);
 }
 
+// Note [The rank actor]
+// Every wait of the blocking API is a request to the rank actor (actors/rank_actor.cpp), asked
+// from a scoped actor on the trainer's thread: the same request a trainer made of actors sends,
+// answered by the same response promise. wait() is split around the completion: begin_wait() hands
+// the pass over, the rank actor holds the promise until the IterationSignal has counted what the
+// pass needs (told by its on_done, no thread parked on it), then end_wait() does the bookkeeping
+// between iterations (rebuild, static graph, snapshot), whose small collectives run on the rank
+// actor's own thread, never on a scheduler thread. A trainer thread only blocks in receive().
+
 void Runtime::wait() {
+  impl_->ask<rank_api::step_done_atom, std::uint64_t>("wait()", rank_api::iteration_atom::value);
+}
+
+bool Runtime::begin_wait() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
-  if (!I.require_sync.load()) {
-    finish_backward();  // closes the accumulation pass
-    return;
-  }
   finish_backward();
+  if (!I.require_sync.load()) return false;  // an accumulation pass: nothing went out
   ++I.signal_target;
-  const bool prefetching = I.prefetching();
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
-  // this one finishes while the next forward runs (Note [Forward prefetch]).
-  I.blocked("wait (iteration)", -1, [&] {
-    I.await_iterations(prefetching ? I.signal_target - 1 : I.signal_target);
-    // The next forward reads and updates the buffers, and the trainer may ask for the unused
-    // parameters: the entries handed over at the end of backward must be done, prefetch or not.
-    if (prefetching) I.await_handed(I.signal_target);
-  });
+  // this one finishes while the next forward runs (Note [Forward prefetch]). The next forward
+  // reads and updates the buffers, and the trainer may ask for the unused parameters: the entries
+  // handed over at the end of backward must be done, prefetch or not.
+  I.wait_prefetching = I.prefetching();
+  return true;
+}
+
+void Runtime::end_wait() {
+  auto& I = *impl_;
+  const bool prefetching = I.wait_prefetching;
   // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
   if (I.shard && !prefetching) I.shard->join_compute();
   if (!I.cfg.buckets.gradient_as_bucket_view && !I.shard) {
@@ -335,56 +351,61 @@ void Runtime::wait() {
 }
 
 void Runtime::wait_param(Param p) {
+  // Most parameters are ready when forward reaches them: no message for those.
+  if (param_bucket_to_await(p) == ~0u) return;
+  impl_->ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
+}
+
+std::uint32_t Runtime::param_bucket_to_await(Param p) {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
   const auto b = I.plan.where[I.check_handle(p, "wait_param")].bucket;
-  if (b == ~0u) return;  // frozen: nothing ever changes it
+  if (b == ~0u) return ~0u;  // frozen: nothing ever changes it
   if (I.observing_forward()) I.note_forward_use(b);
-  if (!I.prefetching()) return;  // wait() waited for everything
-  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
-  const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.signal_target, deadline); });
-  I.check_outcome(outcome, I.signal_target,
-                  "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
+  if (!I.prefetching()) return ~0u;  // wait() waited for everything
+  if (!I.signal->done(b, I.signal_target)) return b;
   if (I.shard) I.shard->join_bucket(b);  // GPU: the compute stream waits for the bucket's update
+  return ~0u;
 }
 
 void Runtime::wait_all_params() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
-  if (I.prefetching()) {
-    I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.signal_target); });
-    if (I.shard) I.shard->join_compute();
-  }
+  if (!I.prefetching()) return;
+  I.ask<rank_api::all_params_atom>("wait_all_params()", rank_api::all_params_atom::value);
 }
 
 std::future<void> Runtime::collective(CollectiveOp op) {
-  auto& I = *impl_;
-  I.ensure_finalized();
-  I.throw_if_failed();
-  if (I.in_pass())
-    throw UsageError("Runtime::collective ('" + op.tag + "') on rank " + std::to_string(I.rank) +
-                     " in the middle of a synchronised backward pass: call it between wait() and the next backward");
   auto promise = std::make_shared<std::promise<void>>();
   auto future = promise->get_future();
+  impl_->trainer_collective(std::move(op), [promise](std::exception_ptr e) { e ? promise->set_exception(e) : promise->set_value(); });
+  return future;
+}
+
+void Runtime::Impl::trainer_collective(CollectiveOp op, CollectiveDone on_done) {
+  ensure_finalized();
+  throw_if_failed();
+  if (in_pass())
+    throw UsageError("Runtime::collective ('" + op.tag + "') on rank " + std::to_string(rank) +
+                     " in the middle of a synchronised backward pass: call it between wait() and the next backward");
   {
-    std::lock_guard lock(I.trainer_ops->mu);
-    ++I.trainer_ops->outstanding;
+    std::lock_guard lock(trainer_ops->mu);
+    ++trainer_ops->outstanding;
   }
-  CollectiveDone done = [promise, ops = I.trainer_ops](std::exception_ptr e) {
-    e ? promise->set_exception(e) : promise->set_value();
+  CollectiveDone done = [on_done = std::move(on_done), ops = trainer_ops](std::exception_ptr e) {
+    on_done(e);
     std::lock_guard lock(ops->mu);
     if (--ops->outstanding == 0) ops->cv.notify_all();
   };
-  if (I.world == 1 || !I.comm_actor_h) {
-    I.collectives->record(op);
-    I.comm->submit(std::move(op), std::move(done));
+  if (world == 1 || !comm_actor_h) {
+    collectives->record(op);
+    comm->submit(std::move(op), std::move(done));
   } else {
-    // The comm stream numbers iterations as I.iterations does: the next one to go out is this.
-    caf::anon_send(I.comm_actor_h, msg::trainer_op_atom::value, std::uint64_t(I.iterations), std::move(op), std::move(done));
+    // The comm stream numbers iterations as `iterations` does: the next one to go out is this.
+    caf::anon_send(comm_actor_h, msg::trainer_op_atom::value, std::uint64_t(iterations), std::move(op), std::move(done));
   }
-  return future;
 }
 
 void Runtime::set_require_sync(bool sync) {

@@ -33,6 +33,7 @@
 #include "runtime/core/iteration_signal.hpp"
 #include "runtime/observe/logging.hpp"
 #include "runtime/core/param_registry.hpp"
+#include "runtime/core/rank_events.hpp"
 #include "runtime/zero/shard.hpp"
 #include "runtime/plans/shard_plan.hpp"
 #include "runtime/observe/timeline.hpp"
@@ -93,25 +94,60 @@ struct Runtime::Impl {
   std::shared_ptr<Timeline> timeline;
   std::size_t done_in_backward = 0;  // buckets complete when finish_backward ran (stats)
 
-  // A trainer-thread wait on the runtime: exposed time (stats) and a span on the compute lane.
+  // A wait on the runtime that began at t0 and ends now: exposed time (stats) and a span on the
+  // compute lane (nothing when it did not block).
+  void blocked_since(const char* what, std::int64_t bucket, Timeline::Time t0) const {
+    const auto t1 = Timeline::now();
+    if (t1 - t0 < 5) return;  // did not block
+    timeline->stats().blocked(t0, t1);
+    timeline->span(what, "wait", Lane::compute, t0, t1, SpanArgs{bucket, -1, nullptr, std::int64_t(iterations), -1});
+  }
   template <class F>
   auto blocked(const char* what, std::int64_t bucket, F&& f) {
-    const auto t0 = Timeline::now();
     struct Done {
-      Timeline& tl;
+      const Impl& I;
       const char* what;
       std::int64_t bucket;
       Timeline::Time t0;
-      std::uint64_t it;
-      ~Done() {
-        const auto t1 = Timeline::now();
-        if (t1 - t0 < 5) return;  // did not block
-        tl.stats().blocked(t0, t1);
-        tl.span(what, "wait", Lane::compute, t0, t1, SpanArgs{bucket, -1, nullptr, std::int64_t(it), -1});
-      }
-    } done{*timeline, what, bucket, t0, iterations};
+      ~Done() { I.blocked_since(what, bucket, t0); }
+    } done{*this, what, bucket, Timeline::now()};
     return f();
   }
+
+  // ---- Note [The rank actor] (actors/rank_actor.cpp) ------------------------------------------
+  rank_api::actor rank_actor_h;  // spawned with the Runtime, stopped first when it goes
+  std::shared_ptr<RankEvents> subscribers = std::make_shared<RankEvents>();
+  std::atomic<std::thread::id> rank_thread{};  // the rank actor's own thread
+  bool wait_prefetching = false;  // how the pending wait() started (begin_wait)
+  // A blocking call: the request a trainer actor would send, asked from a scoped actor on the
+  // calling thread; the answer's error rethrown as the exception it stands for.
+  template <class... Reply, class... Ts>
+  void ask(const char* what, Ts&&... xs) {
+    if (std::this_thread::get_id() == rank_thread.load(std::memory_order_relaxed))
+      throw UsageError(std::string("Runtime::") + what + " on rank " + std::to_string(rank) +
+                       " from a rank_api::RankCall: it runs on the rank actor's thread, which answers that wait; send the "
+                       "request to the rank actor instead");
+    caf::scoped_actor self{actors->system()};
+    bool answered = false;
+    caf::error error;
+    self->request(rank_actor_h, caf::infinite, std::forward<Ts>(xs)...)
+        .receive([&](Reply...) { answered = true; }, [&](caf::error& e) { error = std::move(e); });
+    if (!answered) rethrow(error);
+  }
+  [[noreturn]] void rethrow(const caf::error& e) {
+    throw_if_failed();  // the failure as it was thrown, its type kept
+    shardflow::rethrow(e);
+  }
+  // Without blocking: has the signal counted what the pass handed over for `target` needs (the
+  // previous iteration and the handed entries when prefetching)? Throws the run's failure.
+  bool pass_complete(std::uint64_t target, bool prefetching_wait);
+  // A wait's deadline passed: the TimeoutError naming what is still pending.
+  [[noreturn]] void pass_timed_out(std::uint64_t target, const std::string& what);
+  // Runtime::collective's work, `on_done` told on the comm stream's thread.
+  void trainer_collective(CollectiveOp op, CollectiveDone on_done);
+  // What the signal of a plan starting at `first_iteration` does on each completion: the
+  // subscribers' events and a word to the rank actor.
+  IterationSignal::OnDone signal_listener(std::uint64_t first_iteration) const;
 
   // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
   // observed order is appended through an atomic cursor.

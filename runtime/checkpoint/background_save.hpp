@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@ namespace shardflow {
 struct BackgroundSaveState {
   struct Pending {
     std::string dir;
+    std::uint64_t step = 0;  // synchronised iterations from the start of training when it was taken
     std::string index;  // the index as of the save, on the rank that writes it (rank 0; Note [Snapshots on the other host])
     std::string mirrored_marker;  // exists once the other host holds this rank's file; empty: no copy awaited
     std::thread writer;

@@ -97,14 +97,14 @@ bool await_copy(const std::string& marker, std::chrono::milliseconds limit) {
 void Runtime::save_sharded_checkpoint(const std::string& dir) {
   // The synchronous save is the background one, waited for: one path to get right.
   save_sharded_checkpoint_async(dir);
-  wait_checkpoint();
+  finish_checkpoint();
 }
 
 void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto& I = *impl_;
   if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
   checkpoint_entry(I, *this, "save_sharded_checkpoint");
-  if (I.saves.pending) wait_checkpoint();  // one save in flight at a time
+  if (I.saves.pending) finish_checkpoint();  // one save in flight at a time
   const auto& params = I.registry.params();
   const Coordinates at(params);
   const Shard* shard = I.shard.get();
@@ -120,6 +120,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
   auto pending = std::make_unique<BackgroundSaveState::Pending>();
   pending->dir = dir;
+  pending->step = I.snapshots.base + I.iterations;
   const bool mirrored = std::exchange(I.saves.next_mirrored, false), host_index = std::exchange(I.saves.next_host_index, false);
   // The index as of this save (rank 0), written by wait_checkpoint once every shard is on disk:
   // the step count and the plan are this moment's, whatever training does meanwhile. Every rank
@@ -228,7 +229,13 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   I.saves.pending = std::move(pending);
 }
 
+// A request to the rank actor (Note [The rank actor]), which runs finish_checkpoint() on its thread.
 void Runtime::wait_checkpoint() {
+  if (!impl_->saves.pending) return;
+  impl_->ask<rank_api::checkpoint_done_atom, std::string, std::uint64_t>("wait_checkpoint()", rank_api::checkpoint_atom::value);
+}
+
+void Runtime::finish_checkpoint() {
   auto& I = *impl_;
   if (!I.saves.pending) return;
   auto pending = std::move(I.saves.pending);
@@ -238,6 +245,7 @@ void Runtime::wait_checkpoint() {
                 "a restart after this host's loss resumes from an older one (or the disk's)",
                 pending->dir, I.rank, I.snapshots.mirror, std::chrono::duration_cast<std::chrono::seconds>(I.cfg.timeouts.collective).count());
   finish_sharded_checkpoint(pending->dir, pending->index, pending->failure, pending->slices);
+  I.subscribers->checkpoint_done(pending->dir, pending->step);
 }
 
 void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& written, std::size_t slices) {

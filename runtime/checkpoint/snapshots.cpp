@@ -272,7 +272,7 @@ void Runtime::snapshot_if_due() {
     float written = I.saves.pending->written.load(std::memory_order_acquire) && (marker.empty() || fs::exists(marker, ec)) ? 1.0f : 0.0f;
     if (!due) I.control_collective(CollectiveKind::allreduce, &written, 1, "snapshot: every rank's files written");
     if (due || written == float(I.world)) {
-      wait_checkpoint();
+      finish_checkpoint();
       I.snapshots.started = 0;
       // In memory the newest complete one stays (the one written next is the second buffer),
       // pruned on each host by the rank that writes its index there. Complete means every file is

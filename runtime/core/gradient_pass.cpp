@@ -92,6 +92,21 @@ void Runtime::Impl::await_handed(std::uint64_t target) {
       check_outcome(signal->wait_bucket(i, target, deadline), target, "iteration " + std::to_string(iterations));
 }
 
+bool Runtime::Impl::pass_complete(std::uint64_t target, bool prefetching_wait) {
+  const std::uint64_t need = prefetching_wait ? target - 1 : target;
+  if (signal->failure()) check_outcome(IterationSignal::Outcome::failed, need, "");
+  if (!signal->pending(need).empty()) return false;
+  if (prefetching_wait)
+    for (auto kind : {ScheduledCollective::unused, ScheduledCollective::buffers})
+      if (const auto i = signal_index(kind); i != ~0u && !signal->done(i, target)) return false;
+  return true;
+}
+
+void Runtime::Impl::pass_timed_out(std::uint64_t target, const std::string& what) {
+  check_outcome(IterationSignal::Outcome::timed_out, target, what);
+  throw TimeoutError(what);  // not reached: check_outcome throws
+}
+
 void Runtime::Impl::check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what) {
   switch (outcome) {
     case IterationSignal::Outcome::complete:

@@ -7,6 +7,8 @@
 // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
 // one-time cost of one all-reduce of the parameter count per state slot.
 #include "runtime/runtime_impl.hpp"
+
+#include "actors/rank_actor.hpp"
 #include "runtime/process/fault_injection.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "actors/bucket_actor.hpp"
@@ -198,7 +200,8 @@ void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begi
 void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   auto& sys = actors->system();
   // The trainer's entries (used counts, buffers) count in the signal after the buckets.
-  signal = std::make_shared<IterationSignal>(plan.buckets.size() + (finds_unused() ? 1 : 0) + (syncs_buffers() ? 1 : 0));
+  signal = std::make_shared<IterationSignal>(plan.buckets.size() + (finds_unused() ? 1 : 0) + (syncs_buffers() ? 1 : 0),
+                                             signal_listener(first_iteration));
   signal_target = 0;
   const std::map<ScheduledCollective::Kind, std::uint32_t> handed{{ScheduledCollective::unused, signal_index(ScheduledCollective::unused)},
                                                                    {ScheduledCollective::buffers, signal_index(ScheduledCollective::buffers)}};
@@ -220,6 +223,24 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   for (const auto& bk : plan.buckets)
     bucket_actors.push_back(sys.spawn(bucket_actor, std::make_shared<const BucketCollectives>(bk.index, sources),
                                       std::uint32_t(bk.entries.size()), comm_actor_h, shard_actor_h, signal));
+}
+
+IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_iteration) const {
+  // Parameters are ready per bucket only where the runtime steps them (a DDP bucket's completion
+  // is its reduced gradients, announced with the iteration).
+  const std::size_t param_buckets = shard ? plan.buckets.size() : 0;
+  return [poke = rank_actor_poke(rank_actor_h), events = subscribers, param_buckets, first_iteration](
+             std::uint32_t b, std::uint64_t count, const BucketFailure& f) {
+    if (f)
+      events->failed(make_error(f.kind == BucketFailure::timeout    ? errc::timeout
+                                : f.kind == BucketFailure::mismatch ? errc::mismatch
+                                : f.kind == BucketFailure::usage    ? errc::usage
+                                                                    : errc::comm,
+                                f.what));
+    else if (b < param_buckets)
+      events->params_ready(b, first_iteration + count);
+    poke();
+  };
 }
 
 void Runtime::Impl::stop_actors() {

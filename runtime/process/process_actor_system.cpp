@@ -1,6 +1,7 @@
 #include "runtime/process/process_actor_system.hpp"
 
 #include "runtime/process/thread_priority.hpp"
+#include "shardflow/actor.hpp"
 
 #include <caf/all.hpp>
 
@@ -33,6 +34,12 @@ ProcessActorSystem::ProcessActorSystem(unsigned threads) {
   // CAF would otherwise read caf-application.ini from the working directory.
   config_.set("logger.console", caf::atom("none"));
   config_.add_thread_hook<RuntimeThreadHook>();
+  // The rank actor's answers (shardflow/actor.hpp) print as "shardflow: timeout (rank 1: ...)".
+  // (CAF 0.17's add_error_category<T> does not compile: the renderer is given as a function.)
+  config_.add_error_category(caf::atom("shardflow"), [](std::uint8_t code, caf::atom_value, const caf::message& context) {
+    const auto text = context.match_elements<std::string>() ? context.get_as<std::string>(0) : caf::to_string(context);
+    return "shardflow: " + to_string(static_cast<errc>(code)) + " (" + text + ")";
+  });
   system_ = std::make_unique<caf::actor_system>(config_);
 }
 

@@ -367,6 +367,13 @@ class Runtime {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  // The rank actor (shardflow/actor.hpp, actors/rank_actor.cpp) runs the halves of the waits below
+  // around the completions it is told of; the public waits ask it (Note [The rank actor]).
+  friend struct RankActorAccess;
+  bool begin_wait();  // the pass handed over; false for an accumulation pass (nothing to await)
+  void end_wait();    // after the completion: the bookkeeping before the next iteration
+  std::uint32_t param_bucket_to_await(Param p);  // ~0u: p holds its update (forward's use noted)
+  void finish_checkpoint();  // the pending background save onto disk (wait_checkpoint's work)
   void load_sharded_checkpoint(const std::string& index_path);
   void finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& failure, std::size_t slices);
   void snapshot_if_due();  // at the end of a synchronised iteration (Note [Snapshots])

@@ -1,0 +1,356 @@
+// Note [The rank actor]
+// One per Runtime: the typed interface of shardflow/actor.hpp, and what the blocking API's waits
+// ask (runtime.cpp). A wait is a response promise held here, not a parked thread:
+//   - iteration: begin_wait() hands the pass over; the promise waits until the IterationSignal
+//     has counted what the pass needs (Impl::pass_complete), then end_wait() prepares the next
+//     iteration and the answer goes out with the iteration number (and step_done to subscribers);
+//   - params_ready(p): until p's bucket holds its update (forward prefetch);
+//   - all_params: until every update landed.
+// The signal tells this actor of each completion (a poke, IterationSignal's on_done); every wait
+// has a deadline (Config::timeouts.collective + 5 s) after which it is answered with the
+// TimeoutError naming the buckets still pending.
+//
+// The actor is detached (a thread of its own), for two reasons. What it runs between iterations
+// includes small blocking collectives (the bucket rebuild's broadcast, a snapshot's verdicts,
+// finalize in a RankCall), and these wait for the other ranks' rank actors: on a scheduler of one
+// worker thread, one rank blocked there would stop every other rank's actors, itself included.
+// And stage 2's backpressure in grad() waits for a bucket buffer; here that wait holds this
+// rank's thread only, while the scheduler keeps running the actors that free the buffer.
+#include "actors/rank_actor.hpp"
+
+#include <caf/all.hpp>
+
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "runtime/runtime_impl.hpp"
+
+namespace shardflow {
+
+struct RankActorAccess {
+  static Runtime::Impl& impl(Runtime& rt) { return *rt.impl_; }
+  static bool begin_wait(Runtime& rt) { return rt.begin_wait(); }
+  static void end_wait(Runtime& rt) { rt.end_wait(); }
+  static std::uint32_t param_bucket_to_await(Runtime& rt, Param p) { return rt.param_bucket_to_await(p); }
+  static void finish_checkpoint(Runtime& rt) { rt.finish_checkpoint(); }
+};
+
+namespace {
+
+using poke_atom = caf::atom_constant<caf::atom("sf_poke")>;
+using deadline_atom = caf::atom_constant<caf::atom("sf_dline")>;
+using collective_done_atom = caf::atom_constant<caf::atom("sf_cdone")>;
+
+// The public interface and the messages only the runtime sends it.
+using rank_actor_impl = rank_api::actor::extend<caf::reacts_to<poke_atom>, caf::reacts_to<deadline_atom, std::uint64_t>,
+                                                caf::reacts_to<collective_done_atom, std::uint64_t, caf::error>>;
+
+template <class... Ts>
+using promise_of = caf::typed_response_promise<Ts...>;
+
+struct RankActorState {
+  Runtime* rt = nullptr;
+  std::uint64_t next_id = 0;  // names a wait for its deadline
+  struct IterationWait {
+    promise_of<rank_api::step_done_atom, std::uint64_t> rp;
+    std::uint64_t id;
+    Timeline::Time t0;
+  };
+  std::optional<IterationWait> iteration;
+  struct ParamWait {
+    promise_of<rank_api::params_ready_atom, Param> rp;
+    Param p;
+    std::uint32_t bucket;
+    std::uint64_t target;
+    std::uint64_t id;
+    Timeline::Time t0;
+  };
+  std::vector<ParamWait> params;
+  struct AllWait {
+    promise_of<rank_api::all_params_atom> rp;
+    std::uint64_t target;
+    std::uint64_t id;
+    Timeline::Time t0;
+  };
+  std::vector<AllWait> all;
+  struct CollectiveWait {
+    promise_of<rank_api::collective_atom, std::string> rp;
+    std::string tag;
+  };
+  std::map<std::uint64_t, CollectiveWait> collectives;
+  bool waiting() const { return iteration || !params.empty() || !all.empty(); }
+  static inline const char* name = "rank";
+};
+using self_ptr = rank_actor_impl::stateful_pointer<RankActorState>;
+
+caf::error error_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return to_error(x);
+  } catch (...) {
+    return make_error(errc::error, "an exception that is not a std::exception");
+  }
+}
+
+// Every waiting request gets the error; the subscribers hear it once.
+void fail_waits(self_ptr self, const caf::error& e) {
+  auto& st = self->state;
+  if (st.iteration) st.iteration->rp.deliver(e);
+  st.iteration.reset();
+  for (auto& w : st.params) w.rp.deliver(e);
+  st.params.clear();
+  for (auto& w : st.all) w.rp.deliver(e);
+  st.all.clear();
+  RankActorAccess::impl(*st.rt).subscribers->failed(e);
+}
+
+// A message nobody answers failed (a bad grad_ready): the rank fails as a failed collective fails
+// it, so that the error reaches the trainer at its next request, the subscribers now, and the
+// peers through the abort instead of at their timeout.
+void fail_rank(self_ptr self, const std::exception& e) {
+  auto& I = RankActorAccess::impl(*self->state.rt);
+  I.log->error("{}", e.what());
+  {
+    std::lock_guard lock(I.fail_mu);
+    if (!I.failure) I.failure = std::current_exception();
+  }
+  I.failed.store(true, std::memory_order_release);
+  I.comm->abort(e.what());
+  fail_waits(self, to_error(e));
+}
+
+// Answers what the signal now allows.
+void check(self_ptr self) {
+  auto& st = self->state;
+  if (!st.waiting()) return;  // between iterations the trainer may be re-planning: nothing to read
+  auto& rt = *st.rt;
+  auto& I = RankActorAccess::impl(rt);
+  try {
+    if (st.iteration && I.pass_complete(I.signal_target, I.wait_prefetching)) {
+      I.blocked_since("wait (iteration)", -1, st.iteration->t0);
+      RankActorAccess::end_wait(rt);  // a failure here is the waiting request's (still pending)
+      auto rp = st.iteration->rp;
+      st.iteration.reset();
+      rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
+      I.subscribers->step_done(I.iterations);
+    }
+    for (auto it = st.params.begin(); it != st.params.end();) {
+      if (I.signal->failure()) I.pass_complete(it->target, false);  // throws the failure
+      if (!I.signal->done(it->bucket, it->target)) {
+        ++it;
+        continue;
+      }
+      I.blocked_since("wait_param", it->bucket, it->t0);
+      if (I.shard) I.shard->join_bucket(it->bucket);  // GPU: the compute stream waits for the update
+      it->rp.deliver(rank_api::params_ready_atom::value, it->p);
+      it = st.params.erase(it);
+    }
+    for (auto it = st.all.begin(); it != st.all.end();) {
+      if (!I.pass_complete(it->target, false)) {
+        ++it;
+        continue;
+      }
+      I.blocked_since("wait_all_params", -1, it->t0);
+      if (I.shard) I.shard->join_compute();
+      it->rp.deliver(rank_api::all_params_atom::value);
+      it = st.all.erase(it);
+    }
+  } catch (const std::exception& e) {
+    fail_waits(self, to_error(e));
+  }
+}
+
+void arm_deadline(self_ptr self, std::uint64_t id) {
+  const auto& I = RankActorAccess::impl(*self->state.rt);
+  self->delayed_send(self, I.cfg.timeouts.collective + std::chrono::seconds(5), deadline_atom::value, id);
+}
+
+rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
+  self->state.rt = rt;
+  auto& I = RankActorAccess::impl(*rt);
+  auto& st = self->state;
+  // A blocking wait asked from a RankCall would wait for this very actor (Impl::ask refuses it).
+  auto here = [&I] { I.rank_thread.store(std::this_thread::get_id(), std::memory_order_relaxed); };
+  // A message without an answer: its error fails the rank.
+  auto unanswered = [self, here](auto&& f) {
+    here();
+    try {
+      f();
+    } catch (const std::exception& e) {
+      fail_rank(self, e);
+    }
+  };
+  return {
+      [=, &I](rank_api::call_atom, rank_api::RankCall& f) -> caf::result<rank_api::call_atom> {
+        here();
+        try {
+          if (!f) throw UsageError("rank_api::call_atom on rank " + std::to_string(I.rank) + ": the RankCall is empty");
+          f(*rt);
+          return rank_api::call_atom::value;
+        } catch (const std::exception& e) {
+          return to_error(e);
+        }
+      },
+      [=](rank_api::grad_atom, Param p) -> caf::result<GradSlot> {
+        here();
+        try {
+          return GradSlot{p, rt->grad(p)};  // stage 2's backpressure waits here, on this rank's thread
+        } catch (const std::exception& e) {
+          return to_error(e);
+        }
+      },
+      [=](rank_api::grad_ready_atom, Param p) { unanswered([&] { rt->grad_ready(p); }); },
+      [=](rank_api::grads_ready_atom, std::uint64_t offset, std::uint64_t count) {
+        unanswered([&] { rt->grads_ready(std::size_t(offset), std::size_t(count)); });
+      },
+      [=](rank_api::zero_grad_atom) { unanswered([&] { rt->zero_grad(); }); },
+      [=](rank_api::require_sync_atom, bool sync) { unanswered([&] { rt->set_require_sync(sync); }); },
+      [=, &I, &st](rank_api::iteration_atom) {
+        here();
+        auto rp = self->make_response_promise<rank_api::step_done_atom, std::uint64_t>();
+        if (st.iteration) {
+          rp.deliver(make_error(errc::usage, "rank " + std::to_string(I.rank) + ": an iteration was asked for while iteration " +
+                                                 std::to_string(I.iterations) + " is still pending; ask once per backward pass"));
+          return rp;
+        }
+        const auto t0 = Timeline::now();
+        try {
+          if (!RankActorAccess::begin_wait(*rt)) {  // accumulation: nothing went out
+            rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
+            return rp;
+          }
+        } catch (const std::exception& e) {
+          rp.deliver(to_error(e));
+          return rp;
+        }
+        const auto id = st.next_id++;
+        st.iteration = RankActorState::IterationWait{rp, id, t0};
+        arm_deadline(self, id);
+        check(self);
+        return rp;
+      },
+      [=, &I, &st](rank_api::params_ready_atom, Param p) {
+        here();
+        auto rp = self->make_response_promise<rank_api::params_ready_atom, Param>();
+        const auto t0 = Timeline::now();
+        try {
+          const auto b = RankActorAccess::param_bucket_to_await(*rt, p);
+          if (b == ~0u) {
+            rp.deliver(rank_api::params_ready_atom::value, p);
+            return rp;
+          }
+          const auto id = st.next_id++;
+          st.params.push_back(RankActorState::ParamWait{rp, p, b, I.signal_target, id, t0});
+          arm_deadline(self, id);
+          check(self);
+        } catch (const std::exception& e) {
+          rp.deliver(to_error(e));
+        }
+        return rp;
+      },
+      [=, &I, &st](rank_api::all_params_atom) {
+        here();
+        auto rp = self->make_response_promise<rank_api::all_params_atom>();
+        try {
+          I.ensure_finalized();
+          I.throw_if_failed();
+          if (!I.prefetching()) {  // the last wait() waited for every update
+            rp.deliver(rank_api::all_params_atom::value);
+            return rp;
+          }
+          const auto id = st.next_id++;
+          st.all.push_back(RankActorState::AllWait{rp, I.signal_target, id, Timeline::now()});
+          arm_deadline(self, id);
+          check(self);
+        } catch (const std::exception& e) {
+          rp.deliver(to_error(e));
+        }
+        return rp;
+      },
+      [=, &I, &st](rank_api::collective_atom, CollectiveOp& op) {
+        here();
+        auto rp = self->make_response_promise<rank_api::collective_atom, std::string>();
+        const auto id = st.next_id++;
+        auto tag = op.tag;
+        try {
+          I.trainer_collective(std::move(op), [h = caf::actor_cast<rank_actor_impl>(self), id](std::exception_ptr e) {
+            caf::anon_send(h, collective_done_atom::value, id, e ? error_of(e) : caf::error{});
+          });
+          st.collectives.emplace(id, RankActorState::CollectiveWait{rp, std::move(tag)});
+        } catch (const std::exception& e) {
+          rp.deliver(to_error(e));
+        }
+        return rp;
+      },
+      [=, &st](collective_done_atom, std::uint64_t id, caf::error& e) {
+        auto it = st.collectives.find(id);
+        if (it == st.collectives.end()) return;
+        if (e)
+          it->second.rp.deliver(std::move(e));
+        else
+          it->second.rp.deliver(rank_api::collective_atom::value, it->second.tag);
+        st.collectives.erase(it);
+      },
+      [=](rank_api::save_atom, std::string& dir) -> caf::result<rank_api::save_atom, std::string> {
+        here();
+        try {
+          rt->save_sharded_checkpoint_async(dir);
+          return caf::result<rank_api::save_atom, std::string>(rank_api::save_atom::value, dir);
+        } catch (const std::exception& e) {
+          return to_error(e);
+        }
+      },
+      [=, &I](rank_api::checkpoint_atom) -> caf::result<rank_api::checkpoint_done_atom, std::string, std::uint64_t> {
+        here();
+        using answer = caf::result<rank_api::checkpoint_done_atom, std::string, std::uint64_t>;
+        try {
+          if (!I.saves.pending) return answer(rank_api::checkpoint_done_atom::value, std::string(), std::uint64_t(0));
+          const auto dir = I.saves.pending->dir;
+          const auto step = I.saves.pending->step;
+          RankActorAccess::finish_checkpoint(*rt);
+          return answer(rank_api::checkpoint_done_atom::value, dir, step);
+        } catch (const std::exception& e) {
+          return to_error(e);
+        }
+      },
+      [=, &I](rank_api::subscribe_atom, caf::actor& who, std::uint8_t mask) { I.subscribers->subscribe(std::move(who), mask); },
+      [=, &I](rank_api::unsubscribe_atom, caf::actor& who) { I.subscribers->unsubscribe(who); },
+      [=](poke_atom) { check(self); },
+      [=, &I, &st](deadline_atom, std::uint64_t id) {
+        try {
+          if (st.iteration && st.iteration->id == id)
+            I.pass_timed_out(I.wait_prefetching ? I.signal_target - 1 : I.signal_target, "iteration " + std::to_string(I.iterations));
+          for (const auto& w : st.params)
+            if (w.id == id)
+              I.pass_timed_out(w.target, "the update of parameter '" + I.name_of(w.p.index) + "' (bucket " + std::to_string(w.bucket) + ")");
+          for (const auto& w : st.all)
+            if (w.id == id) I.pass_timed_out(w.target, "the parameters' updates (wait_all_params)");
+        } catch (const std::exception& e) {
+          fail_waits(self, to_error(e));
+        }
+      },
+  };
+}
+
+}  // namespace
+
+rank_api::actor spawn_rank_actor(caf::actor_system& sys, Runtime& rt) { return sys.spawn<caf::detached>(rank_actor, &rt); }
+
+void stop_rank_actor(caf::actor_system& sys, rank_api::actor& h) {
+  if (!h) return;
+  caf::scoped_actor self{sys};
+  self->send_exit(h, caf::exit_reason::user_shutdown);
+  self->wait_for(h);
+  h = rank_api::actor{};
+}
+
+std::function<void()> rank_actor_poke(const rank_api::actor& h) {
+  return [h = caf::actor_cast<rank_actor_impl>(h)] { caf::anon_send(h, poke_atom::value); };
+}
+
+rank_api::actor rank_actor_of(Runtime& rt) { return RankActorAccess::impl(rt).rank_actor_h; }
+caf::actor_system& actor_system_of(Runtime& rt) { return RankActorAccess::impl(rt).actors->system(); }
+
+}  // namespace shardflow
