@@ -111,9 +111,10 @@ std::string describe_split(std::size_t total, int world, int local) {
   return s + "; " + std::to_string(dropped) + " rows in partial batches dropped; ranks with fewer batches join early";
 }
 
-// `at`: the first row when given (shard_data), else the cyclic position of step and rank.
+}  // namespace
+
 void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y,
-                 std::optional<std::size_t> at = std::nullopt) {
+                 std::optional<std::size_t> at) {
   const int local = B / N;
   x.resize(std::size_t(local) * d.in);
   y.resize(std::size_t(local) * d.out);
@@ -123,6 +124,8 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
     std::copy_n(d.y.begin() + std::ptrdiff_t(row * d.out), d.out, y.begin() + std::ptrdiff_t(std::size_t(k) * d.out));
   }
 }
+
+namespace {
 
 // The global mean of this rank's per-step losses: an all-reduce of the trainer's own, queued on
 // the runtime's comm stream after the parameter syncs forward prefetch leaves running past wait()
@@ -316,13 +319,7 @@ bool is_consequence(const std::exception_ptr& e) {
   }
 }
 
-// Checks the options and loads (or makes) the data and the initial parameters: before any rank
-// starts, so that bad input fails with one message instead of N.
-struct Prepared {
-  std::optional<TensorMap> init;
-  Dataset data;
-  std::string data_split;  // shard_data
-};
+}  // namespace
 
 Prepared prepare(const TrainOptions& opt) {
   if (opt.world_size < 1) throw UsageError("--world-size must be >= 1");
@@ -385,8 +382,6 @@ Prepared prepare(const TrainOptions& opt) {
   if (opt.shard_data) p.data_split = describe_split(p.data.rows, opt.world_size, opt.global_batch / opt.world_size);
   return p;
 }
-
-}  // namespace
 
 std::string checkpoint_file(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
 

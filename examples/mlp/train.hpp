@@ -102,6 +102,20 @@ struct TrainOptions {
 
 std::string checkpoint_file(const std::string& dir);  // DIR/checkpoint.safetensors
 
+// Checks the options and loads (or makes) the data and the initial parameters: before any rank
+// starts, so that bad input fails with one message instead of N.
+struct Prepared {
+  std::optional<TensorMap> init;
+  Dataset data;
+  std::string data_split;  // shard_data
+};
+Prepared prepare(const TrainOptions& opt);
+
+// Rank r's rows of global batch `step` (B rows over N ranks): rows step*B ... step*B+B-1 modulo
+// the data size, of which rank r takes the r-th contiguous B/N; from row `at` when given.
+void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y,
+                 std::optional<std::size_t> at = std::nullopt);
+
 struct TrainResult {
   TensorMap params;             // final, full parameters (rank 0's; all ranks agree)
   std::vector<float> losses;    // per step (empty without report_loss)

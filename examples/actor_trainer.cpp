@@ -1,0 +1,108 @@
+// The MLP trained by actors (examples/actor_trainer/): a data loader, one actor per layer, a loss
+// actor and a rank trainer per rank, each rank driven through its rank actor (shardflow/actor.hpp)
+// on the runtime's own actor system. Ranks as actors of this process, or one process per rank under
+// `shardflow run`. Prints what mlp_train prints; same data, model and arithmetic, same result.
+//
+//   build/examples/actor_trainer --data build/data/digits.safetensors --sizes 64,128,10 --loss cross-entropy \
+//       --optimizer adamw --lr 0.003 --world-size 2 --zero-stage 2 --overlap interleaved --steps 300
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+#include "examples/actor_trainer/train.hpp"
+#include "examples/mlp/report.hpp"
+#include "kernels/cpu/linear.hpp"
+#include "shardflow/launch.hpp"
+
+int main(int argc, char** argv) {
+  using namespace shardflow;
+  CLI::App app{"Data-parallel MLP training by actors on shardflow's rank actors (ranks as actors, or one process per rank under "
+               "`shardflow run`)"};
+  mlp::TrainOptions opt;
+  std::string sizes = "784,256,256,10", optimizer = "sgd", init, data, save, loss = "mse", overlap = "none", partition = "flat";
+  std::string backend = "auto", stats_json;
+  double first_bucket_mb = 1.0, bucket_mb = 25.0, timeout_s = 600;
+  int zero_stage = 0, log_every = 0;
+  bool quiet = false;
+  app.add_option("--sizes", sizes, "layer widths, input first (comma separated)")->capture_default_str();
+  app.add_option("--steps", opt.steps, "optimizer steps")->capture_default_str();
+  app.add_option("--global-batch", opt.global_batch, "rows per step over all ranks")->capture_default_str();
+  app.add_option("--world-size", opt.world_size, "data-parallel ranks (actors of this process; under a launcher, its ranks)")
+      ->capture_default_str();
+  app.add_option("--optimizer", optimizer, "sgd | adam | adamw")->capture_default_str();
+  app.add_option("--lr", opt.optimizer.lr, "learning rate")->capture_default_str();
+  app.add_option("--momentum", opt.optimizer.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--weight-decay", opt.optimizer.weight_decay, "weight decay (default: torch's, 0.01 for adamw, else 0)");
+  app.add_option("--init", init, "initial parameters (safetensors, nn.Linear names)");
+  app.add_option("--data", data, "safetensors with x, y and optionally x_test, y_test (build/data/digits.safetensors)");
+  app.add_option("--loss", loss, "mse | cross-entropy")->capture_default_str();
+  app.add_option("--save", save, "write the final parameters (safetensors)");
+  app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
+  app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
+  app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
+  app.add_option("--zero-stage", zero_stage, "0 (DDP), 1, 2")->capture_default_str();
+  app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
+  app.add_option("--partition", partition, "param | bucket | flat")->capture_default_str();
+  app.add_flag("--forward-prefetch", opt.runtime.zero.forward_prefetch, "parameter syncs overlap the next forward (each layer actor asks for its update)");
+  app.add_option("--clip-grad-norm", opt.runtime.zero.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
+  app.add_option("--actor-threads", opt.runtime.actor_threads, "CAF scheduler threads (0: min(2, cores)); 1 is enough")->capture_default_str();
+  app.add_option("--backend", backend, "auto | shm | gloo under a launcher")->capture_default_str();
+  app.add_option("--trace", opt.runtime.trace.path, "Chrome trace of every rank ({rank}: one file per rank)");
+  app.add_flag("--quiet", quiet, "only the summary");
+  app.add_option("--log-every", log_every, "print the progress line every N steps (0: about 20 lines per run)");
+  app.add_option("--stats-json", stats_json, "write rank 0's Runtime::stats() as JSON");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    opt.sizes = mlp::parse_sizes(sizes);
+    opt.loss = mlp::parse_loss(loss);
+    opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
+    if (zero_stage < 0 || zero_stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
+    opt.runtime.zero.stage = ZeroStage(zero_stage);
+    opt.runtime.zero.overlap = parse_overlap(overlap);
+    opt.runtime.zero.partition = parse_partition(partition);
+    if (!init.empty()) opt.init_path = init;
+    if (!data.empty()) opt.data_path = data;
+    if (!save.empty()) opt.save_path = save;
+    if (first_bucket_mb <= 0 || bucket_mb <= 0) throw UsageError("--first-bucket-mb and --bucket-mb must be positive");
+    opt.runtime.buckets.first_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
+    opt.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);
+    if (timeout_s <= 0) throw UsageError("--timeout must be positive");
+    opt.runtime.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
+    if (log_every < 0) throw UsageError("--log-every must be >= 0");
+    const LaunchEnv env = LaunchEnv::detect();
+    std::shared_ptr<Communicator> comm;
+    if (env.launched()) {
+      if (app.count("--world-size") && opt.world_size != env.world_size)
+        throw UsageError("--world-size " + std::to_string(opt.world_size) + " but the launcher started " + std::to_string(env.world_size) +
+                         " rank(s)");
+      opt.world_size = env.world_size;
+      if (const char* omp = std::getenv("OMP_NUM_THREADS")) kernels::set_blas_threads(std::max(1, std::atoi(omp)));
+      comm = init_process_group(env, ProcessGroupOptions{backend, opt.runtime.timeouts.collective});
+      if (env.rank != 0) quiet = true;  // rank 0 reports for the job
+    } else if (backend != "auto" && backend != "in-process") {
+      throw UsageError("--backend " + backend + " needs one process per rank: start actor_trainer with `shardflow run --nproc-per-node N --`");
+    }
+    const bool report = !env.launched() || env.rank == 0;
+    const int every = log_every > 0 ? log_every : std::max(1, opt.steps / 20);
+    opt.loss_every = every;
+    opt.on_step = mlp::step_printer(opt, quiet, every);
+    if (report)
+      mlp::print_header("actor_trainer", sizes, opt, comm ? std::string(comm->backend_name()) + ", rank actors" : "in-process rank actors",
+                        optimizer, overlap, partition);
+    auto res = comm ? actor_trainer::train_rank(opt, comm) : actor_trainer::train(opt);
+    if (!report) return 0;
+    mlp::print_summary(res, opt, comm ? comm->rank() : -1, quiet);
+    if (!stats_json.empty()) {
+      std::ofstream out(stats_json);
+      out << res.stats.to_json() << "\n";
+      if (!out) throw Error("--stats-json '" + stats_json + "': write failed");
+      std::printf("stats %s\n", stats_json.c_str());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "actor_trainer: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
