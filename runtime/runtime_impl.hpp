@@ -178,6 +178,9 @@ struct Runtime::Impl {
   void check_settings_used() {
     if (settings_checked.load(std::memory_order_relaxed)) return;
     if (!groups) cfg.check_needs_optimizer();
+    if (!groups && cfg.precision.comm_dtype != DType::f32 && mem->on_gpu() && !hook.hook)
+      throw UsageError(cfg.name_of("precision.comm_dtype") + " = " + dtype_name(cfg.precision.comm_dtype) +
+                       " on GPU buckets needs the runtime's optimizer (configure_optimizer): its fp32 masters cast on the device");
     check_resumed();
     settings_checked.store(true, std::memory_order_relaxed);
   }

@@ -457,15 +457,22 @@ bool reductions_overlap_backward(const std::string& path) {
   std::ifstream in(path);
   if (!in) return false;
   const auto t = nlohmann::json::parse(in).at("traceEvents");
+  // Lanes are numbered threads of a process per rank (Note [Timeline]): the comm stream's is the
+  // one its thread_name metadata names.
+  std::map<int, int> comm_lane;  // pid -> tid
+  for (const auto& m : t)
+    if (m.at("ph") == "M" && m.at("name") == "thread_name" && m.at("args").at("name") == "comm stream")
+      comm_lane[m.at("pid").get<int>()] = m.at("tid").get<int>();
   std::map<int, bool> overlapped;
   for (const auto& span : t) {
-    if (span.at("ph") != "X" || span.at("tid") != "comm") continue;
+    if (span.at("ph") != "X" || !span.contains("tid") || !span.contains("pid")) continue;
+    const int pid = span.at("pid").get<int>();
+    if (!comm_lane.count(pid) || span.at("tid").get<int>() != comm_lane[pid]) continue;
     const std::int64_t b = span.at("ts"), e = b + span.at("dur").get<std::int64_t>();
     for (const auto& g : t)
-      if (g.at("ph") == "i" && g.at("pid") == span.at("pid") && g.at("ts") >= b && g.at("ts") <= e)
-        overlapped[span.at("pid").get<int>()] = true;
+      if (g.at("ph") == "i" && g.at("pid") == pid && g.at("ts") >= b && g.at("ts") <= e) overlapped[pid] = true;
   }
-  return overlapped[0] && overlapped[1];
+  return comm_lane.size() == 2 && overlapped.size() == 2;
 }
 
 // mlp_train --device cuda: cuBLAS forward/backward, buckets on the GPU, the step on the device.

@@ -27,12 +27,11 @@ void Runtime::register_comm_hook(std::shared_ptr<CommHook> hook) {
 std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {
   const bool wire16 = cfg.precision.comm_dtype != DType::f32;
   if (!hook.hook) {
-    if (!wire16 || shard) return nullptr;
-    if (mem->on_gpu())
-      throw UsageError(cfg.name_of("precision.comm_dtype") + " = " + dtype_name(cfg.precision.comm_dtype) +
-                       " on GPU buckets needs the runtime's optimizer (configure_optimizer): its fp32 masters cast on the device");
+    // On GPU buckets the 16-bit wire is the shard's cast: configure_optimizer usually comes after
+    // finalize() (which spawns the first actors), so the missing optimizer is an error at the
+    // first backward (check_settings_used), not here.
+    if (!wire16 || shard || mem->on_gpu()) return nullptr;
     return cfg.precision.comm_dtype == DType::f16 ? fp16_compress_hook() : bf16_compress_hook();
-    return nullptr;
   }
   const std::string who = "comm hook '" + hook.hook->name() + "'";
   if (wire16)
