@@ -20,6 +20,8 @@
 
 #include <caf/all.hpp>
 
+#include <algorithm>
+#include <functional>
 #include <map>
 #include <optional>
 #include <vector>
@@ -58,13 +60,15 @@ struct RankActorState {
     Timeline::Time t0;
   };
   std::optional<IterationWait> iteration;
+  // params_ready for one parameter or several: answered once every bucket listed landed.
   struct ParamWait {
-    promise_of<rank_api::params_ready_atom, Param> rp;
-    Param p;
-    std::uint32_t bucket;
+    std::vector<std::uint32_t> buckets;  // still to land
     std::uint64_t target;
     std::uint64_t id;
     Timeline::Time t0;
+    std::string what;  // for the timeout's message
+    std::function<void()> answer;
+    std::function<void(const caf::error&)> fail;
   };
   std::vector<ParamWait> params;
   struct AllWait {
@@ -99,7 +103,7 @@ void fail_waits(self_ptr self, const caf::error& e) {
   auto& st = self->state;
   if (st.iteration) st.iteration->rp.deliver(e);
   st.iteration.reset();
-  for (auto& w : st.params) w.rp.deliver(e);
+  for (auto& w : st.params) w.fail(e);
   st.params.clear();
   for (auto& w : st.all) w.rp.deliver(e);
   st.all.clear();
@@ -138,13 +142,20 @@ void check(self_ptr self) {
     }
     for (auto it = st.params.begin(); it != st.params.end();) {
       if (I.signal->failure()) I.pass_complete(it->target, false);  // throws the failure
-      if (!I.signal->done(it->bucket, it->target)) {
+      auto& left = it->buckets;
+      for (auto b = left.begin(); b != left.end();)
+        if (I.signal->done(*b, it->target)) {
+          if (I.shard) I.shard->join_bucket(*b);  // GPU: the compute stream waits for the update
+          b = left.erase(b);
+        } else {
+          ++b;
+        }
+      if (!left.empty()) {
         ++it;
         continue;
       }
-      I.blocked_since("wait_param", it->bucket, it->t0);
-      if (I.shard) I.shard->join_bucket(it->bucket);  // GPU: the compute stream waits for the update
-      it->rp.deliver(rank_api::params_ready_atom::value, it->p);
+      I.blocked_since("wait_param", -1, it->t0);
+      it->answer();
       it = st.params.erase(it);
     }
     for (auto it = st.all.begin(); it != st.all.end();) {
@@ -165,6 +176,27 @@ void check(self_ptr self) {
 void arm_deadline(self_ptr self, std::uint64_t id) {
   const auto& I = RankActorAccess::impl(*self->state.rt);
   self->delayed_send(self, I.cfg.timeouts.collective + std::chrono::seconds(5), deadline_atom::value, id);
+}
+
+// params_ready: answered now when every parameter holds its update, else once its buckets land.
+void await_params(self_ptr self, const std::vector<Param>& ps, std::function<void()> answer,
+                  std::function<void(const caf::error&)> fail) {
+  auto& st = self->state;
+  auto& I = RankActorAccess::impl(*st.rt);
+  const auto t0 = Timeline::now();
+  std::vector<std::uint32_t> buckets;
+  std::string what;
+  for (const auto p : ps) {
+    const auto b = RankActorAccess::param_bucket_to_await(*st.rt, p);
+    if (b == ~0u || std::find(buckets.begin(), buckets.end(), b) != buckets.end()) continue;
+    if (buckets.empty()) what = "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")";
+    buckets.push_back(b);
+  }
+  if (buckets.empty()) return answer();
+  const auto id = st.next_id++;
+  st.params.push_back(RankActorState::ParamWait{std::move(buckets), I.signal_target, id, t0, std::move(what), std::move(answer), std::move(fail)});
+  arm_deadline(self, id);
+  check(self);
 }
 
 rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
@@ -201,7 +233,22 @@ rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
           return to_error(e);
         }
       },
+      [=](rank_api::grad_atom, const std::vector<Param>& ps) -> caf::result<std::vector<GradSlot>> {
+        here();
+        try {
+          std::vector<GradSlot> slots;
+          for (const auto p : ps) slots.push_back(GradSlot{p, rt->grad(p)});
+          return slots;
+        } catch (const std::exception& e) {
+          return to_error(e);
+        }
+      },
       [=](rank_api::grad_ready_atom, Param p) { unanswered([&] { rt->grad_ready(p); }); },
+      [=](rank_api::grad_ready_atom, const std::vector<Param>& ps) {
+        unanswered([&] {
+          for (const auto p : ps) rt->grad_ready(p);
+        });
+      },
       [=](rank_api::grads_ready_atom, std::uint64_t offset, std::uint64_t count) {
         unanswered([&] { rt->grads_ready(std::size_t(offset), std::size_t(count)); });
       },
@@ -231,20 +278,25 @@ rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
         check(self);
         return rp;
       },
-      [=, &I, &st](rank_api::params_ready_atom, Param p) {
+      [=](rank_api::params_ready_atom, Param p) {
         here();
         auto rp = self->make_response_promise<rank_api::params_ready_atom, Param>();
-        const auto t0 = Timeline::now();
         try {
-          const auto b = RankActorAccess::param_bucket_to_await(*rt, p);
-          if (b == ~0u) {
-            rp.deliver(rank_api::params_ready_atom::value, p);
-            return rp;
-          }
-          const auto id = st.next_id++;
-          st.params.push_back(RankActorState::ParamWait{rp, p, b, I.signal_target, id, t0});
-          arm_deadline(self, id);
-          check(self);
+          await_params(
+              self, {p}, [rp, p]() mutable { rp.deliver(rank_api::params_ready_atom::value, p); },
+              [rp](const caf::error& e) mutable { rp.deliver(e); });
+        } catch (const std::exception& e) {
+          rp.deliver(to_error(e));
+        }
+        return rp;
+      },
+      [=](rank_api::params_ready_atom, std::vector<Param>& ps) {
+        here();
+        auto rp = self->make_response_promise<rank_api::params_ready_atom, std::vector<Param>>();
+        try {
+          await_params(
+              self, ps, [rp, ps]() mutable { rp.deliver(rank_api::params_ready_atom::value, ps); },
+              [rp](const caf::error& e) mutable { rp.deliver(e); });
         } catch (const std::exception& e) {
           rp.deliver(to_error(e));
         }
@@ -323,8 +375,7 @@ rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
           if (st.iteration && st.iteration->id == id)
             I.pass_timed_out(I.wait_prefetching ? I.signal_target - 1 : I.signal_target, "iteration " + std::to_string(I.iterations));
           for (const auto& w : st.params)
-            if (w.id == id)
-              I.pass_timed_out(w.target, "the update of parameter '" + I.name_of(w.p.index) + "' (bucket " + std::to_string(w.bucket) + ")");
+            if (w.id == id) I.pass_timed_out(w.target, w.what);
           for (const auto& w : st.all)
             if (w.id == id) I.pass_timed_out(w.target, "the parameters' updates (wait_all_params)");
         } catch (const std::exception& e) {

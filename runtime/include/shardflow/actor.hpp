@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "shardflow/shardflow.hpp"
 
@@ -61,6 +62,7 @@ typename Inspector::result_type inspect(Inspector& f, Param& x) {
 
 // Process-local payloads (pointers into the trainer's memory), never serialised.
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::GradSlot)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::vector<shardflow::GradSlot>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveOp)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::function<void(shardflow::Runtime&)>)
 
@@ -120,12 +122,16 @@ enum Event : std::uint8_t { params_ready = 1, step_done = 2, checkpoint_done = 4
 using actor = caf::typed_actor<
     caf::replies_to<call_atom, RankCall>::with<call_atom>,
     caf::replies_to<grad_atom, Param>::with<GradSlot>,
+    // Several at once (a layer's weight and bias): one round trip to the rank's thread, not one each.
+    caf::replies_to<grad_atom, std::vector<Param>>::with<std::vector<GradSlot>>,
     caf::reacts_to<grad_ready_atom, Param>,
+    caf::reacts_to<grad_ready_atom, std::vector<Param>>,  // in this order
     caf::reacts_to<grads_ready_atom, std::uint64_t, std::uint64_t>,
     caf::reacts_to<zero_grad_atom>,
     caf::reacts_to<require_sync_atom, bool>,
     caf::replies_to<iteration_atom>::with<step_done_atom, std::uint64_t>,
     caf::replies_to<params_ready_atom, Param>::with<params_ready_atom, Param>,
+    caf::replies_to<params_ready_atom, std::vector<Param>>::with<params_ready_atom, std::vector<Param>>,  // all of them
     caf::replies_to<all_params_atom>::with<all_params_atom>,
     // Runtime::collective: queued in the runtime's order, answered with the op's tag once done.
     caf::replies_to<collective_atom, CollectiveOp>::with<collective_atom, std::string>,
