@@ -24,6 +24,12 @@
 //   trainer thread --trainer_op(before, op, done)--> comm stream  (out after the last iteration's
 //                                                            entries, before the next one's)
 //
+// The trainer's side (shardflow/actor.hpp; Note [The rank actor], actors/rank_actor.cpp): a trainer
+// actor, or Runtime's blocking calls from a scoped actor, asks the rank actor; it answers waits from
+// IterationSignal's completions:
+//   trainer --iteration / params_ready / grad ...--> rank actor --(Runtime's calls)--> the flow above
+//   IterationSignal --poke (on_done)--> rank actor --step_done / params_ready / error--> trainer
+//
 // When backward ends, the trainer's own entries (Note [Rank 0's state everywhere], Note [Unused
 // parameters]):
 //   trainer thread --handed_over(buffers | unused, ops)--> comm stream --completion--> IterationSignal

@@ -11,6 +11,9 @@ and the ratio round by round.
 
   bench/actor_vs_blocking.py --build build [--rounds 5] [--steps 200] [--world 2] \\
       [--sizes 784,1024,1024,10] [--stage 1] [--overlap interleaved] [--batch 64] [--prefetch]
+
+--pair A B compares two other trainer programs that take mlp_train's flags (say mlp_train of an
+older build against this one's: B / A is reported as the second over the first).
 """
 import argparse
 import json
@@ -22,7 +25,7 @@ import tempfile
 
 
 def run(a, program, stats):
-    argv = [os.path.join(a.build, "examples", program), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", str(a.batch),
+    argv = [program if os.sep in program else os.path.join(a.build, "examples", program), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", str(a.batch),
             "--world-size", str(a.world), "--optimizer", "adamw", "--zero-stage", str(a.stage), "--overlap", a.overlap,
             "--quiet", "--stats-json", stats]
     if a.prefetch:
@@ -45,19 +48,20 @@ def main():
     ap.add_argument("--stage", type=int, default=1)
     ap.add_argument("--overlap", default="interleaved")
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--pair", nargs=2, metavar=("A", "B"), default=["mlp_train", "actor_trainer"])
     a = ap.parse_args()
     blocking, actors = [], []
     with tempfile.TemporaryDirectory() as tmp:
         stats = os.path.join(tmp, "stats.json")
         for _ in range(a.rounds):
-            blocking.append(run(a, "mlp_train", stats))
-            actors.append(run(a, "actor_trainer", stats))
+            blocking.append(run(a, a.pair[0], stats))
+            actors.append(run(a, a.pair[1], stats))
     pairs = [x / b for x, b in zip(actors, blocking)]
     print("sizes %s, world %d, batch %d, ZeRO-%d %s%s, %d steps, %d rounds A B A B" %
           (a.sizes, a.world, a.batch, a.stage, a.overlap, " + forward prefetch" if a.prefetch else "", a.steps, a.rounds))
-    print("  blocking (mlp_train)     median iteration %.3f ms  (rounds: %s)" % (statistics.median(blocking), " ".join("%.3f" % x for x in blocking)))
-    print("  actors (actor_trainer)   median iteration %.3f ms  (rounds: %s)" % (statistics.median(actors), " ".join("%.3f" % x for x in actors)))
-    print("  actors / blocking        %.3f  (round by round: median %.3f, min %.3f, max %.3f)" %
+    print("  A %-22s median iteration %.3f ms  (rounds: %s)" % (a.pair[0], statistics.median(blocking), " ".join("%.3f" % x for x in blocking)))
+    print("  B %-22s median iteration %.3f ms  (rounds: %s)" % (a.pair[1], statistics.median(actors), " ".join("%.3f" % x for x in actors)))
+    print("  B / A                    %.3f  (round by round: median %.3f, min %.3f, max %.3f)" %
           (statistics.median(actors) / statistics.median(blocking), statistics.median(pairs), min(pairs), max(pairs)))
 
 

@@ -52,6 +52,7 @@ Runtime::~Runtime() {
   auto& I = *impl_;
   // First, so that nothing runs on the rank actor's thread while the rest goes.
   stop_rank_actor(I.actors->system(), I.rank_actor_h);
+  I.asker.reset();
   I.saves.finish_writer();
   if (I.prefetching() && !I.failed.load() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "actors/messages.hpp"
@@ -119,6 +120,8 @@ struct Runtime::Impl {
   std::shared_ptr<RankEvents> subscribers = std::make_shared<RankEvents>();
   std::atomic<std::thread::id> rank_thread{};  // the rank actor's own thread
   bool wait_prefetching = false;  // how the pending wait() started (begin_wait)
+  std::mutex asker_mu;
+  std::unique_ptr<caf::scoped_actor> asker;  // the blocking calls' (ask)
   // A blocking call: the request a trainer actor would send, asked from a scoped actor on the
   // calling thread; the answer's error rethrown as the exception it stands for.
   template <class... Reply, class... Ts>
@@ -127,10 +130,20 @@ struct Runtime::Impl {
       throw UsageError(std::string("Runtime::") + what + " on rank " + std::to_string(rank) +
                        " from a rank_api::RankCall: it runs on the rank actor's thread, which answers that wait; send the "
                        "request to the rank actor instead");
-    caf::scoped_actor self{actors->system()};
+    // A scoped actor costs a registration in the actor system: the trainer's thread keeps one; a
+    // second thread asking at the same time makes its own.
+    std::unique_lock lock(asker_mu, std::try_to_lock);
+    std::optional<caf::scoped_actor> own;
+    caf::scoped_actor* self;
+    if (lock.owns_lock()) {
+      if (!asker) asker = std::make_unique<caf::scoped_actor>(actors->system());
+      self = asker.get();
+    } else {
+      self = &own.emplace(actors->system());
+    }
     bool answered = false;
     caf::error error;
-    self->request(rank_actor_h, caf::infinite, std::forward<Ts>(xs)...)
+    (*self)->request(rank_actor_h, caf::infinite, std::forward<Ts>(xs)...)
         .receive([&](Reply...) { answered = true; }, [&](caf::error& e) { error = std::move(e); });
     if (!answered) rethrow(error);
   }
