@@ -28,9 +28,16 @@ caf::behavior data_loader(caf::stateful_actor<LoaderState>* self, const RankCont
 struct LayerState {
   Activations in;  // kept from forward for backward
   int rows = 0;
+  // Forward prefetch: whether this step's update of the layer's parameters is in, and the input
+  // that came before it did.
+  bool landed = false;
+  Activations waiting;
   static inline const char* name = "layer";
 };
 caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ctx, int index);
+// Forward prefetch: asks the rank actor for layer `index`'s update on behalf of `self`, and tells
+// that layer (params_landed) when it is in.
+void prefetch_layer(caf::event_based_actor* self, const RankContext* ctx, int index);
 
 // Scores the last layer's output against the batch's targets, the loss to the rank trainer and
 // dL/d(output) to the last layer.

@@ -1,10 +1,19 @@
 #include <caf/all.hpp>
 
+#include <utility>
+
 #include "examples/actor_trainer/actors.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "kernels/cpu/linear.hpp"
 
 namespace shardflow::actor_trainer {
+
+void prefetch_layer(caf::event_based_actor* self, const RankContext* ctx, int index) {
+  const std::vector<Param> params{ctx->params[std::size_t(2 * index)], ctx->params[std::size_t(2 * index + 1)]};
+  self->request(ctx->runtime, caf::infinite, rank_api::params_ready_atom::value, params)
+      .then([=](rank_api::params_ready_atom, const std::vector<Param>&) { self->send(ctx->layers[std::size_t(index)], params_landed_atom::value); },
+            [=](caf::error& e) { self->send(ctx->trainer, failed_atom::value, e); });
+}
 
 caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ctx, int index) {
   auto& l = ctx->model->layers()[std::size_t(index)];
@@ -13,6 +22,10 @@ caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ct
   auto fail = [=](caf::error& e) { self->send(ctx->trainer, failed_atom::value, e); };
   auto forward = [=, &l](Activations in, int rows) {
     auto& st = self->state;
+    // Forward prefetch: the next layer's update is asked for now, its answer on the way while this
+    // layer computes (the runtime notes the next layer's first use a layer early).
+    st.landed = false;
+    if (ctx->prefetch && !last) prefetch_layer(self, ctx, index + 1);
     auto out = std::make_shared<std::vector<float>>(std::size_t(rows) * std::size_t(l.out));
     {
       auto span = ctx->rt->span("forward " + mlp::Model::param_name(index, false), "forward");
@@ -25,10 +38,15 @@ caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ct
   };
   return {
       [=](forward_atom, Activations& in, int rows) {
-        if (!ctx->prefetch) return forward(std::move(in), rows);
-        // Forward prefetch: the update of this layer's parameters may still be on its way.
-        self->request(ctx->runtime, caf::infinite, rank_api::params_ready_atom::value, std::vector<Param>{weight, bias})
-            .then([=, in = std::move(in)](rank_api::params_ready_atom, const std::vector<Param>&) { forward(in, rows); }, fail);
+        auto& st = self->state;
+        if (!ctx->prefetch || st.landed) return forward(std::move(in), rows);
+        st.waiting = std::move(in);  // the parameters' update is still on its way
+        st.rows = rows;
+      },
+      [=](params_landed_atom) {
+        auto& st = self->state;
+        st.landed = true;
+        if (st.waiting) forward(std::exchange(st.waiting, nullptr), st.rows);
       },
       [=, &l](backward_atom, Gradient& dy) {
         // Both slots in one request (stage 2 may hold it until a bucket buffer is free).

@@ -5,7 +5,9 @@
 //     rank trainer --zero_grad--> rank actor
 //     rank trainer --batch(step)--> data loader --Batch--> rank trainer
 //     rank trainer --targets(Batch)--> loss;  --forward(x)--> layer 0 --forward(h)--> ... --> loss
-//       (forward prefetch: each layer asks the rank actor for its parameters' update first)
+//       (forward prefetch: layer i+1's update is asked for when layer i starts, layer 0's when the
+//        step starts; the answer comes to the layer as params_landed, and it computes once it has
+//        both that and its input: the round trip to the rank actor hides behind compute)
 //     loss --loss(value)--> rank trainer;  loss --backward(dy)--> last layer
 //     layer i --grad(W), grad(b)--> rank actor (slots) ... --grad_ready(W), grad_ready(b)--> rank actor
 //     layer i --backward(dx)--> layer i-1 ... layer 0 --backward_done--> rank trainer
@@ -37,6 +39,7 @@ using backward_atom = caf::atom_constant<caf::atom("backward")>;
 using backward_done_atom = caf::atom_constant<caf::atom("bwd_done")>;
 using loss_atom = caf::atom_constant<caf::atom("loss")>;
 using failed_atom = caf::atom_constant<caf::atom("failed")>;
+using params_landed_atom = caf::atom_constant<caf::atom("landed")>;  // forward prefetch: a layer's update is in
 
 }  // namespace shardflow::actor_trainer
 
