@@ -12,8 +12,6 @@
 
 #include "examples/actor_trainer/train.hpp"
 #include "examples/mlp/report.hpp"
-#include "kernels/cpu/linear.hpp"
-#include "shardflow/launch.hpp"
 
 int main(int argc, char** argv) {
   using namespace shardflow;
@@ -55,11 +53,7 @@ int main(int argc, char** argv) {
   app.add_option("--stats-json", stats_json, "write rank 0's Runtime::stats() as JSON");
   CLI11_PARSE(app, argc, argv);
   try {
-    opt.sizes = mlp::parse_sizes(sizes);
-    opt.loss = mlp::parse_loss(loss);
-    opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
-    if (zero_stage < 0 || zero_stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
-    opt.runtime.zero.stage = ZeroStage(zero_stage);
+    mlp::parse_model_flags(opt, sizes, loss, optimizer, zero_stage);
     opt.runtime.zero.overlap = parse_overlap(overlap);
     opt.runtime.zero.partition = parse_partition(partition);
     if (!init.empty()) opt.init_path = init;
@@ -74,15 +68,11 @@ int main(int argc, char** argv) {
     const LaunchEnv env = LaunchEnv::detect();
     std::shared_ptr<Communicator> comm;
     if (env.launched()) {
-      if (app.count("--world-size") && opt.world_size != env.world_size)
-        throw UsageError("--world-size " + std::to_string(opt.world_size) + " but the launcher started " + std::to_string(env.world_size) +
-                         " rank(s)");
-      opt.world_size = env.world_size;
-      if (const char* omp = std::getenv("OMP_NUM_THREADS")) kernels::set_blas_threads(std::max(1, std::atoi(omp)));
+      mlp::adopt_launch(env, opt, app.count("--world-size") > 0, backend);
       comm = init_process_group(env, ProcessGroupOptions{backend, opt.runtime.timeouts.collective});
       if (env.rank != 0) quiet = true;  // rank 0 reports for the job
-    } else if (backend != "auto" && backend != "in-process") {
-      throw UsageError("--backend " + backend + " needs one process per rank: start actor_trainer with `shardflow run --nproc-per-node N --`");
+    } else {
+      mlp::check_unlaunched_backend("actor_trainer", backend);
     }
     const bool report = !env.launched() || env.rank == 0;
     const int every = log_every > 0 ? log_every : std::max(1, opt.steps / 20);
@@ -94,12 +84,7 @@ int main(int argc, char** argv) {
     auto res = comm ? actor_trainer::train_rank(opt, comm) : actor_trainer::train(opt);
     if (!report) return 0;
     mlp::print_summary(res, opt, comm ? comm->rank() : -1, quiet);
-    if (!stats_json.empty()) {
-      std::ofstream out(stats_json);
-      out << res.stats.to_json() << "\n";
-      if (!out) throw Error("--stats-json '" + stats_json + "': write failed");
-      std::printf("stats %s\n", stats_json.c_str());
-    }
+    if (!stats_json.empty()) mlp::write_stats_json(res, stats_json);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "actor_trainer: error: %s\n", e.what());
     return 1;

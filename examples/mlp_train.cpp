@@ -146,11 +146,7 @@ int main(int argc, char** argv) {
   opt.runtime.snapshot.memory = !no_snapshot_memory;
 
   try {
-    opt.sizes = mlp::parse_sizes(sizes);
-    opt.loss = mlp::parse_loss(loss);
-    opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
-    if (zero_stage < 0 || zero_stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
-    opt.runtime.zero.stage = ZeroStage(zero_stage);
+    mlp::parse_model_flags(opt, sizes, loss, optimizer, zero_stage);
     opt.param_dtype = parse_dtype(param_dtype);
     opt.runtime.precision.comm_dtype = parse_dtype(comm_dtype);
     opt.runtime.zero.overlap = parse_overlap(overlap);
@@ -222,15 +218,7 @@ int main(int argc, char** argv) {
     const LaunchEnv env = LaunchEnv::detect();
     std::shared_ptr<Communicator> comm;
     if (env.launched()) {
-      if (backend == "in-process")
-        throw UsageError("--backend in-process runs the ranks as threads of one process; under a launcher use shm or gloo");
-      if (app.count("--world-size") && opt.world_size != env.world_size)
-        throw UsageError("--world-size " + std::to_string(opt.world_size) + " but the launcher started " +
-                         std::to_string(env.world_size) + " rank(s)");
-      opt.world_size = env.world_size;
-      // The launcher shares the cores out (OMP_NUM_THREADS); OpenBLAS reads it at load time, but
-      // say it once more in case another library set it first.
-      if (const char* omp = std::getenv("OMP_NUM_THREADS")) kernels::set_blas_threads(std::max(1, std::atoi(omp)));
+      mlp::adopt_launch(env, opt, app.count("--world-size") > 0, backend);
       // One GPU per process: NCCL, on cuda:LOCAL_RANK (the launcher's local rank picks the GPU).
       if (opt.device.kind == Device::Kind::cuda) {
         if (backend != "auto" && backend != "nccl")
@@ -244,9 +232,8 @@ int main(int argc, char** argv) {
     } else if (simulated) {
       sim.validate(opt.world_size);
       opt.sim = sim;  // ranks as threads, each behind its link
-    } else if (backend != "auto" && backend != "in-process") {
-      // (nccl too: it needs one process per GPU.)
-      throw UsageError("--backend " + backend + " needs one process per rank: start mlp_train with `shardflow run --nproc-per-node N --`");
+    } else {
+      mlp::check_unlaunched_backend("mlp_train", backend);  // nccl too: it needs one process per GPU
     }
     const bool report = !env.launched() || env.rank == 0;
 
@@ -262,12 +249,7 @@ int main(int argc, char** argv) {
     if (!res.data_split.empty()) std::printf("data: %s\n", res.data_split.c_str());
     if (!report) return 0;
     mlp::print_summary(res, opt, comm ? comm->rank() : -1, quiet);
-    if (!stats_json.empty()) {
-      std::ofstream out(stats_json);
-      out << res.stats.to_json() << "\n";
-      if (!out) throw Error("--stats-json '" + stats_json + "': write failed");
-      std::printf("stats %s\n", stats_json.c_str());
-    }
+    if (!stats_json.empty()) mlp::write_stats_json(res, stats_json);
     if (plot) {
       // Rank 0's file: the one every rank shares, or its own under a launcher.
       const std::string trace = trace_file_for(opt.runtime.trace.path, 0, env.launched() && env.world_size > 1);

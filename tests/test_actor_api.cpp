@@ -78,6 +78,20 @@ struct TwoRanks {
                  }});
     for (int r = 0; r < 2; ++r) self->receive([](rank_api::call_atom) {}, [](caf::error& e) { FAIL(what(e)); });
   }
+  // Each rank's trainer: a scoped actor on a thread of its own, subscribed to `events`.
+  template <class F>
+  void each_rank(std::uint8_t events, F trainer) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        auto& x = *rt[std::size_t(r)];
+        caf::scoped_actor self{actor_system_of(x)};
+        const auto rank = rank_actor_of(x);
+        self->send(rank, rank_api::subscribe_atom::value, caf::actor(self), events);
+        trainer(self, rank, r);
+      });
+    for (auto& t : threads) t.join();
+  }
 };
 
 }  // namespace
@@ -128,13 +142,7 @@ TEST_CASE("a rank that reports a gradient twice fails: its trainer actor's itera
   ranks.setup(false);
   std::vector<caf::error> answers(2);
   std::vector<bool> failed_event(2, false);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      auto& rt = *ranks.rt[std::size_t(r)];
-      caf::scoped_actor self{actor_system_of(rt)};
-      const auto rank = rank_actor_of(rt);
-      self->send(rank, rank_api::subscribe_atom::value, caf::actor(self), std::uint8_t(rank_api::failed));
+  ranks.each_rank(rank_api::failed, [&](caf::scoped_actor& self, const rank_api::actor& rank, int r) {
       self->request(rank, 10s, rank_api::grad_atom::value, ranks.p[std::size_t(r)]).receive([](GradSlot) {}, [](caf::error&) {});
       self->send(rank, rank_api::grad_ready_atom::value, ranks.p[std::size_t(r)]);
       if (r == 1) self->send(rank, rank_api::grad_ready_atom::value, ranks.p[std::size_t(r)]);  // twice
@@ -142,8 +150,7 @@ TEST_CASE("a rank that reports a gradient twice fails: its trainer actor's itera
           .receive([](rank_api::step_done_atom, std::uint64_t) {}, [&](caf::error& e) { answers[std::size_t(r)] = e; });
       self->receive([&](rank_api::failed_atom, caf::error&) { failed_event[std::size_t(r)] = true; },
                     caf::after(std::chrono::seconds(5)) >> [] {});
-    });
-  for (auto& t : threads) t.join();
+  });
   REQUIRE(answers[1]);
   CHECK(answers[1].category() == caf::atom("shardflow"));
   CHECK(static_cast<errc>(answers[1].code()) == errc::usage);
@@ -180,13 +187,7 @@ TEST_CASE("subscribers get step_done per iteration, params_ready per bucket and 
   std::vector<int> step_events(2, 0), param_events(2, 0), checkpoint_events(2, 0);
   std::vector<std::string> refused(2);
   const auto dir = test::scratch("actor_api", "ckpt");
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      auto& rt = *ranks.rt[std::size_t(r)];
-      caf::scoped_actor self{actor_system_of(rt)};
-      const auto rank = rank_actor_of(rt);
-      self->send(rank, rank_api::subscribe_atom::value, caf::actor(self), std::uint8_t(rank_api::all_events));
+  ranks.each_rank(rank_api::all_events, [&](caf::scoped_actor& self, const rank_api::actor& rank, int r) {
       for (int s = 0; s < steps; ++s) {
         self->send(rank, rank_api::zero_grad_atom::value);
         self->request(rank, 10s, rank_api::grad_atom::value, ranks.p[std::size_t(r)])
@@ -216,8 +217,7 @@ TEST_CASE("subscribers get step_done per iteration, params_ready per bucket and 
             caf::after(std::chrono::milliseconds(300)) >> [] {});
         if (!got) break;
       }
-    });
-  for (auto& t : threads) t.join();
+  });
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK(step_events[std::size_t(r)] == steps);

@@ -4,9 +4,40 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
+#include <algorithm>
+#include <cstdlib>
 #include <memory>
 
+#include "kernels/cpu/linear.hpp"
+
 namespace shardflow::mlp {
+
+void parse_model_flags(TrainOptions& opt, const std::string& sizes, const std::string& loss, const std::string& optimizer, int zero_stage) {
+  opt.sizes = parse_sizes(sizes);
+  opt.loss = parse_loss(loss);
+  opt.optimizer.kind = OptimizerConfig::parse_kind(optimizer);
+  if (zero_stage < 0 || zero_stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
+  opt.runtime.zero.stage = ZeroStage(zero_stage);
+}
+
+void adopt_launch(const LaunchEnv& env, TrainOptions& opt, bool world_size_given, const std::string& backend) {
+  if (backend == "in-process")
+    throw UsageError("--backend in-process runs the ranks as threads of one process; under a launcher use shm or gloo");
+  if (world_size_given && opt.world_size != env.world_size)
+    throw UsageError("--world-size " + std::to_string(opt.world_size) + " but the launcher started " + std::to_string(env.world_size) +
+                     " rank(s)");
+  opt.world_size = env.world_size;
+  // The launcher shares the cores out (OMP_NUM_THREADS); OpenBLAS reads it at load time, but say
+  // it once more in case another library set it first.
+  if (const char* omp = std::getenv("OMP_NUM_THREADS")) kernels::set_blas_threads(std::max(1, std::atoi(omp)));
+}
+
+void check_unlaunched_backend(const char* program, const std::string& backend) {
+  if (backend != "auto" && backend != "in-process")
+    throw UsageError("--backend " + backend + " needs one process per rank: start " + program +
+                     " with `shardflow run --nproc-per-node N --`");
+}
 
 std::function<void(const StepReport&)> step_printer(const TrainOptions& opt, bool quiet, int every) {
   const bool tty = isatty(STDOUT_FILENO);
@@ -58,6 +89,13 @@ void print_summary(const TrainResult& res, const TrainOptions& opt, int launched
   std::printf("runtime (rank 0, median): iteration %.3f ms, compute %.3f ms, exposed %.3f ms, link %.3f ms (hidden %.3f ms), "
               "optimizer %.3f ms, %zu/%zu bucket(s) done inside backward\n",
               m.iteration_ms, m.compute_ms, m.exposed_ms, m.link_ms, m.hidden_ms, m.optimizer_ms, m.buckets_done_in_backward, m.buckets);
+}
+
+void write_stats_json(const TrainResult& res, const std::string& path) {
+  std::ofstream out(path);
+  out << res.stats.to_json() << "\n";
+  if (!out) throw Error("--stats-json '" + path + "': write failed");
+  std::printf("stats %s\n", path.c_str());
 }
 
 }  // namespace shardflow::mlp
