@@ -286,8 +286,23 @@ void Runtime::finish_backward() {
 // between iterations (rebuild, static graph, snapshot), whose small collectives run on the rank
 // actor's own thread, never on a scheduler thread. A trainer thread only blocks in receive().
 
+// A RankCall runs on the rank actor's own thread, which may block, and a blocking call made there
+// (join's shadow iterations, save_checkpoint's wait for the updates, refresh_trainable) cannot ask
+// the actor it runs in: there each wait blocks on the IterationSignal instead, the same halves
+// around it. Only there.
 void Runtime::wait() {
+  if (impl_->on_rank_thread()) return wait_here();
   impl_->ask<rank_api::step_done_atom, std::uint64_t>("wait()", rank_api::iteration_atom::value);
+}
+
+void Runtime::wait_here() {
+  auto& I = *impl_;
+  const auto t0 = Timeline::now();
+  if (!begin_wait()) return;
+  I.await_iterations(I.wait_prefetching ? I.signal_target - 1 : I.signal_target);
+  if (I.wait_prefetching) I.await_handed(I.signal_target);
+  I.blocked_since("wait (iteration)", -1, t0);
+  end_wait();
 }
 
 bool Runtime::begin_wait() {
@@ -353,8 +368,14 @@ void Runtime::end_wait() {
 
 void Runtime::wait_param(Param p) {
   // Most parameters are ready when forward reaches them: no message for those.
-  if (param_bucket_to_await(p) == ~0u) return;
-  impl_->ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
+  const auto b = param_bucket_to_await(p);
+  if (b == ~0u) return;
+  auto& I = *impl_;
+  if (!I.on_rank_thread()) return I.ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
+  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
+  const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.signal_target, deadline); });
+  I.check_outcome(outcome, I.signal_target, "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
+  if (I.shard) I.shard->join_bucket(b);
 }
 
 std::uint32_t Runtime::param_bucket_to_await(Param p) {
@@ -375,7 +396,9 @@ void Runtime::wait_all_params() {
   I.ensure_finalized();
   I.throw_if_failed();
   if (!I.prefetching()) return;
-  I.ask<rank_api::all_params_atom>("wait_all_params()", rank_api::all_params_atom::value);
+  if (!I.on_rank_thread()) return I.ask<rank_api::all_params_atom>("wait_all_params()", rank_api::all_params_atom::value);
+  I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.signal_target); });
+  if (I.shard) I.shard->join_compute();
 }
 
 std::future<void> Runtime::collective(CollectiveOp op) {

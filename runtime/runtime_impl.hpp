@@ -126,10 +126,10 @@ struct Runtime::Impl {
   // calling thread; the answer's error rethrown as the exception it stands for.
   template <class... Reply, class... Ts>
   void ask(const char* what, Ts&&... xs) {
-    if (std::this_thread::get_id() == rank_thread.load(std::memory_order_relaxed))
-      throw UsageError(std::string("Runtime::") + what + " on rank " + std::to_string(rank) +
-                       " from a rank_api::RankCall: it runs on the rank actor's thread, which answers that wait; send the "
-                       "request to the rank actor instead");
+    // The public waits block directly on the rank actor's own thread (on_rank_thread): asking
+    // itself from there would wait for ever.
+    if (on_rank_thread())
+      throw std::logic_error(std::string("Runtime::") + what + " asked the rank actor from its own thread (rank " + std::to_string(rank) + ")");
     // A scoped actor costs a registration in the actor system: the trainer's thread keeps one; a
     // second thread asking at the same time makes its own.
     std::unique_lock lock(asker_mu, std::try_to_lock);
@@ -147,6 +147,8 @@ struct Runtime::Impl {
         .receive([&](Reply...) { answered = true; }, [&](caf::error& e) { error = std::move(e); });
     if (!answered) rethrow(error);
   }
+  // A RankCall runs here: the rank's own thread, which may block (never a scheduler thread).
+  bool on_rank_thread() const { return std::this_thread::get_id() == rank_thread.load(std::memory_order_relaxed); }
   [[noreturn]] void rethrow(const caf::error& e) {
     throw_if_failed();  // the failure as it was thrown, its type kept
     shardflow::rethrow(e);

@@ -232,6 +232,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
 // A request to the rank actor (Note [The rank actor]), which runs finish_checkpoint() on its thread.
 void Runtime::wait_checkpoint() {
   if (!impl_->saves.pending) return;
+  if (impl_->on_rank_thread()) return finish_checkpoint();  // a RankCall (Note [The rank actor])
   impl_->ask<rank_api::checkpoint_done_atom, std::string, std::uint64_t>("wait_checkpoint()", rank_api::checkpoint_atom::value);
 }
 

@@ -104,9 +104,10 @@ using checkpoint_done_atom = caf::atom_constant<caf::atom("sf_ckdone")>;
 using failed_atom = caf::atom_constant<caf::atom("sf_failed")>;
 
 // What a blocking call would do with the Runtime, run on the rank actor's own thread (setup's
-// collectives: finalize, configure_optimizer, resumed_step, load_checkpoint; refresh_trainable,
-// set_lr between iterations). It must not call Runtime's waits (wait(), wait_param(), ...): those
-// are messages to this same actor (UsageError if it tries).
+// collectives: finalize, configure_optimizer, resumed_step, load_checkpoint; between iterations
+// refresh_trainable, set_lr, save_checkpoint, state_dict; join at the end). That thread may block:
+// the waits such calls make block it (never a scheduler thread), and the rank's other requests
+// wait for the call.
 using RankCall = std::function<void(Runtime&)>;
 
 // Events a subscriber (any actor, subscribe_atom with a mask of these) is sent:
