@@ -213,7 +213,9 @@ struct Config {
   TimeoutConfig timeouts;
   SnapshotConfig snapshot;
   // CAF scheduler threads of the process-wide actor system (0: min(2, hardware threads)). Actors
-  // only route messages; the heavy lifting happens on comm streams and trainer threads.
+  // only route messages; the heavy lifting happens on comm streams and trainer threads, and each
+  // Runtime's rank actor (shardflow/actor.hpp) has a thread of its own, so one worker is enough
+  // for any number of ranks and a trainer's own actors.
   unsigned actor_threads = 0;
 
   // How this program's users spell settings, for error messages: the setting's path in Config
