@@ -5,7 +5,9 @@
 # libshardflow.so carries the runtime, the actors and the CPU/CUDA kernels; CAF, Gloo, spdlog,
 # Boost.Asio, OpenBLAS, CUDA and NCCL are linked privately and no public header includes them. So
 # a consumer writes `find_package(shardflow CONFIG REQUIRED)` and links `shardflow::shardflow`, or
-# uses `pkg-config --cflags --libs shardflow`, and names nothing else. The public headers are
+# uses `pkg-config --cflags --libs shardflow`, and names nothing else. The one exception is
+# shardflow/actor.hpp, for CAF applications: `shardflow::actor` adds CAF (Debian's libcaf-dev,
+# found by the FindCAF.cmake installed beside the package), defined where CAF is found. The public headers are
 # runtime/include/shardflow/*.hpp (installed as include/shardflow/); the build tree's own programs
 # may also include the internal headers, an installed consumer cannot.
 include(CMakePackageConfigHelpers)
@@ -18,6 +20,10 @@ install(TARGETS shardflow_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/runtime/include/shardflow DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
         FILES_MATCHING PATTERN "*.hpp")
 install(EXPORT shardflowTargets NAMESPACE shardflow:: DESTINATION ${SHARDFLOW_CMAKE_DIR})
+# A set of its own: a consumer without CAF still finds shardflow::shardflow.
+install(TARGETS shardflow_actor EXPORT shardflowActorTargets)
+install(EXPORT shardflowActorTargets NAMESPACE shardflow:: DESTINATION ${SHARDFLOW_CMAKE_DIR})
+install(FILES ${PROJECT_SOURCE_DIR}/cmake/FindCAF.cmake DESTINATION ${SHARDFLOW_CMAKE_DIR})
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/shardflowConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/shardflowConfig.cmake INSTALL_DESTINATION ${SHARDFLOW_CMAKE_DIR})

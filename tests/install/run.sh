@@ -30,6 +30,9 @@ quiet configure.log cmake -S "$here" -B "$work/cmake" -G Ninja -DCMAKE_PREFIX_PA
   -DCMAKE_CXX_FLAGS="$san_flags"
 quiet build.log cmake --build "$work/cmake"
 "$work/cmake/consumer"
+# shardflow::actor is defined where CAF is installed (it is, wherever the library was built).
+test -x "$work/cmake/actor_consumer"
+"$work/cmake/actor_consumer"
 
 if command -v pkg-config > /dev/null; then
   export PKG_CONFIG_PATH="$work/prefix/lib/pkgconfig"
