@@ -1,5 +1,7 @@
 #include <caf/all.hpp>
 
+#include <limits>
+
 #include "examples/actor_trainer/actors.hpp"
 
 namespace shardflow::actor_trainer {
@@ -41,7 +43,6 @@ void start_step(Self self, RankContext* ctx);
 
 // After the last step: every update landed, every step's global loss, rank 0's results.
 void finish(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t slot) {
-  auto& st = self->state;
   const auto& opt = *ctx->opt;
   auto fill = [=] {
     auto& st = self->state;
@@ -73,7 +74,6 @@ void finish(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t s
             }
           },
           [=](caf::error& e) { fail(self, e); });
-  (void)st;
 }
 
 // The iteration is done: the step's loss (reduced every loss_every steps) and its report.
