@@ -125,8 +125,9 @@ int main(int argc, char** argv) {
                  "on one GPU, or one process per GPU over nccl under a launcher)")->capture_default_str();
   std::string backend = "auto";
   app.add_option("--backend", backend,
-                 "auto | in-process | sim | shm | gloo | nccl (auto: in-process threads when started plainly; under a launcher shm "
-                 "on one host, else gloo; sim: a simulated link over the in-process backend, or over auto under a launcher)")
+                 "auto | in-process | sim | shm | gloo | nccl | hierarchical (auto: in-process threads when started plainly; under a "
+                 "launcher shm on one host, hierarchical (shm inside a host, gloo between hosts) on several hosts of several ranks, "
+                 "else gloo; sim: a simulated link over the in-process backend, or over auto under a launcher)")
       ->capture_default_str();
   SimLink sim;
   app.add_option("--sim-latency-us", sim.latency_us, "sim link: alpha, microseconds per message step")->capture_default_str();
@@ -207,8 +208,9 @@ int main(int argc, char** argv) {
       if (!f) throw UsageError("--stats-json '" + stats_json + "': cannot write: " + std::strerror(errno));
       std::fclose(f);
     }
-    static const std::set<std::string> backends{"auto", "in-process", "sim", "shm", "gloo", "nccl"};
-    if (!backends.count(backend)) throw UsageError("--backend '" + backend + "': expected auto, in-process, sim, shm, gloo or nccl");
+    static const std::set<std::string> backends{"auto", "in-process", "sim", "shm", "gloo", "nccl", "hierarchical"};
+    if (!backends.count(backend))
+      throw UsageError("--backend '" + backend + "': expected auto, in-process, sim, shm, gloo, nccl or hierarchical");
     // An explicit --weight-decay is the user's number (-1 is only the default's marker).
     if (app.count("--weight-decay") && opt.optimizer.weight_decay < 0)
       throw UsageError("--weight-decay must be >= 0, got " + std::to_string(opt.optimizer.weight_decay));

@@ -118,6 +118,27 @@ pid_t pid_of_rank(const std::string& out, int rank) {
 
 }  // namespace
 
+TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks") {
+  const std::string one = scratch("auto_one_node.safetensors"), two = scratch("auto_two_nodes.safetensors");
+  auto trainer = [](const std::string& save) {
+    auto args = test::mlp_args(1);  // ZeRO-1 interleaved, no --backend: auto
+    args.insert(args.begin(), test::kTrainer);
+    for (const auto& a : {std::string("--save"), save}) args.push_back(a);
+    return args;
+  };
+  {
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer(one)), env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  const int port = test::free_port();
+  Child n0(node_cmd({0, 2, 2, port, {}}, trainer(two)), env());
+  Child n1(node_cmd({1, 2, 2, port, {}}, trainer(scratch("auto_unused.safetensors"))), env());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  CHECK(n0.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
+  check_params(two, one, 1e-5);  // the sums go in another order
+}
+
 TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit; torchrun's --rdzv-endpoint") {
   const std::string one = scratch("one_node.safetensors"), two = scratch("two_nodes.safetensors");
   {

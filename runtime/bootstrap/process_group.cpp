@@ -7,6 +7,7 @@
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/gloo.hpp"
+#include "shardflow/hierarchical.hpp"
 #include "kernels/cuda/device.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/nccl.hpp"
@@ -40,8 +41,17 @@ std::atomic<int> groups_created{0};
 }  // namespace
 
 std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
-  if (o.backend != "auto" && o.backend != "gloo" && o.backend != "shm" && o.backend != "nccl")
-    throw UsageError("init_process_group: backend '" + o.backend + "' is not one of auto, gloo, shm, nccl");
+  if (o.backend != "auto" && o.backend != "gloo" && o.backend != "shm" && o.backend != "nccl" && o.backend != "hierarchical")
+    throw UsageError("init_process_group: backend '" + o.backend + "' is not one of auto, gloo, shm, nccl, hierarchical");
+  // Note [Two-level collectives]: several hosts of several ranks each, numbered host by host, talk
+  // through shared memory inside a host and Gloo between hosts. auto picks it there.
+  const int L = env.local_world_size;
+  const bool two_levels = L > 1 && !env.single_host() && env.world_size % L == 0 && env.rank % L == env.local_rank;
+  if (o.backend == "hierarchical" && !two_levels)
+    throw UsageError("init_process_group: backend 'hierarchical' needs several hosts with the same number of ranks each, numbered "
+                     "host by host; rank " + std::to_string(env.rank) + " is local rank " + std::to_string(env.local_rank) + " of " +
+                     std::to_string(L) + " in a world of " + std::to_string(env.world_size));
+  const std::string backend = o.backend != "auto" ? o.backend : env.single_host() ? "shm" : two_levels ? "hierarchical" : "gloo";
   if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
   std::unique_ptr<TcpStoreServer> server;
   std::string store_host = env.master_addr;
@@ -65,14 +75,14 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   {
     TcpStoreClient client(store_host, env.store_port, env.token, o.timeout);
     PrefixStore store(client, prefix);
-    store.set("backend/" + std::to_string(env.rank), o.backend + " " + std::to_string(env.world_size));
+    // What auto chose too: hosts with different numbers of ranks would choose differently.
+    store.set("backend/" + std::to_string(env.rank), o.backend + " (" + backend + ") " + std::to_string(env.world_size));
     const std::string mine = store.get("backend/" + std::to_string(env.rank));
     const std::string root = store.get("backend/0");
     if (root != mine)
-      throw MismatchError("rank " + std::to_string(env.rank) + " asked for backend/world '" + mine + "' but rank 0 for '" +
-                          root + "': every rank must pass the same backend and world size");
+      throw MismatchError("rank " + std::to_string(env.rank) + " asked for backend (chosen) world '" + mine + "' but rank 0 for '" +
+                          root + "': every rank must pass the same backend and world size (and with auto, every host run as many ranks)");
   }
-  const std::string backend = o.backend != "auto" ? o.backend : env.single_host() ? "shm" : "gloo";
   StoreRendezvous where;
   where.rank = env.rank;
   where.world_size = env.world_size;
@@ -90,6 +100,20 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
     const int devices = cuda::device_count();
     no.device = devices > 0 ? env.local_rank % devices : 0;  // one GPU per process on each node
     inner = make_nccl_communicator(no);
+  } else if (backend == "hierarchical") {
+    const int host = env.rank / L;
+    ShmOptions inside;
+    static_cast<StoreRendezvous&>(inside) = where;
+    inside.rank = env.local_rank;
+    inside.world_size = L;
+    inside.key_prefix = prefix + "hierarchical/host" + std::to_string(host) + "/";
+    GlooOptions between;
+    static_cast<StoreRendezvous&>(between) = where;
+    between.rank = host;
+    between.world_size = env.world_size / L;
+    between.key_prefix = prefix + "hierarchical/local" + std::to_string(env.local_rank) + "/";
+    between.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
+    inner = make_hierarchical(make_shm_communicator(inside), make_gloo_communicator(between));
   } else if (backend == "shm") {
     ShmOptions so;
     static_cast<StoreRendezvous&>(so) = where;

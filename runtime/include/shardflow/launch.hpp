@@ -56,9 +56,11 @@ struct LaunchEnv {
 };
 
 struct ProcessGroupOptions {
-  // "gloo", "shm", "nccl" (one GPU per process: cuda:LOCAL_RANK), or "auto": shm when every rank
-  // is on this host, else gloo. auto never picks nccl: which device parameters live on is the
-  // trainer's choice, and a CPU-tensor job on a GPU machine must keep working.
+  // "gloo", "shm", "nccl" (one GPU per process: cuda:LOCAL_RANK), "hierarchical" (shared memory
+  // inside a host, Gloo between hosts: shardflow/hierarchical.hpp), or "auto": shm when every rank
+  // is on this host, hierarchical on several hosts of several ranks each, else gloo. auto never
+  // picks nccl: which device parameters live on is the trainer's choice, and a CPU-tensor job on a
+  // GPU machine must keep working.
   std::string backend = "auto";
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
 };
