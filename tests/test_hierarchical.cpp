@@ -83,9 +83,18 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks: every collective gives what the flat 
   }
 }
 
-TEST_CASE("2 hosts x 2 ranks: the MLP at ZeRO 0/1/2 ends where 1 host x 4 ranks ends, within 1e-5 (another summation order)") {
-  for (int stage : {0, 1, 2}) {
+TEST_CASE("2 hosts x 2 ranks: the MLP at every ZeRO stage and overlap mode (and forward prefetch) ends where 1 host x 4 ranks ends, within 1e-5 (another summation order)") {
+  struct Mode {
+    int stage;
+    Overlap overlap;
+    bool prefetch;
+  };
+  for (const auto& m : {Mode{0, Overlap::none, false}, Mode{1, Overlap::none, false}, Mode{1, Overlap::after_backward, false},
+                        Mode{1, Overlap::interleaved, false}, Mode{2, Overlap::interleaved, false}, Mode{2, Overlap::interleaved, true}}) {
+    const int stage = m.stage;
     CAPTURE(stage);
+    CAPTURE(overlap_name(m.overlap));
+    CAPTURE(m.prefetch);
     mlp::TrainOptions opt;
     opt.sizes = {24, 40, 40, 6};
     opt.steps = 6;
@@ -94,7 +103,8 @@ TEST_CASE("2 hosts x 2 ranks: the MLP at ZeRO 0/1/2 ends where 1 host x 4 ranks 
     opt.optimizer.kind = OptimizerConfig::Kind::adamw;
     opt.optimizer.lr = 0.01f;
     opt.runtime.zero.stage = ZeroStage(stage);
-    opt.runtime.zero.overlap = stage ? Overlap::interleaved : Overlap::none;
+    opt.runtime.zero.overlap = m.overlap;
+    opt.runtime.zero.forward_prefetch = m.prefetch;
     opt.runtime.buckets.first_cap_bytes = opt.runtime.buckets.cap_bytes = 4096;
     opt.runtime.timeouts.collective = 20s;
     const auto flat = mlp::train(opt);

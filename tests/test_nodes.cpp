@@ -118,25 +118,39 @@ pid_t pid_of_rank(const std::string& out, int rank) {
 
 }  // namespace
 
-TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks") {
-  const std::string one = scratch("auto_one_node.safetensors"), two = scratch("auto_two_nodes.safetensors");
-  auto trainer = [](const std::string& save) {
-    auto args = test::mlp_args(1);  // ZeRO-1 interleaved, no --backend: auto
-    args.insert(args.begin(), test::kTrainer);
-    for (const auto& a : {std::string("--save"), save}) args.push_back(a);
-    return args;
+TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks, every stage and overlap mode") {
+  struct Mode {
+    int stage;
+    const char* overlap;
+    bool prefetch;
   };
-  {
-    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer(one)), env());
-    INFO(job.output());
-    REQUIRE(test::exited_ok(job.wait(120s)));
+  for (const auto& m : {Mode{0, "none", false}, Mode{1, "none", false}, Mode{1, "after_backward", false}, Mode{1, "interleaved", false},
+                        Mode{2, "interleaved", false}, Mode{2, "interleaved", true}}) {
+    CAPTURE(m.stage);
+    CAPTURE(m.overlap);
+    CAPTURE(m.prefetch);
+    const std::string tag = std::to_string(m.stage) + m.overlap + (m.prefetch ? "_prefetch" : "");
+    const std::string one = scratch("auto_one_node_" + tag + ".safetensors"), two = scratch("auto_two_nodes_" + tag + ".safetensors");
+    auto trainer = [&](const std::string& save) {
+      auto args = test::mlp_args(m.stage);  // no --backend: auto
+      args.insert(args.begin(), test::kTrainer);
+      test::set_flag(args, "--overlap", m.overlap);
+      for (const auto& a : {std::string("--save"), save}) args.push_back(a);
+      if (m.prefetch) args.push_back("--forward-prefetch");
+      return args;
+    };
+    {
+      Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer(one)), env());
+      INFO(job.output());
+      REQUIRE(test::exited_ok(job.wait(120s)));
+    }
+    const int port = test::free_port();
+    Child n0(node_cmd({0, 2, 2, port, {}}, trainer(two)), env());
+    Child n1(node_cmd({1, 2, 2, port, {}}, trainer(scratch("auto_unused.safetensors"))), env());
+    REQUIRE_BOTH_NODES_OK(n0, n1);
+    CHECK(n0.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
+    check_params(two, one, 1e-5);  // the sums go in another order
   }
-  const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 2, port, {}}, trainer(two)), env());
-  Child n1(node_cmd({1, 2, 2, port, {}}, trainer(scratch("auto_unused.safetensors"))), env());
-  REQUIRE_BOTH_NODES_OK(n0, n1);
-  CHECK(n0.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
-  check_params(two, one, 1e-5);  // the sums go in another order
 }
 
 TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit; torchrun's --rdzv-endpoint") {
