@@ -10,6 +10,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "shardflow/hierarchical.hpp"
+#include "tests/collective_op.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;
@@ -32,17 +33,7 @@ void on_hosts(int hosts, int local, F f) {
   for (auto& t : threads) t.join();
 }
 
-CollectiveOp op(CollectiveKind kind, const void* send, void* recv, std::size_t count, float scale = 1.0f, int root = 0) {
-  CollectiveOp o;
-  o.kind = kind;
-  o.send = send;
-  o.recv = recv;
-  o.count = count;
-  o.scale = scale;
-  o.root = root;
-  o.tag = collective_name(kind);
-  return o;
-}
+using test::make;
 
 }  // namespace
 
@@ -58,26 +49,26 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks: every collective gives what the flat 
       // all-reduce of 7 elements (not a multiple of the ranks per host), summed
       std::vector<float> x(7);
       for (int i = 0; i < 7; ++i) x[std::size_t(i)] = float(r * 10 + i);
-      comm.run(op(CollectiveKind::allreduce, x.data(), x.data(), 7), 20s);
+      comm.run(make(CollectiveKind::allreduce, x.data(), x.data(), 7), 20s);
       for (int i = 0; i < 7; ++i) b += x[std::size_t(i)] != float(10 * W * (W - 1) / 2 + W * i);
       // reduce-scatter: rank q gets the sum of every rank's block q
       const int c = 3;
       std::vector<float> blocks(std::size_t(W * c)), mine(c);
       for (int q = 0; q < W; ++q)
         for (int i = 0; i < c; ++i) blocks[std::size_t(q * c + i)] = float(r * 100 + q * 10 + i);
-      comm.run(op(CollectiveKind::reduce_scatter, blocks.data(), mine.data(), c), 20s);
+      comm.run(make(CollectiveKind::reduce_scatter, blocks.data(), mine.data(), c), 20s);
       for (int i = 0; i < c; ++i) b += mine[std::size_t(i)] != float(100 * W * (W - 1) / 2 + W * (r * 10 + i));
       // all-gather: rank order
       std::vector<float> one(c), all(std::size_t(W * c));
       for (int i = 0; i < c; ++i) one[std::size_t(i)] = float(r * 10 + i);
-      comm.run(op(CollectiveKind::allgather, one.data(), all.data(), c), 20s);
+      comm.run(make(CollectiveKind::allgather, one.data(), all.data(), c), 20s);
       for (int q = 0; q < W; ++q)
         for (int i = 0; i < c; ++i) b += all[std::size_t(q * c + i)] != float(q * 10 + i);
       // broadcast from the last rank (another host's, not local index 0)
       std::vector<float> from(5, float(r)), to(5, -1.0f);
-      comm.run(op(CollectiveKind::broadcast, from.data(), to.data(), 5, 1.0f, W - 1), 20s);
+      comm.run(make(CollectiveKind::broadcast, from.data(), to.data(), 5, 1.0f, W - 1), 20s);
       for (float v : to) b += v != float(W - 1);
-      comm.run(op(CollectiveKind::barrier, nullptr, nullptr, 0), 20s);
+      comm.run(make(CollectiveKind::barrier, nullptr, nullptr, 0), 20s);
     });
     for (int r = 0; r < W; ++r) CHECK(bad[std::size_t(r)] == 0);
   }

@@ -19,6 +19,7 @@
 // sub-collective of the one before completed. The buffers are staged through scratch memory
 // (padding to a multiple of L, the reorderings); building the runtime's buckets in this layout so
 // that a rank's shard is what the two levels produce in place is the next step.
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -31,10 +32,23 @@
 namespace shardflow {
 namespace {
 
-class HierarchicalComm final : public Communicator, public std::enable_shared_from_this<HierarchicalComm> {
+class HierarchicalComm final : public Communicator {
  public:
   HierarchicalComm(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross)
       : local_(std::move(local)), cross_(std::move(cross)), L_(local_->world_size()), H_(cross_->world_size()) {}
+
+  // On the owner's thread, never a sub-communicator's: it waits until no callback of theirs is
+  // still running in this object (they hold it by a plain pointer), so that the sub-communicators,
+  // whose threads run those callbacks, are destroyed here. Collectives not started are failed.
+  ~HierarchicalComm() override {
+    std::deque<JobPtr> left;
+    {
+      std::unique_lock lock(mu_);
+      idle_.wait(lock, [&] { return active_ == 0; });
+      left.swap(queue_);
+    }
+    for (auto& job : left) job->done(std::make_exception_ptr(CommError("'" + job->op.tag + "': the hierarchical communicator was destroyed")));
+  }
 
   int rank() const override { return cross_->rank() * L_ + local_->rank(); }
   int world_size() const override { return H_ * L_; }
@@ -65,43 +79,57 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
     std::vector<std::byte> a, b;  // scratch
   };
   using JobPtr = std::shared_ptr<Job>;
-  using Step = std::function<void(JobPtr)>;
+  // A step runs in the callback of the one before; true when it was the job's last (the next job
+  // may start), false when it chained another sub-collective.
+  using Step = std::function<bool(JobPtr)>;
 
   void start_next() {
-    JobPtr job;
+    for (;;) {
+      JobPtr job;
+      {
+        std::lock_guard lock(mu_);
+        if (queue_.empty()) {
+          running_ = false;
+          return;
+        }
+        job = queue_.front();
+        queue_.pop_front();
+      }
+      try {
+        run(job);
+        return;  // its sub-collectives take it from here
+      } catch (...) {
+        job->done(std::current_exception());  // refused before anything went out: the next one
+      }
+    }
+  }
+
+  // Submits `sub` to `to`; on success runs `then` (the next step), on failure ends the job. The
+  // job's owner is told last: it may destroy this communicator as soon as it hears, and the
+  // destructor waits for `active_` to fall to zero, which is the callback's last touch of it.
+  bool chain(Communicator& to, CollectiveOp sub, const JobPtr& job, Step then) {
+    sub.keep_alive = job;
     {
       std::lock_guard lock(mu_);
-      if (queue_.empty()) {
-        running_ = false;
-        return;
-      }
-      job = queue_.front();
-      queue_.pop_front();
+      ++active_;
     }
-    try {
-      run(job);
-    } catch (...) {
-      finish(job, std::current_exception());
-    }
-  }
-
-  void finish(const JobPtr& job, std::exception_ptr e) {
-    job->done(e);
-    start_next();
-  }
-
-  // Submits `sub` to `to`; on success runs `then` (the next step), on failure ends the job.
-  void chain(Communicator& to, CollectiveOp sub, const JobPtr& job, Step then) {
-    sub.keep_alive = job;
-    auto self = shared_from_this();
-    to.submit(std::move(sub), [self, job, then = std::move(then)](std::exception_ptr e) {
-      if (e) return self->finish(job, e);
-      try {
-        then(job);
-      } catch (...) {
-        self->finish(job, std::current_exception());
+    to.submit(std::move(sub), [this, job, then = std::move(then)](std::exception_ptr e) {
+      bool last = false;
+      if (!e) try {
+          last = then(job);
+        } catch (...) {
+          e = std::current_exception();
+        }
+      CollectiveDone tell;
+      if (e || last) {
+        tell = std::move(job->done);
+        start_next();
       }
+      if (tell) tell(e);
+      std::lock_guard lock(mu_);
+      if (--active_ == 0) idle_.notify_all();
     });
+    return false;  // the job goes on in that callback
   }
 
   CollectiveOp sub(const JobPtr& job, CollectiveKind kind, const void* send, void* recv, std::size_t count, float scale,
@@ -120,7 +148,7 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
   void run(const JobPtr& job) {
     const auto& op = job->op;
     const std::size_t es = dtype_size(op.dtype);
-    auto done = [this](JobPtr j) { finish(j, nullptr); };
+    auto done = [](const JobPtr&) { return true; };  // the job's last step ran
     switch (op.kind) {
       case CollectiveKind::allreduce: {
         const std::size_t n = op.count, c = (n + std::size_t(L_) - 1) / std::size_t(L_);
@@ -129,13 +157,13 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
         if (n) std::memcpy(job->a.data(), op.send, n * es);
         chain(*local_, sub(job, CollectiveKind::reduce_scatter, job->a.data(), job->b.data(), c, 1.0f, "inside the host"), job,
               [this, c, done](JobPtr j) {
-                chain(*cross_, sub(j, CollectiveKind::allreduce, j->b.data(), j->b.data(), c, j->op.scale, "between hosts"), j,
+                return chain(*cross_, sub(j, CollectiveKind::allreduce, j->b.data(), j->b.data(), c, j->op.scale, "between hosts"), j,
                       [this, c, done](JobPtr j2) {
-                        chain(*local_, sub(j2, CollectiveKind::allgather, j2->b.data(), j2->a.data(), c, 1.0f, "inside the host"), j2,
+                        return chain(*local_, sub(j2, CollectiveKind::allgather, j2->b.data(), j2->a.data(), c, 1.0f, "inside the host"), j2,
                               [done](JobPtr j3) {
                                 const std::size_t bytes = j3->op.count * dtype_size(j3->op.dtype);
                                 if (bytes) std::memmove(j3->op.recv, j3->a.data(), bytes);
-                                done(j3);
+                                return done(j3);
                               });
                       });
               });
@@ -151,7 +179,7 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
           for (std::size_t l = 0; l < L; ++l) std::memcpy(job->a.data() + (l * H + h) * c, in + (h * L + l) * c, c);
         chain(*local_, sub(job, CollectiveKind::reduce_scatter, job->a.data(), job->b.data(), op.count * H, 1.0f, "inside the host"), job,
               [this, done](JobPtr j) {
-                chain(*cross_, sub(j, CollectiveKind::reduce_scatter, j->b.data(), j->op.recv, j->op.count, j->op.scale, "between hosts"), j,
+                return chain(*cross_, sub(j, CollectiveKind::reduce_scatter, j->b.data(), j->op.recv, j->op.count, j->op.scale, "between hosts"), j,
                       done);
               });
         return;
@@ -162,13 +190,13 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
         job->b.resize(H * c);
         chain(*cross_, sub(job, CollectiveKind::allgather, op.send, job->b.data(), op.count, 1.0f, "between hosts"), job,
               [this, c, H, L, done](JobPtr j) {
-                chain(*local_, sub(j, CollectiveKind::allgather, j->b.data(), j->a.data(), j->op.count * H, 1.0f, "inside the host"), j,
+                return chain(*local_, sub(j, CollectiveKind::allgather, j->b.data(), j->a.data(), j->op.count * H, 1.0f, "inside the host"), j,
                       [c, H, L, done](JobPtr j2) {
                         // a[l][h] is rank h * L + l's block.
                         auto* out = static_cast<std::byte*>(j2->op.recv);
                         for (std::size_t h = 0; h < H; ++h)
                           for (std::size_t l = 0; l < L; ++l) std::memcpy(out + (h * L + l) * c, j2->a.data() + (l * H + h) * c, c);
-                        done(j2);
+                        return done(j2);
                       });
               });
         return;
@@ -181,9 +209,12 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
         auto across = [this, root_host, done](JobPtr j) {
           auto o = sub(j, CollectiveKind::broadcast, j->op.recv, j->op.recv, j->op.count, 1.0f, "between hosts");
           o.root = root_host;
-          chain(*cross_, std::move(o), j, done);
+          return chain(*cross_, std::move(o), j, done);
         };
-        if (cross_->rank() != root_host) return across(job);
+        if (cross_->rank() != root_host) {
+          across(job);
+          return;
+        }
         auto o = sub(job, CollectiveKind::broadcast, rank() == op.root ? op.send : op.recv, op.recv, op.count, 1.0f, "inside the host");
         o.root = root_local;
         chain(*local_, std::move(o), job, across);
@@ -191,8 +222,8 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
       }
       case CollectiveKind::barrier: {
         chain(*local_, sub(job, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "inside the host"), job, [this, done](JobPtr j) {
-          chain(*cross_, sub(j, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "between hosts"), j, [this, done](JobPtr j2) {
-            chain(*local_, sub(j2, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "inside the host"), j2, done);
+          return chain(*cross_, sub(j, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "between hosts"), j, [this, done](JobPtr j2) {
+            return chain(*local_, sub(j2, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "inside the host"), j2, done);
           });
         });
         return;
@@ -204,6 +235,8 @@ class HierarchicalComm final : public Communicator, public std::enable_shared_fr
   std::shared_ptr<Communicator> local_, cross_;
   const int L_, H_;
   std::mutex mu_;
+  std::condition_variable idle_;
+  int active_ = 0;  // sub-collectives submitted whose callback has not finished
   std::deque<JobPtr> queue_;
   bool running_ = false;
 };
