@@ -141,7 +141,7 @@ void check(self_ptr self) {
       I.subscribers->step_done(I.iterations);
     }
     for (auto it = st.params.begin(); it != st.params.end();) {
-      if (I.signal->failure()) I.pass_complete(it->target, false);  // throws the failure
+      if (I.signal->failure()) I.check_outcome(IterationSignal::Outcome::failed, it->target, it->what);  // throws it
       auto& left = it->buckets;
       for (auto b = left.begin(); b != left.end();)
         if (I.signal->done(*b, it->target)) {

@@ -29,16 +29,6 @@ void report(Self self, const RankContext* ctx) {
   st.held.erase(st.held.begin(), st.held.begin() + std::ptrdiff_t(n));
 }
 
-CollectiveOp loss_op(float* values, std::size_t n, int world) {
-  CollectiveOp op;
-  op.kind = CollectiveKind::allreduce;
-  op.send = op.recv = values;
-  op.count = n;
-  op.scale = 1.0f / float(world);  // equal shards: the global mean is the mean of the local means
-  op.tag = "loss";
-  return op;
-}
-
 void start_step(Self self, RankContext* ctx);
 
 // After the last step: every update landed, every step's global loss, rank 0's results.
@@ -67,7 +57,7 @@ void finish(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t s
             // Every step's global loss in one collective at the end (the same sums as per step).
             if (opt.report_loss && opt.world_size > 1 && opt.loss_every > 1 && !st.local_losses.empty()) {
               self->request(ctx->runtime, caf::infinite, rank_api::collective_atom::value,
-                            loss_op(st.local_losses.data(), st.local_losses.size(), opt.world_size))
+                            mlp::loss_allreduce(st.local_losses.data(), st.local_losses.size(), opt.world_size))
                   .then([=](rank_api::collective_atom, const std::string&) { fill(); }, [=](caf::error& e) { fail(self, e); });
             } else {
               fill();
@@ -88,7 +78,7 @@ void end_step(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t
   if (reduces && reduce_now) {
     st.reduced[std::size_t(step)] = st.loss;
     st.in_flight.push_back(step);
-    self->request(ctx->runtime, caf::infinite, rank_api::collective_atom::value, loss_op(&st.reduced[std::size_t(step)], 1, opt.world_size))
+    self->request(ctx->runtime, caf::infinite, rank_api::collective_atom::value, mlp::loss_allreduce(&st.reduced[std::size_t(step)], 1, opt.world_size))
         .then(
             [=](rank_api::collective_atom, const std::string&) {
               auto& st = self->state;

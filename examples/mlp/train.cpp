@@ -113,6 +113,16 @@ std::string describe_split(std::size_t total, int world, int local) {
 
 }  // namespace
 
+CollectiveOp loss_allreduce(float* losses, std::size_t n, int world_size) {
+  CollectiveOp op;
+  op.kind = CollectiveKind::allreduce;
+  op.send = op.recv = losses;
+  op.count = n;
+  op.scale = 1.0f / float(world_size);  // equal shards: the global mean is the mean of the local means
+  op.tag = "loss";
+  return op;
+}
+
 void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y,
                  std::optional<std::size_t> at) {
   const int local = B / N;
@@ -131,13 +141,7 @@ namespace {
 // the runtime's comm stream after the parameter syncs forward prefetch leaves running past wait()
 // (Runtime::collective), so it neither races them nor waits for them here.
 std::future<void> global_loss(const TrainOptions& opt, Runtime& rt, float* loss, std::size_t n) {
-  CollectiveOp op;
-  op.kind = CollectiveKind::allreduce;
-  op.send = op.recv = loss;
-  op.count = n;
-  op.scale = 1.0f / float(opt.world_size);  // equal shards: the global mean is the mean of the local means
-  op.tag = "loss";
-  return rt.collective(op);
+  return rt.collective(loss_allreduce(loss, n, opt.world_size));
 }
 
 // Rank 0's step reports in step order, each with its global loss. A step whose loss is being

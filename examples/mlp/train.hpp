@@ -111,6 +111,10 @@ struct Prepared {
 };
 Prepared prepare(const TrainOptions& opt);
 
+// The all-reduce of `n` per-step losses into their global means (equal shards: the mean of the
+// ranks' means), as both MLP trainers issue it (tag "loss"); the buffer must outlive it.
+CollectiveOp loss_allreduce(float* losses, std::size_t n, int world_size);
+
 // Rank r's rows of global batch `step` (B rows over N ranks): rows step*B ... step*B+B-1 modulo
 // the data size, of which rank r takes the r-th contiguous B/N; from row `at` when given.
 void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<float>& x, std::vector<float>& y,

@@ -53,13 +53,14 @@ class IterationSignal {
   // Until every bucket completed `target` iterations.
   Outcome wait_all(std::uint64_t target, std::chrono::steady_clock::time_point deadline) {
     std::unique_lock lock(mu_);
-    auto all = [&] {
-      for (auto d : done_)
-        if (d < target) return false;
-      return true;
-    };
-    if (!cv_.wait_until(lock, deadline, [&] { return failure_ || all(); })) return Outcome::timed_out;
+    if (!cv_.wait_until(lock, deadline, [&] { return failure_ || all_at(target); })) return Outcome::timed_out;
     return failure_ ? Outcome::failed : Outcome::complete;
+  }
+
+  // Without waiting: whether every bucket completed `target` iterations.
+  bool all_done(std::uint64_t target) const {
+    std::lock_guard lock(mu_);
+    return all_at(target);
   }
 
   // Until bucket b completed `target` iterations.
@@ -83,6 +84,12 @@ class IterationSignal {
   }
 
  private:
+  bool all_at(std::uint64_t target) const {  // under mu_
+    for (auto d : done_)
+      if (d < target) return false;
+    return true;
+  }
+
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::uint64_t> done_;
