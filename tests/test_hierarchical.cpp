@@ -3,12 +3,17 @@
 // in-process worlds: one per host and one per local index.
 #include <doctest/doctest.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "examples/mlp/train.hpp"
+#include "runtime/plans/run_plan.hpp"
 #include "shardflow/hierarchical.hpp"
 #include "tests/collective_op.hpp"
 
@@ -17,17 +22,42 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// hosts x local ranks as threads; f(comm, rank) on each.
+// Hands every op to the network's stand-in, adding up what the buckets' collectives put on it:
+// each rank's ring share (wire_bytes), so that the sum over the ranks is what leaves the hosts.
+class CountingComm final : public Communicator {
+ public:
+  CountingComm(std::shared_ptr<Communicator> inner, std::atomic<std::size_t>& bytes) : inner_(std::move(inner)), bytes_(bytes) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend_name() const override { return inner_->backend_name(); }
+  bool supports(Device d) const override { return inner_->supports(d); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+  void submit(CollectiveOp op, CollectiveDone done) override {
+    if (op.tag.rfind("bucket ", 0) == 0 || op.tag.rfind("sync bucket ", 0) == 0) bytes_ += wire_bytes(op, world_size());
+    inner_->submit(std::move(op), std::move(done));
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+  std::atomic<std::size_t>& bytes_;
+};
+
+// hosts x local ranks as threads; f(comm, rank) on each. `lanes`: a second world per host for the
+// stages after the network, so that collectives overlap (Note [Lanes]); without, one at a time.
+// `crossed`: counts the buckets' bytes between hosts (CountingComm).
 template <class F>
-void on_hosts(int hosts, int local, F f) {
-  std::vector<std::shared_ptr<InProcessWorld>> inside, between;
+void on_hosts(int hosts, int local, F f, bool lanes = true, std::atomic<std::size_t>* crossed = nullptr) {
+  std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
   for (int h = 0; h < hosts; ++h) inside.push_back(InProcessWorld::create(local, 20s));
+  for (int h = 0; h < hosts; ++h) after.push_back(InProcessWorld::create(local, 20s));
   for (int l = 0; l < local; ++l) between.push_back(InProcessWorld::create(hosts, 20s));
   std::vector<std::thread> threads;
   for (int h = 0; h < hosts; ++h)
     for (int l = 0; l < local; ++l)
       threads.emplace_back([&, h, l] {
-        auto comm = make_hierarchical(inside[std::size_t(h)]->communicator(l), between[std::size_t(l)]->communicator(h));
+        std::shared_ptr<Communicator> network = between[std::size_t(l)]->communicator(h);
+        if (crossed) network = std::make_shared<CountingComm>(network, *crossed);
+        auto comm = make_hierarchical(inside[std::size_t(h)]->communicator(l), network, lanes ? after[std::size_t(h)]->communicator(l) : nullptr);
         f(*comm, h * local + l);
       });
   for (auto& t : threads) t.join();
@@ -37,10 +67,12 @@ using test::make;
 
 }  // namespace
 
-TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks: every collective gives what the flat world gives (exact sums of small integers)") {
-  for (auto [hosts, local] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}}) {
+TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or not: every collective gives what the flat world gives (exact sums of small integers)") {
+  for (auto [hosts, local] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}})
+  for (bool lanes : {true, false}) {
     CAPTURE(hosts);
     CAPTURE(local);
+    CAPTURE(lanes);
     const int W = hosts * local;
     std::vector<int> bad(std::size_t(W), 0);
     on_hosts(hosts, local, [&](Communicator& comm, int r) {
@@ -69,9 +101,55 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks: every collective gives what the flat 
       comm.run(make(CollectiveKind::broadcast, from.data(), to.data(), 5, 1.0f, W - 1), 20s);
       for (float v : to) b += v != float(W - 1);
       comm.run(make(CollectiveKind::barrier, nullptr, nullptr, 0), 20s);
-    });
+    }, lanes);
     for (int r = 0; r < W; ++r) CHECK(bad[std::size_t(r)] == 0);
   }
+}
+
+TEST_CASE("2 hosts x 2 ranks: 60 collectives of every kind submitted at once, each rank at its own pace, complete in order-independent agreement (Note [Lanes])") {
+  const int W = 4, n = 60;
+  std::vector<int> bad(W, 0);
+  on_hosts(2, 2, [&](Communicator& comm, int r) {
+    // Collective i: all-reduce, reduce-scatter, all-gather or barrier by i % 4, of 1 + i % 9 blocks.
+    std::vector<std::vector<float>> send(n), recv(n);
+    std::mutex mu;
+    std::condition_variable cv;
+    int done = 0, failed = 0;
+    for (int i = 0; i < n; ++i) {
+      const std::size_t c = std::size_t(1 + i % 9);
+      const auto kind = std::array{CollectiveKind::allreduce, CollectiveKind::reduce_scatter, CollectiveKind::allgather,
+                                   CollectiveKind::barrier}[std::size_t(i % 4)];
+      auto& in = send[std::size_t(i)];
+      auto& out = recv[std::size_t(i)];
+      in.resize(kind == CollectiveKind::reduce_scatter ? c * W : c);
+      for (std::size_t k = 0; k < in.size(); ++k) in[k] = float(r * 1000 + i * 10 + int(k % 10));
+      out.assign(kind == CollectiveKind::allgather ? c * W : c, -1.0f);
+      if (kind == CollectiveKind::allreduce) out = in;
+      auto op = make(kind, kind == CollectiveKind::allreduce ? out.data() : in.data(), out.data(),
+                     kind == CollectiveKind::barrier ? 0 : c);
+      comm.submit(std::move(op), [&](std::exception_ptr e) {
+        std::lock_guard lock(mu);
+        failed += e != nullptr;
+        ++done;
+        cv.notify_all();
+      });
+      if ((i + r) % 5 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200 * (r + 1)));
+    }
+    std::unique_lock lock(mu);
+    bad[std::size_t(r)] += !cv.wait_for(lock, 20s, [&] { return done == n; }) || failed;
+    for (int i = 0; i < n; ++i) {
+      const std::size_t c = std::size_t(1 + i % 9);
+      const auto& out = recv[std::size_t(i)];
+      for (std::size_t k = 0; k < out.size() && i % 4 != 3; ++k) {
+        float want;
+        if (i % 4 == 0) want = float(1000 * W * (W - 1) / 2 + W * (i * 10 + int(k % 10)));                          // every rank's element k
+        else if (i % 4 == 1) want = float(1000 * W * (W - 1) / 2 + W * (i * 10 + int((std::size_t(r) * c + k) % 10)));  // block r
+        else want = float(int(k / c) * 1000 + i * 10 + int(k % c % 10));                                             // rank k / c's
+        bad[std::size_t(r)] += out[k] != want;
+      }
+    }
+  });
+  for (int r = 0; r < W; ++r) CHECK(bad[std::size_t(r)] == 0);
 }
 
 TEST_CASE("2 hosts x 2 ranks: the MLP at every ZeRO stage and overlap mode (and forward prefetch) ends where 1 host x 4 ranks ends, within 1e-5 (another summation order)") {
@@ -111,5 +189,38 @@ TEST_CASE("2 hosts x 2 ranks: the MLP at every ZeRO stage and overlap mode (and 
       const auto a = t.to_f32(name), b = two_level.params.at(name).to_f32(name);
       for (std::size_t i = 0; i < a.size(); ++i) CHECK(b[i] == doctest::Approx(a[i]).epsilon(1e-5));
     }
+  }
+}
+
+TEST_CASE("shardflow plan's bytes between hosts are what the two levels put on the network: 2 hosts x 2 ranks, ZeRO-0, ZeRO-1 and ZeRO-2, 2/3 of the flat ring's") {
+  for (int stage : {0, 1, 2}) {
+    CAPTURE(stage);
+    mlp::TrainOptions opt;
+    opt.sizes = {24, 40, 40, 6};
+    opt.steps = 3;
+    opt.global_batch = 12;
+    opt.world_size = 4;
+    opt.optimizer.kind = OptimizerConfig::Kind::adamw;
+    opt.runtime.zero.stage = ZeroStage(stage);
+    opt.runtime.zero.overlap = Overlap::interleaved;
+    opt.runtime.buckets.first_cap_bytes = opt.runtime.buckets.cap_bytes = 4096;
+    opt.runtime.buckets.rebuild = false;  // the plan's buckets from the first step on
+    opt.runtime.timeouts.collective = 20s;
+    std::atomic<std::size_t> crossed{0};
+    on_hosts(2, 2, [&](Communicator& comm, int) {
+      auto shared = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
+      mlp::train_rank(opt, shared);
+    }, true, &crossed);
+    std::vector<ParamSpec> params;  // the MLP's, in registration order
+    for (std::size_t i = 0; i + 1 < opt.sizes.size(); ++i) {
+      params.push_back({"layers." + std::to_string(i) + ".weight", {opt.sizes[i + 1], opt.sizes[i]}});
+      params.push_back({"layers." + std::to_string(i) + ".bias", {opt.sizes[i + 1]}});
+    }
+    auto settings = PlanSettings::from(opt.runtime, 4, 2, true);
+    settings.hosts = 2;
+    const auto plan = make_run_plan(params, settings);
+    CHECK(plan.network.two_levels);
+    CHECK(crossed.load() == std::size_t(opt.steps) * plan.network.per_step);
+    CHECK(3 * plan.network.per_step == 2 * plan.network.flat_ring_per_step);
   }
 }

@@ -326,7 +326,7 @@ TEST_CASE("parameter lists: JSON in registration order, a safetensors header in 
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("shardflow plan: the JSON form, and clear errors for a missing file, zero world or a negative cap") {
+TEST_CASE("shardflow plan: the JSON form, the bytes between hosts (--hosts), and clear errors for a missing file, zero world, a negative cap or hosts that do not divide the world") {
   const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_cli_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "m.json") << R"([{"name": "w", "shape": [64, 32]}, {"name": "b", "shape": [64]}])";
@@ -362,6 +362,23 @@ TEST_CASE("shardflow plan: the JSON form, and clear errors for a missing file, z
   CHECK(out.find("--bucket-cap-mb") != std::string::npos);
   CHECK(run_cli(model + " --world-size 2 --optimizer lamb", out) == 2);
   CHECK(out.find("lamb") != std::string::npos);
+
+  // Several hosts: what crosses the network, two levels (auto) against the flat ring.
+  const std::size_t B = (64 * 32 + 64) * 4;
+  REQUIRE(run_cli(model + " --world-size 4 --zero-stage 1 --hosts 2 --json", out) == 0);
+  const auto n = nlohmann::json::parse(out)["network"];
+  CHECK(n["two_levels"] == true);
+  CHECK(n["buckets"][0]["collectives"][0]["kind"] == "reduce_scatter");
+  CHECK(n["bytes_per_step"] == 2 * B);             // reduce-scatter and all-gather, (H-1) B each
+  CHECK(n["flat_ring_bytes_per_step"] == 3 * B);   // 2 x H (W-1)/W B
+  REQUIRE(run_cli(model + " --world-size 4 --hosts 2 --backend gloo", out) == 0);
+  CHECK(out.find("the flat Gloo ring") != std::string::npos);
+  REQUIRE(run_cli(model + " --world-size 4 --hosts 2", out) == 0);
+  CHECK(out.find("0.67x the flat ring's") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 4 --hosts 3", out) == 2);
+  CHECK(out.find("--hosts 3 must divide --world-size 4") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 4 --hosts 2 --backend tcp", out) == 2);
+  CHECK(out.find("'tcp'") != std::string::npos);
   std::filesystem::remove_all(dir);
 }
 

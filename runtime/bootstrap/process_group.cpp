@@ -113,7 +113,10 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
     between.world_size = env.world_size / L;
     between.key_prefix = prefix + "hierarchical/local" + std::to_string(env.local_rank) + "/";
     between.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
-    inner = make_hierarchical(make_shm_communicator(inside), make_gloo_communicator(between));
+    auto local = make_shm_communicator(inside);
+    inside.key_prefix += "after/";  // the all-gathers' own segment: Note [Lanes]
+    auto local_after = make_shm_communicator(inside);
+    inner = make_hierarchical(std::move(local), make_gloo_communicator(between), std::move(local_after));
   } else if (backend == "shm") {
     ShmOptions so;
     static_cast<StoreRendezvous&>(so) = where;

@@ -24,6 +24,8 @@ struct PlanArgs {
   float momentum = 0.0f;
   std::string comm_dtype = "fp32";
   std::size_t in_flight = 0;
+  int hosts = 1;
+  std::string backend = "auto";
   bool json = false;
 };
 
@@ -45,6 +47,13 @@ int run_plan(const PlanArgs& a) {
     s.cap_bytes = mb_to_bytes(a.cap_mb, "--bucket-cap-mb");
     s.max_buckets_in_flight = a.in_flight;
     s.comm_dtype = parse_dtype(a.comm_dtype);
+    if (a.hosts < 1 || a.world % a.hosts != 0)
+      throw UsageError("--hosts " + std::to_string(a.hosts) + " must divide --world-size " + std::to_string(a.world) +
+                       " (every host runs as many ranks)");
+    if (a.backend != "auto" && a.backend != "gloo" && a.backend != "hierarchical")
+      throw UsageError("--backend must be auto, gloo or hierarchical, got '" + a.backend + "'");
+    s.hosts = a.hosts;
+    s.two_levels = a.backend != "gloo";  // auto: two levels on several hosts of several ranks, as init_process_group picks
     if (a.optimizer == "sgd")
       s.state_slots = a.momentum != 0.0f ? 1 : 0;
     else if (a.optimizer == "adam" || a.optimizer == "adamw")
@@ -85,6 +94,10 @@ std::function<int()> add_plan_command(CLI::App& app) {
   plan->add_option("--momentum", args->momentum, "SGD momentum (non-zero: one state word per element)")->capture_default_str();
   plan->add_option("--comm-dtype", args->comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients travel as")->capture_default_str();
   plan->add_option("--max-buckets-in-flight", args->in_flight, "stage 2's gradient buckets in flight (0: the memory budget's)")
+      ->capture_default_str();
+  plan->add_option("--hosts", args->hosts, "hosts the ranks span (as many ranks each): shows what crosses the network per step")
+      ->capture_default_str();
+  plan->add_option("--backend", args->backend, "auto | gloo | hierarchical: between hosts, the flat ring or two levels (auto: two levels)")
       ->capture_default_str();
   plan->add_flag("--json", args->json, "machine-readable: {\"buckets\": [...], \"ranks\": [...]}");
   return [plan, args]() -> int { return plan->parsed() ? run_plan(*args) : -1; };

@@ -1,7 +1,7 @@
 // Note [Two-level collectives]
 // Several ranks per host: rank (host h, local index l) = h * L + l talks to the L ranks of its host
-// through `local` (shared memory) and to the ranks of index l on the other hosts through `cross`
-// (the network). Each collective is a chain of sub-collectives:
+// through shared memory and to the ranks of index l on the other hosts through `cross` (the
+// network). Each collective is a chain of stages, each a sub-collective:
 //   all-reduce of n:       local reduce-scatter (n/L each), cross all-reduce of that 1/L, local
 //                          all-gather: each host puts 2 (H-1)/H of n on the network in all, 1/L per
 //                          rank, all L ranks at once, where the flat ring sends 2 (W-1)/W per rank;
@@ -14,11 +14,21 @@
 //   barrier:               local, cross, local.
 // The sums are the same numbers added in another order than the flat ring's: equal to rounding.
 //
-// Every rank must put its sub-collectives on `local` in one order (a host's ranks would otherwise
-// pair different collectives), so one collective runs at a time: the next starts when the last
-// sub-collective of the one before completed. The buffers are staged through scratch memory
-// (padding to a multiple of L, the reorderings); building the runtime's buckets in this layout so
-// that a rank's shard is what the two levels produce in place is the next step.
+// Note [Lanes]
+// Collectives overlap: bucket k+1's local reduce-scatter runs while bucket k crosses the network
+// and bucket k-1 is gathered. What keeps that safe is that every rank puts the stages on each
+// sub-communicator in one order, whatever order they complete in. Each sub-communicator is a lane:
+// when a collective is submitted (in the runtime's order, the same on every rank) its stages are
+// appended to their lanes at once, and a stage goes out only when it is its lane's first and the
+// stage before it in its own collective has completed. The stages before the network ("in") and
+// after it ("out") get two shared-memory communicators; given one, both lanes are that one and
+// the order is all of a collective's local stages before the next collective's, which serializes
+// the collectives as a price for the single communicator.
+//
+// Staging copies are made only where the layouts differ: an all-reduce of a multiple of L
+// elements runs in the caller's buffers (only the 1/L between the levels is scratch); a
+// reduce-scatter or all-gather on several hosts regroups the blocks by local index.
+#include <array>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -32,220 +42,248 @@
 namespace shardflow {
 namespace {
 
+enum Lane { in_host = 0, between_hosts = 1, out_host = 2 };
+
 class HierarchicalComm final : public Communicator {
  public:
-  HierarchicalComm(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross)
-      : local_(std::move(local)), cross_(std::move(cross)), L_(local_->world_size()), H_(cross_->world_size()) {}
+  HierarchicalComm(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross, std::shared_ptr<Communicator> local_after)
+      : comms_{local, std::move(cross), local_after ? std::move(local_after) : local},
+        L_(local->world_size()),
+        H_(comms_[between_hosts]->world_size()),
+        lane_of_out_(comms_[out_host] == comms_[in_host] ? in_host : out_host) {}
 
   // On the owner's thread, never a sub-communicator's: it waits until no callback of theirs is
   // still running in this object (they hold it by a plain pointer), so that the sub-communicators,
   // whose threads run those callbacks, are destroyed here. Collectives not started are failed.
   ~HierarchicalComm() override {
-    std::deque<JobPtr> left;
+    std::vector<JobPtr> left;
     {
       std::unique_lock lock(mu_);
       idle_.wait(lock, [&] { return active_ == 0; });
-      left.swap(queue_);
+      for (auto& lane : lanes_)
+        for (auto& [job, stage] : lane)
+          if (job->done && (left.empty() || left.back() != job)) left.push_back(job);
     }
-    for (auto& job : left) job->done(std::make_exception_ptr(CommError("'" + job->op.tag + "': the hierarchical communicator was destroyed")));
+    for (auto& job : left)
+      if (auto done = std::exchange(job->done, nullptr))
+        done(std::make_exception_ptr(CommError("'" + job->op.tag + "': the hierarchical communicator was destroyed")));
   }
 
-  int rank() const override { return cross_->rank() * L_ + local_->rank(); }
+  int rank() const override { return comms_[between_hosts]->rank() * L_ + comms_[in_host]->rank(); }
   int world_size() const override { return H_ * L_; }
   std::string backend_name() const override {
-    return "hierarchical (" + local_->backend_name() + " inside a host, " + cross_->backend_name() + " between hosts)";
+    return "hierarchical (" + comms_[in_host]->backend_name() + " inside a host, " + comms_[between_hosts]->backend_name() +
+           " between hosts)";
   }
-  bool supports(Device d) const override { return d.kind == Device::Kind::cpu && local_->supports(d) && cross_->supports(d); }
-  std::shared_ptr<std::byte> allocate(std::size_t bytes) override { return local_->allocate(bytes); }
+  bool supports(Device d) const override {
+    return d.kind == Device::Kind::cpu && comms_[in_host]->supports(d) && comms_[between_hosts]->supports(d);
+  }
+  std::shared_ptr<std::byte> allocate(std::size_t bytes) override { return comms_[in_host]->allocate(bytes); }
   void abort(const std::string& reason) override {
-    local_->abort(reason);
-    cross_->abort(reason);
+    for (int lane : {in_host, between_hosts, out_host})
+      if (lane != out_host || lane_of_out_ == out_host) comms_[std::size_t(lane)]->abort(reason);
   }
 
   void submit(CollectiveOp op, CollectiveDone done) override {
+    auto job = std::make_shared<Job>();
+    job->op = std::move(op);
+    job->done = std::move(done);
+    try {
+      plan(*job);
+    } catch (...) {
+      return std::exchange(job->done, nullptr)(std::current_exception());  // refused before anything went out
+    }
     {
       std::lock_guard lock(mu_);
-      queue_.push_back(std::make_shared<Job>(Job{std::move(op), std::move(done), {}, {}}));
-      if (running_) return;
-      running_ = true;
+      for (std::size_t s = 0; s < job->stages.size(); ++s) lanes_[lane(job->stages[s].lane)].push_back({job, s});
     }
-    start_next();
+    pump();
   }
 
  private:
+  struct Job;
+  struct Stage {
+    Lane lane;
+    CollectiveOp op;
+    std::function<void(Job&)> after;  // on its success: the reordering into the caller's buffer
+  };
   struct Job {
     CollectiveOp op;
     CollectiveDone done;
     std::vector<std::byte> a, b;  // scratch
+    std::vector<Stage> stages;
+    std::size_t next = 0;  // the stage that may go out: the ones before it completed
+    bool failed = false;
   };
   using JobPtr = std::shared_ptr<Job>;
-  // A step runs in the callback of the one before; true when it was the job's last (the next job
-  // may start), false when it chained another sub-collective.
-  using Step = std::function<bool(JobPtr)>;
 
-  void start_next() {
-    for (;;) {
-      JobPtr job;
-      {
-        std::lock_guard lock(mu_);
-        if (queue_.empty()) {
-          running_ = false;
-          return;
-        }
-        job = queue_.front();
-        queue_.pop_front();
-      }
-      try {
-        run(job);
-        return;  // its sub-collectives take it from here
-      } catch (...) {
-        job->done(std::current_exception());  // refused before anything went out: the next one
-      }
+  std::size_t lane(Lane l) const { return std::size_t(l == out_host ? lane_of_out_ : l); }
+
+  // Sends out every stage that is first in its lane and whose collective is ready for it, in lane
+  // order. One thread sends at a time (a sub-communicator may complete inline, and its callback
+  // pumps again): the others leave a mark and that thread looks again.
+  void pump() {
+    std::unique_lock lock(mu_);
+    if (pumping_) {
+      again_ = true;
+      return;
     }
+    pumping_ = true;
+    for (;;) {
+      again_ = false;
+      std::vector<std::pair<JobPtr, std::size_t>> ready;
+      for (auto& q : lanes_)
+        while (!q.empty() && (q.front().first->failed || q.front().first->next == q.front().second)) {
+          if (!q.front().first->failed) ready.push_back(q.front());
+          q.pop_front();
+        }
+      if (ready.empty() && !again_) break;
+      active_ += int(ready.size());
+      lock.unlock();
+      for (auto& [job, s] : ready) send(job, s);
+      lock.lock();
+    }
+    pumping_ = false;
   }
 
-  // Submits `sub` to `to`; on success runs `then` (the next step), on failure ends the job. The
-  // job's owner is told last: it may destroy this communicator as soon as it hears, and the
+  // The job's owner is told last: it may destroy this communicator as soon as it hears, and the
   // destructor waits for `active_` to fall to zero, which is the callback's last touch of it.
-  bool chain(Communicator& to, CollectiveOp sub, const JobPtr& job, Step then) {
-    sub.keep_alive = job;
-    {
-      std::lock_guard lock(mu_);
-      ++active_;
-    }
-    to.submit(std::move(sub), [this, job, then = std::move(then)](std::exception_ptr e) {
+  void send(const JobPtr& job, std::size_t s) {
+    Stage& stage = job->stages[s];
+    CollectiveOp op = stage.op;
+    op.keep_alive = job;
+    comms_[lane(stage.lane)]->submit(std::move(op), [this, job, s](std::exception_ptr e) {
       bool last = false;
       if (!e) try {
-          last = then(job);
+          if (job->stages[s].after) job->stages[s].after(*job);
+          last = s + 1 == job->stages.size();
         } catch (...) {
           e = std::current_exception();
         }
       CollectiveDone tell;
-      if (e || last) {
-        tell = std::move(job->done);
-        start_next();
+      {
+        std::lock_guard lock(mu_);
+        if (e) job->failed = true;
+        else job->next = s + 1;
+        if (e || last) tell = std::move(job->done);
       }
+      pump();
       if (tell) tell(e);
       std::lock_guard lock(mu_);
       if (--active_ == 0) idle_.notify_all();
     });
-    return false;  // the job goes on in that callback
   }
 
-  CollectiveOp sub(const JobPtr& job, CollectiveKind kind, const void* send, void* recv, std::size_t count, float scale,
+  CollectiveOp sub(const Job& job, CollectiveKind kind, const void* send, void* recv, std::size_t count, float scale,
                    const char* level) const {
     CollectiveOp o;
     o.kind = kind;
-    o.dtype = job->op.dtype;
+    o.dtype = job.op.dtype;
     o.send = send;
     o.recv = recv;
     o.count = count;
     o.scale = scale;
-    o.tag = job->op.tag + " (" + level + ")";
+    o.tag = job.op.tag + " (" + level + ")";
     return o;
   }
 
-  void run(const JobPtr& job) {
-    const auto& op = job->op;
-    const std::size_t es = dtype_size(op.dtype);
-    auto done = [](const JobPtr&) { return true; };  // the job's last step ran
+  // The stages of one collective, its scratch and the copies into it (the caller's send buffer is
+  // ready when it submits and stays untouched until told).
+  void plan(Job& job) const {
+    const auto& op = job.op;
+    const std::size_t es = dtype_size(op.dtype), H = std::size_t(H_), L = std::size_t(L_);
+    auto& st = job.stages;
     switch (op.kind) {
       case CollectiveKind::allreduce: {
-        const std::size_t n = op.count, c = (n + std::size_t(L_) - 1) / std::size_t(L_);
-        job->a.assign(c * std::size_t(L_) * es, std::byte{0});
-        job->b.assign(c * es, std::byte{0});
-        if (n) std::memcpy(job->a.data(), op.send, n * es);
-        chain(*local_, sub(job, CollectiveKind::reduce_scatter, job->a.data(), job->b.data(), c, 1.0f, "inside the host"), job,
-              [this, c, done](JobPtr j) {
-                return chain(*cross_, sub(j, CollectiveKind::allreduce, j->b.data(), j->b.data(), c, j->op.scale, "between hosts"), j,
-                      [this, c, done](JobPtr j2) {
-                        return chain(*local_, sub(j2, CollectiveKind::allgather, j2->b.data(), j2->a.data(), c, 1.0f, "inside the host"), j2,
-                              [done](JobPtr j3) {
-                                const std::size_t bytes = j3->op.count * dtype_size(j3->op.dtype);
-                                if (bytes) std::memmove(j3->op.recv, j3->a.data(), bytes);
-                                return done(j3);
-                              });
-                      });
-              });
+        const std::size_t n = op.count, c = (n + L - 1) / L;
+        job.b.assign(c * es, std::byte{0});
+        const void* from = op.send;
+        void* into = op.recv;
+        if (n % L != 0) {  // padded to L blocks of c
+          job.a.assign(c * L * es, std::byte{0});
+          if (n) std::memcpy(job.a.data(), op.send, n * es);
+          from = into = job.a.data();
+        }
+        st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, from, job.b.data(), c, 1.0f, "inside the host"), {}});
+        st.push_back({between_hosts, sub(job, CollectiveKind::allreduce, job.b.data(), job.b.data(), c, op.scale, "between hosts"), {}});
+        st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data(), into, c, 1.0f, "inside the host"), {}});
+        if (n % L != 0)
+          st.back().after = [](Job& j) {
+            if (j.op.count) std::memcpy(j.op.recv, j.a.data(), j.op.count * dtype_size(j.op.dtype));
+          };
         return;
       }
       case CollectiveKind::reduce_scatter: {
-        const std::size_t c = op.count * es, H = std::size_t(H_), L = std::size_t(L_);
-        job->a.resize(H * L * c);
-        job->b.resize(H * c);
-        // Grouped by local index: a[l][h] = send[h * L + l].
-        const auto* in = static_cast<const std::byte*>(op.send);
-        for (std::size_t h = 0; h < H; ++h)
-          for (std::size_t l = 0; l < L; ++l) std::memcpy(job->a.data() + (l * H + h) * c, in + (h * L + l) * c, c);
-        chain(*local_, sub(job, CollectiveKind::reduce_scatter, job->a.data(), job->b.data(), op.count * H, 1.0f, "inside the host"), job,
-              [this, done](JobPtr j) {
-                return chain(*cross_, sub(j, CollectiveKind::reduce_scatter, j->b.data(), j->op.recv, j->op.count, j->op.scale, "between hosts"), j,
-                      done);
-              });
+        const std::size_t c = op.count * es;
+        job.b.resize(H * c);
+        const void* from = op.send;
+        if (H > 1 && L > 1) {  // grouped by local index: a[l][h] = send[h * L + l]
+          job.a.resize(H * L * c);
+          const auto* in = static_cast<const std::byte*>(op.send);
+          for (std::size_t h = 0; h < H; ++h)
+            for (std::size_t l = 0; l < L; ++l) std::memcpy(job.a.data() + (l * H + h) * c, in + (h * L + l) * c, c);
+          from = job.a.data();
+        }
+        st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, from, job.b.data(), op.count * H, 1.0f, "inside the host"), {}});
+        st.push_back({between_hosts, sub(job, CollectiveKind::reduce_scatter, job.b.data(), op.recv, op.count, op.scale, "between hosts"), {}});
         return;
       }
       case CollectiveKind::allgather: {
-        const std::size_t c = op.count * es, H = std::size_t(H_), L = std::size_t(L_);
-        job->a.resize(H * L * c);
-        job->b.resize(H * c);
-        chain(*cross_, sub(job, CollectiveKind::allgather, op.send, job->b.data(), op.count, 1.0f, "between hosts"), job,
-              [this, c, H, L, done](JobPtr j) {
-                return chain(*local_, sub(j, CollectiveKind::allgather, j->b.data(), j->a.data(), j->op.count * H, 1.0f, "inside the host"), j,
-                      [c, H, L, done](JobPtr j2) {
-                        // a[l][h] is rank h * L + l's block.
-                        auto* out = static_cast<std::byte*>(j2->op.recv);
-                        for (std::size_t h = 0; h < H; ++h)
-                          for (std::size_t l = 0; l < L; ++l) std::memcpy(out + (h * L + l) * c, j2->a.data() + (l * H + h) * c, c);
-                        return done(j2);
-                      });
-              });
+        const std::size_t c = op.count * es;
+        job.b.resize(H * c);
+        const bool regroup = H > 1 && L > 1;
+        if (regroup) job.a.resize(H * L * c);
+        st.push_back({between_hosts, sub(job, CollectiveKind::allgather, op.send, job.b.data(), op.count, 1.0f, "between hosts"), {}});
+        st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data(), regroup ? job.a.data() : op.recv, op.count * H, 1.0f, "inside the host"), {}});
+        if (regroup)
+          st.back().after = [H, L, c](Job& j) {  // a[l][h] is rank h * L + l's block
+            auto* out = static_cast<std::byte*>(j.op.recv);
+            for (std::size_t h = 0; h < H; ++h)
+              for (std::size_t l = 0; l < L; ++l) std::memcpy(out + (h * L + l) * c, j.a.data() + (l * H + h) * c, c);
+          };
         return;
       }
       case CollectiveKind::broadcast: {
         if (op.root < 0 || op.root >= world_size())
           throw UsageError("broadcast '" + op.tag + "': root " + std::to_string(op.root) + " is not a rank of the world of " +
                            std::to_string(world_size()));
-        const int root_host = op.root / L_, root_local = op.root % L_;
-        auto across = [this, root_host, done](JobPtr j) {
-          auto o = sub(j, CollectiveKind::broadcast, j->op.recv, j->op.recv, j->op.count, 1.0f, "between hosts");
-          o.root = root_host;
-          return chain(*cross_, std::move(o), j, done);
-        };
-        if (cross_->rank() != root_host) {
-          across(job);
-          return;
+        const int root_host = op.root / L_;
+        if (comms_[between_hosts]->rank() == root_host) {
+          st.push_back({in_host, sub(job, CollectiveKind::broadcast, rank() == op.root ? op.send : op.recv, op.recv, op.count, 1.0f, "inside the host"), {}});
+          st.back().op.root = op.root % L_;
         }
-        auto o = sub(job, CollectiveKind::broadcast, rank() == op.root ? op.send : op.recv, op.recv, op.count, 1.0f, "inside the host");
-        o.root = root_local;
-        chain(*local_, std::move(o), job, across);
+        st.push_back({between_hosts, sub(job, CollectiveKind::broadcast, op.recv, op.recv, op.count, 1.0f, "between hosts"), {}});
+        st.back().op.root = root_host;
         return;
       }
-      case CollectiveKind::barrier: {
-        chain(*local_, sub(job, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "inside the host"), job, [this, done](JobPtr j) {
-          return chain(*cross_, sub(j, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "between hosts"), j, [this, done](JobPtr j2) {
-            return chain(*local_, sub(j2, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, "inside the host"), j2, done);
-          });
-        });
+      case CollectiveKind::barrier:
+        for (Lane l : {in_host, between_hosts, out_host})
+          st.push_back({l, sub(job, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, l == between_hosts ? "between hosts" : "inside the host"), {}});
         return;
-      }
     }
     throw UsageError("hierarchical communicator: unknown collective kind in '" + op.tag + "'");
   }
 
-  std::shared_ptr<Communicator> local_, cross_;
+  const std::array<std::shared_ptr<Communicator>, 3> comms_;  // by Lane; out_host may be in_host's
   const int L_, H_;
+  const Lane lane_of_out_;
   std::mutex mu_;
   std::condition_variable idle_;
-  int active_ = 0;  // sub-collectives submitted whose callback has not finished
-  std::deque<JobPtr> queue_;
-  bool running_ = false;
+  int active_ = 0;  // stages sent whose callback has not finished
+  std::array<std::deque<std::pair<JobPtr, std::size_t>>, 3> lanes_;  // (collective, stage) in the order they go out
+  bool pumping_ = false, again_ = false;
 };
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_hierarchical(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross) {
+std::shared_ptr<Communicator> make_hierarchical(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross,
+                                                std::shared_ptr<Communicator> local_after) {
   if (!local || !cross) throw UsageError("make_hierarchical: the " + std::string(!local ? "local" : "cross") + " communicator is null");
-  return std::make_shared<HierarchicalComm>(std::move(local), std::move(cross));
+  if (local_after && (local_after->world_size() != local->world_size() || local_after->rank() != local->rank()))
+    throw UsageError("make_hierarchical: local_after (rank " + std::to_string(local_after->rank()) + " of " +
+                     std::to_string(local_after->world_size()) + ") is not the same group as local (rank " +
+                     std::to_string(local->rank()) + " of " + std::to_string(local->world_size()) + ")");
+  return std::make_shared<HierarchicalComm>(std::move(local), std::move(cross), std::move(local_after));
 }
 
 }  // namespace shardflow

@@ -34,6 +34,7 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   s.state_slots = state_slots;
   s.comm_dtype = cfg.precision.comm_dtype;
   s.optimizer = optimizer;
+  s.reduce_scatter = cfg.zero.reduce_scatter;
   return s;
 }
 
@@ -172,6 +173,8 @@ RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
   rp.formula.params = p_bytes;
   rp.formula.grads = s.optimizer && s.stage == ZeroStage::gradients ? p_bytes / N : p_bytes;
   rp.formula.optimizer_state = s.optimizer ? (psi * 4 * s.state_slots + masters) / N : 0;
+  rp.network = make_network_plan(rp.buckets, rp.shards.front(), s.world, s.hosts, s.two_levels,
+                                 s.optimizer ? s.comm_dtype : DType::f32, sharded(s), s.stage == ZeroStage::gradients, s.reduce_scatter);
   rp.params = std::move(params);
   return rp;
 }
@@ -203,6 +206,23 @@ std::string memory_line(const RankMemory& m) {
          ", comm buffers " + mib(m.comm_buffers) + " = " + mib(m.total());
 }
 
+std::string network_title(const NetworkPlan& n) {
+  return std::to_string(n.hosts) + " hosts x " + std::to_string(n.per_host) + " ranks, " +
+         (n.two_levels ? "two levels (shared memory inside a host, Gloo between hosts)" : "the flat Gloo ring");
+}
+
+nlohmann::ordered_json network_json(const NetworkPlan& n) {
+  auto buckets = nlohmann::ordered_json::array();
+  for (std::size_t b = 0; b < n.buckets.size(); ++b) {
+    auto cs = nlohmann::ordered_json::array();
+    for (const auto& c : n.buckets[b])
+      cs.push_back({{"kind", collective_name(c.kind)}, {"bytes", c.bytes}, {"network_bytes", c.network}, {"flat_ring_network_bytes", c.flat_ring}});
+    buckets.push_back({{"bucket", b}, {"collectives", cs}});
+  }
+  return {{"hosts", n.hosts}, {"ranks_per_host", n.per_host}, {"two_levels", n.two_levels}, {"bytes_per_step", n.per_step},
+          {"flat_ring_bytes_per_step", n.flat_ring_per_step}, {"buckets", buckets}};
+}
+
 }  // namespace
 
 std::string RunPlan::to_json() const {
@@ -224,6 +244,7 @@ std::string RunPlan::to_json() const {
     ranks.push_back({{"rank", r}, {"params", owned_json(*this, r)}, {"bytes", memory_json(memory[std::size_t(r)])}});
   j["ranks"] = ranks;
   j["formula"] = memory_json(formula);
+  if (network.hosts > 1) j["network"] = network_json(network);
   return j.dump(2) + "\n";
 }
 
@@ -253,6 +274,20 @@ std::string RunPlan::describe() const {
   s += "\nmemory per rank:\n";
   for (int r = 0; r < settings.world; ++r) s += "  rank " + std::to_string(r) + ": " + memory_line(memory[std::size_t(r)]) + "\n";
   s += "  formula: " + memory_line(formula) + "\n";
+  if (network.hosts > 1) {
+    s += "\nleaving the hosts per step, " + network_title(network) + " (Note [Bytes on the network]):\n";
+    for (std::size_t b = 0; b < network.buckets.size(); ++b) {
+      s += "  bucket " + std::to_string(b) + ":";
+      for (const auto& c : network.buckets[b])
+        s += std::string(" ") + collective_name(c.kind) + " of " + mib(c.bytes) + " -> " + mib(c.network) +
+             (network.two_levels ? " (flat ring " + mib(c.flat_ring) + ")" : "") + ";";
+      s.back() = '\n';
+    }
+    char ratio[64];
+    std::snprintf(ratio, sizeof ratio, "%.2f", network.flat_ring_per_step ? double(network.per_step) / double(network.flat_ring_per_step) : 0.0);
+    s += "  in all: " + mib(network.per_step) + " per step" +
+         (network.two_levels ? ", " + std::string(ratio) + "x the flat ring's " + mib(network.flat_ring_per_step) : std::string()) + "\n";
+  }
   return s;
 }
 

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "runtime/plans/bucket_plan.hpp"
+#include "runtime/plans/network_plan.hpp"
 #include "runtime/plans/shard_plan.hpp"
 #include "shardflow/config.hpp"
 
@@ -60,6 +61,11 @@ struct PlanSettings {
   std::size_t state_slots = 0;            // fp32 words of optimizer state per owned element (SGD 0, momentum 1, Adam 2)
   DType comm_dtype = DType::f32;
   bool optimizer = true;  // the runtime steps (configure_optimizer); off: plain DDP, no shard
+  bool reduce_scatter = true;  // Config::zero.reduce_scatter
+  // Hosts the world spans (ranks in consecutive blocks per host), and whether collectives go in two
+  // levels (the hierarchical backend) or the flat ring: what crosses the network (NetworkPlan).
+  int hosts = 1;
+  bool two_levels = true;
 
   static PlanSettings from(const Config& cfg, int world, std::size_t state_slots, bool optimizer);
 };
@@ -95,12 +101,13 @@ struct RunPlan {
   std::vector<RankMemory> memory;   // per rank
   // The ZeRO formula for these parameters (stage, N, state slots, 16-bit masters), per rank.
   RankMemory formula;
+  NetworkPlan network;  // per step, between hosts (one host: nothing)
 
   std::string describe() const;  // for people: buckets, owners, memory per rank
   std::string to_json() const;   // {"buckets": [...], "ranks": [...]}
 };
 
-// UsageError for a world below 1 or no parameters.
+// UsageError for a world below 1, no parameters, or hosts that do not divide the world.
 RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s);
 
 }  // namespace shardflow

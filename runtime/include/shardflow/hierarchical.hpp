@@ -14,7 +14,11 @@ namespace shardflow {
 
 // Rank = cross->rank() * local->world_size() + local->rank() (hosts hold consecutive ranks, as
 // `shardflow run` numbers them); every host has the same number of ranks. Host memory only.
-// UsageError for a null or mismatched pair.
-std::shared_ptr<Communicator> make_hierarchical(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross);
+// `local_after`, a second communicator among the same ranks of this host, carries the stages after
+// the network (the all-gathers), so that collectives overlap: one bucket is gathered inside the
+// host while the next crosses the network and the one after is reduced inside the host. Without
+// it the collectives run one after the other. UsageError for a null or mismatched communicator.
+std::shared_ptr<Communicator> make_hierarchical(std::shared_ptr<Communicator> local, std::shared_ptr<Communicator> cross,
+                                                std::shared_ptr<Communicator> local_after = nullptr);
 
 }  // namespace shardflow

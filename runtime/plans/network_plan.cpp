@@ -1,0 +1,65 @@
+#include "runtime/plans/network_plan.hpp"
+
+#include "shardflow/errors.hpp"
+#include "shardflow/types.hpp"
+
+namespace shardflow {
+
+std::size_t network_bytes(CollectiveKind kind, std::size_t bytes, int hosts, int per_host, bool two_levels) {
+  if (hosts <= 1) return 0;
+  const auto H = std::size_t(hosts), W = H * std::size_t(per_host);
+  // Note [Bytes on the network]; the rings' shares divide evenly here (whole blocks per rank).
+  switch (kind) {
+    case CollectiveKind::allreduce:
+      return two_levels ? 2 * (H - 1) * bytes : 2 * H * (W - 1) * bytes / W;
+    case CollectiveKind::reduce_scatter:
+    case CollectiveKind::allgather:
+      return two_levels ? (H - 1) * bytes : H * (W - 1) * bytes / W;
+    case CollectiveKind::broadcast:
+      return (H - 1) * bytes;
+    case CollectiveKind::barrier:
+      return 0;
+  }
+  return 0;
+}
+
+NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, int world, int hosts, bool two_levels, DType comm_dtype,
+                              bool sharded, bool stage2, bool reduce_scatter) {
+  if (hosts < 1 || world % hosts != 0)
+    throw UsageError("--hosts " + std::to_string(hosts) + " does not divide the world of " + std::to_string(world) +
+                     " ranks into hosts of as many ranks each");
+  NetworkPlan np;
+  np.hosts = hosts;
+  np.per_host = world / hosts;
+  np.two_levels = two_levels && hosts > 1 && np.per_host > 1;
+  auto add = [&](std::vector<NetworkCollective>& out, CollectiveKind kind, std::size_t bytes) {
+    NetworkCollective c{kind, bytes, network_bytes(kind, bytes, hosts, np.per_host, np.two_levels),
+                        network_bytes(kind, bytes, hosts, np.per_host, false)};
+    np.per_step += c.network;
+    np.flat_ring_per_step += c.flat_ring;
+    out.push_back(c);
+  };
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+    const auto& bk = plan.buckets[b];
+    const auto& bs = shard.buckets[b];
+    // What the bucket travels as (Shard::sync_dtype): fp32 buckets as comm_dtype.
+    const std::size_t es = dtype_size(bk.dtype == DType::f32 ? comm_dtype : bk.dtype);
+    auto& out = np.buckets.emplace_back();
+    if (!sharded) {
+      add(out, CollectiveKind::allreduce, bk.numel * es);
+      continue;
+    }
+    if (bs.flat && (stage2 || reduce_scatter))
+      add(out, CollectiveKind::reduce_scatter, bs.padded * es);
+    else
+      add(out, CollectiveKind::allreduce, bk.numel * es);
+    if (bs.flat)
+      add(out, CollectiveKind::allgather, bs.padded * es);
+    else
+      for (std::size_t k = 0; k < bs.packed.size(); ++k)
+        if (bs.packed[k]) add(out, CollectiveKind::broadcast, bs.packed[k] * es);
+  }
+  return np;
+}
+
+}  // namespace shardflow
