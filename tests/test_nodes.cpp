@@ -17,6 +17,7 @@
 
 #include "helpers.hpp"
 #include "launch_helpers.hpp"
+#include "saved_params.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/launch.hpp"
@@ -61,21 +62,7 @@ std::vector<std::string> node_cmd(const Node& n, const std::vector<std::string>&
   REQUIRE(test::exited_ok(s0_));         \
   REQUIRE(test::exited_ok(s1_))
 
-// Bit for bit (tolerance 0), or each tensor within `tolerance` in relative norm.
-void check_params(const std::string& got_path, const std::string& want_path, double tolerance = 0.0) {
-  const TensorMap want = load_safetensors(want_path), got = load_safetensors(got_path);
-  REQUIRE(got.size() == want.size());
-  for (const auto& [name, t] : want) {
-    CAPTURE(name);
-    if (tolerance == 0.0) {
-      CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
-    } else {
-      const double err = test::rel_error(got.at(name).to_f32("got"), t.to_f32("want"));
-      CAPTURE(err);
-      CHECK(err <= tolerance);
-    }
-  }
-}
+using test::check_params;
 
 // The restart scenarios' trainer: 8 steps over Gloo, saving its parameters, with snapshots every 2
 // steps in `snaps` (a directory every node sees) unless empty.
@@ -119,26 +106,12 @@ pid_t pid_of_rank(const std::string& out, int rank) {
 }  // namespace
 
 TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks, every stage and overlap mode") {
-  struct Mode {
-    int stage;
-    const char* overlap;
-    bool prefetch;
-  };
-  for (const auto& m : {Mode{0, "none", false}, Mode{1, "none", false}, Mode{1, "after_backward", false}, Mode{1, "interleaved", false},
-                        Mode{2, "interleaved", false}, Mode{2, "interleaved", true}}) {
+  for (const auto& m : test::kEveryMode) {
     CAPTURE(m.stage);
     CAPTURE(m.overlap);
     CAPTURE(m.prefetch);
-    const std::string tag = std::to_string(m.stage) + m.overlap + (m.prefetch ? "_prefetch" : "");
-    const std::string one = scratch("auto_one_node_" + tag + ".safetensors"), two = scratch("auto_two_nodes_" + tag + ".safetensors");
-    auto trainer = [&](const std::string& save) {
-      auto args = test::mlp_args(m.stage);  // no --backend: auto
-      args.insert(args.begin(), test::kTrainer);
-      test::set_flag(args, "--overlap", m.overlap);
-      for (const auto& a : {std::string("--save"), save}) args.push_back(a);
-      if (m.prefetch) args.push_back("--forward-prefetch");
-      return args;
-    };
+    const std::string one = scratch("auto_one_node_" + m.tag() + ".safetensors"), two = scratch("auto_two_nodes_" + m.tag() + ".safetensors");
+    auto trainer = [&](const std::string& save) { return test::mode_trainer(m, save); };
     {
       Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer(one)), env());
       INFO(job.output());

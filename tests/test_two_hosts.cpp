@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "launch_helpers.hpp"
+#include "saved_params.hpp"
 #include "shardflow/safetensors.hpp"
 #include "subprocess.hpp"
 
@@ -60,18 +61,6 @@ std::vector<std::string> on_host(char host, int node_rank, int nnodes, int nproc
   return argv;
 }
 
-
-
-void same_bits(const std::string& want_file, const std::string& got_file) {
-  const TensorMap want = load_safetensors(want_file), got = load_safetensors(got_file);
-  REQUIRE(got.size() == want.size());
-  for (const auto& [name, t] : want) {
-    CAPTURE(name);
-    CHECK(got.at(name).to_f32("got") == t.to_f32("want"));
-  }
-}
-
-
 }  // namespace
 
 TEST_CASE("2 hosts x 1 rank and 2 hosts x 2 ranks over Gloo -> the parameters of the same training on one host, bit for bit") {
@@ -95,7 +84,30 @@ TEST_CASE("2 hosts x 1 rank and 2 hosts x 2 ranks over Gloo -> the parameters of
     CHECK(a.says("sockets on " + kHostA + " (the route to " + kHostA + ")"));
     CHECK(b.says("sockets on " + kHostB + " (the route to " + kHostA + ")"));
     CHECK(a.says("world " + std::to_string(2 * nproc) + " (gloo)"));
-    same_bits(one, two);
+    test::check_params(two, one);
+  }
+}
+
+TEST_CASE("2 hosts x 2 ranks, --backend auto -> two levels (shm inside a host, Gloo over the veth link), within 1e-5 of 1 host x 4 ranks, every stage and overlap mode") {
+  for (const auto& m : test::kEveryMode) {
+    CAPTURE(m.stage);
+    CAPTURE(m.overlap);
+    CAPTURE(m.prefetch);
+    const std::string one = scratch("auto_one_host_" + m.tag() + ".safetensors"), two = scratch("auto_two_hosts_" + m.tag() + ".safetensors");
+    {
+      Child job(on_host('a', 0, 1, 4, test::mode_trainer(m, one)), env());
+      INFO(job.output());
+      REQUIRE(test::exited_ok(job.wait(120s)));
+    }
+    Child a(on_host('a', 0, 2, 2, test::mode_trainer(m, two)), env());
+    Child b(on_host('b', 1, 2, 2, test::mode_trainer(m, scratch("auto_unused.safetensors"))), env());
+    const auto sb = b.wait(120s), sa = a.wait(120s);
+    INFO(a.output());
+    INFO(b.output());
+    REQUIRE(test::exited_ok(sa));
+    REQUIRE(test::exited_ok(sb));
+    CHECK(a.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
+    test::check_params(two, one, 1e-5);  // the sums go in another order
   }
 }
 
