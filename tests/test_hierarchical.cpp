@@ -3,6 +3,7 @@
 // in-process worlds: one per host and one per local index.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -46,11 +47,12 @@ class CountingComm final : public Communicator {
 // stages after the network, so that collectives overlap (Note [Lanes]); without, one at a time.
 // `crossed`: counts the buckets' bytes between hosts (CountingComm).
 template <class F>
-void on_hosts(int hosts, int local, F f, bool lanes = true, std::atomic<std::size_t>* crossed = nullptr) {
+void on_hosts(int hosts, int local, F f, bool lanes = true, std::atomic<std::size_t>* crossed = nullptr,
+              std::chrono::milliseconds timeout = 20s) {
   std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
-  for (int h = 0; h < hosts; ++h) inside.push_back(InProcessWorld::create(local, 20s));
-  for (int h = 0; h < hosts; ++h) after.push_back(InProcessWorld::create(local, 20s));
-  for (int l = 0; l < local; ++l) between.push_back(InProcessWorld::create(hosts, 20s));
+  for (int h = 0; h < hosts; ++h) inside.push_back(InProcessWorld::create(local, timeout));
+  for (int h = 0; h < hosts; ++h) after.push_back(InProcessWorld::create(local, timeout));
+  for (int l = 0; l < local; ++l) between.push_back(InProcessWorld::create(hosts, timeout));
   std::vector<std::thread> threads;
   for (int h = 0; h < hosts; ++h)
     for (int l = 0; l < local; ++l)
@@ -222,5 +224,55 @@ TEST_CASE("shardflow plan's bytes between hosts are what the two levels put on t
     CHECK(plan.network.two_levels);
     CHECK(crossed.load() == std::size_t(opt.steps) * plan.network.per_step);
     CHECK(3 * plan.network.per_step == 2 * plan.network.flat_ring_per_step);
+  }
+}
+
+TEST_CASE("2 hosts x 2 ranks, rank 3 never joins: the other ranks' all-reduce fails with a TimeoutError naming the level and the ranks in the world's numbering, the reduce-scatter behind it fails too, within the timeout, and the communicators close") {
+  std::vector<std::string> errors(4);
+  std::vector<double> seconds(4, 0.0);
+  on_hosts(2, 2, [&](Communicator& comm, int r) {
+    if (r == 3) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<float> x(8, 1.0f), blocks(16, 1.0f), mine(4);
+    std::mutex mu;
+    std::condition_variable cv;
+    int done = 0;
+    std::string what;
+    auto tell = [&](std::exception_ptr e) {
+      std::lock_guard lock(mu);
+      try {
+        if (e) std::rethrow_exception(e);
+      } catch (const TimeoutError& t) {
+        what += "timeout: " + std::string(t.what()) + "\n";
+      } catch (const CommError& c) {  // the world aborted by the first one's timeout
+        what += "aborted: " + std::string(c.what()) + "\n";
+      } catch (const std::exception& other) {
+        what += "unexpected: " + std::string(other.what()) + "\n";
+      }
+      ++done;
+      cv.notify_all();
+    };
+    comm.submit(make(CollectiveKind::allreduce, x.data(), x.data(), 8), tell);
+    comm.submit(make(CollectiveKind::reduce_scatter, blocks.data(), mine.data(), 4), tell);
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, 20s, [&] { return done == 2; });
+    errors[std::size_t(r)] = what;
+    seconds[std::size_t(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }, true, nullptr, 1s);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CAPTURE(errors[std::size_t(r)]);
+    const std::string& e = errors[std::size_t(r)];
+    // The all-reduce times out where it was stuck, naming the ranks in our numbering: rank 2
+    // inside its host, waiting for rank 3; ranks 0 and 1 between hosts, waiting for rank 2 or 3
+    // (stuck themselves). The reduce-scatter behind it fails as soon as it, or times out too.
+    CHECK(e.rfind("timeout: rank " + std::to_string(r) + " (host " + std::to_string(r / 2) + ", local rank " + std::to_string(r % 2) + "), ", 0) == 0);
+    if (r == 2)
+      CHECK(e.find("inside its host (ranks 2, 3 there numbered 0 to 1): ") != std::string::npos);
+    else
+      CHECK(e.find("between hosts (ranks " + std::to_string(r) + ", " + std::to_string(r + 2) + " there numbered 0 to 1): ") != std::string::npos);
+    CHECK(std::count(e.begin(), e.end(), '\n') == 2);
+    CHECK(e.find("unexpected") == std::string::npos);
+    CHECK(seconds[std::size_t(r)] < 8.0);  // two 1 s timeouts, one after the other at most, and slack
   }
 }

@@ -5,11 +5,11 @@
 //   all-reduce of n:       local reduce-scatter (n/L each), cross all-reduce of that 1/L, local
 //                          all-gather: each host puts 2 (H-1)/H of n on the network in all, 1/L per
 //                          rank, all L ranks at once, where the flat ring sends 2 (W-1)/W per rank;
-//   reduce-scatter to c:   local reduce-scatter of the blocks grouped by local index (rank (h, l)
+//   reduce-scatter to c:   one local reduce-scatter per host's group of L blocks (rank (h, l)
 //                          keeps the local sum of every host's block for index l), then a cross
 //                          reduce-scatter of those H blocks: its own block, summed everywhere;
-//   all-gather of c:       cross all-gather (the blocks of index l from every host), local
-//                          all-gather of those, then reordered into rank order;
+//   all-gather of c:       cross all-gather (the blocks of index l from every host), then one
+//                          local all-gather per host's group, straight into rank order;
 //   broadcast from (h, l): local broadcast on host h, then cross broadcast from host h;
 //   barrier:               local, cross, local.
 // The sums are the same numbers added in another order than the flat ring's: equal to rounding.
@@ -25,9 +25,10 @@
 // the order is all of a collective's local stages before the next collective's, which serializes
 // the collectives as a price for the single communicator.
 //
-// Staging copies are made only where the layouts differ: an all-reduce of a multiple of L
-// elements runs in the caller's buffers (only the 1/L between the levels is scratch); a
-// reduce-scatter or all-gather on several hosts regroups the blocks by local index.
+// No staging copies: the collectives read and write the caller's buffers, and only what lies
+// between the levels (1/L of an all-reduce, H blocks of a reduce-scatter or all-gather) is
+// scratch. ZeRO's flat shard of rank h * L + l (block h * L + l of the bucket) is what the two
+// levels leave there. The exception is an all-reduce of a count that L does not divide: padded.
 #include <array>
 #include <condition_variable>
 #include <cstring>
@@ -153,6 +154,7 @@ class HierarchicalComm final : public Communicator {
     CollectiveOp op = stage.op;
     op.keep_alive = job;
     comms_[lane(stage.lane)]->submit(std::move(op), [this, job, s](std::exception_ptr e) {
+      if (e) e = in_our_ranks(e, job->stages[s].lane);
       bool last = false;
       if (!e) try {
           if (job->stages[s].after) job->stages[s].after(*job);
@@ -172,6 +174,30 @@ class HierarchicalComm final : public Communicator {
       std::lock_guard lock(mu_);
       if (--active_ == 0) idle_.notify_all();
     });
+  }
+
+  // A sub-communicator's error names its own ranks; the same error, with which of ours they are.
+  std::exception_ptr in_our_ranks(std::exception_ptr e, Lane l) const {
+    const bool cross = l == between_hosts;
+    const int host = comms_[between_hosts]->rank(), local = comms_[in_host]->rank();
+    std::string ranks;
+    for (int k = 0; k < (cross ? H_ : L_); ++k) ranks += (k ? ", " : "") + std::to_string(cross ? k * L_ + local : host * L_ + k);
+    const std::string where = "rank " + std::to_string(rank()) + " (host " + std::to_string(host) + ", local rank " +
+                              std::to_string(local) + "), " + (cross ? "between hosts" : "inside its host") + " (ranks " +
+                              ranks + " there numbered 0 to " + std::to_string((cross ? H_ : L_) - 1) + "): ";
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError& x) {
+      return std::make_exception_ptr(TimeoutError(where + x.what()));
+    } catch (const MismatchError& x) {
+      return std::make_exception_ptr(MismatchError(where + x.what()));
+    } catch (const UsageError& x) {
+      return std::make_exception_ptr(UsageError(where + x.what()));
+    } catch (const CommError& x) {
+      return std::make_exception_ptr(CommError(where + x.what()));
+    } catch (...) {
+      return e;  // not shardflow's: as it came
+    }
   }
 
   CollectiveOp sub(const Job& job, CollectiveKind kind, const void* send, void* recv, std::size_t count, float scale,
@@ -214,33 +240,26 @@ class HierarchicalComm final : public Communicator {
         return;
       }
       case CollectiveKind::reduce_scatter: {
+        // Host h''s L blocks are one local reduce-scatter: rank (h, l) gets block h' * L + l summed
+        // inside its host, into b[h']; H of them fill b, and the cross reduce-scatter of b leaves
+        // rank (h, l) block h * L + l summed everywhere. No block moves but by the collectives.
         const std::size_t c = op.count * es;
         job.b.resize(H * c);
-        const void* from = op.send;
-        if (H > 1 && L > 1) {  // grouped by local index: a[l][h] = send[h * L + l]
-          job.a.resize(H * L * c);
-          const auto* in = static_cast<const std::byte*>(op.send);
-          for (std::size_t h = 0; h < H; ++h)
-            for (std::size_t l = 0; l < L; ++l) std::memcpy(job.a.data() + (l * H + h) * c, in + (h * L + l) * c, c);
-          from = job.a.data();
-        }
-        st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, from, job.b.data(), op.count * H, 1.0f, "inside the host"), {}});
+        const auto* in = static_cast<const std::byte*>(op.send);
+        for (std::size_t h = 0; h < H; ++h)
+          st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, in + h * L * c, job.b.data() + h * c, op.count, 1.0f, "inside the host"), {}});
         st.push_back({between_hosts, sub(job, CollectiveKind::reduce_scatter, job.b.data(), op.recv, op.count, op.scale, "between hosts"), {}});
         return;
       }
       case CollectiveKind::allgather: {
+        // The reverse: the cross all-gather puts host h''s block of index l in b[h'], and a local
+        // all-gather of each b[h'] writes host h''s L blocks where rank order has them.
         const std::size_t c = op.count * es;
         job.b.resize(H * c);
-        const bool regroup = H > 1 && L > 1;
-        if (regroup) job.a.resize(H * L * c);
+        auto* out = static_cast<std::byte*>(op.recv);
         st.push_back({between_hosts, sub(job, CollectiveKind::allgather, op.send, job.b.data(), op.count, 1.0f, "between hosts"), {}});
-        st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data(), regroup ? job.a.data() : op.recv, op.count * H, 1.0f, "inside the host"), {}});
-        if (regroup)
-          st.back().after = [H, L, c](Job& j) {  // a[l][h] is rank h * L + l's block
-            auto* out = static_cast<std::byte*>(j.op.recv);
-            for (std::size_t h = 0; h < H; ++h)
-              for (std::size_t l = 0; l < L; ++l) std::memcpy(out + (h * L + l) * c, j.a.data() + (l * H + h) * c, c);
-          };
+        for (std::size_t h = 0; h < H; ++h)
+          st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data() + h * c, out + h * L * c, op.count, 1.0f, "inside the host"), {}});
         return;
       }
       case CollectiveKind::broadcast: {
