@@ -8,6 +8,7 @@
 #include "helpers.hpp"
 #include "launch_helpers.hpp"
 #include "shardflow/safetensors.hpp"
+#include "subprocess.hpp"
 
 namespace shardflow::test {
 
@@ -46,6 +47,34 @@ inline std::vector<std::string> mode_trainer(const TrainMode& m, const std::stri
   for (const auto& a : {std::string("--save"), save}) args.push_back(a);
   if (m.prefetch) args.push_back("--forward-prefetch");
   return args;
+}
+
+// Every mode on one host of 4 ranks, then on 2 hosts x 2 ranks with --backend auto: the two levels
+// (named in the log), within 1e-5 of the one host (the sums go in another order). `launch(node,
+// nnodes, nproc, prog)` is the launcher command of node `node` (on loopback or in a namespace).
+template <class Launch>
+void two_levels_match_one_host(const std::string& suite, Launch launch, const std::map<std::string, std::string>& env) {
+  using namespace std::chrono_literals;
+  for (const auto& m : kEveryMode) {
+    CAPTURE(m.stage);
+    CAPTURE(m.overlap);
+    CAPTURE(m.prefetch);
+    const std::string one = scratch(suite, "one_host_" + m.tag() + ".safetensors"), two = scratch(suite, "two_hosts_" + m.tag() + ".safetensors");
+    {
+      Child job(launch(0, 1, 4, mode_trainer(m, one)), env);
+      INFO(job.output());
+      REQUIRE(exited_ok(job.wait(120s)));
+    }
+    Child a(launch(0, 2, 2, mode_trainer(m, two)), env);
+    Child b(launch(1, 2, 2, mode_trainer(m, scratch(suite, "unused.safetensors"))), env);
+    const auto sb = b.wait(120s), sa = a.wait(120s);
+    INFO(a.output());
+    INFO(b.output());
+    REQUIRE(exited_ok(sa));
+    REQUIRE(exited_ok(sb));
+    CHECK(a.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
+    check_params(two, one, 1e-5);
+  }
 }
 
 }  // namespace shardflow::test

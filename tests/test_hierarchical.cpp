@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "examples/mlp/train.hpp"
+#include "forwarding_comm.hpp"
 #include "runtime/plans/run_plan.hpp"
 #include "shardflow/hierarchical.hpp"
 #include "tests/collective_op.hpp"
@@ -25,21 +26,15 @@ namespace {
 
 // Hands every op to the network's stand-in, adding up what the buckets' collectives put on it:
 // each rank's ring share (wire_bytes), so that the sum over the ranks is what leaves the hosts.
-class CountingComm final : public Communicator {
+class CountingComm final : public test::ForwardingComm {
  public:
-  CountingComm(std::shared_ptr<Communicator> inner, std::atomic<std::size_t>& bytes) : inner_(std::move(inner)), bytes_(bytes) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  std::string backend_name() const override { return inner_->backend_name(); }
-  bool supports(Device d) const override { return inner_->supports(d); }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
+  CountingComm(std::shared_ptr<Communicator> inner, std::atomic<std::size_t>& bytes) : ForwardingComm(std::move(inner)), bytes_(bytes) {}
   void submit(CollectiveOp op, CollectiveDone done) override {
     if (op.tag.rfind("bucket ", 0) == 0 || op.tag.rfind("sync bucket ", 0) == 0) bytes_ += wire_bytes(op, world_size());
     inner_->submit(std::move(op), std::move(done));
   }
 
  private:
-  std::shared_ptr<Communicator> inner_;
   std::atomic<std::size_t>& bytes_;
 };
 

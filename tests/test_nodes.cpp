@@ -106,24 +106,11 @@ pid_t pid_of_rank(const std::string& out, int rank) {
 }  // namespace
 
 TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks, every stage and overlap mode") {
-  for (const auto& m : test::kEveryMode) {
-    CAPTURE(m.stage);
-    CAPTURE(m.overlap);
-    CAPTURE(m.prefetch);
-    const std::string one = scratch("auto_one_node_" + m.tag() + ".safetensors"), two = scratch("auto_two_nodes_" + m.tag() + ".safetensors");
-    auto trainer = [&](const std::string& save) { return test::mode_trainer(m, save); };
-    {
-      Child job(node_cmd({0, 1, 4, test::free_port(), {}}, trainer(one)), env());
-      INFO(job.output());
-      REQUIRE(test::exited_ok(job.wait(120s)));
-    }
-    const int port = test::free_port();
-    Child n0(node_cmd({0, 2, 2, port, {}}, trainer(two)), env());
-    Child n1(node_cmd({1, 2, 2, port, {}}, trainer(scratch("auto_unused.safetensors"))), env());
-    REQUIRE_BOTH_NODES_OK(n0, n1);
-    CHECK(n0.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
-    check_params(two, one, 1e-5);  // the sums go in another order
-  }
+  int port = 0;
+  test::two_levels_match_one_host("test_nodes", [&](int node, int nnodes, int nproc, const std::vector<std::string>& prog) {
+    if (node == 0) port = test::free_port();  // a fresh store for each job
+    return node_cmd({node, nnodes, nproc, port, {}}, prog);
+  }, env());
 }
 
 TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit; torchrun's --rdzv-endpoint") {

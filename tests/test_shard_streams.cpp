@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "forwarding_comm.hpp"
 #include "helpers.hpp"
 #include "runtime/zero/shard_ops.hpp"
 #include "shardflow/errors.hpp"
@@ -89,21 +90,15 @@ class TracingOps final : public CpuBackedOps {
 };
 
 // Hands every op to the real backend, noting its tag and the event it must wait for.
-class TracingComm final : public Communicator {
+class TracingComm final : public test::ForwardingComm {
  public:
-  TracingComm(std::shared_ptr<Communicator> inner, Trace& t) : inner_(std::move(inner)), t_(t) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  std::string backend_name() const override { return inner_->backend_name(); }
-  bool supports(Device d) const override { return inner_->supports(d); }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
+  TracingComm(std::shared_ptr<Communicator> inner, Trace& t) : ForwardingComm(std::move(inner)), t_(t) {}
   void submit(CollectiveOp op, CollectiveDone done) override {
     t_.add(Trace::submit, rank(), op.wait_event, op.tag);
     inner_->submit(std::move(op), std::move(done));
   }
 
  private:
-  std::shared_ptr<Communicator> inner_;
   Trace& t_;
 };
 

@@ -89,26 +89,9 @@ TEST_CASE("2 hosts x 1 rank and 2 hosts x 2 ranks over Gloo -> the parameters of
 }
 
 TEST_CASE("2 hosts x 2 ranks, --backend auto -> two levels (shm inside a host, Gloo over the veth link), within 1e-5 of 1 host x 4 ranks, every stage and overlap mode") {
-  for (const auto& m : test::kEveryMode) {
-    CAPTURE(m.stage);
-    CAPTURE(m.overlap);
-    CAPTURE(m.prefetch);
-    const std::string one = scratch("auto_one_host_" + m.tag() + ".safetensors"), two = scratch("auto_two_hosts_" + m.tag() + ".safetensors");
-    {
-      Child job(on_host('a', 0, 1, 4, test::mode_trainer(m, one)), env());
-      INFO(job.output());
-      REQUIRE(test::exited_ok(job.wait(120s)));
-    }
-    Child a(on_host('a', 0, 2, 2, test::mode_trainer(m, two)), env());
-    Child b(on_host('b', 1, 2, 2, test::mode_trainer(m, scratch("auto_unused.safetensors"))), env());
-    const auto sb = b.wait(120s), sa = a.wait(120s);
-    INFO(a.output());
-    INFO(b.output());
-    REQUIRE(test::exited_ok(sa));
-    REQUIRE(test::exited_ok(sb));
-    CHECK(a.says("world 4 (hierarchical (shm inside a host, gloo between hosts))"));
-    test::check_params(two, one, 1e-5);  // the sums go in another order
-  }
+  test::two_levels_match_one_host("test_two_hosts", [](int node, int nnodes, int nproc, const std::vector<std::string>& prog) {
+    return on_host(node == 0 ? 'a' : 'b', node, nnodes, nproc, prog);
+  }, env());
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "examples/mlp/train.hpp"
+#include "forwarding_comm.hpp"
 #include "helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
@@ -215,14 +216,10 @@ namespace {
 
 // Wraps a communicator and delays every completion by a random few hundred microseconds, so
 // messages between the actors arrive in ever different interleavings.
-class JitterComm final : public Communicator {
+class JitterComm final : public test::ForwardingComm {
  public:
-  JitterComm(std::shared_ptr<Communicator> inner, unsigned seed) : inner_(std::move(inner)), rng_(seed) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
+  JitterComm(std::shared_ptr<Communicator> inner, unsigned seed) : ForwardingComm(std::move(inner)), rng_(seed) {}
   std::string backend_name() const override { return "jitter(" + inner_->backend_name() + ")"; }
-  bool supports(Device d) const override { return inner_->supports(d); }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
   void submit(CollectiveOp op, CollectiveDone done) override {
     int delay;
     {
@@ -236,7 +233,6 @@ class JitterComm final : public Communicator {
   }
 
  private:
-  std::shared_ptr<Communicator> inner_;
   std::mutex mu_;
   std::mt19937 rng_;
 };
