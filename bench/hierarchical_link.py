@@ -8,7 +8,7 @@ read from host a's veth counters and divided by the steps. The link time for a r
 busier direction's bytes over the rate. Medians over the rounds.
 
   sudo /usr/bin/python3 bench/hierarchical_link.py --build build [--rate 1gbit] [--rounds 3] [--steps 30] \\
-      [--sizes 1024x8] [--stage 1] [--prefetch] [--two-by-one] [--trainer-flag=FLAG ...]
+      [--sizes 1024x8] [--stage 1] [--prefetch] [--two-by-one] [--torch] [--trainer-flag=FLAG ...]
 """
 import argparse
 import json
@@ -47,6 +47,23 @@ def one_run(a, what, tmp):
     if what == "compute":  # one host's two ranks alone
         prog = two_hosts.mlp_cmd(a.build, two_hosts.MODELS[a.sizes], a.steps, 2, ["--backend", "shm"] + flags, stats)
         launchers = [two_hosts.launcher(a.build, "a", 0, 1, 2, prog)]
+    elif what.startswith("PyTorch"):  # DDP (+ ZeroRedundancyOptimizer), Gloo's flat ring over the same link
+        for f in ("torch_store", "torch.json"):
+            if os.path.exists(os.path.join(tmp, f)):
+                os.remove(os.path.join(tmp, f))
+        worker = os.path.join(HERE, "torch_mlp_worker.py")
+        mode = "zero" if "ZeRO" in what else "ddp"
+        launchers = [["ip", "netns", "exec", "%s-%s" % (two_hosts.NAME, h), "env", "GLOO_SOCKET_IFNAME=%s%s" % (two_hosts.NAME, h),
+                      "/usr/bin/python3", worker, str(r), "4", os.path.join(tmp, "torch_store"),
+                      ",".join(map(str, two_hosts.MODELS[a.sizes])), str(a.steps), mode, os.path.join(tmp, "torch.json")]
+                     for h, r in (("a", 0), ("a", 1), ("b", 2), ("b", 3))]
+        tx0, rx0 = counters()
+        two_hosts.run_both(launchers, what)
+        tx1, rx1 = counters()
+        with open(os.path.join(tmp, "torch.json")) as f:
+            ms = json.load(f)["median_step_ms"]
+        busier = max(tx1 - tx0, rx1 - rx0) / a.steps
+        return ms, (tx1 - tx0 + rx1 - rx0) / a.steps, 1e3 * busier / rate_bytes_per_s(a.rate)
     elif what == "2x1 gloo":  # one rank per host: the two levels' bytes each way, on one flow each way
         prog = two_hosts.mlp_cmd(a.build, two_hosts.MODELS[a.sizes], a.steps, 2, ["--backend", "gloo"] + flags, stats)
         launchers = [two_hosts.launcher(a.build, h, n, 2, 1, prog) for h, n in (("a", 0), ("b", 1))]
@@ -73,6 +90,8 @@ def main():
     ap.add_argument("--prefetch", action="store_true", help="--forward-prefetch")
     ap.add_argument("--trainer-flag", action="append", default=[], metavar="FLAG",
                     help="one more mlp_train argument for every run (repeat: --trainer-flag=--interleave-lag --trainer-flag=1)")
+    ap.add_argument("--torch", action="store_true",
+                    help="also PyTorch DDP (stage 0) or DDP + ZeroRedundancyOptimizer (stage 1, 2) at 2 x 2 over the same link (python3-torch)")
     ap.add_argument("--two-by-one", action="store_true",
                     help="also 2 hosts x 1 rank over the flat ring: the same bytes each way as the two levels' 2 x 2")
     a = ap.parse_args()
@@ -83,6 +102,8 @@ def main():
     res = {"gloo": [], "hierarchical": [], "compute": []}
     if a.two_by_one:
         res["2x1 gloo"] = []
+    if a.torch:
+        res["PyTorch DDP" if a.stage == 0 else "PyTorch ZeRO"] = []
     try:
         two_hosts.sh("rate", two_hosts.NAME, a.rate)
         with tempfile.TemporaryDirectory() as tmp:
