@@ -27,7 +27,8 @@ Note [Snapshots], Note [Snapshots in memory]), at worlds 2 and 3 (--worlds), eve
 in turn. A run passes when the job exits 0 after one restart, its final parameters equal the same
 job's uninterrupted run's bit for bit, and nothing of it is left (processes, shared memory, the
 launcher's snapshot memory). --two-hosts (root): the same across two network-namespace hosts
-(bench/two_hosts.py's pair, scripts/netns_pair.sh), Gloo, worlds 2 and 4 (1 and 2 ranks a host);
+(bench/two_hosts.py's pair, scripts/netns_pair.sh), Gloo and auto (at 2 ranks a host the two
+levels, shm inside a host), worlds 2 and 4 (1 and 2 ranks a host);
 each host's memory also holds the other's copies (Note [Snapshots on the other host]). There the
 fault "host" is added: a rank of node 1 kills its launcher and itself (the host lost); with
 --nnodes 1:2 node 0 must go on alone at half the world, from memory, and end within
@@ -284,8 +285,9 @@ def heal_matrix(a, work):
     stats = collections.OrderedDict()
     failures = 0
     hosts = 2 if a.two_hosts else 1
+    # auto with one rank a host is the flat ring again: run it once, as gloo
     wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work, hosts)
-             for b in a.backends.split(",") for w in map(int, a.worlds.split(","))}
+             for b in a.backends.split(",") for w in map(int, a.worlds.split(",")) if not (b == "auto" and w // hosts < 2)}
     for rep in range(a.reps):
         for (backend, world), want in wants.items():
             for phase in a.phases.split(","):
@@ -323,7 +325,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--backends", default="shm,gloo")
+    ap.add_argument("--backends", default=None, help="default shm,gloo (--heal --two-hosts: gloo,auto)")
     ap.add_argument("--phases", default=None, help="default: every phase (--heal: " + HEAL_PHASES + ")")
     ap.add_argument("--heal", action="store_true", help="the faults in a job that heals itself (see above)")
     ap.add_argument("--worlds", default=None, help="with --heal (default 2,3; with --two-hosts 2,4)")
@@ -334,6 +336,8 @@ def main():
     a = ap.parse_args()
     if a.phases is None:
         a.phases = HEAL_PHASES if a.heal else ",".join(PHASES)
+    if a.backends is None and not (a.heal and a.two_hosts):
+        a.backends = "shm,gloo"
     if a.actions is None:
         a.actions = "kill,stop,host" if a.heal and a.two_hosts else "kill,stop"
     started = time.monotonic()
@@ -342,7 +346,8 @@ def main():
         if a.worlds is None:
             a.worlds = "2,4" if a.two_hosts else "2,3"
         if a.two_hosts:
-            a.backends = "gloo"  # shm does not cross hosts
+            # shm does not cross hosts; auto is the two levels at 2 ranks a host (hierarchical)
+            a.backends = a.backends or "gloo,auto"
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
             import two_hosts
             two_hosts.sh("up", two_hosts.NAME)

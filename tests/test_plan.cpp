@@ -14,6 +14,7 @@
 #include "helpers.hpp"
 #include "runtime/plans/param_list.hpp"
 #include "runtime/plans/run_plan.hpp"
+#include "shardflow/shm.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;
@@ -371,6 +372,8 @@ TEST_CASE("shardflow plan: the JSON form, the bytes between hosts (--hosts), and
   CHECK(n["buckets"][0]["collectives"][0]["kind"] == "reduce_scatter");
   CHECK(n["bytes_per_step"] == 2 * B);             // reduce-scatter and all-gather, (H-1) B each
   CHECK(n["flat_ring_bytes_per_step"] == 3 * B);   // 2 x H (W-1)/W B
+  CHECK(n["scratch_per_collective_in_flight"] == B / 2);  // 1/L of the bucket between the levels
+  CHECK(n["second_shm_segment_per_rank"] == ShmOptions{}.staging_bytes);
   REQUIRE(run_cli(model + " --world-size 4 --hosts 2 --backend gloo", out) == 0);
   CHECK(out.find("the flat Gloo ring") != std::string::npos);
   REQUIRE(run_cli(model + " --world-size 4 --hosts 2", out) == 0);

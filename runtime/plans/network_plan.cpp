@@ -1,6 +1,9 @@
 #include "runtime/plans/network_plan.hpp"
 
+#include <algorithm>
+
 #include "shardflow/errors.hpp"
+#include "shardflow/shm.hpp"
 #include "shardflow/types.hpp"
 
 namespace shardflow {
@@ -37,8 +40,10 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
                         network_bytes(kind, bytes, hosts, np.per_host, false)};
     np.per_step += c.network;
     np.flat_ring_per_step += c.flat_ring;
+    if (np.two_levels) np.scratch_largest = std::max(np.scratch_largest, (bytes + std::size_t(np.per_host) - 1) / std::size_t(np.per_host));
     out.push_back(c);
   };
+  if (np.two_levels) np.second_segment = ShmOptions{}.staging_bytes;
   for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
     const auto& bk = plan.buckets[b];
     const auto& bs = shard.buckets[b];

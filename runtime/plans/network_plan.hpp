@@ -45,6 +45,9 @@ struct NetworkPlan {
   bool two_levels = false;  // the hierarchical backend (auto's choice for several hosts of several ranks)
   std::vector<std::vector<NetworkCollective>> buckets;  // each bucket's reduction, then its sync
   std::size_t per_step = 0, flat_ring_per_step = 0;
+  // Two levels, per rank: what lies between the levels while one collective is in flight (1/L of
+  // its buffer; the largest bucket's), and the second shared-memory segment the gathers run on.
+  std::size_t scratch_largest = 0, second_segment = 0;
 };
 
 // `reduce_scatter`: Config::zero.reduce_scatter; `sharded`: the optimizer's state is split (stage

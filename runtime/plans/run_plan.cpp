@@ -219,8 +219,14 @@ nlohmann::ordered_json network_json(const NetworkPlan& n) {
       cs.push_back({{"kind", collective_name(c.kind)}, {"bytes", c.bytes}, {"network_bytes", c.network}, {"flat_ring_network_bytes", c.flat_ring}});
     buckets.push_back({{"bucket", b}, {"collectives", cs}});
   }
-  return {{"hosts", n.hosts}, {"ranks_per_host", n.per_host}, {"two_levels", n.two_levels}, {"bytes_per_step", n.per_step},
-          {"flat_ring_bytes_per_step", n.flat_ring_per_step}, {"buckets", buckets}};
+  return {{"hosts", n.hosts},
+          {"ranks_per_host", n.per_host},
+          {"two_levels", n.two_levels},
+          {"bytes_per_step", n.per_step},
+          {"flat_ring_bytes_per_step", n.flat_ring_per_step},
+          {"scratch_per_collective_in_flight", n.scratch_largest},
+          {"second_shm_segment_per_rank", n.second_segment},
+          {"buckets", buckets}};
 }
 
 }  // namespace
@@ -287,6 +293,10 @@ std::string RunPlan::describe() const {
     std::snprintf(ratio, sizeof ratio, "%.2f", network.flat_ring_per_step ? double(network.per_step) / double(network.flat_ring_per_step) : 0.0);
     s += "  in all: " + mib(network.per_step) + " per step" +
          (network.two_levels ? ", " + std::string(ratio) + "x the flat ring's " + mib(network.flat_ring_per_step) : std::string()) + "\n";
+    if (network.two_levels)
+      s += "  per rank, besides the memory above: up to " + mib(network.scratch_largest) +
+           " between the levels for each collective in flight (1/" + std::to_string(network.per_host) +
+           " of its bucket), and a second shared-memory segment of " + mib(network.second_segment) + " for the gathers\n";
   }
   return s;
 }
