@@ -57,7 +57,8 @@ sanitize-thread: deps
 # Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md);
 # then the same faults in jobs that heal themselves (--max-restarts and snapshots) at worlds 2 and
 # 3, which must end bit for bit where an uninterrupted job ends, HEAL_REPS times each; as root also
-# across two network-namespace hosts (worlds 2 and 4, and node 1's host lost: a shrink).
+# across two network-namespace hosts, over Gloo and auto (the two levels at world 4: 2 ranks a host),
+# worlds 2 and 4, and node 1's host lost: a shrink.
 SOAK_REPS ?= 20
 HEAL_REPS ?= 5
 soak: build
