@@ -269,7 +269,16 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow ZeRO-1 interleaved": ["--zero-stage", "1", "--overlap", "interleaved"],
     "shardflow ZeRO-1 interleaved + prefetch": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch"],
     "shardflow ZeRO-2 interleaved + prefetch": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
+    # Several ranks a host (issue 34): the two levels, shm inside a host and Gloo between hosts.
+    "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
+    "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
+                                                            "--backend", "hierarchical"],
 }
+
+
+def gpt_rows_for(per_host):
+    """The shardflow rows that run with per_host ranks a host: the two levels need several."""
+    return [r for r, flags in GPT_ROWS_SHARDFLOW.items() if per_host > 1 or "hierarchical" not in flags]
 
 
 def gpt_cmd(build, world, flags, steps=GPT_STEPS):
@@ -285,7 +294,8 @@ def median_step(outs):
 
 
 def gpt_shardflow_row(build, per_host, flags, trace=None):
-    prog = gpt_cmd(build, 2 * per_host, ["--backend", "gloo", *flags] + (["--trace", trace] if trace else []),
+    backend = [] if "--backend" in flags else ["--backend", "gloo"]
+    prog = gpt_cmd(build, 2 * per_host, [*backend, *flags] + (["--trace", trace] if trace else []),
                    steps=GPT_STEPS + (4 if trace else 0))
     outs = run_both([launcher(build, h, n, 2, per_host, prog) for h, n in (("a", 0), ("b", 1))], "gpt_train " + " ".join(flags))
     return median_step(outs)
@@ -310,7 +320,7 @@ def gpt_torch_row(per_host, zero, init, data, tmp):
 def gpt_table(args, build):
     data = os.path.join(build, "data", "fortunes.safetensors")
     torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
-    rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(GPT_ROWS_SHARDFLOW)
+    torch_rows = ["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o777)
@@ -321,6 +331,7 @@ def gpt_table(args, build):
             sh("rate", NAME, rate)
             for per_host in [int(x) for x in args.ranks_per_host.split(",")]:
                 key = "GPT, 2 hosts x %d rank%s, link %s" % (per_host, "s" if per_host > 1 else "", "unshaped" if rate == "off" else rate)
+                rows = torch_rows + gpt_rows_for(per_host)
                 runs = {r: [] for r in rows}
                 runs["compute alone (world 1)"] = []
                 links = []
@@ -347,7 +358,7 @@ def gpt_table(args, build):
                 if args.trace_dir:
                     os.makedirs(args.trace_dir, exist_ok=True)
                     # The best shardflow row once more with a trace, drawn at its median iteration.
-                    best = min(GPT_ROWS_SHARDFLOW, key=lambda r: med[r])
+                    best = min(gpt_rows_for(per_host), key=lambda r: med[r])
                     stem = os.path.join(tmp, "trace.json")
                     gpt_shardflow_row(build, per_host, GPT_ROWS_SHARDFLOW[best], trace=stem)
                     tag = key.replace("GPT, ", "gpt_").replace(" x ", "x").replace(" ", "_").replace(",", "")

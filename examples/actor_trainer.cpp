@@ -46,7 +46,10 @@ int main(int argc, char** argv) {
   app.add_flag("--forward-prefetch", opt.runtime.zero.forward_prefetch, "parameter syncs overlap the next forward (each layer actor asks for its update)");
   app.add_option("--clip-grad-norm", opt.runtime.zero.clip_grad_norm, "clip the global gradient 2-norm to this (0: off)")->capture_default_str();
   app.add_option("--actor-threads", opt.runtime.actor_threads, "CAF scheduler threads (0: min(2, cores)); 1 is enough")->capture_default_str();
-  app.add_option("--backend", backend, "auto | shm | gloo under a launcher")->capture_default_str();
+  app.add_option("--backend", backend,
+                 "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
+                 "gloo | hierarchical")
+      ->capture_default_str();
   app.add_option("--trace", opt.runtime.trace.path, "Chrome trace of every rank ({rank}: one file per rank)");
   app.add_flag("--quiet", quiet, "only the summary");
   app.add_option("--log-every", log_every, "print the progress line every N steps (0: about 20 lines per run)");

@@ -256,7 +256,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--bucket-mb", a.bucket_mb, "bucket cap, MiB")->capture_default_str();
   app.add_option("--first-bucket-mb", a.first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
-  app.add_option("--backend", a.backend, "under a launcher: auto (shm on one host, else gloo) | shm | gloo")->capture_default_str();
+  app.add_option("--backend", a.backend,
+                 "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
+                 "gloo | hierarchical")
+      ->capture_default_str();
   app.add_option("--world-size", a.world_size, "ranks as threads of this process (under a launcher: the launcher's)")->capture_default_str();
   app.add_option("--threads", a.threads, "torch intra-op threads (0: OMP_NUM_THREADS, else the cores / the ranks)")->capture_default_str();
   app.add_option("--seed", a.seed, "initial weights and the batches' windows")->capture_default_str();

@@ -119,7 +119,10 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace, "Chrome trace of every rank's forward, backward, reductions and steps");
   app.add_option("--threads", threads, "torch intra-op threads per rank (0: OMP_NUM_THREADS, which the launcher sets, else 1)")->capture_default_str();
   app.add_option("--log-every", log_every, "progress line every N steps (0: about 20 lines)")->capture_default_str();
-  app.add_option("--backend", backend, "under a launcher: auto (shm on one host, else gloo) | shm | gloo")->capture_default_str();
+  app.add_option("--backend", backend,
+                 "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
+                 "gloo | hierarchical")
+      ->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 

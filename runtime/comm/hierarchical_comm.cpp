@@ -106,7 +106,7 @@ class HierarchicalComm final : public Communicator {
   struct Stage {
     Lane lane;
     CollectiveOp op;
-    std::function<void(Job&)> after;  // on its success: the reordering into the caller's buffer
+    std::function<void(Job&)> after;  // on its success (a padded all-reduce: the copy back)
   };
   struct Job {
     CollectiveOp op;
@@ -213,8 +213,8 @@ class HierarchicalComm final : public Communicator {
     return o;
   }
 
-  // The stages of one collective, its scratch and the copies into it (the caller's send buffer is
-  // ready when it submits and stays untouched until told).
+  // The stages of one collective and its scratch; a padded all-reduce copies the caller's buffer
+  // in here (ready when it submits, untouched until told) and back after its last stage.
   void plan(Job& job) const {
     const auto& op = job.op;
     const std::size_t es = dtype_size(op.dtype), H = std::size_t(H_), L = std::size_t(L_);
@@ -240,26 +240,26 @@ class HierarchicalComm final : public Communicator {
         return;
       }
       case CollectiveKind::reduce_scatter: {
-        // Host h''s L blocks are one local reduce-scatter: rank (h, l) gets block h' * L + l summed
-        // inside its host, into b[h']; H of them fill b, and the cross reduce-scatter of b leaves
+        // Host g's L blocks are one local reduce-scatter: rank (h, l) gets block g * L + l summed
+        // inside its host, into b[g]; H of them fill b, and the cross reduce-scatter of b leaves
         // rank (h, l) block h * L + l summed everywhere. No block moves but by the collectives.
         const std::size_t c = op.count * es;
         job.b.resize(H * c);
         const auto* in = static_cast<const std::byte*>(op.send);
-        for (std::size_t h = 0; h < H; ++h)
-          st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, in + h * L * c, job.b.data() + h * c, op.count, 1.0f, "inside the host"), {}});
+        for (std::size_t g = 0; g < H; ++g)
+          st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, in + g * L * c, job.b.data() + g * c, op.count, 1.0f, "inside the host"), {}});
         st.push_back({between_hosts, sub(job, CollectiveKind::reduce_scatter, job.b.data(), op.recv, op.count, op.scale, "between hosts"), {}});
         return;
       }
       case CollectiveKind::allgather: {
-        // The reverse: the cross all-gather puts host h''s block of index l in b[h'], and a local
-        // all-gather of each b[h'] writes host h''s L blocks where rank order has them.
+        // The reverse: the cross all-gather puts host g's block of index l in b[g], and a local
+        // all-gather of each b[g] writes host g's L blocks where rank order has them.
         const std::size_t c = op.count * es;
         job.b.resize(H * c);
         auto* out = static_cast<std::byte*>(op.recv);
         st.push_back({between_hosts, sub(job, CollectiveKind::allgather, op.send, job.b.data(), op.count, 1.0f, "between hosts"), {}});
-        for (std::size_t h = 0; h < H; ++h)
-          st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data() + h * c, out + h * L * c, op.count, 1.0f, "inside the host"), {}});
+        for (std::size_t g = 0; g < H; ++g)
+          st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data() + g * c, out + g * L * c, op.count, 1.0f, "inside the host"), {}});
         return;
       }
       case CollectiveKind::broadcast: {
