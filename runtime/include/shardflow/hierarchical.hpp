@@ -2,8 +2,9 @@
 // runtime/comm/hierarchical_comm.cpp): one communicator among the ranks of this host (shared
 // memory), one among the ranks of the same local index on every host (the network). An all-reduce
 // is a reduce-scatter inside the host, an all-reduce of 1/L of the buffer across hosts by each
-// local rank at once, and an all-gather inside the host: the network carries 1/L of the flat
-// ring's bytes per rank.
+// local rank at once, and an all-gather inside the host: each rank sends only its 1/L across
+// hosts. At 2 hosts x 2 ranks that is 2/3 of what the flat ring puts on the network, the least an
+// exact reduction can (Note [Bytes on the network], runtime/plans/network_plan.hpp).
 #pragma once
 
 #include <memory>
