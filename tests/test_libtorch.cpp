@@ -322,3 +322,39 @@ TEST_CASE("libtorch GPT: the tied embedding is one parameter in one bucket, read
     CHECK((got[std::size_t(r)] - want).norm().item<double>() <= 1e-5 * want.norm().item<double>());
   }
 }
+
+TEST_CASE("libtorch: a model given as named tensors (dotted names, as a Python nn.Module's named_parameters() gives them) trains bit for bit as the same module does, known by those names") {
+  const int world = 2, steps = 6;
+  const auto want = train(world, steps);  // through the torch::nn::Module constructor
+  auto comms = InProcessWorld::create(world, 30s);
+  auto nets = models(world);
+  const Batches data(steps);
+  std::map<std::string, torch::Tensor> got;
+  test::require_all_ok(test::run_ranks(world, [&](int r) {
+    auto& net = nets[std::size_t(r)];
+    libtorch::Options o;  // as train() sets them
+    o.config.timeouts.collective = 30s;
+    o.config.buckets.first_cap_bytes = 64;
+    o.config.buckets.cap_bytes = 256;
+    o.optimizer = OptimizerConfig{};
+    o.optimizer->kind = OptimizerConfig::Kind::adamw;
+    o.optimizer->lr = 1e-2f;
+    std::vector<libtorch::NamedTensor> params;
+    for (auto& item : net->named_parameters()) params.emplace_back("model." + item.key(), item.value());
+    libtorch::DataParallel ddp(params, {}, comms->communicator(r), o);
+    CHECK_NOTHROW(ddp.runtime().param("model.fc1.weight"));
+    for (int s = 0; s < steps; ++s) {
+      ddp.zero_grad();
+      auto [x, y] = data.at(s, r, world);
+      ddp.backward(torch::mse_loss(net->forward(x), y));
+    }
+    ddp.runtime().wait_all_params();
+    if (r == 0)
+      for (auto& item : net->named_parameters()) got[item.key()] = item.value().detach().clone();
+  }));
+  check_close(got, want, 0.0);
+  // An undefined tensor is refused, naming it.
+  auto one = InProcessWorld::create(1, 30s);
+  CHECK_THROWS_WITH_AS(libtorch::DataParallel({{"model.w", torch::Tensor()}}, {}, one->communicator(0)),
+                       doctest::Contains("parameter 'model.w' is an undefined tensor"), UsageError);
+}

@@ -32,6 +32,9 @@
 
 namespace shardflow::libtorch {
 
+// A tensor and the name shardflow knows it by (errors, checkpoints, `shardflow plan`).
+using NamedTensor = std::pair<std::string, torch::Tensor>;
+
 struct Options {
   Config config;  // buckets, ZeRO stage, overlap, prefetch, timeouts, tracing: config.hpp's defaults
   // The optimizer step inside shardflow: each rank steps its shard as its buckets' reductions land
@@ -60,16 +63,21 @@ class DataParallel {
   // tensors, contiguous, float32 / float16 / bfloat16; anything else is a UsageError naming the
   // parameter. `module` must outlive this object.
   DataParallel(torch::nn::Module& module, std::shared_ptr<Communicator> comm, Options options = {})
+      : DataParallel(named(module.named_parameters(/*recurse=*/true)), named(module.named_buffers(/*recurse=*/true)), std::move(comm),
+                     std::move(options)) {}
+
+  // The same for a model that is no torch::nn::Module (a Python nn.Module: its named_parameters()
+  // and named_buffers(), dotted names and all): the parameters in registration order.
+  DataParallel(const std::vector<NamedTensor>& params, const std::vector<NamedTensor>& buffers, std::shared_ptr<Communicator> comm,
+               Options options = {})
       : rt_(std::move(comm), options.config) {
-    for (auto& item : module.named_buffers(/*recurse=*/true)) {
-      const auto& b = item.value();
-      check_tensor(item.key(), b, "buffer");
-      rt_.register_buffer(BufferSpec{item.key(), b.data_ptr(), std::size_t(b.nbytes()), Device::cpu()});
+    for (const auto& [name, b] : buffers) {
+      check_tensor(name, b, "buffer");
+      rt_.register_buffer(BufferSpec{name, b.data_ptr(), std::size_t(b.nbytes()), Device::cpu()});
     }
-    for (auto& item : module.named_parameters(/*recurse=*/true)) {
-      const auto& p = item.value();
-      check_tensor(item.key(), p, "parameter");
-      ParamSpec spec{item.key(), Shape(p.sizes().begin(), p.sizes().end()), dtype_of(item.key(), p), Device::cpu(), p.data_ptr()};
+    for (const auto& [name, p] : params) {
+      check_tensor(name, p, "parameter");
+      ParamSpec spec{name, Shape(p.sizes().begin(), p.sizes().end()), dtype_of(name, p), Device::cpu(), p.data_ptr()};
       spec.requires_grad = p.requires_grad();
       // Without gradient_as_bucket_view the gradient is a tensor of ours that the runtime copies
       // into the bucket and the average back out of; .grad() views it the same way.
@@ -78,7 +86,7 @@ class DataParallel {
         own = torch::zeros_like(p, p.options().requires_grad(false));
         spec.grad = own.data_ptr();
       }
-      Entry e{p, rt_.register_param(spec), nullptr, nullptr, 0, own, item.key()};
+      Entry e{p, rt_.register_param(spec), nullptr, nullptr, 0, own, name};
       by_impl_[p.unsafeGetTensorImpl()] = Index{e.handle, entries_.size()};
       entries_.push_back(std::move(e));
     }
@@ -220,7 +228,14 @@ class DataParallel {
     e.param.mutable_grad() = torch::from_blob(slot, e.param.sizes(), e.param.options().requires_grad(false));
   }
 
+  static std::vector<NamedTensor> named(const torch::OrderedDict<std::string, torch::Tensor>& items) {
+    std::vector<NamedTensor> out;
+    for (const auto& item : items) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+
   static void check_tensor(const std::string& name, const torch::Tensor& t, const char* what) {
+    if (!t.defined()) throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name + "' is an undefined tensor");
     if (!t.device().is_cpu())
       throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name + "' is on " + t.device().str() +
                        "; this adapter takes CPU tensors (Debian's libtorch 1.13 is a CPU build)");
