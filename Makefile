@@ -5,7 +5,7 @@ CMAKE_FLAGS ?=
 SHARDFLOW_CUDA ?= AUTO
 PREFIX  ?= /usr/local
 
-.PHONY: all deps configure build demo test bench install clean sanitize sanitize-address sanitize-thread soak
+.PHONY: all deps configure build demo test bench install clean sanitize sanitize-address sanitize-thread soak python
 
 all: build
 
@@ -17,6 +17,11 @@ configure: deps
 
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
+
+# shardflow.torch, the Python module, into $(BUILD)/python/shardflow (PYTHONPATH=$(BUILD)/python);
+# `make build` builds it too wherever libtorch-dev, pybind11-dev and python3-dev are installed.
+python: configure
+	cmake --build $(BUILD) -j $(JOBS) --target shardflow_python
 
 # Two ranks (threads of one process, in-process collectives) train an MLP classifier on
 # scikit-learn's handwritten digits (1,437 training images, 360 held out) data-parallel with ZeRO-1:

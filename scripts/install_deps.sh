@@ -11,6 +11,8 @@ packages=(
   python3 python3-matplotlib
   python3-sklearn  # the demo's real data: scikit-learn's handwritten digits, converted at build time
   libtorch-dev     # the libtorch client's example and tests (shardflow/libtorch.hpp; CPU, 1.13)
+  pybind11-dev python3-dev  # shardflow.torch, the Python module (runtime/python)
+  python3-torch    # its tests, and the cross-checks against PyTorch (1.13, the same libtorch)
   fortunes         # gpt_train's English text (/usr/share/games/fortunes), converted at build time
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config

@@ -124,11 +124,20 @@ class DataParallel {
   // averaged over the ranks (and, with the runtime's optimizer, the parameters stepped; with
   // forward prefetch the parameter syncs may still be landing: wait_for() each module in forward).
   void backward(const torch::Tensor& loss) {
-    if (prefetch_) bind_all();  // forward has waited for its parameters: no slot is still a sync's
+    before_backward();
     {
       auto span = rt_.span("backward", "backward");
       loss.backward();
     }
+    after_backward();
+  }
+
+  // backward() in two halves, for a trainer that runs loss.backward() itself (a Python one):
+  // before_backward() right before it, after_backward() right after it.
+  void before_backward() {
+    if (prefetch_) bind_all();  // forward has waited for its parameters: no slot is still a sync's
+  }
+  void after_backward() {
     if (prefetch_) {
       // A parameter forward read without wait_for() may have been read before its sync landed:
       // refuse, naming it, rather than train on last step's values.

@@ -1,0 +1,1 @@
+"""shardflow from Python: `import shardflow.torch as sft` (shardflow/torch.py)."""
