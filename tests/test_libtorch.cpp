@@ -65,6 +65,18 @@ struct Batches {
 
 using Setup = std::function<void(libtorch::Options&)>;
 
+// Several small buckets, AdamW at 1e-2, a 30 s timeout: what every scenario trains with.
+libtorch::Options small_buckets_adamw() {
+  libtorch::Options o;
+  o.config.timeouts.collective = 30s;
+  o.config.buckets.first_cap_bytes = 64;  // several buckets
+  o.config.buckets.cap_bytes = 256;
+  o.optimizer = OptimizerConfig{};
+  o.optimizer->kind = OptimizerConfig::Kind::adamw;
+  o.optimizer->lr = 1e-2f;
+  return o;
+}
+
 // `steps` steps at `world` ranks (threads); every rank starts from its own seed's weights (the
 // constructor makes them rank 0's). Returns rank 0's parameters and buffers.
 std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& setup = {}) {
@@ -74,13 +86,7 @@ std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& se
   std::map<std::string, torch::Tensor> out;
   test::require_all_ok(test::run_ranks(world, [&](int r) {
     auto& net = nets[std::size_t(r)];
-    libtorch::Options o;
-    o.config.timeouts.collective = 30s;
-    o.config.buckets.first_cap_bytes = 64;  // several buckets
-    o.config.buckets.cap_bytes = 256;
-    o.optimizer = OptimizerConfig{};
-    o.optimizer->kind = OptimizerConfig::Kind::adamw;
-    o.optimizer->lr = 1e-2f;
+    auto o = small_buckets_adamw();
     if (setup) setup(o);
     libtorch::DataParallel ddp(*net, comms->communicator(r), o);
     for (int s = 0; s < steps; ++s) {
@@ -332,13 +338,7 @@ TEST_CASE("libtorch: a model given as named tensors (dotted names, as a Python n
   std::map<std::string, torch::Tensor> got;
   test::require_all_ok(test::run_ranks(world, [&](int r) {
     auto& net = nets[std::size_t(r)];
-    libtorch::Options o;  // as train() sets them
-    o.config.timeouts.collective = 30s;
-    o.config.buckets.first_cap_bytes = 64;
-    o.config.buckets.cap_bytes = 256;
-    o.optimizer = OptimizerConfig{};
-    o.optimizer->kind = OptimizerConfig::Kind::adamw;
-    o.optimizer->lr = 1e-2f;
+    const auto o = small_buckets_adamw();  // as train() has them
     std::vector<libtorch::NamedTensor> params;
     for (auto& item : net->named_parameters()) params.emplace_back("model." + item.key(), item.value());
     libtorch::DataParallel ddp(params, {}, comms->communicator(r), o);
