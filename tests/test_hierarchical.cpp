@@ -62,6 +62,21 @@ void on_hosts(int hosts, int local, F f, bool lanes = true, std::atomic<std::siz
 
 using test::make;
 
+// The small MLP both MLP scenarios train at world 4, AdamW, 4 KiB buckets.
+mlp::TrainOptions small_mlp(int stage, Overlap overlap, int steps) {
+  mlp::TrainOptions opt;
+  opt.sizes = {24, 40, 40, 6};
+  opt.steps = steps;
+  opt.global_batch = 12;
+  opt.world_size = 4;
+  opt.optimizer.kind = OptimizerConfig::Kind::adamw;
+  opt.runtime.zero.stage = ZeroStage(stage);
+  opt.runtime.zero.overlap = overlap;
+  opt.runtime.buckets.first_cap_bytes = opt.runtime.buckets.cap_bytes = 4096;
+  opt.runtime.timeouts.collective = 20s;
+  return opt;
+}
+
 }  // namespace
 
 TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or not: every collective gives what the flat world gives (exact sums of small integers)") {
@@ -161,18 +176,9 @@ TEST_CASE("2 hosts x 2 ranks: the MLP at every ZeRO stage and overlap mode (and 
     CAPTURE(stage);
     CAPTURE(overlap_name(m.overlap));
     CAPTURE(m.prefetch);
-    mlp::TrainOptions opt;
-    opt.sizes = {24, 40, 40, 6};
-    opt.steps = 6;
-    opt.global_batch = 12;
-    opt.world_size = 4;
-    opt.optimizer.kind = OptimizerConfig::Kind::adamw;
+    auto opt = small_mlp(stage, m.overlap, 6);
     opt.optimizer.lr = 0.01f;
-    opt.runtime.zero.stage = ZeroStage(stage);
-    opt.runtime.zero.overlap = m.overlap;
     opt.runtime.zero.forward_prefetch = m.prefetch;
-    opt.runtime.buckets.first_cap_bytes = opt.runtime.buckets.cap_bytes = 4096;
-    opt.runtime.timeouts.collective = 20s;
     const auto flat = mlp::train(opt);
     mlp::TrainResult two_level;
     on_hosts(2, 2, [&](Communicator& comm, int r) {
@@ -192,17 +198,8 @@ TEST_CASE("2 hosts x 2 ranks: the MLP at every ZeRO stage and overlap mode (and 
 TEST_CASE("shardflow plan's bytes between hosts are what the two levels put on the network: 2 hosts x 2 ranks, ZeRO-0, ZeRO-1 and ZeRO-2, 2/3 of the flat ring's") {
   for (int stage : {0, 1, 2}) {
     CAPTURE(stage);
-    mlp::TrainOptions opt;
-    opt.sizes = {24, 40, 40, 6};
-    opt.steps = 3;
-    opt.global_batch = 12;
-    opt.world_size = 4;
-    opt.optimizer.kind = OptimizerConfig::Kind::adamw;
-    opt.runtime.zero.stage = ZeroStage(stage);
-    opt.runtime.zero.overlap = Overlap::interleaved;
-    opt.runtime.buckets.first_cap_bytes = opt.runtime.buckets.cap_bytes = 4096;
+    auto opt = small_mlp(stage, Overlap::interleaved, 3);
     opt.runtime.buckets.rebuild = false;  // the plan's buckets from the first step on
-    opt.runtime.timeouts.collective = 20s;
     std::atomic<std::size_t> crossed{0};
     on_hosts(2, 2, [&](Communicator& comm, int) {
       auto shared = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});

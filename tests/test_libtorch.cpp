@@ -78,8 +78,9 @@ libtorch::Options small_buckets_adamw() {
 }
 
 // `steps` steps at `world` ranks (threads); every rank starts from its own seed's weights (the
-// constructor makes them rank 0's). Returns rank 0's parameters and buffers.
-std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& setup = {}) {
+// constructor makes them rank 0's). Returns rank 0's parameters and buffers. `by_name`: the
+// adapter gets the parameters as named tensors ("model." + each name) instead of the module.
+std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& setup = {}, bool by_name = false) {
   auto comms = InProcessWorld::create(world, 30s);
   auto nets = models(world);
   const Batches data(steps);
@@ -88,7 +89,13 @@ std::map<std::string, torch::Tensor> train(int world, int steps, const Setup& se
     auto& net = nets[std::size_t(r)];
     auto o = small_buckets_adamw();
     if (setup) setup(o);
-    libtorch::DataParallel ddp(*net, comms->communicator(r), o);
+    std::vector<libtorch::NamedTensor> named;
+    if (by_name)
+      for (auto& item : net->named_parameters()) named.emplace_back("model." + item.key(), item.value());
+    auto ddp_ptr = by_name ? std::make_unique<libtorch::DataParallel>(named, std::vector<libtorch::NamedTensor>{}, comms->communicator(r), o)
+                           : std::make_unique<libtorch::DataParallel>(*net, comms->communicator(r), o);
+    auto& ddp = *ddp_ptr;
+    if (by_name) CHECK_NOTHROW(ddp.runtime().param("model.fc1.weight"));
     for (int s = 0; s < steps; ++s) {
       ddp.zero_grad();
       auto [x, y] = data.at(s, r, world);
@@ -332,27 +339,7 @@ TEST_CASE("libtorch GPT: the tied embedding is one parameter in one bucket, read
 TEST_CASE("libtorch: a model given as named tensors (dotted names, as a Python nn.Module's named_parameters() gives them) trains bit for bit as the same module does, known by those names") {
   const int world = 2, steps = 6;
   const auto want = train(world, steps);  // through the torch::nn::Module constructor
-  auto comms = InProcessWorld::create(world, 30s);
-  auto nets = models(world);
-  const Batches data(steps);
-  std::map<std::string, torch::Tensor> got;
-  test::require_all_ok(test::run_ranks(world, [&](int r) {
-    auto& net = nets[std::size_t(r)];
-    const auto o = small_buckets_adamw();  // as train() has them
-    std::vector<libtorch::NamedTensor> params;
-    for (auto& item : net->named_parameters()) params.emplace_back("model." + item.key(), item.value());
-    libtorch::DataParallel ddp(params, {}, comms->communicator(r), o);
-    CHECK_NOTHROW(ddp.runtime().param("model.fc1.weight"));
-    for (int s = 0; s < steps; ++s) {
-      ddp.zero_grad();
-      auto [x, y] = data.at(s, r, world);
-      ddp.backward(torch::mse_loss(net->forward(x), y));
-    }
-    ddp.runtime().wait_all_params();
-    if (r == 0)
-      for (auto& item : net->named_parameters()) got[item.key()] = item.value().detach().clone();
-  }));
-  check_close(got, want, 0.0);
+  check_close(train(world, steps, {}, /*by_name=*/true), want, 0.0);
   // An undefined tensor is refused, naming it.
   auto one = InProcessWorld::create(1, 30s);
   CHECK_THROWS_WITH_AS(libtorch::DataParallel({{"model.w", torch::Tensor()}}, {}, one->communicator(0)),

@@ -3,7 +3,9 @@
 // holds the API; this file only converts and releases the GIL where shardflow waits on peers.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,15 +52,28 @@ std::shared_ptr<Communicator> comm() {
   return world().comm;
 }
 
-OptimizerConfig optimizer_config(const std::string& kind, float lr, float weight_decay, float beta1, float beta2, float eps, float momentum) {
+// ("adamw", {"lr": 1e-3, ...}) over OptimizerConfig's defaults (torch's for each kind); a key the
+// kind does not take is refused, naming the ones it does.
+OptimizerConfig optimizer_config(const std::string& kind, const py::dict& args) {
+  static const std::map<std::string, std::vector<std::string>> takes{
+      {"sgd", {"lr", "momentum", "weight_decay"}}, {"adam", {"lr", "betas", "eps", "weight_decay"}}, {"adamw", {"lr", "betas", "eps", "weight_decay"}}};
+  const auto it = takes.find(kind);
+  if (it == takes.end()) throw UsageError("shardflow.torch: optimizer '" + kind + "' is not one of sgd, adam, adamw");
   OptimizerConfig o;
   o.kind = OptimizerConfig::parse_kind(kind);
-  o.lr = lr;
-  o.weight_decay = weight_decay;
-  o.beta1 = beta1;
-  o.beta2 = beta2;
-  o.eps = eps;
-  o.momentum = momentum;
+  for (const auto& [key, value] : args) {
+    const auto k = py::cast<std::string>(key);
+    if (std::find(it->second.begin(), it->second.end(), k) == it->second.end()) {
+      std::string names;
+      for (const auto& n : it->second) names += (names.empty() ? "" : ", ") + n;
+      throw UsageError("shardflow.torch: optimizer '" + kind + "' takes " + names + ", not " + k);
+    }
+    if (k == "lr") o.lr = py::cast<float>(value);
+    else if (k == "momentum") o.momentum = py::cast<float>(value);
+    else if (k == "weight_decay") o.weight_decay = py::cast<float>(value);
+    else if (k == "eps") o.eps = py::cast<float>(value);
+    else std::tie(o.beta1, o.beta2) = py::cast<std::pair<float, float>>(value);
+  }
   return o;
 }
 
@@ -92,7 +107,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<CommError>(m, "CommError", base.ptr());
 
   m.def("init", &init, py::arg("timeout_s"), py::arg("backend"));
-  m.def("optimizer_config", &optimizer_config);
+  m.def("optimizer_config", &optimizer_config, py::arg("kind"), py::arg("args"));
   py::class_<OptimizerConfig>(m, "OptimizerConfig");
   py::class_<libtorch::DataParallel>(m, "DataParallel")
       .def(py::init(&make_ddp))

@@ -27,9 +27,6 @@ MismatchError = _C.MismatchError
 CommError = _C.CommError
 
 _OVERLAPS = ("none", "after_backward", "interleaved")
-_DEFAULTS = {"sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0},
-             "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
-             "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}}
 
 
 def init(timeout=300.0, backend="auto"):
@@ -44,20 +41,11 @@ _timeout = 300.0
 
 
 def _optimizer(spec):
+    """("adamw", {"lr": 1e-3, ...}) or "adamw": torch's defaults for what is not given."""
     if spec is None:
         return None
-    if isinstance(spec, str):
-        spec = (spec, {})
-    kind, args = spec
-    if kind not in _DEFAULTS:
-        raise UsageError("shardflow.torch: optimizer %r is not one of %s" % (kind, ", ".join(_DEFAULTS)))
-    unknown = set(args) - set(_DEFAULTS[kind])
-    if unknown:
-        raise UsageError("shardflow.torch: optimizer %r takes %s, not %s" % (kind, ", ".join(_DEFAULTS[kind]), ", ".join(sorted(unknown))))
-    a = dict(_DEFAULTS[kind], **args)
-    beta1, beta2 = a.get("betas", (0.9, 0.999))
-    return _C.optimizer_config(kind, float(a["lr"]), float(a["weight_decay"]), float(beta1), float(beta2),
-                               float(a.get("eps", 1e-8)), float(a.get("momentum", 0.0)))
+    kind, args = (spec, {}) if isinstance(spec, str) else spec
+    return _C.optimizer_config(kind, dict(args))
 
 
 class DistributedDataParallel:
