@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -13,6 +14,7 @@
 
 #include "shardflow/launch.hpp"
 #include "shardflow/libtorch.hpp"
+#include "shardflow/safetensors.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace py = pybind11;
@@ -52,47 +54,144 @@ std::shared_ptr<Communicator> comm() {
   return world().comm;
 }
 
-// ("adamw", {"lr": 1e-3, ...}) over OptimizerConfig's defaults (torch's for each kind); a key the
-// kind does not take is refused, naming the ones it does.
-OptimizerConfig optimizer_config(const std::string& kind, const py::dict& args) {
+// Keys of ("adamw", {"lr": 1e-3, ...}) onto `o` (OptimizerConfig's defaults are torch's for each
+// kind); a key the kind does not take is refused, naming the ones it does and `where` it came from.
+void apply_hyperparameters(OptimizerConfig& o, const std::string& kind, const py::dict& args, const std::string& where) {
   static const std::map<std::string, std::vector<std::string>> takes{
       {"sgd", {"lr", "momentum", "weight_decay"}}, {"adam", {"lr", "betas", "eps", "weight_decay"}}, {"adamw", {"lr", "betas", "eps", "weight_decay"}}};
   const auto it = takes.find(kind);
   if (it == takes.end()) throw UsageError("shardflow.torch: optimizer '" + kind + "' is not one of sgd, adam, adamw");
-  OptimizerConfig o;
-  o.kind = OptimizerConfig::parse_kind(kind);
   for (const auto& [key, value] : args) {
     const auto k = py::cast<std::string>(key);
     if (std::find(it->second.begin(), it->second.end(), k) == it->second.end()) {
       std::string names;
       for (const auto& n : it->second) names += (names.empty() ? "" : ", ") + n;
-      throw UsageError("shardflow.torch: optimizer '" + kind + "' takes " + names + ", not " + k);
+      throw UsageError("shardflow.torch: " + where + "optimizer '" + kind + "' takes " + names + ", not " + k);
     }
-    if (k == "lr") o.lr = py::cast<float>(value);
-    else if (k == "momentum") o.momentum = py::cast<float>(value);
-    else if (k == "weight_decay") o.weight_decay = py::cast<float>(value);
-    else if (k == "eps") o.eps = py::cast<float>(value);
-    else std::tie(o.beta1, o.beta2) = py::cast<std::pair<float, float>>(value);
+    try {
+      if (k == "lr") o.lr = py::cast<float>(value);
+      else if (k == "momentum") o.momentum = py::cast<float>(value);
+      else if (k == "weight_decay") o.weight_decay = py::cast<float>(value);
+      else if (k == "eps") o.eps = py::cast<float>(value);
+      else std::tie(o.beta1, o.beta2) = py::cast<std::pair<float, float>>(value);
+    } catch (const py::cast_error&) {
+      throw UsageError("shardflow.torch: " + where + "'" + k + "' must be " + (k == "betas" ? "a pair of numbers" : "a number") + ", got " +
+                       py::str(value).cast<std::string>());
+    }
   }
+}
+
+OptimizerConfig optimizer_config(const std::string& kind, const py::dict& args) {
+  OptimizerConfig o;
+  if (kind == "sgd" || kind == "adam" || kind == "adamw") o.kind = OptimizerConfig::parse_kind(kind);
+  apply_hyperparameters(o, kind, args, "");
   return o;
 }
 
+const char* kind_name(OptimizerConfig::Kind k) {
+  switch (k) {
+    case OptimizerConfig::Kind::sgd: return "sgd";
+    case OptimizerConfig::Kind::adam: return "adam";
+    case OptimizerConfig::Kind::adamw: return "adamw";
+    default: return "custom";
+  }
+}
+
+// Between steps (a schedule): a group's hyper-parameters by the same keys as the constructor's.
+void set_hyperparameters(libtorch::DataParallel& d, std::size_t group, const py::dict& args) {
+  OptimizerConfig h = d.runtime().hyperparameters(group);
+  apply_hyperparameters(h, kind_name(h.kind), args, "param group " + std::to_string(group) + ": ");
+  d.runtime().set_hyperparameters(group, h);
+}
+
+// A group: its hyper-parameters and its parameters by name (none: every parameter no other group names).
+using Group = std::pair<OptimizerConfig, std::vector<std::string>>;
 using Named = std::vector<std::pair<std::string, torch::Tensor>>;
 
 std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Named& buffers, int zero_stage, const std::string& overlap,
-                                                 double bucket_cap_mb, double timeout_s, std::optional<OptimizerConfig> optimizer) {
+                                                 bool forward_prefetch, bool uneven_inputs, double bucket_cap_mb, double timeout_s,
+                                                 const std::string& trace, const std::vector<Group>& groups) {
   libtorch::Options o;
   if (zero_stage < 0 || zero_stage > 2) throw UsageError("shardflow.torch: zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
   o.config.zero.stage = ZeroStage(zero_stage);
   if (!overlap.empty()) o.config.zero.overlap = parse_overlap(overlap);  // empty: Config's default
+  o.config.zero.forward_prefetch = forward_prefetch;
+  o.config.join.uneven_inputs = uneven_inputs;
   if (!(bucket_cap_mb > 0)) throw UsageError("shardflow.torch: bucket_cap_mb must be positive, got " + std::to_string(bucket_cap_mb));
   o.config.buckets.cap_bytes = std::size_t(bucket_cap_mb * 1048576.0);
   o.config.buckets.first_cap_bytes = std::min(o.config.buckets.first_cap_bytes, o.config.buckets.cap_bytes);
   o.config.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
-  o.optimizer = std::move(optimizer);
+  o.config.trace.path = trace;
+  o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
+                            {"join.uneven_inputs", "uneven_inputs"}, {"buckets.cap_bytes", "bucket_cap_mb"}, {"timeouts.collective", "init(timeout=)"},
+                            {"trace.path", "trace"}};
   auto c = comm();
-  py::gil_scoped_release nogil;  // the constructor broadcasts rank 0's values: a collective
-  return std::make_unique<libtorch::DataParallel>(params, buffers, c, o);
+  std::unique_ptr<libtorch::DataParallel> d;
+  {
+    py::gil_scoped_release nogil;  // the constructor broadcasts rank 0's values: a collective
+    d = std::make_unique<libtorch::DataParallel>(params, buffers, c, o);
+  }
+  if (!groups.empty()) {
+    std::vector<ParamGroup> pg;
+    for (const auto& [config, names] : groups) {
+      ParamGroup g{{}, config};
+      for (const auto& n : names) g.params.push_back(d->runtime().param(n));
+      pg.push_back(std::move(g));
+    }
+    d->runtime().configure_optimizer(pg);
+  }
+  return d;
+}
+
+// StateDict tensors as torch tensors and back (copies: the dict outlives the runtime's buffers).
+c10::ScalarType scalar_type(const std::string& dtype, const std::string& name) {
+  static const std::map<std::string, c10::ScalarType> types{{"F32", torch::kFloat}, {"F16", torch::kHalf}, {"BF16", torch::kBFloat16},
+                                                            {"F64", torch::kDouble}, {"I64", torch::kLong}, {"I32", torch::kInt},
+                                                            {"U8", torch::kByte}};
+  const auto it = types.find(dtype);
+  if (it == types.end()) throw UsageError("shardflow.torch: tensor '" + name + "' has dtype " + dtype + ", which has no torch type here");
+  return it->second;
+}
+
+std::string dtype_name(c10::ScalarType t, const std::string& name) {
+  switch (t) {
+    case torch::kFloat: return "F32";
+    case torch::kHalf: return "F16";
+    case torch::kBFloat16: return "BF16";
+    case torch::kDouble: return "F64";
+    case torch::kLong: return "I64";
+    case torch::kInt: return "I32";
+    case torch::kByte: return "U8";
+    default: throw UsageError("shardflow.torch: load_state_dict: tensor '" + name + "' is " + std::string(c10::toString(t)) + ", not a checkpoint dtype");
+  }
+}
+
+py::tuple to_python(StateDict&& sd) {
+  py::dict tensors;
+  for (auto& [name, t] : sd.tensors) {
+    torch::Tensor out = torch::empty(std::vector<std::int64_t>(t.shape.begin(), t.shape.end()), torch::TensorOptions().dtype(scalar_type(t.dtype, name)));
+    if (std::size_t(out.nbytes()) != t.data.size()) throw Error("shardflow.torch: state tensor '" + name + "' holds " + std::to_string(t.data.size()) + " bytes for its shape");
+    std::memcpy(out.data_ptr(), t.data.data(), t.data.size());
+    tensors[py::str(name)] = out;
+  }
+  py::dict meta;
+  for (auto& [k, v] : sd.metadata) meta[py::str(k)] = v;
+  return py::make_tuple(tensors, meta);
+}
+
+StateDict from_python(const std::map<std::string, torch::Tensor>& tensors, const std::map<std::string, std::string>& metadata) {
+  StateDict sd;
+  sd.metadata = metadata;
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined()) throw UsageError("shardflow.torch: load_state_dict: tensor '" + name + "' is undefined");
+    const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
+    Tensor& out = sd.tensors[name];
+    out.dtype = dtype_name(c.scalar_type(), name);
+    out.shape = Shape(c.sizes().begin(), c.sizes().end());
+    out.data.resize(std::size_t(c.nbytes()));
+    std::memcpy(out.data.data(), c.data_ptr(), out.data.size());
+  }
+  return sd;
 }
 
 }  // namespace
@@ -112,10 +211,48 @@ PYBIND11_MODULE(_C, m) {
   py::class_<libtorch::DataParallel>(m, "DataParallel")
       .def(py::init(&make_ddp))
       .def("zero_grad", &libtorch::DataParallel::zero_grad)
-      .def("before_backward", &libtorch::DataParallel::before_backward)
+      .def("before_backward", &libtorch::DataParallel::before_backward, py::call_guard<py::gil_scoped_release>())
       .def("after_backward", &libtorch::DataParallel::after_backward, py::call_guard<py::gil_scoped_release>())
+      .def("grads_this_pass", &libtorch::DataParallel::grads_this_pass)
+      .def("wait_for", py::overload_cast<const std::vector<torch::Tensor>&, const std::string&>(&libtorch::DataParallel::wait_for),
+           py::call_guard<py::gil_scoped_release>())
       .def("wait_all_params", [](libtorch::DataParallel& d) { d.runtime().wait_all_params(); }, py::call_guard<py::gil_scoped_release>())
       .def("set_require_sync", [](libtorch::DataParallel& d, bool sync) { d.runtime().set_require_sync(sync); })
+      .def("join", [](libtorch::DataParallel& d) { d.runtime().join(); }, py::call_guard<py::gil_scoped_release>())
+      .def("training_ranks", [](libtorch::DataParallel& d) { return d.runtime().training_ranks(); })
+      .def("set_hyperparameters", &set_hyperparameters)
+      .def("hyperparameters", [](libtorch::DataParallel& d, std::size_t group) {
+        const OptimizerConfig h = d.runtime().hyperparameters(group);
+        return py::dict(py::arg("lr") = h.lr, py::arg("betas") = py::make_tuple(h.beta1, h.beta2), py::arg("eps") = h.eps,
+                        py::arg("weight_decay") = h.weight_decay, py::arg("momentum") = h.momentum);
+      })
+      .def("state_dict", [](libtorch::DataParallel& d, int to) {
+        StateDict sd;
+        {
+          py::gil_scoped_release nogil;  // streams every rank's shard to `to`: a collective
+          sd = d.runtime().state_dict(to);
+        }
+        return to_python(std::move(sd));
+      })
+      .def("load_state_dict",
+           [](libtorch::DataParallel& d, const std::map<std::string, torch::Tensor>& tensors, const std::map<std::string, std::string>& meta) {
+             StateDict sd = from_python(tensors, meta);
+             py::gil_scoped_release nogil;
+             d.runtime().load_state_dict(sd);
+           })
+      .def("save_checkpoint", [](libtorch::DataParallel& d, const std::string& path, int to,
+                                 std::uint64_t max_file_bytes) { d.runtime().save_checkpoint(path, to, max_file_bytes); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("save_sharded_checkpoint", [](libtorch::DataParallel& d, const std::string& dir, bool background) {
+             if (background) d.runtime().save_sharded_checkpoint_async(dir);
+             else d.runtime().save_sharded_checkpoint(dir);
+           }, py::call_guard<py::gil_scoped_release>())
+      .def("wait_checkpoint", [](libtorch::DataParallel& d) { d.runtime().wait_checkpoint(); }, py::call_guard<py::gil_scoped_release>())
+      .def("load_checkpoint", [](libtorch::DataParallel& d, const std::string& path) { d.runtime().load_checkpoint(path); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("optimizer_steps", [](libtorch::DataParallel& d) { return d.runtime().optimizer_steps(); })
+      .def("stats_json", [](libtorch::DataParallel& d) { return d.runtime().stats().to_json(); })
+      .def("memory_report", [](libtorch::DataParallel& d) { return d.runtime().memory_report().str(); })
       .def("rank", [](libtorch::DataParallel& d) { return d.runtime().rank(); })
       .def("world_size", [](libtorch::DataParallel& d) { return d.runtime().world_size(); });
 }

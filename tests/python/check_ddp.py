@@ -1,18 +1,29 @@
-"""shardflow.torch under `shardflow run --nproc-per-node N python3 check_ddp.py` (N = 2, 3): after
-10 steps every rank's parameters equal PyTorch's on the whole batch (what DDP + AdamW and DDP +
-ZeroRedundancyOptimizer compute: the gradient averaged over equal shares is the whole batch's),
-within 1e-5 relative (the sums go in another order), at ZeRO 0, 1 and 2, with torch.optim stepping
-at stage 0, with no_sync accumulation and a frozen parameter; bad arguments are refused by name.
+"""shardflow.torch against PyTorch itself, under `shardflow run --nproc-per-node N python3
+check_ddp.py STORE` (N = 2, 3). Each rank also joins a torch.distributed Gloo group (a FileStore at
+STORE) and trains the same model on the same batches with PyTorch DDP + AdamW, and DDP +
+ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equal PyTorch's within
+1e-5 relative (the same sums in another order: measured ~1e-7):
+- ZeRO 0, 1, 2 in each overlap mode, forward prefetch at 1 and 2, torch.optim at stage 0;
+- no_sync accumulation, a frozen parameter (it never moves), two param groups with a schedule;
+- uneven inputs under join() (rank r has r batches fewer; PyTorch's DDP join averaging over the
+  ranks still training);
+- the training state: state_dict() after 5 steps loaded into a fresh model at another stage, and a
+  sharded checkpoint, both going on to step 10 as if never stopped;
+- bad arguments are refused naming the argument, and a forward after backward without step().
 Exit 77 (skipped) without python3-torch."""
+import os
 import sys
+import tempfile
 
 try:
     import torch
+    import torch.distributed as dist
 except ImportError:
     sys.exit(77)
 import shardflow.torch as sft
 
 ROWS, STEPS, LR = 12, 10, 1e-2
+F = torch.nn.functional
 
 
 def model(seed):
@@ -20,46 +31,108 @@ def model(seed):
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
 
 
-def batches():
+def batches(rank, world, uneven=False):
+    """This rank's share of each global batch (the same draws on every rank)."""
     torch.manual_seed(1000)
-    return [(torch.randn(ROWS, 6), torch.randn(ROWS, 3)) for _ in range(STEPS)]
+    share = ROWS // world
+    out = []
+    for _ in range(STEPS):
+        x, y = torch.randn(ROWS, 6), torch.randn(ROWS, 3)
+        out.append((x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]))
+    return out[:STEPS - rank] if uneven else out
 
 
-def reference(frozen=False):
-    """Rank 0's starting weights, AdamW on the whole batch: what every rank must end with."""
-    m = model(1)  # rank 0's seed
+def schedule(step):
+    return LR * (0.5 if step >= STEPS // 2 else 1.0)
+
+
+def loss_of(m, x, y, accumulate, no_sync):
+    """One step's backward: two micro-batches with `accumulate`, the first inside no_sync()."""
+    if not accumulate:
+        F.mse_loss(m(x), y).backward()
+        return
+    half = len(x) // 2
+    with no_sync():
+        (F.mse_loss(m(x[:half]), y[:half]) * half / len(x)).backward()
+    (F.mse_loss(m(x[half:]), y[half:]) * (len(x) - half) / len(x)).backward()
+
+
+def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=False, uneven=False):
+    """What PyTorch's own DDP computes: rank 0's weights, DDP + AdamW (or ZeroRedundancyOptimizer)."""
+    m = model(1)
     if frozen:
         m[0].bias.requires_grad_(False)
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR)
-    for x, y in batches():
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, lr=LR)
+    elif groups:
+        opt = torch.optim.AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+    else:
+        opt = torch.optim.AdamW(trainable, lr=LR)
+    with ddp.join(enable=uneven, divide_by_initial_world_size=False):
+        for step, (x, y) in enumerate(batches(rank, world, uneven)):
+            if groups:
+                for g in opt.param_groups:
+                    g["lr"] = schedule(step)
+            opt.zero_grad()
+            loss_of(ddp, x, y, accumulate, ddp.no_sync)
+            opt.step()
     return m
 
 
-def trained(rank, world, accumulate=False, frozen=False, own_optimizer=False, **kwargs):
-    m = model(rank + 1)  # apart from rank 0's: the wrapper must make them one
-    if frozen:
-        m[0].bias.requires_grad_(False)
-    ddp = sft.DistributedDataParallel(m, **kwargs)
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR) if own_optimizer else None
-    share = ROWS // world
-    for x, y in batches():
-        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+def train(ddp, rank, world, steps, accumulate=False, groups=False, uneven=False, opt=None):
+    for step, (x, y) in enumerate(batches(rank, world, uneven)):
+        if step not in steps:
+            continue
+        if groups:
+            for g in ddp.param_groups:
+                g["lr"] = schedule(step)
         ddp.zero_grad()
-        if accumulate:  # two micro-batches, the first without a reduction
-            half = share // 2
-            with ddp.no_sync():
-                (torch.nn.functional.mse_loss(ddp(x[:half]), y[:half]) * half / share).backward()
-                ddp.step()
-            (torch.nn.functional.mse_loss(ddp(x[half:]), y[half:]) * (share - half) / share).backward()
-        else:
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        loss_of(ddp, x, y, accumulate, ddp.no_sync)
         ddp.step()
         if opt:
             opt.step()
+
+
+def shardflow(rank, world, accumulate=False, frozen=False, groups=False, uneven=False, own_optimizer=False, **kwargs):
+    m = model(rank + 1)  # apart from rank 0's: the wrapper must make them one
+    if frozen:
+        m[0].bias.requires_grad_(False)
+    if groups:
+        kwargs["optimizer"] = ("adamw", {"lr": LR}, [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                                                     {"params": [n for n, p in m.named_parameters() if p.dim() < 2], "weight_decay": 0.0}])
+    ddp = sft.DistributedDataParallel(m, uneven_inputs=uneven, **kwargs)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR) if own_optimizer else None
+    if uneven:
+        with ddp.join():
+            train(ddp, rank, world, range(STEPS), accumulate, groups, uneven, opt)
+    else:
+        train(ddp, rank, world, range(STEPS), accumulate, groups, uneven, opt)
     ddp.wait_all_params()
+    return m
+
+
+def resumed(rank, world, how, workdir):
+    """5 steps at ZeRO-1, the state saved `how`, a fresh model (other weights) at ZeRO-2 loads it
+    and runs steps 5-9."""
+    adamw = ("adamw", {"lr": LR})
+    first = sft.DistributedDataParallel(model(rank + 1), zero_stage=1, optimizer=adamw)
+    train(first, rank, world, range(5))
+    path = os.path.join(workdir, "sharded")
+    state = first.state_dict(to=None) if how == "state_dict" else first.save_sharded_checkpoint(path)
+    m = model(rank + 7)
+    second = sft.DistributedDataParallel(m, zero_stage=2, optimizer=adamw)
+    if how == "state_dict":
+        second.load_state_dict(state)
+    else:
+        second.load_checkpoint(path)
+    if second.optimizer_steps != 5:
+        raise AssertionError("resumed at optimizer step %d, not 5" % second.optimizer_steps)
+    train(second, rank, world, range(5, STEPS))
+    second.wait_all_params()
     return m
 
 
@@ -69,35 +142,74 @@ def worst(got, want):
 
 def main():
     rank, world = sft.init(timeout=60)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=world)
     adamw = ("adamw", {"lr": LR})
-    cases = [("ZeRO-0, shardflow's AdamW", {}, dict(zero_stage=0, optimizer=adamw)),
-             ("ZeRO-1 interleaved", {}, dict(zero_stage=1, overlap="interleaved", optimizer=adamw)),
-             ("ZeRO-1 none", {}, dict(zero_stage=1, overlap="none", optimizer=adamw)),
-             ("ZeRO-2 interleaved", {}, dict(zero_stage=2, overlap="interleaved", optimizer=adamw)),
-             ("ZeRO-0, torch.optim.AdamW on the averaged .grad", {"own_optimizer": True}, dict(zero_stage=0)),
-             ("ZeRO-1, no_sync accumulation of two micro-batches", {"accumulate": True}, dict(zero_stage=1, optimizer=adamw)),
-             ("ZeRO-1, a frozen parameter", {"frozen": True}, dict(zero_stage=1, optimizer=adamw))]
+    cases = [("ZeRO-0 interleaved = DDP + AdamW", {}, {}, dict(zero_stage=0, optimizer=adamw)),
+             ("ZeRO-0, torch.optim.AdamW on .grad = DDP + AdamW", {"own_optimizer": True}, {}, dict(zero_stage=0))]
+    for stage in (1, 2):
+        for overlap in ("none", "after_backward", "interleaved"):
+            cases.append(("ZeRO-%d %s = DDP + ZeroRedundancyOptimizer" % (stage, overlap), {}, {"zero": True},
+                          dict(zero_stage=stage, overlap=overlap, optimizer=adamw)))
+        cases.append(("ZeRO-%d forward prefetch = DDP + ZeroRedundancyOptimizer" % stage, {}, {"zero": True},
+                      dict(zero_stage=stage, forward_prefetch=True, optimizer=adamw)))
+    cases += [("ZeRO-1, no_sync of two micro-batches = DDP's no_sync", {"accumulate": True}, {"accumulate": True}, dict(zero_stage=1, optimizer=adamw)),
+              ("ZeRO-1, a frozen bias = DDP + ZeroRedundancyOptimizer", {"frozen": True}, {"zero": True, "frozen": True}, dict(zero_stage=1, optimizer=adamw)),
+              ("ZeRO-2, two param groups, lr halved at step 5", {"groups": True}, {"groups": True}, dict(zero_stage=2)),
+              ("ZeRO-1, uneven inputs under join() = DDP's join", {"uneven": True}, {"uneven": True}, dict(zero_stage=1, optimizer=adamw))]
     failed = 0
-    for name, how, kwargs in cases:
-        err = worst(trained(rank, world, **how, **kwargs), reference(frozen=how.get("frozen", False)))
+
+    def report(name, err):
+        nonlocal failed
         ok = err <= 1e-5
         failed += not ok
-        print("rank %d of %d: %-50s max relative error %.2e %s" % (rank, world, name, err, "ok" if ok else "FAIL"), flush=True)
-    frozen = trained(rank, world, frozen=True, zero_stage=1, optimizer=adamw)
-    if not torch.equal(frozen[0].bias, model(1)[0].bias):
-        failed += 1
-        print("rank %d: the frozen bias moved" % rank)
+        print("rank %d of %d: %-62s max relative error %.2e %s" % (rank, world, name, err, "ok" if ok else "FAIL"), flush=True)
+
+    for name, ours, theirs, kwargs in cases:
+        got = shardflow(rank, world, **ours, **kwargs)
+        report(name, worst(got, pytorch(rank, world, **theirs)))
+        if ours.get("frozen") and not torch.equal(got[0].bias, model(1)[0].bias):
+            failed += 1
+            print("rank %d: the frozen bias moved" % rank)
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = os.path.join(os.path.dirname(sys.argv[1]), "ckpt")  # one directory for every rank
+        want = pytorch(rank, world, zero=True)
+        report("state_dict() at step 5 into ZeRO-2, on to step 10", worst(resumed(rank, world, "state_dict", scratch), want))
+        report("sharded checkpoint at step 5 into ZeRO-2, on to step 10", worst(resumed(rank, world, "sharded", workdir), want))
+
     for bad, want in ((dict(overlap="sometimes"), "overlap 'sometimes'"), (dict(zero_stage=3, optimizer=adamw), "zero_stage must be 0, 1 or 2"),
                       (dict(zero_stage=1, optimizer=("lamb", {})), "optimizer 'lamb'"), (dict(zero_stage=1), "needs optimizer="),
-                      (dict(zero_stage=0, optimizer=("adamw", {"momentum": 0.9})), "not momentum")):
+                      (dict(zero_stage=0, optimizer=("adamw", {"momentum": 0.9})), "not momentum"),
+                      (dict(zero_stage=1, optimizer=("adamw", {"lr": "fast"})), "'lr' must be a number"),
+                      (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": [torch.zeros(2)]}])), "group 0 holds a tensor"),
+                      (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": ["nope.weight"]}])), "nope.weight"),
+                      (dict(zero_stage=1, forward_prefetch=True, optimizer=adamw, _join=True), "uneven_inputs=True")):
         try:
-            sft.DistributedDataParallel(model(0), **bad)
+            join = bad.pop("_join", False)
+            ddp = sft.DistributedDataParallel(model(0), **bad)
+            if join:
+                with ddp.join():
+                    pass
             failed += 1
             print("rank %d: %s was accepted" % (rank, bad))
         except ValueError as e:  # shardflow's UsageError is a ValueError
             if want not in str(e):
                 failed += 1
                 print("rank %d: %s: %r does not say %r" % (rank, bad, str(e), want))
+    # DDP's loop forgets nothing but the step: a forward after an unended synchronised backward
+    # is refused rather than silently folded into the next step.
+    ddp = sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=adamw)
+    x, y = batches(rank, world)[0]
+    F.mse_loss(ddp(x), y).backward()
+    try:
+        ddp(x)
+        failed += 1
+        print("rank %d: a forward after backward without step() was accepted" % rank)
+    except ValueError as e:
+        if "without model.step()" not in str(e):
+            failed += 1
+            print("rank %d: %r does not name model.step()" % (rank, str(e)))
+    ddp.step()
+    dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 
 

@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -150,21 +151,29 @@ class DataParallel {
         throw UsageError("shardflow::libtorch::DataParallel: with forward prefetch (Config::zero.forward_prefetch) forward read parameter '" +
                          unwaited + "' without wait_for() on its module first; its parameter sync may not have landed");
     }
+    landed_ = 0;
     rt_.finish_backward();
     rt_.wait();
     // The first iteration's end rebuilt the buckets: .grad() follows the averages there.
     if (!prefetch_) bind_all();
   }
 
+  // Gradients that landed since the last after_backward(): a backward pass left open (a Python
+  // loop runs loss.backward() several times inside no_sync() without ending each pass).
+  std::size_t grads_this_pass() const { return landed_.load(std::memory_order_acquire); }
+
   // Gradient accumulation (DDP's no_sync): backward passes inside the guard's life accumulate
   // locally and are reduced with the first backward after it.
   Runtime::NoSync no_sync() { return rt_.no_sync(); }
 
   // Config::zero.forward_prefetch: call right before `submodule`'s forward reads its parameters.
-  void wait_for(const torch::nn::Module& submodule) {
-    for (const auto& p : submodule.parameters(/*recurse=*/true)) {
+  void wait_for(const torch::nn::Module& submodule) { wait_for(submodule.parameters(/*recurse=*/true), submodule.name()); }
+  // The same for parameters given one by one (a Python module's own parameters, in its forward
+  // pre-hook); `owner` names them in the error for one that was never registered.
+  void wait_for(const std::vector<torch::Tensor>& params, const std::string& owner) {
+    for (const auto& p : params) {
       auto it = by_impl_.find(p.unsafeGetTensorImpl());
-      if (it == by_impl_.end()) throw UsageError("shardflow::libtorch::DataParallel::wait_for: a parameter of '" + submodule.name() + "' was not registered (another module's?)");
+      if (it == by_impl_.end()) throw UsageError("shardflow::libtorch::DataParallel::wait_for: a parameter of '" + owner + "' was not registered (another module's?)");
       rt_.wait_param(it->second.handle);
       entries_[it->second.index].waited = true;
     }
@@ -198,6 +207,7 @@ class DataParallel {
   };
 
   void grad_landed(std::size_t i) {
+    landed_.fetch_add(1, std::memory_order_acq_rel);
     auto& e = entries_[i];
     e.used = true;
     if (late_) {
@@ -287,6 +297,7 @@ class DataParallel {
   bool late_ = rt_.config().zero.stage == ZeroStage::gradients && rt_.config().buckets.gradient_as_bucket_view;
   bool prefetch_ = rt_.config().zero.forward_prefetch;
   std::vector<Entry> entries_;
+  std::atomic<std::size_t> landed_{0};  // autograd's hooks may run on its worker threads
   std::unordered_map<const void*, Index> by_impl_;
 };
 

@@ -15,6 +15,7 @@ Rank 0's parameters and buffers are every rank's once the model is wrapped. With
 optimizer of your own.
 """
 import contextlib
+import json
 
 import torch  # noqa: F401  (loads libtorch before the native half)
 
@@ -40,12 +41,54 @@ def init(timeout=300.0, backend="auto"):
 _timeout = 300.0
 
 
-def _optimizer(spec):
-    """("adamw", {"lr": 1e-3, ...}) or "adamw": torch's defaults for what is not given."""
+def _groups(spec, module):
+    """The optimizer as [(OptimizerConfig, [parameter names])]: ("adamw", {"lr": 1e-3, ...}), "adamw",
+    or ("adamw", {defaults}, [{"params": [...], "weight_decay": 0.0, ...}, ...]) as torch.optim's
+    param groups (tensors of the module, or their names); a parameter no group names joins group 0.
+    torch's defaults for what is not given."""
     if spec is None:
-        return None
-    kind, args = (spec, {}) if isinstance(spec, str) else spec
-    return _C.optimizer_config(kind, dict(args))
+        return []
+    if isinstance(spec, str):
+        spec = (spec, {})
+    if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3) or not isinstance(spec[1], dict):
+        raise UsageError("shardflow.torch.DistributedDataParallel: optimizer must be (kind, {hyper-parameters}[, [param groups]]), got %r" % (spec,))
+    kind, defaults = spec[0], spec[1]
+    if len(spec) == 2:
+        return [(_C.optimizer_config(kind, dict(defaults)), [])]
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = []
+    for i, group in enumerate(spec[2]):
+        group = dict(group)
+        if "params" not in group:
+            raise UsageError("shardflow.torch.DistributedDataParallel: optimizer param group %d has no 'params'" % i)
+        params = group.pop("params")
+        params = [params] if isinstance(params, (str, torch.Tensor)) else list(params)
+        chosen = []
+        for p in params:
+            if isinstance(p, str):
+                chosen.append(p)
+            elif id(p) in names:
+                chosen.append(names[id(p)])
+            else:
+                raise UsageError("shardflow.torch.DistributedDataParallel: optimizer param group %d holds a tensor of shape %s "
+                                 "that is none of the module's parameters" % (i, tuple(p.shape)))
+        hyper = dict(defaults)
+        hyper.update(group)
+        groups.append((_C.optimizer_config(kind, hyper), chosen))
+    return groups
+
+
+class ParamGroup(dict):
+    """One of model.param_groups: its hyper-parameters as torch.optim shows them; setting one
+    (a schedule's g["lr"] = ...) takes effect from the next step."""
+
+    def __init__(self, ddp, index):
+        super().__init__(ddp.hyperparameters(index))
+        self._ddp, self._index = ddp, index
+
+    def __setitem__(self, key, value):
+        self._ddp.set_hyperparameters(self._index, {key: value})
+        super().__setitem__(key, value)
 
 
 class DistributedDataParallel:
@@ -54,52 +97,173 @@ class DistributedDataParallel:
     zero_stage: 0 (every rank steps everything), 1 (each rank keeps its shard of the optimizer
     state), 2 (and of the reduced gradients). overlap: when the reductions, steps and parameter
     syncs run against backward ("none", "after_backward", "interleaved"; default interleaved with
-    an optimizer). bucket_cap_mb: the
-    gradient buckets' size. optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}) steps inside
-    shardflow; None (zero_stage 0 only) leaves the averaged gradients in .grad."""
+    an optimizer). forward_prefetch: step() returns before the parameter syncs land, and each
+    submodule's forward waits for its own parameters (stages 1-2). uneven_inputs: ranks may run
+    out of data at different steps (train inside `with model.join():`). bucket_cap_mb: the
+    gradient buckets' size. optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param
+    groups]) steps inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in
+    .grad for a torch.optim optimizer. trace: a Chrome trace of each rank's timeline ("{rank}" in
+    the path, else one file per rank beside it)."""
 
-    def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=25.0, optimizer=None):
+    def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=25.0, optimizer=None,
+                 uneven_inputs=False, trace=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
         if overlap is None:  # interleaved where shardflow steps; nothing to overlap where it does not
             overlap = "interleaved" if optimizer is not None else ""
         elif overlap not in _OVERLAPS:
             raise UsageError("shardflow.torch.DistributedDataParallel: overlap %r is not one of %s" % (overlap, ", ".join(_OVERLAPS)))
-        if forward_prefetch:
-            raise UsageError("shardflow.torch.DistributedDataParallel: forward_prefetch is not in the Python module yet "
-                             "(the C++ adapter has it: shardflow/libtorch.hpp)")
         if zero_stage != 0 and optimizer is None:
             raise UsageError("shardflow.torch.DistributedDataParallel: zero_stage %d shards the optimizer, so it needs "
                              "optimizer=(kind, {...}) to step inside shardflow" % zero_stage)
         self.module = module
+        self._prefetch = bool(forward_prefetch)
+        self._accumulating = False
+        self._uneven = bool(uneven_inputs)
         self._ddp = _C.DataParallel(list(module.named_parameters()), list(module.named_buffers()), int(zero_stage), overlap,
-                                    float(bucket_cap_mb), _timeout, _optimizer(optimizer))
+                                    self._prefetch, self._uneven, float(bucket_cap_mb), _timeout, trace or "", _groups(optimizer, module))
         self._ddp.zero_grad()
+        self._has_optimizer = optimizer is not None
+        self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(optimizer[2]) if isinstance(optimizer, (tuple, list)) and len(optimizer) == 3 else 1)] \
+            if optimizer is not None else []
+        self._hooks = []
+        if self._prefetch:
+            # Each submodule that owns parameters waits for their syncs right before its forward
+            # reads them, so the syncs of later blocks still land while earlier ones compute.
+            for name, sub in module.named_modules():
+                own = list(sub.parameters(recurse=False))
+                if own:
+                    self._hooks.append(sub.register_forward_pre_hook(self._waiter(own, name or type(module).__name__)))
+
+    def _waiter(self, params, name):
+        ddp = self._ddp
+
+        def wait(_module, _inputs):
+            ddp.wait_for(params, name)
+        return wait
+
+    def _end_open_pass(self):
+        """A backward pass without its step(): inside no_sync() (DDP's loop: loss.backward() per
+        micro-batch, one step at the end) it is ended here as an accumulation pass."""
+        if self._ddp.grads_this_pass():
+            if not self._accumulating:
+                raise UsageError("shardflow.torch.DistributedDataParallel: forward after loss.backward() without model.step(); "
+                                 "call step() after each backward (or accumulate inside model.no_sync())")
+            self._ddp.after_backward()
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self._end_open_pass()
+        out = self.module(*args, **kwargs)
+        self._ddp.before_backward()  # with forward prefetch: every .grad() now views its bucket
+        return out
 
-    def zero_grad(self):
-        """Zeroes the gradient buckets; each parameter's .grad views its slot in one."""
+    def zero_grad(self, set_to_none=False):
+        """Zeroes the gradient buckets; each parameter's .grad views its slot in one (set_to_none is
+        accepted for torch's signature; the views stay, as DDP's gradient_as_bucket_view)."""
         self._ddp.zero_grad()
 
     def step(self):
         """After loss.backward(): returns once the gradients are averaged over the ranks and, with
-        the optimizer, the parameters stepped and synced. The GIL is released while it waits."""
+        the optimizer, the parameters stepped (and synced, unless forward_prefetch leaves the syncs
+        to land during the next forward). The GIL is released while it waits."""
         self._ddp.after_backward()
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate locally; the first step() after it reduces them all."""
+        """Backward passes inside accumulate locally, step() or not after each; the first step()
+        after the block reduces them all (as DDP's no_sync)."""
         self._ddp.set_require_sync(False)
+        self._accumulating = True
         try:
             yield
+            self._end_open_pass()  # the block's last backward, still unreduced
         finally:
+            self._accumulating = False
             self._ddp.set_require_sync(True)
+
+    @contextlib.contextmanager
+    def join(self):
+        """For ranks with uneven numbers of batches (DDP's join(); needs uneven_inputs=True): train
+        inside the block; a rank whose data ran out takes part in the others' remaining steps with
+        no gradient of its own (the averages count the ranks that contributed) until every rank has
+        left its block."""
+        if not self._uneven:
+            raise UsageError("shardflow.torch.DistributedDataParallel.join: construct the model with uneven_inputs=True "
+                             "(every step then counts the ranks still training)")
+        yield
+        self._ddp.join()
 
     def wait_all_params(self):
         """Returns once every parameter holds its last update (before reading them all)."""
         self._ddp.wait_all_params()
+
+    # ---- state: the module's and the optimizer's, in parameter coordinates ---------------------
+    def state_dict(self, to=0):
+        """The whole training state, gathered on rank `to` (every rank with to=None; a collective:
+        every rank calls it): the parameters and buffers under the module's names, the optimizer
+        state as "optim.<name>.exp_avg" / "exp_avg_sq" / "momentum_buffer", and "_metadata" (step
+        count, stage, the hyper-parameters it ran with). Other ranks get {}. torch.save() it; load_state_dict()
+        takes it at any world size and stage. For the weights alone: model.module.state_dict()."""
+        self.wait_all_params()
+        tensors, meta = self._ddp.state_dict(-1 if to is None else int(to))
+        if not tensors:
+            return {}
+        for name, b in self.module.named_buffers():
+            tensors[name] = b.detach().clone()
+        tensors["_metadata"] = meta
+        return tensors
+
+    def load_state_dict(self, state):
+        """state_dict()'s dict (or a module's own state_dict(): parameters and buffers alone) into
+        every rank; every rank calls it with the whole dict, between steps. The step count and the
+        optimizer's moments come from the dict; the hyper-parameters stay the model's own (set
+        them, as a schedule does each step)."""
+        state = dict(state)
+        meta = state.pop("_metadata", {})
+        buffers = dict(self.module.named_buffers())
+        with torch.no_grad():
+            for name in [n for n in state if n in buffers]:
+                buffers[name].copy_(state.pop(name))
+        self.wait_all_params()
+        self._ddp.load_state_dict(state, {str(k): str(v) for k, v in meta.items()})
+        self._refresh_groups()
+
+    def save_checkpoint(self, path, to=0, max_file_bytes=0):
+        """The state_dict() as one safetensors file (split past max_file_bytes, with an index),
+        written by rank `to`; a collective. The C++ trainers and `shardflow` read the same files."""
+        self._ddp.save_checkpoint(str(path), int(to), int(max_file_bytes))
+
+    def save_sharded_checkpoint(self, directory, background=False):
+        """Each rank writes its own shard to `directory` (no rank gathers anything), rank 0 the
+        index last; with background=True training goes on while the files are written, and
+        wait_checkpoint() (every rank) puts them on disk. A collective."""
+        self._ddp.save_sharded_checkpoint(str(directory), bool(background))
+
+    def wait_checkpoint(self):
+        self._ddp.wait_checkpoint()
+
+    def load_checkpoint(self, path):
+        """A file, split files' index, or a sharded checkpoint's directory, from any world size and
+        stage; every rank calls it, between steps."""
+        self.wait_all_params()
+        self._ddp.load_checkpoint(str(path))
+        self._refresh_groups()
+
+    def _refresh_groups(self):
+        for g in self.param_groups:
+            dict.update(g, self._ddp.hyperparameters(g._index))
+
+    # ---- what a run looks like ------------------------------------------------------------------
+    def stats(self):
+        """Each recent step's figures and their medians (iteration, exposed communication, bytes)."""
+        return json.loads(self._ddp.stats_json())
+
+    def memory_report(self):
+        return self._ddp.memory_report()
+
+    @property
+    def optimizer_steps(self):
+        return self._ddp.optimizer_steps()
 
     @property
     def rank(self):
