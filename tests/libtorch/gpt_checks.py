@@ -11,7 +11,8 @@
       ... and where PyTorch DDP + AdamW (bench/torch_gpt.py: the same module, windows, schedule and
       AdamW groups; Debian's python3-torch, two processes over Gloo) ends from gpt_train's initial
       weights after 20 steps, within 1e-5 (the same libtorch kernels run the model in both; AdamW
-      is torch's in one and shardflow's in the other; measured 2e-7).
+      is torch's in one and shardflow's in the other; measured 2e-7); and where examples/python/gpt.py
+      (shardflow.torch) ends under `shardflow run` and under torchrun (measured: bit for bit).
 """
 import os
 import re
@@ -68,6 +69,31 @@ def close_loss(got, want, what, rel=1e-3):
     return ok
 
 
+def python_example(launcher, data, p, env):
+    """examples/python/gpt.py (shardflow.torch) from the same weights: under `shardflow run` with
+    ZeRO-2 and forward prefetch, and under torchrun (tools/torchrun_py311.py: Debian 12's own
+    torchrun fails on Python 3.11) with ZeRO-1, it ends where gpt_train ends."""
+    if subprocess.run(["/usr/bin/python3", "-c", "import shardflow.torch"], env=env, capture_output=True).returncode != 0:
+        print("skipped: examples/python/gpt.py (no shardflow.torch module in this build)")
+        return True
+    example = os.path.join(HERE, "..", "..", "examples", "python", "gpt.py")
+    args = ["--data", data, "--init", p("init.safetensors"), "--seed", "7", "--threads", "1"] + MODEL + ["--steps", str(STEPS)]
+    ok = True
+    for how, cmd in [("shardflow run, ZeRO-2 + prefetch", [launcher, "run", "--nproc_per_node", "2", "--", "/usr/bin/python3", example,
+                                                           "--zero-stage", "2", "--forward-prefetch", "--save", p("py_run.safetensors")]),
+                     ("torchrun, ZeRO-1", ["/usr/bin/python3", os.path.join(HERE, "..", "..", "tools", "torchrun_py311.py"), "--standalone",
+                                          "--nproc_per_node", "2", example, "--zero-stage", "1", "--save", p("py_torchrun.safetensors")])]:
+        res = subprocess.run(cmd + args, capture_output=True, text=True, timeout=280, env=env)
+        print(res.stdout[-500:], res.stderr[-1500:], sep="")
+        if res.returncode != 0:
+            print(f"FAIL: {' '.join(cmd + args)} exited {res.returncode}")
+            ok = False
+            continue
+        out = cmd[cmd.index("--save") + 1]
+        ok &= compare(out, p("w2.safetensors"), f"examples/python/gpt.py under {how} vs gpt_train at world 2", 1e-5)
+    return ok
+
+
 def main():
     mode, exe, launcher, data, work = sys.argv[1:6]
     if not os.path.exists(data):
@@ -108,6 +134,7 @@ def main():
             sys.exit(f"FAIL: {' '.join(cmd)} exited {res.returncode}")
         launched(exe, launcher, 2, data, p("w2.safetensors"), ["--init", p("init.safetensors"), "--seed", "7", "--zero-stage", "1"])
         ok &= compare(p("w2.safetensors"), p("python_ddp.safetensors"), "world 2 shardflow ZeRO-1 vs PyTorch DDP + AdamW", 1e-5)
+        ok &= python_example(launcher, data, p, env)
     else:
         sys.exit(f"unknown mode {mode}")
     sys.exit(0 if ok else 1)

@@ -22,6 +22,9 @@ import numpy as np
 
 import param_compare
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python"))
+from models import make_digits_net as make_net  # noqa: E402
+
 STEPS, BATCH, LR = 20, 64, 1e-3
 TOL = 1e-5
 
@@ -66,27 +69,6 @@ def run_example(exe, launcher, world, data, out, extra, steps=STEPS):
     print(res.stdout[-600:], res.stderr[-600:], sep="")
     if res.returncode != 0:
         sys.exit(f"FAIL: {' '.join(cmd)} exited {res.returncode}")
-
-
-def make_net():
-    """examples/torch_digits.cpp's NetImpl in Python, attribute for attribute (bench/ uses it too)."""
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-            self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-            self.fc1 = nn.Linear(32 * 4 * 4, 64)
-            self.fc2 = nn.Linear(64, 10)
-
-        def forward(self, x):
-            x = F.relu(self.conv1(x))
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2).flatten(1)
-            return self.fc2(F.relu(self.fc1(x)))
-
-    return Net()
 
 
 def python_ddp_rank(rank, world, port, init_path, data_path, out_path):
@@ -165,6 +147,18 @@ def main():
         mp.spawn(python_ddp_rank, args=(2, port, p("init.safetensors"), data, p("python_ddp.safetensors")), nprocs=2, join=True)
         run_example(exe, launcher, 2, data, p("w2.safetensors"), ["--init", p("init.safetensors"), "--zero-stage", "1"])
         ok &= compare(p("w2.safetensors"), p("python_ddp.safetensors"), "world 2 shardflow ZeRO-1 vs Python DDP + AdamW")
+        # examples/python/digits.py: the same job through shardflow.torch, where the build has it.
+        if subprocess.run(["/usr/bin/python3", "-c", "import shardflow.torch"], capture_output=True).returncode == 0:
+            example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python", "digits.py")
+            for tag, extra in [("zero1", []), ("zero2_prefetch", ["--zero-stage", "2", "--forward-prefetch"])]:
+                out = p(f"py_{tag}.safetensors")
+                cmd = [launcher, "run", "--nproc_per_node", "2", "--", "/usr/bin/python3", example, "--data", data, "--init", p("init.safetensors"),
+                       "--steps", str(STEPS), "--global-batch", str(BATCH), "--lr", str(LR), "--save", out] + extra
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                print(res.stdout[-400:], res.stderr[-1500:], sep="")
+                ok &= res.returncode == 0 and compare(out, p("python_ddp.safetensors"), f"examples/python/digits.py ({tag}) vs Python DDP + AdamW")
+        else:
+            print("skipped: examples/python/digits.py (no shardflow.torch module in this build)")
     else:
         sys.exit(f"unknown mode {mode}")
     sys.exit(0 if ok else 1)
