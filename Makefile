@@ -79,7 +79,8 @@ bench: build
 	$(BUILD)/bench/bench_overlap
 	$(BUILD)/bench/bench_overhead
 
-# The library, its headers, the launcher, a CMake package and a pkg-config file (cmake/Install.cmake).
+# The library, its headers, the launcher, a CMake package and a pkg-config file (cmake/Install.cmake),
+# and shardflow.torch into $(PREFIX)/lib/python3.X/dist-packages, where Debian's python3 finds it.
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 

@@ -42,3 +42,26 @@ if command -v pkg-config > /dev/null; then
 else
   echo "run.sh: no pkg-config here: the .pc file was installed but not tried"
 fi
+
+# shardflow.torch, where the build has it: installed at the prefix's lib/python3.X/dist-packages,
+# a directory Debian's python3 searches when the prefix is /usr/local (make install's default), it
+# imports from the installed tree alone (its _C finds the installed library through its RPATH) and
+# trains a step at world 2 under the installed launcher.
+pydir=$(sed -n 's/^SHARDFLOW_PYTHON_INSTALL_DIR:STRING=//p' "$build/CMakeCache.txt")
+if [ -n "$pydir" ] && [ -d "$build/python/shardflow" ]; then
+  test -f "$work/prefix/$pydir/shardflow/torch.py"
+  /usr/bin/python3 -c "import sys; assert '/usr/local/$pydir' in sys.path, ('/usr/local/$pydir', sys.path)"
+  if /usr/bin/python3 -c 'import torch' 2> /dev/null; then
+    cat > "$work/step.py" <<'PY'
+import torch
+import shardflow.torch as sft
+assert sft.__file__.startswith(__import__("os").environ["PREFIX_PY"]), sft.__file__
+rank, world = sft.init(timeout=60)
+model = sft.DistributedDataParallel(torch.nn.Linear(4, 2), zero_stage=1, optimizer="adamw")
+model(torch.randn(8, 4)).square().mean().backward()
+model.step()
+assert world == 2 and model.optimizer_steps == 1
+PY
+    PREFIX_PY="$work/prefix/$pydir" PYTHONPATH="$work/prefix/$pydir" quiet python.log "$work/prefix/bin/shardflow" run --nproc-per-node 2 -- /usr/bin/python3 "$work/step.py"
+  fi
+fi
