@@ -59,6 +59,7 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=25)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: OMP_NUM_THREADS, else the cores / the ranks here)")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--backend", default="auto", help="under a launcher: auto | shm | gloo | hierarchical (as gpt_train's --backend)")
     p.add_argument("--trace", help="Chrome trace of each rank's forward, backward, reductions and steps")
     p.add_argument("--save", help="rank 0's final parameters (safetensors, gpt_train's names)")
     p.add_argument("--save-checkpoint", help="a sharded checkpoint (every rank writes its shard) into this directory at the end")
@@ -67,7 +68,7 @@ def main():
     p.add_argument("--log-every", type=int, default=0)
     a = p.parse_args()
 
-    rank, world = sft.init(timeout=a.timeout)
+    rank, world = sft.init(timeout=a.timeout, backend=a.backend)
     if a.batch % world:
         sys.exit("gpt.py: --batch %d is not a multiple of the world size %d" % (a.batch, world))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -118,9 +119,10 @@ def main():
     if a.save_checkpoint:
         ddp.save_sharded_checkpoint(a.save_checkpoint)
     if rank == 0:
-        steady = sorted(times[5:] if len(times) > 10 else times)
-        median = steady[len(steady) // 2] if steady else 0.0
+        median = sorted(times)[len(times) // 2] if times else 0.0  # over every step, as gpt_train's
         print("median step %.1f ms; held-out loss %.4f" % (median, heldout_loss(model, val, a.context, 64)), flush=True)
+        figures = ddp.stats()["median"]
+        print("runtime (rank 0, median): " + ", ".join("%s %.1f" % (k, v) for k, v in figures.items() if k.endswith("_ms")), flush=True)
         if a.save:
             write_safetensors(a.save, {n: p_.detach().numpy() for n, p_ in model.named_parameters()})
         if a.timing:
