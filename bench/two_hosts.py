@@ -16,14 +16,16 @@
    B), medians; --png draws it.
 4. --gpt: the same for examples/gpt_train (the default 10.7 M-parameter GPT, 8 sequences of 64
    characters per rank) against bench/torch_gpt.py's PyTorch DDP and DDP + ZeroRedundancyOptimizer,
-   at 1 and/or 2 ranks per host; --trace-dir traces the best shardflow row and draws its median
-   iteration with tools/trace_plot.py.
+   at 1 and/or 2 ranks per host, and examples/python/gpt.py (shardflow.torch) in the rows named
+   "shardflow.torch (Python)"; --only picks rows by name; --trace-dir traces the best shardflow row
+   and draws its median iteration with tools/trace_plot.py.
 
 Root only. Usage: sudo python3 bench/two_hosts.py --build build [--reps 3] [--json out.json]
        sudo /usr/bin/python3 bench/two_hosts.py --build build --table [--rates 1gbit,10gbit,off]
             [--models 512x8,1024x8] [--reps 3] [--json bench/two_hosts_link.json] [--png bench/two_hosts_link.png]
        sudo /usr/bin/python3 bench/two_hosts.py --build build --gpt [--rates 1gbit,10gbit] [--ranks-per-host 1,2]
             [--reps 2] [--json bench/two_hosts_gpt.json] [--png bench/two_hosts_gpt.png] [--trace-dir bench/gpt_traces]
+            [--only "PyTorch,ZeRO-2 interleaved + prefetch,shardflow.torch"]
 """
 import argparse
 import json
@@ -273,6 +275,12 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
                                                             "--backend", "hierarchical"],
+    # The Python front end (issue 35): examples/python/gpt.py through shardflow.torch, the same flags.
+    "shardflow.torch (Python) ZeRO-0 (DDP)": ["--python", "--zero-stage", "0"],
+    "shardflow.torch (Python) ZeRO-2 interleaved + prefetch": ["--python", "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
+    "shardflow.torch (Python) ZeRO-0 (DDP), two levels": ["--python", "--zero-stage", "0", "--backend", "hierarchical"],
+    "shardflow.torch (Python) ZeRO-2 interleaved + prefetch, two levels": ["--python", "--zero-stage", "2", "--overlap", "interleaved",
+                                                                           "--forward-prefetch", "--backend", "hierarchical"],
 }
 
 
@@ -293,10 +301,19 @@ def median_step(outs):
     sys.exit("two_hosts: no 'median step' line in:\n" + "\n".join(outs))
 
 
-def gpt_shardflow_row(build, per_host, flags, trace=None):
+def gpt_python_cmd(build, world, flags, init):
+    """examples/python/gpt.py with gpt_cmd's batch and steps (its own weights need --init)."""
+    return ["env", "PYTHONPATH=" + os.path.join(build, "python"), "/usr/bin/python3", os.path.join(HERE, "..", "examples", "python", "gpt.py"),
+            "--batch", str(GPT_ROWS * world), "--steps", str(GPT_STEPS), "--log-every", str(GPT_STEPS), "--timeout", "600", "--init", init, *flags]
+
+
+def gpt_shardflow_row(build, per_host, flags, trace=None, init=None):
     backend = [] if "--backend" in flags else ["--backend", "gloo"]
-    prog = gpt_cmd(build, 2 * per_host, [*backend, *flags] + (["--trace", trace] if trace else []),
-                   steps=GPT_STEPS + (4 if trace else 0))
+    if "--python" in flags:
+        prog = gpt_python_cmd(build, 2 * per_host, [*backend, *(f for f in flags if f != "--python")], init)
+    else:
+        prog = gpt_cmd(build, 2 * per_host, [*backend, *flags] + (["--trace", trace] if trace else []),
+                       steps=GPT_STEPS + (4 if trace else 0))
     outs = run_both([launcher(build, h, n, 2, per_host, prog) for h, n in (("a", 0), ("b", 1))], "gpt_train " + " ".join(flags))
     return median_step(outs)
 
@@ -331,7 +348,7 @@ def gpt_table(args, build):
             sh("rate", NAME, rate)
             for per_host in [int(x) for x in args.ranks_per_host.split(",")]:
                 key = "GPT, 2 hosts x %d rank%s, link %s" % (per_host, "s" if per_host > 1 else "", "unshaped" if rate == "off" else rate)
-                rows = torch_rows + gpt_rows_for(per_host)
+                rows = [r for r in torch_rows + gpt_rows_for(per_host) if not args.only or any(o in r for o in args.only.split(","))]
                 runs = {r: [] for r in rows}
                 runs["compute alone (world 1)"] = []
                 links = []
@@ -343,7 +360,7 @@ def gpt_table(args, build):
                         if r.startswith("PyTorch"):
                             runs[r].append(gpt_torch_row(per_host, "Zero" in r, init, data, tmp))
                         else:
-                            runs[r].append(gpt_shardflow_row(build, per_host, GPT_ROWS_SHARDFLOW[r]))
+                            runs[r].append(gpt_shardflow_row(build, per_host, GPT_ROWS_SHARDFLOW[r], init=init))
                     print("  %s round %d done" % (key, rep + 1), flush=True)
                 med = {r: statistics.median(v) for r, v in runs.items()}
                 link = {op: statistics.median(l[op] for l in links) for op in links[0]}
@@ -358,7 +375,7 @@ def gpt_table(args, build):
                 if args.trace_dir:
                     os.makedirs(args.trace_dir, exist_ok=True)
                     # The best shardflow row once more with a trace, drawn at its median iteration.
-                    best = min(gpt_rows_for(per_host), key=lambda r: med[r])
+                    best = min((r for r in gpt_rows_for(per_host) if r in med and "--python" not in GPT_ROWS_SHARDFLOW[r]), key=lambda r: med[r])
                     stem = os.path.join(tmp, "trace.json")
                     gpt_shardflow_row(build, per_host, GPT_ROWS_SHARDFLOW[best], trace=stem)
                     tag = key.replace("GPT, ", "gpt_").replace(" x ", "x").replace(" ", "_").replace(",", "")
@@ -410,6 +427,7 @@ def main():
     ap.add_argument("--png")
     ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/torch_gpt.py (4.)")
     ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
+    ap.add_argument("--only", help="with --gpt: only the rows whose names contain one of these (comma-separated)")
     ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")
     args = ap.parse_args()
     if os.geteuid() != 0:

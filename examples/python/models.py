@@ -103,7 +103,19 @@ def make_gpt(vocab, context, layers, d_model, heads):
                 x = block(x)
             return F.linear(self.ln_f(x), self.wte.weight)  # tied head
 
-    return Gpt()
+    model = Gpt()
+    # GPT-2's initialisation, as examples/gpt/model.hpp's init_weights: N(0, 0.02) weights, zero
+    # biases, unit LayerNorm gains, the projections into the residual stream scaled by
+    # 1/sqrt(2 * layers). torch.manual_seed beforehand makes it reproducible.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" in name:
+                p.fill_(1.0 if name.endswith(".weight") else 0.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02 / math.sqrt(2.0 * layers) if name.endswith("c_proj.weight") else 0.02)
+    return model
 
 
 def make_digits_net():

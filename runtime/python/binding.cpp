@@ -109,14 +109,18 @@ using Group = std::pair<OptimizerConfig, std::vector<std::string>>;
 using Named = std::vector<std::pair<std::string, torch::Tensor>>;
 
 std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Named& buffers, int zero_stage, const std::string& overlap,
-                                                 bool forward_prefetch, bool uneven_inputs, double bucket_cap_mb, double timeout_s,
-                                                 const std::string& trace, const std::vector<Group>& groups) {
+                                                 bool forward_prefetch, bool uneven_inputs, bool find_unused_parameters, bool static_graph,
+                                                 bool broadcast_buffers, double bucket_cap_mb, double timeout_s, const std::string& trace,
+                                                 const std::vector<Group>& groups) {
   libtorch::Options o;
   if (zero_stage < 0 || zero_stage > 2) throw UsageError("shardflow.torch: zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
   o.config.zero.stage = ZeroStage(zero_stage);
   if (!overlap.empty()) o.config.zero.overlap = parse_overlap(overlap);  // empty: Config's default
   o.config.zero.forward_prefetch = forward_prefetch;
   o.config.join.uneven_inputs = uneven_inputs;
+  o.config.buckets.find_unused_parameters = find_unused_parameters;
+  o.config.buckets.static_graph = static_graph;
+  o.config.sync.buffers = broadcast_buffers;
   if (!(bucket_cap_mb > 0)) throw UsageError("shardflow.torch: bucket_cap_mb must be positive, got " + std::to_string(bucket_cap_mb));
   o.config.buckets.cap_bytes = std::size_t(bucket_cap_mb * 1048576.0);
   o.config.buckets.first_cap_bytes = std::min(o.config.buckets.first_cap_bytes, o.config.buckets.cap_bytes);
@@ -124,7 +128,8 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   o.config.trace.path = trace;
   o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
                             {"join.uneven_inputs", "uneven_inputs"}, {"buckets.cap_bytes", "bucket_cap_mb"}, {"timeouts.collective", "init(timeout=)"},
-                            {"trace.path", "trace"}};
+                            {"trace.path", "trace"}, {"buckets.find_unused_parameters", "find_unused_parameters"},
+                            {"buckets.static_graph", "static_graph"}, {"sync.buffers", "broadcast_buffers"}};
   auto c = comm();
   std::unique_ptr<libtorch::DataParallel> d;
   {

@@ -6,10 +6,12 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
 - ZeRO 0, 1, 2 in each overlap mode, forward prefetch at 1 and 2, torch.optim at stage 0;
 - no_sync accumulation, a frozen parameter (it never moves), two param groups with a schedule;
 - uneven inputs under join() (rank r has r batches fewer; PyTorch's DDP join averaging over the
-  ranks still training);
+  ranks still training); find_unused_parameters with heads the ranks take in turn and one no rank
+  uses (it never moves);
 - the training state: state_dict() after 5 steps loaded into a fresh model at another stage, and a
   sharded checkpoint, both going on to step 10 as if never stopped;
-- bad arguments are refused naming the argument, and a forward after backward without step().
+- bad arguments are refused naming the argument, and a forward after backward without step(); an
+  error in backward's hooks is a RuntimeError from loss.backward().
 Exit 77 (skipped) without python3-torch."""
 import os
 import sys
@@ -29,6 +31,27 @@ F = torch.nn.functional
 def model(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+
+
+class Branchy(torch.nn.Module):
+    """A trunk and two heads, each step one head a rank (which ranks use which head changes), and
+    a head no rank ever uses: what find_unused_parameters is for."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a, self.b, self.never = torch.nn.Linear(6, 12), torch.nn.Linear(12, 3), torch.nn.Linear(12, 3), torch.nn.Linear(12, 3)
+        self.which = 0
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return (self.a if self.which == 0 else self.b)(h)
+
+
+def model_for(seed, branchy):
+    if not branchy:
+        return model(seed)
+    torch.manual_seed(seed)
+    return Branchy()
 
 
 def batches(rank, world, uneven=False):
@@ -57,12 +80,12 @@ def loss_of(m, x, y, accumulate, no_sync):
     (F.mse_loss(m(x[half:]), y[half:]) * (len(x) - half) / len(x)).backward()
 
 
-def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=False, uneven=False):
+def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=False, uneven=False, branchy=False):
     """What PyTorch's own DDP computes: rank 0's weights, DDP + AdamW (or ZeroRedundancyOptimizer)."""
-    m = model(1)
+    m = model_for(1, branchy)
     if frozen:
         m[0].bias.requires_grad_(False)
-    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    ddp = torch.nn.parallel.DistributedDataParallel(m, find_unused_parameters=branchy)
     trainable = [p for p in m.parameters() if p.requires_grad]
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -77,7 +100,8 @@ def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=Fals
             if groups:
                 for g in opt.param_groups:
                     g["lr"] = schedule(step)
-            opt.zero_grad()
+            m.which = (step + rank) % 2
+            opt.zero_grad(set_to_none=True)  # a head no rank used keeps grad None: AdamW skips it
             loss_of(ddp, x, y, accumulate, ddp.no_sync)
             opt.step()
     return m
@@ -90,6 +114,7 @@ def train(ddp, rank, world, steps, accumulate=False, groups=False, uneven=False,
         if groups:
             for g in ddp.param_groups:
                 g["lr"] = schedule(step)
+        ddp.module.which = (step + rank) % 2
         ddp.zero_grad()
         loss_of(ddp, x, y, accumulate, ddp.no_sync)
         ddp.step()
@@ -97,14 +122,14 @@ def train(ddp, rank, world, steps, accumulate=False, groups=False, uneven=False,
             opt.step()
 
 
-def shardflow(rank, world, accumulate=False, frozen=False, groups=False, uneven=False, own_optimizer=False, **kwargs):
-    m = model(rank + 1)  # apart from rank 0's: the wrapper must make them one
+def shardflow(rank, world, accumulate=False, frozen=False, groups=False, uneven=False, own_optimizer=False, branchy=False, **kwargs):
+    m = model_for(rank + 1, branchy)  # apart from rank 0's: the wrapper must make them one
     if frozen:
         m[0].bias.requires_grad_(False)
     if groups:
         kwargs["optimizer"] = ("adamw", {"lr": LR}, [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                                                      {"params": [n for n, p in m.named_parameters() if p.dim() < 2], "weight_decay": 0.0}])
-    ddp = sft.DistributedDataParallel(m, uneven_inputs=uneven, **kwargs)
+    ddp = sft.DistributedDataParallel(m, uneven_inputs=uneven, find_unused_parameters=branchy, **kwargs)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR) if own_optimizer else None
     if uneven:
         with ddp.join():
@@ -155,7 +180,9 @@ def main():
     cases += [("ZeRO-1, no_sync of two micro-batches = DDP's no_sync", {"accumulate": True}, {"accumulate": True}, dict(zero_stage=1, optimizer=adamw)),
               ("ZeRO-1, a frozen bias = DDP + ZeroRedundancyOptimizer", {"frozen": True}, {"zero": True, "frozen": True}, dict(zero_stage=1, optimizer=adamw)),
               ("ZeRO-2, two param groups, lr halved at step 5", {"groups": True}, {"groups": True}, dict(zero_stage=2)),
-              ("ZeRO-1, uneven inputs under join() = DDP's join", {"uneven": True}, {"uneven": True}, dict(zero_stage=1, optimizer=adamw))]
+              ("ZeRO-1, uneven inputs under join() = DDP's join", {"uneven": True}, {"uneven": True}, dict(zero_stage=1, optimizer=adamw)),
+              ("ZeRO-1, find_unused_parameters = DDP's", {"branchy": True}, {"branchy": True, "zero": True}, dict(zero_stage=1, optimizer=adamw)),
+              ("ZeRO-0, find_unused_parameters = DDP's", {"branchy": True}, {"branchy": True}, dict(zero_stage=0, optimizer=adamw))]
     failed = 0
 
     def report(name, err):
@@ -170,6 +197,9 @@ def main():
         if ours.get("frozen") and not torch.equal(got[0].bias, model(1)[0].bias):
             failed += 1
             print("rank %d: the frozen bias moved" % rank)
+        if ours.get("branchy") and not torch.equal(got.never.weight, model_for(1, True).never.weight):
+            failed += 1
+            print("rank %d: the head no rank used moved" % rank)
     with tempfile.TemporaryDirectory() as scratch:
         workdir = os.path.join(os.path.dirname(sys.argv[1]), "ckpt")  # one directory for every rank
         want = pytorch(rank, world, zero=True)
@@ -208,6 +238,20 @@ def main():
         if "without model.step()" not in str(e):
             failed += 1
             print("rank %d: %r does not name model.step()" % (rank, str(e)))
+    ddp.step()
+    # An error inside backward's readiness hooks surfaces from loss.backward() as torch's
+    # RuntimeError with shardflow's message; the pass still ends with step().
+    ddp = sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=adamw)
+    loss = F.mse_loss(ddp(x), y)
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+        failed += 1
+        print("rank %d: a second backward through one graph was accepted" % rank)
+    except RuntimeError as e:
+        if "marked ready twice" not in str(e):
+            failed += 1
+            print("rank %d: %r does not say 'marked ready twice'" % (rank, str(e)))
     ddp.step()
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

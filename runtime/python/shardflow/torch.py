@@ -100,13 +100,15 @@ class DistributedDataParallel:
     an optimizer). forward_prefetch: step() returns before the parameter syncs land, and each
     submodule's forward waits for its own parameters (stages 1-2). uneven_inputs: ranks may run
     out of data at different steps (train inside `with model.join():`). bucket_cap_mb: the
-    gradient buckets' size. optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param
+    gradient buckets' size. find_unused_parameters, static_graph, broadcast_buffers: as DDP's
+    (parameters forward did not use reduced as zeros and not stepped; a graph that never changes,
+    re-entrant backward included; rank 0's buffers everywhere each step). optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param
     groups]) steps inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in
     .grad for a torch.optim optimizer. trace: a Chrome trace of each rank's timeline ("{rank}" in
     the path, else one file per rank beside it)."""
 
     def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=25.0, optimizer=None,
-                 uneven_inputs=False, trace=None):
+                 uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
         if overlap is None:  # interleaved where shardflow steps; nothing to overlap where it does not
@@ -120,12 +122,12 @@ class DistributedDataParallel:
         self._prefetch = bool(forward_prefetch)
         self._accumulating = False
         self._uneven = bool(uneven_inputs)
+        groups = _groups(optimizer, module)
         self._ddp = _C.DataParallel(list(module.named_parameters()), list(module.named_buffers()), int(zero_stage), overlap,
-                                    self._prefetch, self._uneven, float(bucket_cap_mb), _timeout, trace or "", _groups(optimizer, module))
+                                    self._prefetch, self._uneven, bool(find_unused_parameters), bool(static_graph), bool(broadcast_buffers),
+                                    float(bucket_cap_mb), _timeout, trace or "", groups)
         self._ddp.zero_grad()
-        self._has_optimizer = optimizer is not None
-        self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(optimizer[2]) if isinstance(optimizer, (tuple, list)) and len(optimizer) == 3 else 1)] \
-            if optimizer is not None else []
+        self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
         self._hooks = []
         if self._prefetch:
             # Each submodule that owns parameters waits for their syncs right before its forward
