@@ -4,8 +4,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -83,8 +83,8 @@ void apply_hyperparameters(OptimizerConfig& o, const std::string& kind, const py
 
 OptimizerConfig optimizer_config(const std::string& kind, const py::dict& args) {
   OptimizerConfig o;
-  if (kind == "sgd" || kind == "adam" || kind == "adamw") o.kind = OptimizerConfig::parse_kind(kind);
-  apply_hyperparameters(o, kind, args, "");
+  apply_hyperparameters(o, kind, args, "");  // refuses a kind other than sgd, adam, adamw first
+  o.kind = OptimizerConfig::parse_kind(kind);
   return o;
 }
 

@@ -130,6 +130,7 @@ def shardflow(rank, world, accumulate=False, frozen=False, groups=False, uneven=
         kwargs["optimizer"] = ("adamw", {"lr": LR}, [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                                                      {"params": [n for n, p in m.named_parameters() if p.dim() < 2], "weight_decay": 0.0}])
     ddp = sft.DistributedDataParallel(m, uneven_inputs=uneven, find_unused_parameters=branchy, **kwargs)
+    assert len(list(ddp.parameters())) == len(list(m.parameters())) and ddp.train() is m  # the module's, through the wrapper
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR) if own_optimizer else None
     if uneven:
         with ddp.join():

@@ -98,14 +98,15 @@ class DistributedDataParallel:
     state), 2 (and of the reduced gradients). overlap: when the reductions, steps and parameter
     syncs run against backward ("none", "after_backward", "interleaved"; default interleaved with
     an optimizer). forward_prefetch: step() returns before the parameter syncs land, and each
-    submodule's forward waits for its own parameters (stages 1-2). uneven_inputs: ranks may run
-    out of data at different steps (train inside `with model.join():`). bucket_cap_mb: the
-    gradient buckets' size. find_unused_parameters, static_graph, broadcast_buffers: as DDP's
-    (parameters forward did not use reduced as zeros and not stepped; a graph that never changes,
-    re-entrant backward included; rank 0's buffers everywhere each step). optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param
-    groups]) steps inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in
-    .grad for a torch.optim optimizer. trace: a Chrome trace of each rank's timeline ("{rank}" in
-    the path, else one file per rank beside it)."""
+    submodule's forward waits for its own parameters (stages 1-2). bucket_cap_mb: the gradient
+    buckets' size. optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]) steps
+    inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in .grad for a
+    torch.optim optimizer. uneven_inputs: ranks may run out of data at different steps (train
+    inside `with model.join():`). find_unused_parameters, static_graph, broadcast_buffers: as
+    DDP's (parameters forward did not use are reduced as zeros, and not stepped where no rank used
+    them; a graph that never changes, re-entrant backward included; rank 0's buffers everywhere
+    each step). trace: a Chrome trace of each rank's timeline ("{rank}" in the path, else one file
+    per rank beside it)."""
 
     def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=25.0, optimizer=None,
                  uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None):
@@ -136,6 +137,14 @@ class DistributedDataParallel:
                 own = list(sub.parameters(recurse=False))
                 if own:
                     self._hooks.append(sub.register_forward_pre_hook(self._waiter(own, name or type(module).__name__)))
+
+    def __getattr__(self, name):
+        """What the wrapper does not define is the module's (train(), eval(), parameters(), ...),
+        as on PyTorch's DDP, which is itself the module's nn.Module."""
+        module = self.__dict__.get("module")
+        if module is None:
+            raise AttributeError(name)
+        return getattr(module, name)
 
     def _waiter(self, params, name):
         ddp = self._ddp
@@ -204,8 +213,9 @@ class DistributedDataParallel:
         """The whole training state, gathered on rank `to` (every rank with to=None; a collective:
         every rank calls it): the parameters and buffers under the module's names, the optimizer
         state as "optim.<name>.exp_avg" / "exp_avg_sq" / "momentum_buffer", and "_metadata" (step
-        count, stage, the hyper-parameters it ran with). Other ranks get {}. torch.save() it; load_state_dict()
-        takes it at any world size and stage. For the weights alone: model.module.state_dict()."""
+        count, stage, the hyper-parameters it ran with). Other ranks get {}. torch.save() it;
+        load_state_dict() takes it at any world size and stage. The weights alone:
+        model.module.state_dict()."""
         self.wait_all_params()
         tensors, meta = self._ddp.state_dict(-1 if to is None else int(to))
         if not tensors:
@@ -220,13 +230,13 @@ class DistributedDataParallel:
         every rank; every rank calls it with the whole dict, between steps. The step count and the
         optimizer's moments come from the dict; the hyper-parameters stay the model's own (set
         them, as a schedule does each step)."""
+        self.wait_all_params()  # no parameter sync may still be landing on what is loaded
         state = dict(state)
         meta = state.pop("_metadata", {})
         buffers = dict(self.module.named_buffers())
         with torch.no_grad():
             for name in [n for n in state if n in buffers]:
                 buffers[name].copy_(state.pop(name))
-        self.wait_all_params()
         self._ddp.load_state_dict(state, {str(k): str(v) for k, v in meta.items()})
         self._refresh_groups()
 
