@@ -378,6 +378,12 @@ void Runtime::wait_param(Param p) {
   if (I.shard) I.shard->join_bucket(b);
 }
 
+bool Runtime::params_ready(const std::vector<Param>& ps) {
+  bool all = true;
+  for (const Param p : ps) all = (param_bucket_to_await(p) == ~0u) && all;  // every use noted, in order
+  return all;
+}
+
 std::uint32_t Runtime::param_bucket_to_await(Param p) {
   auto& I = *impl_;
   I.ensure_finalized();

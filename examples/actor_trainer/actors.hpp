@@ -5,6 +5,7 @@
 #include <caf/stateful_actor.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <vector>
@@ -32,12 +33,10 @@ struct LayerState {
   // that came before it did.
   bool landed = false;
   Activations waiting;
+  std::uint64_t generation = 0;  // prefetches asked for: an answer to an older one is stale
   static inline const char* name = "layer";
 };
 caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ctx, int index);
-// Forward prefetch: asks the rank actor for layer `index`'s update on behalf of `self`, and tells
-// that layer (params_landed) when it is in.
-void prefetch_layer(caf::event_based_actor* self, const RankContext* ctx, int index);
 
 // Scores the last layer's output against the batch's targets, the loss to the rank trainer and
 // dL/d(output) to the last layer.

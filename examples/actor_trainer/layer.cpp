@@ -8,13 +8,6 @@
 
 namespace shardflow::actor_trainer {
 
-void prefetch_layer(caf::event_based_actor* self, const RankContext* ctx, int index) {
-  const std::vector<Param> params{ctx->params[std::size_t(2 * index)], ctx->params[std::size_t(2 * index + 1)]};
-  self->request(ctx->runtime, caf::infinite, rank_api::params_ready_atom::value, params)
-      .then([=](rank_api::params_ready_atom, const std::vector<Param>&) { self->send(ctx->layers[std::size_t(index)], params_landed_atom::value); },
-            [=](caf::error& e) { self->send(ctx->trainer, failed_atom::value, e); });
-}
-
 caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ctx, int index) {
   auto& l = ctx->model->layers()[std::size_t(index)];
   const bool last = index + 2 == int(ctx->opt->sizes.size());
@@ -22,10 +15,9 @@ caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ct
   auto fail = [=](caf::error& e) { self->send(ctx->trainer, failed_atom::value, e); };
   auto forward = [=, &l](Activations in, int rows) {
     auto& st = self->state;
-    // Forward prefetch: the next layer's update is asked for now, its answer on the way while this
-    // layer computes (the runtime notes the next layer's first use a layer early).
-    st.landed = false;
-    if (ctx->prefetch && !last) prefetch_layer(self, ctx, index + 1);
+    // Forward prefetch: the next layer asks for its update now, and has the answer in hand (it is
+    // idle) while this layer computes; the runtime notes the next layer's first use a layer early.
+    if (ctx->prefetch && !last) self->send(ctx->layers[std::size_t(index) + 1], prefetch_atom::value);
     auto out = std::make_shared<std::vector<float>>(std::size_t(rows) * std::size_t(l.out));
     {
       auto span = ctx->rt->span("forward " + mlp::Model::param_name(index, false), "forward");
@@ -39,14 +31,28 @@ caf::behavior layer(caf::stateful_actor<LayerState>* self, const RankContext* ct
   return {
       [=](forward_atom, Activations& in, int rows) {
         auto& st = self->state;
-        if (!ctx->prefetch || st.landed) return forward(std::move(in), rows);
+        // The update may have landed while the rank actor's answer is still on its way: checked
+        // here without a message, as the blocking wait_param does.
+        if (!ctx->prefetch || st.landed || (st.landed = ctx->rt->params_ready({weight, bias}))) return forward(std::move(in), rows);
         st.waiting = std::move(in);  // the parameters' update is still on its way
         st.rows = rows;
       },
-      [=](params_landed_atom) {
+      [=](prefetch_atom) {
+        // This step's update of the layer's parameters, asked for by the layer itself so that the
+        // answer never queues behind a busy actor's compute; no message at all when it is in.
         auto& st = self->state;
-        st.landed = true;
-        if (st.waiting) forward(std::exchange(st.waiting, nullptr), st.rows);
+        const auto generation = ++st.generation;
+        st.landed = ctx->rt->params_ready({weight, bias});
+        if (st.landed) return;
+        self->request(ctx->runtime, caf::infinite, rank_api::params_ready_atom::value, std::vector<Param>{weight, bias})
+            .then(
+                [=](rank_api::params_ready_atom, const std::vector<Param>&) {
+                  auto& st = self->state;
+                  if (st.generation != generation) return;  // an earlier step's answer, already used
+                  st.landed = true;
+                  if (st.waiting) forward(std::exchange(st.waiting, nullptr), st.rows);
+                },
+                fail);
       },
       [=, &l](backward_atom, Gradient& dy) {
         // Both slots in one request (stage 2 may hold it until a bucket buffer is free).

@@ -5,9 +5,10 @@
 //     rank trainer --zero_grad--> rank actor
 //     rank trainer --batch(step)--> data loader --Batch--> rank trainer
 //     rank trainer --targets(Batch)--> loss;  --forward(x)--> layer 0 --forward(h)--> ... --> loss
-//       (forward prefetch: layer i+1's update is asked for when layer i starts, layer 0's when the
-//        step starts; the answer comes to the layer as params_landed, and it computes once it has
-//        both that and its input: the round trip to the rank actor hides behind compute)
+//       (forward prefetch: layer i --prefetch--> layer i+1 when layer i starts, the rank trainer
+//        --prefetch--> layer 0 when the step starts; the layer asks the rank actor for its update
+//        (params_ready) and computes once it has both the answer and its input: the round trip
+//        hides behind the layer before's compute, and the answer never waits on a busy actor)
 //     loss --loss(value)--> rank trainer;  loss --backward(dy)--> last layer
 //     layer i --grad(W), grad(b)--> rank actor (slots) ... --grad_ready(W), grad_ready(b)--> rank actor
 //     layer i --backward(dx)--> layer i-1 ... layer 0 --backward_done--> rank trainer
@@ -39,7 +40,7 @@ using backward_atom = caf::atom_constant<caf::atom("backward")>;
 using backward_done_atom = caf::atom_constant<caf::atom("bwd_done")>;
 using loss_atom = caf::atom_constant<caf::atom("loss")>;
 using failed_atom = caf::atom_constant<caf::atom("failed")>;
-using params_landed_atom = caf::atom_constant<caf::atom("landed")>;  // forward prefetch: a layer's update is in
+using prefetch_atom = caf::atom_constant<caf::atom("prefetch")>;  // forward prefetch: ask for your update now
 
 }  // namespace shardflow::actor_trainer
 

@@ -109,7 +109,7 @@ void start_step(Self self, RankContext* ctx) {
   st.t0 = std::chrono::steady_clock::now();
   st.have_loss = st.have_backward = false;
   self->send(ctx->runtime, rank_api::zero_grad_atom::value);
-  if (ctx->prefetch) prefetch_layer(self, ctx, 0);  // the first layer's update, asked for before its input is ready
+  if (ctx->prefetch) self->send(ctx->layers.front(), prefetch_atom::value);  // the first layer's update, asked for before its input is ready
   self->request(ctx->loader, caf::infinite, batch_atom::value, st.step)
       .then(
           [=](BatchPtr batch) {

@@ -8,7 +8,8 @@
 //                 rank_api::RankCall{[](Runtime& r) { r.finalize(); }})          // setup, off the scheduler
 //   per step:
 //     send(rank, zero_grad_atom)
-//     forward: request(rank, params_ready_atom, p) before p is read (forward prefetch)
+//     forward: request(rank, params_ready_atom, p) before p is read (forward prefetch); or first
+//              rt.params_ready({p}), which answers the usual case (landed) with no message
 //     backward: request(rank, grad_atom, p) -> GradSlot (where p's gradient goes; answered once the
 //               bucket may be written: stage 2's backpressure never blocks a scheduler thread),
 //               write it, send(rank, grad_ready_atom, p)

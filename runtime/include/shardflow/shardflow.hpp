@@ -232,6 +232,11 @@ class Runtime {
   // in forward before p is used, for every parameter (wait() then returns without waiting for the
   // updates, so they overlap the next forward). Without prefetch it returns at once.
   void wait_param(Param p);
+  // wait_param's check without the wait, for a trainer that must not block (an actor): true when
+  // every one of `ps` holds its update, noting forward's use of each as wait_param does. Where it
+  // says false, ask the rank actor (rank_api::params_ready) to be told when they land. Most
+  // parameters are ready when forward reaches them, and this answers those with no message.
+  bool params_ready(const std::vector<Param>& ps);
   // Every parameter's update landed. Needed before saving, at the end of training, and before a
   // collective of the trainer's own issued on the communicator directly (it would race the
   // runtime's syncs; Runtime::collective does not).
