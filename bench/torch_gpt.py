@@ -25,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "tools"), os.path.join(HERE, "..", "examples", "python")]
-from models import batch, lr_at, make_gpt  # noqa: E402
+from models import batch, load_weights, lr_at, make_gpt  # noqa: E402
 from safetensors_np import load as read_safetensors, save as write_safetensors  # noqa: E402
 
 
@@ -39,10 +39,7 @@ def run_rank(rank, world, init_method, a):
     corpus = read_safetensors(a.data)
     train = corpus["train"]
     model = make_gpt(len(corpus["vocab"]), a.context, a.layers, a.d_model, a.heads)
-    init = read_safetensors(a.init)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.from_numpy(init[name].copy()))
+    load_weights(model, read_safetensors(a.init))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     flat = [p for p in model.parameters() if p.dim() < 2]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "tools")]
-from models import make_digits_net  # noqa: E402
+from models import load_weights, make_digits_net  # noqa: E402
 from safetensors_np import load as read_safetensors, save as write_safetensors  # noqa: E402
 
 import shardflow.torch as sft  # noqa: E402
@@ -49,10 +49,7 @@ def main():
     torch.manual_seed(a.seed)
     net = make_digits_net()
     if a.init:
-        init = read_safetensors(a.init)
-        with torch.no_grad():
-            for name, param in net.named_parameters():
-                param.copy_(torch.from_numpy(init[name].copy()))
+        load_weights(net, read_safetensors(a.init))
     model = sft.DistributedDataParallel(net, zero_stage=a.zero_stage, overlap=a.overlap, forward_prefetch=a.forward_prefetch,
                                         optimizer=("adamw", {"lr": a.lr}))
     first = 0

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "tools")]
-from models import batch, lr_at, make_gpt  # noqa: E402
+from models import batch, load_weights, lr_at, make_gpt  # noqa: E402
 from safetensors_np import load as read_safetensors, save as write_safetensors  # noqa: E402
 
 import shardflow.torch as sft  # noqa: E402
@@ -79,10 +79,7 @@ def main():
     torch.manual_seed(a.seed)
     model = make_gpt(vocab, a.context, a.layers, a.d_model, a.heads)
     if a.init:
-        init = read_safetensors(a.init)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(torch.from_numpy(init[name].copy()))
+        load_weights(model, read_safetensors(a.init))
     # AdamW with decay on matrices and embeddings, none on biases and LayerNorm gains (nanoGPT's).
     decay = [p_ for p_ in model.parameters() if p_.dim() >= 2]
     flat = [p_ for p_ in model.parameters() if p_.dim() < 2]

@@ -6,7 +6,9 @@ tests/libtorch/torch_digits_ddp.py) and nothing else:
   h.N.attn.c_attn, ..., ln_f; the head is wte's weight), its batches (Note [GPT batches] in
   examples/gpt/text.hpp: splitmix64 of the seed, step and global row) and its warm-up + cosine
   schedule, so a run from the same initial weights ends where gpt_train ends;
-- the CNN of examples/torch_digits.cpp.
+- the CNN of examples/torch_digits.cpp;
+- load_weights: initial weights from a safetensors file's arrays, so both sides of a comparison
+  start alike.
 
 torch and numpy only.
 """
@@ -137,3 +139,13 @@ def make_digits_net():
             return self.fc2(F.relu(self.fc1(x)))
 
     return Net()
+
+
+def load_weights(model, arrays):
+    """Copies each parameter's array (a safetensors file as read by tools/safetensors_np.py, the
+    module's names) into `model`."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(arrays[name].copy()))

@@ -54,53 +54,57 @@ std::shared_ptr<Communicator> comm() {
   return world().comm;
 }
 
-// Keys of ("adamw", {"lr": 1e-3, ...}) onto `o` (OptimizerConfig's defaults are torch's for each
-// kind); a key the kind does not take is refused, naming the ones it does and `where` it came from.
-void apply_hyperparameters(OptimizerConfig& o, const std::string& kind, const py::dict& args, const std::string& where) {
-  static const std::map<std::string, std::vector<std::string>> takes{
-      {"sgd", {"lr", "momentum", "weight_decay"}}, {"adam", {"lr", "betas", "eps", "weight_decay"}}, {"adamw", {"lr", "betas", "eps", "weight_decay"}}};
-  const auto it = takes.find(kind);
-  if (it == takes.end()) throw UsageError("shardflow.torch: optimizer '" + kind + "' is not one of sgd, adam, adamw");
+// The kinds Python names and the keys each takes (OptimizerConfig's defaults are torch's for each).
+struct KindKeys {
+  const char* name;
+  OptimizerConfig::Kind kind;
+  std::vector<std::string> keys;
+};
+const std::vector<KindKeys>& kinds() {
+  static const std::vector<KindKeys> all{{"sgd", OptimizerConfig::Kind::sgd, {"lr", "momentum", "weight_decay"}},
+                                         {"adam", OptimizerConfig::Kind::adam, {"lr", "betas", "eps", "weight_decay"}},
+                                         {"adamw", OptimizerConfig::Kind::adamw, {"lr", "betas", "eps", "weight_decay"}}};
+  return all;
+}
+
+// Keys of ("adamw", {"lr": 1e-3, ...}) onto `o`, whose kind is `k`; a key the kind does not take is
+// refused, naming the ones it does and `where` it came from.
+void apply_hyperparameters(OptimizerConfig& o, const KindKeys& k, const py::dict& args, const std::string& where) {
   for (const auto& [key, value] : args) {
-    const auto k = py::cast<std::string>(key);
-    if (std::find(it->second.begin(), it->second.end(), k) == it->second.end()) {
+    const auto name = py::cast<std::string>(key);
+    if (std::find(k.keys.begin(), k.keys.end(), name) == k.keys.end()) {
       std::string names;
-      for (const auto& n : it->second) names += (names.empty() ? "" : ", ") + n;
-      throw UsageError("shardflow.torch: " + where + "optimizer '" + kind + "' takes " + names + ", not " + k);
+      for (const auto& n : k.keys) names += (names.empty() ? "" : ", ") + n;
+      throw UsageError("shardflow.torch: " + where + "optimizer '" + k.name + "' takes " + names + ", not " + name);
     }
     try {
-      if (k == "lr") o.lr = py::cast<float>(value);
-      else if (k == "momentum") o.momentum = py::cast<float>(value);
-      else if (k == "weight_decay") o.weight_decay = py::cast<float>(value);
-      else if (k == "eps") o.eps = py::cast<float>(value);
+      if (name == "lr") o.lr = py::cast<float>(value);
+      else if (name == "momentum") o.momentum = py::cast<float>(value);
+      else if (name == "weight_decay") o.weight_decay = py::cast<float>(value);
+      else if (name == "eps") o.eps = py::cast<float>(value);
       else std::tie(o.beta1, o.beta2) = py::cast<std::pair<float, float>>(value);
     } catch (const py::cast_error&) {
-      throw UsageError("shardflow.torch: " + where + "'" + k + "' must be " + (k == "betas" ? "a pair of numbers" : "a number") + ", got " +
-                       py::str(value).cast<std::string>());
+      throw UsageError("shardflow.torch: " + where + "'" + name + "' must be " + (name == "betas" ? "a pair of numbers" : "a number") +
+                       ", got " + py::str(value).cast<std::string>());
     }
   }
 }
 
 OptimizerConfig optimizer_config(const std::string& kind, const py::dict& args) {
+  const auto it = std::find_if(kinds().begin(), kinds().end(), [&](const KindKeys& k) { return kind == k.name; });
+  if (it == kinds().end()) throw UsageError("shardflow.torch: optimizer '" + kind + "' is not one of sgd, adam, adamw");
   OptimizerConfig o;
-  apply_hyperparameters(o, kind, args, "");  // refuses a kind other than sgd, adam, adamw first
-  o.kind = OptimizerConfig::parse_kind(kind);
+  o.kind = it->kind;
+  apply_hyperparameters(o, *it, args, "");
   return o;
-}
-
-const char* kind_name(OptimizerConfig::Kind k) {
-  switch (k) {
-    case OptimizerConfig::Kind::sgd: return "sgd";
-    case OptimizerConfig::Kind::adam: return "adam";
-    case OptimizerConfig::Kind::adamw: return "adamw";
-    default: return "custom";
-  }
 }
 
 // Between steps (a schedule): a group's hyper-parameters by the same keys as the constructor's.
 void set_hyperparameters(libtorch::DataParallel& d, std::size_t group, const py::dict& args) {
   OptimizerConfig h = d.runtime().hyperparameters(group);
-  apply_hyperparameters(h, kind_name(h.kind), args, "param group " + std::to_string(group) + ": ");
+  const auto it = std::find_if(kinds().begin(), kinds().end(), [&](const KindKeys& k) { return h.kind == k.kind; });
+  if (it == kinds().end()) throw UsageError("shardflow.torch: param group " + std::to_string(group) + " steps a rule of its own, not sgd, adam or adamw");
+  apply_hyperparameters(h, *it, args, "param group " + std::to_string(group) + ": ");
   d.runtime().set_hyperparameters(group, h);
 }
 

@@ -23,7 +23,7 @@ import numpy as np
 import param_compare
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python"))
-from models import make_digits_net as make_net  # noqa: E402
+from models import load_weights, make_digits_net as make_net  # noqa: E402
 
 STEPS, BATCH, LR = 20, 64, 1e-3
 TOL = 1e-5
@@ -81,10 +81,7 @@ def python_ddp_rank(rank, world, port, init_path, data_path, out_path):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     net = make_net()
-    init = read_safetensors(init_path)
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            p.copy_(torch.from_numpy(init[name].copy()))
+    load_weights(net, read_safetensors(init_path))
     ddp = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
     d = read_safetensors(data_path)

@@ -165,7 +165,8 @@ class DistributedDataParallel:
     def __call__(self, *args, **kwargs):
         self._end_open_pass()
         out = self.module(*args, **kwargs)
-        self._ddp.before_backward()  # with forward prefetch: every .grad() now views its bucket
+        if self._prefetch:
+            self._ddp.before_backward()  # every .grad() now views its bucket (forward waited for every sync)
         return out
 
     def zero_grad(self, set_to_none=False):
