@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "examples/actor_trainer/train.hpp"
+#include "examples/bucket_flags.hpp"
 #include "examples/mlp/report.hpp"
 
 int main(int argc, char** argv) {
@@ -20,7 +21,8 @@ int main(int argc, char** argv) {
   mlp::TrainOptions opt;
   std::string sizes = "784,256,256,10", optimizer = "sgd", init, data, save, loss = "mse", overlap = "none", partition = "flat";
   std::string backend = "auto", stats_json;
-  double first_bucket_mb = 1.0, bucket_mb = 25.0, timeout_s = 600;
+  double timeout_s = 600;
+  ::examples::BucketFlags bucket_flags;
   int zero_stage = 0, log_every = 0;
   bool quiet = false;
   app.add_option("--sizes", sizes, "layer widths, input first (comma separated)")->capture_default_str();
@@ -37,8 +39,7 @@ int main(int argc, char** argv) {
   app.add_option("--loss", loss, "mse | cross-entropy")->capture_default_str();
   app.add_option("--save", save, "write the final parameters (safetensors)");
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
-  app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
-  app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
+  bucket_flags.add(app);
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
   app.add_option("--zero-stage", zero_stage, "0 (DDP), 1, 2")->capture_default_str();
   app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
@@ -62,9 +63,7 @@ int main(int argc, char** argv) {
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;
-    if (first_bucket_mb <= 0 || bucket_mb <= 0) throw UsageError("--first-bucket-mb and --bucket-mb must be positive");
-    opt.runtime.buckets.first_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
-    opt.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);
+    bucket_flags.apply(opt.runtime.buckets);
     if (timeout_s <= 0) throw UsageError("--timeout must be positive");
     opt.runtime.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
     if (log_every < 0) throw UsageError("--log-every must be >= 0");

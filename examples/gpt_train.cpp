@@ -27,6 +27,7 @@
 #include <string>
 #include <thread>
 
+#include "bucket_flags.hpp"
 #include "gpt/model.hpp"
 #include "gpt/schedule.hpp"
 #include "gpt/text.hpp"
@@ -46,7 +47,8 @@ struct Args {
   int batch = 16, steps = 200, stop_at = 0, warmup = 20, world_size = 1, zero_stage = 1, every = 0, log_every = 0, threads = 0, eval_windows = 256,
       sample_chars = 300;
   float lr = 1e-3f, weight_decay = 0.1f, clip = 0.0f, temperature = 0.8f;
-  double bucket_mb = 25, first_bucket_mb = 1, timeout_s = 300;
+  double timeout_s = 300;
+  ::examples::BucketFlags buckets;
   std::uint64_t seed = 1;
   int syncs_in_backward = -1;
   bool prefetch = false, quiet = false;
@@ -119,14 +121,13 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   cfg.zero.forward_prefetch = a.prefetch;
   cfg.zero.prefetch_syncs_in_backward = a.syncs_in_backward;
   cfg.zero.clip_grad_norm = a.clip;
-  cfg.buckets.cap_bytes = std::size_t(a.bucket_mb * 1048576.0);
-  cfg.buckets.first_cap_bytes = std::size_t(a.first_bucket_mb * 1048576.0);
+  a.buckets.apply(cfg.buckets);
   cfg.timeouts.collective = std::chrono::milliseconds(std::int64_t(a.timeout_s * 1000));
   cfg.trace.path = a.trace;
   cfg.setting_names = {{"zero.stage", "--zero-stage"},         {"zero.overlap", "--overlap"},
                        {"zero.partition", "--partition"},      {"zero.forward_prefetch", "--forward-prefetch"}, {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
                        {"zero.clip_grad_norm", "--clip-grad-norm"}, {"buckets.cap_bytes", "--bucket-mb"},
-                       {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"timeouts.collective", "--timeout"}};
+                       {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.min_buckets", "--min-buckets"}, {"timeouts.collective", "--timeout"}};
   libtorch::DataParallel ddp(*net, comm, opts);  // rank 0's weights on every rank from here
   Runtime& rt = ddp.runtime();
   // Two AdamW groups: weight decay on matrices and embeddings (the tied head with them), none on
@@ -254,8 +255,7 @@ int main(int argc, char** argv) {
   app.add_option("--prefetch-syncs-in-backward", a.syncs_in_backward,
                  "with --forward-prefetch: parameter syncs sent during backward (-1: chosen from the second step)")
       ->capture_default_str();
-  app.add_option("--bucket-mb", a.bucket_mb, "bucket cap, MiB")->capture_default_str();
-  app.add_option("--first-bucket-mb", a.first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
+  a.buckets.add(app);
   app.add_option("--backend", a.backend,
                  "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
                  "gloo | hierarchical")
@@ -290,7 +290,10 @@ int main(int argc, char** argv) {
     if (a.steps < 0) throw UsageError("--steps must be >= 0");
     if (a.warmup < 0) throw UsageError("--warmup must be >= 0");
     if (a.zero_stage < 0 || a.zero_stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(a.zero_stage));
-    if (a.bucket_mb <= 0 || a.first_bucket_mb <= 0) throw UsageError("--bucket-mb and --first-bucket-mb must be positive");
+    {
+      BucketConfig check;  // a bad flag is refused before training
+      a.buckets.apply(check);
+    }
     if (a.timeout_s <= 0) throw UsageError("--timeout must be positive");
     if (a.eval_windows < 1) throw UsageError("--eval-windows must be >= 1");
     if (!a.stats_json.empty()) {  // fail before training, not after it

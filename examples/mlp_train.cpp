@@ -18,6 +18,7 @@
 #include <iostream>
 #include <set>
 
+#include "examples/bucket_flags.hpp"
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/report.hpp"
 #include "examples/mlp/train.hpp"
@@ -30,7 +31,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Data-parallel MLP training on shardflow (ranks as threads, or one process per rank under `shardflow run`)"};
   mlp::TrainOptions opt;
   std::string sizes = "784,256,256,10", optimizer = "sgd", init, data, save;
-  double first_bucket_mb = 1.0, bucket_mb = 25.0, timeout_s = 600;
+  double timeout_s = 600;
+  ::examples::BucketFlags bucket_flags;
   app.add_option("--sizes", sizes, "layer widths, input first (comma separated)")->capture_default_str();
   app.add_option("--steps", opt.steps, "optimizer steps")->capture_default_str();
   app.add_option("--global-batch", opt.global_batch, "rows per step over all ranks")->capture_default_str();
@@ -77,8 +79,7 @@ int main(int argc, char** argv) {
   bool no_snapshot_memory = false;
   app.add_flag("--no-snapshot-memory", no_snapshot_memory, "every snapshot to --snapshot-dir, none to the launcher's memory");
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
-  app.add_option("--first-bucket-mb", first_bucket_mb, "first bucket cap, MiB")->capture_default_str();
-  app.add_option("--bucket-mb", bucket_mb, "bucket cap, MiB")->capture_default_str();
+  bucket_flags.add(app);
   app.add_option("--freeze", opt.freeze, "register these parameters frozen (requires_grad false: never reduced or stepped), e.g. layers.0.weight,layers.0.bias")
       ->delimiter(',');
   app.add_flag("--shard-data", opt.shard_data,
@@ -165,6 +166,7 @@ int main(int argc, char** argv) {
                                  {"precision.comm_dtype", "--comm-dtype"},
                                  {"buckets.first_cap_bytes", "--first-bucket-mb"},
                                  {"buckets.cap_bytes", "--bucket-mb"},
+                                 {"buckets.min_buckets", "--min-buckets"},
                                  {"timeouts.collective", "--timeout"},
                                  {"snapshot.dir", "--snapshot-dir"},
                                  {"snapshot.every", "--snapshot-every"},
@@ -178,9 +180,7 @@ int main(int argc, char** argv) {
     opt.checkpoint_every = every;
     if (max_file_mb < 0) throw UsageError("--checkpoint-max-file-mb must be >= 0, got " + std::to_string(max_file_mb));
     opt.checkpoint_max_file_bytes = std::uint64_t(max_file_mb * 1e6);
-    if (first_bucket_mb <= 0 || bucket_mb <= 0) throw UsageError("--first-bucket-mb and --bucket-mb must be positive");
-    opt.runtime.buckets.first_cap_bytes = std::size_t(first_bucket_mb * 1048576.0);
-    opt.runtime.buckets.cap_bytes = std::size_t(bucket_mb * 1048576.0);
+    bucket_flags.apply(opt.runtime.buckets);
     if (timeout_s <= 0) throw UsageError("--timeout must be positive");
     opt.runtime.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
 

@@ -54,7 +54,6 @@ void Config::validate() const {
   if (zero.clip_grad_norm > 0.0f && zero.clip_norm_type != 2.0f && !std::isinf(zero.clip_norm_type))
     bad("zero.clip_norm_type", "must be 2 or infinity, got " + std::to_string(zero.clip_norm_type));
   if (buckets.first_cap_bytes == 0) bad("buckets.first_cap_bytes", "must be > 0 (default 1 MiB)");
-  if (buckets.cap_bytes == 0) bad("buckets.cap_bytes", "must be > 0 (default 25 MiB)");
   if (zero.prefetch_syncs_in_backward < -1)
     bad("zero.prefetch_syncs_in_backward",
         "must be -1 (auto), 0 or a bucket count, got " + std::to_string(zero.prefetch_syncs_in_backward));

@@ -216,7 +216,6 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"precision.backoff_factor", [](Config& c) { c.precision.dynamic_loss_scale = true, c.precision.backoff_factor = 1; }},
       {"precision.growth_interval", [](Config& c) { c.precision.dynamic_loss_scale = true, c.precision.growth_interval = 0; }},
       {"buckets.first_cap_bytes", [](Config& c) { c.buckets.first_cap_bytes = 0; }},
-      {"buckets.cap_bytes", [](Config& c) { c.buckets.cap_bytes = 0; }},
       {"zero.prefetch_syncs_in_backward", [](Config& c) { c.zero.prefetch_syncs_in_backward = -2; }},
       {"zero.interleave_lag", [](Config& c) { c.zero.interleave_lag = 65; }},
       {"timeouts.collective", [](Config& c) { c.timeouts.collective = 0ms; }},

@@ -12,7 +12,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "helpers.hpp"
-#include "runtime/safetensors_stream.hpp"
+#include "runtime/checkpoint/safetensors_stream.hpp"
 
 using namespace shardflow;
 namespace fs = std::filesystem;

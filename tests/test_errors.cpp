@@ -195,8 +195,8 @@ TEST_CASE("nothing registered, nonsense config") {
     CHECK_THROWS_WITH_AS(rt.finalize(), doctest::Contains("no parameters registered"), UsageError);
   }
   Config c;
-  c.buckets.cap_bytes = 0;
-  CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), c), doctest::Contains("buckets.cap_bytes"), UsageError);
+  c.buckets.first_cap_bytes = 0;
+  CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), c), doctest::Contains("buckets.first_cap_bytes"), UsageError);
   CHECK_THROWS_AS(Runtime(nullptr), UsageError);
 }
 

@@ -242,6 +242,31 @@ TEST_CASE("a parameter too large for stage 2's budget: whole buckets reduce-scat
   CHECK(s2.memory[0].grads == s1.memory[0].grads);
 }
 
+TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) at 25 MiB gets PyTorch's 2 buckets, left out the small-model default gets 5, and the plan names the rule behind each cap") {
+  const Model set{"8 x Linear(1024, 1024), 25 MiB set", mlp({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}), 1 << 20, 25 << 20};
+  Model unset = set;
+  unset.cap = 0;
+  const RunPlan as_set = plan_of(set, 1, 0, Partition::flat), by_default = plan_of(unset, 1, 0, Partition::flat);
+  CHECK(as_set.buckets.buckets.size() == 2);
+  CHECK(as_set.caps.cap == std::size_t(25) << 20);
+  CHECK(as_set.caps.cap_rule == "as set");
+  CHECK(by_default.buckets.buckets.size() == 5);
+  CHECK(by_default.caps.cap_rule.find("min_buckets 4") != std::string::npos);
+  CHECK(by_default.describe().find("then 8.01 MiB, min_buckets 4: 32.03 MiB trainable / 4, below the default 25.00 MiB") != std::string::npos);
+  // min_buckets set beside a set cap: both hold, as the user asked.
+  PlanSettings s;
+  s.world = 1;
+  s.cap_bytes = std::size_t(25) << 20;
+  s.min_buckets = 4;
+  CHECK(make_run_plan(set.params, s).buckets.buckets.size() == 5);
+  s.cap_bytes = 0;
+  s.min_buckets = 0;  // the default cap, never shrunk: PyTorch's behaviour
+  CHECK(make_run_plan(set.params, s).buckets.buckets.size() == 2);
+  // The runtime builds what the plan says, in both cases.
+  CHECK(run(set, 1, 0, Partition::flat).buckets.size() == 2);
+  CHECK(run(unset, 1, 0, Partition::flat).buckets.size() == 5);
+}
+
 TEST_CASE("bucket rules: each dtype's first bucket gets the first cap; buckets ordered by their first parameter walked") {
   // Registration: f32 a, bf16 b, f32 c, bf16 d, ... walked in reverse.
   std::vector<ParamSpec> ps;

@@ -12,7 +12,7 @@
 
 #include "helpers.hpp"
 #include "per_param_optimizer.hpp"
-#include "runtime/safetensors_stream.hpp"
+#include "runtime/checkpoint/safetensors_stream.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

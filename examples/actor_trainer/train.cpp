@@ -90,9 +90,9 @@ void run(std::vector<std::unique_ptr<Rank>>& ranks, mlp::TrainResult& result) {
 
 mlp::TrainResult train(const mlp::TrainOptions& opt) {
   check_supported(opt);
-  const auto prep = mlp::prepare(opt);
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  kernels::set_blas_threads(std::max(1, cores / opt.world_size));  // as mlp::train: ranks share the cores
+  kernels::set_blas_threads(std::max(1, cores / std::max(1, opt.world_size)));  // as mlp::train: before the data
+  const auto prep = mlp::prepare(opt);
   const auto world = InProcessWorld::create(opt.world_size, opt.runtime.timeouts.collective);
   mlp::TrainResult result;
   result.memory.resize(std::size_t(opt.world_size));

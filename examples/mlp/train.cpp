@@ -390,10 +390,12 @@ Prepared prepare(const TrainOptions& opt) {
 std::string checkpoint_file(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
 
 TrainResult train(const TrainOptions& opt) {
-  const Prepared prep = prepare(opt);
   // Ranks are threads here: one BLAS thread each, or the GEMMs of N ranks fight over the cores.
+  // Set before prepare() generates the data: some kernels' bits depend on the thread count (Note
+  // [OpenBLAS on CPUs it does not know]), and the data must not depend on what ran before.
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  kernels::set_blas_threads(std::max(1, cores / opt.world_size));
+  kernels::set_blas_threads(std::max(1, cores / std::max(1, opt.world_size)));  // world 0: refused by prepare()
+  const Prepared prep = prepare(opt);
 
   const auto world = opt.device.kind == Device::Kind::cuda
                          ? InProcessWorld::create_on_device(opt.world_size, opt.device.index, opt.runtime.timeouts.collective)

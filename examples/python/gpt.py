@@ -56,7 +56,7 @@ def main():
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--overlap", default="interleaved")
     p.add_argument("--forward-prefetch", action="store_true")
-    p.add_argument("--bucket-mb", type=float, default=25)
+    p.add_argument("--bucket-mb", type=float, default=None, help="bucket cap, MiB (default: 25, shrunk for a small model)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: OMP_NUM_THREADS, else the cores / the ranks here)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--backend", default="auto", help="under a launcher: auto | shm | gloo | hierarchical (as gpt_train's --backend)")

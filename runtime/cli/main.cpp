@@ -3,11 +3,13 @@
 //   shardflow run --nproc-per-node N [--nnodes M --node-rank R (--master-addr A --master-port P |
 //                 --rdzv-endpoint A:P) --token T --iface NAME] -- prog args...
 //   shardflow plan --params model.json --world-size N [--zero-stage S --partition P ...] [--json]
+//   shardflow doctor [--nproc-per-node N --snapshots --params model.json ...] [--json]
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <cstdlib>
 
+#include "runtime/cli/doctor_command.hpp"
 #include "runtime/cli/plan_command.hpp"
 #include "runtime/launch/launcher.hpp"
 
@@ -59,8 +61,9 @@ std::string unknown_run_flag(int argc, char** argv, const CLI::App& run) {
 
 int main(int argc, char** argv) {
   // CLI11 would say only "A subcommand is required" for a misspelt one.
-  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" && std::string(argv[1]) != "plan") {
-    std::fprintf(stderr, "shardflow: unknown command '%s': expected run or plan (shardflow --help)\n", argv[1]);
+  if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" && std::string(argv[1]) != "plan" &&
+      std::string(argv[1]) != "doctor") {
+    std::fprintf(stderr, "shardflow: unknown command '%s': expected run, plan or doctor (shardflow --help)\n", argv[1]);
     return 2;
   }
   CLI::App app{"shardflow: data-parallel training runtime"};
@@ -100,12 +103,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
   const auto plan = shardflow::cli::add_plan_command(app);
+  const auto doctor = shardflow::cli::add_doctor_command(app);
   if (const auto why = unknown_run_flag(argc, argv, *run); !why.empty()) {
     std::fprintf(stderr, "%s\n", why.c_str());
     return 2;
   }
   CLI11_PARSE(app, argc, argv);
   if (const int status = plan(); status >= 0) return status;
+  if (const int status = doctor(); status >= 0) return status;
   if (spec.token.empty())
     if (const char* t = std::getenv("SHARDFLOW_STORE_TOKEN")) spec.token = t;
   spec.prefix_output = !no_prefix;

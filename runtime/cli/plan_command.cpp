@@ -12,95 +12,94 @@
 namespace shardflow::cli {
 namespace {
 
-struct PlanArgs {
-  std::string params;
-  int world = 0;
-  double first_cap_mb = double(BucketConfig{}.first_cap_bytes) / 1048576.0;
-  double cap_mb = double(BucketConfig{}.cap_bytes) / 1048576.0;
-  int stage = 0;
-  std::string partition = "flat";
-  std::string param_dtype;  // empty: each parameter's own
-  std::string optimizer = "adam";
-  float momentum = 0.0f;
-  std::string comm_dtype = "fp32";
-  std::size_t in_flight = 0;
-  int hosts = 1;
-  std::string backend = "auto";
-  bool json = false;
-};
-
 std::size_t mb_to_bytes(double mb, const char* flag) {
   if (!(mb > 0.0) || !std::isfinite(mb)) throw UsageError(std::string(flag) + " must be a positive number of MiB, got " + std::to_string(mb));
   return std::size_t(std::llround(mb * 1048576.0));
 }
 
-int run_plan(const PlanArgs& a) {
-  try {
-    if (a.world < 1) throw UsageError("--world-size must be >= 1, got " + std::to_string(a.world));
-    if (a.stage < 0 || a.stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(a.stage));
-    if (a.in_flight == 1) throw UsageError("--max-buckets-in-flight must be 0 (the default) or >= 2");
-    PlanSettings s;
-    s.world = a.world;
-    s.stage = ZeroStage(a.stage);
-    s.partition = parse_partition(a.partition);
-    s.first_cap_bytes = mb_to_bytes(a.first_cap_mb, "--first-bucket-cap-mb");
-    s.cap_bytes = mb_to_bytes(a.cap_mb, "--bucket-cap-mb");
-    s.max_buckets_in_flight = a.in_flight;
-    s.comm_dtype = parse_dtype(a.comm_dtype);
-    if (a.hosts < 1 || a.world % a.hosts != 0)
-      throw UsageError("--hosts " + std::to_string(a.hosts) + " must divide --world-size " + std::to_string(a.world) +
-                       " (every host runs as many ranks)");
-    if (a.backend != "auto" && a.backend != "gloo" && a.backend != "hierarchical")
-      throw UsageError("--backend must be auto, gloo or hierarchical, got '" + a.backend + "'");
-    s.hosts = a.hosts;
-    s.two_levels = a.backend != "gloo";  // auto: two levels on several hosts of several ranks, as init_process_group picks
-    if (a.optimizer == "sgd")
-      s.state_slots = a.momentum != 0.0f ? 1 : 0;
-    else if (a.optimizer == "adam" || a.optimizer == "adamw")
-      s.state_slots = 2;
-    else
-      throw UsageError("--optimizer must be sgd, adam or adamw, got '" + a.optimizer + "'");
-    auto params = read_param_list(a.params);
-    if (!a.param_dtype.empty()) {
-      const DType d = parse_dtype(a.param_dtype);
-      for (auto& p : params) p.dtype = d;
-    }
-    const RunPlan plan = make_run_plan(std::move(params), s);
-    const std::string out = a.json ? plan.to_json() : plan.describe();
-    std::fwrite(out.data(), 1, out.size(), stdout);
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "shardflow plan: error: %s\n", e.what());
-    return 2;
-  }
-}
-
 }  // namespace
 
+RunPlan make_plan(const PlanArgs& a) {
+  if (a.world < 1) throw UsageError("--world-size must be >= 1, got " + std::to_string(a.world));
+  if (a.stage < 0 || a.stage > 2) throw UsageError("--zero-stage must be 0, 1 or 2, got " + std::to_string(a.stage));
+  if (a.in_flight == 1) throw UsageError("--max-buckets-in-flight must be 0 (the default) or >= 2");
+  PlanSettings s;
+  s.world = a.world;
+  s.stage = ZeroStage(a.stage);
+  s.partition = parse_partition(a.partition);
+  if (a.first_cap_mb) s.first_cap_bytes = mb_to_bytes(*a.first_cap_mb, "--first-bucket-cap-mb");
+  if (a.cap_mb) s.cap_bytes = mb_to_bytes(*a.cap_mb, "--bucket-cap-mb");
+  s.min_buckets = a.min_buckets;
+  s.max_buckets_in_flight = a.in_flight;
+  s.comm_dtype = parse_dtype(a.comm_dtype);
+  if (a.hosts < 1 || a.world % a.hosts != 0)
+    throw UsageError("--hosts " + std::to_string(a.hosts) + " must divide --world-size " + std::to_string(a.world) +
+                     " (every host runs as many ranks)");
+  if (a.backend != "auto" && a.backend != "gloo" && a.backend != "hierarchical")
+    throw UsageError("--backend must be auto, gloo or hierarchical, got '" + a.backend + "'");
+  s.hosts = a.hosts;
+  s.two_levels = a.backend != "gloo";  // auto: two levels on several hosts of several ranks, as init_process_group picks
+  if (a.optimizer == "sgd")
+    s.state_slots = a.momentum != 0.0f ? 1 : 0;
+  else if (a.optimizer == "adam" || a.optimizer == "adamw")
+    s.state_slots = 2;
+  else
+    throw UsageError("--optimizer must be sgd, adam or adamw, got '" + a.optimizer + "'");
+  auto params = read_param_list(a.params);
+  if (!a.param_dtype.empty()) {
+    const DType d = parse_dtype(a.param_dtype);
+    for (auto& p : params) p.dtype = d;
+  }
+  return make_run_plan(std::move(params), s);
+}
+
+void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {
+  auto* params = cmd.add_option("--params", args.params,
+                                "the model's parameters in registration order: a JSON list [{\"name\", \"shape\", \"dtype\"}, ...] or a "
+                                ".safetensors file (its header)");
+  auto* world = cmd.add_option("--world-size", args.world, "data-parallel ranks");
+  if (required) params->required(), world->required();
+  cmd.add_option("--first-bucket-cap-mb", args.first_cap_mb, "first bucket cap, MiB (default 1)");
+  cmd.add_option("--bucket-cap-mb", args.cap_mb,
+                 "bucket cap, MiB, used as given (default: 25, shrunk so that a small model gets --min-buckets buckets)");
+  cmd.add_option("--min-buckets", args.min_buckets,
+                 "shrink the cap so that the model gets at least this many buckets (default: 4 with the default cap, "
+                 "none with --bucket-cap-mb; 0: never)");
+  cmd.add_option("--zero-stage", args.stage, "0, 1 or 2")->capture_default_str();
+  cmd.add_option("--partition", args.partition, "param | bucket | flat")->capture_default_str();
+  cmd.add_option("--param-dtype", args.param_dtype, "f32 | bf16 | f16 for every parameter (default: as listed)");
+  cmd.add_option("--optimizer", args.optimizer, "sgd | adam | adamw")->capture_default_str();
+  cmd.add_option("--momentum", args.momentum, "SGD momentum (non-zero: one state word per element)")->capture_default_str();
+  cmd.add_option("--comm-dtype", args.comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients travel as")->capture_default_str();
+  cmd.add_option("--max-buckets-in-flight", args.in_flight, "stage 2's gradient buckets in flight (0: the memory budget's)")
+      ->capture_default_str();
+  cmd.add_option("--hosts", args.hosts, "hosts the ranks span (as many ranks each): shows what crosses the network per step")
+      ->capture_default_str();
+  cmd.add_option("--backend", args.backend, "auto | gloo | hierarchical: between hosts, the flat ring or two levels (auto: two levels)")
+      ->capture_default_str();
+}
+
 std::function<int()> add_plan_command(CLI::App& app) {
-  auto args = std::make_shared<PlanArgs>();
+  struct State {
+    PlanArgs args;
+    bool json = false;
+  };
+  auto st = std::make_shared<State>();
   auto* plan = app.add_subcommand("plan", "show a run's buckets, owners and per-rank memory before running it");
-  plan->add_option("--params", args->params,
-                   "the model's parameters in registration order: a JSON list [{\"name\", \"shape\", \"dtype\"}, ...] or a "
-                   ".safetensors file (its header)")
-      ->required();
-  plan->add_option("--world-size", args->world, "data-parallel ranks")->required();
-  plan->add_option("--first-bucket-cap-mb", args->first_cap_mb, "first bucket cap, MiB")->capture_default_str();
-  plan->add_option("--bucket-cap-mb", args->cap_mb, "bucket cap, MiB")->capture_default_str();
-  plan->add_option("--zero-stage", args->stage, "0, 1 or 2")->capture_default_str();
-  plan->add_option("--partition", args->partition, "param | bucket | flat")->capture_default_str();
-  plan->add_option("--param-dtype", args->param_dtype, "f32 | bf16 | f16 for every parameter (default: as listed)");
-  plan->add_option("--optimizer", args->optimizer, "sgd | adam | adamw")->capture_default_str();
-  plan->add_option("--momentum", args->momentum, "SGD momentum (non-zero: one state word per element)")->capture_default_str();
-  plan->add_option("--comm-dtype", args->comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients travel as")->capture_default_str();
-  plan->add_option("--max-buckets-in-flight", args->in_flight, "stage 2's gradient buckets in flight (0: the memory budget's)")
-      ->capture_default_str();
-  plan->add_option("--hosts", args->hosts, "hosts the ranks span (as many ranks each): shows what crosses the network per step")
-      ->capture_default_str();
-  plan->add_option("--backend", args->backend, "auto | gloo | hierarchical: between hosts, the flat ring or two levels (auto: two levels)")
-      ->capture_default_str();
-  plan->add_flag("--json", args->json, "machine-readable: {\"buckets\": [...], \"ranks\": [...]}");
-  return [plan, args]() -> int { return plan->parsed() ? run_plan(*args) : -1; };
+  add_plan_options(*plan, st->args, true);
+  plan->add_flag("--json", st->json, "machine-readable: {\"buckets\": [...], \"ranks\": [...]}");
+  return [plan, st]() -> int {
+    if (!plan->parsed()) return -1;
+    try {
+      const RunPlan p = make_plan(st->args);
+      const std::string out = st->json ? p.to_json() : p.describe();
+      std::fwrite(out.data(), 1, out.size(), stdout);
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shardflow plan: error: %s\n", e.what());
+      return 2;
+    }
+  };
 }
 
 }  // namespace shardflow::cli

@@ -62,8 +62,8 @@ void Runtime::Impl::ensure_finalized() {
   touched.assign(n, 0);
   order.assign(n, 0);
   install_plan(make_plan(reverse_registration_order(registry.params())), 0);
-  log->info("{} parameters in {} bucket(s) on backend {} (world {})\n{}", n, plan.buckets.size(),
-            comm->backend_name(), world, plan.describe());
+  log->info("{} parameters in {} bucket(s) on backend {} (world {}); caps: first {} bytes ({}), then {} bytes ({})\n{}", n,
+            plan.buckets.size(), comm->backend_name(), world, caps.first, caps.first_rule, caps.cap, caps.cap_rule, plan.describe());
   finalized.store(true, std::memory_order_release);
 }
 

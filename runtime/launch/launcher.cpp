@@ -16,6 +16,7 @@
 #include <optional>
 #include <random>
 
+#include "kernels/cpu/blas.hpp"
 #include "runtime/comm/shm_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/launch/node_watch.hpp"
@@ -71,6 +72,14 @@ class Supervisor {
     pthread_sigmask(SIG_BLOCK, &mask, &old);
     sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd_ < 0) throw Error("signalfd: " + std::string(std::strerror(errno)));
+    // Note [OpenBLAS on CPUs it does not know]: loaded only now that the signals are blocked (its
+    // worker threads inherit the mask). Where OpenBLAS fell back to a pre-AVX kernel the choice
+    // made here reaches the ranks as OPENBLAS_CORETYPE, before their torch or shardflow loads it;
+    // a kernel whose bits depend on the thread count is said once, with the setting that fixes it.
+    if (kernels::blas::load()) {
+      const auto probe = kernels::blas::probe();
+      if (probe.ran && !(probe.thread_invariant && probe.repeatable)) say(probe.line());
+    }
 
     const bool one_node = spec_.nnodes == 1;
     socket_ = socket_choice();

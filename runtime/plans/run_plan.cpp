@@ -40,8 +40,11 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
 
 BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
   BucketCaps c;
+  const bool cap_set = s.cap_bytes != 0;
   c.first = s.first_cap_bytes;
-  c.cap = s.cap_bytes;
+  c.first_rule = s.first_cap_bytes == BucketConfig{}.first_cap_bytes ? "the default" : "as set";
+  c.cap = cap_set ? s.cap_bytes : kDefaultBucketCapBytes;
+  c.cap_rule = cap_set ? "as set" : "the default";
   std::size_t total = 0, largest = 0;
   const ParamSpec* big = nullptr;
   for (const auto& p : params) {
@@ -56,7 +59,15 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   // nearly all of the one before. PyTorch's 25 MiB gives any model under 25 MiB one bucket
   // after the first; below min_buckets x cap the cap follows the model instead. Smaller buckets
   // cost a collective's latency each, which the first bucket's cap bounds from below.
-  if (s.min_buckets > 0) c.cap = std::min(c.cap, std::max(c.first, total / s.min_buckets));
+  // A cap the user set is theirs (as PyTorch's bucket_cap_mb): it shrinks only if they also set
+  // min_buckets.
+  const std::size_t min_buckets = s.min_buckets.value_or(cap_set ? 0 : kDefaultMinBuckets);
+  if (min_buckets > 0 && std::max(c.first, total / min_buckets) < c.cap) {
+    c.cap = std::max(c.first, total / min_buckets);
+    c.cap_rule = "min_buckets " + std::to_string(min_buckets) + ": " + mib(total) + " trainable / " + std::to_string(min_buckets) +
+                 (c.cap == c.first ? ", at least the first cap" : "") + (cap_set ? ", below the cap set, " : ", below the default ") +
+                 mib(cap_set ? s.cap_bytes : kDefaultBucketCapBytes);
+  }
   if (!(sharded(s) && s.stage == ZeroStage::gradients)) return c;
   c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
   const std::size_t slots = pool_buffers(c.grads_in_flight);
@@ -68,7 +79,7 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   // ZeRO formula]).
   const auto W = std::size_t(s.world);
   const std::size_t savings = total / W * (W - 1);
-  const std::size_t allowance = std::max(2 * std::max(s.cap_bytes, Config{}.buckets.cap_bytes), slots * (largest + W * 64));
+  const std::size_t allowance = std::max(2 * std::max(s.cap_bytes, kDefaultBucketCapBytes), slots * (largest + W * 64));
   c.budget = std::min(savings, allowance);
   const std::size_t per_slot = c.budget / slots;
   auto buffer_bytes = [&](const Bucket& b) {  // the flat partition pads to W slices of whole cache lines
@@ -102,7 +113,9 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
     else
       hi = mid - 1;
   }
+  if (lo < c.cap) c.cap_rule = "stage 2's in-flight budget, " + mib(c.budget) + " (Note [Memory at the ZeRO formula])";
   c.cap = lo;
+  if (c.cap < c.first) c.first_rule = "the cap below it";
   c.first = std::min(c.first, c.cap);
   // Left to the budget (max_buckets_in_flight = 0), the gradient buffers in flight are as many as
   // the budget holds beside the overrun and staging buffers: two is the least that overlaps at
@@ -236,7 +249,7 @@ std::string RunPlan::to_json() const {
   j["world_size"] = settings.world;
   j["zero_stage"] = int(settings.stage);
   j["partition"] = partition_name(settings.partition);
-  j["bucket_caps"] = {{"first", caps.first}, {"cap", caps.cap}, {"pooled", caps.pooled}};
+  j["bucket_caps"] = {{"first", caps.first}, {"first_rule", caps.first_rule}, {"cap", caps.cap}, {"cap_rule", caps.cap_rule}, {"pooled", caps.pooled}};
   if (!caps.warning.empty()) j["warning"] = caps.warning;
   auto buckets_j = nlohmann::ordered_json::array();
   for (const auto& b : buckets.buckets) {
@@ -257,8 +270,8 @@ std::string RunPlan::to_json() const {
 std::string RunPlan::describe() const {
   std::string s = "world " + std::to_string(settings.world) + ", ZeRO stage " + std::to_string(int(settings.stage)) + ", " +
                   partition_name(settings.partition) + " partition, " + std::to_string(params.size()) + " parameters in " +
-                  std::to_string(buckets.buckets.size()) + " bucket(s) (caps: first " + mib(caps.first) + ", then " +
-                  mib(caps.cap) + ")\n";
+                  std::to_string(buckets.buckets.size()) + " bucket(s) (caps: first " + mib(caps.first) + ", " + caps.first_rule +
+                  "; then " + mib(caps.cap) + ", " + caps.cap_rule + ")\n";
   if (!caps.warning.empty()) s += "note: " + caps.warning + "\n";
   s += "\nbuckets, in reduce order:\n";
   for (const auto& b : buckets.buckets) {

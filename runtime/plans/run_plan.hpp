@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,8 +56,8 @@ struct PlanSettings {
   ZeroStage stage = ZeroStage::ddp;
   Partition partition = Partition::flat;
   std::size_t first_cap_bytes = BucketConfig{}.first_cap_bytes;
-  std::size_t cap_bytes = BucketConfig{}.cap_bytes;
-  std::size_t min_buckets = BucketConfig{}.min_buckets;
+  std::size_t cap_bytes = 0;                  // 0: the default, kDefaultBucketCapBytes (BucketConfig::cap_bytes)
+  std::optional<std::size_t> min_buckets;     // unset: kDefaultMinBuckets with the default cap, none with a set one
   std::size_t max_buckets_in_flight = 0;  // 0: the stage-2 default
   std::size_t state_slots = 0;            // fp32 words of optimizer state per owned element (SGD 0, momentum 1, Adam 2)
   DType comm_dtype = DType::f32;
@@ -74,6 +75,9 @@ struct PlanSettings {
 // configured otherwise. `pooled`: whether stage 2 holds buckets only while in flight.
 struct BucketCaps {
   std::size_t first = 0, cap = 0;
+  // Which rule set each cap, for `shardflow plan` and the runtime's log: "as set", "the default",
+  // "min_buckets 4: 32.03 MiB / 4", "stage 2's in-flight budget".
+  std::string first_rule, cap_rule;
   bool pooled = false;
   std::size_t grads_in_flight = 0;  // gradient buffers held at once (pooled)
   std::size_t budget = 0;           // stage 2: bytes the buckets in flight may take

@@ -2,9 +2,11 @@
 // for a Python nn.Module, one path with the C++ trainers. The Python half (shardflow/torch.py)
 // holds the API; this file only converts and releases the GIL where shardflow waits on peers.
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -125,9 +127,13 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   o.config.buckets.find_unused_parameters = find_unused_parameters;
   o.config.buckets.static_graph = static_graph;
   o.config.sync.buffers = broadcast_buffers;
-  if (!(bucket_cap_mb > 0)) throw UsageError("shardflow.torch: bucket_cap_mb must be positive, got " + std::to_string(bucket_cap_mb));
-  o.config.buckets.cap_bytes = std::size_t(bucket_cap_mb * 1048576.0);
-  o.config.buckets.first_cap_bytes = std::min(o.config.buckets.first_cap_bytes, o.config.buckets.cap_bytes);
+  // 0 is bucket_cap_mb=None: the default cap, shrunk for a small model (BucketConfig::min_buckets).
+  if (!(bucket_cap_mb >= 0) || !std::isfinite(bucket_cap_mb))
+    throw UsageError("shardflow.torch: bucket_cap_mb must be positive, got " + std::to_string(bucket_cap_mb));
+  if (bucket_cap_mb > 0) {
+    o.config.buckets.cap_bytes = std::max<std::size_t>(1, std::size_t(bucket_cap_mb * 1048576.0));
+    o.config.buckets.first_cap_bytes = std::min(o.config.buckets.first_cap_bytes, o.config.buckets.cap_bytes);
+  }
   o.config.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
   o.config.trace.path = trace;
   o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
@@ -207,6 +213,7 @@ StateDict from_python(const std::map<std::string, torch::Tensor>& tensors, const
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shardflow's native half; use shardflow.torch";
+  m.attr("torch_version") = TORCH_VERSION;  // the torch this was built against (shardflow doctor compares)
   // Errors keep shardflow's kinds: bad input is a ValueError, a peer past its timeout a TimeoutError.
   auto base = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
   py::register_exception<UsageError>(m, "UsageError", PyExc_ValueError);

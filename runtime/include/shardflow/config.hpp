@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstddef>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "shardflow/types.hpp"
@@ -40,19 +41,27 @@ const char* partition_name(Partition p);
 // trainer can keep.
 
 // How gradients are grouped for reduction.
+// The bucket cap when none is set (PyTorch's DDP default), and the buckets a small model gets
+// at least under it (BucketConfig::min_buckets).
+inline constexpr std::size_t kDefaultBucketCapBytes = std::size_t{25} << 20;
+inline constexpr std::size_t kDefaultMinBuckets = 4;
+
 struct BucketConfig {
   // Buckets are formed walking parameters in reverse registration order (backward produces the
   // last layer's gradients first). The first bucket is small so that the first reduction starts
   // early in backward; the rest are large so that per-collective latency is amortised. A bucket
   // closes as soon as its byte size reaches or passes its cap.
   std::size_t first_cap_bytes = std::size_t{1} << 20;  // 1 MiB
-  std::size_t cap_bytes = std::size_t{25} << 20;        // 25 MiB
-  // A model smaller than min_buckets x cap_bytes would get one or two buckets, and then nothing
+  // 0 (default): 25 MiB, shrunk for small models by min_buckets. A cap you set is used as given,
+  // as PyTorch's bucket_cap_mb is (`shardflow plan` says which rule set each cap).
+  std::size_t cap_bytes = 0;
+  // A model smaller than min_buckets x 25 MiB would get one or two buckets, and then nothing
   // overlaps: the reductions wait for the whole backward and the parameter syncs for the whole
-  // step. So the cap shrinks to the trainable bytes / min_buckets, never below first_cap_bytes
-  // (Note [Buckets for small models]; 8 x Linear(512, 512) over a 1 Gbit/s link, ZeRO-1: 84 ->
-  // 77 ms). 0: cap_bytes as set, PyTorch's behaviour.
-  std::size_t min_buckets = 4;
+  // step. So the default cap shrinks to the trainable bytes / min_buckets, never below
+  // first_cap_bytes (Note [Buckets for small models]; 8 x Linear(512, 512) over a 1 Gbit/s link,
+  // ZeRO-1: 84 -> 77 ms). Unset (default): 4 with the default cap, none with a cap you set; set,
+  // it applies to either (0: never shrink).
+  std::optional<std::size_t> min_buckets;
   // Gradients live inside the flat bucket buffers (no copy into / out of the bucket). Trainers
   // write gradients where Runtime::grad() points. Off: the trainer owns gradient storage
   // (ParamSpec::grad) and shardflow copies into and out of its buckets.

@@ -99,7 +99,8 @@ class DistributedDataParallel:
     syncs run against backward ("none", "after_backward", "interleaved"; default interleaved with
     an optimizer). forward_prefetch: step() returns before the parameter syncs land, and each
     submodule's forward waits for its own parameters (stages 1-2). bucket_cap_mb: the gradient
-    buckets' size. optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]) steps
+    buckets' size in MiB, used as given, as DDP's (None: 25, shrunk so that a small model still gets
+    four buckets to overlap). optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]) steps
     inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in .grad for a
     torch.optim optimizer. uneven_inputs: ranks may run out of data at different steps (train
     inside `with model.join():`). find_unused_parameters, static_graph, broadcast_buffers: as
@@ -108,7 +109,7 @@ class DistributedDataParallel:
     each step). trace: a Chrome trace of each rank's timeline ("{rank}" in the path, else one file
     per rank beside it)."""
 
-    def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=25.0, optimizer=None,
+    def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=None, optimizer=None,
                  uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
@@ -126,7 +127,7 @@ class DistributedDataParallel:
         groups = _groups(optimizer, module)
         self._ddp = _C.DataParallel(list(module.named_parameters()), list(module.named_buffers()), int(zero_stage), overlap,
                                     self._prefetch, self._uneven, bool(find_unused_parameters), bool(static_graph), bool(broadcast_buffers),
-                                    float(bucket_cap_mb), _timeout, trace or "", groups)
+                                    0.0 if bucket_cap_mb is None else float(bucket_cap_mb), _timeout, trace or "", groups)
         self._ddp.zero_grad()
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
         self._hooks = []

@@ -1,0 +1,99 @@
+// `shardflow doctor` and the OpenBLAS reproducibility probe (Note [OpenBLAS on CPUs it does not
+// know]): every check named and passing on this machine; the probe catches a kernel whose bits move
+// with the thread count and stays quiet on one whose do not; a /dev/shm too small for the job and a
+// GLOO_SOCKET_IFNAME that names no interface fail, each naming its fix.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "kernels/cpu/blas.hpp"
+
+namespace {
+
+struct Doctor {
+  int status = -1;
+  nlohmann::json checks;  // name -> {status, detail, fix}
+};
+
+Doctor doctor(const std::string& env, const std::string& args = "") {
+  const std::string cmd = "env " + env + " " + SHARDFLOW_LAUNCHER_PATH + " doctor --json " + args + " 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  REQUIRE(p);
+  std::string out;
+  char buf[4096];
+  while (std::size_t got = std::fread(buf, 1, sizeof buf, p)) out.append(buf, got);
+  Doctor d;
+  d.status = WEXITSTATUS(::pclose(p));
+  INFO(out);
+  const auto j = nlohmann::json::parse(out);
+  REQUIRE(j["ok"] == (d.status == 0));
+  for (const auto& c : j["checks"]) d.checks[c["name"].get<std::string>()] = c;
+  return d;
+}
+
+// The environment of a bare machine: nothing the checks read.
+const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLOO_SOCKET_IFNAME -u SHARDFLOW_SOCKET_IFNAME -u SHARDFLOW_SOCKET_ADDR";
+
+}  // namespace
+
+TEST_CASE("shardflow doctor on this machine with a bare environment: every check named, none fails, exit 0; the BLAS kernel is no pre-AVX fallback") {
+  const auto d = doctor(bare);
+  CHECK(d.status == 0);
+  for (const char* name : {"cpu", "openblas", "blas reproducibility", "libshardflow", "gpus", "python module", "/dev/shm", "open files",
+                           "locked memory", "network"}) {
+    INFO(name);
+    REQUIRE(d.checks.contains(name));
+    CHECK(d.checks[name]["status"] != "FAIL");
+    CHECK(!d.checks[name]["detail"].get<std::string>().empty());
+  }
+  // Out of the box the kernel is the one the CPU's features call for, whatever OpenBLAS knew of it.
+  const auto best = shardflow::kernels::blas::kernel().best_for_cpu;
+  CHECK(d.checks["openblas"]["detail"].get<std::string>().find("kernel " + best) != std::string::npos);
+  CHECK(d.checks["openblas"]["status"] == "ok");
+}
+
+TEST_CASE("the reproducibility probe catches Prescott (bits move with the thread count, names OPENBLAS_CORETYPE) and stays quiet on Sandybridge") {
+  const auto prescott = doctor(bare + " OPENBLAS_CORETYPE=Prescott");
+  CHECK(prescott.checks["blas reproducibility"]["status"] == "warn");
+  CHECK(prescott.checks["blas reproducibility"]["detail"].get<std::string>().find("other bits at other thread counts") != std::string::npos);
+  CHECK(prescott.checks["blas reproducibility"]["fix"].get<std::string>().find("OPENBLAS_CORETYPE=") != std::string::npos);
+  // Reordered, not wrong: within float32 rounding of a float64 sum.
+  CHECK(prescott.checks["blas reproducibility"]["detail"].get<std::string>().find("not wrong") != std::string::npos);
+  // Slow, too, where the CPU runs better: the openblas check says so.
+  if (shardflow::kernels::blas::kernel().best_for_cpu != "Prescott") CHECK(prescott.checks["openblas"]["status"] == "warn");
+  // Sandybridge (AVX) runs on every x86-64 CPU of the last decade and sums every tile alike.
+  const auto sandybridge = doctor(bare + " OPENBLAS_CORETYPE=Sandybridge");
+  CHECK(sandybridge.checks["blas reproducibility"]["status"] == "ok");
+  CHECK(sandybridge.checks["blas reproducibility"]["detail"].get<std::string>().find("reproducible") != std::string::npos);
+}
+
+TEST_CASE("a /dev/shm too small for the job fails, naming the size to grow it to") {
+  // A model whose two in-memory snapshots cannot fit: 64 Gi parameters' worth of shapes.
+  const auto dir = std::filesystem::temp_directory_path() / ("sf_doctor_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "huge.json") << R"([{"name": "w", "shape": [65536, 1048576]}])";
+  const auto d = doctor(bare, "--nproc-per-node 2 --snapshots --params " + (dir / "huge.json").string() + " --world-size 2");
+  CHECK(d.status == 1);
+  CHECK(d.checks["/dev/shm"]["status"] == "FAIL");
+  CHECK(d.checks["/dev/shm"]["fix"].get<std::string>().find("--shm-size") != std::string::npos);
+  CHECK(d.checks["/dev/shm"]["fix"].get<std::string>().find("remount,size=") != std::string::npos);
+  // Without snapshots the same job fits.
+  CHECK(doctor(bare, "--nproc-per-node 2 --params " + (dir / "huge.json").string() + " --world-size 2").checks["/dev/shm"]["status"] == "ok");
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a GLOO_SOCKET_IFNAME that names no interface fails, naming the variable and the interfaces there are") {
+  const auto d = doctor(bare + " GLOO_SOCKET_IFNAME=nosuch0");
+  CHECK(d.status == 1);
+  CHECK(d.checks["network"]["status"] == "FAIL");
+  CHECK(d.checks["network"]["detail"].get<std::string>().find("'nosuch0'") != std::string::npos);
+  CHECK(d.checks["network"]["detail"].get<std::string>().find("lo=127.0.0.1") != std::string::npos);
+  CHECK(d.checks["network"]["fix"].get<std::string>().find("GLOO_SOCKET_IFNAME") != std::string::npos);
+  CHECK(doctor(bare + " GLOO_SOCKET_IFNAME=lo").checks["network"]["status"] == "ok");
+}
