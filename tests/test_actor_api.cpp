@@ -141,14 +141,14 @@ TEST_CASE("a rank that reports a gradient twice fails: its trainer actor's itera
   TwoRanks ranks(20s);
   ranks.setup(false);
   std::vector<caf::error> answers(2);
-  std::vector<bool> failed_event(2, false);
+  std::vector<char> failed_event(2, 0);  // a byte per rank thread: vector<bool> packs both into one word
   ranks.each_rank(rank_api::failed, [&](caf::scoped_actor& self, const rank_api::actor& rank, int r) {
       self->request(rank, 10s, rank_api::grad_atom::value, ranks.p[std::size_t(r)]).receive([](GradSlot) {}, [](caf::error&) {});
       self->send(rank, rank_api::grad_ready_atom::value, ranks.p[std::size_t(r)]);
       if (r == 1) self->send(rank, rank_api::grad_ready_atom::value, ranks.p[std::size_t(r)]);  // twice
       self->request(rank, 15s, rank_api::iteration_atom::value)
           .receive([](rank_api::step_done_atom, std::uint64_t) {}, [&](caf::error& e) { answers[std::size_t(r)] = e; });
-      self->receive([&](rank_api::failed_atom, caf::error&) { failed_event[std::size_t(r)] = true; },
+      self->receive([&](rank_api::failed_atom, caf::error&) { failed_event[std::size_t(r)] = 1; },
                     caf::after(std::chrono::seconds(5)) >> [] {});
   });
   REQUIRE(answers[1]);

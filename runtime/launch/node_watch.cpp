@@ -241,11 +241,7 @@ std::string NodeWatch::label(int node) const {
 
 void NodeWatch::start() {
   beat_ = std::make_unique<TcpStoreClient>(o_.store_host, o_.store_port, o_.token, o_.heartbeat_timeout);
-  const auto now = clock::now();
-  exited_.assign(std::size_t(o_.nnodes), false);
-  lost_.assign(std::size_t(o_.nnodes), false);
-  last_beat_.assign(std::size_t(o_.nnodes), -1);
-  beat_seen_.assign(std::size_t(o_.nnodes), now);
+  peers_.reset(o_.nnodes, clock::now());
   thread_ = std::thread([this] { heartbeat_loop(); });
 }
 
@@ -285,30 +281,18 @@ void NodeWatch::heartbeat_loop() {
 
 void NodeWatch::watch_peers(TcpStoreClient& store, clock::time_point now) {
   for (int k = 1; k < o_.nnodes; ++k) {
-    const auto i = std::size_t(k);
     {
       std::lock_guard lock(mu_);
-      if (exited_[i] || lost_[i] || !member(k)) continue;
+      if (!member(k)) continue;
     }
+    if (!peers_.watched(k)) continue;
     if (store.check({key("exit/" + std::to_string(k))})) {
-      std::lock_guard lock(mu_);
-      exited_[i] = true;
-      cv_.notify_all();
+      peers_.mark_exited(k);
       continue;
     }
-    const auto beats = store.add(key("hb/" + std::to_string(k)), 0);
-    if (beats != last_beat_[i]) {
-      last_beat_[i] = beats;
-      beat_seen_[i] = now;
-      continue;
-    }
-    const auto silent = std::chrono::duration_cast<milliseconds>(now - beat_seen_[i]);
+    const auto silent = peers_.beat(k, store.add(key("hb/" + std::to_string(k)), 0), now);
     if (silent < o_.heartbeat_timeout) continue;
-    {
-      std::lock_guard lock(mu_);
-      lost_[i] = true;
-      cv_.notify_all();
-    }
+    peers_.mark_lost(k);
     peer_failed(label(k) + " lost: no heartbeat for " + seconds(silent) +
                     " (its launcher was killed, or its host or the link is down)",
                 true, &store, true);
@@ -378,19 +362,16 @@ std::string NodeWatch::finish(int exit_code, milliseconds limit) {
     if (o_.node_rank != 0 && !said) notes.push_back(label(0) + "'s store is unreachable (" + std::string(e.what()) + ")");
   }
   if (o_.node_rank == 0 && thread_.joinable()) {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, limit, [&] {
-      for (int k = 1; k < o_.nnodes; ++k)
-        if (member(k) && !exited_[std::size_t(k)] && !lost_[std::size_t(k)]) return false;
-      return true;
-    });
-    for (int k = 1; k < o_.nnodes; ++k) {
-      if (!member(k)) continue;  // left out at a restart (Note [Shrinking the world]): said then
-      if (failure_ && failure_->find(label(k)) != std::string::npos) continue;  // said already
-      if (lost_[std::size_t(k)]) notes.push_back(label(k) + " was lost (no heartbeat)");
-      else if (!exited_[std::size_t(k)]) notes.push_back(label(k) + " had not finished");
+    // Left out at a restart (Note [Shrinking the world]): said then; not waited for.
+    const std::vector<int> members = this->members();
+    peers_.wait_settled(members, limit);
+    const auto failure = peer_failure();
+    for (int k : members) {
+      if (k == 0) continue;
+      if (failure && failure->find(label(k)) != std::string::npos) continue;  // said already
+      if (peers_.lost(k)) notes.push_back(label(k) + " was lost (no heartbeat)");
+      else if (!peers_.exited(k)) notes.push_back(label(k) + " had not finished");
     }
-    lock.unlock();
     collect_failures();
   }
   std::string out;
@@ -413,10 +394,6 @@ std::string NodeWatch::decide(milliseconds limit) {
     if (!main_->check({key_k})) return std::nullopt;
     return main_->get(key_k);
   };
-  auto is_lost = [&](int k) {
-    std::lock_guard lock(mu_);
-    return lost_[std::size_t(k)];
-  };
   std::vector<int> members;
   {
     std::lock_guard lock(mu_);
@@ -432,7 +409,7 @@ std::string NodeWatch::decide(milliseconds limit) {
       const auto said = posted(k);
       if (said && *said != "restart") return "stop " + label(k) + " does not restart (interrupted or out of restarts)";
       if (said) continue;
-      if (is_lost(k)) lost.push_back(k);
+      if (peers_.lost(k)) lost.push_back(k);
       else silent += (silent.empty() ? "" : ", ") + label(k);
     }
     if (silent.empty()) break;
@@ -466,11 +443,7 @@ std::string NodeWatch::decide(milliseconds limit) {
       const std::string kk = std::to_string(k);
       // Its earlier launcher's exit and copy address are not this one's.
       for (const auto& stale : {"join/", "left/", "exit/", "mirror/", "rejoin-claim/"}) main_->remove(key(stale + kk));
-      {
-        std::lock_guard lock(mu_);
-        exited_[std::size_t(k)] = false;
-        lost_[std::size_t(k)] = true;  // watched afresh once the decision is taken (decide_restart)
-      }
+      peers_.rejoining(k);  // watched afresh once the decision is taken (decide_restart)
       main_->set(key("joined/" + kk), std::to_string(next_generation));
       next.push_back(k);
     }
@@ -517,15 +490,8 @@ std::optional<std::vector<int>> NodeWatch::decide_restart(bool want, millisecond
     why_not = "this node does not restart";
     return std::nullopt;
   }
+  for (int k : next) peers_.readmit(k, clock::now());  // a lost node that came back: watched afresh
   std::lock_guard lock(mu_);
-  for (int k = 0; k < o_.nnodes; ++k) {
-    const bool in_next = std::find(next.begin(), next.end(), k) != next.end();
-    if (in_next && lost_[std::size_t(k)]) {  // came back: watched afresh
-      lost_[std::size_t(k)] = false;
-      last_beat_[std::size_t(k)] = -1;
-      beat_seen_[std::size_t(k)] = clock::now();
-    }
-  }
   members_ = next;
   return next;
 }

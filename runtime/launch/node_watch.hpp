@@ -59,6 +59,8 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/launch/peer_table.hpp"
+
 namespace shardflow {
 class TcpStoreClient;
 }
@@ -150,9 +152,7 @@ class NodeWatch {
   std::vector<int> members_;              // the nodes of this generation, by node rank at the start
   int generation_ = 0;
   int joined_at_ = 0;
-  std::vector<bool> exited_, lost_;       // node 0's view of the others
-  std::vector<std::int64_t> last_beat_;
-  std::vector<std::chrono::steady_clock::time_point> beat_seen_;
+  PeerTable peers_;                       // node 0's view of the others (Note [One owner for the peers' state])
   std::thread thread_;
 };
 

@@ -1,0 +1,54 @@
+// Node 0's view of its peers (runtime/launch/peer_table.hpp, Note [One owner for the peers'
+// state]): the heartbeat thread marks nodes exited and lost and reads their beats while the
+// launcher's thread decides from the same table. Run under `make sanitize-thread` this is the
+// scenario that catches a read or write that bypasses the table's lock.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "runtime/launch/peer_table.hpp"
+
+using shardflow::launch::PeerTable;
+using namespace std::chrono_literals;
+
+TEST_CASE("peer table: 8 nodes, the heartbeat thread beats, loses and readmits them while the launcher's thread decides and waits; every node settles") {
+  PeerTable t;
+  const int nodes = 8;
+  const auto t0 = PeerTable::clock::now();
+  t.reset(nodes, t0);
+  std::atomic<bool> done{false};
+  // The heartbeat thread: neighbouring nodes' flags change at once (a vector<bool> would share a word).
+  std::thread heartbeat([&] {
+    for (int round = 0; round < 2000; ++round)
+      for (int k = 1; k < nodes; ++k) {
+        const auto now = t0 + std::chrono::milliseconds(round);
+        if (t.beat(k, round % 3 == 0 ? round : round - 1, now) > 2ms) t.mark_lost(k);
+        if (round % 7 == k) t.readmit(k, now);
+      }
+    for (int k = 1; k < nodes; ++k) (k % 2 ? t.mark_exited(k) : t.mark_lost(k));
+    done = true;
+  });
+  // The launcher's thread: decides from the same facts meanwhile, as NodeWatch::decide does.
+  std::size_t reads = 0;
+  while (!done)
+    for (int k = 1; k < nodes; ++k) reads += t.lost(k) + t.exited(k) + t.watched(k);
+  std::vector<int> members;
+  for (int k = 0; k < nodes; ++k) members.push_back(k);
+  t.wait_settled(members, 10s);
+  heartbeat.join();
+  for (int k = 1; k < nodes; ++k) {
+    CHECK_FALSE(t.watched(k));
+    CHECK(t.exited(k) == (k % 2 == 1));
+  }
+  CHECK(reads > 0);
+  // A node that asks to come back is lost until readmitted, then watched afresh.
+  t.rejoining(2);
+  CHECK(t.lost(2));
+  t.readmit(2, t0);
+  CHECK(t.watched(2));
+  CHECK(t.beat(2, 5, t0 + 1s) == 0ms);  // its first beat counts as movement
+  CHECK_THROWS(t.lost(nodes));          // no such node: an error, not a read past the end
+}
