@@ -117,7 +117,7 @@ using Named = std::vector<std::pair<std::string, torch::Tensor>>;
 std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Named& buffers, int zero_stage, const std::string& overlap,
                                                  bool forward_prefetch, bool uneven_inputs, bool find_unused_parameters, bool static_graph,
                                                  bool broadcast_buffers, double bucket_cap_mb, double timeout_s, const std::string& trace,
-                                                 const std::vector<Group>& groups) {
+                                                 const std::vector<Group>& groups, double clip_grad_norm, double clip_norm_type) {
   libtorch::Options o;
   if (zero_stage < 0 || zero_stage > 2) throw UsageError("shardflow.torch: zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
   o.config.zero.stage = ZeroStage(zero_stage);
@@ -136,10 +136,13 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   }
   o.config.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
   o.config.trace.path = trace;
+  o.config.zero.clip_grad_norm = float(clip_grad_norm);  // 0: off (Note [Clipping that cannot be lost], torch.py)
+  o.config.zero.clip_norm_type = float(clip_norm_type);
   o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
                             {"join.uneven_inputs", "uneven_inputs"}, {"buckets.cap_bytes", "bucket_cap_mb"}, {"timeouts.collective", "init(timeout=)"},
                             {"trace.path", "trace"}, {"buckets.find_unused_parameters", "find_unused_parameters"},
-                            {"buckets.static_graph", "static_graph"}, {"sync.buffers", "broadcast_buffers"}};
+                            {"buckets.static_graph", "static_graph"}, {"sync.buffers", "broadcast_buffers"},
+                            {"zero.clip_grad_norm", "clip_grad_norm"}, {"zero.clip_norm_type", "clip_norm_type"}};
   auto c = comm();
   std::unique_ptr<libtorch::DataParallel> d;
   {
@@ -267,6 +270,7 @@ PYBIND11_MODULE(_C, m) {
       .def("load_checkpoint", [](libtorch::DataParallel& d, const std::string& path) { d.runtime().load_checkpoint(path); },
            py::call_guard<py::gil_scoped_release>())
       .def("optimizer_steps", [](libtorch::DataParallel& d) { return d.runtime().optimizer_steps(); })
+      .def("last_grad_norm", [](libtorch::DataParallel& d) { return d.runtime().last_grad_norm(); })
       .def("stats_json", [](libtorch::DataParallel& d) { return d.runtime().stats().to_json(); })
       .def("memory_report", [](libtorch::DataParallel& d) { return d.runtime().memory_report().str(); })
       .def("rank", [](libtorch::DataParallel& d) { return d.runtime().rank(); })

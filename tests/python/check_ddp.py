@@ -10,8 +10,11 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
   uses (it never moves);
 - the training state: state_dict() after 5 steps loaded into a fresh model at another stage, and a
   sharded checkpoint, both going on to step 10 as if never stopped;
+- clip_grad_norm= at stages 0-2 = DDP + torch.nn.utils.clip_grad_norm_ + AdamW (the clip engaged);
+  accumulation by DDP's require_backward_grad_sync attribute = DDP's;
 - bad arguments are refused naming the argument, and a forward after backward without step(); an
-  error in backward's hooks is a RuntimeError from loss.backward().
+  error in backward's hooks is a RuntimeError from loss.backward(); torch's clip_grad_norm_ where
+  .grad is not the averaged gradient (stages 1-2, or before step()) raises, naming clip_grad_norm=.
 Exit 77 (skipped) without python3-torch."""
 import os
 import sys
@@ -24,7 +27,7 @@ except ImportError:
     sys.exit(77)
 import shardflow.torch as sft
 
-ROWS, STEPS, LR = 12, 10, 1e-2
+ROWS, STEPS, LR, CLIP = 12, 10, 1e-2, 0.05
 F = torch.nn.functional
 
 
@@ -75,12 +78,18 @@ def loss_of(m, x, y, accumulate, no_sync):
         F.mse_loss(m(x), y).backward()
         return
     half = len(x) // 2
+    if accumulate == "flag":  # DDP's attribute, set per micro-step as nanoGPT-style scripts do
+        m.require_backward_grad_sync = False
+        (F.mse_loss(m(x[:half]), y[:half]) * half / len(x)).backward()
+        m.require_backward_grad_sync = True
+        (F.mse_loss(m(x[half:]), y[half:]) * (len(x) - half) / len(x)).backward()
+        return
     with no_sync():
         (F.mse_loss(m(x[:half]), y[:half]) * half / len(x)).backward()
     (F.mse_loss(m(x[half:]), y[half:]) * (len(x) - half) / len(x)).backward()
 
 
-def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=False, uneven=False, branchy=False):
+def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=False, uneven=False, branchy=False, clip=None):
     """What PyTorch's own DDP computes: rank 0's weights, DDP + AdamW (or ZeroRedundancyOptimizer)."""
     m = model_for(1, branchy)
     if frozen:
@@ -103,6 +112,8 @@ def pytorch(rank, world, zero=False, accumulate=False, frozen=False, groups=Fals
             m.which = (step + rank) % 2
             opt.zero_grad(set_to_none=True)  # a head no rank used keeps grad None: AdamW skips it
             loss_of(ddp, x, y, accumulate, ddp.no_sync)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             opt.step()
     return m
 
@@ -183,7 +194,12 @@ def main():
               ("ZeRO-2, two param groups, lr halved at step 5", {"groups": True}, {"groups": True}, dict(zero_stage=2)),
               ("ZeRO-1, uneven inputs under join() = DDP's join", {"uneven": True}, {"uneven": True}, dict(zero_stage=1, optimizer=adamw)),
               ("ZeRO-1, find_unused_parameters = DDP's", {"branchy": True}, {"branchy": True, "zero": True}, dict(zero_stage=1, optimizer=adamw)),
-              ("ZeRO-0, find_unused_parameters = DDP's", {"branchy": True}, {"branchy": True}, dict(zero_stage=0, optimizer=adamw))]
+              ("ZeRO-0, find_unused_parameters = DDP's", {"branchy": True}, {"branchy": True}, dict(zero_stage=0, optimizer=adamw)),
+              ("ZeRO-0, require_backward_grad_sync accumulation = DDP's", {"accumulate": "flag"}, {"accumulate": "flag"},
+               dict(zero_stage=0, optimizer=adamw))]
+    for stage in (0, 1, 2):
+        cases.append(("ZeRO-%d clip_grad_norm=%g = DDP + clip_grad_norm_ + AdamW" % (stage, CLIP), {}, {"clip": CLIP},
+                      dict(zero_stage=stage, optimizer=adamw, clip_grad_norm=CLIP)))
     failed = 0
 
     def report(name, err):
@@ -201,6 +217,9 @@ def main():
         if ours.get("branchy") and not torch.equal(got.never.weight, model_for(1, True).never.weight):
             failed += 1
             print("rank %d: the head no rank used moved" % rank)
+    if worst(pytorch(rank, world, clip=CLIP), pytorch(rank, world)) < 1e-3:  # else the clip cases test nothing
+        failed += 1
+        print("rank %d: clipping at %g changed nothing: the clip cases do not test it" % (rank, CLIP))
     with tempfile.TemporaryDirectory() as scratch:
         workdir = os.path.join(os.path.dirname(sys.argv[1]), "ckpt")  # one directory for every rank
         want = pytorch(rank, world, zero=True)
@@ -245,6 +264,21 @@ def main():
     loss.backward(retain_graph=True)
     failed += refused(loss.backward, RuntimeError, "marked ready twice", "a second backward through one graph")
     ddp.step()
+    # Note [Clipping that cannot be lost]: torch's clip where .grad is not the averaged gradient.
+    clip = torch.nn.utils.clip_grad_norm_
+    for stage in (1, 2):
+        ddp = sft.DistributedDataParallel(model(0), zero_stage=stage, optimizer=adamw)
+        F.mse_loss(ddp(x), y).backward()
+        failed += refused(lambda: clip(ddp.parameters(), 1.0), ValueError, "clip_grad_norm=C", "torch's clip at stage %d" % stage)
+        ddp.step()
+    ddp = sft.DistributedDataParallel(model(0))
+    F.mse_loss(ddp(x), y).backward()
+    failed += refused(lambda: torch.nn.utils.clip_grad_value_(ddp.parameters(), 1.0), ValueError, "call model.step() first",
+                      "torch's clip before step() at stage 0")
+    ddp.step()
+    clip(ddp.parameters(), 1.0)  # after step(): .grad is the averaged gradient, torch's clip is right
+    failed += refused(lambda: sft.DistributedDataParallel(model(0), clip_grad_norm=1.0), ValueError, "there is none",
+                      "clip_grad_norm= without optimizer=")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -15,7 +15,9 @@ Rank 0's parameters and buffers are every rank's once the model is wrapped. With
 optimizer of your own.
 """
 import contextlib
+import functools
 import json
+import weakref
 
 import torch  # noqa: F401  (loads libtorch before the native half)
 
@@ -28,6 +30,40 @@ MismatchError = _C.MismatchError
 CommError = _C.CommError
 
 _OVERLAPS = ("none", "after_backward", "interleaved")
+
+# Note [Clipping that cannot be lost]
+# With the optimizer inside shardflow (zero_stage 1 or 2, or optimizer= at 0) a parameter's .grad
+# is not the averaged gradient a clip would need when the user's code runs: at stage 2 it is None
+# once its bucket is reduced, at stage 1 it views bucket memory the runtime is still reducing and
+# stepping, so torch.nn.utils.clip_grad_norm_ between loss.backward() and step() either clips
+# nothing or races with the step (measured: runs that diverged). Without that optimizer, .grad
+# holds the averaged gradient only after step(). So torch's clip functions are wrapped: called on a
+# wrapped model's parameters where .grad is not that gradient, they raise and say what to do;
+# elsewhere they are torch's own. The clip that works with the step inside backward is
+# DistributedDataParallel(clip_grad_norm=C): the exact global norm over every rank's shard, as
+# torch.nn.utils.clip_grad_norm_ computes it over the whole model (coefficient C / (norm + 1e-6)).
+_live = weakref.WeakSet()  # the wrappers alive in this process
+
+
+def _guard_clip(torch_fn, name):
+    @functools.wraps(torch_fn)
+    def clip(parameters, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        ids = {id(p) for p in parameters}
+        for ddp in list(_live):
+            if ids & ddp._param_ids:
+                ddp._check_grads_readable(name)
+        return torch_fn(parameters, *args, **kwargs)
+    clip._shardflow_guard = True
+    return clip
+
+
+for _module in (torch.nn.utils, torch.nn.utils.clip_grad):
+    for _name in ("clip_grad_norm_", "clip_grad_value_"):
+        if not getattr(getattr(_module, _name), "_shardflow_guard", False):
+            setattr(_module, _name, _guard_clip(getattr(_module, _name), "torch.nn.utils." + _name))
 
 
 def init(timeout=300.0, backend="auto"):
@@ -107,10 +143,15 @@ class DistributedDataParallel:
     DDP's (parameters forward did not use are reduced as zeros, and not stepped where no rank used
     them; a graph that never changes, re-entrant backward included; rank 0's buffers everywhere
     each step). trace: a Chrome trace of each rank's timeline ("{rank}" in the path, else one file
-    per rank beside it)."""
+    per rank beside it). clip_grad_norm, clip_norm_type (2.0 or inf): clip as
+    torch.nn.utils.clip_grad_norm_ clips the whole model, inside shardflow's optimizer step with
+    the exact global norm (needs optimizer=); torch's own clip functions raise where .grad is not
+    the averaged gradient (Note [Clipping that cannot be lost]). require_backward_grad_sync: DDP's
+    attribute; False accumulates the next backward passes locally, as inside no_sync()."""
 
     def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=None, optimizer=None,
-                 uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None):
+                 uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None,
+                 clip_grad_norm=None, clip_norm_type=2.0):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
         if overlap is None:  # interleaved where shardflow steps; nothing to overlap where it does not
@@ -120,15 +161,24 @@ class DistributedDataParallel:
         if zero_stage != 0 and optimizer is None:
             raise UsageError("shardflow.torch.DistributedDataParallel: zero_stage %d shards the optimizer, so it needs "
                              "optimizer=(kind, {...}) to step inside shardflow" % zero_stage)
+        if clip_grad_norm is not None and optimizer is None:
+            raise UsageError("shardflow.torch.DistributedDataParallel: clip_grad_norm=%r clips inside shardflow's optimizer step, and "
+                             "there is none: pass optimizer=(kind, {...}), or clip with torch.nn.utils.clip_grad_norm_ after "
+                             "model.step(), when .grad holds the averaged gradient" % (clip_grad_norm,))
         self.module = module
+        self._in_runtime = optimizer is not None
+        self._zero_stage = int(zero_stage)
+        self._param_ids = {id(p) for p in module.parameters()}
         self._prefetch = bool(forward_prefetch)
         self._accumulating = False
         self._uneven = bool(uneven_inputs)
         groups = _groups(optimizer, module)
         self._ddp = _C.DataParallel(list(module.named_parameters()), list(module.named_buffers()), int(zero_stage), overlap,
                                     self._prefetch, self._uneven, bool(find_unused_parameters), bool(static_graph), bool(broadcast_buffers),
-                                    0.0 if bucket_cap_mb is None else float(bucket_cap_mb), _timeout, trace or "", groups)
+                                    0.0 if bucket_cap_mb is None else float(bucket_cap_mb), _timeout, trace or "", groups,
+                                    0.0 if clip_grad_norm is None else float(clip_grad_norm), float(clip_norm_type))
         self._ddp.zero_grad()
+        _live.add(self)
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
         self._hooks = []
         if self._prefetch:
@@ -138,6 +188,38 @@ class DistributedDataParallel:
                 own = list(sub.parameters(recurse=False))
                 if own:
                     self._hooks.append(sub.register_forward_pre_hook(self._waiter(own, name or type(module).__name__)))
+
+    def _check_grads_readable(self, what):
+        """Note [Clipping that cannot be lost]: raises unless .grad holds the averaged gradient."""
+        if self._in_runtime:
+            where = ("None once its bucket is reduced" if self._zero_stage == 2 else
+                     "bucket memory shardflow is still reducing and stepping")
+            raise UsageError("%s on a shardflow.torch model whose optimizer steps inside shardflow (zero_stage %d): each .grad is %s, "
+                             "so the clip would be lost or race with the step. Pass clip_grad_norm=C (and clip_norm_type=) to "
+                             "DistributedDataParallel instead: it clips with the exact global norm inside the step"
+                             % (what, self._zero_stage, where))
+        if self._ddp.grads_this_pass():
+            raise UsageError("%s between loss.backward() and model.step(): .grad holds this rank's own gradient until step() "
+                             "averages it over the ranks; call model.step() first, then clip, then your optimizer's step()" % what)
+
+    @property
+    def require_backward_grad_sync(self):
+        """DDP's attribute: False makes the following backward passes accumulate locally (as inside
+        no_sync(), also across forwards); set back to True before the pass whose step() reduces."""
+        return not self._accumulating
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, sync):
+        sync = bool(sync)
+        if sync == (not self._accumulating):
+            return
+        if sync:
+            self._end_open_pass()  # the last local pass ends as accumulation before syncing resumes
+            self._ddp.set_require_sync(True)
+            self._accumulating = False
+        else:
+            self._ddp.set_require_sync(False)
+            self._accumulating = True
 
     def __getattr__(self, name):
         """What the wrapper does not define is the module's (train(), eval(), parameters(), ...),
@@ -268,6 +350,11 @@ class DistributedDataParallel:
             dict.update(g, self._ddp.hyperparameters(g._index))
 
     # ---- what a run looks like ------------------------------------------------------------------
+    @property
+    def last_grad_norm(self):
+        """The global gradient norm of the last step, over every rank (computed when clipping)."""
+        return self._ddp.last_grad_norm()
+
     def stats(self):
         """Each recent step's figures and their medians (iteration, exposed communication, bytes)."""
         return json.loads(self._ddp.stats_json())
