@@ -2,15 +2,22 @@
 
 #include <cpuid.h>
 #include <dlfcn.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <strings.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <vector>
 
 namespace shardflow::kernels::blas {
@@ -168,6 +175,7 @@ Probe probe() {
   if (!a.lib) return p;
   p.ran = true;
   p.kernel = a.corename();
+  p.threads_probed = std::min(3, a.get_threads());
   // NT 4096x6x24 moves an N edge between threads, NT 11x256x256 an M edge (Note [OpenBLAS on
   // CPUs it does not know]); NN and TN as the backward pass calls them.
   const Case cases[] = {{false, true, 4096, 6, 24}, {false, true, 11, 256, 256}, {false, false, 21, 64, 256}, {true, false, 10, 256, 32}};
@@ -208,7 +216,7 @@ Probe probe() {
       }
     auto same = [&](const std::vector<float>& r) { return std::memcmp(r.data(), ref.data(), ref.size() * sizeof(float)) == 0; };
     for (int threads : {2, 3})
-      if (p.thread_invariant && !same(run(threads, 0))) {
+      if (threads <= threads_before && p.thread_invariant && !same(run(threads, 0))) {
         p.thread_invariant = false;
         if (p.moved.empty()) p.moved = describe(c) + ": 1 vs " + std::to_string(threads) + " threads";
       }
@@ -222,12 +230,81 @@ Probe probe() {
   return p;
 }
 
+int probe_child_main() {
+  load();
+  const Probe p = probe();
+  std::printf("ran %d\ninvariant %d\nrepeatable %d\nthreads %d\nerror %.17g\nkernel %s\nmoved %s\n", int(p.ran), int(p.thread_invariant),
+              int(p.repeatable), p.threads_probed, p.max_rel_error, p.kernel.c_str(), p.moved.c_str());
+  for (const char* name : {"OPENBLAS_CORETYPE", kReplacedEnv})
+    if (const char* v = std::getenv(name)) std::printf("env %s=%s\n", name, v);
+  return 0;
+}
+
+Probe probe_in_child(const std::string& exe, const std::string& arg, std::vector<std::pair<std::string, std::string>>* kernel_env) {
+  Probe p;
+  int fds[2];
+  if (::pipe(fds) != 0) return p;
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(fds[0]), ::close(fds[1]);
+    return p;
+  }
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::close(fds[0]), ::close(fds[1]);
+    ::setenv("OPENBLAS_NUM_THREADS", "3", 1);  // the pool the probe lowers from
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execl(exe.c_str(), exe.c_str(), arg.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  std::string out;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    pollfd pfd{fds[0], POLLIN, 0};
+    if (left <= 0 || ::poll(&pfd, 1, int(left)) <= 0) {
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    char buf[1024];
+    const auto got = ::read(fds[0], buf, sizeof buf);
+    if (got <= 0) break;
+    out.append(buf, std::size_t(got));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return Probe{};
+  std::istringstream in(out);
+  std::string key;
+  while (in >> key) {
+    std::string rest;
+    std::getline(in, rest);
+    if (!rest.empty() && rest.front() == ' ') rest.erase(0, 1);
+    if (key == "ran") p.ran = rest == "1";
+    else if (key == "invariant") p.thread_invariant = rest == "1";
+    else if (key == "repeatable") p.repeatable = rest == "1";
+    else if (key == "threads") p.threads_probed = std::atoi(rest.c_str());
+    else if (key == "error") p.max_rel_error = std::atof(rest.c_str());
+    else if (key == "kernel") p.kernel = rest;
+    else if (key == "moved") p.moved = rest;
+    else if (key == "env" && kernel_env && rest.find('=') != std::string::npos)
+      kernel_env->emplace_back(rest.substr(0, rest.find('=')), rest.substr(rest.find('=') + 1));
+  }
+  return p;
+}
+
 std::string Probe::line() const {
   if (!ran) return "BLAS: not OpenBLAS, not probed";
   char err[32];
   std::snprintf(err, sizeof err, "%.1e", max_rel_error);
   if (thread_invariant && repeatable)
-    return "OpenBLAS " + kernel + ": reproducible (same bits at 1-3 threads and shifted buffers; " + err + " from float64)";
+    return "OpenBLAS " + kernel + ": reproducible (same bits at 1-" + std::to_string(threads_probed) + " threads and shifted buffers; " + err +
+           " from float64)";
   std::string fix;
   const std::string best = best_for_cpu();
   if (!repeatable)

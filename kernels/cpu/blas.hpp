@@ -28,6 +28,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace shardflow::kernels::blas {
 
@@ -56,13 +58,24 @@ struct Probe {
   double max_rel_error = 0;      // against a float64 sum, relative to the sum of |terms|
   std::string moved;             // the first case whose bits moved: shape and what changed
   std::string kernel;            // the kernel probed
+  int threads_probed = 0;        // the thread counts compared: 1 to this
   // One line: the verdict and, when bits move, the setting that fixes it.
   std::string line() const;
 };
 
 // A few sgemm calls shaped like the ones that showed the effect, at 1, 2 and 3 OpenBLAS threads and
-// at shifted buffers, compared bit for bit (a few milliseconds). It sets the thread count and
-// restores it: run it where no other thread is using BLAS (the launcher, doctor, a test).
+// at shifted buffers, compared bit for bit (a few milliseconds). It lowers the thread count and
+// restores it, never above what OpenBLAS started with (growing 0.3.21's running pool is not safe):
+// run it where no other thread is using BLAS, best through probe_in_child.
 Probe probe();
+
+// probe() in a child process: `exe` run with `arg` must call probe_child_main(). OpenBLAS starts
+// there with 3 threads, so the probe only lowers the count, and whatever OpenBLAS does cannot take
+// the caller down (the launcher, which links no BLAS). `kernel_env` gets the OPENBLAS_CORETYPE and
+// SHARDFLOW_BLAS_REPLACED the child chose, for the ranks. ran = false when the child failed or took
+// longer than 20 s.
+Probe probe_in_child(const std::string& exe, const std::string& arg, std::vector<std::pair<std::string, std::string>>* kernel_env);
+// The child's side: loads OpenBLAS, probes, prints the result for probe_in_child; exit status 0.
+int probe_child_main();
 
 }  // namespace shardflow::kernels::blas

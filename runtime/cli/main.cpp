@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "kernels/cpu/blas.hpp"
 #include "runtime/cli/doctor_command.hpp"
 #include "runtime/cli/plan_command.hpp"
 #include "runtime/launch/launcher.hpp"
@@ -60,6 +61,8 @@ std::string unknown_run_flag(int argc, char** argv, const CLI::App& run) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The launcher's and doctor's OpenBLAS probe runs in a child of this command (kernels/cpu/blas.hpp).
+  if (argc == 2 && std::string(argv[1]) == "__blas-probe") return shardflow::kernels::blas::probe_child_main();
   // CLI11 would say only "A subcommand is required" for a misspelt one.
   if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" && std::string(argv[1]) != "plan" &&
       std::string(argv[1]) != "doctor") {

@@ -72,12 +72,15 @@ class Supervisor {
     pthread_sigmask(SIG_BLOCK, &mask, &old);
     sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd_ < 0) throw Error("signalfd: " + std::string(std::strerror(errno)));
-    // Note [OpenBLAS on CPUs it does not know]: loaded only now that the signals are blocked (its
-    // worker threads inherit the mask). Where OpenBLAS fell back to a pre-AVX kernel the choice
-    // made here reaches the ranks as OPENBLAS_CORETYPE, before their torch or shardflow loads it;
-    // a kernel whose bits depend on the thread count is said once, with the setting that fixes it.
-    if (kernels::blas::load()) {
-      const auto probe = kernels::blas::probe();
+    // Note [OpenBLAS on CPUs it does not know]: a child of this command probes OpenBLAS (the
+    // launcher itself loads no BLAS: Note [Launcher supervision]). Where OpenBLAS fell back to a
+    // pre-AVX kernel, the child's choice reaches the ranks as OPENBLAS_CORETYPE, before their
+    // torch or shardflow loads it; a kernel whose bits depend on the thread count is said once,
+    // with the setting that fixes it.
+    {
+      std::vector<std::pair<std::string, std::string>> blas_env;
+      const auto probe = kernels::blas::probe_in_child("/proc/self/exe", "__blas-probe", &blas_env);
+      for (const auto& [name, value] : blas_env) ::setenv(name.c_str(), value.c_str(), 1);
       if (probe.ran && !(probe.thread_invariant && probe.repeatable)) say(probe.line());
     }
 

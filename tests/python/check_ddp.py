@@ -279,6 +279,13 @@ def main():
     clip(ddp.parameters(), 1.0)  # after step(): .grad is the averaged gradient, torch's clip is right
     failed += refused(lambda: sft.DistributedDataParallel(model(0), clip_grad_norm=1.0), ValueError, "there is none",
                       "clip_grad_norm= without optimizer=")
+    # DDP's surface: device_ids for a CPU module refused by name, an attribute set that would do nothing refused.
+    sft.DistributedDataParallel(model(0), device_ids=None, output_device=None)
+    failed += refused(lambda: sft.DistributedDataParallel(model(0), device_ids=[0]), ValueError, "device_ids=[0]", "device_ids for a CPU module")
+
+    def set_attr():
+        ddp.gradient_as_bucket_view = False
+    failed += refused(set_attr, ValueError, "'gradient_as_bucket_view'", "a DDP attribute shardflow does not take")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -44,6 +44,13 @@ _OVERLAPS = ("none", "after_backward", "interleaved")
 # torch.nn.utils.clip_grad_norm_ computes it over the whole model (coefficient C / (norm + 1e-6)).
 _live = weakref.WeakSet()  # the wrappers alive in this process
 
+# PyTorch DDP's public attributes that this wrapper does not take after construction: setting one
+# would otherwise land on the wrapper and change nothing. require_backward_grad_sync is honoured.
+_DDP_ATTRIBUTES = ("broadcast_bucket_size", "broadcast_buffers", "bucket_bytes_cap", "device", "device_ids", "device_type", "dim",
+                   "find_unused_parameters", "gradient_as_bucket_view", "is_multi_device_module", "logger", "modules_buffers",
+                   "named_module_buffers", "num_iterations", "output_device", "parameters_to_ignore", "process_group", "reducer",
+                   "require_forward_param_sync", "static_graph", "use_side_stream_for_tensor_copies")
+
 
 def _guard_clip(torch_fn, name):
     @functools.wraps(torch_fn)
@@ -151,7 +158,7 @@ class DistributedDataParallel:
 
     def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=None, optimizer=None,
                  uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None,
-                 clip_grad_norm=None, clip_norm_type=2.0):
+                 clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
         if overlap is None:  # interleaved where shardflow steps; nothing to overlap where it does not
@@ -161,6 +168,12 @@ class DistributedDataParallel:
         if zero_stage != 0 and optimizer is None:
             raise UsageError("shardflow.torch.DistributedDataParallel: zero_stage %d shards the optimizer, so it needs "
                              "optimizer=(kind, {...}) to step inside shardflow" % zero_stage)
+        # DDP's device arguments: a CPU module takes none (as PyTorch's DDP requires for CPU modules).
+        for arg, value in (("device_ids", device_ids), ("output_device", output_device)):
+            if value is not None and not (arg == "device_ids" and len(value) == 0):
+                devices = {p.device.type for p in module.parameters()}
+                raise UsageError("shardflow.torch.DistributedDataParallel: %s=%r: the module's parameters are on %s, and this build "
+                                 "trains CPU tensors; leave %s=None" % (arg, value, ", ".join(sorted(devices)) or "no device", arg))
         if clip_grad_norm is not None and optimizer is None:
             raise UsageError("shardflow.torch.DistributedDataParallel: clip_grad_norm=%r clips inside shardflow's optimizer step, and "
                              "there is none: pass optimizer=(kind, {...}), or clip with torch.nn.utils.clip_grad_norm_ after "
@@ -220,6 +233,12 @@ class DistributedDataParallel:
         else:
             self._ddp.set_require_sync(False)
             self._accumulating = True
+
+    def __setattr__(self, name, value):
+        if name in _DDP_ATTRIBUTES:
+            raise UsageError("shardflow.torch.DistributedDataParallel: setting DDP's attribute %r would change nothing here; "
+                             "pass what shardflow takes to the constructor (see help(DistributedDataParallel))" % name)
+        object.__setattr__(self, name, value)
 
     def __getattr__(self, name):
         """What the wrapper does not define is the module's (train(), eval(), parameters(), ...),
