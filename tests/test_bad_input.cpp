@@ -112,6 +112,7 @@ TEST_CASE("mlp_train: every flag with an invalid value is refused, naming the fl
       {{"--checkpoint-max-file-mb", "-1"}, "--checkpoint-max-file-mb"},
       {{"--first-bucket-mb", "0"}, "--first-bucket-mb"},
       {{"--bucket-mb", "-1"}, "--bucket-mb"},
+      {{"--min-buckets", "-2"}, "--min-buckets"},
       {{"--freeze", "layers.9.weight"}, "--freeze: the model has no parameter 'layers.9.weight'"},
       {{"--comm-hook", "foo"}, "--comm-hook"},
       {{"--comm-hook", "powersgd", "--powersgd-rank", "0"}, "powersgd"},

@@ -386,6 +386,8 @@ TEST_CASE("shardflow plan: the JSON form, the bytes between hosts (--hosts), and
   CHECK(out.find("--world-size") != std::string::npos);
   CHECK(run_cli(model + " --world-size 2 --bucket-cap-mb -1", out) != 0);
   CHECK(out.find("--bucket-cap-mb") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 2 --min-buckets -1", out) != 0);
+  CHECK(out.find("--min-buckets") != std::string::npos);
   CHECK(run_cli(model + " --world-size 2 --optimizer lamb", out) == 2);
   CHECK(out.find("lamb") != std::string::npos);
 

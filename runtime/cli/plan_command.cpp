@@ -64,7 +64,8 @@ void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {
                  "bucket cap, MiB, used as given (default: 25, shrunk so that a small model gets --min-buckets buckets)");
   cmd.add_option("--min-buckets", args.min_buckets,
                  "shrink the cap so that the model gets at least this many buckets (default: 4 with the default cap, "
-                 "none with --bucket-cap-mb; 0: never)");
+                 "none with --bucket-cap-mb; 0: never)")
+      ->check(CLI::Range(0, 1 << 20));
   cmd.add_option("--zero-stage", args.stage, "0, 1 or 2")->capture_default_str();
   cmd.add_option("--partition", args.partition, "param | bucket | flat")->capture_default_str();
   cmd.add_option("--param-dtype", args.param_dtype, "f32 | bf16 | f16 for every parameter (default: as listed)");
