@@ -10,6 +10,9 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
   uses (it never moves);
 - the training state: state_dict() after 5 steps loaded into a fresh model at another stage, and a
   sharded checkpoint, both going on to step 10 as if never stopped;
+- PyTorch's documented loop with only the wrapper changed: a torch.optim AdamW, Adam or SGD built
+  before wrapping, a StepLR on it, opt.zero_grad / opt.step / scheduler.step, at stages 0-2 = DDP's;
+  another optimizer, amsgrad=True, an optimizer that stepped, a closure, opt.state_dict() refused;
 - clip_grad_norm= at stages 0-2 = DDP + torch.nn.utils.clip_grad_norm_ + AdamW (the clip engaged);
   accumulation by DDP's require_backward_grad_sync attribute = DDP's;
 - bad arguments are refused naming the argument, and a forward after backward without step(); an
@@ -152,6 +155,26 @@ def shardflow(rank, world, accumulate=False, frozen=False, groups=False, uneven=
     return m
 
 
+def documented_loop(rank, world, opt_class, stage=None, **opt_kwargs):
+    """PyTorch's DDP loop as its documentation writes it: the optimizer built on the module, a
+    scheduler on the optimizer; with `stage`, shardflow's wrapper instead of torch's."""
+    m = model(1 if stage is None else rank + 1)
+    opt = opt_class(m.parameters(), lr=LR, **opt_kwargs)
+    if stage is None:
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
+    else:
+        ddp = sft.DistributedDataParallel(m, zero_stage=stage, optimizer=opt)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=STEPS // 2, gamma=0.5)
+    for x, y in batches(rank, world):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        scheduler.step()
+    if stage is not None:
+        ddp.wait_all_params()
+    return m
+
+
 def resumed(rank, world, how, workdir):
     """5 steps at ZeRO-1, the state saved `how`, a fresh model (other weights) at ZeRO-2 loads it
     and runs steps 5-9."""
@@ -217,6 +240,11 @@ def main():
         if ours.get("branchy") and not torch.equal(got.never.weight, model_for(1, True).never.weight):
             failed += 1
             print("rank %d: the head no rank used moved" % rank)
+    for stage, opt_class, kwargs in ((0, torch.optim.AdamW, {"weight_decay": 0.05}), (1, torch.optim.AdamW, {"weight_decay": 0.05}),
+                                     (2, torch.optim.AdamW, {"weight_decay": 0.05}), (1, torch.optim.SGD, {"momentum": 0.9}),
+                                     (2, torch.optim.Adam, {"betas": (0.8, 0.99)})):
+        report("ZeRO-%d, torch.optim.%s + StepLR as documented = DDP's" % (stage, opt_class.__name__),
+               worst(documented_loop(rank, world, opt_class, stage, **kwargs), documented_loop(rank, world, opt_class, **kwargs)))
     if worst(pytorch(rank, world, clip=CLIP), pytorch(rank, world)) < 1e-3:  # else the clip cases test nothing
         failed += 1
         print("rank %d: clipping at %g changed nothing: the clip cases do not test it" % (rank, CLIP))
@@ -279,6 +307,23 @@ def main():
     clip(ddp.parameters(), 1.0)  # after step(): .grad is the averaged gradient, torch's clip is right
     failed += refused(lambda: sft.DistributedDataParallel(model(0), clip_grad_norm=1.0), ValueError, "there is none",
                       "clip_grad_norm= without optimizer=")
+    # torch.optim instances shardflow does not step as torch would, and what it does not do yet.
+    m = model(0)
+    for opt, want in ((torch.optim.RMSprop(m.parameters()), "RMSprop is not one"),
+                      (torch.optim.AdamW(m.parameters(), amsgrad=True), "amsgrad=True is not supported")):
+        failed += refused(lambda: sft.DistributedDataParallel(m, zero_stage=1, optimizer=opt), ValueError, want, want)
+    stepped = torch.optim.AdamW(m.parameters())
+    F.mse_loss(m(x), y).backward()
+    stepped.step()
+    failed += refused(lambda: sft.DistributedDataParallel(m, zero_stage=1, optimizer=stepped), ValueError, "stepped already",
+                      "an optimizer that stepped")
+    m = model(0)
+    opt = torch.optim.AdamW(m.parameters())
+    ddp = sft.DistributedDataParallel(m, zero_stage=1, optimizer=opt)
+    failed += refused(opt.state_dict, ValueError, "model.state_dict()", "opt.state_dict()")
+    F.mse_loss(ddp(x), y).backward()
+    failed += refused(lambda: opt.step(lambda: 0.0), ValueError, "closure", "step(closure)")
+    opt.step()
     # DDP's surface: device_ids for a CPU module refused by name, an attribute set that would do nothing refused.
     sft.DistributedDataParallel(model(0), device_ids=None, output_device=None)
     failed += refused(lambda: sft.DistributedDataParallel(model(0), device_ids=[0]), ValueError, "device_ids=[0]", "device_ids for a CPU module")

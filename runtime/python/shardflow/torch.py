@@ -21,7 +21,7 @@ import weakref
 
 import torch  # noqa: F401  (loads libtorch before the native half)
 
-from shardflow import _C
+from shardflow import _C, _optim
 
 Error = _C.Error
 UsageError = _C.UsageError
@@ -143,7 +143,9 @@ class DistributedDataParallel:
     an optimizer). forward_prefetch: step() returns before the parameter syncs land, and each
     submodule's forward waits for its own parameters (stages 1-2). bucket_cap_mb: the gradient
     buckets' size in MiB, used as given, as DDP's (None: 25, shrunk so that a small model still gets
-    four buckets to overlap). optimizer: ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]) steps
+    four buckets to overlap). optimizer: a torch.optim.SGD, Adam or AdamW (its groups and hyper-parameters
+    become shardflow's, and it drives the run: opt.step(), opt.zero_grad(), opt.param_groups[i]["lr"]
+    and lr schedulers on it), or ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]): steps
     inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in .grad for a
     torch.optim optimizer. uneven_inputs: ranks may run out of data at different steps (train
     inside `with model.join():`). find_unused_parameters, static_graph, broadcast_buffers: as
@@ -161,6 +163,9 @@ class DistributedDataParallel:
                  clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
+        torch_optimizer = None
+        if isinstance(optimizer, torch.optim.Optimizer):  # the optimizer as PyTorch users build it (shardflow/_optim.py)
+            torch_optimizer, optimizer = optimizer, _optim.spec_of(optimizer)
         if overlap is None:  # interleaved where shardflow steps; nothing to overlap where it does not
             overlap = "interleaved" if optimizer is not None else ""
         elif overlap not in _OVERLAPS:
@@ -193,6 +198,8 @@ class DistributedDataParallel:
         self._ddp.zero_grad()
         _live.add(self)
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
+        if torch_optimizer is not None:
+            _optim.adopt(torch_optimizer, self, optimizer[0])
         self._hooks = []
         if self._prefetch:
             # Each submodule that owns parameters waits for their syncs right before its forward
