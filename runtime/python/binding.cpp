@@ -225,6 +225,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<CommError>(m, "CommError", base.ptr());
 
   m.def("init", &init, py::arg("timeout_s"), py::arg("backend"));
+  m.def("initialized", [] { return bool(world().comm); });
   m.def("optimizer_config", &optimizer_config, py::arg("kind"), py::arg("args"));
   py::class_<OptimizerConfig>(m, "OptimizerConfig");
   py::class_<libtorch::DataParallel>(m, "DataParallel")

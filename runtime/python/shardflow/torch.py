@@ -163,6 +163,8 @@ class DistributedDataParallel:
                  clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
+        if not _C.initialized():  # init() is optional: the launcher's environment (torchrun, shardflow run, Slurm, mpirun) says the rest
+            init(_timeout)
         torch_optimizer = None
         if isinstance(optimizer, torch.optim.Optimizer):  # the optimizer as PyTorch users build it (shardflow/_optim.py)
             torch_optimizer, optimizer = optimizer, _optim.spec_of(optimizer)
