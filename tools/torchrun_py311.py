@@ -5,7 +5,7 @@ Std.from_str compares enum members with plain ints, which Python 3.11's enums no
 --redirects / --tee (default "0") parse to None. This runs torch's own launcher with that one parse
 fixed; every argument is torchrun's.
 
-  /usr/bin/python3 tools/torchrun_py311.py --standalone --nproc-per-node 2 train.py ...
+  /usr/bin/python3 tools/torchrun_py311.py --standalone --nproc_per_node 2 train.py ...   (torch 1.13 spells it with underscores)
 """
 import re
 import sys

@@ -307,6 +307,10 @@ def main():
     clip(ddp.parameters(), 1.0)  # after step(): .grad is the averaged gradient, torch's clip is right
     failed += refused(lambda: sft.DistributedDataParallel(model(0), clip_grad_norm=1.0), ValueError, "there is none",
                       "clip_grad_norm= without optimizer=")
+    # torch.optim's own defaults passed along in the tuple form are accepted; another value is refused by name.
+    sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=("adamw", {"lr": LR, "amsgrad": False, "foreach": None}))
+    failed += refused(lambda: sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=("adam", {"amsgrad": True})), ValueError,
+                      "amsgrad=True is not supported", "amsgrad=True in the tuple form")
     # torch.optim instances shardflow does not step as torch would, and what it does not do yet.
     m = model(0)
     for opt, want in ((torch.optim.RMSprop(m.parameters()), "RMSprop is not one"),

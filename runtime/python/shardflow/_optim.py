@@ -31,6 +31,21 @@ def _refuse(what):
     raise _C.UsageError("shardflow.torch.DistributedDataParallel(optimizer=...): " + what)
 
 
+def strip_neutral(hyper, where):
+    """Hyper-parameters without the keys that leave the maths as shardflow computes it (amsgrad=False,
+    foreach=...: torch.optim's own defaults, passed along); such a key at another value is refused."""
+    out = {}
+    for key, value in hyper.items():
+        if key in HOW or key in BOOKKEEPING:
+            continue
+        if key in NEUTRAL:
+            if value != NEUTRAL[key]:
+                _refuse("%s: %s=%r is not supported (shardflow steps as %s=%r)" % (where, key, value, key, NEUTRAL[key]))
+            continue
+        out[key] = value
+    return out
+
+
 def spec_of(opt):
     """(kind, {}, [param groups]) for _groups(), from a torch.optim instance."""
     kind = KINDS.get(type(opt))

@@ -95,7 +95,7 @@ def _groups(spec, module):
         spec = (spec, {})
     if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3) or not isinstance(spec[1], dict):
         raise UsageError("shardflow.torch.DistributedDataParallel: optimizer must be (kind, {hyper-parameters}[, [param groups]]), got %r" % (spec,))
-    kind, defaults = spec[0], spec[1]
+    kind, defaults = spec[0], _optim.strip_neutral(spec[1], "the defaults")
     if len(spec) == 2:
         return [(_C.optimizer_config(kind, dict(defaults)), [])]
     names = {id(p): n for n, p in module.named_parameters()}
@@ -116,7 +116,7 @@ def _groups(spec, module):
                 raise UsageError("shardflow.torch.DistributedDataParallel: optimizer param group %d holds a tensor of shape %s "
                                  "that is none of the module's parameters" % (i, tuple(p.shape)))
         hyper = dict(defaults)
-        hyper.update(group)
+        hyper.update(_optim.strip_neutral(group, "param group %d" % i))
         groups.append((_C.optimizer_config(kind, hyper), chosen))
     return groups
 
