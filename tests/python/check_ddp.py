@@ -335,6 +335,14 @@ def main():
     def set_attr():
         ddp.gradient_as_bucket_view = False
     failed += refused(set_attr, ValueError, "'gradient_as_bucket_view'", "a DDP attribute shardflow does not take")
+    # state_dict() on rank 0 only, as a script may write it for a plain module: the error says that
+    # every rank calls it; the other ranks' step fails with the mismatch, not a hang.
+    ddp = sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=adamw)
+    if rank == 0:
+        failed += refused(ddp.state_dict, (sft.MismatchError, sft.TimeoutError), "every rank calls it", "state_dict() on rank 0 only")
+    else:
+        F.mse_loss(ddp(x), y).backward()
+        failed += refused(ddp.step, (sft.MismatchError, sft.TimeoutError, sft.CommError), "", "a step while rank 0 gathers state")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -329,7 +329,13 @@ class DistributedDataParallel:
         load_state_dict() takes it at any world size and stage. The weights alone:
         model.module.state_dict()."""
         self.wait_all_params()
-        tensors, meta = self._ddp.state_dict(-1 if to is None else int(to))
+        try:
+            tensors, meta = self._ddp.state_dict(-1 if to is None else int(to))
+        except (MismatchError, TimeoutError) as e:
+            # The usual cause: a script that saves on rank 0 only (`if rank == 0: model.state_dict()`),
+            # as it may for a plain module. Say so beside the precise message.
+            raise type(e)("%s\nshardflow.torch: state_dict() gathers every rank's shard, so every rank calls it (rank %d gets the "
+                          "state, the others {}); call it outside `if rank == 0:` and save on rank 0 only" % (e, 0 if to is None else to)) from e
         if not tensors:
             return {}
         for name, b in self.module.named_buffers():
