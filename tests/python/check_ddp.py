@@ -325,6 +325,16 @@ def main():
     opt = torch.optim.AdamW(m.parameters())
     ddp = sft.DistributedDataParallel(m, zero_stage=1, optimizer=opt)
     failed += refused(opt.state_dict, ValueError, "model.state_dict()", "opt.state_dict()")
+    # Every setting a user can make on the wrapper or the optimizer works or raises (no silent no-op).
+    for name in sft._DDP_ATTRIBUTES:
+        failed += refused(lambda: setattr(ddp, name, None), ValueError, repr(name), "setting DDP's %s" % name)
+    for key, value, want in (("amsgrad", True, "amsgrad=True"), ("momentum", 0.9, "'momentum' is not"), ("nesterov", True, "nesterov=True")):
+        failed += refused(lambda: opt.param_groups[0].__setitem__(key, value), ValueError, want, "opt.param_groups[0][%r]" % key)
+    opt.param_groups[0]["lr"] = 0.5  # works: shardflow's group takes it
+    opt.param_groups[0]["initial_lr"] = 0.5  # a scheduler's bookkeeping: kept
+    if ddp.param_groups[0]["lr"] != 0.5:
+        failed += 1
+        print("rank %d: opt.param_groups[0]['lr'] = 0.5 did not reach shardflow's group" % rank)
     F.mse_loss(ddp(x), y).backward()
     failed += refused(lambda: opt.step(lambda: 0.0), ValueError, "closure", "step(closure)")
     opt.step()

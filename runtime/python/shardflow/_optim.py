@@ -84,8 +84,14 @@ class _Group(dict):
     def __setitem__(self, key, value):
         if key in self._taken:
             self._ddp.param_groups[self._index][key] = value
-        elif key in NEUTRAL and value != NEUTRAL[key]:
-            _refuse("param group %d: %s=%r is not supported" % (self._index, key, value))
+        elif key in NEUTRAL:
+            if value != NEUTRAL[key]:
+                _refuse("param group %d: %s=%r is not supported" % (self._index, key, value))
+        elif key not in HOW and key not in BOOKKEEPING:
+            # A key shardflow's step does not read (momentum on AdamW, ...): torch would ignore it
+            # too, but here it may be meant for a step that never sees it.
+            _refuse("param group %d: %r is not a hyper-parameter of this optimizer's step (it takes %s)"
+                    % (self._index, key, ", ".join(self._taken)))
         super().__setitem__(key, value)
 
 
