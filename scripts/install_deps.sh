@@ -16,6 +16,7 @@ packages=(
   fortunes         # gpt_train's English text (/usr/share/games/fortunes), converted at build time
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config
+  openmpi-bin  # jobs started by mpirun (tests/run_mpirun.sh)
 )
 
 missing=()
