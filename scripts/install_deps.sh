@@ -17,6 +17,7 @@ packages=(
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config
   openmpi-bin  # jobs started by mpirun (tests/run_mpirun.sh)
+  slurm-wlm munge  # jobs started by srun on a one-host cluster the test starts (tests/run_srun.sh)
 )
 
 missing=()
