@@ -5,7 +5,8 @@
 // Debian 12's OpenBLAS 0.3.21 is built with DYNAMIC_ARCH: at load it reads the CPU's family and
 // model and picks a kernel set. A model newer than its tables (Sapphire/Emerald Rapids Xeons,
 // e.g. family 6 model 207 on the CI VMs) gets "Prescott", its SSE3 fallback, although the CPU has
-// AVX-512 and BF16. Two consequences, measured on such a VM (kernels::blas::probe, `shardflow doctor`; bench/RESULTS.md):
+// AVX-512 and BF16. Two consequences, measured on such a VM
+// (kernels::blas::probe, `shardflow doctor`; bench/RESULTS.md):
 //   - about 2x slower GEMMs (gpt_train's GPT 1798 ms an iteration against 893 with Cooperlake);
 //   - results that depend on the thread count. Prescott's sgemm kernel adds up a C element in
 //     another order in a full register tile (4 columns) than in an edge tile (2 or 1), and the
@@ -20,7 +21,9 @@
 // Haswell) when they do not know the model; shardflow does the same at load, before any GEMM,
 // when OpenBLAS fell back to a pre-AVX kernel on a CPU with AVX2 or better and OPENBLAS_CORETYPE
 // is unset (SHARDFLOW_BLAS_KERNEL=keep keeps OpenBLAS's choice), and exports OPENBLAS_CORETYPE so
-// that child processes (a launcher's ranks, torch in Python) load the same kernel.
+// that child processes load the same kernel. `shardflow run`, which links no BLAS, has a child of
+// its own probe and choose (probe_in_child) and hands the choice to its ranks, so that torch in a
+// Python rank loads that kernel before shardflow is even imported.
 // SkylakeX and Cooperlake sum every tile alike (0 of 8232 shapes vary with threads); Haswell,
 // the AVX2 kernel, has the same edge effect for M (1347 of 8232 shapes): on AVX2 CPUs results are
 // reproducible at a fixed thread count, which the trainers and the launcher fix per rank, and
