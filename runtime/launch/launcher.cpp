@@ -1,6 +1,9 @@
 #include "runtime/launch/launcher.hpp"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
@@ -228,6 +231,26 @@ class Supervisor {
       say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
   }
 
+  // MASTER_PORT for the ranks, chosen once: on one node a port the kernel says is free now (the
+  // store's own is ephemeral, and the one after it was seen taken by another process's connection);
+  // across nodes the port after the store's, which every node derives alike (29500 -> 29501).
+  int torch_port(int store_port) {
+    if (torch_port_) return torch_port_;
+    torch_port_ = store_port < 65535 ? store_port + 1 : store_port - 1;
+    if (spec_.nnodes == 1) {
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof a;
+      if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+          ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+        torch_port_ = ntohs(a.sin_port);
+      if (fd >= 0) ::close(fd);
+    }
+    return torch_port_;
+  }
+
   // Polled during the rendezvous, before any rank exists: Ctrl-C must not wait for the deadline.
   bool interrupted_by_signal() {
     signalfd_siginfo si{};
@@ -239,7 +262,7 @@ class Supervisor {
   void spawn(Rank& r, int node, int world, int port, const std::string& token, const sigset_t& old_mask) {
     const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts,
                                                          snapshot_memory_ ? snapshot_memory_->path() : std::string(), mirror_label_,
-                                                         node});
+                                                         node, torch_port(port)});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;
@@ -548,6 +571,7 @@ class Supervisor {
   std::string other_nodes_;  // what node 0 learned of the others while finishing
   std::vector<Rank> ranks_;
   int sigfd_ = -1;
+  int torch_port_ = 0;  // MASTER_PORT (torch_port)
   int interrupted_ = 0;
   bool killed_ = false;
   std::optional<int> first_failure_;

@@ -63,9 +63,9 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
       {"LOCAL_WORLD_SIZE", std::to_string(spec.nproc_per_node)},
       {"GROUP_RANK", std::to_string(ids.node)},
       {"MASTER_ADDR", ids.store_host},
-      // The port after the launcher's store: free for torch.distributed's own env:// store, which
-      // rank 0 of a script's init_process_group() serves (shardflow's ranks read SHARDFLOW_STORE_PORT).
-      {"MASTER_PORT", std::to_string(ids.store_port < 65535 ? ids.store_port + 1 : ids.store_port - 1)},
+      // Not the launcher's store: a port for torch.distributed's own env:// store, which rank 0 of
+      // a script's init_process_group() serves (shardflow's ranks read SHARDFLOW_STORE_PORT).
+      {"MASTER_PORT", std::to_string(ids.torch_port ? ids.torch_port : ids.store_port < 65535 ? ids.store_port + 1 : ids.store_port - 1)},
       {"SHARDFLOW_LAUNCHER", "1"},
       {"SHARDFLOW_STORE_HOSTED", "1"},
       {"SHARDFLOW_STORE_TOKEN", ids.token},
