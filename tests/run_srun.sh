@@ -56,14 +56,5 @@ for _ in $(seq 60); do
 done
 sinfo -h -o %t | grep -q idle || { echo "run_srun: the test cluster did not come up (logs in $dir/log)" >&2; exit 1; }
 srun="srun -n 2 --overcommit --time=5"
-case $mode in
-  mlp)
-    args="--sizes 16,32,4 --steps 20 --world-size 2 --zero-stage 1 --optimizer adamw --quiet"
-    "$prog" $args --save "$dir/in_process.safetensors" > "$dir/in_process.log"
-    $srun "$prog" $args --save "$dir/srun.safetensors" > "$dir/srun.log"
-    cmp "$dir/in_process.safetensors" "$dir/srun.safetensors"
-    echo "srun -n 2 mlp_train: the same bytes as the in-process run" ;;
-  python)
-    /usr/bin/python3 -c 'import torch' 2> /dev/null || exit 77
-    $srun /usr/bin/python3 "$prog" "$dir/store" ;;
-esac
+. "$(dirname "$0")/launcher_checks.sh"
+launcher_checks "$srun" "$mode" "$prog" "$dir"
