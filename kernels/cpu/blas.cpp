@@ -78,15 +78,6 @@ std::string best_for_cpu() {
   return "Prescott";
 }
 
-// The kernel sets OpenBLAS falls back to for a CPU it does not recognise, all older than AVX.
-bool pre_avx(const std::string& name) {
-  static const char* names[] = {"Prescott", "Katmai", "Coppermine", "Northwood", "Banias", "Core2",
-                                "Penryn",   "Dunnington", "Nehalem", "Atom", "Nano", "Unknown"};
-  for (const char* n : names)
-    if (strcasecmp(n, name.c_str()) == 0) return true;
-  return false;
-}
-
 constexpr const char* kReplacedEnv = "SHARDFLOW_BLAS_REPLACED";  // what OpenBLAS had picked, for children
 
 std::mutex choice_mu;
@@ -122,6 +113,16 @@ __attribute__((constructor)) void choose_at_load() {
 }
 
 }  // namespace
+
+// The kernel sets OpenBLAS falls back to for a CPU it does not recognise, all older than AVX.
+bool pre_avx(const std::string& name) {
+  static const char* names[] = {"Prescott", "Katmai", "Coppermine", "Northwood", "Banias", "Core2",
+                                "Penryn",   "Dunnington", "Nehalem", "Atom", "Nano", "Unknown"};
+  for (const char* n : names)
+    if (strcasecmp(n, name.c_str()) == 0) return true;
+  return false;
+}
+
 
 Kernel kernel() {
   Kernel k;

@@ -46,6 +46,9 @@ struct Kernel {
   int threads = 0;           // OpenBLAS's thread count now
 };
 
+// One of the kernel sets OpenBLAS falls back to for a CPU it does not know, all older than AVX.
+bool pre_avx(const std::string& kernel_name);
+
 // The kernel in use (loads nothing: an OpenBLAS not yet in the process is loaded by load()).
 Kernel kernel();
 

@@ -92,7 +92,7 @@ Check check_openblas() {
   c.detail = k.config + "; kernel " + k.name + ", chosen by " + k.chosen_by +
              (k.replaced.empty() ? "" : " (OpenBLAS picked " + k.replaced + ", its fallback for a CPU it does not know)") + "; " +
              std::to_string(k.threads) + " threads";
-  if (k.name != k.best_for_cpu && (k.name == "Prescott" || k.name == "Core2" || k.name == "Nehalem" || k.name == "Katmai")) {
+  if (k.name != k.best_for_cpu && kernels::blas::pre_avx(k.name)) {
     c.status = Status::warn;
     c.fix = "GEMMs run on a pre-AVX kernel, about 2x slower here: unset OPENBLAS_CORETYPE (shardflow then picks " + k.best_for_cpu +
             ") or set it to " + k.best_for_cpu;
