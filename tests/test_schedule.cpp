@@ -2,9 +2,11 @@
 // the plan's shape and the settings, the same on every rank whatever the timing.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "runtime/plans/collective_schedule.hpp"
+#include "runtime/plans/prefetch_model.hpp"
 
 using namespace shardflow;
 
@@ -67,6 +69,41 @@ TEST_CASE("forward prefetch: K syncs interleave in backward's order, the rest fo
   s.interleaved_syncs = 0;
   s.sync_order = {3, 2, 1, 0};
   CHECK(spelled(collective_order(s)) == "R0 R1 R2 R3 S3 S2 S1 S0");
+}
+
+TEST_CASE("forward prefetch: an early sync goes after its own bucket's reduction (+ lag), whichever K buckets forward needs last") {
+  // The case that stopped every rank (1 run in 100 of test_trainer_collective): forward needs
+  // buckets 2, 3, 4 last, so they are the early syncs, and S2 went out after R1, before R2.
+  auto s = spec(6, true, false, true, 1);
+  s.sync_order = prefetch_sync_order({0, 5, 1, 2, 3, 4}, 3);
+  REQUIRE(s.sync_order == std::vector<std::uint32_t>{2, 3, 4, 0, 5, 1});
+  s.interleaved_syncs = 3;
+  CHECK(spelled(collective_order(s)) == "R0 R1 R2 R3 S2 R4 S3 R5 S4 S0 S5 S1");
+  // Every forward order of 5 buckets, every K and lag: no sync before its bucket's reduction
+  // (its step needs it), the syncs in the order given, each early one as soon as its lag allows.
+  std::vector<std::uint32_t> forward{0, 1, 2, 3, 4};
+  do {
+    for (std::size_t early = 0; early <= forward.size(); ++early)
+      for (std::size_t lag : {0, 1, 2}) {
+        auto p = spec(forward.size(), true, false, true, lag);
+        p.sync_order = prefetch_sync_order(forward, early);
+        p.interleaved_syncs = early;
+        const auto order = collective_order(p);
+        CAPTURE(spelled(order));
+        std::vector<std::size_t> reduced_at(forward.size(), order.size());
+        std::vector<std::uint32_t> syncs;
+        for (std::size_t i = 0; i < order.size(); ++i) {
+          const auto b = order[i].bucket;
+          if (order[i].kind == ScheduledCollective::reduce) reduced_at[b] = i;
+          if (order[i].kind != ScheduledCollective::sync) continue;
+          CHECK(reduced_at[b] < i);
+          const std::size_t after = std::min<std::size_t>(b + lag, forward.size() - 1);
+          CHECK(reduced_at[after] < i);  // not before R(b + lag)
+          syncs.push_back(b);
+        }
+        CHECK(syncs == p.sync_order);
+      }
+  } while (std::next_permutation(forward.begin(), forward.end()));
 }
 
 TEST_CASE("every bucket is reduced once and synced once, whatever the settings") {

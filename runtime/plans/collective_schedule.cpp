@@ -1,50 +1,48 @@
 #include "runtime/plans/collective_schedule.hpp"
 
+#include <algorithm>
+
 namespace shardflow {
 namespace {
 
-// The kinds in order; the buckets are assigned by collective_order.
-// `hold`: every step waits for an exchange after the last reduction (the norm, the used counts).
-std::vector<ScheduledCollective::Kind> shape(std::size_t B, bool syncs, bool hold, bool interleave, std::size_t lag,
-                                             std::size_t interleaved) {
-  std::vector<ScheduledCollective::Kind> k;
-  if (syncs && interleave && !hold) {
-    std::size_t synced = 0;
-    for (std::size_t b = 0; b < B; ++b) {
-      k.push_back(ScheduledCollective::reduce);
-      if (b >= lag && synced < interleaved) {
-        k.push_back(ScheduledCollective::sync);  // S(b - lag)
-        ++synced;
-      }
-    }
-    for (; synced < B; ++synced) k.push_back(ScheduledCollective::sync);
-    return k;
-  }
-  for (std::size_t b = 0; b < B; ++b) k.push_back(ScheduledCollective::reduce);
-  if (syncs)
-    for (std::size_t b = 0; b < B; ++b) k.push_back(ScheduledCollective::sync);
-  return k;
+// The bucket of the k-th sync: bucket order unless the spec names one.
+std::uint32_t sync_bucket(const ScheduleSpec& s, std::size_t k) {
+  return s.sync_order.empty() ? std::uint32_t(k) : s.sync_order[k];
+}
+
+// After each reduction, whatever else the last one brings (Note [Collective schedule]).
+void after_last_reduction(const ScheduleSpec& s, std::vector<ScheduledCollective>& out) {
+  if (s.unused) out.push_back({ScheduledCollective::unused, 0});
+  if (s.buffers) out.push_back({ScheduledCollective::buffers, 0});
+  if (s.norm) out.push_back({ScheduledCollective::norm, 0});
 }
 
 }  // namespace
 
 std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
   std::vector<ScheduledCollective> out;
-  std::uint32_t reduced = 0, synced = 0;
-  for (auto kind : shape(s.buckets, s.syncs, s.norm || s.unused, s.interleave, s.lag, s.interleaved_syncs)) {
-    std::uint32_t bucket = 0;
-    if (kind == ScheduledCollective::reduce) bucket = reduced++;
-    if (kind == ScheduledCollective::sync) {
-      bucket = s.sync_order.empty() ? synced : s.sync_order[synced];
-      ++synced;
-    }
-    out.push_back({kind, bucket});
-    if (kind == ScheduledCollective::reduce && reduced == s.buckets) {  // the last reduction
-      if (s.unused) out.push_back({ScheduledCollective::unused, 0});
-      if (s.buffers) out.push_back({ScheduledCollective::buffers, 0});
-      if (s.norm) out.push_back({ScheduledCollective::norm, 0});
-    }
+  const std::size_t B = s.buckets;
+  // Every step waits for an exchange after the last reduction (the norm, the used counts): no sync
+  // can go out before it.
+  const bool hold = s.norm || s.unused;
+  const bool interleave = s.syncs && s.interleave && !hold;
+  const std::size_t interleaved = interleave ? std::min(s.interleaved_syncs, B) : 0;
+  std::size_t synced = 0;
+  for (std::uint32_t b = 0; b < B; ++b) {
+    out.push_back({ScheduledCollective::reduce, b});
+    if (b + 1 == B) after_last_reduction(s, out);
+    // Note [An early sync after its own reduction]
+    // S(x) goes after R(x + lag) (or the last reduction), x being the bucket of the next sync
+    // in the order, not the next bucket: with forward prefetch the early syncs are the buckets
+    // forward needs last, any K of them, and placing the k-th sync after R(k + lag) put S(2)
+    // before R(2) when they were {2, 3, 4}. S(2) waits for bucket 2's step, the step for R(2),
+    // and R(2) for S(2) to go out: every rank's comm stream stopped for good (1 run in 100 of a
+    // world-3 test, whichever K the timing chose; a schedule test now covers every early set).
+    while (synced < interleaved && std::min<std::size_t>(sync_bucket(s, synced) + s.lag, B - 1) <= b)
+      out.push_back({ScheduledCollective::sync, sync_bucket(s, synced++)});
   }
+  if (s.syncs)
+    for (; synced < B; ++synced) out.push_back({ScheduledCollective::sync, sync_bucket(s, synced)});
   return out;
 }
 

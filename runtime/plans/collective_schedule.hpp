@@ -14,7 +14,8 @@
 // steps; lag 1 keeps the next reduction on the link during that step. With clipping every step
 // needs the global norm, which needs every reduction, so the syncs go after N.
 // With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
-// prefetch]) interleave with the reductions, the rest follow the last reduction in forward order.
+// prefetch]) interleave with the reductions, each S(x) after R(x + lag) (Note [An early sync after
+// its own reduction]), the rest follow the last reduction in forward order.
 // The buffers' broadcast (B, Note [Rank 0's state everywhere]) goes right after the last
 // reduction, whatever follows it: R0 .. R(B-1) B [N] S... With find_unused_parameters the all-reduce
 // of how many ranks used each parameter (U, Note [Unused parameters]) goes there too, before B;
