@@ -12,7 +12,7 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
   sharded checkpoint, both going on to step 10 as if never stopped;
 - PyTorch's documented loop with only the wrapper changed: a torch.optim AdamW, Adam or SGD built
   before wrapping, a StepLR on it, opt.zero_grad / opt.step / scheduler.step, at stages 0-2 = DDP's;
-  another optimizer, amsgrad=True, an optimizer that stepped, a closure, opt.state_dict() refused;
+  another optimizer, amsgrad=True, an optimizer that stepped, a closure, a dict opt.load_state_dict() cannot take refused;
 - clip_grad_norm= at stages 0-2 = DDP + torch.nn.utils.clip_grad_norm_ + AdamW (the clip engaged);
   accumulation by DDP's require_backward_grad_sync attribute = DDP's;
 - bad arguments are refused naming the argument, and a forward after backward without step(); an
@@ -324,7 +324,15 @@ def main():
     m = model(0)
     opt = torch.optim.AdamW(m.parameters())
     ddp = sft.DistributedDataParallel(m, zero_stage=1, optimizer=opt)
-    failed += refused(opt.state_dict, ValueError, "model.state_dict()", "opt.state_dict()")
+    # torch's optimizer format (Note [torch's optimizer format]): a dict it cannot take as it is, refused by name.
+    good = {"state": {}, "param_groups": [dict(opt.param_groups[0], params=list(range(len(list(m.parameters())))))]}
+    for bad, want, what in (({"param_groups": []}, "expected torch.optim's format", "a dict without 'state'"),
+                            (dict(good, param_groups=good["param_groups"] * 2), "2 param group(s)", "another number of groups"),
+                            (dict(good, state={0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(1),
+                                                   "exp_avg_sq": torch.zeros(1)}}), "has shape (1,)", "a moment of the wrong shape"),
+                            (dict(good, state={0: {"momentum_buffer": torch.zeros(1)}}), "'momentum_buffer'", "SGD's state into AdamW"),
+                            (dict(good, state={0: {"max_exp_avg_sq": torch.zeros(1)}}), "'max_exp_avg_sq'", "amsgrad's state")):
+        failed += refused(lambda: opt.load_state_dict(bad), ValueError, want, "opt.load_state_dict(%s)" % what)
     # Every setting a user can make on the wrapper or the optimizer works or raises (no silent no-op).
     for name in sft._DDP_ATTRIBUTES:
         failed += refused(lambda: setattr(ddp, name, None), ValueError, repr(name), "setting DDP's %s" % name)

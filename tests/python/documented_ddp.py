@@ -4,7 +4,11 @@ from the launcher's environment (no shardflow.torch.init()), a torch.optim optim
 wrapper, an LR scheduler, accumulation by DDP's require_backward_grad_sync, torch.distributed used
 beside it (all_reduce of a metric, barrier, destroy_process_group), and a bf16 autocast forward. In the same processes PyTorch's
 own DDP trains a copy on the same group: every logged loss and the final parameters must agree
-(1e-5 relative). Exit 77 (skipped) without python3-torch."""
+(1e-5 relative). Then checkpoints cross over: half the run under shardflow, saved as PyTorch users
+save (the module's state_dict, optimizer.state_dict(), the scheduler's), resumed by plain PyTorch
+DDP, and the reverse, at every stage: the second half's losses and the parameters must again be
+PyTorch's. Exit 77 (skipped) without python3-torch."""
+import os
 import sys
 
 try:
@@ -18,16 +22,24 @@ from shardflow.torch import DistributedDataParallel as DDP  # the changed line
 STEPS, MICRO = 8, 2
 
 
-def train(wrap, zero_stage, autocast=False):
+def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, save=None):
+    """Steps [first, last) of the loop; `resume` a checkpoint file to start from, `save` one to write
+    at the end (rank 0 writes it, as scripts do)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    checkpoint = torch.load(resume) if resume else None
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     ddp_model = wrap(model, optimizer, zero_stage)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    if checkpoint:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(100 + rank)
     losses = []
-    for step in range(STEPS):
+    for step in range(first, last):
+        torch.manual_seed(1000 * step + rank)  # each step's data, wherever the run resumed
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for micro in range(MICRO):
@@ -45,31 +57,51 @@ def train(wrap, zero_stage, autocast=False):
     dist.barrier()
     if hasattr(ddp_model, "wait_all_params"):
         ddp_model.wait_all_params()
+    if save:
+        optimizer_state = optimizer.state_dict()  # every rank calls it (shardflow gathers the shards on rank 0)
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, save)
+        dist.barrier()
     return model, losses
+
+
+def compare(what, model, losses, torch_model, torch_losses):
+    rank = dist.get_rank()
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, torch_losses))
+    param_err = max(((a - b).norm() / b.norm()).item() for a, b in zip(model.parameters(), torch_model.parameters()))
+    ok = len(losses) == len(torch_losses) and loss_err <= 1e-5 and param_err <= 1e-5
+    print("rank %d: %s: losses within %.1e, parameters within %.1e of PyTorch DDP's %s"
+          % (rank, what, loss_err, param_err, "ok" if ok else "FAIL"), flush=True)
+    return not ok
 
 
 def main():
     dist.init_process_group("gloo")  # env:// from the launcher: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
-    rank = dist.get_rank()
-    torch_model, torch_losses = train(lambda m, opt, stage: TorchDDP(m), 0)
+    torch_ddp = lambda m, opt, stage: TorchDDP(m)
+    shardflow_ddp = lambda m, opt, stage: DDP(m, optimizer=opt, zero_stage=stage)
+    torch_model, torch_losses = train(torch_ddp, 0)
     failed = 0
     for stage in (0, 1, 2):
-        model, losses = train(lambda m, opt, stage: DDP(m, optimizer=opt, zero_stage=stage), stage)
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, torch_losses))
-        param_err = max(((a - b).norm() / b.norm()).item() for a, b in zip(model.parameters(), torch_model.parameters()))
-        ok = loss_err <= 1e-5 and param_err <= 1e-5
-        failed += not ok
-        print("rank %d: ZeRO-%d, the documented loop with the import changed: losses within %.1e, parameters within %.1e of "
-              "PyTorch DDP's %s" % (rank, stage, loss_err, param_err, "ok" if ok else "FAIL"), flush=True)
+        model, losses = train(shardflow_ddp, stage)
+        failed += compare("ZeRO-%d, the documented loop with the import changed" % stage, model, losses, torch_model, torch_losses)
     # torch.autocast("cpu", bfloat16) around the forward, as the documentation's mixed precision.
-    torch_model, torch_losses = train(lambda m, opt, stage: TorchDDP(m), 0, autocast=True)
-    model, losses = train(lambda m, opt, stage: DDP(m, optimizer=opt, zero_stage=stage), 1, autocast=True)
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, torch_losses))
-    param_err = max(((a - b).norm() / b.norm()).item() for a, b in zip(model.parameters(), torch_model.parameters()))
-    ok = loss_err <= 1e-5 and param_err <= 1e-5
-    failed += not ok
-    print("rank %d: ZeRO-1, bf16 autocast forward: losses within %.1e, parameters within %.1e of PyTorch DDP's %s"
-          % (rank, loss_err, param_err, "ok" if ok else "FAIL"), flush=True)
+    bf16_model, bf16_losses = train(torch_ddp, 0, autocast=True)
+    model, losses = train(shardflow_ddp, 1, autocast=True)
+    failed += compare("ZeRO-1, bf16 autocast forward", model, losses, bf16_model, bf16_losses)
+    # Checkpoints both ways, half-way (the scheduler's decay falls in the second half).
+    half = STEPS // 2
+    path = "/tmp/shardflow_documented_ddp_%s.pt" % os.environ.get("MASTER_PORT", "0")
+    try:
+        for stage in (0, 1, 2):
+            train(shardflow_ddp, stage, last=half, save=path)
+            model, losses = train(torch_ddp, 0, first=half, resume=path)
+            failed += compare("ZeRO-%d checkpoint resumed by plain PyTorch" % stage, model, losses, torch_model, torch_losses[half:])
+            train(torch_ddp, 0, last=half, save=path)
+            model, losses = train(shardflow_ddp, stage, first=half, resume=path)
+            failed += compare("PyTorch's checkpoint resumed by ZeRO-%d" % stage, model, losses, torch_model, torch_losses[half:])
+    finally:
+        if dist.get_rank() == 0 and os.path.exists(path):
+            os.remove(path)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

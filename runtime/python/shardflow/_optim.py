@@ -6,9 +6,10 @@ shards inside backward and syncs), opt.zero_grad() clears the buckets, opt.param
 (and so torch.optim.lr_scheduler on it) takes effect at the next step. What shardflow does not
 compute as torch would is refused by name, never ignored: another optimizer class, a key that
 changes the maths (amsgrad=True, nesterov=True, dampening, maximize), an optimizer that has stepped
-already, a closure, and torch's optimizer state_dict format (shardflow's model.state_dict() holds
-the whole training state).
+already, a closure. opt.state_dict() / opt.load_state_dict() speak torch.optim's format (Note
+[torch's optimizer format]), so a checkpoint moves between shardflow and plain PyTorch either way.
 """
+import json
 import types
 import weakref
 
@@ -106,14 +107,136 @@ def _zero_grad(opt, set_to_none=False):
     opt._shardflow_ddp().zero_grad(set_to_none)
 
 
-def _state_dict(opt):
-    _refuse("opt.state_dict(): torch's optimizer format is not written yet; model.state_dict() "
-                                             "holds parameters and optimizer state (at any world size and stage)")
+# Note [torch's optimizer format]
+# torch.optim's state_dict is {"state": {i: {...}}, "param_groups": [{hyper-parameters, "params":
+# [i, ...]}]}, i numbering the parameters through the groups in order. Per parameter, Adam and AdamW
+# keep "step" (a float tensor: the steps this parameter took), "exp_avg" and "exp_avg_sq"; SGD keeps
+# "momentum_buffer" (None at momentum 0); a parameter that never stepped has no entry. shardflow
+# keeps one step count and, per parameter, the steps it sat out (shardflow.skipped_steps): a
+# parameter's own count is the difference, as Shard::step computes it, so the two forms convert
+# exactly both ways. SGD's first step (the buffer starts as the gradient) is a parameter without a
+# buffer in torch and one whose own count is 0 here. The moments travel in the parameter's dtype,
+# as torch keeps them, and are fp32 inside shardflow.
 
 
-def _load_state_dict(opt, state):
-    _refuse("opt.load_state_dict(): torch's optimizer format is not read yet; use "
-                                             "model.load_state_dict() with what model.state_dict() saved")
+def _param_names(opt, ddp):
+    """This run's parameter names in torch's numbering (through the groups in order)."""
+    by_id = {id(p): n for n, p in ddp.module.named_parameters()}
+    return [by_id[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def _state_dict(opt, to=0):
+    """torch.optim's state_dict, gathered on rank `to` (every rank with to=None); the other ranks
+    get {}. A collective, as model.state_dict(): every rank calls it, and saves on rank 0 only."""
+    ddp = opt._shardflow_ddp()
+    try:
+        full = ddp.state_dict(to)
+    except (_C.MismatchError, _C.TimeoutError) as e:
+        raise type(e)(str(e).replace("state_dict() gathers", "opt.state_dict() gathers", 1)) from e
+    if not full:
+        return {}
+    meta = full["_metadata"]
+    steps = int(meta.get("shardflow.steps", "0"))
+    skipped = json.loads(meta.get("shardflow.skipped_steps", "{}"))
+    frozen = set(json.loads(meta.get("shardflow.frozen", "[]")))
+    params = dict(ddp.module.named_parameters())
+    kind = opt._shardflow_kind
+    state = {}
+    for i, name in enumerate(_param_names(opt, ddp)):
+        own = steps - int(skipped.get(name, 0))
+        if name in frozen or own <= 0:
+            continue  # never stepped: torch keeps nothing for it
+        dtype = params[name].dtype
+        if kind == "sgd":
+            buf = full.get("optim.%s.momentum_buffer" % name)
+            state[i] = {"momentum_buffer": None if buf is None else buf.to(dtype)}
+        else:
+            state[i] = {"step": torch.tensor(float(own)), "exp_avg": full["optim.%s.exp_avg" % name].to(dtype),
+                        "exp_avg_sq": full["optim.%s.exp_avg_sq" % name].to(dtype)}
+    groups, first = [], 0
+    for g in opt.param_groups:
+        saved = {k: v for k, v in g.items() if k != "params"}
+        saved["params"] = list(range(first, first + len(g["params"])))
+        first += len(g["params"])
+        groups.append(saved)
+    return {"state": state, "param_groups": groups}
+
+
+def _load_state_dict(opt, state_dict):
+    """torch.optim's state_dict (saved by plain PyTorch or by opt.state_dict()) into the run, between
+    steps; every rank calls it with the whole dict. The groups' hyper-parameters are taken from it,
+    as torch's load_state_dict takes them; a key shardflow does not step by is refused by name."""
+    ddp = opt._shardflow_ddp()
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        _refuse("opt.load_state_dict(): expected torch.optim's format {'state': ..., 'param_groups': ...}, got %s"
+                % (sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__))
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        _refuse("opt.load_state_dict(): the dict has %d param group(s), this optimizer %d"
+                % (len(saved_groups), len(opt.param_groups)))
+    for i, (mine, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(saved["params"]) != len(mine["params"]):
+            _refuse("opt.load_state_dict(): param group %d holds %d parameter(s) in the dict, %d here"
+                    % (i, len(saved["params"]), len(mine["params"])))
+    names = _param_names(opt, ddp)
+    index = {}  # the dict's numbering -> this run's parameter, as torch pairs them: group by group, in order
+    for mine, saved in zip(opt.param_groups, saved_groups):
+        first = len(index)
+        for k, old in enumerate(saved["params"]):
+            index[old] = names[first + k]
+    params = dict(ddp.module.named_parameters())
+    kind = opt._shardflow_kind
+    own = {}  # steps each parameter took
+    tensors = {}
+    for old, entry in state_dict["state"].items():
+        if old not in index:
+            _refuse("opt.load_state_dict(): state for parameter %r, which no param group of the dict lists" % (old,))
+        name = index[old]
+        for key in entry:
+            if key not in (("momentum_buffer",) if kind == "sgd" else ("step", "exp_avg", "exp_avg_sq")):
+                _refuse("opt.load_state_dict(): parameter %d ('%s') has state %r, which shardflow's %s does not keep "
+                        "(saved with another optimizer, or amsgrad?)" % (old, name, key, kind))
+        shape = tuple(params[name].shape)
+        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+            t = entry.get(key)
+            if t is None:
+                continue
+            if tuple(t.shape) != shape:
+                _refuse("opt.load_state_dict(): %s of parameter %d ('%s') has shape %s, the parameter %s"
+                        % (key, old, name, tuple(t.shape), shape))
+            tensors["optim.%s.%s" % (name, key)] = t.detach().to(torch.float32)
+        if kind == "sgd":
+            own[name] = 1 if entry.get("momentum_buffer") is not None else 0
+        else:
+            if "exp_avg" not in entry or "exp_avg_sq" not in entry or "step" not in entry:
+                _refuse("opt.load_state_dict(): parameter %d ('%s') lacks step, exp_avg or exp_avg_sq" % (old, name))
+            step = float(entry["step"])
+            if step != int(step) or step < 0:
+                _refuse("opt.load_state_dict(): parameter %d ('%s') has step %r" % (old, name, step))
+            own[name] = int(step)
+    for i, (mine, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        for key, value in saved.items():
+            if key != "params":
+                mine[key] = value  # _Group: reaches shardflow's group, or is refused by name
+    steps = max(own.values(), default=0)
+    if kind == "sgd":
+        steps = max(steps, ddp.optimizer_steps)
+    slots = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq")
+    for name in names:
+        for key in slots:
+            if kind == "sgd" and not any(g.get("momentum", 0) for g in opt.param_groups):
+                continue
+            tensors.setdefault("optim.%s.%s" % (name, key), torch.zeros(params[name].shape, dtype=torch.float32))
+    skipped = {name: steps - own.get(name, 0) for name in names if steps - own.get(name, 0)}
+    meta = {"shardflow.steps": str(steps)}
+    if skipped:
+        meta["shardflow.skipped_steps"] = json.dumps(skipped)
+    with torch.no_grad():
+        for name, p in params.items():
+            tensors[name] = p.detach()
+    ddp.wait_all_params()
+    ddp._ddp.load_state_dict(tensors, meta)
+    ddp._refresh_groups()
 
 
 def _add_param_group(opt, group):
@@ -124,6 +247,7 @@ def adopt(opt, ddp, kind):
     """From here `opt` drives `ddp`: its methods become bound ones (as lr_scheduler expects, which
     wraps opt.step to count steps) that call the wrapper."""
     opt._shardflow_ddp = weakref.ref(ddp)
+    opt._shardflow_kind = kind
     for name, fn in (("step", _step), ("zero_grad", _zero_grad), ("state_dict", _state_dict), ("load_state_dict", _load_state_dict),
                      ("add_param_group", _add_param_group)):
         setattr(opt, name, types.MethodType(fn, opt))
