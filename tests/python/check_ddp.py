@@ -299,6 +299,22 @@ def main():
         F.mse_loss(ddp(x), y).backward()
         failed += refused(lambda: clip(ddp.parameters(), 1.0), ValueError, "clip_grad_norm=C", "torch's clip at stage %d" % stage)
         ddp.step()
+    # With clip_grad_norm= on the model, the script's own clip_grad_norm_ asking for that clip ends the
+    # step (tests/python/documented_ddp.py checks the numbers); any other clip is refused by name.
+    ddp = sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=adamw, clip_grad_norm=1.0)
+    F.mse_loss(ddp(x), y).backward()
+    first_layer = list(ddp.parameters())[:1]
+    for action, want, what in ((lambda: clip(ddp.parameters(), 0.5), "clips at max_norm=1.0", "another max_norm"),
+                               (lambda: clip(ddp.parameters(), 1.0, norm_type=1.0), "norm_type=2.0", "another norm type"),
+                               (lambda: clip(first_layer, 1.0), "a part of the model", "part of the parameters"),
+                               (lambda: clip(ddp.parameters(), 1.0, error_if_nonfinite=True), "error_if_nonfinite", "error_if_nonfinite=True")):
+        failed += refused(action, ValueError, want, "torch's clip on a model that clips: %s" % what)
+    norm = clip(ddp.parameters(), 1.0)
+    if not (torch.is_tensor(norm) and abs(norm.item() - ddp.last_grad_norm) < 1e-6 and norm.item() > 0):
+        failed += 1
+        print("rank %d: the model's own clip returned %r, its norm is %r" % (rank, norm, ddp.last_grad_norm))
+    ddp.step()  # ended by the clip already: nothing left to do
+    failed += refused(lambda: clip(ddp.parameters(), 1.0), ValueError, "outside the step's backward pass", "the clip again after step()")
     ddp = sft.DistributedDataParallel(model(0))
     F.mse_loss(ddp(x), y).backward()
     failed += refused(lambda: torch.nn.utils.clip_grad_value_(ddp.parameters(), 1.0), ValueError, "call model.step() first",

@@ -1,7 +1,8 @@
 """PyTorch's DDP example as its documentation writes it, with one line changed (the import), under
 `shardflow run --nproc-per-node N`: the script's own torch.distributed.init_process_group("gloo")
 from the launcher's environment (no shardflow.torch.init()), a torch.optim optimizer handed to the
-wrapper, an LR scheduler, accumulation by DDP's require_backward_grad_sync, torch.distributed used
+wrapper, an LR scheduler, accumulation by DDP's require_backward_grad_sync, clipping by the script's own
+torch.nn.utils.clip_grad_norm_ (with clip_grad_norm= on the wrapper line), torch.distributed used
 beside it (all_reduce of a metric, barrier, destroy_process_group), and a bf16 autocast forward. In the same processes PyTorch's
 own DDP trains a copy on the same group: every logged loss and the final parameters must agree
 (1e-5 relative). Then checkpoints cross over: half the run under shardflow, saved as PyTorch users
@@ -20,9 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from shardflow.torch import DistributedDataParallel as DDP  # the changed line
 
 STEPS, MICRO = 8, 2
+CLIP = 0.1
 
 
-def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, save=None):
+def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, save=None, clip=None):
     """Steps [first, last) of the loop; `resume` a checkpoint file to start from, `save` one to write
     at the end (rank 0 writes it, as scripts do)."""
     torch.manual_seed(0)
@@ -37,7 +39,7 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
+    losses, norms = [], []
     for step in range(first, last):
         torch.manual_seed(1000 * step + rank)  # each step's data, wherever the run resumed
         optimizer.zero_grad(set_to_none=True)
@@ -50,6 +52,8 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
             loss = torch.nn.functional.mse_loss(out.float(), y) / MICRO
             loss.backward()
             total += loss.detach()
+        if clip is not None:  # the script's own clip, kept as written (Note [Clipping that cannot be lost])
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip)))
         optimizer.step()
         scheduler.step()
         dist.all_reduce(total)  # the script's own metric, on its own process group
@@ -62,6 +66,7 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, save)
         dist.barrier()
+    train.norms = norms
     return model, losses
 
 
@@ -88,6 +93,20 @@ def main():
     bf16_model, bf16_losses = train(torch_ddp, 0, autocast=True)
     model, losses = train(shardflow_ddp, 1, autocast=True)
     failed += compare("ZeRO-1, bf16 autocast forward", model, losses, bf16_model, bf16_losses)
+    # Clipping as the script writes it, torch.nn.utils.clip_grad_norm_ before optimizer.step(); the
+    # wrapper line says so too (clip_grad_norm=), so the clip happens inside the step. At 0.1, so that
+    # it bites: this model's norms run 0.16-0.31 (1.0 would clip nothing).
+    clip_model, clip_losses = train(torch_ddp, 0, clip=CLIP)
+    torch_norms = train.norms
+    for stage in (0, 1, 2):
+        model, losses = train(lambda m, opt, stage: DDP(m, optimizer=opt, zero_stage=stage, clip_grad_norm=CLIP), stage, clip=CLIP)
+        norm_err = max(abs(a - b) / b for a, b in zip(train.norms, torch_norms))
+        failed += compare("ZeRO-%d, clip_grad_norm_ at %g (norms %.2f-%.2f, returned within %.1e)"
+                          % (stage, CLIP, min(torch_norms), max(torch_norms), norm_err), model, losses, clip_model, clip_losses)
+        if norm_err > 1e-5 or min(torch_norms) <= CLIP:
+            failed += 1
+            print("rank %d: ZeRO-%d: clip_grad_norm_ returned norms %.1e from torch's (max %.2f) FAIL"
+                  % (dist.get_rank(), stage, norm_err, max(torch_norms)), flush=True)
     # Checkpoints both ways, half-way (the scheduler's decay falls in the second half).
     half = STEPS // 2
     path = "/tmp/shardflow_documented_ddp_%s.pt" % os.environ.get("MASTER_PORT", "0")

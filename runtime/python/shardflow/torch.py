@@ -42,6 +42,12 @@ _OVERLAPS = ("none", "after_backward", "interleaved")
 # elsewhere they are torch's own. The clip that works with the step inside backward is
 # DistributedDataParallel(clip_grad_norm=C): the exact global norm over every rank's shard, as
 # torch.nn.utils.clip_grad_norm_ computes it over the whole model (coefficient C / (norm + 1e-6)).
+# With it set, the script's own torch.nn.utils.clip_grad_norm_(model.parameters(), C) between
+# loss.backward() and optimizer.step() stays: asking for the clip the step already does, over the
+# whole model, it ends the step there and returns the global norm before clipping, as torch's does;
+# the optimizer.step() after it has nothing left to do. Any other clip on those parameters (another
+# C or norm type, a part of the model, error_if_nonfinite=True, which would have to stop a step
+# already taken) is refused by name.
 _live = weakref.WeakSet()  # the wrappers alive in this process
 
 # PyTorch DDP's public attributes that this wrapper does not take after construction: setting one
@@ -61,6 +67,8 @@ def _guard_clip(torch_fn, name):
         ids = {id(p) for p in parameters}
         for ddp in list(_live):
             if ids & ddp._param_ids:
+                if name.endswith("clip_grad_norm_") and ddp._clip is not None:
+                    return ddp._clip_in_step(name, ids, *args, **kwargs)
                 ddp._check_grads_readable(name)
         return torch_fn(parameters, *args, **kwargs)
     clip._shardflow_guard = True
@@ -186,6 +194,8 @@ class DistributedDataParallel:
                              "there is none: pass optimizer=(kind, {...}), or clip with torch.nn.utils.clip_grad_norm_ after "
                              "model.step(), when .grad holds the averaged gradient" % (clip_grad_norm,))
         self.module = module
+        self._clip = None if clip_grad_norm is None else (float(clip_grad_norm), float(clip_norm_type))
+        self._clipped_step = False  # torch's clip_grad_norm_ ended this pass (Note [Clipping that cannot be lost])
         self._in_runtime = optimizer is not None
         self._zero_stage = int(zero_stage)
         self._param_ids = {id(p) for p in module.parameters()}
@@ -210,6 +220,29 @@ class DistributedDataParallel:
                 own = list(sub.parameters(recurse=False))
                 if own:
                     self._hooks.append(sub.register_forward_pre_hook(self._waiter(own, name or type(module).__name__)))
+
+    def _clip_in_step(self, what, ids, max_norm, norm_type=2.0, error_if_nonfinite=False, **rest):
+        """Note [Clipping that cannot be lost]: torch.nn.utils.clip_grad_norm_ on this model, which clips
+        inside its step: the same clip ends the step and returns the norm; any other raises."""
+        max_c, type_c = self._clip
+        asked = "%s(max_norm=%r, norm_type=%r)" % (what, max_norm, norm_type)
+        if rest:
+            raise UsageError("%s: %s not taken on a shardflow.torch model" % (asked, ", ".join(sorted(rest))))
+        if float(max_norm) != max_c or float(norm_type) != type_c:
+            raise UsageError("%s on a model that clips at max_norm=%r, norm_type=%r inside its step (clip_grad_norm=, clip_norm_type=): "
+                             "ask for the same clip, or construct the model with this one" % (asked, max_c, type_c))
+        if ids != {id(p) for p in self.module.parameters() if p.requires_grad}:
+            raise UsageError("%s over a part of the model's parameters: shardflow clips the whole model inside its step "
+                             "(clip_grad_norm=); pass model.parameters()" % asked)
+        if error_if_nonfinite:
+            raise UsageError("%s with error_if_nonfinite=True: the step is taken inside shardflow before the norm could stop it; "
+                             "check model.last_grad_norm after the step instead" % asked)
+        if self._accumulating or not self._ddp.grads_this_pass():
+            raise UsageError("%s outside the step's backward pass (before loss.backward(), or in an accumulation pass): call it "
+                             "right before optimizer.step()" % asked)
+        self._ddp.after_backward()
+        self._clipped_step = True
+        return torch.tensor(self.last_grad_norm)
 
     def _check_grads_readable(self, what):
         """Note [Clipping that cannot be lost]: raises unless .grad holds the averaged gradient."""
@@ -289,6 +322,9 @@ class DistributedDataParallel:
         """After loss.backward(): returns once the gradients are averaged over the ranks and, with
         the optimizer, the parameters stepped (and synced, unless forward_prefetch leaves the syncs
         to land during the next forward). The GIL is released while it waits."""
+        if self._clipped_step:  # torch's clip_grad_norm_ ended this pass already
+            self._clipped_step = False
+            return
         self._ddp.after_backward()
 
     @contextlib.contextmanager
