@@ -7,8 +7,8 @@ beside it (all_reduce of a metric, barrier, destroy_process_group), and a bf16 a
 own DDP trains a copy on the same group: every logged loss and the final parameters must agree
 (1e-5 relative). Then checkpoints cross over: half the run under shardflow, saved as PyTorch users
 save (the module's state_dict, optimizer.state_dict(), the scheduler's), resumed by plain PyTorch
-DDP, and the reverse, at every stage: the second half's losses and the parameters must again be
-PyTorch's. Exit 77 (skipped) without python3-torch."""
+DDP, and the reverse, at every stage, clipping on: the second half's losses and the parameters must
+again be PyTorch's. Exit 77 (skipped) without python3-torch."""
 import os
 import sys
 
@@ -107,17 +107,18 @@ def main():
             failed += 1
             print("rank %d: ZeRO-%d: clip_grad_norm_ returned norms %.1e from torch's (max %.2f) FAIL"
                   % (dist.get_rank(), stage, norm_err, max(torch_norms)), flush=True)
-    # Checkpoints both ways, half-way (the scheduler's decay falls in the second half).
+    # Checkpoints both ways, half-way (the scheduler's decay falls in the second half), clipping on.
+    clipped_ddp = lambda m, opt, stage: DDP(m, optimizer=opt, zero_stage=stage, clip_grad_norm=CLIP)
     half = STEPS // 2
     path = "/tmp/shardflow_documented_ddp_%s.pt" % os.environ.get("MASTER_PORT", "0")
     try:
         for stage in (0, 1, 2):
-            train(shardflow_ddp, stage, last=half, save=path)
-            model, losses = train(torch_ddp, 0, first=half, resume=path)
-            failed += compare("ZeRO-%d checkpoint resumed by plain PyTorch" % stage, model, losses, torch_model, torch_losses[half:])
-            train(torch_ddp, 0, last=half, save=path)
-            model, losses = train(shardflow_ddp, stage, first=half, resume=path)
-            failed += compare("PyTorch's checkpoint resumed by ZeRO-%d" % stage, model, losses, torch_model, torch_losses[half:])
+            train(clipped_ddp, stage, last=half, save=path, clip=CLIP)
+            model, losses = train(torch_ddp, 0, first=half, resume=path, clip=CLIP)
+            failed += compare("ZeRO-%d checkpoint resumed by plain PyTorch (clipping)" % stage, model, losses, clip_model, clip_losses[half:])
+            train(torch_ddp, 0, last=half, save=path, clip=CLIP)
+            model, losses = train(clipped_ddp, stage, first=half, resume=path, clip=CLIP)
+            failed += compare("PyTorch's checkpoint resumed by ZeRO-%d (clipping)" % stage, model, losses, clip_model, clip_losses[half:])
     finally:
         if dist.get_rank() == 0 and os.path.exists(path):
             os.remove(path)
