@@ -2,7 +2,7 @@
 `shardflow run --nproc-per-node N`: the script's own torch.distributed.init_process_group("gloo")
 from the launcher's environment (no shardflow.torch.init()), a torch.optim optimizer handed to the
 wrapper, an LR scheduler, accumulation by DDP's require_backward_grad_sync, clipping by the script's own
-torch.nn.utils.clip_grad_norm_ (with clip_grad_norm= on the wrapper line), torch.distributed used
+torch.nn.utils.clip_grad_norm_ (with clip_grad_norm= on the wrapper line), GradScaler's calls (off on a CPU), torch.distributed used
 beside it (all_reduce of a metric, barrier, destroy_process_group), and a bf16 autocast forward. In the same processes PyTorch's
 own DDP trains a copy on the same group: every logged loss and the final parameters must agree
 (1e-5 relative). Then checkpoints cross over: half the run under shardflow, saved as PyTorch users
@@ -11,6 +11,7 @@ DDP, and the reverse, at every stage, clipping on: the second half's losses and 
 again be PyTorch's. Exit 77 (skipped) without python3-torch."""
 import os
 import sys
+import warnings
 
 try:
     import torch
@@ -39,6 +40,11 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
     rank, world = dist.get_rank(), dist.get_world_size()
+    # The mixed-precision recipe's scaler: torch 1.13's is CUDA's and turns itself off on a CPU, so its
+    # calls pass through to the optimizer (the script keeps them, as it would on a GPU).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scaler = torch.cuda.amp.GradScaler()
     losses, norms = [], []
     for step in range(first, last):
         torch.manual_seed(1000 * step + rank)  # each step's data, wherever the run resumed
@@ -50,11 +56,13 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # bf16 forward, fp32 parameters and gradients
                 out = ddp_model(x)
             loss = torch.nn.functional.mse_loss(out.float(), y) / MICRO
-            loss.backward()
+            scaler.scale(loss).backward()
             total += loss.detach()
         if clip is not None:  # the script's own clip, kept as written (Note [Clipping that cannot be lost])
+            scaler.unscale_(optimizer)
             norms.append(float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip)))
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         dist.all_reduce(total)  # the script's own metric, on its own process group
         losses.append(total.item() / world)
