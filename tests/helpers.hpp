@@ -51,6 +51,17 @@ inline std::vector<Param> register_flat(Runtime& rt, float* flat, int count, std
   return h;
 }
 
+// ZeRO-1, interleaved, one bucket per parameter of `numel` floats: the forward-prefetch scenarios'
+// runtime (test_trainer_collective, test_prefetch_order).
+inline Config zero1_bucket_per_param(std::int64_t numel, bool forward_prefetch) {
+  Config cfg;
+  cfg.zero.stage = ZeroStage::optimizer_state;
+  cfg.zero.overlap = Overlap::interleaved;
+  cfg.zero.forward_prefetch = forward_prefetch;
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = std::size_t(numel) * 4;
+  return cfg;
+}
+
 // Fails the test with the rank's message if any rank threw.
 inline void require_all_ok(const std::vector<std::exception_ptr>& errors) {
   for (std::size_t r = 0; r < errors.size(); ++r) {

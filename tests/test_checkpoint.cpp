@@ -3,7 +3,10 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -485,4 +488,47 @@ TEST_CASE("state_dict(): the consolidated state in memory, to one rank or to eve
   small_world(1, Config{}, [&](Runtime& rt, int, std::vector<float>&, const std::function<void(int)>&) {
     CHECK_THROWS_WITH(rt.load_state_dict(bad), doctest::Contains("tensor 'optim.p1.exp_avg' holds 16 bytes"));
   });
+}
+
+TEST_CASE("shard_state_dict(): each rank's own slices, no collective; at world 3 stage 2 they cover the gathered state once, element for element") {
+  std::vector<StateDict> own(3);
+  StateDict gathered;
+  Config stage2;
+  stage2.zero.stage = ZeroStage::gradients;
+  small_world(3, stage2, [&](Runtime& rt, int r, std::vector<float>&, const std::function<void(int)>& train) {
+    train(3);
+    own[std::size_t(r)] = rt.shard_state_dict();
+    auto all = rt.state_dict(0);
+    if (r == 0) gathered = std::move(all);
+  });
+  std::map<std::string, std::vector<int>> covered;  // per gathered tensor, how many ranks hold each element
+  int ranks_with_state = 0;
+  for (int r = 0; r < 3; ++r) {
+    const auto& sd = own[std::size_t(r)];
+    CHECK(sd.metadata.at("shardflow.rank") == std::to_string(r));
+    CHECK(sd.metadata.at("shardflow.steps") == "3");
+    bool any_state = false;
+    for (const auto& [key, t] : sd.tensors) {
+      const auto at = key.rfind('@');
+      REQUIRE(at != std::string::npos);
+      const std::string name = key.substr(0, at);
+      const std::size_t offset = std::stoul(key.substr(at + 1));
+      any_state |= name.rfind("optim.", 0) == 0;
+      INFO("rank " << r << ", " << key);
+      REQUIRE(gathered.tensors.count(name));
+      const auto& whole = gathered.tensors.at(name);
+      const std::size_t es = t.data.size() / t.numel();
+      REQUIRE(offset + t.numel() <= whole.numel());
+      CHECK(std::memcmp(t.data.data(), whole.data.data() + offset * es, t.data.size()) == 0);  // bit for bit
+      auto& c = covered.try_emplace(name, std::vector<int>(whole.numel(), 0)).first->second;
+      for (std::size_t i = 0; i < t.numel(); ++i) ++c[offset + i];
+    }
+    ranks_with_state += any_state;
+  }
+  CHECK(ranks_with_state == 3);  // sharded: every rank holds a part
+  CHECK(covered.size() == gathered.tensors.size());
+  for (const auto& [name, c] : covered) {
+    INFO(name);
+    CHECK(std::all_of(c.begin(), c.end(), [](int n) { return n == 1; }));
+  }
 }

@@ -22,14 +22,10 @@ std::vector<std::vector<float>> train(bool prefetch, int early, int lag) {
   std::vector<std::vector<float>> out(n);
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     std::vector<float> params(std::size_t(P) * numel, 0.25f);
-    Config cfg;
-    cfg.zero.stage = ZeroStage::optimizer_state;
-    cfg.zero.overlap = Overlap::interleaved;
-    cfg.zero.forward_prefetch = prefetch;
+    Config cfg = test::zero1_bucket_per_param(numel, prefetch);
     cfg.zero.prefetch_syncs_in_backward = early;
     cfg.zero.interleave_lag = lag;  // fixed: the measured one is past the last bucket on an idle machine
     cfg.timeouts.collective = 20s;  // a stopped schedule fails the test instead of hanging it
-    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
     Runtime rt(world->communicator(r), cfg);
     const auto h = test::register_flat(rt, params.data(), P, numel);
     OptimizerConfig adam;

@@ -25,11 +25,7 @@ TEST_CASE("world 3, ZeRO-1 with forward prefetch, grads in random order: the los
   std::vector<std::vector<float>> losses(n);
   test::require_all_ok(test::run_ranks(n, [&](int r) {
     std::vector<float> params(std::size_t(P) * numel, 0.1f);
-    Config cfg;
-    cfg.zero.stage = ZeroStage::optimizer_state;
-    cfg.zero.overlap = Overlap::interleaved;
-    cfg.zero.forward_prefetch = true;
-    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;  // a bucket per parameter
+    const Config cfg = test::zero1_bucket_per_param(numel, /*forward_prefetch=*/true);
     Runtime rt(world->communicator(r), cfg);
     const auto h = test::register_flat(rt, params.data(), P, numel);
     OptimizerConfig adam;

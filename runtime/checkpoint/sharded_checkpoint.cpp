@@ -92,7 +92,56 @@ bool await_copy(const std::string& marker, std::chrono::milliseconds limit) {
   return true;
 }
 
+// (slot, checkpoint name) of each state slot parameter p has.
+template <class RuntimeImpl>
+std::vector<std::pair<std::size_t, std::string>> state_slots_of(const RuntimeImpl& I, std::uint32_t p) {
+  std::vector<std::pair<std::size_t, std::string>> v;
+  const Shard* shard = I.shard.get();
+  const std::size_t slots = shard ? shard->migrate_slots() : 0;
+  for (std::size_t s = 0; s < slots; ++s)
+    if (auto n = slot_name(I.registry.params(), *shard, *I.groups, I.cfg, p, s); !n.empty()) v.emplace_back(s, std::move(n));
+  return v;
+}
+
+// Every slice of the parameters and of each state slot that this rank owns, as a sharded
+// checkpoint's file names them (name@offset, 1-D): add(name, safetensors dtype, elements, bytes,
+// fill(to)) for each. The save's staging copy and shard_state_dict() both walk it.
+template <class RuntimeImpl, class Add>
+void for_each_own_slice(const RuntimeImpl& I, const std::vector<Slice>& mine, Add&& add) {
+  const auto& params = I.registry.params();
+  const Coordinates at(params);
+  const Shard* shard = I.shard.get();
+  for (const auto& sl : mine) {
+    const auto& p = params[sl.param];
+    const std::size_t es = dtype_size(p.dtype);
+    add(slice_name(p.name, sl.offset), safetensors_dtype(p.dtype), sl.length, sl.length * es,
+        [&](std::byte* to) { std::memcpy(to, static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es); });
+    for (const auto& [s, name] : state_slots_of(I, sl.param))
+      add(slice_name(state_key(p.name, name), sl.offset), "F32", sl.length, sl.length * 4, [&, s = s](std::byte* to) {
+        shard->export_state(s, at.base[sl.param] + sl.offset, reinterpret_cast<float*>(to), sl.length);
+      });
+  }
+}
+
 }  // namespace
+
+StateDict Runtime::shard_state_dict() {
+  auto& I = *impl_;
+  checkpoint_entry(I, *this, "shard_state_dict");
+  StateDict out;
+  for_each_own_slice(I, owned_slices(I.shard.get(), I.registry.params(), I.rank),
+                     [&](std::string name, const char* dtype, std::size_t len, std::size_t bytes, auto fill) {
+                       Tensor& t = out.tensors[name];
+                       t.dtype = dtype;
+                       t.shape = {std::int64_t(len)};
+                       t.data.resize(bytes);
+                       fill(t.data.data());
+                     });
+  out.metadata = optimizer_metadata(I.world, I.shard.get(), I.cfg, I.groups.get());
+  out.metadata["shardflow.sharded"] = "1";
+  out.metadata["shardflow.rank"] = std::to_string(I.rank);
+  return out;
+}
 
 void Runtime::save_sharded_checkpoint(const std::string& dir) {
   // The synchronous save is the background one, waited for: one path to get right.
@@ -106,15 +155,8 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   checkpoint_entry(I, *this, "save_sharded_checkpoint");
   if (I.saves.pending) finish_checkpoint();  // one save in flight at a time
   const auto& params = I.registry.params();
-  const Coordinates at(params);
   const Shard* shard = I.shard.get();
-  const std::size_t slots = shard ? shard->migrate_slots() : 0;
-  auto state_of = [&](std::uint32_t p) {  // (slot, checkpoint name) of each state parameter p has
-    std::vector<std::pair<std::size_t, std::string>> v;
-    for (std::size_t s = 0; s < slots; ++s)
-      if (auto n = slot_name(params, *shard, *I.groups, I.cfg, p, s); !n.empty()) v.emplace_back(s, std::move(n));
-    return v;
-  };
+  auto state_of = [&](std::uint32_t p) { return state_slots_of(I, p); };
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
   std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
@@ -187,22 +229,12 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
       I.saves.staging_bytes = 0;
     }
     std::size_t used = 0;
-    auto add = [&](std::string name, const char* dtype, std::size_t len, std::size_t bytes, auto fill) {
+    for_each_own_slice(I, mine, [&](std::string name, const char* dtype, std::size_t len, std::size_t bytes, auto fill) {
       fill(staged->bytes.get() + used);
       staged->entries.push_back({std::move(name), dtype, {std::int64_t(len)}});
       staged->where.emplace_back(used, bytes);
       used += bytes;
-    };
-    for (const auto& sl : mine) {
-      const auto& p = params[sl.param];
-      const std::size_t es = dtype_size(p.dtype);
-      add(slice_name(p.name, sl.offset), safetensors_dtype(p.dtype), sl.length, sl.length * es,
-          [&](std::byte* to) { std::memcpy(to, static_cast<const std::byte*>(p.data) + sl.offset * es, sl.length * es); });
-      for (const auto& [s, name] : state_of(sl.param))
-        add(slice_name(state_key(p.name, name), sl.offset), "F32", sl.length, sl.length * 4, [&, s = s](std::byte* to) {
-          shard->export_state(s, at.base[sl.param] + sl.offset, reinterpret_cast<float*>(to), sl.length);
-        });
-    }
+    });
     staged->meta = optimizer_metadata(I.world, shard, I.cfg, I.groups.get());
     staged->meta["shardflow.sharded"] = "1";
     staged->meta["shardflow.rank"] = std::to_string(I.rank);

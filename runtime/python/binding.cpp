@@ -254,6 +254,14 @@ PYBIND11_MODULE(_C, m) {
         }
         return to_python(std::move(sd));
       })
+      .def("shard_state_dict", [](libtorch::DataParallel& d) {
+        StateDict sd;
+        {
+          py::gil_scoped_release nogil;  // no collective, but it may wait for the last updates to land
+          sd = d.runtime().shard_state_dict();
+        }
+        return to_python(std::move(sd));
+      })
       .def("load_state_dict",
            [](libtorch::DataParallel& d, const std::map<std::string, torch::Tensor>& tensors, const std::map<std::string, std::string>& meta) {
              StateDict sd = from_python(tensors, meta);

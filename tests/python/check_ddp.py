@@ -12,7 +12,7 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
   sharded checkpoint, both going on to step 10 as if never stopped;
 - PyTorch's documented loop with only the wrapper changed: a torch.optim AdamW, Adam or SGD built
   before wrapping, a StepLR on it, opt.zero_grad / opt.step / scheduler.step, at stages 0-2 = DDP's;
-  another optimizer, amsgrad=True, an optimizer that stepped, a closure, a dict opt.load_state_dict() cannot take refused;
+  another optimizer, amsgrad=True, an optimizer that stepped, a closure, a dict opt.load_state_dict() cannot take (or one rank's sharded part) refused;
 - clip_grad_norm= at stages 0-2 = DDP + torch.nn.utils.clip_grad_norm_ + AdamW (the clip engaged);
   accumulation by DDP's require_backward_grad_sync attribute = DDP's;
 - bad arguments are refused naming the argument, and a forward after backward without step(); an
@@ -349,6 +349,10 @@ def main():
                             (dict(good, state={0: {"momentum_buffer": torch.zeros(1)}}), "'momentum_buffer'", "SGD's state into AdamW"),
                             (dict(good, state={0: {"max_exp_avg_sq": torch.zeros(1)}}), "'max_exp_avg_sq'", "amsgrad's state")):
         failed += refused(lambda: opt.load_state_dict(bad), ValueError, want, "opt.load_state_dict(%s)" % what)
+    # The sharded form: one rank's part alone is not the state.
+    mine = opt.state_dict(sharded=True)
+    failed += refused(lambda: opt.load_state_dict(mine), ValueError, "pass every rank's", "one rank's sharded dict")
+    failed += refused(lambda: sft.consolidate_optimizer_state([mine]), ValueError, "missing", "consolidate without every rank")
     # Every setting a user can make on the wrapper or the optimizer works or raises (no silent no-op).
     for name in sft._DDP_ATTRIBUTES:
         failed += refused(lambda: setattr(ddp, name, None), ValueError, repr(name), "setting DDP's %s" % name)

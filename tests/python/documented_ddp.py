@@ -20,12 +20,13 @@ except ImportError:
     sys.exit(77)
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from shardflow.torch import DistributedDataParallel as DDP  # the changed line
+from shardflow.torch import consolidate_optimizer_state  # only for the sharded form's crossing
 
 STEPS, MICRO = 8, 2
 CLIP = 0.1
 
 
-def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, save=None, clip=None):
+def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, save=None, clip=None, sharded=False):
     """Steps [first, last) of the loop; `resume` a checkpoint file to start from, `save` one to write
     at the end (rank 0 writes it, as scripts do)."""
     torch.manual_seed(0)
@@ -37,7 +38,11 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
     ddp_model = wrap(model, optimizer, zero_stage)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     if checkpoint:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        if "optimizer_shards" in checkpoint:  # every rank's part, saved by shardflow without a gather
+            shards = checkpoint["optimizer_shards"]
+            optimizer.load_state_dict(shards if hasattr(ddp_model, "wait_all_params") else consolidate_optimizer_state(shards))
+        else:
+            optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
     rank, world = dist.get_rank(), dist.get_world_size()
     # The mixed-precision recipe's scaler: torch 1.13's is CUDA's and turns itself off on a CPU, so its
@@ -70,9 +75,16 @@ def train(wrap, zero_stage, autocast=False, first=0, last=STEPS, resume=None, sa
     if hasattr(ddp_model, "wait_all_params"):
         ddp_model.wait_all_params()
     if save:
-        optimizer_state = optimizer.state_dict()  # every rank calls it (shardflow gathers the shards on rank 0)
+        if sharded:  # each rank's own part, no gather inside shardflow; the script collects them
+            shards = [None] * world
+            dist.all_gather_object(shards, optimizer.state_dict(sharded=True))
+            if zero_stage and sum(1 for d in shards if d["state"]) < 2:
+                raise SystemExit("rank %d: ZeRO-%d's sharded optimizer state sits on fewer than 2 ranks: the crossing tests nothing" % (rank, zero_stage))
+            optimizer_state = {"optimizer_shards": shards}
+        else:
+            optimizer_state = {"optimizer": optimizer.state_dict()}  # every rank calls it (shardflow gathers on rank 0)
         if rank == 0:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, save)
+            torch.save(dict(optimizer_state, model=model.state_dict(), scheduler=scheduler.state_dict()), save)
         dist.barrier()
     train.norms = norms
     return model, losses
@@ -127,6 +139,16 @@ def main():
             train(torch_ddp, 0, last=half, save=path, clip=CLIP)
             model, losses = train(clipped_ddp, stage, first=half, resume=path, clip=CLIP)
             failed += compare("PyTorch's checkpoint resumed by ZeRO-%d (clipping)" % stage, model, losses, clip_model, clip_losses[half:])
+        # The sharded form: each rank's part of a ZeRO-1/2 run, into plain PyTorch (consolidated) and
+        # into shardflow at the other stage (the list as it is).
+        for stage, other in ((1, 2), (2, 1)):
+            train(clipped_ddp, stage, last=half, save=path, clip=CLIP, sharded=True)
+            model, losses = train(torch_ddp, 0, first=half, resume=path, clip=CLIP)
+            failed += compare("ZeRO-%d sharded optimizer state, consolidated, resumed by plain PyTorch" % stage, model, losses,
+                              clip_model, clip_losses[half:])
+            model, losses = train(clipped_ddp, other, first=half, resume=path, clip=CLIP)
+            failed += compare("ZeRO-%d sharded optimizer state resumed by ZeRO-%d" % (stage, other), model, losses, clip_model,
+                              clip_losses[half:])
     finally:
         if dist.get_rank() == 0 and os.path.exists(path):
             os.remove(path)

@@ -360,6 +360,11 @@ class Runtime {
   // A StateDict (from state_dict(), or built by hand with the checkpoint's names) into this rank,
   // at any world size, stage and partition; every rank calls it with the whole dict.
   void load_state_dict(const StateDict& state);
+  // This rank's own part of that state, no collective: what its sharded checkpoint file holds (each
+  // owned slice as <name>@<offset>, 1-D, parameters and optimizer state), with the metadata and
+  // shardflow.rank. Every rank's together cover the state once (a sharded form for trainers that
+  // save per rank; load_checkpoint reads the files, shardflow.torch stitches the dicts).
+  StateDict shard_state_dict();
   std::int64_t optimizer_steps() const;  // steps the runtime's optimizer has taken (0 without one)
 
   std::uint64_t iteration() const;               // completed synchronised iterations

@@ -125,10 +125,101 @@ def _param_names(opt, ddp):
     return [by_id[id(p)] for g in opt.param_groups for p in g["params"]]
 
 
-def _state_dict(opt, to=0):
+# The sharded form: each rank's own part, no collective (Runtime::shard_state_dict): torch's layout
+# with each parameter's tensors holding this rank's slices of it end to end, and a "shard" entry
+# saying which (offset, length) they are, the rank, the world size and every parameter's shape.
+# consolidate() joins every rank's into the gathered form, which plain PyTorch loads.
+
+
+def _groups_of(opt):
+    groups, first = [], 0
+    for g in opt.param_groups:
+        saved = {k: v for k, v in g.items() if k != "params"}
+        saved["params"] = list(range(first, first + len(g["params"])))
+        first += len(g["params"])
+        groups.append(saved)
+    return groups
+
+
+def _own_steps(meta, name):
+    return int(meta.get("shardflow.steps", "0")) - int(json.loads(meta.get("shardflow.skipped_steps", "{}")).get(name, 0))
+
+
+def _sharded_state_dict(opt, ddp):
+    tensors, meta = ddp._ddp.shard_state_dict()
+    frozen = set(json.loads(meta.get("shardflow.frozen", "[]")))
+    params = dict(ddp.module.named_parameters())
+    keys = ("momentum_buffer",) if opt._shardflow_kind == "sgd" else ("exp_avg", "exp_avg_sq")
+    state, slices, shapes = {}, {}, {}
+    for i, name in enumerate(_param_names(opt, ddp)):
+        shapes[i] = list(params[name].shape)
+        own = _own_steps(meta, name)
+        if name in frozen or own <= 0:
+            continue
+        offsets = sorted(int(k.rsplit("@", 1)[1]) for k in tensors if k.rsplit("@", 1)[0] == name)
+        if not offsets:
+            continue  # another rank's
+        entry = {} if opt._shardflow_kind == "sgd" else {"step": torch.tensor(float(own))}
+        for key in keys:
+            parts = [tensors.get("optim.%s.%s@%d" % (name, key, o)) for o in offsets]
+            entry[key] = None if parts[0] is None else torch.cat(parts).to(params[name].dtype)
+        state[i] = entry
+        slices[i] = [[o, int(tensors["%s@%d" % (name, o)].numel())] for o in offsets]
+    return {"state": state, "param_groups": _groups_of(opt),
+            "shard": {"rank": ddp.rank, "world_size": ddp.world_size, "slices": slices, "shapes": shapes}}
+
+
+def consolidate(shards):
+    """Every rank's opt.state_dict(sharded=True), in any order, as one dict in torch.optim's own
+    format (what plain PyTorch's optimizer.load_state_dict takes)."""
+    shards = list(shards)
+    if not shards or not all(isinstance(d, dict) and "shard" in d for d in shards):
+        _refuse("consolidate: expected every rank's opt.state_dict(sharded=True)")
+    world = shards[0]["shard"]["world_size"]
+    ranks = sorted(d["shard"]["rank"] for d in shards)
+    if ranks != list(range(world)):
+        missing = sorted(set(range(world)) - set(ranks))
+        _refuse("consolidate: the dicts are of ranks %s of a world of %d%s" % (ranks, world, (": rank(s) %s missing" % missing) if missing else ""))
+    shapes = {int(i): s for i, s in shards[0]["shard"]["shapes"].items()}
+    state = {}
+    for i in sorted({int(i) for d in shards for i in d["state"]}):
+        numel = 1
+        for n in shapes[i]:
+            numel *= n
+        entry, covered = {}, torch.zeros(numel, dtype=torch.int32)
+        for d in shards:
+            if i not in d["state"]:
+                continue
+            own = d["state"][i]
+            for key, value in own.items():
+                if key == "step" or value is None:
+                    entry.setdefault(key, value)
+                    continue
+                full = entry.setdefault(key, torch.zeros(numel, dtype=value.dtype))
+                at = 0
+                for offset, length in d["shard"]["slices"][i]:
+                    full[offset:offset + length] = value[at:at + length]
+                    at += length
+            for offset, length in d["shard"]["slices"][i]:
+                covered[offset:offset + length] += 1
+        if not bool((covered == 1).all()):
+            bad = int((covered != 1).nonzero()[0])
+            _refuse("consolidate: element %d of parameter %d is in %d rank(s)' dicts, not one: dicts of different saves?"
+                    % (bad, i, int(covered[bad])))
+        for key, value in entry.items():
+            if torch.is_tensor(value) and key != "step":
+                entry[key] = value.view(shapes[i])
+        state[i] = entry
+    return {"state": state, "param_groups": shards[0]["param_groups"]}
+
+
+def _state_dict(opt, to=0, sharded=False):
     """torch.optim's state_dict, gathered on rank `to` (every rank with to=None); the other ranks
-    get {}. A collective, as model.state_dict(): every rank calls it, and saves on rank 0 only."""
+    get {}. A collective, as model.state_dict(): every rank calls it, and saves on rank 0 only.
+    sharded=True: this rank's own part, no collective (consolidate() joins every rank's)."""
     ddp = opt._shardflow_ddp()
+    if sharded:
+        return _sharded_state_dict(opt, ddp)
     try:
         full = ddp.state_dict(to)
     except (_C.MismatchError, _C.TimeoutError) as e:
@@ -136,14 +227,12 @@ def _state_dict(opt, to=0):
     if not full:
         return {}
     meta = full["_metadata"]
-    steps = int(meta.get("shardflow.steps", "0"))
-    skipped = json.loads(meta.get("shardflow.skipped_steps", "{}"))
     frozen = set(json.loads(meta.get("shardflow.frozen", "[]")))
     params = dict(ddp.module.named_parameters())
     kind = opt._shardflow_kind
     state = {}
     for i, name in enumerate(_param_names(opt, ddp)):
-        own = steps - int(skipped.get(name, 0))
+        own = _own_steps(meta, name)
         if name in frozen or own <= 0:
             continue  # never stepped: torch keeps nothing for it
         dtype = params[name].dtype
@@ -153,13 +242,7 @@ def _state_dict(opt, to=0):
         else:
             state[i] = {"step": torch.tensor(float(own)), "exp_avg": full["optim.%s.exp_avg" % name].to(dtype),
                         "exp_avg_sq": full["optim.%s.exp_avg_sq" % name].to(dtype)}
-    groups, first = [], 0
-    for g in opt.param_groups:
-        saved = {k: v for k, v in g.items() if k != "params"}
-        saved["params"] = list(range(first, first + len(g["params"])))
-        first += len(g["params"])
-        groups.append(saved)
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _groups_of(opt)}
 
 
 def _load_state_dict(opt, state_dict):
@@ -167,6 +250,11 @@ def _load_state_dict(opt, state_dict):
     steps; every rank calls it with the whole dict. The groups' hyper-parameters are taken from it,
     as torch's load_state_dict takes them; a key shardflow does not step by is refused by name."""
     ddp = opt._shardflow_ddp()
+    if isinstance(state_dict, (list, tuple)):  # every rank's sharded form
+        state_dict = consolidate(state_dict)
+    if isinstance(state_dict, dict) and "shard" in state_dict:
+        _refuse("opt.load_state_dict(): this is rank %d's part only (opt.state_dict(sharded=True)): pass every rank's, as a list"
+                % state_dict["shard"]["rank"])
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         _refuse("opt.load_state_dict(): expected torch.optim's format {'state': ..., 'param_groups': ...}, got %s"
                 % (sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__))

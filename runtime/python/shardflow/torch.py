@@ -28,6 +28,8 @@ UsageError = _C.UsageError
 TimeoutError = _C.TimeoutError
 MismatchError = _C.MismatchError
 CommError = _C.CommError
+# Every rank's optimizer.state_dict(sharded=True) as one dict in torch.optim's format.
+consolidate_optimizer_state = _optim.consolidate
 
 _OVERLAPS = ("none", "after_backward", "interleaved")
 
