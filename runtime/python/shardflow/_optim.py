@@ -26,6 +26,8 @@ NEUTRAL = {"amsgrad": False, "nesterov": False, "dampening": 0, "maximize": Fals
 HOW = ("foreach", "fused")
 # Keys a scheduler or a user adds for their own bookkeeping.
 BOOKKEEPING = ("initial_lr",)
+# The moments each kind keeps per parameter, as torch.optim names them (Note [torch's optimizer format]).
+MOMENTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
 def _refuse(what):
@@ -141,30 +143,45 @@ def _groups_of(opt):
     return groups
 
 
-def _own_steps(meta, name):
-    return int(meta.get("shardflow.steps", "0")) - int(json.loads(meta.get("shardflow.skipped_steps", "{}")).get(name, 0))
+def _own_steps(meta):
+    """name -> the steps that parameter took; 0 for a frozen one (torch keeps nothing for it)."""
+    steps = int(meta.get("shardflow.steps", "0"))
+    skipped = json.loads(meta.get("shardflow.skipped_steps", "{}"))
+    frozen = set(json.loads(meta.get("shardflow.frozen", "[]")))
+    return lambda name: 0 if name in frozen else steps - int(skipped.get(name, 0))
+
+
+def _torch_entry(kind, own, moment, dtype):
+    """One parameter's torch.optim state: `moment(key)` is shardflow's fp32 tensor or None."""
+    entry = {} if kind == "sgd" else {"step": torch.tensor(float(own))}
+    for key in MOMENTS[kind]:
+        t = moment(key)
+        entry[key] = None if t is None else t.to(dtype)
+    return entry
 
 
 def _sharded_state_dict(opt, ddp):
     tensors, meta = ddp._ddp.shard_state_dict()
-    frozen = set(json.loads(meta.get("shardflow.frozen", "[]")))
+    own_steps = _own_steps(meta)
     params = dict(ddp.module.named_parameters())
-    keys = ("momentum_buffer",) if opt._shardflow_kind == "sgd" else ("exp_avg", "exp_avg_sq")
+    offsets = {}  # parameter -> the offsets of this rank's slices of it
+    for key in tensors:
+        name, at = key.rsplit("@", 1)
+        if name in params:
+            offsets.setdefault(name, []).append(int(at))
     state, slices, shapes = {}, {}, {}
     for i, name in enumerate(_param_names(opt, ddp)):
         shapes[i] = list(params[name].shape)
-        own = _own_steps(meta, name)
-        if name in frozen or own <= 0:
-            continue
-        offsets = sorted(int(k.rsplit("@", 1)[1]) for k in tensors if k.rsplit("@", 1)[0] == name)
-        if not offsets:
-            continue  # another rank's
-        entry = {} if opt._shardflow_kind == "sgd" else {"step": torch.tensor(float(own))}
-        for key in keys:
-            parts = [tensors.get("optim.%s.%s@%d" % (name, key, o)) for o in offsets]
-            entry[key] = None if parts[0] is None else torch.cat(parts).to(params[name].dtype)
-        state[i] = entry
-        slices[i] = [[o, int(tensors["%s@%d" % (name, o)].numel())] for o in offsets]
+        own = own_steps(name)
+        if own <= 0 or name not in offsets:
+            continue  # never stepped, or another rank's
+        mine = sorted(offsets[name])
+
+        def moment(key):
+            parts = [tensors.get("optim.%s.%s@%d" % (name, key, o)) for o in mine]
+            return None if parts[0] is None else torch.cat(parts)
+        state[i] = _torch_entry(opt._shardflow_kind, own, moment, params[name].dtype)
+        slices[i] = [[o, int(tensors["%s@%d" % (name, o)].numel())] for o in mine]
     return {"state": state, "param_groups": _groups_of(opt),
             "shard": {"rank": ddp.rank, "world_size": ddp.world_size, "slices": slices, "shapes": shapes}}
 
@@ -226,22 +243,13 @@ def _state_dict(opt, to=0, sharded=False):
         raise type(e)(str(e).replace("state_dict() gathers", "opt.state_dict() gathers", 1)) from e
     if not full:
         return {}
-    meta = full["_metadata"]
-    frozen = set(json.loads(meta.get("shardflow.frozen", "[]")))
+    own_steps = _own_steps(full["_metadata"])
     params = dict(ddp.module.named_parameters())
-    kind = opt._shardflow_kind
     state = {}
     for i, name in enumerate(_param_names(opt, ddp)):
-        own = _own_steps(meta, name)
-        if name in frozen or own <= 0:
-            continue  # never stepped: torch keeps nothing for it
-        dtype = params[name].dtype
-        if kind == "sgd":
-            buf = full.get("optim.%s.momentum_buffer" % name)
-            state[i] = {"momentum_buffer": None if buf is None else buf.to(dtype)}
-        else:
-            state[i] = {"step": torch.tensor(float(own)), "exp_avg": full["optim.%s.exp_avg" % name].to(dtype),
-                        "exp_avg_sq": full["optim.%s.exp_avg_sq" % name].to(dtype)}
+        own = own_steps(name)
+        if own > 0:  # never stepped: torch keeps nothing for it
+            state[i] = _torch_entry(opt._shardflow_kind, own, lambda key: full.get("optim.%s.%s" % (name, key)), params[name].dtype)
     return {"state": state, "param_groups": _groups_of(opt)}
 
 
@@ -281,11 +289,11 @@ def _load_state_dict(opt, state_dict):
             _refuse("opt.load_state_dict(): state for parameter %r, which no param group of the dict lists" % (old,))
         name = index[old]
         for key in entry:
-            if key not in (("momentum_buffer",) if kind == "sgd" else ("step", "exp_avg", "exp_avg_sq")):
+            if key not in MOMENTS[kind] and not (key == "step" and kind != "sgd"):
                 _refuse("opt.load_state_dict(): parameter %d ('%s') has state %r, which shardflow's %s does not keep "
                         "(saved with another optimizer, or amsgrad?)" % (old, name, key, kind))
         shape = tuple(params[name].shape)
-        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+        for key in MOMENTS[kind]:
             t = entry.get(key)
             if t is None:
                 continue
@@ -309,19 +317,16 @@ def _load_state_dict(opt, state_dict):
     steps = max(own.values(), default=0)
     if kind == "sgd":
         steps = max(steps, ddp.optimizer_steps)
-    slots = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq")
-    for name in names:
-        for key in slots:
-            if kind == "sgd" and not any(g.get("momentum", 0) for g in opt.param_groups):
-                continue
-            tensors.setdefault("optim.%s.%s" % (name, key), torch.zeros(params[name].shape, dtype=torch.float32))
+    if kind != "sgd" or any(g.get("momentum", 0) for g in opt.param_groups):  # SGD without momentum keeps nothing
+        for name in names:
+            for key in MOMENTS[kind]:
+                tensors.setdefault("optim.%s.%s" % (name, key), torch.zeros(params[name].shape, dtype=torch.float32))
     skipped = {name: steps - own.get(name, 0) for name in names if steps - own.get(name, 0)}
     meta = {"shardflow.steps": str(steps)}
     if skipped:
         meta["shardflow.skipped_steps"] = json.dumps(skipped)
-    with torch.no_grad():
-        for name, p in params.items():
-            tensors[name] = p.detach()
+    for name, p in params.items():
+        tensors[name] = p.detach()
     ddp.wait_all_params()
     ddp._ddp.load_state_dict(tensors, meta)
     ddp._refresh_groups()
