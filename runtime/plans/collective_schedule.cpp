@@ -10,7 +10,7 @@ std::uint32_t sync_bucket(const ScheduleSpec& s, std::size_t k) {
   return s.sync_order.empty() ? std::uint32_t(k) : s.sync_order[k];
 }
 
-// After each reduction, whatever else the last one brings (Note [Collective schedule]).
+// What goes right after the last reduction (Note [Collective schedule]).
 void after_last_reduction(const ScheduleSpec& s, std::vector<ScheduledCollective>& out) {
   if (s.unused) out.push_back({ScheduledCollective::unused, 0});
   if (s.buffers) out.push_back({ScheduledCollective::buffers, 0});
