@@ -49,7 +49,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--flags", default="--zero-stage 1 --overlap interleaved", help="settings both programs take")
+    ap.add_argument("--flags", default="--zero-stage 1 --overlap interleaved", help="gpt.py's settings, and gpt_train's with --against cpp (PyTorch's DDP reference takes none: it is DDP + AdamW)")
     ap.add_argument("--against", choices=("cpp", "torch"), default="cpp",
                     help="cpp: gpt_train under shardflow run; torch: PyTorch DDP + AdamW (bench/torch_gpt.py --spawn)")
     ap.add_argument("--json")

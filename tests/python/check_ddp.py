@@ -353,6 +353,7 @@ def main():
     mine = opt.state_dict(sharded=True)
     failed += refused(lambda: opt.load_state_dict(mine), ValueError, "pass every rank's", "one rank's sharded dict")
     failed += refused(lambda: sft.consolidate_optimizer_state([mine]), ValueError, "missing", "consolidate without every rank")
+    failed += refused(lambda: opt.state_dict(to=1, sharded=True), ValueError, "`to` names a recipient", "state_dict(to=1, sharded=True)")
     # Every setting a user can make on the wrapper or the optimizer works or raises (no silent no-op).
     for name in sft._DDP_ATTRIBUTES:
         failed += refused(lambda: setattr(ddp, name, None), ValueError, repr(name), "setting DDP's %s" % name)

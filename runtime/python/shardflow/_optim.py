@@ -236,6 +236,9 @@ def _state_dict(opt, to=0, sharded=False):
     sharded=True: this rank's own part, no collective (consolidate() joins every rank's)."""
     ddp = opt._shardflow_ddp()
     if sharded:
+        if to != 0:
+            _refuse("opt.state_dict(to=%r, sharded=True): the sharded form is each rank's own part, on that rank; "
+                    "`to` names a recipient for the gathered form only" % (to,))
         return _sharded_state_dict(opt, ddp)
     try:
         full = ddp.state_dict(to)
