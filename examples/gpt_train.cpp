@@ -11,6 +11,11 @@
 // warm-up then cosine learning rate (examples/gpt/schedule.hpp), the global batch the same at every
 // world size (Note [GPT batches]). At the end: the held-out loss, tokens per second, memory, and a
 // few lines of sampled text.
+//
+// --device cuda: the model, batches, buckets, shards and optimizer state on the GPU (a CUDA build
+// of torch, e.g. the machine's own: docs/cuda.md); ranks as threads share that GPU
+// (InProcessWorld::create_on_device), launched ranks take NCCL. --dtype bf16: bf16 parameters and
+// activations, fp32 masters in shardflow's shards.
 #include <CLI/CLI.hpp>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -42,7 +47,7 @@ using namespace shardflow;
 
 struct Args {
   std::string data = SHARDFLOW_TEXT_DEFAULT, overlap = "interleaved", partition = "flat", backend = "auto", trace, stats_json, save, save_init,
-              init, checkpoint_dir, resume, prompt = "The ";
+              init, checkpoint_dir, resume, prompt = "The ", device = "cpu", dtype = "fp32";
   gpt::GptConfig model;
   int batch = 16, steps = 200, stop_at = 0, warmup = 20, world_size = 1, zero_stage = 1, every = 0, log_every = 0, threads = 0, eval_windows = 256,
       sample_chars = 300;
@@ -69,7 +74,7 @@ std::string sample(gpt::Gpt& net, const gpt::Corpus& c, const std::string& promp
   for (int i = 0; i < chars; ++i) {
     const std::size_t from = ids.size() > std::size_t(net->cfg.context) ? ids.size() - net->cfg.context : 0;
     auto x = torch::tensor(std::vector<std::int64_t>(ids.begin() + std::ptrdiff_t(from), ids.end()), torch::kLong).unsqueeze(0);
-    auto logits = net->forward(x).select(1, -1).squeeze(0) / std::max(1e-3f, temperature);
+    auto logits = net->forward(x.to(net->wte->weight.device())).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat) / std::max(1e-3f, temperature);
     ids.push_back(torch::multinomial(torch::softmax(logits, -1), 1, false, gen).item<std::int64_t>());
   }
   net->train();
@@ -112,6 +117,8 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
     net = gpt::Gpt(mc);
   }
   if (!a.init.empty()) examples::load_params(*net, a.init, " (check --layers, --d-model, --context)");
+  const torch::Device device(a.device);
+  net->to(device, a.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat);
 
   libtorch::Options opts;
   auto& cfg = opts.config;
@@ -187,14 +194,16 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
     const float lr = gpt::lr_at(a.lr, step, a.warmup, a.steps);
     rt.set_lr(0, lr);
     rt.set_lr(1, lr);
-    const auto b = gpt::train_batch(corpus, a.seed, step, std::int64_t(rank) * local, local, T);
+    auto b = gpt::train_batch(corpus, a.seed, step, std::int64_t(rank) * local, local, T);
+    b.x = b.x.to(device);
+    b.y = b.y.to(device);
     ddp.zero_grad();
     torch::Tensor logits;
     {
       auto span = rt.span("forward", "forward");
       logits = a.prefetch ? net->forward(b.x, [&](torch::nn::Module& m) { ddp.wait_for(m); }) : net->forward(b.x);
     }
-    const auto loss = torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab}), b.y.view({-1}));
+    const auto loss = torch::nn::functional::cross_entropy(logits.view({-1, mc.vocab}).to(torch::kFloat), b.y.view({-1}));
     ddp.backward(loss);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     out.step_ms.push_back(ms);
@@ -218,7 +227,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   out.buckets = rt.buckets().size();
   out.memory = rt.memory_report().str();
   if (report) {
-    auto fwd = [&](const torch::Tensor& x) { return net->forward(x); };
+    auto fwd = [&](const torch::Tensor& x) { return net->forward(x.to(device)).to(torch::kCPU, torch::kFloat); };
     out.heldout = gpt::heldout_loss(*net, fwd, corpus, T, a.eval_windows, std::max(1, local));
     if (!a.save.empty()) examples::save_params(*net, a.save);
     if (a.sample_chars > 0) out.sample = sample(net, corpus, a.prompt, a.sample_chars, a.temperature, a.seed);
@@ -260,6 +269,8 @@ int main(int argc, char** argv) {
                  "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
                  "gloo | hierarchical")
       ->capture_default_str();
+  app.add_option("--device", a.device, "cpu | cuda | cuda:N: where the model, its buckets and shards live")->capture_default_str();
+  app.add_option("--dtype", a.dtype, "fp32 | bf16 (bf16 parameters and activations, fp32 masters in the shards)")->capture_default_str();
   app.add_option("--world-size", a.world_size, "ranks as threads of this process (under a launcher: the launcher's)")->capture_default_str();
   app.add_option("--threads", a.threads, "torch intra-op threads (0: OMP_NUM_THREADS, else the cores / the ranks)")->capture_default_str();
   app.add_option("--seed", a.seed, "initial weights and the batches' windows")->capture_default_str();
@@ -300,17 +311,32 @@ int main(int argc, char** argv) {
       std::ofstream probe(a.stats_json, std::ios::app);
       if (!probe) throw UsageError("--stats-json '" + a.stats_json + "': cannot write");
     }
+    if (a.dtype != "fp32" && a.dtype != "bf16") throw UsageError("--dtype must be fp32 or bf16, got '" + a.dtype + "'");
+    int cuda_index = -1;
+    try {
+      const torch::Device d(a.device);
+      if (!d.is_cpu() && !d.is_cuda()) throw UsageError("--device must be cpu, cuda or cuda:N, got '" + a.device + "'");
+      if (d.is_cuda()) {
+        if (!torch::cuda::is_available())
+          throw UsageError("--device " + a.device + ": this torch sees no GPU (a CPU build of torch, or no device here)");
+        cuda_index = d.has_index() ? d.index() : 0;
+        a.device = "cuda:" + std::to_string(cuda_index);
+      }
+    } catch (const c10::Error&) {
+      throw UsageError("--device must be cpu, cuda or cuda:N, got '" + a.device + "'");
+    }
     const LaunchEnv env = LaunchEnv::detect();
     const auto timeout = std::chrono::milliseconds(std::int64_t(a.timeout_s * 1000));
     std::vector<std::shared_ptr<Communicator>> comms;
     if (env.launched()) {
       if (app.count("--world-size") && a.world_size != env.world_size)
         throw UsageError("--world-size " + std::to_string(a.world_size) + " but the launcher started " + std::to_string(env.world_size) + " rank(s)");
-      comms.push_back(init_process_group(env, ProcessGroupOptions{a.backend, timeout}));
+      // A GPU per process: NCCL, unless --backend names another (which then refuses CUDA buckets by name).
+      comms.push_back(init_process_group(env, ProcessGroupOptions{cuda_index >= 0 && a.backend == "auto" ? "nccl" : a.backend, timeout}));
     } else {
       if (app.count("--backend")) throw UsageError("--backend picks how processes talk; as threads the ranks share memory (start gpt_train with `shardflow run` for shm or gloo)");
       if (a.world_size < 1) throw UsageError("--world-size must be >= 1, got " + std::to_string(a.world_size));
-      auto world = InProcessWorld::create(a.world_size, timeout);
+      auto world = cuda_index >= 0 ? InProcessWorld::create_on_device(a.world_size, cuda_index, timeout) : InProcessWorld::create(a.world_size, timeout);
       for (int r = 0; r < a.world_size; ++r) comms.push_back(world->communicator(r));
     }
     const int world = comms.front()->world_size();

@@ -15,7 +15,7 @@ namespace examples {
 inline void save_params(torch::nn::Module& module, const std::string& path) {
   shardflow::TensorMap out;
   for (auto& item : module.named_parameters()) {
-    const auto p = item.value().detach().contiguous();
+    const auto p = item.value().detach().to(torch::kCPU, torch::kFloat).contiguous();  // a GPU or bf16 model saves fp32 values
     out[item.key()] = shardflow::Tensor::from_f32(p.data_ptr<float>(), shardflow::Shape(p.sizes().begin(), p.sizes().end()));
   }
   shardflow::save_safetensors(path, out, {{"format", "pt"}});

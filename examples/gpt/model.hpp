@@ -46,7 +46,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto split_heads = [&](const torch::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };  // [B, H, T, hd]
     const auto q = split_heads(qkv[0]), k = split_heads(qkv[1]), v = split_heads(qkv[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
-    const auto future = torch::ones({T, T}, torch::kBool).triu(1);  // position t sees 0..t only
+    const auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);  // position t sees 0..t only
     att = torch::softmax(att.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
     return c_proj(torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C}));
   }
@@ -123,7 +123,7 @@ struct GptImpl : torch::nn::Module {
     auto use = [&](torch::nn::Module& m) { if (before) before(m); };
     use(*wte);
     use(*wpe);
-    auto x = wte(idx) + wpe(torch::arange(T, torch::kLong));
+    auto x = wte(idx) + wpe(torch::arange(T, idx.options()));
     for (std::size_t i = 0; i < h->size(); ++i) {
       auto block = h[i];
       use(*block);

@@ -66,7 +66,7 @@ def make_gpt(vocab, context, layers, d_model, heads):
             hd = C // heads
             q, k, v = (t.view(B, T, heads, hd).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
             att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-            future = torch.ones(T, T, dtype=torch.bool).triu(1)
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
             att = torch.softmax(att.masked_fill(future, float("-inf")), -1)
             return self.c_proj(torch.matmul(att, v).transpose(1, 2).contiguous().view(B, T, C))
 
@@ -100,7 +100,7 @@ def make_gpt(vocab, context, layers, d_model, heads):
             self.ln_f = nn.LayerNorm(d_model)
 
         def forward(self, idx):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.h:
                 x = block(x)
             return F.linear(self.ln_f(x), self.wte.weight)  # tied head

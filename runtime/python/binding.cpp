@@ -24,36 +24,53 @@ using namespace shardflow;
 
 namespace {
 
-// The process's communicator: `shardflow run`'s or torchrun's world, or a world of one.
+// The process's communicator: `shardflow run`'s or torchrun's world, or a world of one (on the
+// GPU of a CUDA module: Note [CUDA modules] in shardflow/libtorch.hpp).
 struct World {
   std::shared_ptr<InProcessWorld> alone;
   std::shared_ptr<Communicator> comm;
+  std::chrono::milliseconds timeout{0};
 };
 World& world() {
   static World w;
   return w;
 }
 
-py::tuple init(double timeout_s, const std::string& backend) {
+// `device`: the CUDA device of the module init() is called for (DDP's lazy init), or -1. Under a
+// launcher a CUDA module's "auto" is NCCL (one GPU per process, as torchrun's users expect).
+py::tuple init(double timeout_s, const std::string& backend, int device) {
   if (world().comm) throw UsageError("shardflow.torch.init: called twice in one process");
   if (!(timeout_s > 0)) throw UsageError("shardflow.torch.init: timeout must be positive, got " + std::to_string(timeout_s));
   const auto timeout = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
+  world().timeout = timeout;
   const LaunchEnv env = LaunchEnv::detect();
   if (env.launched()) {
     py::gil_scoped_release nogil;  // the rendezvous waits for the other ranks
-    world().comm = init_process_group(env, ProcessGroupOptions{backend, timeout});
+    world().comm = init_process_group(env, ProcessGroupOptions{backend == "auto" && device >= 0 ? "nccl" : backend, timeout});
   } else {
     if (backend != "auto")
       throw UsageError("shardflow.torch.init: backend '" + backend + "' needs a launcher (shardflow run or torchrun); alone this is a world of 1");
-    world().alone = InProcessWorld::create(1, timeout);
+    world().alone = device >= 0 ? InProcessWorld::create_on_device(1, device, timeout) : InProcessWorld::create(1, timeout);
     world().comm = world().alone->communicator(0);
   }
   return py::make_tuple(world().comm->rank(), world().comm->world_size());
 }
 
-std::shared_ptr<Communicator> comm() {
+// The communicator for a module on `d`. A world of one made before the module was seen moves to
+// its GPU; a launched world whose backend reduces host memory only is refused, naming the fix.
+std::shared_ptr<Communicator> comm_for(Device d) {
   if (!world().comm) throw UsageError("shardflow.torch: call shardflow.torch.init() before DistributedDataParallel");
-  return world().comm;
+  if (world().comm->supports(d)) return world().comm;
+  if (world().alone && d.kind == Device::Kind::cuda) {
+    world().alone = InProcessWorld::create_on_device(1, d.index, world().timeout);
+    world().comm = world().alone->communicator(0);
+    return world().comm;
+  }
+  throw UsageError("shardflow.torch: the module is on " + d.str() + " and this process group's backend '" + world().comm->backend_name() +
+                   "' reduces " + (d.kind == Device::Kind::cuda ? "host memory only: call shardflow.torch.init(backend=\"nccl\") (or leave init() to "
+                                                                   "DistributedDataParallel, which picks NCCL for a CUDA module)"
+                                                                 : "device memory only: call shardflow.torch.init() with a host backend") +
+                   " before constructing the model");
 }
 
 // The kinds Python names and the keys each takes (OptimizerConfig's defaults are torch's for each).
@@ -117,8 +134,10 @@ using Named = std::vector<std::pair<std::string, torch::Tensor>>;
 std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Named& buffers, int zero_stage, const std::string& overlap,
                                                  bool forward_prefetch, bool uneven_inputs, bool find_unused_parameters, bool static_graph,
                                                  bool broadcast_buffers, double bucket_cap_mb, double timeout_s, const std::string& trace,
-                                                 const std::vector<Group>& groups, double clip_grad_norm, double clip_norm_type) {
+                                                 const std::vector<Group>& groups, double clip_grad_norm, double clip_norm_type,
+                                                 std::uintptr_t cuda_stream) {
   libtorch::Options o;
+  o.cuda_stream = reinterpret_cast<void*>(cuda_stream);
   if (zero_stage < 0 || zero_stage > 2) throw UsageError("shardflow.torch: zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
   o.config.zero.stage = ZeroStage(zero_stage);
   if (!overlap.empty()) o.config.zero.overlap = parse_overlap(overlap);  // empty: Config's default
@@ -143,7 +162,9 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
                             {"trace.path", "trace"}, {"buckets.find_unused_parameters", "find_unused_parameters"},
                             {"buckets.static_graph", "static_graph"}, {"sync.buffers", "broadcast_buffers"},
                             {"zero.clip_grad_norm", "clip_grad_norm"}, {"zero.clip_norm_type", "clip_norm_type"}};
-  auto c = comm();
+  Device device = Device::cpu();
+  if (!params.empty() && params.front().second.is_cuda()) device = Device::cuda(params.front().second.device().index());
+  auto c = comm_for(device);
   std::unique_ptr<libtorch::DataParallel> d;
   {
     py::gil_scoped_release nogil;  // the constructor broadcasts rank 0's values: a collective
@@ -224,13 +245,14 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<MismatchError>(m, "MismatchError", base.ptr());
   py::register_exception<CommError>(m, "CommError", base.ptr());
 
-  m.def("init", &init, py::arg("timeout_s"), py::arg("backend"));
+  m.def("init", &init, py::arg("timeout_s"), py::arg("backend"), py::arg("device") = -1);
   m.def("initialized", [] { return bool(world().comm); });
   m.def("optimizer_config", &optimizer_config, py::arg("kind"), py::arg("args"));
   py::class_<OptimizerConfig>(m, "OptimizerConfig");
   py::class_<libtorch::DataParallel>(m, "DataParallel")
       .def(py::init(&make_ddp))
       .def("zero_grad", &libtorch::DataParallel::zero_grad)
+      .def("set_stream", [](libtorch::DataParallel& d, std::uintptr_t s) { d.set_stream(reinterpret_cast<void*>(s)); })
       .def("before_backward", &libtorch::DataParallel::before_backward, py::call_guard<py::gil_scoped_release>())
       .def("after_backward", &libtorch::DataParallel::after_backward, py::call_guard<py::gil_scoped_release>())
       .def("grads_this_pass", &libtorch::DataParallel::grads_this_pass)

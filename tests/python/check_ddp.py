@@ -369,7 +369,7 @@ def main():
     opt.step()
     # DDP's surface: device_ids for a CPU module refused by name, an attribute set that would do nothing refused.
     sft.DistributedDataParallel(model(0), device_ids=None, output_device=None)
-    failed += refused(lambda: sft.DistributedDataParallel(model(0), device_ids=[0]), ValueError, "device_ids=[0]", "device_ids for a CPU module")
+    failed += refused(lambda: sft.DistributedDataParallel(model(0), device_ids=[0]), ValueError, "device_ids=[0]", "device_ids only for a CUDA module")
 
     def set_attr():
         ddp.gradient_as_bucket_view = False

@@ -12,8 +12,9 @@
 //     ddp.backward(torch::nn::functional::cross_entropy(net->forward(x), y));  // reduced, stepped
 //   }
 //
-// Header-only: it needs libtorch's headers (Debian's libtorch-dev 1.13) wherever it is included,
-// and nothing of libtorch inside libshardflow. Note [libtorch gradients] says where gradients live.
+// Header-only: it needs libtorch's headers (Debian's libtorch-dev 1.13, or any later torch's, CUDA
+// builds included) wherever it is included, and nothing of libtorch inside libshardflow. Note
+// [libtorch gradients] says where gradients live, Note [CUDA modules] what changes on a GPU.
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
@@ -42,7 +43,22 @@ struct Options {
   // (ZeRO stages 1-2, or every parameter at stage 0). None: backward() leaves the averaged
   // gradients in each parameter's .grad() for a torch::optim optimizer of the trainer's own.
   std::optional<OptimizerConfig> optimizer;
+  // A CUDA module: the stream its forward and backward run on (a cudaStream_t; null is the legacy
+  // default stream, torch's default). See Note [CUDA modules].
+  void* cuda_stream = nullptr;
 };
+
+// Note [CUDA modules]
+// A module on one GPU trains with its buckets, shards and optimizer state on that GPU: the
+// communicator must reduce device memory (NCCL, or InProcessWorld::create_on_device for ranks as
+// threads), which the Runtime checks. Readiness is the same post hook; it runs on the host right
+// after autograd *enqueued* the accumulation, so the Runtime records an event on the compute
+// stream there and the bucket's collective waits for that event on the device: the host never
+// waits for backward. The compute stream is torch's current stream of the module's device (the
+// caller passes it, Options::cuda_stream / set_stream(): torch's C++ stream API lives in its CUDA
+// headers, which a CPU torch lacks). After backward() returns, the updated parameters are ordered
+// before later work on that stream by the Runtime (Runtime::set_stream), so the next forward
+// needs no host synchronisation either. Every parameter and buffer lives on the one device.
 
 // Note [libtorch gradients]
 // Each parameter's .grad() is a tensor over the parameter's slot in its bucket (from_blob, no
@@ -60,9 +76,9 @@ class DataParallel {
  public:
   // Registers `module`'s parameters (named_parameters order: registration order, the forward order
   // of the usual Module) and buffers, broadcasts rank 0's values of both to every rank
-  // (Config::sync.initial) and builds the buckets: a collective, every rank constructs one. CPU
-  // tensors, contiguous, float32 / float16 / bfloat16; anything else is a UsageError naming the
-  // parameter. `module` must outlive this object.
+  // (Config::sync.initial) and builds the buckets: a collective, every rank constructs one. CPU or
+  // CUDA tensors, all on one device (Note [CUDA modules]), contiguous, float32 / float16 /
+  // bfloat16; anything else is a UsageError naming the parameter. `module` must outlive this object.
   DataParallel(torch::nn::Module& module, std::shared_ptr<Communicator> comm, Options options = {})
       : DataParallel(named(module.named_parameters(/*recurse=*/true)), named(module.named_buffers(/*recurse=*/true)), std::move(comm),
                      std::move(options)) {}
@@ -71,14 +87,16 @@ class DataParallel {
   // and named_buffers(), dotted names and all): the parameters in registration order.
   DataParallel(const std::vector<NamedTensor>& params, const std::vector<NamedTensor>& buffers, std::shared_ptr<Communicator> comm,
                Options options = {})
-      : rt_(std::move(comm), options.config) {
+      : rt_(refuse_shared_autograd_thread(params, std::move(comm), options.config), options.config) {
+    if (!params.empty() && params.front().second.defined()) device_ = params.front().second.device();
+    if (options.cuda_stream) rt_.set_stream(options.cuda_stream);
     for (const auto& [name, b] : buffers) {
       check_tensor(name, b, "buffer");
-      rt_.register_buffer(BufferSpec{name, b.data_ptr(), std::size_t(b.nbytes()), Device::cpu()});
+      rt_.register_buffer(BufferSpec{name, b.data_ptr(), std::size_t(b.nbytes()), device_of(b)});
     }
     for (const auto& [name, p] : params) {
       check_tensor(name, p, "parameter");
-      ParamSpec spec{name, Shape(p.sizes().begin(), p.sizes().end()), dtype_of(name, p), Device::cpu(), p.data_ptr()};
+      ParamSpec spec{name, Shape(p.sizes().begin(), p.sizes().end()), dtype_of(name, p), device_of(p), p.data_ptr()};
       spec.requires_grad = p.requires_grad();
       // Without gradient_as_bucket_view the gradient is a tensor of ours that the runtime copies
       // into the bucket and the average back out of; .grad() views it the same way.
@@ -112,6 +130,11 @@ class DataParallel {
   DataParallel& operator=(const DataParallel&) = delete;
 
   Runtime& runtime() { return rt_; }
+  // Where the module lives (every parameter and buffer: checked at construction).
+  torch::Device device() const { return device_; }
+  // A CUDA module: the stream the next forward and backward run on (Note [CUDA modules]); between
+  // iterations, as Runtime::set_stream.
+  void set_stream(void* cuda_stream) { rt_.set_stream(cuda_stream); }
 
   // Zeroes the buckets and points each trainable parameter's .grad() at its slot (the slots move
   // once, when the buckets are rebuilt after the first iteration). With forward prefetch the views
@@ -253,14 +276,43 @@ class DataParallel {
     return out;
   }
 
-  static void check_tensor(const std::string& name, const torch::Tensor& t, const char* what) {
+  void check_tensor(const std::string& name, const torch::Tensor& t, const char* what) const {
     if (!t.defined()) throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name + "' is an undefined tensor");
-    if (!t.device().is_cpu())
+    if (!t.device().is_cpu() && !t.device().is_cuda())
       throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name + "' is on " + t.device().str() +
-                       "; this adapter takes CPU tensors (Debian's libtorch 1.13 is a CPU build)");
+                       "; shardflow trains CPU and CUDA tensors");
+    if (t.device() != device_)
+      throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name + "' is on " + t.device().str() + " but the first parameter is on " +
+                       device_.str() + "; shardflow trains a module that lives on one device (Note [CUDA modules])");
     if (!t.is_contiguous())
       throw UsageError(std::string("shardflow::libtorch: ") + what + " '" + name +
                        "' is not contiguous; shardflow steps and syncs it in place as one run of elements");
+  }
+
+  // Note [Ranks as threads on one GPU]
+  // torch runs the backward of every CUDA tensor of one device on one autograd thread of the
+  // process, whichever thread called backward(). Ranks that are threads of one process on one GPU
+  // (InProcessWorld::create_on_device) therefore run their backward passes one after the other on
+  // that thread, and a readiness hook must never wait for a peer. At ZeRO-2 it can: the gradient
+  // buckets are pooled, and a hook asking for a further bucket waits until one is reduced, which
+  // needs the peers' backward, queued behind this one. That world hung (gpt_train --device cuda
+  // --world-size 2 --zero-stage 2, on an H200); it is refused here instead. Stages 0 and 1 never
+  // wait in a hook, and one process per GPU (NCCL) has an autograd thread per rank.
+  static std::shared_ptr<Communicator> refuse_shared_autograd_thread(const std::vector<NamedTensor>& params, std::shared_ptr<Communicator> comm,
+                                                                     const Config& cfg) {
+    const bool cuda = !params.empty() && params.front().second.defined() && params.front().second.is_cuda();
+    if (cuda && comm && comm->world_size() > 1 && comm->backend_name() == "in-process" && cfg.zero.stage == ZeroStage::gradients &&
+        cfg.buckets.gradient_as_bucket_view)
+      throw UsageError("shardflow::libtorch: ZeRO-2 (Config::zero.stage) with " + std::to_string(comm->world_size()) +
+                       " ranks as threads of one process on " + params.front().second.device().str() +
+                       ": torch runs every rank's backward on its one autograd thread for that GPU, and at stage 2 a rank's backward "
+                       "waits for its peers' reductions, so the ranks would wait for each other (Note [Ranks as threads on one GPU]). "
+                       "Use stage 0 or 1 for ranks as threads, or one process per GPU (shardflow run, NCCL)");
+    return comm;
+  }
+
+  static Device device_of(const torch::Tensor& t) {
+    return t.device().is_cuda() ? Device::cuda(t.device().has_index() ? t.device().index() : 0) : Device::cpu();
   }
 
   static DType dtype_of(const std::string& name, const torch::Tensor& p) {
@@ -293,6 +345,7 @@ class DataParallel {
   // own (as it does anyway, Note [libtorch gradients]), the readiness hook adds it into the slot
   // the runtime hands out then and drops it. One add per gradient, which the in-place binding's
   // accumulation costs too; .grad() stays undefined (at stage 2 no rank holds whole gradients).
+  torch::Device device_{torch::kCPU};  // before rt_: the constructor's checks read it
   Runtime rt_;
   bool late_ = rt_.config().zero.stage == ZeroStage::gradients && rt_.config().buckets.gradient_as_bucket_view;
   bool prefetch_ = rt_.config().zero.forward_prefetch;

@@ -16,6 +16,7 @@ optimizer of your own.
 """
 import contextlib
 import functools
+import itertools
 import json
 import weakref
 
@@ -92,6 +93,39 @@ def init(timeout=300.0, backend="auto"):
 
 
 _timeout = 300.0
+
+
+def _module_device(module):
+    """The one device a module's parameters and buffers live on (CPU or one GPU), or UsageError."""
+    devices = {t.device for t in itertools.chain(module.parameters(), module.buffers())}
+    if len(devices) > 1:
+        raise UsageError("shardflow.torch.DistributedDataParallel: the module's tensors are on %s; shardflow trains a module that "
+                         "lives on one device (move it with module.to(device) first)" % ", ".join(sorted(str(d) for d in devices)))
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError("shardflow.torch.DistributedDataParallel: the module is on %s; shardflow trains CPU and CUDA tensors" % device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_device_args(device, device_ids, output_device):
+    """DDP's device arguments: a CPU module takes none (as PyTorch's DDP requires); a CUDA module
+    takes None or its own device, [i] / i / torch.device (one GPU per process)."""
+    def index_of(value):
+        if isinstance(value, torch.device):
+            return value.index if value.type == "cuda" else None
+        return int(value) if isinstance(value, int) else None
+    for arg, value in (("device_ids", device_ids), ("output_device", output_device)):
+        if value is None or (arg == "device_ids" and len(value) == 0):
+            continue
+        if device.type != "cuda":
+            raise UsageError("shardflow.torch.DistributedDataParallel: %s=%r: the module's parameters are on %s, and DDP takes "
+                             "%s only for a CUDA module; leave %s=None" % (arg, value, device, arg, arg))
+        given = list(value) if arg == "device_ids" else [value]
+        if len(given) != 1 or index_of(given[0]) != device.index:
+            raise UsageError("shardflow.torch.DistributedDataParallel: %s=%r, but the module is on %s: pass [%d] (one GPU per "
+                             "process, the module's own) or leave it None" % (arg, value, device, device.index))
 
 
 def _groups(spec, module):
@@ -173,8 +207,9 @@ class DistributedDataParallel:
                  clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
+        device = _module_device(module)
         if not _C.initialized():  # init() is optional: the launcher's environment (torchrun, shardflow run, Slurm, mpirun) says the rest
-            init(_timeout)
+            _C.init(_timeout, "auto", device.index if device.type == "cuda" else -1)
         torch_optimizer = None
         if isinstance(optimizer, torch.optim.Optimizer):  # the optimizer as PyTorch users build it (shardflow/_optim.py)
             torch_optimizer, optimizer = optimizer, _optim.spec_of(optimizer)
@@ -185,12 +220,7 @@ class DistributedDataParallel:
         if zero_stage != 0 and optimizer is None:
             raise UsageError("shardflow.torch.DistributedDataParallel: zero_stage %d shards the optimizer, so it needs "
                              "optimizer=(kind, {...}) to step inside shardflow" % zero_stage)
-        # DDP's device arguments: a CPU module takes none (as PyTorch's DDP requires for CPU modules).
-        for arg, value in (("device_ids", device_ids), ("output_device", output_device)):
-            if value is not None and not (arg == "device_ids" and len(value) == 0):
-                devices = {p.device.type for p in module.parameters()}
-                raise UsageError("shardflow.torch.DistributedDataParallel: %s=%r: the module's parameters are on %s, and this build "
-                                 "trains CPU tensors; leave %s=None" % (arg, value, ", ".join(sorted(devices)) or "no device", arg))
+        _check_device_args(device, device_ids, output_device)
         if clip_grad_norm is not None and optimizer is None:
             raise UsageError("shardflow.torch.DistributedDataParallel: clip_grad_norm=%r clips inside shardflow's optimizer step, and "
                              "there is none: pass optimizer=(kind, {...}), or clip with torch.nn.utils.clip_grad_norm_ after "
@@ -201,6 +231,8 @@ class DistributedDataParallel:
         self._in_runtime = optimizer is not None
         self._zero_stage = int(zero_stage)
         self._param_ids = {id(p) for p in module.parameters()}
+        self._device = device
+        self._stream = None  # the compute stream the runtime was last told of (a CUDA module)
         self._prefetch = bool(forward_prefetch)
         self._accumulating = False
         self._uneven = bool(uneven_inputs)
@@ -208,7 +240,8 @@ class DistributedDataParallel:
         self._ddp = _C.DataParallel(list(module.named_parameters()), list(module.named_buffers()), int(zero_stage), overlap,
                                     self._prefetch, self._uneven, bool(find_unused_parameters), bool(static_graph), bool(broadcast_buffers),
                                     0.0 if bucket_cap_mb is None else float(bucket_cap_mb), _timeout, trace or "", groups,
-                                    0.0 if clip_grad_norm is None else float(clip_grad_norm), float(clip_norm_type))
+                                    0.0 if clip_grad_norm is None else float(clip_grad_norm), float(clip_norm_type),
+                                    self._current_stream())
         self._ddp.zero_grad()
         _live.add(self)
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
@@ -308,8 +341,18 @@ class DistributedDataParallel:
                                  "call step() after each backward (or accumulate inside model.no_sync())")
             self._ddp.after_backward()
 
+    def _current_stream(self):
+        """A CUDA module's compute stream: torch's current stream on its device, as a cudaStream_t."""
+        if self._device.type != "cuda":
+            return 0
+        stream = torch.cuda.current_stream(self._device).cuda_stream
+        self._stream = stream
+        return stream
+
     def __call__(self, *args, **kwargs):
         self._end_open_pass()
+        if self._device.type == "cuda" and torch.cuda.current_stream(self._device).cuda_stream != self._stream:
+            self._ddp.set_stream(self._current_stream())  # Note [CUDA modules]: forward and backward run there
         out = self.module(*args, **kwargs)
         if self._prefetch:
             self._ddp.before_backward()  # every .grad() now views its bucket (forward waited for every sync)
