@@ -63,5 +63,15 @@ model.step()
 assert world == 2 and model.optimizer_steps == 1
 PY
     PREFIX_PY="$work/prefix/$pydir" PYTHONPATH="$work/prefix/$pydir" quiet python.log "$work/prefix/bin/shardflow" run --nproc-per-node 2 -- /usr/bin/python3 "$work/step.py"
+    # tools/torch_build: the module and gpt_train built apart, against the installed library and a
+    # torch named by Torch_DIR (docs/cuda.md: how a GPU machine's own torch gets them); here
+    # Debian's torch and python3 stand in for that machine's.
+    torch_dir=$(sed -n 's/^Torch_DIR:PATH=//p' "$build/CMakeCache.txt")
+    quiet torch_build_configure.log cmake -S "$here/../../tools/torch_build" -B "$work/torch_build" -G Ninja \
+      -Dshardflow_DIR="$work/prefix/lib/cmake/shardflow" -DTorch_DIR="$torch_dir" -DPython_EXECUTABLE=/usr/bin/python3
+    quiet torch_build.log cmake --build "$work/torch_build"
+    test -x "$work/torch_build/gpt_train"
+    PREFIX_PY="$work/torch_build/python" PYTHONPATH="$work/torch_build/python" quiet python_torch_build.log \
+      "$work/prefix/bin/shardflow" run --nproc-per-node 2 -- /usr/bin/python3 "$work/step.py"
   fi
 fi
