@@ -199,189 +199,204 @@ void await_params(self_ptr self, const std::vector<Param>& ps, std::function<voi
   check(self);
 }
 
+// ---- The handlers, each a short function; the behaviour below is their table ----------------
+
+// Notes this rank's thread: a blocking wait asked from a RankCall would wait for this very actor
+// (Impl::ask refuses it).
+void here(self_ptr self) {
+  RankActorAccess::impl(*self->state.rt).rank_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+}
+
+// A request answered by its return value: an error goes back to the asker.
+template <class Result, class F>
+Result answered(self_ptr self, F&& f) {
+  here(self);
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    return to_error(e);
+  }
+}
+
+// A request answered later through `rp`: an error now is the promise's.
+template <class Promise, class F>
+Promise promised(self_ptr self, Promise rp, F&& f) {
+  here(self);
+  try {
+    f(rp);
+  } catch (const std::exception& e) {
+    rp.deliver(to_error(e));
+  }
+  return rp;
+}
+
+// A message without an answer: its error fails the rank.
+template <class F>
+void unanswered(self_ptr self, F&& f) {
+  here(self);
+  try {
+    f();
+  } catch (const std::exception& e) {
+    fail_rank(self, e);
+  }
+}
+
+caf::result<rank_api::call_atom> on_call(self_ptr self, rank_api::RankCall& f) {
+  return answered<caf::result<rank_api::call_atom>>(self, [&] {
+    if (!f) throw UsageError("rank_api::call_atom on rank " + std::to_string(RankActorAccess::impl(*self->state.rt).rank) + ": the RankCall is empty");
+    f(*self->state.rt);
+    return rank_api::call_atom::value;
+  });
+}
+
+std::vector<GradSlot> grad_slots(Runtime& rt, const std::vector<Param>& ps) {
+  std::vector<GradSlot> slots;
+  for (const auto p : ps) slots.push_back(GradSlot{p, rt.grad(p)});  // stage 2's backpressure waits here, on this rank's thread
+  return slots;
+}
+
+promise_of<rank_api::step_done_atom, std::uint64_t> on_iteration(self_ptr self) {
+  here(self);
+  auto& st = self->state;
+  auto& I = RankActorAccess::impl(*st.rt);
+  auto rp = self->make_response_promise<rank_api::step_done_atom, std::uint64_t>();
+  if (st.iteration) {
+    rp.deliver(make_error(errc::usage, "rank " + std::to_string(I.rank) + ": an iteration was asked for while iteration " +
+                                           std::to_string(I.iterations) + " is still pending; ask once per backward pass"));
+    return rp;
+  }
+  const auto t0 = Timeline::now();
+  try {
+    if (!RankActorAccess::begin_wait(*st.rt)) {  // accumulation: nothing went out
+      rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
+      return rp;
+    }
+  } catch (const std::exception& e) {
+    rp.deliver(to_error(e));
+    return rp;
+  }
+  const auto id = st.next_id++;
+  st.iteration = RankActorState::IterationWait{rp, id, t0};
+  arm_deadline(self, id);
+  check(self);
+  return rp;
+}
+
+template <class Answer>
+promise_of<rank_api::params_ready_atom, Answer> on_params_ready(self_ptr self, const std::vector<Param>& ps, Answer answer) {
+  return promised(self, self->make_response_promise<rank_api::params_ready_atom, Answer>(), [&](auto rp) {
+    await_params(
+        self, ps, [rp, answer]() mutable { rp.deliver(rank_api::params_ready_atom::value, answer); },
+        [rp](const caf::error& e) mutable { rp.deliver(e); });
+  });
+}
+
+promise_of<rank_api::all_params_atom> on_all_params(self_ptr self) {
+  return promised(self, self->make_response_promise<rank_api::all_params_atom>(), [&](auto rp) {
+    auto& st = self->state;
+    auto& I = RankActorAccess::impl(*st.rt);
+    I.ensure_finalized();
+    I.throw_if_failed();
+    if (!I.prefetching()) {  // the last wait() waited for every update
+      rp.deliver(rank_api::all_params_atom::value);
+      return;
+    }
+    const auto id = st.next_id++;
+    st.all.push_back(RankActorState::AllWait{rp, I.signal_target, id, Timeline::now()});
+    arm_deadline(self, id);
+    check(self);
+  });
+}
+
+promise_of<rank_api::collective_atom, std::string> on_collective(self_ptr self, CollectiveOp& op) {
+  auto& st = self->state;
+  const auto id = st.next_id++;
+  auto tag = op.tag;
+  return promised(self, self->make_response_promise<rank_api::collective_atom, std::string>(), [&](auto rp) {
+    RankActorAccess::impl(*st.rt).trainer_collective(std::move(op), [h = caf::actor_cast<rank_actor_impl>(self), id](std::exception_ptr e) {
+      caf::anon_send(h, collective_done_atom::value, id, e ? error_of(e) : caf::error{});
+    });
+    st.collectives.emplace(id, RankActorState::CollectiveWait{rp, std::move(tag)});
+  });
+}
+
+void on_collective_done(self_ptr self, std::uint64_t id, caf::error& e) {
+  auto& st = self->state;
+  auto it = st.collectives.find(id);
+  if (it == st.collectives.end()) return;
+  if (e)
+    it->second.rp.deliver(std::move(e));
+  else
+    it->second.rp.deliver(rank_api::collective_atom::value, it->second.tag);
+  st.collectives.erase(it);
+}
+
+using checkpoint_answer = caf::result<rank_api::checkpoint_done_atom, std::string, std::uint64_t>;
+checkpoint_answer on_checkpoint(self_ptr self) {
+  return answered<checkpoint_answer>(self, [&] {
+    auto& I = RankActorAccess::impl(*self->state.rt);
+    if (!I.saves.pending) return checkpoint_answer(rank_api::checkpoint_done_atom::value, std::string(), std::uint64_t(0));
+    const auto dir = I.saves.pending->dir;
+    const auto step = I.saves.pending->step;
+    RankActorAccess::finish_checkpoint(*self->state.rt);
+    return checkpoint_answer(rank_api::checkpoint_done_atom::value, dir, step);
+  });
+}
+
+void on_deadline(self_ptr self, std::uint64_t id) {
+  auto& st = self->state;
+  auto& I = RankActorAccess::impl(*st.rt);
+  try {
+    if (st.iteration && st.iteration->id == id)
+      I.pass_timed_out(I.wait_prefetching ? I.signal_target - 1 : I.signal_target, "iteration " + std::to_string(I.iterations));
+    for (const auto& w : st.params)
+      if (w.id == id) I.pass_timed_out(w.target, w.what);
+    for (const auto& w : st.all)
+      if (w.id == id) I.pass_timed_out(w.target, "the parameters' updates (wait_all_params)");
+  } catch (const std::exception& e) {
+    fail_waits(self, to_error(e));
+  }
+}
+
 rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
   self->state.rt = rt;
   auto& I = RankActorAccess::impl(*rt);
-  auto& st = self->state;
-  // A blocking wait asked from a RankCall would wait for this very actor (Impl::ask refuses it).
-  auto here = [&I] { I.rank_thread.store(std::this_thread::get_id(), std::memory_order_relaxed); };
-  // A message without an answer: its error fails the rank.
-  auto unanswered = [self, here](auto&& f) {
-    here();
-    try {
-      f();
-    } catch (const std::exception& e) {
-      fail_rank(self, e);
-    }
-  };
+  using namespace rank_api;
+  using save_answer = caf::result<save_atom, std::string>;
   return {
-      [=, &I](rank_api::call_atom, rank_api::RankCall& f) -> caf::result<rank_api::call_atom> {
-        here();
-        try {
-          if (!f) throw UsageError("rank_api::call_atom on rank " + std::to_string(I.rank) + ": the RankCall is empty");
-          f(*rt);
-          return rank_api::call_atom::value;
-        } catch (const std::exception& e) {
-          return to_error(e);
-        }
+      [=](call_atom, RankCall& f) { return on_call(self, f); },
+      [=](grad_atom, Param p) { return answered<caf::result<GradSlot>>(self, [&] { return GradSlot{p, rt->grad(p)}; }); },
+      [=](grad_atom, const std::vector<Param>& ps) {
+        return answered<caf::result<std::vector<GradSlot>>>(self, [&] { return grad_slots(*rt, ps); });
       },
-      [=](rank_api::grad_atom, Param p) -> caf::result<GradSlot> {
-        here();
-        try {
-          return GradSlot{p, rt->grad(p)};  // stage 2's backpressure waits here, on this rank's thread
-        } catch (const std::exception& e) {
-          return to_error(e);
-        }
-      },
-      [=](rank_api::grad_atom, const std::vector<Param>& ps) -> caf::result<std::vector<GradSlot>> {
-        here();
-        try {
-          std::vector<GradSlot> slots;
-          for (const auto p : ps) slots.push_back(GradSlot{p, rt->grad(p)});
-          return slots;
-        } catch (const std::exception& e) {
-          return to_error(e);
-        }
-      },
-      [=](rank_api::grad_ready_atom, Param p) { unanswered([&] { rt->grad_ready(p); }); },
-      [=](rank_api::grad_ready_atom, const std::vector<Param>& ps) {
-        unanswered([&] {
+      [=](grad_ready_atom, Param p) { unanswered(self, [&] { rt->grad_ready(p); }); },
+      [=](grad_ready_atom, const std::vector<Param>& ps) {
+        unanswered(self, [&] {
           for (const auto p : ps) rt->grad_ready(p);
         });
       },
-      [=](rank_api::grads_ready_atom, std::uint64_t offset, std::uint64_t count) {
-        unanswered([&] { rt->grads_ready(std::size_t(offset), std::size_t(count)); });
+      [=](grads_ready_atom, std::uint64_t offset, std::uint64_t count) {
+        unanswered(self, [&] { rt->grads_ready(std::size_t(offset), std::size_t(count)); });
       },
-      [=](rank_api::zero_grad_atom) { unanswered([&] { rt->zero_grad(); }); },
-      [=](rank_api::require_sync_atom, bool sync) { unanswered([&] { rt->set_require_sync(sync); }); },
-      [=, &I, &st](rank_api::iteration_atom) {
-        here();
-        auto rp = self->make_response_promise<rank_api::step_done_atom, std::uint64_t>();
-        if (st.iteration) {
-          rp.deliver(make_error(errc::usage, "rank " + std::to_string(I.rank) + ": an iteration was asked for while iteration " +
-                                                 std::to_string(I.iterations) + " is still pending; ask once per backward pass"));
-          return rp;
-        }
-        const auto t0 = Timeline::now();
-        try {
-          if (!RankActorAccess::begin_wait(*rt)) {  // accumulation: nothing went out
-            rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
-            return rp;
-          }
-        } catch (const std::exception& e) {
-          rp.deliver(to_error(e));
-          return rp;
-        }
-        const auto id = st.next_id++;
-        st.iteration = RankActorState::IterationWait{rp, id, t0};
-        arm_deadline(self, id);
-        check(self);
-        return rp;
-      },
-      [=](rank_api::params_ready_atom, Param p) {
-        here();
-        auto rp = self->make_response_promise<rank_api::params_ready_atom, Param>();
-        try {
-          await_params(
-              self, {p}, [rp, p]() mutable { rp.deliver(rank_api::params_ready_atom::value, p); },
-              [rp](const caf::error& e) mutable { rp.deliver(e); });
-        } catch (const std::exception& e) {
-          rp.deliver(to_error(e));
-        }
-        return rp;
-      },
-      [=](rank_api::params_ready_atom, std::vector<Param>& ps) {
-        here();
-        auto rp = self->make_response_promise<rank_api::params_ready_atom, std::vector<Param>>();
-        try {
-          await_params(
-              self, ps, [rp, ps]() mutable { rp.deliver(rank_api::params_ready_atom::value, ps); },
-              [rp](const caf::error& e) mutable { rp.deliver(e); });
-        } catch (const std::exception& e) {
-          rp.deliver(to_error(e));
-        }
-        return rp;
-      },
-      [=, &I, &st](rank_api::all_params_atom) {
-        here();
-        auto rp = self->make_response_promise<rank_api::all_params_atom>();
-        try {
-          I.ensure_finalized();
-          I.throw_if_failed();
-          if (!I.prefetching()) {  // the last wait() waited for every update
-            rp.deliver(rank_api::all_params_atom::value);
-            return rp;
-          }
-          const auto id = st.next_id++;
-          st.all.push_back(RankActorState::AllWait{rp, I.signal_target, id, Timeline::now()});
-          arm_deadline(self, id);
-          check(self);
-        } catch (const std::exception& e) {
-          rp.deliver(to_error(e));
-        }
-        return rp;
-      },
-      [=, &I, &st](rank_api::collective_atom, CollectiveOp& op) {
-        here();
-        auto rp = self->make_response_promise<rank_api::collective_atom, std::string>();
-        const auto id = st.next_id++;
-        auto tag = op.tag;
-        try {
-          I.trainer_collective(std::move(op), [h = caf::actor_cast<rank_actor_impl>(self), id](std::exception_ptr e) {
-            caf::anon_send(h, collective_done_atom::value, id, e ? error_of(e) : caf::error{});
-          });
-          st.collectives.emplace(id, RankActorState::CollectiveWait{rp, std::move(tag)});
-        } catch (const std::exception& e) {
-          rp.deliver(to_error(e));
-        }
-        return rp;
-      },
-      [=, &st](collective_done_atom, std::uint64_t id, caf::error& e) {
-        auto it = st.collectives.find(id);
-        if (it == st.collectives.end()) return;
-        if (e)
-          it->second.rp.deliver(std::move(e));
-        else
-          it->second.rp.deliver(rank_api::collective_atom::value, it->second.tag);
-        st.collectives.erase(it);
-      },
-      [=](rank_api::save_atom, std::string& dir) -> caf::result<rank_api::save_atom, std::string> {
-        here();
-        try {
+      [=](zero_grad_atom) { unanswered(self, [&] { rt->zero_grad(); }); },
+      [=](require_sync_atom, bool sync) { unanswered(self, [&] { rt->set_require_sync(sync); }); },
+      [=](iteration_atom) { return on_iteration(self); },
+      [=](params_ready_atom, Param p) { return on_params_ready(self, {p}, p); },
+      [=](params_ready_atom, std::vector<Param>& ps) { return on_params_ready(self, ps, ps); },
+      [=](all_params_atom) { return on_all_params(self); },
+      [=](collective_atom, CollectiveOp& op) { return on_collective(self, op); },
+      [=](collective_done_atom, std::uint64_t id, caf::error& e) { on_collective_done(self, id, e); },
+      [=](save_atom, std::string& dir) {
+        return answered<save_answer>(self, [&] {
           rt->save_sharded_checkpoint_async(dir);
-          return caf::result<rank_api::save_atom, std::string>(rank_api::save_atom::value, dir);
-        } catch (const std::exception& e) {
-          return to_error(e);
-        }
+          return save_answer(save_atom::value, dir);
+        });
       },
-      [=, &I](rank_api::checkpoint_atom) -> caf::result<rank_api::checkpoint_done_atom, std::string, std::uint64_t> {
-        here();
-        using answer = caf::result<rank_api::checkpoint_done_atom, std::string, std::uint64_t>;
-        try {
-          if (!I.saves.pending) return answer(rank_api::checkpoint_done_atom::value, std::string(), std::uint64_t(0));
-          const auto dir = I.saves.pending->dir;
-          const auto step = I.saves.pending->step;
-          RankActorAccess::finish_checkpoint(*rt);
-          return answer(rank_api::checkpoint_done_atom::value, dir, step);
-        } catch (const std::exception& e) {
-          return to_error(e);
-        }
-      },
-      [=, &I](rank_api::subscribe_atom, caf::actor& who, std::uint8_t mask) { I.subscribers->subscribe(std::move(who), mask); },
-      [=, &I](rank_api::unsubscribe_atom, caf::actor& who) { I.subscribers->unsubscribe(who); },
+      [=](checkpoint_atom) { return on_checkpoint(self); },
+      [=, &I](subscribe_atom, caf::actor& who, std::uint8_t mask) { I.subscribers->subscribe(std::move(who), mask); },
+      [=, &I](unsubscribe_atom, caf::actor& who) { I.subscribers->unsubscribe(who); },
       [=](poke_atom) { check(self); },
-      [=, &I, &st](deadline_atom, std::uint64_t id) {
-        try {
-          if (st.iteration && st.iteration->id == id)
-            I.pass_timed_out(I.wait_prefetching ? I.signal_target - 1 : I.signal_target, "iteration " + std::to_string(I.iterations));
-          for (const auto& w : st.params)
-            if (w.id == id) I.pass_timed_out(w.target, w.what);
-          for (const auto& w : st.all)
-            if (w.id == id) I.pass_timed_out(w.target, "the parameters' updates (wait_all_params)");
-        } catch (const std::exception& e) {
-          fail_waits(self, to_error(e));
-        }
-      },
+      [=](deadline_atom, std::uint64_t id) { on_deadline(self, id); },
   };
 }
 

@@ -13,6 +13,7 @@
 
 #include "runtime/comm/stream_worker.hpp"
 #include "shardflow/shardflow.hpp"
+#include "shardflow/sim.hpp"
 
 using namespace shardflow;
 using Clock = std::chrono::steady_clock;

@@ -18,6 +18,7 @@
 
 #include "bench/overlap_bound.hpp"
 #include "examples/synthetic/trainer.hpp"
+#include "shardflow/sim.hpp"
 
 using namespace shardflow;
 using namespace std::chrono;

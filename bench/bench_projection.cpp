@@ -11,6 +11,7 @@
 #include <cstdio>
 
 #include "examples/synthetic/trainer.hpp"
+#include "shardflow/sim.hpp"
 
 using namespace shardflow;
 using namespace std::chrono;

@@ -25,6 +25,7 @@
 #include "kernels/cuda/device.hpp"
 #include "kernels/cpu/linear.hpp"
 #include "shardflow/launch.hpp"
+#include "shardflow/sim.hpp"
 
 int main(int argc, char** argv) {
   using namespace shardflow;

@@ -118,10 +118,15 @@ void Runtime::finalize() {
   impl_->ensure_finalized();
 }
 
+void Runtime::Impl::require_between_iterations(const std::string& call, const std::string& advice) const {
+  if (in_pass())
+    throw UsageError(call + " on rank " + std::to_string(rank) + " in the middle of a synchronised backward pass (its first gradient reported, "
+                     "wait() not yet returned): " + advice);
+}
+
 void Runtime::set_stream(void* cuda_stream) {
   auto& I = *impl_;
-  if (I.in_pass())
-    throw UsageError("set_stream on rank " + std::to_string(I.rank) + " in the middle of a backward pass: change it between iterations");
+  I.require_between_iterations("set_stream", "change it between iterations");
   I.mem->stream = cuda_stream;
   if (I.shard) {  // GPU shards: the new stream and the shard's are ordered both ways from here on
     I.shard->follow_compute();
@@ -148,9 +153,7 @@ void Runtime::zero_grad() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.timeline->stats().touch(Timeline::now());
-  if (I.in_pass())
-    throw UsageError("zero_grad() on rank " + std::to_string(I.rank) +
-                     " while this iteration's reductions are running: call wait() first");
+  I.require_between_iterations("zero_grad()", "call wait() first");
   if (I.cfg.buckets.gradient_as_bucket_view) {
     // Pooled buckets (ZeRO-2) hold no buffer between iterations and start zeroed; flat padding is
     // never written, so it stays zero. With forward prefetch the shard zeroes each bucket when it
@@ -417,9 +420,7 @@ std::future<void> Runtime::collective(CollectiveOp op) {
 void Runtime::Impl::trainer_collective(CollectiveOp op, CollectiveDone on_done) {
   ensure_finalized();
   throw_if_failed();
-  if (in_pass())
-    throw UsageError("Runtime::collective ('" + op.tag + "') on rank " + std::to_string(rank) +
-                     " in the middle of a synchronised backward pass: call it between wait() and the next backward");
+  require_between_iterations("Runtime::collective ('" + op.tag + "')", "call it between wait() and the next backward");
   {
     std::lock_guard lock(trainer_ops->mu);
     ++trainer_ops->outstanding;
@@ -440,9 +441,7 @@ void Runtime::Impl::trainer_collective(CollectiveOp op, CollectiveDone on_done) 
 
 void Runtime::set_require_sync(bool sync) {
   auto& I = *impl_;
-  if (I.in_pass())
-    throw UsageError("set_require_sync/no_sync on rank " + std::to_string(I.rank) +
-                     " in the middle of a synchronised backward pass: change it between iterations");
+  I.require_between_iterations("set_require_sync/no_sync", "change it between iterations");
   I.require_sync.store(sync);
 }
 

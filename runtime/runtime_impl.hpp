@@ -181,6 +181,9 @@ struct Runtime::Impl {
   enum class Phase : std::uint8_t { idle, backward, reducing };
   std::atomic<Phase> phase{Phase::idle};
   bool in_pass() const { return phase.load(std::memory_order_acquire) != Phase::idle; }
+  // The one "between iterations" rule, one message: `call` is refused while a synchronised
+  // backward pass is open (its first gradient reported, wait() not yet returned), saying `advice`.
+  void require_between_iterations(const std::string& call, const std::string& advice) const;
   bool rebuilt = false;
   std::uint64_t iterations = 0;
 

@@ -14,6 +14,7 @@
 #include "examples/mlp/train.hpp"
 #include "examples/synthetic/trainer.hpp"
 #include "helpers.hpp"
+#include "shardflow/sim.hpp"
 
 using namespace shardflow;
 using namespace std::chrono;

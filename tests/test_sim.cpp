@@ -10,6 +10,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "helpers.hpp"
+#include "shardflow/sim.hpp"
 
 using namespace shardflow;
 using namespace std::chrono;

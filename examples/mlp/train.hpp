@@ -13,6 +13,7 @@
 #include "shardflow/optimizer.hpp"
 #include "shardflow/safetensors.hpp"
 #include "shardflow/shardflow.hpp"
+#include "shardflow/sim.hpp"
 
 namespace shardflow::mlp {
 

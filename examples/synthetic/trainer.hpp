@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "shardflow/shardflow.hpp"
+#include "shardflow/sim.hpp"
 
 namespace shardflow::synthetic {
 

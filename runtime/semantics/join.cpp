@@ -40,7 +40,7 @@ void Runtime::join() {
   if (!I.cfg.join.uneven_inputs)
     throw UsageError("join() on rank " + std::to_string(I.rank) + ": set " + I.cfg.name_of("join.uneven_inputs") +
                      " = true, so that every iteration counts the ranks still training");
-  if (I.in_pass()) throw UsageError("join() on rank " + std::to_string(I.rank) + " in the middle of a backward pass: call it after wait()");
+  I.require_between_iterations("join()", "call it after wait()");
   I.join.joined = true;
   const auto joined_at = float(I.iterations);
   for (;;) {

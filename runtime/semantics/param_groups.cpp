@@ -65,7 +65,7 @@ void Runtime::set_hyperparameters(std::size_t group, const OptimizerConfig& h) {
   if (group >= I.groups->groups.size())
     throw UsageError("set_hyperparameters: group " + std::to_string(group) + " does not exist (" + std::to_string(I.groups->groups.size()) +
                      " group(s))");
-  if (I.in_pass()) throw UsageError("set_hyperparameters: change hyper-parameters between iterations");
+  I.require_between_iterations("set_hyperparameters", "change hyper-parameters between iterations");
   h.validate();
   if (h.kind != I.groups->groups[group].kind)
     throw UsageError("set_hyperparameters: group " + std::to_string(group) + " uses " + kind_name(I.groups->groups[group].kind) +
@@ -100,7 +100,7 @@ OptimizerConfig Runtime::hyperparameters(std::size_t group) const {
 std::size_t Runtime::add_param_group(const ParamGroup& g) {
   auto& I = *impl_;
   if (!I.groups) throw UsageError("add_param_group: no optimizer configured (configure_optimizer)");
-  if (I.in_pass()) throw UsageError("add_param_group: add groups between iterations");
+  I.require_between_iterations("add_param_group", "add groups between iterations");
   if (g.params.empty()) throw UsageError("add_param_group: the group has no parameters");
   g.optimizer.validate();
   if (g.optimizer.kind != I.groups->groups[0].kind)

@@ -16,8 +16,7 @@ namespace shardflow {
 void Runtime::set_requires_grad(Param p, bool on) {
   auto& I = *impl_;
   const auto i = I.check_handle(p, "set_requires_grad");
-  if (I.in_pass())
-    throw UsageError("set_requires_grad('" + I.name_of(i) + "') on rank " + std::to_string(I.rank) + " in the middle of a backward pass");
+  I.require_between_iterations("set_requires_grad('" + I.name_of(i) + "')", "freeze or unfreeze between iterations");
   std::lock_guard lock(I.finalize_mu);
   if (!I.finalized.load()) {  // still registering: the plan is made with it
     I.registry.set_requires_grad(i, on);
@@ -31,7 +30,7 @@ void Runtime::refresh_trainable() {
   auto& I = *impl_;
   I.ensure_finalized();
   I.throw_if_failed();
-  if (I.in_pass()) throw UsageError("refresh_trainable() on rank " + std::to_string(I.rank) + " in the middle of a backward pass: call it between iterations");
+  I.require_between_iterations("refresh_trainable()", "call it between iterations");
   wait_all_params();
   const auto& params = I.registry.params();
   std::vector<std::uint32_t> thawed;

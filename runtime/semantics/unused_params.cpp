@@ -34,7 +34,7 @@ std::vector<Param> Runtime::unused_parameters() const {
   const auto& I = *impl_;
   if (!I.cfg.buckets.find_unused_parameters && !I.cfg.buckets.static_graph)
     throw UsageError("unused_parameters(): set Config::buckets.find_unused_parameters = true (or static_graph); without it every parameter must get a gradient");
-  if (I.in_pass()) throw UsageError("unused_parameters() on rank " + std::to_string(I.rank) + " before wait(): the counts are not in yet");
+  I.require_between_iterations("unused_parameters()", "the counts are not in yet: ask after wait()");
   std::vector<Param> out;
   if (!I.unused.used_counts || I.iterations == 0) return out;
   for (std::uint32_t p = 0; p < I.unused.used_counts->size(); ++p)

@@ -56,4 +56,45 @@ struct BufferSpec {
   Device device = Device::cpu();
 };
 
+// A registered parameter. Cheap to copy; only valid with the Runtime that returned it.
+struct Param {
+  std::uint32_t index = ~0u;
+  std::uint32_t owner = 0;
+};
+
+struct BucketInfo {
+  std::uint32_t index = 0;
+  DType dtype = DType::f32;
+  Device device;
+  std::size_t bytes = 0;
+  std::vector<std::string> params;  // in the order they sit in the flat buffer
+};
+
+// A piece of a parameter this rank owns (keeps optimizer state for and steps): elements
+// [begin, end) of its flat storage; the whole parameter when begin is 0 and end its numel.
+struct OwnedPiece {
+  std::string param;
+  std::size_t begin = 0, end = 0;
+  bool operator==(const OwnedPiece&) const = default;
+};
+
+// Raw buffers, the way llm.c-style engines keep a model (Note [Flat buffers]): one flat parameter
+// buffer, optionally one flat gradient buffer of the same layout, and a table of where each
+// parameter sits in them (offsets and shapes in elements).
+struct FlatEntry {
+  std::string name;
+  Shape shape;
+  std::size_t offset = 0;
+};
+struct FlatBuffers {
+  void* params = nullptr;
+  // The engine's gradient buffer (Config::buckets.gradient_as_bucket_view off: shardflow copies
+  // into and out of its buckets), or null (view on: gradients live in the buckets, Runtime::grad).
+  void* grads = nullptr;
+  std::size_t numel = 0;  // elements in each buffer
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
+  std::vector<FlatEntry> table;  // in forward order
+};
+
 }  // namespace shardflow
