@@ -3,6 +3,7 @@
 #include <caf/all.hpp>
 
 #include <optional>
+#include <utility>
 
 #include "runtime/plans/run_plan.hpp"  // kStagingInFlight
 
@@ -27,203 +28,221 @@ msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std:
           "rank " + std::to_string(s.shard->shard_plan().rank) + ": optimizer shard, bucket " + std::to_string(b) + ": " + e.what()};
 }
 
+using self_ptr = msg::shard_actor_t::stateful_pointer<ShardActorState>;
+
+// The trainer changed hyper-parameters between iterations: this iteration's snapshot, taken when
+// its first step goes (Note [Hyper-parameter snapshots]).
+void take_snapshot(ShardActorState& s) {
+  const auto it = std::uint64_t(s.shard->steps());
+  std::size_t pick = s.snapshots.size();
+  for (std::size_t i = 0; i < s.snapshots.size(); ++i)
+    if (s.snapshots[i].first <= it) pick = i;
+  if (pick < s.snapshots.size()) {
+    s.shard->set_groups(s.snapshots[pick].second);
+    s.snapshots.erase(s.snapshots.begin(), s.snapshots.begin() + std::ptrdiff_t(pick) + 1);
+  }
+}
+
+// Clipping: the global norm needs every reduced gradient, so no step goes before all reductions
+// are in and the norm's exchange is back. False while the steps must wait for it.
+bool norm_settled(self_ptr self) {
+  auto& s = self->state;
+  if (s.phase == ShardPhase::norm_in_flight) return false;
+  if (s.phase != ShardPhase::waiting_for_norm) return true;
+  if (s.nreduced < s.reduced.size()) return false;
+  s.phase = ShardPhase::norm_in_flight;
+  s.shard->partial_norm();  // the exchange waits for its event (Note [Shard streams])
+  if (s.shard->syncs()) {
+    self->send(s.comm, msg::norm_ready_atom::value, norm_exchange(s.shard));
+    return false;
+  }
+  s.clip_coef = s.shard->finish_norm();  // stage 0: every rank sees every gradient
+  s.phase = ShardPhase::stepping;
+  return true;
+}
+
+// Note [Which bucket steps next]
+// The reduced, unstepped bucket that comes first in the syncs' order steps next. Stepping strictly
+// in that order made every bucket wait for the one the next forward needs first, which with
+// forward prefetch is the last one reduced: all B steps then ran after backward, in series with
+// the first sync (measured at link/compute 1: forward's first layer waited 2.6 ms where its reduce
+// + step + sync take 0.9). With pooled staging (stage 2: at most kStagingInFlight buckets between
+// step and synced, so the parameter syncs do not bring back the memory the gradient shards saved)
+// a bucket holds a staging buffer from its step to its sync's end and syncs end in order, so only
+// the first kStagingInFlight unsynced buckets of the order may step: the one the comm stream
+// issues next can always get one.
+std::optional<std::uint32_t> next_bucket(ShardActorState& s) {
+  const std::size_t B = s.reduced.size();
+  const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) || s.nreduced == B;
+  const bool pooled = s.shard->buffers().pooled();
+  if (!allowed || s.nstepped == B || (pooled && s.staging_in_flight >= kStagingInFlight)) return std::nullopt;
+  auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
+  while (s.first_unstepped < B && s.stepped[bucket_at(s.first_unstepped)]) ++s.first_unstepped;
+  const std::size_t end = pooled ? std::min(B, s.nsynced + kStagingInFlight) : B;
+  for (std::size_t i = s.first_unstepped; i < end; ++i)
+    if (const auto b = bucket_at(i); s.reduced[b] && !s.stepped[b]) return b;
+  return std::nullopt;
+}
+
+// The step counts advance before the last bucket is reported: without syncs that report ends the
+// iteration, and the trainer may read the count at once (state migration when the buckets are
+// rebuilt after wait()). Counting after the send raced with that read.
+void end_step_once(ShardActorState& s) {
+  if (s.nstepped == s.reduced.size() && s.phase != ShardPhase::stepped) {
+    s.phase = ShardPhase::stepped;
+    s.shard->end_step();
+  }
+}
+
+// Steps bucket b, then hands it to the comm stream for its sync (or, without syncs, it is done).
+// Returns when the step began and ended (the turn's accounting).
+std::pair<Timeline::Time, Timeline::Time> step_bucket(self_ptr self, std::uint32_t b) {
+  auto& s = self->state;
+  Shard& sh = *s.shard;
+  s.stepped[b] = 1;
+  ++s.nstepped;
+  const auto t0 = Timeline::now();
+  if (!sh.skipping()) sh.step(b, s.clip_coef);  // Note [Loss scaling]: an inf somewhere: no rank steps
+  end_step_once(s);
+  if (sh.syncs()) sh.pack(b);
+  const auto t1 = Timeline::now();
+  s.timeline->stats().optimizer(t0, t1);
+  if (s.timeline->tracing())
+    s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
+                     SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.phase == ShardPhase::stepped ? 1 : 0), -1});
+  if (sh.syncs()) {
+    ++s.staging_in_flight;
+    self->send(s.comm, msg::step_done_atom::value, b);
+  } else {
+    if (s.zero_on_done) sh.zero_bucket(b);
+    sh.mark_done(b);
+    s.iteration->bucket_done(b, msg::Failure{});
+  }
+  return {t0, t1};
+}
+
+// Note [One step per message]
+// Steps go in turns of at most kStepTurnUs: after a turn the actor hands its scheduler thread back,
+// so the comm stream can issue the syncs of the buckets just stepped while the next ones step.
+// Stepping every ready bucket in one go kept both scheduler threads busy with two ranks' shards and
+// held every sync back until all steps were done (measured: 0.8 ms of idle link per iteration at
+// 16 buckets of 0.25 MiB, ~40 us a step). A turn takes one more step only if that one, as long as
+// the last, still ends within the turn: large steps go one per turn as before, while small ones
+// share a turn instead of each paying a hand-over (bench_overhead: 100 buckets of 10 KiB). The
+// step_next message to itself goes through CAF's clock (a delayed send of 0), so that the actor's
+// mailbox is empty when this message is done and the thread takes the next actor's turn; a plain
+// send would be processed in the same turn. (One message per turn for every actor would do it too,
+// but cost 3x on the runtime's overhead: bench_overhead.)
+void try_step(self_ptr self) {
+  auto& s = self->state;
+  if (!norm_settled(self)) return;
+  if (s.used_counts && !s.unused_known) return;  // Note [Unused parameters]
+  if (s.nstepped == 0 && !s.snapshots.empty()) take_snapshot(s);
+  const auto turn_start = Timeline::now();
+  for (auto next = next_bucket(s); next;) {
+    const auto [t0, t1] = step_bucket(self, *next);
+    next = next_bucket(s);
+    if (next && (t1 - turn_start) + (t1 - t0) > kStepTurnUs) {
+      self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
+      return;
+    }
+  }
+  end_step_once(s);  // no buckets at all
+  if (s.nstepped == s.reduced.size() && !s.shard->syncs()) reset(s);
+}
+
+// The shard's own work failing (a CUDA error on a GPU shard) fails the iteration with a message
+// that names the rank and the bucket, instead of killing the actor and leaving wait() to time out.
+template <class Work>
+void guarded(self_ptr self, std::uint32_t b, const Work& work) {
+  try {
+    work();
+  } catch (const std::exception& e) {
+    self->state.iteration->bucket_done(b, shard_failure(self->state, b, e));
+  }
+}
+
+// An exchange every step waits for (the norm, the used counts) completed: its failure fails the
+// iteration; otherwise `use` takes its result and the steps may go.
+template <class Use>
+void exchanged(self_ptr self, const msg::Failure& failure, const Use& use) {
+  if (failure) return self->state.iteration->bucket_done(0, failure);
+  guarded(self, 0, [&] {
+    use(self->state);
+    try_step(self);
+  });
+}
+
+void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
+  if (failure) return self->state.iteration->bucket_done(b, failure);
+  guarded(self, b, [&] {
+    auto& s = self->state;
+    s.shard->take_grad_shard(b);  // stage 2: keep only this rank's shard of it and give the buffer back
+    s.reduced[b] = 1;
+    ++s.nreduced;
+    try_step(self);
+  });
+}
+
+// Bucket b's sync landed: other owners' updated parameters into the trainer's storage.
+void on_synced(self_ptr self, std::uint32_t b, msg::Failure& failure) {
+  auto& s = self->state;
+  if (!failure) try {
+      const auto t0 = Timeline::now();
+      s.shard->unpack(b);
+      if (s.timeline->tracing())
+        s.timeline->span("unpack bucket " + std::to_string(b), "sync", Lane::optimizer, t0, Timeline::now(), SpanArgs{std::int64_t(b), -1, nullptr, -1, -1});
+      if (s.zero_on_done) s.shard->zero_bucket(b);
+      s.shard->mark_done(b);
+    } catch (const std::exception& e) {
+      failure = shard_failure(s, b, e);
+    }
+  --s.staging_in_flight;
+  s.iteration->bucket_done(b, failure);
+  if (++s.nsynced == s.reduced.size())
+    reset(s);
+  else
+    guarded(self, b, [&] { try_step(self); });  // a staging buffer came back: a deferred step may go
+}
+
 }  // namespace
 
-msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
-                                              std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
-                                              std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
-                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline,
-                                              std::shared_ptr<const std::vector<float>> used_counts) {
+msg::shard_actor_t::behavior_type shard_actor(self_ptr self, ShardActorArgs args) {
   auto& st = self->state;
-  st.used_counts = std::move(used_counts);
-  st.timeline = std::move(timeline);
-  st.zero_on_done = zero_on_done;
-  st.order = std::move(order);
-  st.reduced.assign(shard->plan().buckets.size(), 0);
-  st.stepped.assign(shard->plan().buckets.size(), 0);
-  st.shard = std::move(shard);
-  st.overlap = overlap;
-  st.comm = std::move(comm);
-  st.iteration = std::move(iteration);
+  st.used_counts = std::move(args.used_counts);
+  st.timeline = std::move(args.timeline);
+  st.zero_on_done = args.zero_on_done;
+  st.order = std::move(args.order);
+  st.reduced.assign(args.shard->plan().buckets.size(), 0);
+  st.stepped.assign(args.shard->plan().buckets.size(), 0);
+  st.shard = std::move(args.shard);
+  st.overlap = args.overlap;
+  st.comm = std::move(args.comm);
+  st.iteration = std::move(args.iteration);
   st.phase = st.shard->exchanges_norm() ? ShardPhase::waiting_for_norm : ShardPhase::stepping;
-
-  auto try_step = [self] {
-    auto& s = self->state;
-    Shard& sh = *s.shard;
-    const std::size_t B = s.reduced.size();
-    if (s.phase == ShardPhase::norm_in_flight) return;
-    if (s.phase == ShardPhase::waiting_for_norm) {
-      // The global norm needs every reduced gradient: no step before all reductions are in.
-      if (s.nreduced < B) return;
-      s.phase = ShardPhase::norm_in_flight;
-      sh.partial_norm();  // the exchange waits for its event (Note [Shard streams])
-      if (sh.syncs()) {
-        self->send(s.comm, msg::norm_ready_atom::value, norm_exchange(s.shard));
-        return;
-      }
-      s.clip_coef = sh.finish_norm();  // stage 0: every rank sees every gradient
-      s.phase = ShardPhase::stepping;
-    }
-    if (s.used_counts && !s.unused_known) return;  // Note [Unused parameters]
-    const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) ||
-                         s.nreduced == B;
-    // Pooled staging (stage 2): at most kStagingInFlight buckets between step and synced, so the
-    // parameter syncs do not bring back the memory the gradient shards saved.
-    const bool pooled = sh.buffers().pooled();
-    if (s.nstepped == 0 && !s.snapshots.empty()) {  // this iteration's hyper-parameters
-      const auto it = std::uint64_t(sh.steps());
-      std::size_t pick = s.snapshots.size();
-      for (std::size_t i = 0; i < s.snapshots.size(); ++i)
-        if (s.snapshots[i].first <= it) pick = i;
-      if (pick < s.snapshots.size()) {
-        sh.set_groups(s.snapshots[pick].second);
-        s.snapshots.erase(s.snapshots.begin(), s.snapshots.begin() + std::ptrdiff_t(pick) + 1);
-      }
-    }
-    auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
-    // Note [Which bucket steps next]
-    // The reduced, unstepped bucket that comes first in the syncs' order steps next. Stepping
-    // strictly in that order made every bucket wait for the one the next forward needs first, which
-    // with forward prefetch is the last one reduced: all B steps then ran after backward, in series
-    // with the first sync (measured at link/compute 1: forward's first layer waited 2.6 ms where its
-    // reduce + step + sync take 0.9). With pooled staging (stage 2) a bucket holds a staging buffer
-    // from its step to its sync's end and syncs end in order, so only the first kStagingInFlight
-    // unsynced buckets of the order may step: the one the comm stream issues next can always get one.
-    auto next_bucket = [&]() -> std::optional<std::uint32_t> {
-      if (!allowed || s.nstepped == B || (pooled && s.staging_in_flight >= kStagingInFlight)) return std::nullopt;
-      while (s.first_unstepped < B && s.stepped[bucket_at(s.first_unstepped)]) ++s.first_unstepped;
-      const std::size_t end = pooled ? std::min(B, s.nsynced + kStagingInFlight) : B;
-      for (std::size_t i = s.first_unstepped; i < end; ++i)
-        if (const auto b = bucket_at(i); s.reduced[b] && !s.stepped[b]) return b;
-      return std::nullopt;
-    };
-    // Note [One step per message]
-    // Steps go in turns of at most kStepTurnUs: after a turn the actor hands its scheduler thread
-    // back, so the comm stream can issue the syncs of the buckets just stepped while the next ones
-    // step. Stepping every ready bucket in one go kept both scheduler threads busy with two ranks'
-    // shards and held every sync back until all steps were done (measured: 0.8 ms of idle link per
-    // iteration at 16 buckets of 0.25 MiB, ~40 us a step). A turn takes one more step only if that
-    // one, as long as the last, still ends within the turn: large steps go one per turn as before,
-    // while small ones share a turn instead of each paying a hand-over (bench_overhead: 100 buckets
-    // of 10 KiB). The step_next message to itself goes through CAF's clock (a delayed send of 0), so
-    // that the actor's mailbox is empty when this message is done and the thread takes the next
-    // actor's turn; a plain send would be processed in the same turn. (One message per turn for
-    // every actor would do it too, but cost 3x on the runtime's overhead: bench_overhead.)
-    const auto turn_start = Timeline::now();
-    for (auto next = next_bucket(); next;) {
-      const auto b = *next;
-      s.stepped[b] = 1;
-      ++s.nstepped;
-      const auto t0 = Timeline::now();
-      if (!sh.skipping()) sh.step(b, s.clip_coef);  // Note [Loss scaling]: an inf somewhere: no rank steps
-      // The step count advances before the last bucket is reported: without syncs that report ends
-      // the iteration, and the trainer may read the count at once (state migration when the
-      // buckets are rebuilt after wait()). Counting after the send raced with that read.
-      if (s.nstepped == B && s.phase != ShardPhase::stepped) {
-        s.phase = ShardPhase::stepped;
-        sh.end_step();
-      }
-      if (sh.syncs()) sh.pack(b);
-      const auto t1 = Timeline::now();
-      s.timeline->stats().optimizer(t0, t1);
-      if (s.timeline->tracing())
-        s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
-                         SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.phase == ShardPhase::stepped ? 1 : 0), -1});
-      if (sh.syncs()) {
-        ++s.staging_in_flight;
-        self->send(s.comm, msg::step_done_atom::value, b);
-      } else {
-        if (s.zero_on_done) sh.zero_bucket(b);
-        sh.mark_done(b);
-        s.iteration->bucket_done(b, msg::Failure{});
-      }
-      next = next_bucket();
-      if (next && (t1 - turn_start) + (t1 - t0) > kStepTurnUs) {
-        self->delayed_send(self, std::chrono::microseconds(0), msg::step_next_atom::value);
-        return;
-      }
-    }
-    if (s.nstepped == B && s.phase != ShardPhase::stepped) {  // no buckets at all
-      s.phase = ShardPhase::stepped;
-      sh.end_step();
-    }
-    if (s.nstepped == B && !sh.syncs()) reset(s);
-  };
-
-  // The shard's own work failing (a CUDA error on a GPU shard) fails the iteration with a message
-  // that names the rank and the bucket, instead of killing the actor and leaving wait() to time out.
-  auto guarded = [self](std::uint32_t b, const auto& work) {
-    try {
-      work();
-    } catch (const std::exception& e) {
-      self->state.iteration->bucket_done(b, shard_failure(self->state, b, e));
-    }
-  };
-  // An exchange every step waits for (the norm, the used counts) completed: its failure fails the
-  // iteration; otherwise `use` takes its result and the steps may go.
-  auto exchanged = [self, guarded, try_step](const msg::Failure& failure, const auto& use) {
-    if (failure) return self->state.iteration->bucket_done(0, failure);
-    guarded(0, [&] {
-      use(self->state);
-      try_step();
-    });
-  };
-
   return {
       [=](msg::set_groups_atom, std::uint64_t from_iteration, std::shared_ptr<const OptimizerGroups> groups) {
         self->state.snapshots.emplace_back(from_iteration, std::move(groups));
       },
-      [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
-        if (failure) {
-          self->state.iteration->bucket_done(b, failure);
-          return;
-        }
-        guarded(b, [&] {
-          auto& s = self->state;
-          // Stage 2: keep only this rank's shard of the reduced bucket and give the buffer back.
-          s.shard->take_grad_shard(b);
-          s.reduced[b] = 1;
-          ++s.nreduced;
-          try_step();
-        });
-      },
-      [=](msg::step_next_atom) { guarded(0, try_step); },
+      [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) { on_reduced(self, b, failure); },
+      [=](msg::step_next_atom) { guarded(self, 0, [&] { try_step(self); }); },
       [=](msg::all_issued_atom) {
         self->state.all_issued = true;
-        guarded(0, try_step);
+        guarded(self, 0, [&] { try_step(self); });
       },
       [=](msg::norm_done_atom, msg::Failure& failure) {
-        exchanged(failure, [](ShardActorState& s) {
+        exchanged(self, failure, [](ShardActorState& s) {
           s.clip_coef = s.shard->finish_norm();
           s.phase = ShardPhase::stepping;
         });
       },
       [=](msg::unused_known_atom, msg::Failure& failure) {
-        exchanged(failure, [](ShardActorState& s) {
+        exchanged(self, failure, [](ShardActorState& s) {
           s.shard->skip_unused(*s.used_counts);
           s.unused_known = true;
         });
       },
-      [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) {
-        auto& s = self->state;
-        if (!failure) try {
-            const auto t0 = Timeline::now();
-            s.shard->unpack(b);  // other owners' updated parameters into the trainer's storage
-            if (s.timeline->tracing())
-              s.timeline->span("unpack bucket " + std::to_string(b), "sync", Lane::optimizer, t0, Timeline::now(),
-                               SpanArgs{std::int64_t(b), -1, nullptr, -1, -1});
-            if (s.zero_on_done) s.shard->zero_bucket(b);
-            s.shard->mark_done(b);
-          } catch (const std::exception& e) {
-            failure = shard_failure(s, b, e);
-          }
-        --s.staging_in_flight;
-        s.iteration->bucket_done(b, failure);
-        if (++s.nsynced == s.reduced.size())
-          reset(s);
-        else
-          guarded(b, try_step);  // a staging buffer came back: a deferred step may go
-      },
+      [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) { on_synced(self, b, failure); },
   };
 }
 

@@ -47,13 +47,21 @@ struct ShardActorState {
   static inline const char* name = "shard";
 };
 
+// What a shard actor is spawned with: the shard, whom it talks to, and how this plan steps.
+struct ShardActorArgs {
+  std::shared_ptr<Shard> shard;
+  Overlap overlap = Overlap::none;
+  msg::comm_stream_actor_t comm;
+  std::shared_ptr<IterationSignal> iteration;
+  bool zero_on_done = false;           // ShardActorState::zero_on_done
+  std::vector<std::uint32_t> order;    // ShardActorState::order
+  std::shared_ptr<Timeline> timeline;
+  std::shared_ptr<const std::vector<float>> used_counts;  // null without find_unused_parameters
+};
+
 // A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap
 // mode allows, the one its sync needs first first (Note [Which bucket steps next]); with clipping,
 // first exchanges its share of the gradient norm.
-msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self,
-                                              std::shared_ptr<Shard> shard, Overlap overlap, msg::comm_stream_actor_t comm,
-                                              std::shared_ptr<IterationSignal> iteration, bool zero_on_done,
-                                              std::vector<std::uint32_t> order, std::shared_ptr<Timeline> timeline,
-                                              std::shared_ptr<const std::vector<float>> used_counts);
+msg::shard_actor_t::behavior_type shard_actor(msg::shard_actor_t::stateful_pointer<ShardActorState> self, ShardActorArgs args);
 
 }  // namespace shardflow
