@@ -65,16 +65,12 @@ CommStreamState::~CommStreamState() {
     t.done(std::make_exception_ptr(CommError("trainer collective '" + t.op.tag + "': the runtime stopped before issuing it")));
 }
 
-msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor_t::stateful_pointer<CommStreamState> self,
-                                                          std::shared_ptr<Communicator> comm,
-                                                          std::vector<ScheduledCollective> entries,
-                                                          std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration,
-                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done) {
-  auto& st = self->state;
-  st.handed_done = std::move(handed_done);
-  st.iteration = first_iteration;
-  st.comm = std::move(comm);
-  st.logger = rank_logger(st.comm->rank());
+namespace {
+
+using self_ptr = msg::comm_stream_actor_t::stateful_pointer<CommStreamState>;
+
+// Where each entry of the schedule sits, by bucket and by kind.
+void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entries) {
   std::size_t buckets = 0;
   for (const auto& e : entries)
     if (e.kind == ScheduledCollective::reduce) ++buckets;
@@ -97,161 +93,190 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
   st.collectives.resize(buckets);
   st.ready.assign(entries.size(), 0);
   st.entries = std::move(entries);
-  st.log = std::move(log);
+}
 
-  // Submits one phase of entry e's collectives. A comm hook's reduction (Note [Comm hooks]) may
-  // take several phases: each ends in its `then`, run on the backend's stream thread when the
-  // phase's last op completed, which hands the next phase back here by message; the schedule
-  // issues nothing else until the last phase is out, so every rank's order stays the same.
-  auto submit = [self](const ScheduledCollective& e, CollectiveIssue issue) {
-    auto& s = self->state;
-    auto& ops = issue.ops;
-    auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
-    std::shared_ptr<std::function<bool(CollectiveIssue&)>> then;
-    if (issue.then) {
-      then = std::make_shared<std::function<bool(CollectiveIssue&)>>(std::move(issue.then));
-      s.blocked = true;
-    }
-    if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
-      self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
-    if (ops.empty() && (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused))
-      completion_for(s, e, true, nullptr)(nullptr);
-    for (std::size_t k = 0; k < ops.size(); ++k) {
-      auto& op = ops[k];
-      s.log->record(op);
-      s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
-      CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
-      if (then && k + 1 == ops.size())
-        done = [me = msg::comm_stream_actor_t(caf::actor_cast<msg::comm_stream_actor_t>(self)), kind = std::uint8_t(e.kind), bucket = e.bucket,
-                then, finish = std::move(done)](std::exception_ptr x) {
-          if (!x) try {
-              CollectiveIssue next;
-              if ((*then)(next)) {
-                caf::anon_send(me, msg::hook_phase_atom::value, kind, bucket, true, std::move(next));
-                return;
-              }
-            } catch (...) {
-              x = std::current_exception();
-            }
-          finish(x);
-          caf::anon_send(me, msg::hook_phase_atom::value, kind, bucket, false, CollectiveIssue{});
-        };
-      // Note [Timeline]: the link figures (and the span, when tracing) end when completion is heard of.
-      CollectiveOp what;  // the op's description, without its buffers
-      what.kind = op.kind;
-      what.dtype = op.dtype;
-      what.count = op.count;
-      if (s.log->tracing()) what.tag = op.tag;
-      const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
-      const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
-      done = [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration),
-              t0 = Timeline::now(), inner = std::move(done)](std::exception_ptr x) {
-        log->completed(what, world, cat, bucket, it, t0);
-        inner(x);
-      };
-      s.comm->submit(std::move(op), std::move(done));
-    }
-  };
-
-  // A trainer's collective (Runtime::collective) goes out between two iterations' schedules. It is
-  // in the collective log, not in the runtime's link figures (Runtime::stats: the runtime's own).
-  auto submit_trainer = [self](CommStreamState::TrainerOp t) {
-    auto& s = self->state;
-    s.log->record(t.op);
-    s.comm->submit(std::move(t.op), std::move(t.done));
-  };
-  auto release_trainer_ops = [self, submit_trainer] {
-    auto& s = self->state;
-    if (s.next != 0 || s.blocked) return;
-    std::vector<CommStreamState::TrainerOp> later;
-    for (auto& t : s.trainer_ops) {
-      if (t.before <= s.iteration) submit_trainer(std::move(t));
-      else later.push_back(std::move(t));
-    }
-    s.trainer_ops = std::move(later);
-  };
-
-  // Issues every ready entry in schedule order. At an iteration's boundary (and once a comm hook's
-  // last phase is out) the trainer's collectives go first: before the next iteration's entries.
-  auto pump = [self, submit, release_trainer_ops] {
-    auto& s = self->state;
-    release_trainer_ops();
-    while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
-      const std::uint32_t i = s.next++;
-      s.ready[i] = 0;
-      const auto& e = s.entries[i];
-      CollectiveIssue issue;
-      try {
-        switch (e.kind) {
-          case ScheduledCollective::reduce: issue = s.collectives[e.bucket]->reduction(s.iteration); break;
-          case ScheduledCollective::sync: issue = s.collectives[e.bucket]->sync(); break;
-          case ScheduledCollective::buffers:
-          case ScheduledCollective::unused: issue = std::move(s.handed[e.kind]); break;
-          default: issue = std::move(s.norm);
+// A comm hook's phase (Note [Comm hooks]) ends in its `then`, run on the backend's stream thread
+// when the phase's last op completed: the next phase comes back here by message (hook_phase).
+CollectiveDone then_next_phase(self_ptr self, const ScheduledCollective& e, std::shared_ptr<std::function<bool(CollectiveIssue&)>> then,
+                               CollectiveDone finish) {
+  return [me = msg::comm_stream_actor_t(caf::actor_cast<msg::comm_stream_actor_t>(self)), kind = std::uint8_t(e.kind), bucket = e.bucket, then,
+          finish = std::move(finish)](std::exception_ptr x) {
+    if (!x) try {
+        CollectiveIssue next;
+        if ((*then)(next)) {
+          caf::anon_send(me, msg::hook_phase_atom::value, kind, bucket, true, std::move(next));
+          return;
         }
-      } catch (const std::exception& x) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
-        const std::string what = e.kind == ScheduledCollective::norm      ? "the grad norm exchange"
-                                 : e.kind == ScheduledCollective::buffers ? "the buffers' broadcast"
-                                 : e.kind == ScheduledCollective::unused  ? "the used counts' exchange"
-                                                                          : "bucket " + std::to_string(e.bucket);
-        completion_for(s, e, true, nullptr)(std::make_exception_ptr(
-            CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + what + "'s collective: " + x.what())));
-        continue;
+      } catch (...) {
+        x = std::current_exception();
       }
-      submit(e, std::move(issue));
-      if (e.kind == ScheduledCollective::reduce && i == s.last_reduce_entry && s.shard)
-        self->send(s.shard, msg::all_issued_atom::value);
-    }
-    if (s.next == s.entries.size()) {  // the iteration's schedule is out: start over
-      s.next = 0;
-      ++s.iteration;
-      release_trainer_ops();
-    }
+    finish(x);
+    caf::anon_send(me, msg::hook_phase_atom::value, kind, bucket, false, CollectiveIssue{});
   };
+}
 
+// Note [Timeline]: the link figures (and the span, when tracing) end when completion is heard of.
+CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, const CollectiveOp& op, CollectiveDone inner) {
+  CollectiveOp what;  // the op's description, without its buffers
+  what.kind = op.kind;
+  what.dtype = op.dtype;
+  what.count = op.count;
+  if (s.log->tracing()) what.tag = op.tag;
+  const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
+  const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
+  return [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration), t0 = Timeline::now(),
+          inner = std::move(inner)](std::exception_ptr x) {
+    log->completed(what, world, cat, bucket, it, t0);
+    inner(x);
+  };
+}
+
+// Submits one phase of entry e's collectives. A hook's reduction may take several phases; the
+// schedule issues nothing else until the last phase is out, so every rank's order stays the same.
+void submit(self_ptr self, const ScheduledCollective& e, CollectiveIssue issue) {
+  auto& s = self->state;
+  auto& ops = issue.ops;
+  auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
+  std::shared_ptr<std::function<bool(CollectiveIssue&)>> then;
+  if (issue.then) {
+    then = std::make_shared<std::function<bool(CollectiveIssue&)>>(std::move(issue.then));
+    s.blocked = true;
+  }
+  if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
+    self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
+  if (ops.empty() && (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused))
+    completion_for(s, e, true, nullptr)(nullptr);
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    auto& op = ops[k];
+    s.log->record(op);
+    s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
+    CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
+    if (then && k + 1 == ops.size()) done = then_next_phase(self, e, then, std::move(done));
+    done = timed(s, e, op, std::move(done));
+    s.comm->submit(std::move(op), std::move(done));
+  }
+}
+
+// A trainer's collective (Runtime::collective) goes out between two iterations' schedules. It is
+// in the collective log, not in the runtime's link figures (Runtime::stats: the runtime's own).
+void release_trainer_ops(self_ptr self) {
+  auto& s = self->state;
+  if (s.next != 0 || s.blocked) return;
+  std::vector<CommStreamState::TrainerOp> later;
+  for (auto& t : s.trainer_ops) {
+    if (t.before <= s.iteration) {
+      s.log->record(t.op);
+      s.comm->submit(std::move(t.op), std::move(t.done));
+    } else {
+      later.push_back(std::move(t));
+    }
+  }
+  s.trainer_ops = std::move(later);
+}
+
+std::string entry_name(const ScheduledCollective& e) {
+  switch (e.kind) {
+    case ScheduledCollective::norm: return "the grad norm exchange";
+    case ScheduledCollective::buffers: return "the buffers' broadcast";
+    case ScheduledCollective::unused: return "the used counts' exchange";
+    default: return "bucket " + std::to_string(e.bucket);
+  }
+}
+
+// Entry e's ops, made now that it goes out.
+CollectiveIssue prepare(CommStreamState& s, const ScheduledCollective& e) {
+  switch (e.kind) {
+    case ScheduledCollective::reduce: return s.collectives[e.bucket]->reduction(s.iteration);
+    case ScheduledCollective::sync: return s.collectives[e.bucket]->sync();
+    case ScheduledCollective::buffers:
+    case ScheduledCollective::unused: return std::move(s.handed[e.kind]);
+    default: return std::move(s.norm);
+  }
+}
+
+// Issues every ready entry in schedule order. At an iteration's boundary (and once a comm hook's
+// last phase is out) the trainer's collectives go first: before the next iteration's entries.
+void pump(self_ptr self) {
+  auto& s = self->state;
+  release_trainer_ops(self);
+  while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
+    const std::uint32_t i = s.next++;
+    s.ready[i] = 0;
+    const auto& e = s.entries[i];
+    CollectiveIssue issue;
+    try {
+      issue = prepare(s, e);
+    } catch (const std::exception& x) {  // preparing the ops failed (a device cast, say): the entry fails, nothing is issued
+      completion_for(s, e, true, nullptr)(std::make_exception_ptr(
+          CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + entry_name(e) + "'s collective: " + x.what())));
+      continue;
+    }
+    submit(self, e, std::move(issue));
+    if (e.kind == ScheduledCollective::reduce && i == s.last_reduce_entry && s.shard) self->send(s.shard, msg::all_issued_atom::value);
+  }
+  if (s.next == s.entries.size()) {  // the iteration's schedule is out: start over
+    s.next = 0;
+    ++s.iteration;
+    release_trainer_ops(self);
+  }
+}
+
+// Entry i may go out once every earlier one has.
+void mark_ready(self_ptr self, std::uint32_t i) {
+  self->state.ready[i] = 1;
+  pump(self);
+}
+
+// Every rank places it after the same entries: those of the iterations before `before`. One
+// whose iteration `before` is already going out on this rank came during a backward pass.
+void on_trainer_op(self_ptr self, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) {
+  auto& s = self->state;
+  if (before < s.iteration || (before == s.iteration && s.next != 0)) {
+    done(std::make_exception_ptr(UsageError("rank " + std::to_string(s.comm->rank()) + ": Runtime::collective ('" + op.tag +
+                                            "') during the backward pass of iteration " + std::to_string(s.iteration) +
+                                            ": call it between wait() and the next backward")));
+    return;
+  }
+  s.trainer_ops.push_back({before, std::move(op), std::move(done)});
+  release_trainer_ops(self);
+}
+
+}  // namespace
+
+msg::comm_stream_actor_t::behavior_type comm_stream_actor(self_ptr self, std::shared_ptr<Communicator> comm,
+                                                          std::vector<ScheduledCollective> entries, std::shared_ptr<CollectiveLog> log,
+                                                          std::uint64_t first_iteration,
+                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done) {
+  auto& st = self->state;
+  st.handed_done = std::move(handed_done);
+  st.iteration = first_iteration;
+  st.comm = std::move(comm);
+  st.logger = rank_logger(st.comm->rank());
+  st.log = std::move(log);
+  index_schedule(st, std::move(entries));
   return {
       [=](msg::set_peer_atom, msg::shard_actor_t shard) { self->state.shard = std::move(shard); },
-      [=](msg::bucket_ready_atom, std::uint32_t b, std::shared_ptr<const BucketCollectives> collectives,
-          msg::bucket_actor_t owner) {
+      [=](msg::bucket_ready_atom, std::uint32_t b, std::shared_ptr<const BucketCollectives> collectives, msg::bucket_actor_t owner) {
         auto& s = self->state;
         s.owners[b] = std::move(owner);
         s.collectives[b] = std::move(collectives);
-        s.ready[s.reduce_entry[b]] = 1;
-        pump();
+        mark_ready(self, s.reduce_entry[b]);
       },
-      [=](msg::step_done_atom, std::uint32_t b) {
-        self->state.ready[self->state.sync_entry[b]] = 1;
-        pump();
-      },
+      [=](msg::step_done_atom, std::uint32_t b) { mark_ready(self, self->state.sync_entry[b]); },
       [=](msg::norm_ready_atom, CollectiveIssue& exchange) {
         self->state.norm = std::move(exchange);
-        self->state.ready[self->state.norm_entry] = 1;
-        pump();
+        mark_ready(self, self->state.norm_entry);
       },
       [=](msg::hook_phase_atom, std::uint8_t kind, std::uint32_t bucket, bool more, CollectiveIssue& issue) {
-        if (more) return submit(ScheduledCollective{ScheduledCollective::Kind(kind), bucket}, std::move(issue));
+        if (more) return submit(self, ScheduledCollective{ScheduledCollective::Kind(kind), bucket}, std::move(issue));
         self->state.blocked = false;
-        pump();
+        pump(self);
       },
-      // Every rank places it after the same entries: those of the iterations before `before`. One
-      // whose iteration `before` is already going out on this rank came during a backward pass.
-      [=](msg::trainer_op_atom, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) {
-        auto& s = self->state;
-        if (before < s.iteration || (before == s.iteration && s.next != 0)) {
-          done(std::make_exception_ptr(UsageError("rank " + std::to_string(s.comm->rank()) + ": Runtime::collective ('" + op.tag +
-                                                  "') during the backward pass of iteration " + std::to_string(s.iteration) +
-                                                  ": call it between wait() and the next backward")));
-          return;
-        }
-        s.trainer_ops.push_back({before, std::move(op), std::move(done)});
-        release_trainer_ops();
-      },
+      [=](msg::trainer_op_atom, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) { on_trainer_op(self, before, op, done); },
       [=](msg::handed_over_atom, std::uint8_t kind, CollectiveIssue& issue) {
-        auto& s = self->state;
         const auto k = ScheduledCollective::Kind(kind);
-        s.handed[k] = std::move(issue);
-        s.ready[s.handed_entry.at(k)] = 1;
-        pump();
+        self->state.handed[k] = std::move(issue);
+        mark_ready(self, self->state.handed_entry.at(k));
       },
   };
 }
