@@ -17,8 +17,8 @@ exe=$build/examples/torch_digits
 /usr/bin/python3 -c "import torch" 2>/dev/null || { echo "bench_libtorch: python3-torch is not installed (apt-get install python3-torch)" >&2; exit 1; }
 
 declare -A cmd
-cmd[python_ddp]="/usr/bin/python3 $here/torch_ddp_digits.py $data --steps $steps"
-cmd[python_ddp_zero]="/usr/bin/python3 $here/torch_ddp_digits.py $data --steps $steps --zero"
+cmd[python_ddp]="/usr/bin/python3 $here/peers/torch_ddp_digits.py $data --steps $steps"
+cmd[python_ddp_zero]="/usr/bin/python3 $here/peers/torch_ddp_digits.py $data --steps $steps --zero"
 cmd[sf_ddp_torch_optim_gloo]="${run[*]} $exe --steps $steps --zero-stage 0 --own-optimizer --backend gloo"
 cmd[sf_zero2_gloo]="${run[*]} $exe --steps $steps --zero-stage 2 --backend gloo"
 cmd[sf_zero1_gloo]="${run[*]} $exe --steps $steps --zero-stage 1 --backend gloo"

@@ -51,7 +51,7 @@ def one_run(a, what, tmp):
         for f in ("torch_store", "torch.json"):
             if os.path.exists(os.path.join(tmp, f)):
                 os.remove(os.path.join(tmp, f))
-        worker = os.path.join(HERE, "torch_mlp_worker.py")
+        worker = os.path.join(HERE, "peers", "torch_mlp_worker.py")
         mode = "zero" if "ZeRO" in what else "ddp"
         launchers = [["ip", "netns", "exec", "%s-%s" % (two_hosts.NAME, h), "env", "GLOO_SOCKET_IFNAME=%s%s" % (two_hosts.NAME, h),
                       "/usr/bin/python3", worker, str(r), "4", os.path.join(tmp, "torch_store"),

@@ -2,7 +2,7 @@
 """Draws bench_overlap's JSON (--json) as one PNG: overlap efficiency per mode over link time /
 compute time, one panel per ZeRO stage, the 0.90 goal as a line.
 
-    build/bench/bench_overlap --json overlap.json && bench/plot_overlap.py overlap.json -o bench/overlap.png"""
+    build/bench/bench_overlap --json overlap.json && bench/plot_overlap.py overlap.json -o bench/results/overlap.png"""
 import json
 
 from plot_common import json_to_png

@@ -3,7 +3,7 @@
 memory and the process's OS peak RSS, each over its ZeRO formula (bars), with the 1.05 and 1.25
 goals as lines.
 
-    build/bench/bench_zero --memory --json zero_memory.json && bench/plot_zero_memory.py zero_memory.json -o bench/zero_memory.png"""
+    build/bench/bench_zero --memory --json zero_memory.json && bench/plot_zero_memory.py zero_memory.json -o bench/results/zero_memory.png"""
 import json
 
 from plot_common import json_to_png

@@ -6,7 +6,7 @@ settings, both under `shardflow run` on this host, alternated A B A B; each run'
 
   /usr/bin/python3 bench/python_overhead.py --build build [--rounds 4] [--steps 30] [--world 2]
       [--flags "--zero-stage 2 --forward-prefetch"] [--json bench/python_overhead.json]
-  # the drop-in's goal: gpt.py against PyTorch's own DDP + AdamW (bench/torch_gpt.py, the same
+  # the drop-in's goal: gpt.py against PyTorch's own DDP + AdamW (bench/peers/torch_gpt.py, the same
   # model, weights, batches and schedule), one host; medians of each run's steps after the first two
   /usr/bin/python3 bench/python_overhead.py --build build --against torch [--flags ...]
 
@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--flags", default="--zero-stage 1 --overlap interleaved", help="gpt.py's settings, and gpt_train's with --against cpp (PyTorch's DDP reference takes none: it is DDP + AdamW)")
     ap.add_argument("--against", choices=("cpp", "torch"), default="cpp",
-                    help="cpp: gpt_train under shardflow run; torch: PyTorch DDP + AdamW (bench/torch_gpt.py --spawn)")
+                    help="cpp: gpt_train under shardflow run; torch: PyTorch DDP + AdamW (bench/peers/torch_gpt.py --spawn)")
     ap.add_argument("--json")
     a = ap.parse_args()
     build = os.path.abspath(a.build)
@@ -68,7 +68,7 @@ def main():
         py = launcher + ["/usr/bin/python3", os.path.join(HERE, "..", "examples", "python", "gpt.py"), "--log-every", str(a.steps)] + common
         if a.against == "torch":
             ref_name = "PyTorch DDP + AdamW"
-            ref = lambda: median_after_warmup(["/usr/bin/python3", os.path.join(HERE, "torch_gpt.py"), "--spawn", str(a.world), "--data", data,
+            ref = lambda: median_after_warmup(["/usr/bin/python3", os.path.join(HERE, "peers", "torch_gpt.py"), "--spawn", str(a.world), "--data", data,
                                                "--init", init, "--batch", str(8 * a.world), "--steps", str(a.steps)], env,
                                               os.path.join(tmp, "torch.json"))
             mine = lambda: median_after_warmup(py, env, os.path.join(tmp, "py.json"))

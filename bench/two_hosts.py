@@ -9,22 +9,22 @@
 
 3. --table: the side-by-side table on a rate-limited link (scripts/netns_pair.sh rate: tc tbf on
    both ends) at each --rates (1gbit, 10gbit, off = unshaped), 2 hosts x 1 rank, per model: PyTorch
-   DDP and DDP + ZeroRedundancyOptimizer (python3-torch, bench/torch_mlp_worker.py), shardflow's
+   DDP and DDP + ZeroRedundancyOptimizer (python3-torch, bench/peers/torch_mlp_worker.py), shardflow's
    ZeRO stages in each overlap mode, the link's own time for DDP's bytes (bench_collectives'
    all-reduce, reduce-scatter and all-gather of the model's fp32 bytes between the hosts) and the
    compute alone (mlp_train at world 1). Every configuration once per round, --reps rounds (A B A
    B), medians; --png draws it.
 4. --gpt: the same for examples/gpt_train (the default 10.7 M-parameter GPT, 8 sequences of 64
-   characters per rank) against bench/torch_gpt.py's PyTorch DDP and DDP + ZeroRedundancyOptimizer,
+   characters per rank) against bench/peers/torch_gpt.py's PyTorch DDP and DDP + ZeroRedundancyOptimizer,
    at 1 and/or 2 ranks per host, and examples/python/gpt.py (shardflow.torch) in the rows named
    "shardflow.torch (Python)"; --only picks rows by name; --trace-dir traces the best shardflow row
    and draws its median iteration with tools/trace_plot.py.
 
 Root only. Usage: sudo python3 bench/two_hosts.py --build build [--reps 3] [--json out.json]
        sudo /usr/bin/python3 bench/two_hosts.py --build build --table [--rates 1gbit,10gbit,off]
-            [--models 512x8,1024x8] [--reps 3] [--json bench/two_hosts_link.json] [--png bench/two_hosts_link.png]
+            [--models 512x8,1024x8] [--reps 3] [--json bench/results/two_hosts_link.json] [--png bench/results/two_hosts_link.png]
        sudo /usr/bin/python3 bench/two_hosts.py --build build --gpt [--rates 1gbit,10gbit] [--ranks-per-host 1,2]
-            [--reps 2] [--json bench/two_hosts_gpt.json] [--png bench/two_hosts_gpt.png] [--trace-dir bench/gpt_traces]
+            [--reps 2] [--json bench/results/two_hosts_gpt.json] [--png bench/results/two_hosts_gpt.png] [--trace-dir bench/results/gpt_traces]
             [--only "PyTorch,ZeRO-2 interleaved + prefetch,shardflow.torch"]
 """
 import argparse
@@ -178,7 +178,7 @@ def torch_row(sizes, mode, tmp):
     for f in (store, out):
         if os.path.exists(f):
             os.remove(f)
-    worker = os.path.join(HERE, "torch_mlp_worker.py")
+    worker = os.path.join(HERE, "peers", "torch_mlp_worker.py")
     argvs = [["ip", "netns", "exec", "%s-%s" % (NAME, h), "env", "GLOO_SOCKET_IFNAME=%s%s" % (NAME, h), "/usr/bin/python3", worker,
               str(r), "2", store, ",".join(map(str, sizes)), str(TABLE_STEPS), mode, out] for h, r in (("a", 0), ("b", 1))]
     run_both(argvs, "PyTorch " + mode)
@@ -260,7 +260,7 @@ def table(args, build):
         plot(out, args.png)
 
 
-# --gpt: examples/gpt_train against bench/torch_gpt.py (the same model, windows and AdamW groups)
+# --gpt: examples/gpt_train against bench/peers/torch_gpt.py (the same model, windows and AdamW groups)
 # on the rate-limited link, --ranks-per-host 1 and/or 2. Each rank takes GPT_ROWS sequences of the
 # global batch. shardflow rows are gpt_train flags.
 GPT_ROWS = 8
@@ -325,7 +325,7 @@ def gpt_torch_row(per_host, zero, init, data, tmp):
             os.remove(f)
     world = 2 * per_host
     argvs = [["ip", "netns", "exec", "%s-%s" % (NAME, h), "env", "GLOO_SOCKET_IFNAME=%s%s" % (NAME, h), "/usr/bin/python3",
-              os.path.join(HERE, "torch_gpt.py"), "--rank", str(node * per_host + local), "--world", str(world), "--store", store,
+              os.path.join(HERE, "peers", "torch_gpt.py"), "--rank", str(node * per_host + local), "--world", str(world), "--store", store,
               "--data", data, "--init", init, "--steps", str(GPT_STEPS), "--batch", str(GPT_ROWS * world), "--threads", "1",
               "--timing", out] + (["--zero"] if zero else [])
              for h, node in (("a", 0), ("b", 1)) for local in range(per_host)]
@@ -425,7 +425,7 @@ def main():
     ap.add_argument("--rates", default="1gbit,10gbit,off")
     ap.add_argument("--models", default="512x8,1024x8")
     ap.add_argument("--png")
-    ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/torch_gpt.py (4.)")
+    ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/peers/torch_gpt.py (4.)")
     ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
     ap.add_argument("--only", help="with --gpt: only the rows whose names contain one of these (comma-separated)")
     ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")

@@ -1,6 +1,6 @@
 // A torch::nn::Module's parameters to and from safetensors under the module's own names: the
 // libtorch examples' --init, --save and --save-init, and the files their PyTorch counterparts
-// (tests/libtorch/torch_digits_ddp.py, bench/torch_gpt.py) read and write.
+// (tests/libtorch/torch_digits_ddp.py, bench/peers/torch_gpt.py) read and write.
 #pragma once
 
 #include <torch/torch.h>

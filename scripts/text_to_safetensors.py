@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Turns the English text Debian's `fortunes` package ships (/usr/share/games/fortunes, about 2.5 MB
 of quotations, jokes and poems; `make deps` installs it) into the character-level corpus
-examples/gpt_train and bench/torch_gpt.py read with --data:
+examples/gpt_train and bench/peers/torch_gpt.py read with --data:
 
   train [n] U8, val [m] U8    token ids: each byte's index in `vocab`
   vocab [V] U8                the distinct bytes of the whole text, ascending

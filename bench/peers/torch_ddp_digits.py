@@ -4,7 +4,7 @@ side of bench/bench_libtorch.sh. Two processes over Gloo on this host, one torch
 `shardflow run` gives each rank of torch_digits on 2 cores), AdamW lr 1e-3, global batch 64.
 Prints rank 0's median step time, the figure torch_digits prints as `median step`.
 
-  bench/torch_ddp_digits.py DIGITS.safetensors [--steps N] [--zero]
+  bench/peers/torch_ddp_digits.py DIGITS.safetensors [--steps N] [--zero]
   --zero: ZeroRedundancyOptimizer(AdamW) instead of AdamW (PyTorch's ZeRO-1)
 """
 import argparse
@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "libtorch"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "libtorch"))
 from torch_digits_ddp import make_net, read_safetensors  # noqa: E402
 
 

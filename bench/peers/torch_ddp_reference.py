@@ -2,7 +2,7 @@
 and 8 x Linear(1024,1024), ReLU between), 32 rows per rank, Adam, the same OpenBLAS, one BLAS thread
 per rank, configurations alternated A B A B ... over --reps rounds, medians of per-run medians.
 
-    /usr/bin/python3 bench/torch_ddp_reference.py [--build build] [--reps 3]
+    /usr/bin/python3 bench/peers/torch_ddp_reference.py [--build build] [--reps 3]
 
 Rows: torch world 1; torch DDP world 2 (Gloo); torch DDP + ZeroRedundancyOptimizer world 2 (Gloo);
 shardflow world 1; shardflow world 2 (one process per rank under `shardflow run`, shm backend) per

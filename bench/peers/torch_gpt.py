@@ -24,7 +24,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "tools"), os.path.join(HERE, "..", "examples", "python")]
+sys.path[:0] = [os.path.join(HERE, "..", "..", "tools"), os.path.join(HERE, "..", "..", "examples", "python")]
 from models import batch, load_weights, lr_at, make_gpt  # noqa: E402
 from safetensors_np import load as read_safetensors, save as write_safetensors  # noqa: E402
 

@@ -2,7 +2,7 @@
 times, started by that script inside a network namespace: the two hosts meet through a FileStore
 on the shared file system and Gloo talks over the namespaces' link (GLOO_SOCKET_IFNAME).
 
-    python3 bench/torch_mlp_worker.py RANK WORLD STORE SIZES STEPS ddp|zero OUT.json
+    python3 bench/peers/torch_mlp_worker.py RANK WORLD STORE SIZES STEPS ddp|zero OUT.json
 """
 import json
 import os

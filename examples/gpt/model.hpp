@@ -1,7 +1,7 @@
 // A decoder-only transformer in libtorch, GPT-2's shape at any size: token and position
 // embeddings, pre-LayerNorm blocks (causal multi-head self-attention, GELU MLP), a final LayerNorm
 // and an output head tied to the token embedding. Parameter names are GPT-2's as Hugging Face and
-// nanoGPT spell them (wte, wpe, h.N.attn.c_attn, ln_f, ...), and bench/torch_gpt.py's nn.Module has
+// nanoGPT spell them (wte, wpe, h.N.attn.c_attn, ln_f, ...), and bench/peers/torch_gpt.py's nn.Module has
 // the same attributes, so one safetensors file initialises both.
 //
 // No dropout: every run is deterministic, so world 2 can be compared with world 1 and with PyTorch.

@@ -1,4 +1,4 @@
-// gpt_train's learning-rate schedule, and bench/torch_gpt.py's (the same formula, so the two
+// gpt_train's learning-rate schedule, and bench/peers/torch_gpt.py's (the same formula, so the two
 // programs end in the same place): a linear warm-up over `warmup` steps, then a cosine decay to a
 // tenth of the peak at the last step.
 #pragma once

@@ -26,7 +26,7 @@ Corpus load_corpus(const std::string& path, int context);
 // Sequence `row` of the global batch of step `step` starts at splitmix64(seed, step, row) modulo
 // the positions a whole window fits at. A rank of world W reads rows rank*B/W .. (rank+1)*B/W - 1,
 // so the global batch is the same at every world size (world 2 equals world 1), resumes go on at
-// the step's own rows, and bench/torch_gpt.py draws the same windows with the same arithmetic.
+// the step's own rows, and bench/peers/torch_gpt.py draws the same windows with the same arithmetic.
 std::uint64_t window_start(std::uint64_t seed, std::int64_t step, std::int64_t row, std::size_t tokens, int context);
 
 struct Batch {

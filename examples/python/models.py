@@ -1,5 +1,5 @@
 """The examples' models and data in Python, one definition for the Python examples, the PyTorch
-references the tests and benches check shardflow against (bench/torch_gpt.py,
+references the tests and benches check shardflow against (bench/peers/torch_gpt.py,
 tests/libtorch/torch_digits_ddp.py) and nothing else:
 
 - the GPT of examples/gpt_train (examples/gpt/model.hpp): gpt_train's parameter names (wte, wpe,

@@ -8,7 +8,7 @@
       resumed at world 1. Every parameter within ||a - b|| / ||b|| <= 1e-5 (the two worlds sum the
       gradient in a different order), the held-out loss within 0.1%.
   gpt_checks.py python-ddp GPT_TRAIN LAUNCHER DATA WORKDIR
-      ... and where PyTorch DDP + AdamW (bench/torch_gpt.py: the same module, windows, schedule and
+      ... and where PyTorch DDP + AdamW (bench/peers/torch_gpt.py: the same module, windows, schedule and
       AdamW groups; Debian's python3-torch, two processes over Gloo) ends from gpt_train's initial
       weights after 20 steps, within 1e-5 (the same libtorch kernels run the model in both; AdamW
       is torch's in one and shardflow's in the other; measured 2e-7); and where examples/python/gpt.py
@@ -125,7 +125,7 @@ def main():
             sys.exit(77)
         gpt(exe, data, p("init_probe.safetensors"), ["--save-init", p("init.safetensors"), "--seed", "7"], steps=0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = ["/usr/bin/python3", os.path.join(HERE, "..", "..", "bench", "torch_gpt.py"), "--spawn", "2", "--data", data, "--init",
+        cmd = ["/usr/bin/python3", os.path.join(HERE, "..", "..", "bench", "peers", "torch_gpt.py"), "--spawn", "2", "--data", data, "--init",
                p("init.safetensors"), "--save", p("python_ddp.safetensors"), "--seed", "7"] + MODEL + [
                "--steps", str(STEPS), "--threads", "1"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
