@@ -37,7 +37,7 @@ test: build
 
 # Every suite under AddressSanitizer + UndefinedBehaviorSanitizer, then under ThreadSanitizer, each
 # in its own build folder (CPU only: nvcc takes no sanitizer flags). Suppressions, each with its
-# reason, are in tools/sanitizers/. README: "Sanitizers".
+# reason, are in tools/sanitizers/. docs/hardening.md.
 SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSHARDFLOW_CUDA=OFF -DSHARDFLOW_BUILD_BENCH=OFF
 SAN_DIR = $(CURDIR)/tools/sanitizers
 sanitize: sanitize-address sanitize-thread

@@ -12,7 +12,8 @@ msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_po
   st.index = collectives->bucket();
   st.size = size;
   st.collectives = std::move(collectives);
-  auto hand_over = [=](std::uint32_t b, msg::Failure failure) {
+  // The reduced bucket goes on to the shard, which steps it; without one it is done.
+  auto pass_on = [=](std::uint32_t b, msg::Failure failure) {
     if (shard)
       self->send(shard, msg::reduced_atom::value, b, std::move(failure));
     else
@@ -22,7 +23,7 @@ msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_po
       [=](msg::grad_ready_atom, std::uint32_t count) {
         auto& s = self->state;
         if (s.in_flight || count != s.size) {
-          hand_over(s.index, {msg::Failure::usage, std::to_string(count) + " of bucket " + std::to_string(s.index) + "'s " +
+          pass_on(s.index, {msg::Failure::usage, std::to_string(count) + " of bucket " + std::to_string(s.index) + "'s " +
                                                        std::to_string(s.size) + " gradient(s) reported" +
                                                        (s.in_flight ? " while it is being reduced" : " as the whole bucket")});
           return;
@@ -33,7 +34,7 @@ msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_po
       [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
         s.in_flight = false;  // the collective released the buffer
-        hand_over(b, std::move(failure));
+        pass_on(b, std::move(failure));
       },
   };
 }

@@ -114,14 +114,7 @@ void fail_waits(self_ptr self, const caf::error& e) {
 // it, so that the error reaches the trainer at its next request, the subscribers now, and the
 // peers through the abort instead of at their timeout.
 void fail_rank(self_ptr self, const std::exception& e) {
-  auto& I = RankActorAccess::impl(*self->state.rt);
-  I.log->error("{}", e.what());
-  {
-    std::lock_guard lock(I.fail_mu);
-    if (!I.failure) I.failure = std::current_exception();
-  }
-  I.failed.store(true, std::memory_order_release);
-  I.comm->abort(e.what());
+  RankActorAccess::impl(*self->state.rt).record_failure(std::current_exception(), e.what());
   fail_waits(self, to_error(e));
 }
 
@@ -132,7 +125,7 @@ void check(self_ptr self) {
   auto& rt = *st.rt;
   auto& I = RankActorAccess::impl(rt);
   try {
-    if (st.iteration && I.pass_complete(I.signal_target, I.wait_prefetching)) {
+    if (st.iteration && I.pass_complete(I.passes_handed, I.wait_prefetching)) {
       I.blocked_since("wait (iteration)", -1, st.iteration->t0);
       RankActorAccess::end_wait(rt);  // a failure here is the waiting request's (still pending)
       auto rp = st.iteration->rp;
@@ -194,7 +187,7 @@ void await_params(self_ptr self, const std::vector<Param>& ps, std::function<voi
   }
   if (buckets.empty()) return answer();
   const auto id = st.next_id++;
-  st.params.push_back(RankActorState::ParamWait{std::move(buckets), I.signal_target, id, t0, std::move(what), std::move(answer), std::move(fail)});
+  st.params.push_back(RankActorState::ParamWait{std::move(buckets), I.passes_handed, id, t0, std::move(what), std::move(answer), std::move(fail)});
   arm_deadline(self, id);
   check(self);
 }
@@ -302,7 +295,7 @@ promise_of<rank_api::all_params_atom> on_all_params(self_ptr self) {
       return;
     }
     const auto id = st.next_id++;
-    st.all.push_back(RankActorState::AllWait{rp, I.signal_target, id, Timeline::now()});
+    st.all.push_back(RankActorState::AllWait{rp, I.passes_handed, id, Timeline::now()});
     arm_deadline(self, id);
     check(self);
   });
@@ -348,7 +341,7 @@ void on_deadline(self_ptr self, std::uint64_t id) {
   auto& I = RankActorAccess::impl(*st.rt);
   try {
     if (st.iteration && st.iteration->id == id)
-      I.pass_timed_out(I.wait_prefetching ? I.signal_target - 1 : I.signal_target, "iteration " + std::to_string(I.iterations));
+      I.pass_timed_out(I.wait_prefetching ? I.passes_handed - 1 : I.passes_handed, "iteration " + std::to_string(I.iterations));
     for (const auto& w : st.params)
       if (w.id == id) I.pass_timed_out(w.target, w.what);
     for (const auto& w : st.all)

@@ -54,12 +54,12 @@ Runtime::~Runtime() {
   stop_rank_actor(I.actors->system(), I.rank_actor_h);
   I.asker.reset();
   I.saves.finish_writer();
-  if (I.prefetching() && !I.failed.load() && !I.in_pass()) {
+  if (I.prefetching() && !I.failure.failed() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
     // trainer frees them.
-    I.signal->wait_all(I.signal_target, std::chrono::steady_clock::now() + I.cfg.timeouts.collective);
+    I.signal->wait_all(I.passes_handed, std::chrono::steady_clock::now() + I.cfg.timeouts.collective);
   }
-  if (I.in_pass() && !I.failed.load()) {
+  if (I.in_pass() && !I.failure.failed()) {
     // Peers are (or will be) inside this iteration's collectives: let them fail now rather than
     // after the timeout. The buffers stay alive until the backend lets go of them (keep_alive).
     I.comm->abort("rank " + std::to_string(I.rank) + "'s Runtime was destroyed in the middle of iteration " +
@@ -275,7 +275,7 @@ void Runtime::finish_backward() {
   I.timeline->stats().backward_ended(Timeline::now());
   // How many buckets were already reduced, stepped and synced when backward ended (stats()).
   std::size_t pending = 0;
-  for (auto b : I.signal->pending(I.signal_target + 1)) pending += b < I.plan.buckets.size();
+  for (auto b : I.signal->pending(I.passes_handed + 1)) pending += b < I.plan.buckets.size();
   I.done_in_backward = I.plan.buckets.size() - pending;
   I.phase.store(Impl::Phase::reducing, std::memory_order_release);
 }
@@ -294,16 +294,16 @@ void Runtime::finish_backward() {
 // the actor it runs in: there each wait blocks on the IterationSignal instead, the same halves
 // around it. Only there.
 void Runtime::wait() {
-  if (impl_->on_rank_thread()) return wait_here();
+  if (impl_->on_rank_thread()) return wait_on_rank_thread();
   impl_->ask<rank_api::step_done_atom, std::uint64_t>("wait()", rank_api::iteration_atom::value);
 }
 
-void Runtime::wait_here() {
+void Runtime::wait_on_rank_thread() {
   auto& I = *impl_;
   const auto t0 = Timeline::now();
   if (!begin_wait()) return;
-  I.await_iterations(I.wait_prefetching ? I.signal_target - 1 : I.signal_target);
-  if (I.wait_prefetching) I.await_handed(I.signal_target);
+  I.await_iterations(I.wait_prefetching ? I.passes_handed - 1 : I.passes_handed);
+  if (I.wait_prefetching) I.await_handed(I.passes_handed);
   I.blocked_since("wait (iteration)", -1, t0);
   end_wait();
 }
@@ -314,7 +314,7 @@ bool Runtime::begin_wait() {
   I.throw_if_failed();
   finish_backward();
   if (!I.require_sync.load()) return false;  // an accumulation pass: nothing went out
-  ++I.signal_target;
+  ++I.passes_handed;
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
   // this one finishes while the next forward runs (Note [Forward prefetch]). The next forward
   // reads and updates the buffers, and the trainer may ask for the unused parameters: the entries
@@ -376,8 +376,8 @@ void Runtime::wait_param(Param p) {
   auto& I = *impl_;
   if (!I.on_rank_thread()) return I.ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
   const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
-  const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.signal_target, deadline); });
-  I.check_outcome(outcome, I.signal_target, "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
+  const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.passes_handed, deadline); });
+  I.check_outcome(outcome, I.passes_handed, "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
   if (I.shard) I.shard->join_bucket(b);
 }
 
@@ -395,7 +395,7 @@ std::uint32_t Runtime::param_bucket_to_await(Param p) {
   if (b == ~0u) return ~0u;  // frozen: nothing ever changes it
   if (I.observing_forward()) I.note_forward_use(b);
   if (!I.prefetching()) return ~0u;  // wait() waited for everything
-  if (!I.signal->done(b, I.signal_target)) return b;
+  if (!I.signal->done(b, I.passes_handed)) return b;
   if (I.shard) I.shard->join_bucket(b);  // GPU: the compute stream waits for the bucket's update
   return ~0u;
 }
@@ -406,7 +406,7 @@ void Runtime::wait_all_params() {
   I.throw_if_failed();
   if (!I.prefetching()) return;
   if (!I.on_rank_thread()) return I.ask<rank_api::all_params_atom>("wait_all_params()", rank_api::all_params_atom::value);
-  I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.signal_target); });
+  I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.passes_handed); });
   if (I.shard) I.shard->join_compute();
 }
 

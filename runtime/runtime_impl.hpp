@@ -23,6 +23,7 @@
 
 #include "actors/messages.hpp"
 #include "runtime/checkpoint/background_save.hpp"
+#include "runtime/core/rank_failure.hpp"
 #include "runtime/core/bucket_buffers.hpp"
 #include "runtime/plans/bucket_plan.hpp"
 #include "runtime/core/bucket_readiness.hpp"
@@ -88,7 +89,7 @@ struct Runtime::Impl {
   std::shared_ptr<Shard> shard;
   std::vector<msg::bucket_actor_t> bucket_actors;
   std::shared_ptr<IterationSignal> signal;
-  std::uint64_t signal_target = 0;  // synchronised iterations handed to the current actors
+  std::uint64_t passes_handed = 0;  // synchronised iterations handed to the current actors
 
   std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
   // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
@@ -187,9 +188,7 @@ struct Runtime::Impl {
   bool rebuilt = false;
   std::uint64_t iterations = 0;
 
-  std::mutex fail_mu;
-  std::exception_ptr failure;  // sticky: once a collective failed, this rank's run is over
-  std::atomic<bool> failed{false};
+  RankFailure failure;  // sticky: once a collective failed, this rank's run is over
 
   // Once, at the first backward: settings that need the runtime's optimizer must have one.
   std::atomic<bool> settings_checked{false};
@@ -204,23 +203,19 @@ struct Runtime::Impl {
   }
 
   // ---------------------------------------------------------------------------------------------
-  void throw_if_failed() {
-    if (!failed.load(std::memory_order_acquire)) return;
-    std::lock_guard lock(fail_mu);
-    std::rethrow_exception(failure);
-  }
+  void throw_if_failed() const { failure.rethrow_if_failed(); }
 
-  // Records the first failure, tells the peers (they fail promptly instead of waiting for the
-  // timeout) and throws it.
+  // Records the failure (the first one stays), tells the peers (they fail promptly instead of
+  // waiting for the timeout).
+  void record_failure(std::exception_ptr e, const char* what) {
+    log->error("{}", what);
+    failure.record(std::move(e));
+    comm->abort(what);
+  }
+  // The same, then throws it.
   template <class E>
   [[noreturn]] void fail(E error) {
-    log->error("{}", error.what());
-    {
-      std::lock_guard lock(fail_mu);
-      if (!failure) failure = std::make_exception_ptr(error);
-    }
-    failed.store(true, std::memory_order_release);
-    comm->abort(error.what());
+    record_failure(std::make_exception_ptr(error), error.what());
     throw error;
   }
 
@@ -382,7 +377,7 @@ struct Runtime::Impl {
   // matching compress hook (the shard casts itself when there is one). Null: the runtime's own reduction.
   std::shared_ptr<CommHook> effective_hook() const;
 
-  // ---- overlap/interleave_lag.cpp: Note [Choosing the interleave lag] -------------------------
+  // ---- overlap/lag_choice.cpp: Note [Choosing the interleave lag] -------------------------
   InterleaveLagState lag;
   void choose_interleave_lag();  // once, after the first iteration of a plan (unless the Config fixed it)
 
@@ -403,7 +398,7 @@ struct Runtime::Impl {
     lag.forget(cfg);
   }
 
-  // ---- overlap/schedule.cpp: Note [Collective schedule] ---------------------------------------
+  // ---- overlap/iteration_schedule.cpp: Note [Collective schedule] ---------------------------------------
   // The iteration's collectives in the order every rank issues them, from the overlap choices.
   std::vector<ScheduledCollective> build_schedule() const;
 

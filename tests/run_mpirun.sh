@@ -1,5 +1,5 @@
 #!/bin/sh
-# Jobs started by Open MPI's mpirun (Debian's openmpi-bin), which the README says work and which the
+# Jobs started by Open MPI's mpirun (Debian's openmpi-bin), which docs/launching.md says work and which the
 # launch environment reads (OMPI_COMM_WORLD_*): exit 77 (skipped) without mpirun.
 #   run_mpirun.sh mlp MLP_TRAIN WORKDIR      mlp_train at world 2 ends bit for bit where the in-process run ends
 #   run_mpirun.sh python CHECK_DDP WORKDIR    shardflow.torch's check_ddp.py at world 2 (PYTHONPATH from ctest)

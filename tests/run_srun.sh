@@ -1,5 +1,5 @@
 #!/bin/bash
-# Jobs started by Slurm's srun (Debian's slurm-wlm and munge), which the README says work and which
+# Jobs started by Slurm's srun (Debian's slurm-wlm and munge), which docs/launching.md says work and which
 # the launch environment reads (SLURM_PROCID, SLURM_NTASKS, ...). The script starts a private
 # one-host cluster in WORKDIR (its own munged socket and key, slurmctld and slurmd on ports of their
 # own, state and logs there), runs the job with srun -n 2, and stops the daemons however it ends.

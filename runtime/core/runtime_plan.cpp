@@ -202,7 +202,7 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   // The trainer's entries (used counts, buffers) count in the signal after the buckets.
   signal = std::make_shared<IterationSignal>(plan.buckets.size() + (finds_unused() ? 1 : 0) + (syncs_buffers() ? 1 : 0),
                                              signal_listener(first_iteration));
-  signal_target = 0;
+  passes_handed = 0;
   const std::map<ScheduledCollective::Kind, std::uint32_t> handed{{ScheduledCollective::unused, signal_index(ScheduledCollective::unused)},
                                                                    {ScheduledCollective::buffers, signal_index(ScheduledCollective::buffers)}};
   comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, first_iteration,

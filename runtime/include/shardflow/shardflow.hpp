@@ -225,7 +225,7 @@ class Runtime {
   void end_wait();    // after the completion: the bookkeeping before the next iteration
   std::uint32_t param_bucket_to_await(Param p);  // ~0u: p holds its update (forward's use noted)
   void finish_checkpoint();  // the pending background save onto disk (wait_checkpoint's work)
-  void wait_here();          // wait() on the rank actor's own thread (a RankCall), which may block
+  void wait_on_rank_thread();          // wait() on the rank actor's own thread (a RankCall), which may block
   void load_sharded_checkpoint(const std::string& index_path);
   void finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& failure, std::size_t slices);
   void snapshot_if_due();  // at the end of a synchronised iteration (Note [Snapshots])
