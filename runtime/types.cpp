@@ -2,7 +2,6 @@
 #include <cctype>
 #include <cmath>
 
-#include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/types.hpp"
 

@@ -40,49 +40,111 @@ std::atomic<int> groups_created{0};
 
 }  // namespace
 
-std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
+namespace {
+
+// The backend `o` asks for, with auto resolved. Note [Two-level collectives]: several hosts of
+// several ranks each, numbered host by host, talk through shared memory inside a host and Gloo
+// between hosts; auto picks it there.
+std::string choose_backend(const LaunchEnv& env, const ProcessGroupOptions& o) {
   if (o.backend != "auto" && o.backend != "gloo" && o.backend != "shm" && o.backend != "nccl" && o.backend != "hierarchical")
     throw UsageError("init_process_group: backend '" + o.backend + "' is not one of auto, gloo, shm, nccl, hierarchical");
-  // Note [Two-level collectives]: several hosts of several ranks each, numbered host by host, talk
-  // through shared memory inside a host and Gloo between hosts. auto picks it there.
   const int L = env.local_world_size;
   const bool two_levels = L > 1 && !env.single_host() && env.world_size % L == 0 && env.rank % L == env.local_rank;
   if (o.backend == "hierarchical" && !two_levels)
     throw UsageError("init_process_group: backend 'hierarchical' needs several hosts with the same number of ranks each, numbered "
                      "host by host; rank " + std::to_string(env.rank) + " is local rank " + std::to_string(env.local_rank) + " of " +
                      std::to_string(L) + " in a world of " + std::to_string(env.world_size));
-  const std::string backend = o.backend != "auto" ? o.backend : env.single_host() ? "shm" : two_levels ? "hierarchical" : "gloo";
-  if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
+  return o.backend != "auto" ? o.backend : env.single_host() ? "shm" : two_levels ? "hierarchical" : "gloo";
+}
+
+// Rank 0 serves the rendezvous store unless the launcher does; `store_host` is where it listens.
+std::unique_ptr<TcpStoreServer> serve_store(const LaunchEnv& env, std::string& store_host) {
+  store_host = env.master_addr;
+  if (env.store_hosted || env.rank != 0) return nullptr;
+  StoreServerOptions so;
+  so.host = net::store_bind_address({env.socket_address, env.socket_ifname, env.socket_origin}, env.master_addr, env.single_host());
+  so.port = env.store_port;
+  so.token = env.token;
   std::unique_ptr<TcpStoreServer> server;
-  std::string store_host = env.master_addr;
-  if (!env.store_hosted && env.rank == 0) {
-    StoreServerOptions so;
-    so.host = net::store_bind_address({env.socket_address, env.socket_ifname, env.socket_origin}, env.master_addr,
-                                      env.single_host());
-    so.port = env.store_port;
-    so.token = env.token;
-    try {
-      server = std::make_unique<TcpStoreServer>(so);
-    } catch (const Error& e) {
-      throw CommError("rank 0 cannot serve the rendezvous store: " + std::string(e.what()) +
-                      " (another job on this port? set MASTER_PORT or SHARDFLOW_STORE_PORT)");
-    }
-    store_host = so.host;
+  try {
+    server = std::make_unique<TcpStoreServer>(so);
+  } catch (const Error& e) {
+    throw CommError("rank 0 cannot serve the rendezvous store: " + std::string(e.what()) +
+                    " (another job on this port? set MASTER_PORT or SHARDFLOW_STORE_PORT)");
   }
+  store_host = so.host;
+  return server;
+}
+
+// Every rank asked for the same backend and world, and auto chose alike (hosts with different
+// numbers of ranks would choose differently): MismatchError naming both otherwise.
+void agree_on_backend(const LaunchEnv& env, const ProcessGroupOptions& o, const std::string& backend, const std::string& store_host,
+                      const std::string& prefix) {
+  TcpStoreClient client(store_host, env.store_port, env.token, o.timeout);
+  PrefixStore store(client, prefix);
+  store.set("backend/" + std::to_string(env.rank), o.backend + " (" + backend + ") " + std::to_string(env.world_size));
+  const std::string mine = store.get("backend/" + std::to_string(env.rank));
+  const std::string root = store.get("backend/0");
+  if (root != mine)
+    throw MismatchError("rank " + std::to_string(env.rank) + " asked for backend (chosen) world '" + mine + "' but rank 0 for '" + root +
+                        "': every rank must pass the same backend and world size (and with auto, every host run as many ranks)");
+}
+
+// Two levels: shared memory inside this host (and its own segment for the all-gathers: Note
+// [Lanes]), Gloo between the hosts' same local ranks.
+std::shared_ptr<Communicator> make_two_levels(const LaunchEnv& env, const StoreRendezvous& where, const std::string& prefix) {
+  const int L = env.local_world_size, host = env.rank / L;
+  ShmOptions inside;
+  static_cast<StoreRendezvous&>(inside) = where;
+  inside.rank = env.local_rank;
+  inside.world_size = L;
+  inside.key_prefix = prefix + "hierarchical/host" + std::to_string(host) + "/";
+  GlooOptions between;
+  static_cast<StoreRendezvous&>(between) = where;
+  between.rank = host;
+  between.world_size = env.world_size / L;
+  between.key_prefix = prefix + "hierarchical/local" + std::to_string(env.local_rank) + "/";
+  between.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
+  auto local = make_shm_communicator(inside);
+  inside.key_prefix += "after/";
+  auto local_after = make_shm_communicator(inside);
+  return make_hierarchical(std::move(local), make_gloo_communicator(between), std::move(local_after));
+}
+
+std::shared_ptr<Communicator> make_backend(const std::string& backend, const LaunchEnv& env, const StoreRendezvous& where,
+                                           const std::string& prefix) {
+  if (backend == "nccl") {
+    // NCCL's bootstrap picks its own interface; the one chosen for shardflow is its default too.
+    if (!env.socket_ifname.empty()) ::setenv("NCCL_SOCKET_IFNAME", env.socket_ifname.c_str(), /*overwrite=*/0);
+    NcclOptions no;
+    static_cast<StoreRendezvous&>(no) = where;
+    const int devices = cuda::device_count();
+    no.device = devices > 0 ? env.local_rank % devices : 0;  // one GPU per process on each node
+    return make_nccl_communicator(no);
+  }
+  if (backend == "hierarchical") return make_two_levels(env, where, prefix);
+  if (backend == "shm") {
+    ShmOptions so;
+    static_cast<StoreRendezvous&>(so) = where;
+    return make_shm_communicator(so);
+  }
+  GlooOptions go;
+  static_cast<StoreRendezvous&>(go) = where;
+  go.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
+  return make_gloo_communicator(go);
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
+  const std::string backend = choose_backend(env, o);
+  if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
+  std::string store_host;
+  auto server = serve_store(env, store_host);
   // The store outlives a restarted worker group: each generation's keys are its own (Note
   // [Restarting the worker group]).
   const std::string prefix = "g" + std::to_string(env.restart_count) + "/pg" + std::to_string(groups_created++) + "/";
-  {
-    TcpStoreClient client(store_host, env.store_port, env.token, o.timeout);
-    PrefixStore store(client, prefix);
-    // What auto chose too: hosts with different numbers of ranks would choose differently.
-    store.set("backend/" + std::to_string(env.rank), o.backend + " (" + backend + ") " + std::to_string(env.world_size));
-    const std::string mine = store.get("backend/" + std::to_string(env.rank));
-    const std::string root = store.get("backend/0");
-    if (root != mine)
-      throw MismatchError("rank " + std::to_string(env.rank) + " asked for backend (chosen) world '" + mine + "' but rank 0 for '" +
-                          root + "': every rank must pass the same backend and world size (and with auto, every host run as many ranks)");
-  }
+  agree_on_backend(env, o, backend, store_host, prefix);
   StoreRendezvous where;
   where.rank = env.rank;
   where.world_size = env.world_size;
@@ -91,43 +153,7 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   where.token = env.token;
   where.key_prefix = prefix + backend + "/";
   where.timeout = o.timeout;
-  std::shared_ptr<Communicator> inner;
-  if (backend == "nccl") {
-    // NCCL's bootstrap picks its own interface; the one chosen for shardflow is its default too.
-    if (!env.socket_ifname.empty()) ::setenv("NCCL_SOCKET_IFNAME", env.socket_ifname.c_str(), /*overwrite=*/0);
-    NcclOptions no;
-    static_cast<StoreRendezvous&>(no) = where;
-    const int devices = cuda::device_count();
-    no.device = devices > 0 ? env.local_rank % devices : 0;  // one GPU per process on each node
-    inner = make_nccl_communicator(no);
-  } else if (backend == "hierarchical") {
-    const int host = env.rank / L;
-    ShmOptions inside;
-    static_cast<StoreRendezvous&>(inside) = where;
-    inside.rank = env.local_rank;
-    inside.world_size = L;
-    inside.key_prefix = prefix + "hierarchical/host" + std::to_string(host) + "/";
-    GlooOptions between;
-    static_cast<StoreRendezvous&>(between) = where;
-    between.rank = host;
-    between.world_size = env.world_size / L;
-    between.key_prefix = prefix + "hierarchical/local" + std::to_string(env.local_rank) + "/";
-    between.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
-    auto local = make_shm_communicator(inside);
-    inside.key_prefix += "after/";  // the all-gathers' own segment: Note [Lanes]
-    auto local_after = make_shm_communicator(inside);
-    inner = make_hierarchical(std::move(local), make_gloo_communicator(between), std::move(local_after));
-  } else if (backend == "shm") {
-    ShmOptions so;
-    static_cast<StoreRendezvous&>(so) = where;
-    inner = make_shm_communicator(so);
-  } else {
-    GlooOptions go;
-    static_cast<StoreRendezvous&>(go) = where;
-    go.hostname = env.socket_bind_address();  // Note [Choosing the socket address]
-    inner = make_gloo_communicator(go);
-  }
-  return std::make_shared<GroupComm>(std::move(server), std::move(inner));
+  return std::make_shared<GroupComm>(std::move(server), make_backend(backend, env, where, prefix));
 }
 
 }  // namespace shardflow

@@ -58,6 +58,90 @@ std::string unknown_run_flag(int argc, char** argv, const CLI::App& run) {
   return "";
 }
 
+// `shardflow run`'s flags: the launch spec, and the values given in other units or spellings
+// than the spec keeps (seconds, N or MIN:MAX, HOST:PORT).
+struct RunFlags {
+  shardflow::launch::LaunchSpec spec;
+  double grace_s = 5, rejoin_s = 10, rdzv_s = 600, hb_s = 10, hb_interval_s = 1;
+  bool no_prefix = false;
+  std::string nnodes = "1", endpoint;
+};
+
+CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
+  auto* run = app.add_subcommand("run", "start this node's ranks with torchrun's environment and supervise them");
+  auto& spec = f.spec;
+  run->add_option("--nproc-per-node,--nproc_per_node", spec.nproc_per_node, "ranks on this node")->capture_default_str();
+  run->add_option("--nnodes", f.nnodes,
+                  "nodes in the job, or MIN:MAX: with --max-restarts a node lost for longer than --rejoin-timeout is left "
+                  "out at the next restart while MIN nodes remain (the job starts with MAX)")
+      ->capture_default_str();
+  run->add_option("--rejoin-timeout", f.rejoin_s, "with --nnodes MIN:MAX: seconds a lost node has to come back before the others go on without it")
+      ->capture_default_str();
+  run->add_option("--node-rank,--node_rank", spec.node_rank, "this node's index")->capture_default_str();
+  run->add_option("--master-addr,--master_addr", spec.master_addr, "address of node 0 (it serves the rendezvous store)")->capture_default_str();
+  run->add_option("--master-port,--master_port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
+  run->add_option("--token", spec.token, "the job's store token (default: SHARDFLOW_STORE_TOKEN, else random on one node)");
+  run->add_option("--rdzv-endpoint,--rdzv_endpoint", f.endpoint, "torchrun's spelling of --master-addr and --master-port: HOST:PORT");
+  run->add_option("--iface", spec.iface,
+                  "network interface whose address the ranks bind and advertise (default: SHARDFLOW_SOCKET_IFNAME, "
+                  "GLOO_SOCKET_IFNAME, else the one routing to the master address)");
+  run->add_option("--local-addr,--local_addr", spec.local_addr, "this node's address for the ranks' sockets (overrides --iface)");
+  run->add_option("--rdzv-timeout,--rdzv_timeout", f.rdzv_s, "seconds to wait for every node to arrive")->capture_default_str();
+  run->add_option("--heartbeat-timeout", f.hb_s, "seconds of silence after which a node counts as lost")->capture_default_str();
+  run->add_option("--heartbeat-interval", f.hb_interval_s, "seconds between a node's heartbeats")->capture_default_str();
+  run->add_option("--kill-grace", f.grace_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")->capture_default_str();
+  run->add_flag("--no-prefix", f.no_prefix, "do not prefix output lines with the rank");
+  run->add_option("--max-restarts,--max_restarts", spec.max_restarts,
+                  "when a rank fails, stop the others and start every rank again, up to this many times "
+                  "(SHARDFLOW_RESTART_COUNT tells each generation which it is; across nodes all restart together)")
+      ->capture_default_str();
+  run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
+  return run;
+}
+
+// --rdzv-endpoint HOST:PORT or [V6]:PORT into the spec; the port is required (torchrun's default of
+// 29400 belongs to its own agent). The error, or "".
+std::string apply_endpoint(RunFlags& f, const CLI::App& run) {
+  if (f.endpoint.empty()) return "";
+  const auto colon = f.endpoint.rfind(':');
+  if (colon == std::string::npos || colon + 1 == f.endpoint.size() || f.endpoint.find_first_not_of("0123456789", colon + 1) != std::string::npos)
+    return "--rdzv-endpoint '" + f.endpoint + "' is not HOST:PORT";
+  if (run.count("--master-addr") || run.count("--master-port"))
+    return "--rdzv-endpoint and --master-addr/--master-port say the same thing: pass one";
+  std::string host = f.endpoint.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  f.spec.master_addr = host;
+  f.spec.master_port = std::atoi(f.endpoint.c_str() + colon + 1);
+  return "";
+}
+
+// --nnodes N or MIN:MAX into the spec. The error, or "".
+std::string apply_nnodes(RunFlags& f) {
+  const auto colon = f.nnodes.find(':');
+  auto number = [](const std::string& t) { return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 6; };
+  const std::string lo = colon == std::string::npos ? f.nnodes : f.nnodes.substr(0, colon);
+  const std::string hi = colon == std::string::npos ? "" : f.nnodes.substr(colon + 1);
+  if (!number(lo) || (colon != std::string::npos && !number(hi))) return "--nnodes '" + f.nnodes + "' is not N or MIN:MAX";
+  f.spec.nnodes = std::atoi((colon == std::string::npos ? lo : hi).c_str());
+  if (colon != std::string::npos) f.spec.min_nnodes = std::atoi(lo.c_str());
+  return "";
+}
+
+// The spec as `run` starts it: the values in the spec's units, the token from the environment.
+std::string finish_spec(RunFlags& f, const CLI::App& run) {
+  auto& spec = f.spec;
+  if (spec.token.empty())
+    if (const char* t = std::getenv("SHARDFLOW_STORE_TOKEN")) spec.token = t;
+  spec.prefix_output = !f.no_prefix;
+  spec.rdzv_timeout = std::chrono::milliseconds(long(f.rdzv_s * 1000));
+  spec.heartbeat_timeout = std::chrono::milliseconds(long(f.hb_s * 1000));
+  spec.heartbeat_interval = std::chrono::milliseconds(long(f.hb_interval_s * 1000));
+  if (auto why = apply_endpoint(f, run); !why.empty()) return why;
+  spec.kill_grace = std::chrono::milliseconds(long(f.grace_s * 1000));
+  spec.rejoin_timeout = std::chrono::milliseconds(long(f.rejoin_s * 1000));
+  return apply_nnodes(f);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,40 +155,8 @@ int main(int argc, char** argv) {
   }
   CLI::App app{"shardflow: data-parallel training runtime"};
   app.require_subcommand(1);
-  auto* run = app.add_subcommand("run", "start this node's ranks with torchrun's environment and supervise them");
-  shardflow::launch::LaunchSpec spec;
-  double grace_s = 5;
-  bool no_prefix = false;
-  run->add_option("--nproc-per-node,--nproc_per_node", spec.nproc_per_node, "ranks on this node")->capture_default_str();
-  std::string nnodes = "1";
-  run->add_option("--nnodes", nnodes,
-                  "nodes in the job, or MIN:MAX: with --max-restarts a node lost for longer than --rejoin-timeout is left "
-                  "out at the next restart while MIN nodes remain (the job starts with MAX)")
-      ->capture_default_str();
-  double rejoin_s = 10;
-  run->add_option("--rejoin-timeout", rejoin_s, "with --nnodes MIN:MAX: seconds a lost node has to come back before the others go on without it")
-      ->capture_default_str();
-  run->add_option("--node-rank,--node_rank", spec.node_rank, "this node's index")->capture_default_str();
-  run->add_option("--master-addr,--master_addr", spec.master_addr, "address of node 0 (it serves the rendezvous store)")->capture_default_str();
-  run->add_option("--master-port,--master_port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
-  run->add_option("--token", spec.token, "the job's store token (default: SHARDFLOW_STORE_TOKEN, else random on one node)");
-  std::string endpoint;
-  double rdzv_s = 600, hb_s = 10, hb_interval_s = 1;
-  run->add_option("--rdzv-endpoint,--rdzv_endpoint", endpoint, "torchrun's spelling of --master-addr and --master-port: HOST:PORT");
-  run->add_option("--iface", spec.iface,
-                  "network interface whose address the ranks bind and advertise (default: SHARDFLOW_SOCKET_IFNAME, "
-                  "GLOO_SOCKET_IFNAME, else the one routing to the master address)");
-  run->add_option("--local-addr,--local_addr", spec.local_addr, "this node's address for the ranks' sockets (overrides --iface)");
-  run->add_option("--rdzv-timeout,--rdzv_timeout", rdzv_s, "seconds to wait for every node to arrive")->capture_default_str();
-  run->add_option("--heartbeat-timeout", hb_s, "seconds of silence after which a node counts as lost")->capture_default_str();
-  run->add_option("--heartbeat-interval", hb_interval_s, "seconds between a node's heartbeats")->capture_default_str();
-  run->add_option("--kill-grace", grace_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")->capture_default_str();
-  run->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
-  run->add_option("--max-restarts,--max_restarts", spec.max_restarts,
-                  "when a rank fails, stop the others and start every rank again, up to this many times "
-                  "(SHARDFLOW_RESTART_COUNT tells each generation which it is; across nodes all restart together)")
-      ->capture_default_str();
-  run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
+  RunFlags flags;
+  auto* run = add_run_command(app, flags);
   const auto plan = shardflow::cli::add_plan_command(app);
   const auto doctor = shardflow::cli::add_doctor_command(app);
   if (const auto why = unknown_run_flag(argc, argv, *run); !why.empty()) {
@@ -114,45 +166,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (const int status = plan(); status >= 0) return status;
   if (const int status = doctor(); status >= 0) return status;
-  if (spec.token.empty())
-    if (const char* t = std::getenv("SHARDFLOW_STORE_TOKEN")) spec.token = t;
-  spec.prefix_output = !no_prefix;
-  spec.rdzv_timeout = std::chrono::milliseconds(long(rdzv_s * 1000));
-  spec.heartbeat_timeout = std::chrono::milliseconds(long(hb_s * 1000));
-  spec.heartbeat_interval = std::chrono::milliseconds(long(hb_interval_s * 1000));
-  if (!endpoint.empty()) {
-    // HOST:PORT, [V6]:PORT; the port is required (torchrun's default of 29400 belongs to its own agent).
-    const auto colon = endpoint.rfind(':');
-    if (colon == std::string::npos || colon + 1 == endpoint.size() ||
-        endpoint.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
-      std::fprintf(stderr, "shardflow run: error: --rdzv-endpoint '%s' is not HOST:PORT\n", endpoint.c_str());
-      return 2;
-    }
-    if (run->count("--master-addr") || run->count("--master-port")) {
-      std::fprintf(stderr, "shardflow run: error: --rdzv-endpoint and --master-addr/--master-port say the same thing: pass one\n");
-      return 2;
-    }
-    std::string host = endpoint.substr(0, colon);
-    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    spec.master_addr = host;
-    spec.master_port = std::atoi(endpoint.c_str() + colon + 1);
-  }
-  spec.kill_grace = std::chrono::milliseconds(long(grace_s * 1000));
-  spec.rejoin_timeout = std::chrono::milliseconds(long(rejoin_s * 1000));
-  {
-    // N or MIN:MAX
-    const auto colon = nnodes.find(':');
-    auto number = [](const std::string& t) { return !t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 6; };
-    const std::string lo = colon == std::string::npos ? nnodes : nnodes.substr(0, colon), hi = colon == std::string::npos ? "" : nnodes.substr(colon + 1);
-    if (!number(lo) || (colon != std::string::npos && !number(hi))) {
-      std::fprintf(stderr, "shardflow run: error: --nnodes '%s' is not N or MIN:MAX\n", nnodes.c_str());
-      return 2;
-    }
-    spec.nnodes = std::atoi((colon == std::string::npos ? lo : hi).c_str());
-    if (colon != std::string::npos) spec.min_nnodes = std::atoi(lo.c_str());
+  if (const auto why = finish_spec(flags, *run); !why.empty()) {
+    std::fprintf(stderr, "shardflow run: error: %s\n", why.c_str());
+    return 2;
   }
   try {
-    return shardflow::launch::run(spec);
+    return shardflow::launch::run(flags.spec);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shardflow run: error: %s\n", e.what());
     return 2;

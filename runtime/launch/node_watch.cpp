@@ -65,27 +65,26 @@ std::string NodeWatch::generation_key(const std::string& k) const {
   return key("g" + std::to_string(generation_) + "/" + k);
 }
 
-NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
-  store_where_ = o_.store_host + ":" + std::to_string(o_.store_port);
-  const auto deadline = clock::now() + o_.rdzv_timeout;
-  auto left = [&] { return std::chrono::duration_cast<milliseconds>(deadline - clock::now()); };
-  auto stop_if_interrupted = [&] {
-    if (interrupted && interrupted()) throw Error("rendezvous: interrupted by a signal");
-  };
-  const std::string me = std::to_string(o_.node_rank);
-  const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) +
-                          " --node-rank K --master-addr " + o_.store_host + " --master-port " +
-                          std::to_string(o_.store_port) + " --token ...` on every node";
+namespace {
 
-  // Node 0's store may not be up yet: connect in short attempts, so that Ctrl-C is heard.
+milliseconds time_left(clock::time_point deadline) { return std::chrono::duration_cast<milliseconds>(deadline - clock::now()); }
+
+void stop_if_interrupted(const std::function<bool()>& interrupted) {
+  if (interrupted && interrupted()) throw Error("rendezvous: interrupted by a signal");
+}
+
+}  // namespace
+
+// Node 0's store may not be up yet: connect in short attempts, so that Ctrl-C is heard.
+void NodeWatch::connect_store(clock::time_point deadline, const std::function<bool()>& interrupted, const std::string& how) {
   for (;;) {
-    stop_if_interrupted();
+    stop_if_interrupted(interrupted);
     try {
       main_ = std::make_unique<TcpStoreClient>(o_.store_host, o_.store_port, o_.token,
-                                               std::clamp(left(), milliseconds(1), milliseconds(1000)));
+                                               std::clamp(time_left(deadline), milliseconds(1), milliseconds(1000)));
       break;
     } catch (const TimeoutError&) {
-      if (left().count() <= 0)
+      if (time_left(deadline).count() <= 0)
         throw TimeoutError("rendezvous: node 0's store at " + store_where_ + " accepted no connection within " +
                            seconds(o_.rdzv_timeout) + ": is node 0's launcher running? (" + how + ")");
     } catch (const CommError& e) {
@@ -94,8 +93,11 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
     }
   }
   main_->set_timeout(o_.heartbeat_timeout);
+}
 
-  // Note [Rejoining]: a node left out at a restart may claim its rank again, once.
+// Note [Rejoining]: a node left out at a restart may claim its rank again, once.
+bool NodeWatch::claim_node_rank() {
+  const std::string me = std::to_string(o_.node_rank);
   const bool taken = main_->add(key("claim/" + me), 1) > 1;
   const bool rejoining =
       taken && o_.min_nnodes > 0 && main_->check({key("left/" + me)}) && main_->add(key("rejoin-claim/" + me), 1) == 1;
@@ -107,15 +109,18 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
   }
   main_->set(key("node/" + me), host_name() + " " + o_.local_address + " " + std::to_string(o_.nproc_per_node) + " " +
                                     std::to_string(o_.nnodes));
+  return rejoining;
+}
 
-  std::vector<std::string> keys;
-  for (int k = 0; k < o_.nnodes; ++k) keys.push_back(key("node/" + std::to_string(k)));
+// Until every node's record is in the store, or node 0's verdict that one never came.
+void NodeWatch::await_nodes(const std::vector<std::string>& keys, clock::time_point deadline, const std::function<bool()>& interrupted,
+                            const std::string& how) {
   try {
     while (!main_->check(keys)) {
-      stop_if_interrupted();
+      stop_if_interrupted(interrupted);
       // Node 0's verdict, when its deadline passed first: the same words on every node.
       if (main_->check({key("rdzv_failed")})) throw TimeoutError(main_->get(key("rdzv_failed")));
-      if (left().count() <= 0) {
+      if (time_left(deadline).count() <= 0) {
         std::string missing;
         int count = 0;
         for (int k = 0; k < o_.nnodes; ++k)
@@ -129,7 +134,7 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
         }
         throw TimeoutError(why);
       }
-      std::this_thread::sleep_for(std::min(left(), milliseconds(100)));
+      std::this_thread::sleep_for(std::min(time_left(deadline), milliseconds(100)));
     }
   } catch (const TimeoutError&) {
     throw;
@@ -137,17 +142,19 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
     throw CommError("rendezvous: node 0's store at " + store_where_ + " went away while waiting for the other nodes (" +
                     e.what() + "): node 0's launcher stopped or was stopped");
   }
+}
 
-  // Every node must describe the same job: a mismatch here would be a hang in the first collective.
+// Every node must describe the same job: a mismatch here would be a hang in the first collective.
+// Every node finds a mismatch itself, from the same records; node 0's store must outlive the
+// others' reading them, or a node that polls a little later hears only that the store went away
+// (seen under load: the mismatch named on node 0 only).
+void NodeWatch::check_same_job(const std::vector<std::string>& keys) {
   std::vector<NodeInfo> nodes;
   for (const auto& k : keys) nodes.push_back(NodeInfo::parse(main_->get(k)));
   for (int k = 0; k < o_.nnodes; ++k) {
     const auto& n = nodes[std::size_t(k)];
     labels_.push_back("node " + std::to_string(k) + " (host " + n.host + ", " + n.address + ")");
   }
-  // Every node finds a mismatch itself, from the same records; node 0's store must outlive the
-  // others' reading them, or a node that polls a little later hears only that the store went away
-  // (seen under load: the mismatch named on node 0 only).
   main_->add(key("rdzv_read"), 1);
   auto keep_store_until_read = [&] {
     if (o_.node_rank != 0) return;
@@ -164,6 +171,19 @@ NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupte
                      std::to_string(o_.nnodes) + " --nproc-per-node " + std::to_string(o_.nproc_per_node) +
                      ": every node must be started with the same values");
   }
+}
+
+NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
+  store_where_ = o_.store_host + ":" + std::to_string(o_.store_port);
+  const auto deadline = clock::now() + o_.rdzv_timeout;
+  const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) + " --node-rank K --master-addr " + o_.store_host +
+                          " --master-port " + std::to_string(o_.store_port) + " --token ...` on every node";
+  connect_store(deadline, interrupted, how);
+  const bool rejoining = claim_node_rank();
+  std::vector<std::string> keys;
+  for (int k = 0; k < o_.nnodes; ++k) keys.push_back(key("node/" + std::to_string(k)));
+  await_nodes(keys, deadline, interrupted, how);
+  check_same_job(keys);
   event_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (event_fd_ < 0) throw Error("eventfd: " + std::string(std::strerror(errno)));
   members_.clear();

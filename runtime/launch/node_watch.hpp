@@ -130,6 +130,12 @@ class NodeWatch {
   void peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost);
   std::string decide(std::chrono::milliseconds limit);  // node 0: the decision it posts
   void wait_to_rejoin(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& interrupted);
+  // The rendezvous, in the constructor's order (`how` says how to start every node, for errors).
+  void connect_store(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& interrupted, const std::string& how);
+  bool claim_node_rank();  // true: this node rejoins (Note [Rejoining])
+  void await_nodes(const std::vector<std::string>& keys, std::chrono::steady_clock::time_point deadline,
+                   const std::function<bool()>& interrupted, const std::string& how);
+  void check_same_job(const std::vector<std::string>& keys);
   std::vector<int> returning(const std::vector<int>& next);  // node 0: left-out nodes asking to join, alive
   bool member(int node) const;
   std::string key(const std::string& k) const { return "launch/" + k; }

@@ -38,6 +38,123 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   return s;
 }
 
+namespace {
+
+// The trainable parameters' bytes, and the largest of them (frozen ones have no gradient to reduce).
+struct TrainableBytes {
+  std::size_t total = 0, largest = 0;
+  const ParamSpec* big = nullptr;
+};
+TrainableBytes trainable_bytes(const std::vector<ParamSpec>& params) {
+  TrainableBytes t;
+  for (const auto& p : params) {
+    if (!p.requires_grad) continue;
+    t.total += param_bytes(p);
+    if (param_bytes(p) > t.largest) t.largest = param_bytes(p), t.big = &p;
+  }
+  return t;
+}
+
+// Note [Buckets for small models]
+// The overlap is a pipeline over buckets: reductions start once a bucket's gradients are in,
+// steps once its reduction is, syncs once its step is, and with forward prefetch the next forward
+// waits only for the bucket it needs. With one or two buckets every stage waits for nearly all of
+// the one before. PyTorch's 25 MiB gives any model under 25 MiB one bucket after the first; below
+// min_buckets x cap the cap follows the model instead. Smaller buckets cost a collective's latency
+// each, which the first bucket's cap bounds from below. A cap the user set is theirs (as PyTorch's
+// bucket_cap_mb): it shrinks only if they also set min_buckets.
+void apply_min_buckets(BucketCaps& c, std::size_t total, const PlanSettings& s) {
+  const bool cap_set = s.cap_bytes != 0;
+  const std::size_t min_buckets = s.min_buckets.value_or(cap_set ? 0 : kDefaultMinBuckets);
+  if (min_buckets == 0 || std::max(c.first, total / min_buckets) >= c.cap) return;
+  c.cap = std::max(c.first, total / min_buckets);
+  c.cap_rule = "min_buckets " + std::to_string(min_buckets) + ": " + mib(total) + " trainable / " + std::to_string(min_buckets) +
+               (c.cap == c.first ? ", at least the first cap" : "") + (cap_set ? ", below the cap set, " : ", below the default ") +
+               mib(cap_set ? s.cap_bytes : kDefaultBucketCapBytes);
+}
+
+// A gradient buffer's bytes: the flat partition pads to W slices of whole cache lines.
+std::size_t buffer_bytes(const Bucket& b, const PlanSettings& s) {
+  if (s.partition != Partition::flat) return b.bytes();
+  const auto W = std::size_t(s.world);
+  return ((b.numel + W - 1) / W + 15) / 16 * 16 * W * dtype_size(b.dtype);
+}
+
+// Whether every bucket of the plan at `cap` fits `per_slot`.
+bool caps_fit(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s, std::size_t first,
+              std::size_t cap, std::size_t per_slot) {
+  for (const auto& b : make_bucket_plan(params, order, std::min(first, cap), cap).buckets)
+    if (buffer_bytes(b, s) > per_slot) return false;
+  return true;
+}
+
+// The largest cap up to `hi` whose buckets all fit `per_slot` (caps_fit at 1 holds: every
+// parameter alone fits its slot). A bucket closes once it reaches its cap, so it may pass the cap
+// by up to one parameter: try the plan rather than assume the worst case.
+std::size_t largest_fitting_cap(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s,
+                                std::size_t first, std::size_t hi, std::size_t per_slot) {
+  if (caps_fit(params, order, s, first, hi, per_slot)) return hi;
+  std::size_t lo = 1;
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    if (caps_fit(params, order, s, first, mid, per_slot))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// Left to the budget (max_buckets_in_flight = 0), the gradient buffers in flight are as many as
+// the budget holds beside the overrun and staging buffers: two is the least that overlaps at all,
+// and every further bucket in flight lets backward run ahead of a slow link instead of waiting
+// (measured: stage 2 at link/compute 1 in bench_overlap, 0.73 with two, 0.80 with four;
+// RESULTS.md). The memory stays within the budget either way.
+void widen_in_flight(BucketCaps& c, const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
+  if (s.max_buckets_in_flight != 0) return;
+  std::size_t largest_buffer = 0, buckets = 0;
+  for (const auto& b : make_bucket_plan(params, order, c.first, c.cap).buckets) {
+    largest_buffer = std::max(largest_buffer, buffer_bytes(b, s));
+    ++buckets;
+  }
+  const std::size_t fit = largest_buffer ? c.budget / largest_buffer : 0;
+  if (fit > pool_buffers(c.grads_in_flight)) c.grads_in_flight = std::min(fit - (pool_buffers(0)), std::max(buckets, kStage2GradsInFlight));
+}
+
+// Stage 2 holds a bucket's gradients only while it is in flight. The pool (the buckets in flight,
+// the overrun and the staging buffers) gets two buckets of the larger of the cap and the default
+// cap, or what one bucket per slot of the largest parameter needs; never more than sharding the
+// gradients saves, so stage 2 never holds more than stage 1. Sizing it by the savings alone let it
+// grow to all of them: stage 2 then held stage 1's gradient memory on every model with more
+// buckets than the pool's minimum (Note [Memory at the ZeRO formula]).
+void fit_stage2_pool(BucketCaps& c, const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s,
+                     const TrainableBytes& t) {
+  c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
+  const std::size_t slots = pool_buffers(c.grads_in_flight);
+  const auto W = std::size_t(s.world);
+  const std::size_t savings = t.total / W * (W - 1);
+  const std::size_t allowance = std::max(2 * std::max(s.cap_bytes, kDefaultBucketCapBytes), slots * (t.largest + W * 64));
+  c.budget = std::min(savings, allowance);
+  const std::size_t per_slot = c.budget / slots;
+  if (t.largest > per_slot || !caps_fit(params, order, s, c.first, 1, per_slot)) {
+    // One parameter alone overfills a slot: pooling could hold more than stage 1's whole buckets.
+    // Keep whole buckets (stage 1's memory) and reduce-scatter in place instead.
+    c.warning = "stage 2 keeps whole gradient buckets (as stage 1) for this model: parameter '" + t.big->name + "' (" + mib(t.largest) +
+                ") is larger than the in-flight budget allows per bucket (" + mib(c.budget) + " over " + std::to_string(slots) +
+                " buckets in flight), so holding buckets only while in flight could cost more than it saves";
+    return;
+  }
+  c.pooled = true;
+  const std::size_t cap = largest_fitting_cap(params, order, s, c.first, std::min(c.cap, per_slot), per_slot);
+  if (cap < c.cap) c.cap_rule = "stage 2's in-flight budget, " + mib(c.budget) + " (Note [Memory at the ZeRO formula])";
+  c.cap = cap;
+  if (c.cap < c.first) c.first_rule = "the cap below it";
+  c.first = std::min(c.first, c.cap);
+  widen_in_flight(c, params, order, s);
+}
+
+}  // namespace
+
 BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
   BucketCaps c;
   const bool cap_set = s.cap_bytes != 0;
@@ -45,93 +162,9 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   c.first_rule = s.first_cap_bytes == BucketConfig{}.first_cap_bytes ? "the default" : "as set";
   c.cap = cap_set ? s.cap_bytes : kDefaultBucketCapBytes;
   c.cap_rule = cap_set ? "as set" : "the default";
-  std::size_t total = 0, largest = 0;
-  const ParamSpec* big = nullptr;
-  for (const auto& p : params) {
-    if (!p.requires_grad) continue;  // frozen: no gradient to reduce
-    total += param_bytes(p);
-    if (param_bytes(p) > largest) largest = param_bytes(p), big = &p;
-  }
-  // Note [Buckets for small models]
-  // The overlap is a pipeline over buckets: reductions start once a bucket's gradients are in,
-  // steps once its reduction is, syncs once its step is, and with forward prefetch the next
-  // forward waits only for the bucket it needs. With one or two buckets every stage waits for
-  // nearly all of the one before. PyTorch's 25 MiB gives any model under 25 MiB one bucket
-  // after the first; below min_buckets x cap the cap follows the model instead. Smaller buckets
-  // cost a collective's latency each, which the first bucket's cap bounds from below.
-  // A cap the user set is theirs (as PyTorch's bucket_cap_mb): it shrinks only if they also set
-  // min_buckets.
-  const std::size_t min_buckets = s.min_buckets.value_or(cap_set ? 0 : kDefaultMinBuckets);
-  if (min_buckets > 0 && std::max(c.first, total / min_buckets) < c.cap) {
-    c.cap = std::max(c.first, total / min_buckets);
-    c.cap_rule = "min_buckets " + std::to_string(min_buckets) + ": " + mib(total) + " trainable / " + std::to_string(min_buckets) +
-                 (c.cap == c.first ? ", at least the first cap" : "") + (cap_set ? ", below the cap set, " : ", below the default ") +
-                 mib(cap_set ? s.cap_bytes : kDefaultBucketCapBytes);
-  }
-  if (!(sharded(s) && s.stage == ZeroStage::gradients)) return c;
-  c.grads_in_flight = s.max_buckets_in_flight ? s.max_buckets_in_flight : kStage2GradsInFlight;
-  const std::size_t slots = pool_buffers(c.grads_in_flight);
-  // The pool (the buckets in flight, the overrun and the staging buffers) gets two buckets of the
-  // larger of the cap and the default cap, or what one bucket per slot of the largest parameter
-  // needs; never more than sharding the gradients saves, so stage 2 never holds more than stage 1.
-  // Sizing it by the savings alone let it grow to all of them: stage 2 then held stage 1's
-  // gradient memory on every model with more buckets than the pool's minimum (Note [Memory at the
-  // ZeRO formula]).
-  const auto W = std::size_t(s.world);
-  const std::size_t savings = total / W * (W - 1);
-  const std::size_t allowance = std::max(2 * std::max(s.cap_bytes, kDefaultBucketCapBytes), slots * (largest + W * 64));
-  c.budget = std::min(savings, allowance);
-  const std::size_t per_slot = c.budget / slots;
-  auto buffer_bytes = [&](const Bucket& b) {  // the flat partition pads to W slices of whole cache lines
-    if (s.partition != Partition::flat) return b.bytes();
-    return ((b.numel + W - 1) / W + 15) / 16 * 16 * W * dtype_size(b.dtype);
-  };
-  auto fits = [&](std::size_t cap) {
-    const auto plan = make_bucket_plan(params, order, std::min(c.first, cap), cap);
-    for (const auto& b : plan.buckets)
-      if (buffer_bytes(b) > per_slot) return false;
-    return true;
-  };
-  if (largest > per_slot || !fits(1)) {
-    // One parameter alone overfills a slot: pooling could hold more than stage 1's whole buckets.
-    // Keep whole buckets (stage 1's memory) and reduce-scatter in place instead.
-    c.warning = "stage 2 keeps whole gradient buckets (as stage 1) for this model: parameter '" + big->name + "' (" +
-                mib(largest) + ") is larger than the in-flight budget allows per bucket (" + mib(c.budget) + " over " +
-                std::to_string(slots) + " buckets in flight), so holding buckets only while in flight could cost more " +
-                "than it saves";
-    return c;
-  }
-  c.pooled = true;
-  // The largest cap whose buckets all fit a slot. A bucket closes once it reaches its cap, so it
-  // may pass the cap by up to one parameter: try the plan rather than assume the worst case.
-  std::size_t lo = 1, hi = std::min(c.cap, per_slot);  // fits(1): every parameter alone fits its slot
-  if (fits(hi)) lo = hi;
-  while (lo < hi) {
-    const std::size_t mid = lo + (hi - lo + 1) / 2;
-    if (fits(mid))
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  if (lo < c.cap) c.cap_rule = "stage 2's in-flight budget, " + mib(c.budget) + " (Note [Memory at the ZeRO formula])";
-  c.cap = lo;
-  if (c.cap < c.first) c.first_rule = "the cap below it";
-  c.first = std::min(c.first, c.cap);
-  // Left to the budget (max_buckets_in_flight = 0), the gradient buffers in flight are as many as
-  // the budget holds beside the overrun and staging buffers: two is the least that overlaps at
-  // all, and every further bucket in flight lets backward run ahead of a slow link instead of
-  // waiting (measured: stage 2 at link/compute 1 in bench_overlap, 0.73 with two, 0.80 with four;
-  // RESULTS.md). The memory stays within the budget either way.
-  if (s.max_buckets_in_flight == 0) {
-    std::size_t largest_buffer = 0, buckets = 0;
-    for (const auto& b : make_bucket_plan(params, order, c.first, c.cap).buckets) {
-      largest_buffer = std::max(largest_buffer, buffer_bytes(b));
-      ++buckets;
-    }
-    const std::size_t fit = largest_buffer ? c.budget / largest_buffer : 0;
-    if (fit > pool_buffers(c.grads_in_flight))
-      c.grads_in_flight = std::min(fit - (pool_buffers(0)), std::max(buckets, kStage2GradsInFlight));
-  }
+  const auto t = trainable_bytes(params);
+  apply_min_buckets(c, t.total, s);
+  if (sharded(s) && s.stage == ZeroStage::gradients) fit_stage2_pool(c, params, order, s, t);
   return c;
 }
 

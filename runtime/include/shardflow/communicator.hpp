@@ -22,9 +22,6 @@
 
 namespace shardflow {
 
-enum class CollectiveKind : std::uint8_t { allreduce, reduce_scatter, allgather, broadcast, barrier };
-const char* collective_name(CollectiveKind k);
-
 struct CollectiveOp {
   CollectiveKind kind = CollectiveKind::allreduce;
   DType dtype = DType::f32;

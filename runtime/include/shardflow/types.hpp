@@ -56,6 +56,10 @@ struct BufferSpec {
   Device device = Device::cpu();
 };
 
+// The collectives the backends run (communicator.hpp) and the plans count (`shardflow plan`).
+enum class CollectiveKind : std::uint8_t { allreduce, reduce_scatter, allgather, broadcast, barrier };
+const char* collective_name(CollectiveKind k);
+
 // A registered parameter. Cheap to copy; only valid with the Runtime that returned it.
 struct Param {
   std::uint32_t index = ~0u;
