@@ -19,7 +19,7 @@ chmod 400 "$dir/munge.key"
 munged --force --foreground --socket="$dir/munge.sock" --key-file="$dir/munge.key" --pid-file="$dir/munged.pid" \
   --log-file="$dir/log/munged.log" --seed-file="$dir/munged.seed" > "$dir/log/munged.out" 2>&1 & pids+=($!)
 host=$(hostname -s)
-base=$((20000 + RANDOM % 20000))
+base=$((20000 + RANDOM % 12000))  # below the kernel's ephemeral range (32768-), where outgoing connections take ports
 cat > "$dir/slurm.conf" <<CONF
 ClusterName=shardflowtest
 SlurmctldHost=$host

@@ -83,8 +83,17 @@ TEST_CASE("a /dev/shm too small for the job fails, naming the size to grow it to
   CHECK(d.checks["/dev/shm"]["status"] == "FAIL");
   CHECK(d.checks["/dev/shm"]["fix"].get<std::string>().find("--shm-size") != std::string::npos);
   CHECK(d.checks["/dev/shm"]["fix"].get<std::string>().find("remount,size=") != std::string::npos);
-  // Without snapshots the same job fits.
-  CHECK(doctor(bare, "--nproc-per-node 2 --params " + (dir / "huge.json").string() + " --world-size 2").checks["/dev/shm"]["status"] == "ok");
+  // Without snapshots the same job needs only the staging areas. Whether those fit depends on what the
+  // suites beside this one hold in /dev/shm at that moment, so the verdict is checked against the
+  // numbers the check printed rather than assumed "ok".
+  const auto without = doctor(bare, "--nproc-per-node 2 --params " + (dir / "huge.json").string() + " --world-size 2").checks["/dev/shm"];
+  const auto detail = without["detail"].get<std::string>();
+  INFO(detail);
+  CHECK(detail.find("snapshots") == std::string::npos);
+  const auto free_mib = std::stoull(detail);
+  const auto need_mib = std::stoull(detail.substr(detail.find("needs ") + 6));
+  CHECK(need_mib < 1024);
+  CHECK(without["status"] == (free_mib >= need_mib ? "ok" : "FAIL"));
   std::filesystem::remove_all(dir);
 }
 

@@ -131,7 +131,7 @@ TEST_CASE("shardflow run: kill -9 of one rank mid-training -> the launcher stops
 TEST_CASE("without a launcher: kill -9 of rank 1 -> rank 0 exits non-zero within the timeout, naming the peer (shm and gloo)") {
   for (std::string backend : {"shm", "gloo"}) {
     CAPTURE(backend);
-    const std::string port = std::to_string(20000 + (::getpid() * 7 + (backend == "shm")) % 20000);
+    const std::string port = std::to_string(test::free_port());  // a fixed or pid-made port can be an ephemeral one in use
     auto args = mlp_args(0);
     args.insert(args.begin(), kTrainer);
     test::set_flag(args, "--steps", "100000");
