@@ -4,7 +4,7 @@
 //                                                            by the last; Note [One count per bucket])
 //   bucket actor b --bucket_ready(b, its collectives, self)--> comm stream actor
 //                                                           (what b puts on the link: reduction, cast,
-//                                                            sync; runtime/core/bucket_collectives.hpp)
+//                                                            sync; runtime/zero/bucket_collectives.hpp)
 //   comm stream    --submit in schedule order--> Communicator    (same order on every rank)
 //   Communicator completion --reduced(b, failure)--> bucket actor b   (buffer released)
 //   bucket actor b --bucket_done(b, failure)--> IterationSignal  (a call, not a message: wait()
@@ -24,7 +24,7 @@
 //   trainer thread --trainer_op(before, op, done)--> comm stream  (out after the last iteration's
 //                                                            entries, before the next one's)
 //
-// The trainer's side (shardflow/actor.hpp; Note [The rank actor], actors/rank_actor.cpp): a trainer
+// The trainer's side (shardflow/actor.hpp; Note [The rank actor], runtime/rank/rank_actor.cpp): a trainer
 // actor, or Runtime's blocking calls from a scoped actor, asks the rank actor; it answers waits from
 // IterationSignal's completions:
 //   trainer --iteration / params_ready / grad ...--> rank actor --(Runtime's calls)--> the flow above
@@ -45,7 +45,7 @@
 #include <memory>
 #include <string>
 
-#include "runtime/core/bucket_collectives.hpp"
+#include "runtime/zero/bucket_collectives.hpp"
 #include "runtime/core/failure.hpp"
 #include "shardflow/actor.hpp"  // the trainer-facing messages; CollectiveOp as a message type
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow::ckpt {
 

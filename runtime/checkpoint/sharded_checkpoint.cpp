@@ -283,8 +283,8 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
 // A request to the rank actor (Note [The rank actor]), which runs finish_checkpoint() on its thread.
 void Runtime::wait_checkpoint() {
   if (!impl_->saves.pending) return;
-  if (impl_->on_rank_thread()) return finish_checkpoint();  // a RankCall (Note [The rank actor])
-  impl_->ask<rank_api::checkpoint_done_atom, std::string, std::uint64_t>("wait_checkpoint()", rank_api::checkpoint_atom::value);
+  if (impl_->client.on_rank_thread()) return finish_checkpoint();  // a RankCall (Note [The rank actor])
+  impl_->client.ask<rank_api::checkpoint_done_atom, std::string, std::uint64_t>("wait_checkpoint()", rank_api::checkpoint_atom::value);
 }
 
 void Runtime::finish_checkpoint() {
@@ -297,7 +297,7 @@ void Runtime::finish_checkpoint() {
                 "a restart after this host's loss resumes from an older one (or the disk's)",
                 pending->dir, I.rank, I.snapshots.mirror, std::chrono::duration_cast<std::chrono::seconds>(I.cfg.timeouts.collective).count());
   finish_sharded_checkpoint(pending->dir, pending->index, pending->failure, pending->slices);
-  I.subscribers->checkpoint_done(pending->dir, pending->step);
+  I.client.subscribers->checkpoint_done(pending->dir, pending->step);
 }
 
 void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& written, std::size_t slices) {

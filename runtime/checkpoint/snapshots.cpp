@@ -47,7 +47,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/bootstrap/snapshot_env.hpp"
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 namespace {

@@ -1,7 +1,7 @@
 #include <future>
 
 #include "shardflow/communicator.hpp"
-#include "runtime/core/bucket_buffers.hpp"
+#include "kernels/cpu/host_memory.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {

@@ -17,6 +17,8 @@
 #include <mutex>
 #include <vector>
 
+#include "kernels/cpu/host_memory.hpp"  // alloc_zeroed, the default allocator
+
 namespace shardflow {
 
 class BucketBuffers {
@@ -77,7 +79,5 @@ class BucketBuffers {
   std::vector<char> is_reducing_;
   std::condition_variable released_;
 };
-
-std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes);
 
 }  // namespace shardflow

@@ -13,7 +13,7 @@
 // gives the shortest iteration. When the link is the bottleneck that is none, and every sync
 // overlaps the next forward (sending syncs in backward then would only push the forward's first
 // sync further back: measured, 4 ms of idle link per iteration at link/compute 4).
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 #include "runtime/plans/prefetch_model.hpp"
 

@@ -1,7 +1,7 @@
 // The iteration's collectives in the order every rank issues them (Note [Collective schedule],
 // plans/collective_schedule.cpp), from the overlap choices this folder made: the interleave lag and,
 // with forward prefetch, the sync order and how many syncs go inside backward.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

@@ -1,7 +1,7 @@
 // Choosing the interleave lag after the first iteration (Note [Choosing the interleave lag]).
 #include "runtime/plans/interleave_lag.hpp"
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

@@ -24,7 +24,7 @@
 //
 // collective_order() is the order alone, a pure function of the plan's shape and the settings (every
 // rank computes the same one). What each entry puts on the link is the bucket's to say
-// (runtime/core/bucket_collectives.hpp): the bucket actor hands its BucketCollectives to the comm stream
+// (runtime/zero/bucket_collectives.hpp): the bucket actor hands its BucketCollectives to the comm stream
 // with its readiness, the shard actor the norm exchange with norm_ready, and the comm stream actor
 // issues the entries strictly in this order.
 #pragma once

@@ -11,7 +11,7 @@
 // reduced (and, with ZeRO-1, stepped) when the last phase completed. Hooks replace an all-reduce:
 // ZeRO-2's reduce-scatter keeps its own 16-bit wire (Config::precision.comm_dtype), and a hook
 // beside a 16-bit comm_dtype would compress twice; both are refused. Hooks work on host buckets.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

@@ -8,7 +8,7 @@
 // results bit for bit (tests/test_flat_buffers.cpp).
 #include <algorithm>
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

@@ -16,7 +16,7 @@
 // of Join; with the runtime's optimizer every rank stepped every iteration and nothing is needed.
 #include <algorithm>
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

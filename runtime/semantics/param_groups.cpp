@@ -6,7 +6,7 @@
 // the values it started with. What cannot change between iterations is the shape of the state:
 // the optimizer kind, and SGD momentum appearing where no group had it (or going from every
 // group), which would add or drop a state slot.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 #include "runtime/zero/optimizer_hyper.hpp"
 
 namespace shardflow {

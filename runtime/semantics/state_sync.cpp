@@ -12,7 +12,7 @@
 // comm stream when backward ends, since backward does not touch buffers and rank 0's values are
 // final then. wait() returns only after it completed, with forward prefetch too, so the next
 // forward never reads a buffer the link is writing.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 namespace {

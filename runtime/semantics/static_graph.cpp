@@ -11,7 +11,7 @@
 // usual (Config::buckets.rebuild), from the order in which gradients were completed.
 #include <algorithm>
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

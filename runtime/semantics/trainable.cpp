@@ -9,7 +9,7 @@
 // dropped. A parameter trained again starts afresh, as one just added to a torch.optim optimizer
 // would: zero state, its own step count from 0 (Shard::skipped). The forward-prefetch order and
 // the interleave lag, measured on the old buckets, are measured anew.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

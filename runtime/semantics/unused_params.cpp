@@ -11,7 +11,7 @@
 // reads them after wait(). The exchange costs one all-reduce of 4 bytes per parameter, and the
 // syncs of ZeRO then follow all reductions instead of interleaving with them: the price PyTorch's
 // find_unused_parameters also pays, for models whose graph changes between iterations.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 

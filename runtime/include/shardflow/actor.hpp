@@ -17,7 +17,7 @@
 //               reduced and stepped (with forward prefetch: handed over, as Runtime::wait())
 //
 // Runtime's blocking calls (wait(), wait_param(), wait_all_params(), wait_checkpoint()) are this
-// interface asked from a scoped actor: one path (Note [The rank actor], actors/rank_actor.cpp).
+// interface asked from a scoped actor: one path (Note [The rank actor], runtime/rank/rank_actor.cpp).
 //
 // The rank actor is detached: it runs on a thread of its own, so the collectives a rank runs
 // between iterations (the bucket rebuild, snapshots, a call's finalize) never hold a scheduler

@@ -218,7 +218,7 @@ class Runtime {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  // The rank actor (actors/rank_actor.cpp) runs the halves of the waits around the completions it
+  // The rank actor (runtime/rank/rank_actor.cpp) runs the halves of the waits around the completions it
   // is told of (Note [The rank actor]); these are its way in, and the checkpoint files'.
   friend struct RankActorAccess;
   bool begin_wait();  // the pass handed over; false for an accumulation pass (nothing to await)

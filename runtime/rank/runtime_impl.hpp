@@ -1,100 +1,41 @@
-// Runtime::Impl: one rank's state behind the trainer-facing Runtime (ARCHITECTURE.md draws the whole).
-// Its fields are the core's: the parameters, the plan with its buffers, shard and actors, the pass
-// in progress, the failure. Each feature keeps its own state in a struct of its own, a member here:
-//   core/        runtime_plan.cpp (finalize, install and rebuild plans, state migration, the actors),
-//                gradient_pass.cpp (a gradient into its bucket, backpressure, awaiting iterations)
+// Runtime::Impl: one rank's roles behind the trainer-facing Runtime (ARCHITECTURE.md draws them).
+// Each role is a class of its own, holding only its state:
+//   RankContext     core/rank_context.hpp      who the rank is: settings, communicator, parameters,
+//                                              logs, the sticky failure
+//   PassState       core/pass_state.hpp        the gradient pass in progress and its phase
+//   InstalledPlan   rank/installed_plan.hpp    the buckets, buffers, shard and actors running now
+//   FeatureStates   rank/feature_states.hpp    each feature's own struct
+//   RankClient      rank/rank_client.hpp       the rank actor's handle and the blocking calls' asker
+// Impl holds them and carries the calls that need several at once; their bodies are spread by
+// topic:
+//   rank/        runtime_plan.cpp (finalize, install and rebuild plans, state migration, the
+//                actors, the control collectives), gradient_pass.cpp (a gradient into its bucket,
+//                backpressure, awaiting iterations), runtime.cpp (the facade)
 //   semantics/   join, static_graph, unused_params, trainable, param_groups, state_sync,
-//                flat_buffers, comm_hook_use                         (semantics_state.hpp)
-//   overlap/     forward_prefetch, interleave_lag, schedule            (overlap_state.hpp)
-//   checkpoint/  checkpoint, sharded_checkpoint, snapshots             (background_save.hpp)
-// runtime.cpp, the facade, holds the public calls and the iteration's phases as the trainer sees
-// them. A feature's file works on its own struct and the core's fields; what the core or another
-// feature needs of a feature is one of the named calls declared beside its struct below.
+//                flat_buffers, comm_hook_use
+//   overlap/     forward_prefetch, lag_choice, iteration_schedule
+//   checkpoint/  checkpoint, sharded_checkpoint, snapshots
+// A feature's file works on its own struct and the other roles; what the core or another feature
+// needs of a feature is one of the named calls declared below under the feature's name.
 #pragma once
 
 #include <caf/all.hpp>
 
-#include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <mutex>
-#include <optional>
-#include <thread>
 
-#include "actors/messages.hpp"
-#include "runtime/checkpoint/background_save.hpp"
-#include "runtime/core/rank_failure.hpp"
-#include "runtime/core/bucket_buffers.hpp"
-#include "runtime/plans/bucket_plan.hpp"
-#include "runtime/core/bucket_readiness.hpp"
+#include "runtime/core/pass_state.hpp"
+#include "runtime/core/rank_context.hpp"
 #include "runtime/plans/collective_schedule.hpp"
-#include "runtime/plans/run_plan.hpp"
-#include "runtime/observe/collective_log.hpp"
-#include "runtime/core/device_memory.hpp"
-#include "runtime/process/process_actor_system.hpp"
-#include "runtime/core/iteration_signal.hpp"
-#include "runtime/observe/logging.hpp"
-#include "runtime/core/param_registry.hpp"
-#include "runtime/core/rank_events.hpp"
-#include "runtime/zero/shard.hpp"
-#include "runtime/plans/shard_plan.hpp"
-#include "runtime/observe/timeline.hpp"
-#include "runtime/overlap/overlap_state.hpp"
-#include "runtime/semantics/semantics_state.hpp"
+#include "runtime/rank/feature_states.hpp"
+#include "runtime/rank/installed_plan.hpp"
+#include "runtime/rank/rank_client.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow {
 
-struct Runtime::Impl {
-  Config cfg;
-  std::shared_ptr<Communicator> comm;
-  // Bucket memory from the backend (Communicator::allocate): shared memory for shm, so that its
-  // collectives read the peers' buckets in place.
-  // Weak: buffers (and the shard holding them) may be released last on a backend thread, which
-  // must never be the one to destroy the communicator that owns the thread.
-  BucketBuffers::Allocate allocator() const {
-    return [w = std::weak_ptr<Communicator>(comm)](std::size_t n) {
-      const auto c = w.lock();
-      if (!c) throw CommError("bucket memory requested after the communicator was destroyed");
-      return c->allocate(n);
-    };
-  }
-  // Where the buckets live: the parameters' device (all of a Runtime's parameters share one), and
-  // for CUDA the trainer's compute stream that bucket copies, zeroing and events go on.
-  std::shared_ptr<MemoryOps> mem = std::make_shared<MemoryOps>();  // shared with the zeroer and events
-  bool device_bound = false;  // set by the first registered parameter
-  std::shared_ptr<BucketEvents> events;  // per bucket of the current plan (no-ops on the CPU)
-  BucketBuffers::Zero zeroer() const {
-    return [m = mem](std::byte* p, std::size_t n) { m->zero(p, n); };
-  }
-  int rank = 0, world = 1;
-  std::uint32_t owner = 0;
-  std::shared_ptr<spdlog::logger> log;
-  std::shared_ptr<ProcessActorSystem> actors;  // the process's CAF actor system, shared by its Runtimes
-  ParamRegistry registry;
-
-  std::mutex finalize_mu;
-  std::atomic<bool> finalized{false};
-  BucketPlan plan;
-  BucketCaps caps;  // the plan's bucket caps and stage 2's in-flight limits (Note [Memory at the ZeRO formula])
-  std::shared_ptr<BucketBuffers> bufs;  // the buckets' flat buffers (Note [Pooled buckets (ZeRO-2)])
-  // Each bucket's gradients still to come in this synchronised pass (Note [One count per bucket]).
-  std::unique_ptr<BucketReadiness> readiness;
-
-  // Actors of the current plan (replaced once if the buckets are rebuilt).
-  msg::comm_stream_actor_t comm_actor_h;
-  msg::shard_actor_t shard_actor_h;  // none without the runtime's optimizer
-  // The runtime's optimizer (configure_optimizer): the groups' hyper-parameters and this rank's shard.
-  std::shared_ptr<OptimizerGroups> groups;
-  std::shared_ptr<Shard> shard;
-  std::vector<msg::bucket_actor_t> bucket_actors;
-  std::shared_ptr<IterationSignal> signal;
-  std::uint64_t passes_handed = 0;  // synchronised iterations handed to the current actors
-
-  std::shared_ptr<CollectiveLog> collectives = std::make_shared<CollectiveLog>();
-  // Spans of this rank's work and the figures of stats() (Note [Timeline]); a file with trace_path.
-  std::shared_ptr<Timeline> timeline;
-  std::size_t done_in_backward = 0;  // buckets complete when finish_backward ran (stats)
+struct Runtime::Impl : RankContext, PassState, InstalledPlan, FeatureStates {
+  RankClient client{*this};
 
   // A wait on the runtime that began at t0 and ends now: exposed time (stats) and a span on the
   // compute lane (nothing when it did not block).
@@ -116,44 +57,6 @@ struct Runtime::Impl {
     return f();
   }
 
-  // ---- Note [The rank actor] (actors/rank_actor.cpp) ------------------------------------------
-  rank_api::actor rank_actor_h;  // spawned with the Runtime, stopped first when it goes
-  std::shared_ptr<RankEvents> subscribers = std::make_shared<RankEvents>();
-  std::atomic<std::thread::id> rank_thread{};  // the rank actor's own thread
-  bool wait_prefetching = false;  // how the pending wait() started (begin_wait)
-  std::mutex asker_mu;
-  std::unique_ptr<caf::scoped_actor> asker;  // the blocking calls' (ask)
-  // A blocking call: the request a trainer actor would send, asked from a scoped actor on the
-  // calling thread; the answer's error rethrown as the exception it stands for.
-  template <class... Reply, class... Ts>
-  void ask(const char* what, Ts&&... xs) {
-    // The public waits block directly on the rank actor's own thread (on_rank_thread): asking
-    // itself from there would wait for ever.
-    if (on_rank_thread())
-      throw std::logic_error(std::string("Runtime::") + what + " asked the rank actor from its own thread (rank " + std::to_string(rank) + ")");
-    // A scoped actor costs a registration in the actor system: the trainer's thread keeps one; a
-    // second thread asking at the same time makes its own.
-    std::unique_lock lock(asker_mu, std::try_to_lock);
-    std::optional<caf::scoped_actor> own;
-    caf::scoped_actor* self;
-    if (lock.owns_lock()) {
-      if (!asker) asker = std::make_unique<caf::scoped_actor>(actors->system());
-      self = asker.get();
-    } else {
-      self = &own.emplace(actors->system());
-    }
-    bool answered = false;
-    caf::error error;
-    (*self)->request(rank_actor_h, caf::infinite, std::forward<Ts>(xs)...)
-        .receive([&](Reply...) { answered = true; }, [&](caf::error& e) { error = std::move(e); });
-    if (!answered) rethrow(error);
-  }
-  // A RankCall runs here: the rank's own thread, which may block (never a scheduler thread).
-  bool on_rank_thread() const { return std::this_thread::get_id() == rank_thread.load(std::memory_order_relaxed); }
-  [[noreturn]] void rethrow(const caf::error& e) {
-    throw_if_failed();  // the failure as it was thrown, its type kept
-    shardflow::rethrow(e);
-  }
   // Without blocking: has the signal counted what the pass handed over for `target` needs (the
   // previous iteration and the handed entries when prefetching)? Throws the run's failure.
   bool pass_complete(std::uint64_t target, bool prefetching_wait);
@@ -165,33 +68,9 @@ struct Runtime::Impl {
   // subscribers' events and a word to the rank actor.
   IterationSignal::OnDone signal_listener(std::uint64_t first_iteration) const;
 
-  // Per backward pass. grad_ready may run on several threads at once: flags are atomic and the
-  // observed order is appended through an atomic cursor.
-  std::unique_ptr<std::atomic<std::uint8_t>[]> marked;
-  std::vector<std::uint8_t> touched;  // got a gradient in a no_sync pass since the last sync
-  std::vector<std::uint32_t> order;
-  std::atomic<std::uint32_t> order_pos{0};
-  std::atomic<bool> require_sync{true};
-  // Note [Iteration phases]
-  // Where this rank's synchronised pass stands, as the trainer's calls see it; every entry point
-  // checks it. idle: between wait() and the first grad_ready of a synchronised pass (zero_grad,
-  // set_lr, configure_optimizer, set_stream and no_sync are allowed only here). backward:
-  // gradients arriving (grad_ready may run on several threads; the first moves idle -> backward).
-  // reducing: finish_backward handed the pass over (no more grad_ready); wait() collects it and
-  // returns to idle. Accumulation (no_sync) passes stay idle: nothing is reduced.
-  enum class Phase : std::uint8_t { idle, backward, reducing };
-  std::atomic<Phase> phase{Phase::idle};
-  bool in_pass() const { return phase.load(std::memory_order_acquire) != Phase::idle; }
   // The one "between iterations" rule, one message: `call` is refused while a synchronised
   // backward pass is open (its first gradient reported, wait() not yet returned), saying `advice`.
   void require_between_iterations(const std::string& call, const std::string& advice) const;
-  bool rebuilt = false;
-  std::uint64_t iterations = 0;
-
-  RankFailure failure;  // sticky: once a collective failed, this rank's run is over
-
-  // Once, at the first backward: settings that need the runtime's optimizer must have one.
-  std::atomic<bool> settings_checked{false};
   void check_settings_used() {
     if (settings_checked.load(std::memory_order_relaxed)) return;
     if (!groups) cfg.check_needs_optimizer();
@@ -203,44 +82,6 @@ struct Runtime::Impl {
   }
 
   // ---------------------------------------------------------------------------------------------
-  void throw_if_failed() const { failure.rethrow_if_failed(); }
-
-  // Records the failure (the first one stays), tells the peers (they fail promptly instead of
-  // waiting for the timeout).
-  void record_failure(std::exception_ptr e, const char* what) {
-    log->error("{}", what);
-    failure.record(std::move(e));
-    comm->abort(what);
-  }
-  // The same, then throws it.
-  template <class E>
-  [[noreturn]] void fail(E error) {
-    record_failure(std::make_exception_ptr(error), error.what());
-    throw error;
-  }
-
-  std::uint32_t check_handle(Param p, const char* where) const {
-    if (p.owner != owner)
-      throw UsageError(std::string(where) + ": parameter handle #" + std::to_string(p.index) +
-                       (p.owner == 0 ? " was never registered" : " belongs to another Runtime"));
-    if (p.index >= registry.size())
-      throw UsageError(std::string(where) + ": unknown parameter handle #" + std::to_string(p.index) + " (rank " +
-                       std::to_string(rank) + " has " + std::to_string(registry.size()) + " parameters)");
-    return p.index;
-  }
-
-  // A frozen parameter (ParamSpec::requires_grad false) has no gradient to ask for or report.
-  std::uint32_t check_trainable(Param p, const char* where) const {
-    const auto i = check_handle(p, where);
-    if (!registry.params()[i].requires_grad)
-      throw UsageError(std::string(where) + ": parameter '" + name_of(i) + "' is frozen (requires_grad = false) and gets no gradient; "
-                       "set_requires_grad(p, true) and refresh_trainable() to train it");
-    return i;
-  }
-
-  const std::string& name_of(std::uint32_t i) const { return registry.params()[i].name; }
-
-  // ---------------------------------------------------------------------------------------------
   void ensure_finalized();
 
   // The bucket plan for gradients expected in `order`, with the caps the settings give (stage 2's
@@ -250,8 +91,6 @@ struct Runtime::Impl {
   // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
   // after a reduction, whose results the trainer is about to use) and starts its actors.
   void install_plan(BucketPlan next, std::uint64_t first_iteration);
-
-
 
   // Where p's gradient lives now: inside its bucket's buffer (taking one from the pool when the
   // bucket has none this iteration), or the trainer's own storage without the bucket view.
@@ -319,20 +158,19 @@ struct Runtime::Impl {
   bool adopt_bucket_order(const std::vector<std::uint32_t>& order);
 
   // =============================================================================================
-  // The features: each one's state, and the calls through which the core and the other features
-  // reach it. Each is defined in the feature's own file.
+  // The features: the calls through which the core and the other features reach a feature's state
+  // (FeatureStates). Each is defined in the feature's own file; trainable, flat_buffers and
+  // sharded_checkpoint need none (their work starts from a public call).
 
   // ---- semantics/state_sync.cpp: Note [Rank 0's state everywhere] -----------------------------
   // The start-up broadcast of parameters and buffers (in finalize, before the buckets exist), and
   // the buffers' broadcast each iteration.
-  StateSyncState state_sync;
   void sync_initial_state();
   void broadcast_params(int root, const char* what);  // every parameter from `root`, on this thread
   bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
 
   // ---- semantics/unused_params.cpp: Note [Unused parameters] ----------------------------------
-  UnusedParamsState unused;
   bool finds_unused() const { return cfg.buckets.static_graph ? !graph.learnt : cfg.buckets.find_unused_parameters; }
   void send_used_counts();
   // The counts the shard reads (a parameter no rank used sits the step out); null when not counted.
@@ -341,14 +179,12 @@ struct Runtime::Impl {
   const std::vector<float>& used_counts() const { return *unused.used_counts; }
 
   // ---- semantics/join.cpp: Note [Uneven inputs] -----------------------------------------------
-  JoinState join;
   void count_training_ranks();
   bool has_joined() const { return join.joined; }
   // What the bucket actors divide by; null without Config::join.uneven_inputs.
   std::shared_ptr<std::atomic<float>> join_divisor() const { return cfg.join.uneven_inputs ? join.divisor : nullptr; }
 
   // ---- semantics/static_graph.cpp: Note [Static graph] ----------------------------------------
-  StaticGraphState graph;
   bool learning_graph() const { return cfg.buckets.static_graph && !graph.learnt; }
   std::uint32_t reports_allowed(std::uint32_t p) const;  // in one pass
   void count_report(std::uint32_t p, std::uint32_t reports);  // throws when one too many
@@ -360,29 +196,19 @@ struct Runtime::Impl {
   bool learnt_as_unused(std::uint32_t p, std::uint32_t reports);
   void fix_unused_in(Shard& next);  // learnt: a new shard skips the parameters no rank uses
 
-  // ---- semantics/trainable.cpp: Note [Changing the trainable set] -----------------------------
-  TrainableState trainable;
-
   // ---- semantics/param_groups.cpp: Note [Changing hyper-parameters] ---------------------------
-  ParamGroupsState grouping;
   // The new groups to the runtime and, as a snapshot, to the shard.
   void publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what);
 
-  // ---- semantics/flat_buffers.cpp: Note [Flat buffers] ----------------------------------------
-  FlatBuffersState flat;
-
   // ---- semantics/comm_hook_use.cpp: Note [Comm hooks] -----------------------------------------
-  CommHookState hook;
   // The trainer's hook, or with a 16-bit Config::precision.comm_dtype and no runtime optimizer the
   // matching compress hook (the shard casts itself when there is one). Null: the runtime's own reduction.
   std::shared_ptr<CommHook> effective_hook() const;
 
   // ---- overlap/lag_choice.cpp: Note [Choosing the interleave lag] -------------------------
-  InterleaveLagState lag;
   void choose_interleave_lag();  // once, after the first iteration of a plan (unless the Config fixed it)
 
   // ---- overlap/forward_prefetch.cpp: Note [Forward prefetch] ----------------------------------
-  ForwardPrefetchState prefetch;
   bool prefetching() const { return prefetch.active; }
   bool observing_forward() const { return prefetch.observing; }
   void start_observing_forward();  // the next forward's first-use order decides the sync order
@@ -402,11 +228,7 @@ struct Runtime::Impl {
   // The iteration's collectives in the order every rank issues them, from the overlap choices.
   std::vector<ScheduledCollective> build_schedule() const;
 
-  // ---- checkpoint/sharded_checkpoint.cpp: Note [Sharded checkpoints] --------------------------
-  BackgroundSaveState saves;
-
   // ---- checkpoint/snapshots.cpp: Note [Snapshots] ---------------------------------------------
-  SnapshotState snapshots;
   // Before the first backward: with snapshots, resumed_step() must have run (UsageError otherwise).
   void check_resumed() const;
   // Before loading a snapshot: its saved run's buckets, through adopt_bucket_order.

@@ -1,4 +1,4 @@
-#include "runtime/core/bucket_collectives.hpp"
+#include "runtime/zero/bucket_collectives.hpp"
 
 #include <string>
 

@@ -6,9 +6,9 @@
 // state it owns in parameter coordinates (zeros elsewhere); summing the exports over the ranks
 // (x + 0 = x exactly) gives every rank the full state, from which it imports its new pieces. A
 // one-time cost of one all-reduce of the parameter count per state slot.
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
-#include "actors/rank_actor.hpp"
+#include "runtime/rank/rank_actor.hpp"
 #include "runtime/process/fault_injection.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "actors/bucket_actor.hpp"
@@ -229,7 +229,7 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
   // Parameters are ready per bucket only where the runtime steps them (a DDP bucket's completion
   // is its reduced gradients, announced with the iteration).
   const std::size_t param_buckets = shard ? plan.buckets.size() : 0;
-  return [poke = rank_actor_poke(rank_actor_h), events = subscribers, param_buckets, first_iteration](
+  return [poke = rank_actor_poke(client.actor), events = client.subscribers, param_buckets, first_iteration](
              std::uint32_t b, std::uint64_t count, const BucketFailure& f) {
     if (f)
       events->failed(make_error(f.kind == BucketFailure::timeout    ? errc::timeout

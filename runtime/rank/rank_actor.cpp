@@ -16,7 +16,7 @@
 // worker thread, one rank blocked there would stop every other rank's actors, itself included.
 // And stage 2's backpressure in grad() waits for a bucket buffer; here that wait holds this
 // rank's thread only, while the scheduler keeps running the actors that free the buffer.
-#include "actors/rank_actor.hpp"
+#include "runtime/rank/rank_actor.hpp"
 
 #include <caf/all.hpp>
 
@@ -26,7 +26,7 @@
 #include <optional>
 #include <vector>
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
 
@@ -107,7 +107,7 @@ void fail_waits(self_ptr self, const caf::error& e) {
   st.params.clear();
   for (auto& w : st.all) w.rp.deliver(e);
   st.all.clear();
-  RankActorAccess::impl(*st.rt).subscribers->failed(e);
+  RankActorAccess::impl(*st.rt).client.subscribers->failed(e);
 }
 
 // A message nobody answers failed (a bad grad_ready): the rank fails as a failed collective fails
@@ -131,7 +131,7 @@ void check(self_ptr self) {
       auto rp = st.iteration->rp;
       st.iteration.reset();
       rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
-      I.subscribers->step_done(I.iterations);
+      I.client.subscribers->step_done(I.iterations);
     }
     for (auto it = st.params.begin(); it != st.params.end();) {
       if (I.signal->failure()) I.check_outcome(IterationSignal::Outcome::failed, it->target, it->what);  // throws it
@@ -197,7 +197,7 @@ void await_params(self_ptr self, const std::vector<Param>& ps, std::function<voi
 // Notes this rank's thread: a blocking wait asked from a RankCall would wait for this very actor
 // (Impl::ask refuses it).
 void here(self_ptr self) {
-  RankActorAccess::impl(*self->state.rt).rank_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  RankActorAccess::impl(*self->state.rt).client.thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
 }
 
 // A request answered by its return value: an error goes back to the asker.
@@ -386,8 +386,8 @@ rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
         });
       },
       [=](checkpoint_atom) { return on_checkpoint(self); },
-      [=, &I](subscribe_atom, caf::actor& who, std::uint8_t mask) { I.subscribers->subscribe(std::move(who), mask); },
-      [=, &I](unsubscribe_atom, caf::actor& who) { I.subscribers->unsubscribe(who); },
+      [=, &I](subscribe_atom, caf::actor& who, std::uint8_t mask) { I.client.subscribers->subscribe(std::move(who), mask); },
+      [=, &I](unsubscribe_atom, caf::actor& who) { I.client.subscribers->unsubscribe(who); },
       [=](poke_atom) { check(self); },
       [=](deadline_atom, std::uint64_t id) { on_deadline(self, id); },
   };
@@ -409,7 +409,7 @@ std::function<void()> rank_actor_poke(const rank_api::actor& h) {
   return [h = caf::actor_cast<rank_actor_impl>(h)] { caf::anon_send(h, poke_atom::value); };
 }
 
-rank_api::actor rank_actor_of(Runtime& rt) { return RankActorAccess::impl(rt).rank_actor_h; }
+rank_api::actor rank_actor_of(Runtime& rt) { return RankActorAccess::impl(rt).client.actor; }
 caf::actor_system& actor_system_of(Runtime& rt) { return RankActorAccess::impl(rt).actors->system(); }
 
 }  // namespace shardflow

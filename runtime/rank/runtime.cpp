@@ -3,9 +3,9 @@
 // actors (actors/messages.hpp), which this file only spawns and feeds.
 #include <caf/all.hpp>
 
-#include "actors/rank_actor.hpp"
+#include "runtime/rank/rank_actor.hpp"
 #include "runtime/process/fault_injection.hpp"
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 #include "shardflow/launch.hpp"
 namespace shardflow {
 namespace {
@@ -45,14 +45,14 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   }
   I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
   I.collectives->set_timeline(I.timeline);
-  I.rank_actor_h = spawn_rank_actor(I.actors->system(), *this);
+  I.client.actor = spawn_rank_actor(I.actors->system(), *this);
 }
 
 Runtime::~Runtime() {
   auto& I = *impl_;
   // First, so that nothing runs on the rank actor's thread while the rest goes.
-  stop_rank_actor(I.actors->system(), I.rank_actor_h);
-  I.asker.reset();
+  stop_rank_actor(I.actors->system(), I.client.actor);
+  I.client.release();
   I.saves.finish_writer();
   if (I.prefetching() && !I.failure.failed() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
@@ -281,7 +281,7 @@ void Runtime::finish_backward() {
 }
 
 // Note [The rank actor]
-// Every wait of the blocking API is a request to the rank actor (actors/rank_actor.cpp), asked
+// Every wait of the blocking API is a request to the rank actor (runtime/rank/rank_actor.cpp), asked
 // from a scoped actor on the trainer's thread: the same request a trainer made of actors sends,
 // answered by the same response promise. wait() is split around the completion: begin_wait() hands
 // the pass over, the rank actor holds the promise until the IterationSignal has counted what the
@@ -294,8 +294,8 @@ void Runtime::finish_backward() {
 // the actor it runs in: there each wait blocks on the IterationSignal instead, the same halves
 // around it. Only there.
 void Runtime::wait() {
-  if (impl_->on_rank_thread()) return wait_on_rank_thread();
-  impl_->ask<rank_api::step_done_atom, std::uint64_t>("wait()", rank_api::iteration_atom::value);
+  if (impl_->client.on_rank_thread()) return wait_on_rank_thread();
+  impl_->client.ask<rank_api::step_done_atom, std::uint64_t>("wait()", rank_api::iteration_atom::value);
 }
 
 void Runtime::wait_on_rank_thread() {
@@ -374,7 +374,7 @@ void Runtime::wait_param(Param p) {
   const auto b = param_bucket_to_await(p);
   if (b == ~0u) return;
   auto& I = *impl_;
-  if (!I.on_rank_thread()) return I.ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
+  if (!I.client.on_rank_thread()) return I.client.ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
   const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
   const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.passes_handed, deadline); });
   I.check_outcome(outcome, I.passes_handed, "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
@@ -405,7 +405,7 @@ void Runtime::wait_all_params() {
   I.ensure_finalized();
   I.throw_if_failed();
   if (!I.prefetching()) return;
-  if (!I.on_rank_thread()) return I.ask<rank_api::all_params_atom>("wait_all_params()", rank_api::all_params_atom::value);
+  if (!I.client.on_rank_thread()) return I.client.ask<rank_api::all_params_atom>("wait_all_params()", rank_api::all_params_atom::value);
   I.blocked("wait_all_params", -1, [&] { I.await_iterations(I.passes_handed); });
   if (I.shard) I.shard->join_compute();
 }

@@ -1,7 +1,7 @@
 // One synchronised pass as the trainer's threads drive it: where a gradient goes, the bucket's
 // readiness (Note [One count per bucket]: one message per bucket), backpressure, and waiting for
 // the iteration (or failing it with the first error heard).
-#include "runtime/runtime_impl.hpp"
+#include "runtime/rank/runtime_impl.hpp"
 
 #include "actors/messages.hpp"
 
