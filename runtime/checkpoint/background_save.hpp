@@ -57,4 +57,11 @@ struct SnapshotState {
   bool host_index = false;
 };
 
+// All of the folder's state on a rank. Runtime::Impl holds it through a pointer (`persistence`,
+// made by make_persistence_state), so the rank's floor never includes this header.
+struct PersistenceState {
+  BackgroundSaveState saves;  // Note [Sharded checkpoints]
+  SnapshotState snapshots;    // Note [Snapshots]
+};
+
 }  // namespace shardflow

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/checkpoint/background_save.hpp"
 
 namespace shardflow::ckpt {
 

@@ -208,15 +208,15 @@ std::shared_ptr<Staged> stage_own_slices(RuntimeImpl& I, const std::vector<Slice
   auto staged = std::make_shared<Staged>();
   std::size_t total = 0;
   for (const auto& sl : mine) total += sl.length * (dtype_size(params[sl.param].dtype) + 4 * state_slots_of(I, sl.param).size());
-  if (I.saves.staging_bytes < total) {
-    I.saves.staging.reset();  // before mapping the larger one: never both at once
-    I.saves.staging = staging_memory(total);
-    I.saves.staging_bytes = total;
+  if (I.persistence->saves.staging_bytes < total) {
+    I.persistence->saves.staging.reset();  // before mapping the larger one: never both at once
+    I.persistence->saves.staging = staging_memory(total);
+    I.persistence->saves.staging_bytes = total;
   }
-  staged->bytes = I.saves.staging;
+  staged->bytes = I.persistence->saves.staging;
   if (I.cfg.snapshot.every == 0) {  // saves now and then: the memory goes with this save's writer
-    I.saves.staging.reset();
-    I.saves.staging_bytes = 0;
+    I.persistence->saves.staging.reset();
+    I.persistence->saves.staging_bytes = 0;
   }
   std::size_t used = 0;
   for_each_own_slice(I, mine, [&](std::string name, const char* dtype, std::size_t len, std::size_t bytes, auto fill) {
@@ -252,14 +252,14 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto& I = *impl_;
   if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
   checkpoint_entry(I, *this, "save_sharded_checkpoint");
-  if (I.saves.pending) finish_checkpoint();  // one save in flight at a time
+  if (I.persistence->saves.pending) finish_checkpoint();  // one save in flight at a time
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
   std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
   auto pending = std::make_unique<BackgroundSaveState::Pending>();
   pending->dir = dir;
-  pending->step = I.snapshots.base + I.iterations;
-  const bool mirrored = std::exchange(I.saves.next_mirrored, false), host_index = std::exchange(I.saves.next_host_index, false);
+  pending->step = I.persistence->snapshots.base + I.iterations;
+  const bool mirrored = std::exchange(I.persistence->saves.next_mirrored, false), host_index = std::exchange(I.persistence->saves.next_host_index, false);
   if (I.rank == 0 || host_index) pending->index = sharded_index(I, id);
   const auto mine = owned_slices(I.shard.get(), I.registry.params(), I.rank);
   pending->slices = mine.size();
@@ -277,25 +277,25 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   } else {
     pending->written.store(true, std::memory_order_release);  // nothing in the background
   }
-  I.saves.pending = std::move(pending);
+  I.persistence->saves.pending = std::move(pending);
 }
 
 // A request to the rank actor (Note [The rank actor]), which runs finish_checkpoint() on its thread.
 void Runtime::wait_checkpoint() {
-  if (!impl_->saves.pending) return;
+  if (!impl_->persistence->saves.pending) return;
   if (impl_->client.on_rank_thread()) return finish_checkpoint();  // a RankCall (Note [The rank actor])
   impl_->client.ask<rank_api::checkpoint_done_atom, std::string, std::uint64_t>("wait_checkpoint()", rank_api::checkpoint_atom::value);
 }
 
 void Runtime::finish_checkpoint() {
   auto& I = *impl_;
-  if (!I.saves.pending) return;
-  auto pending = std::move(I.saves.pending);
+  if (!I.persistence->saves.pending) return;
+  auto pending = std::move(I.persistence->saves.pending);
   if (pending->writer.joinable()) pending->writer.join();
   if (!pending->mirrored_marker.empty() && pending->failure.empty() && !await_copy(pending->mirrored_marker, I.cfg.timeouts.collective))
     I.log->warn("snapshot '{}': the copy of rank {}'s file did not reach {} within {} s: this snapshot is whole on this host only, and "
                 "a restart after this host's loss resumes from an older one (or the disk's)",
-                pending->dir, I.rank, I.snapshots.mirror, std::chrono::duration_cast<std::chrono::seconds>(I.cfg.timeouts.collective).count());
+                pending->dir, I.rank, I.persistence->snapshots.mirror, std::chrono::duration_cast<std::chrono::seconds>(I.cfg.timeouts.collective).count());
   finish_sharded_checkpoint(pending->dir, pending->index, pending->failure, pending->slices);
   I.client.subscribers->checkpoint_done(pending->dir, pending->step);
 }
@@ -455,6 +455,12 @@ void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after
     throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());
   }
   I.log->info("sharded checkpoint '{}' loaded ({} optimizer step(s))", index_path, I.shard ? I.shard->steps() : 0);
+}
+
+std::optional<std::pair<std::string, std::uint64_t>> Runtime::Impl::pending_checkpoint() const {
+  const auto& pending = persistence->saves.pending;
+  if (!pending) return std::nullopt;
+  return std::pair{pending->dir, pending->step};
 }
 
 }  // namespace shardflow

@@ -48,6 +48,7 @@
 
 #include "runtime/bootstrap/snapshot_env.hpp"
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/checkpoint/background_save.hpp"
 
 namespace shardflow {
 namespace {
@@ -177,7 +178,7 @@ void Runtime::Impl::adopt_saved_buckets(const std::string& snapshot) {
 }
 
 void Runtime::Impl::check_resumed() const {
-  if (cfg.snapshot.dir.empty() || snapshots.resumed) return;
+  if (cfg.snapshot.dir.empty() || persistence->snapshots.resumed) return;
   throw UsageError("rank " + std::to_string(rank) + ": " + cfg.name_of("snapshot.dir") + " is set, but resumed_step() was not called " +
                    "before the first backward: call it once after configure_optimizer, before the first forward, and start the "
                    "data at the step it returns");
@@ -185,12 +186,12 @@ void Runtime::Impl::check_resumed() const {
 
 std::uint64_t Runtime::resumed_step() {
   auto& I = *impl_;
-  if (I.snapshots.resumed) return I.snapshots.base;
+  if (I.persistence->snapshots.resumed) return I.persistence->snapshots.base;
   I.ensure_finalized();
   I.throw_if_failed();
   if (I.in_pass() || I.iterations > 0)
     throw UsageError("resumed_step() on rank " + std::to_string(I.rank) + " after training started: call it once before the first forward");
-  I.snapshots.resumed = true;
+  I.persistence->snapshots.resumed = true;
   const auto& dir = I.cfg.snapshot.dir;
   if (dir.empty()) return 0;
   if (!I.groups)
@@ -230,14 +231,14 @@ std::uint64_t Runtime::resumed_step() {
   I.control_collective(CollectiveKind::allreduce, missing, 2, "snapshot: every host holds the newest in memory");
   const bool use_memory = words[4] && missing[0] == 0;
   if (use_memory) {
-    I.snapshots.memory_dir = memory;
+    I.persistence->snapshots.memory_dir = memory;
     const auto every = std::uint64_t(I.cfg.snapshot.every);
-    I.snapshots.disk_every = I.cfg.snapshot.disk_every > 0 ? std::uint64_t(I.cfg.snapshot.disk_every) : 10 * every;
+    I.persistence->snapshots.disk_every = I.cfg.snapshot.disk_every > 0 ? std::uint64_t(I.cfg.snapshot.disk_every) : 10 * every;
     // Note [Snapshots on the other host]: the launcher copies this host's files to the other node's memory.
     if (const char* m = std::getenv(snapshot_env::kMirror); m && *m) {
-      I.snapshots.mirror = m;
+      I.persistence->snapshots.mirror = m;
       const char* local = std::getenv("LOCAL_RANK");
-      I.snapshots.host_index = I.rank != 0 && local && std::string(local) == "0";
+      I.persistence->snapshots.host_index = I.rank != 0 && local && std::string(local) == "0";
     }
   }
   if (use_memory && in_memory != 0 && missing[1] > 0 && I.rank == 0)
@@ -246,10 +247,10 @@ std::uint64_t Runtime::resumed_step() {
   const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
   const std::uint64_t step = from_memory ? in_memory : on_disk;
   if (step == 0) return 0;
-  const std::string from = snapshot_dir(from_memory ? I.snapshots.memory_dir : dir, step);
+  const std::string from = snapshot_dir(from_memory ? I.persistence->snapshots.memory_dir : dir, step);
   I.adopt_saved_buckets(from);
   load_checkpoint(from);
-  I.snapshots.base = step;
+  I.persistence->snapshots.base = step;
   I.log->info("resumed from the snapshot of step {} {} ({})", step, from_memory ? "in memory" : "on disk", from);
   return step;
 }
@@ -258,38 +259,38 @@ void Runtime::snapshot_if_due() {
   auto& I = *impl_;
   const auto every = std::uint64_t(I.cfg.snapshot.every);
   if (every == 0) return;
-  const std::uint64_t step = I.snapshots.base + I.iterations;
+  const std::uint64_t step = I.persistence->snapshots.base + I.iterations;
   // Completed as soon as every rank's files are written: while one is pending the ranks agree on
   // that after each iteration (one word), so that completing it never waits for a disk (waiting at
   // the next iteration measured 70 -> 140 ms a step at K = 10 for a 64 MiB model), and a rank lost
   // after that costs at most `every` steps. Only a snapshot still unwritten when the next is due
   // is waited for.
-  if (I.saves.pending && I.snapshots.started > 0) {
+  if (I.persistence->saves.pending && I.persistence->snapshots.started > 0) {
     const bool due = step % every == 0;
     // Across nodes a file counts once the next host holds its copy too (Note [Snapshots on the other host]).
-    const auto& marker = I.saves.pending->mirrored_marker;
+    const auto& marker = I.persistence->saves.pending->mirrored_marker;
     std::error_code ec;
-    float written = I.saves.pending->written.load(std::memory_order_acquire) && (marker.empty() || fs::exists(marker, ec)) ? 1.0f : 0.0f;
+    float written = I.persistence->saves.pending->written.load(std::memory_order_acquire) && (marker.empty() || fs::exists(marker, ec)) ? 1.0f : 0.0f;
     if (!due) I.control_collective(CollectiveKind::allreduce, &written, 1, "snapshot: every rank's files written");
     if (due || written == float(I.world)) {
       finish_checkpoint();
-      I.snapshots.started = 0;
+      I.persistence->snapshots.started = 0;
       // In memory the newest complete one stays (the one written next is the second buffer),
       // pruned on each host by the rank that writes its index there. Complete means every file is
       // on two hosts (Note [Snapshots on the other host]); with more than two nodes no host holds
       // it whole until a restart assembles it. On disk the newest `keep` stay, pruned by rank 0.
-      if (I.rank == 0 || (I.snapshots.started_in_memory && I.snapshots.host_index))
-        prune(I.snapshots.started_in_memory ? I.snapshots.memory_dir : I.cfg.snapshot.dir,
-              I.snapshots.started_in_memory ? 1 : I.cfg.snapshot.keep, *I.log);
+      if (I.rank == 0 || (I.persistence->snapshots.started_in_memory && I.persistence->snapshots.host_index))
+        prune(I.persistence->snapshots.started_in_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir,
+              I.persistence->snapshots.started_in_memory ? 1 : I.cfg.snapshot.keep, *I.log);
     }
   }
   if (step % every != 0) return;
-  const bool to_memory = !I.snapshots.memory_dir.empty() && step % I.snapshots.disk_every != 0;
-  I.saves.next_mirrored = to_memory && !I.snapshots.mirror.empty();
-  I.saves.next_host_index = to_memory && I.snapshots.host_index;
-  save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.snapshots.memory_dir : I.cfg.snapshot.dir, step));
-  I.snapshots.started = step;
-  I.snapshots.started_in_memory = to_memory;
+  const bool to_memory = !I.persistence->snapshots.memory_dir.empty() && step % I.persistence->snapshots.disk_every != 0;
+  I.persistence->saves.next_mirrored = to_memory && !I.persistence->snapshots.mirror.empty();
+  I.persistence->saves.next_host_index = to_memory && I.persistence->snapshots.host_index;
+  save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir, step));
+  I.persistence->snapshots.started = step;
+  I.persistence->snapshots.started_in_memory = to_memory;
 }
 
 }  // namespace shardflow

@@ -14,6 +14,7 @@
 // overlaps the next forward (sending syncs in backward then would only push the forward's first
 // sync further back: measured, 4 ms of idle link per iteration at link/compute 4).
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/overlap/overlap_state.hpp"
 
 #include "runtime/plans/prefetch_model.hpp"
 
@@ -23,40 +24,40 @@ void Runtime::Impl::establish_sync_order() {
   std::vector<std::uint32_t> order;
   std::vector<std::int64_t> asked;
   {
-    std::lock_guard lock(prefetch.mu);
-    prefetch.observing = false;
-    order = prefetch.forward_order;
-    asked = prefetch.asked_us;
+    std::lock_guard lock(overlap->prefetch.mu);
+    overlap->prefetch.observing = false;
+    order = overlap->prefetch.forward_order;
+    asked = overlap->prefetch.asked_us;
   }
   const std::size_t early = choose_early_syncs(order, asked);
   const std::size_t B = plan.buckets.size();
   order = complete_forward_order(std::move(order), B);
   order.push_back(std::uint32_t(early));  // rank 0's choice travels with its order
   control_collective(CollectiveKind::broadcast, order.data(), order.size(), "forward order");
-  prefetch.early = std::min<std::size_t>(order.back(), B);
+  overlap->prefetch.early = std::min<std::size_t>(order.back(), B);
   order.pop_back();
-  prefetch.sync_order = prefetch_sync_order(order, prefetch.early);
-  log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward", prefetch.early, B,
-            B - prefetch.early);
-  prefetch.active = true;
+  overlap->prefetch.sync_order = prefetch_sync_order(order, overlap->prefetch.early);
+  log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward", overlap->prefetch.early, B,
+            B - overlap->prefetch.early);
+  overlap->prefetch.active = true;
   stop_actors();
   spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
 }
 
 void Runtime::Impl::start_observing_forward() {
-  std::lock_guard lock(prefetch.mu);
-  prefetch.observing = true;
-  prefetch.seen.assign(plan.buckets.size(), 0);
-  prefetch.forward_order.clear();
-  prefetch.asked_us.clear();
+  std::lock_guard lock(overlap->prefetch.mu);
+  overlap->prefetch.observing = true;
+  overlap->prefetch.seen.assign(plan.buckets.size(), 0);
+  overlap->prefetch.forward_order.clear();
+  overlap->prefetch.asked_us.clear();
 }
 
 void Runtime::Impl::note_forward_use(std::uint32_t b) {
-  std::lock_guard lock(prefetch.mu);
-  if (!prefetch.observing || prefetch.seen[b]) return;
-  prefetch.seen[b] = 1;
-  prefetch.forward_order.push_back(b);
-  prefetch.asked_us.push_back(Timeline::now());
+  std::lock_guard lock(overlap->prefetch.mu);
+  if (!overlap->prefetch.observing || overlap->prefetch.seen[b]) return;
+  overlap->prefetch.seen[b] = 1;
+  overlap->prefetch.forward_order.push_back(b);
+  overlap->prefetch.asked_us.push_back(Timeline::now());
 }
 
 std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& order, std::vector<std::int64_t> asked) const {
@@ -75,11 +76,17 @@ std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& 
     if (t >= 0) t = st.unblocked(t);
   for (auto& t : asked) t = st.unblocked(t);
   const auto times = observed_prefetch_times(order, asked, ready, bytes, open.reduce_ms, open.sync_ms,
-                                             std::max<std::size_t>(1, lag.lag));
+                                             std::max<std::size_t>(1, overlap->lag.lag));
   const auto choice = best_early_syncs(times);
   log->debug("forward prefetch: replayed iteration {:.3f} ms with {} syncs in backward ({:.3f} ms with none)", choice.iteration_ms,
              choice.early, steady_iteration_ms(times, 0));
   return choice.early;
 }
+
+bool Runtime::Impl::prefetching() const { return overlap->prefetch.active; }
+
+bool Runtime::Impl::observing_forward() const { return overlap->prefetch.observing; }
+
+const std::vector<std::uint32_t>& Runtime::Impl::sync_order() const { return overlap->prefetch.sync_order; }
 
 }  // namespace shardflow

@@ -2,6 +2,7 @@
 // plans/collective_schedule.cpp), from the overlap choices this folder made: the interleave lag and,
 // with forward prefetch, the sync order and how many syncs go inside backward.
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/overlap/overlap_state.hpp"
 
 namespace shardflow {
 
@@ -16,11 +17,11 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   // next bucket's reduction (Note [Forward prefetch]): a reduction never queues behind a step
   // then, and the sync left over for after backward is needed second by forward, which waits
   // for the first.
-  const bool in_forward_order = !prefetch.sync_order.empty();
-  spec.interleave = cfg.zero.overlap == Overlap::interleaved && (!in_forward_order || prefetch.early > 0);
-  spec.lag = in_forward_order ? std::max<std::size_t>(1, lag.lag) : lag.lag;
-  spec.sync_order = prefetch.sync_order;
-  spec.interleaved_syncs = in_forward_order ? prefetch.early : spec.buckets;
+  const bool in_forward_order = !overlap->prefetch.sync_order.empty();
+  spec.interleave = cfg.zero.overlap == Overlap::interleaved && (!in_forward_order || overlap->prefetch.early > 0);
+  spec.lag = in_forward_order ? std::max<std::size_t>(1, overlap->lag.lag) : overlap->lag.lag;
+  spec.sync_order = overlap->prefetch.sync_order;
+  spec.interleaved_syncs = in_forward_order ? overlap->prefetch.early : spec.buckets;
   return collective_order(spec);
 }
 

@@ -2,12 +2,13 @@
 #include "runtime/plans/interleave_lag.hpp"
 
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/overlap/overlap_state.hpp"
 
 namespace shardflow {
 
 void Runtime::Impl::choose_interleave_lag() {
-  if (lag.chosen) return;
-  lag.chosen = true;
+  if (overlap->lag.chosen) return;
+  overlap->lag.chosen = true;
   if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return;
   auto& st = timeline->stats();
   const auto open = st.open_window();
@@ -25,8 +26,8 @@ void Runtime::Impl::choose_interleave_lag() {
   control_collective(CollectiveKind::broadcast, &chosen, 1, "interleave lag");  // rank 0's choice: every rank issues the same order
   log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}", chosen,
             chosen ? " (the step and its hops take longer than the gradients leave between reductions)" : "");
-  if (chosen == lag.lag) return;
-  lag.lag = chosen;
+  if (chosen == overlap->lag.lag) return;
+  overlap->lag.lag = chosen;
   stop_actors();
   spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
 }

@@ -1,6 +1,6 @@
-// The overlap choices' state, one struct per choice, owned by Runtime::Impl and worked on by this
-// folder's files; the core reads the choices only through the named calls declared with them in
-// runtime_impl.hpp (prefetching(), build_schedule(), ...).
+// The overlap choices' state, one struct per choice, held together in OverlapState (below) and
+// worked on by this folder's files; the core reads the choices only through the named calls
+// declared with them in runtime/rank/runtime_impl.hpp (prefetching(), build_schedule(), ...).
 #pragma once
 
 #include <cstdint>
@@ -31,7 +31,7 @@ struct ForwardPrefetchState {
   }
 };
 
-// Note [Choosing the interleave lag] (interleave_lag.cpp): bucket b's sync goes after the reduction
+// Note [Choosing the interleave lag] (lag_choice.cpp): bucket b's sync goes after the reduction
 // of b + lag. Config's, or 0 until chosen after the first iteration.
 struct InterleaveLagState {
   std::size_t lag = 0;
@@ -41,6 +41,14 @@ struct InterleaveLagState {
   InterleaveLagState() = default;
   // A new plan: chosen again after its first iteration, unless the Config fixed it.
   void forget(const Config& cfg) { chosen = cfg.zero.interleave_lag >= 0; }
+};
+
+// All of the folder's state. Runtime::Impl holds it through a pointer (`overlap`, made by
+// make_overlap_state), so the rank's floor never includes this header.
+struct OverlapState {
+  explicit OverlapState(const Config& cfg) : lag(cfg) {}
+  InterleaveLagState lag;         // Note [Choosing the interleave lag]
+  ForwardPrefetchState prefetch;  // Note [Forward prefetch]
 };
 
 }  // namespace shardflow

@@ -328,11 +328,10 @@ using checkpoint_answer = caf::result<rank_api::checkpoint_done_atom, std::strin
 checkpoint_answer on_checkpoint(self_ptr self) {
   return answered<checkpoint_answer>(self, [&] {
     auto& I = RankActorAccess::impl(*self->state.rt);
-    if (!I.saves.pending) return checkpoint_answer(rank_api::checkpoint_done_atom::value, std::string(), std::uint64_t(0));
-    const auto dir = I.saves.pending->dir;
-    const auto step = I.saves.pending->step;
+    const auto pending = I.pending_checkpoint();
+    if (!pending) return checkpoint_answer(rank_api::checkpoint_done_atom::value, std::string(), std::uint64_t(0));
     RankActorAccess::finish_checkpoint(*self->state.rt);
-    return checkpoint_answer(rank_api::checkpoint_done_atom::value, dir, step);
+    return checkpoint_answer(rank_api::checkpoint_done_atom::value, pending->first, pending->second);
   });
 }
 

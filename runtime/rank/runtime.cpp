@@ -23,7 +23,7 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   config.validate();
   auto& I = *impl_;
   I.cfg = config;
-  I.lag = InterleaveLagState(config);
+  I.overlap = Impl::make_overlap_state(config);
   I.comm = std::move(comm);
   I.rank = I.comm->rank();
   I.world = I.comm->world_size();
@@ -53,7 +53,7 @@ Runtime::~Runtime() {
   // First, so that nothing runs on the rank actor's thread while the rest goes.
   stop_rank_actor(I.actors->system(), I.client.actor);
   I.client.release();
-  I.saves.finish_writer();
+  I.finish_background_save();
   if (I.prefetching() && !I.failure.failed() && !I.in_pass()) {
     // The last iteration may still be updating the trainer's parameters: let it land before the
     // trainer frees them.
@@ -336,7 +336,7 @@ void Runtime::end_wait() {
     }
   }
   I.readiness->reset();
-  I.join.recount();
+  I.recount_training_ranks();
   I.phase.store(Impl::Phase::idle, std::memory_order_release);
   std::fill(I.touched.begin(), I.touched.end(), 0);
   const bool prefetch_wanted = I.cfg.zero.forward_prefetch && I.shard;

@@ -4,17 +4,18 @@
 //                                              logs, the sticky failure
 //   PassState       core/pass_state.hpp        the gradient pass in progress and its phase
 //   InstalledPlan   rank/installed_plan.hpp    the buckets, buffers, shard and actors running now
-//   FeatureStates   rank/feature_states.hpp    each feature's own struct
 //   RankClient      rank/rank_client.hpp       the rank actor's handle and the blocking calls' asker
+//   semantics, overlap, persistence            each feature folder's state, through a pointer to a
+//                                              struct only that folder's files open
 // Impl holds them and carries the calls that need several at once; their bodies are spread by
 // topic:
 //   rank/        runtime_plan.cpp (finalize, install and rebuild plans, state migration, the
 //                actors, the control collectives), gradient_pass.cpp (a gradient into its bucket,
 //                backpressure, awaiting iterations), runtime.cpp (the facade)
-//   semantics/   join, static_graph, unused_params, trainable, param_groups, state_sync,
-//                flat_buffers, comm_hook_use
-//   overlap/     forward_prefetch, lag_choice, iteration_schedule
-//   checkpoint/  checkpoint, sharded_checkpoint, snapshots
+//   semantics/   semantics_state, join, static_graph, unused_params, trainable, param_groups,
+//                state_sync, flat_buffers, comm_hook_use
+//   overlap/     overlap_state, forward_prefetch, lag_choice, iteration_schedule
+//   checkpoint/  background_save, checkpoint, sharded_checkpoint, snapshots
 // A feature's file works on its own struct and the other roles; what the core or another feature
 // needs of a feature is one of the named calls declared below under the feature's name.
 #pragma once
@@ -23,18 +24,25 @@
 
 #include <condition_variable>
 #include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
 
 #include "runtime/core/pass_state.hpp"
 #include "runtime/core/rank_context.hpp"
 #include "runtime/plans/collective_schedule.hpp"
-#include "runtime/rank/feature_states.hpp"
 #include "runtime/rank/installed_plan.hpp"
 #include "runtime/rank/rank_client.hpp"
 #include "shardflow/shardflow.hpp"
 
 namespace shardflow {
 
-struct Runtime::Impl : RankContext, PassState, InstalledPlan, FeatureStates {
+// The features' states, opened only by the features' own files (see make_semantics_state below).
+struct SemanticsState;
+struct OverlapState;
+struct PersistenceState;
+
+struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   RankClient client{*this};
 
   // A wait on the runtime that began at t0 and ends now: exposed time (stats) and a span on the
@@ -74,7 +82,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan, FeatureStates {
   void check_settings_used() {
     if (settings_checked.load(std::memory_order_relaxed)) return;
     if (!groups) cfg.check_needs_optimizer();
-    if (!groups && cfg.precision.comm_dtype != DType::f32 && mem->on_gpu() && !hook.hook)
+    if (!groups && cfg.precision.comm_dtype != DType::f32 && mem->on_gpu() && !has_trainer_hook())
       throw UsageError(cfg.name_of("precision.comm_dtype") + " = " + dtype_name(cfg.precision.comm_dtype) +
                        " on GPU buckets needs the runtime's optimizer (configure_optimizer): its fp32 masters cast on the device");
     check_resumed();
@@ -158,9 +166,18 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan, FeatureStates {
   bool adopt_bucket_order(const std::vector<std::uint32_t>& order);
 
   // =============================================================================================
-  // The features: the calls through which the core and the other features reach a feature's state
-  // (FeatureStates). Each is defined in the feature's own file; trainable, flat_buffers and
-  // sharded_checkpoint need none (their work starts from a public call).
+  // The features. Each folder's state is one struct, made and opened only by that folder's files
+  // (the factories below), so this header includes none of them: the rank and the other features
+  // reach a feature through the calls declared under its name, each defined in the feature's own
+  // file. trainable and flat_buffers need none (their work starts from a public call).
+  std::shared_ptr<SemanticsState> semantics = make_semantics_state();  // semantics/semantics_state.hpp
+  std::shared_ptr<OverlapState> overlap;  // overlap/overlap_state.hpp, made with the Config
+  std::shared_ptr<PersistenceState> persistence = make_persistence_state();  // checkpoint/background_save.hpp
+  static std::shared_ptr<SemanticsState> make_semantics_state();            // semantics/semantics_state.cpp
+  static std::shared_ptr<OverlapState> make_overlap_state(const Config& cfg);  // overlap/overlap_state.cpp
+  static std::shared_ptr<PersistenceState> make_persistence_state();        // checkpoint/background_save.cpp
+  // A new set of parameters (finalize): the counts of unused_params and static_graph sized to it.
+  void size_param_counts(std::size_t params);  // semantics/semantics_state.cpp
 
   // ---- semantics/state_sync.cpp: Note [Rank 0's state everywhere] -----------------------------
   // The start-up broadcast of parameters and buffers (in finalize, before the buckets exist), and
@@ -171,21 +188,22 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan, FeatureStates {
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
 
   // ---- semantics/unused_params.cpp: Note [Unused parameters] ----------------------------------
-  bool finds_unused() const { return cfg.buckets.static_graph ? !graph.learnt : cfg.buckets.find_unused_parameters; }
+  bool finds_unused() const;
   void send_used_counts();
   // The counts the shard reads (a parameter no rank used sits the step out); null when not counted.
-  std::shared_ptr<std::vector<float>> used_counts_for_shard() const { return finds_unused() ? unused.used_counts : nullptr; }
+  std::shared_ptr<std::vector<float>> used_counts_for_shard() const;
   // Per parameter, the ranks that used it in the last synchronised iteration (0: unused everywhere).
-  const std::vector<float>& used_counts() const { return *unused.used_counts; }
+  const std::vector<float>& used_counts() const;
 
   // ---- semantics/join.cpp: Note [Uneven inputs] -----------------------------------------------
   void count_training_ranks();
-  bool has_joined() const { return join.joined; }
+  void recount_training_ranks();  // wait(): the next pass counts them again
+  bool has_joined() const;
   // What the bucket actors divide by; null without Config::join.uneven_inputs.
-  std::shared_ptr<std::atomic<float>> join_divisor() const { return cfg.join.uneven_inputs ? join.divisor : nullptr; }
+  std::shared_ptr<std::atomic<float>> join_divisor() const;
 
   // ---- semantics/static_graph.cpp: Note [Static graph] ----------------------------------------
-  bool learning_graph() const { return cfg.buckets.static_graph && !graph.learnt; }
+  bool learning_graph() const;
   std::uint32_t reports_allowed(std::uint32_t p) const;  // in one pass
   void count_report(std::uint32_t p, std::uint32_t reports);  // throws when one too many
   void send_learnt_zeros();    // learnt: the parameters this rank never reports, as zeros, when a pass starts
@@ -204,29 +222,34 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan, FeatureStates {
   // The trainer's hook, or with a 16-bit Config::precision.comm_dtype and no runtime optimizer the
   // matching compress hook (the shard casts itself when there is one). Null: the runtime's own reduction.
   std::shared_ptr<CommHook> effective_hook() const;
+  bool has_trainer_hook() const;  // register_comm_hook ran
 
   // ---- overlap/lag_choice.cpp: Note [Choosing the interleave lag] -------------------------
   void choose_interleave_lag();  // once, after the first iteration of a plan (unless the Config fixed it)
 
   // ---- overlap/forward_prefetch.cpp: Note [Forward prefetch] ----------------------------------
-  bool prefetching() const { return prefetch.active; }
-  bool observing_forward() const { return prefetch.observing; }
+  bool prefetching() const;
+  bool observing_forward() const;
   void start_observing_forward();  // the next forward's first-use order decides the sync order
   void note_forward_use(std::uint32_t bucket);  // wait_param: forward asks for `bucket`
   void establish_sync_order();
   // From when forward first asked for each bucket (wait_param) and this pass's times; rank 0's answer is used.
   std::size_t choose_early_syncs(const std::vector<std::uint32_t>& order, std::vector<std::int64_t> asked) const;
   // The order the shard steps reduced buckets in (Note [Which bucket steps next]): the syncs'.
-  const std::vector<std::uint32_t>& sync_order() const { return prefetch.sync_order; }
+  const std::vector<std::uint32_t>& sync_order() const;
   // A new trainable set: the prefetch order and the interleave lag are measured again.
-  void forget_overlap_choices() {
-    prefetch.forget();
-    lag.forget(cfg);
-  }
+  void forget_overlap_choices();  // overlap/overlap_state.cpp
 
   // ---- overlap/iteration_schedule.cpp: Note [Collective schedule] ---------------------------------------
   // The iteration's collectives in the order every rank issues them, from the overlap choices.
   std::vector<ScheduledCollective> build_schedule() const;
+
+  // ---- checkpoint/sharded_checkpoint.cpp: Note [Sharded checkpoints] --------------------------
+  // The save in flight, if any: its directory and step.
+  std::optional<std::pair<std::string, std::uint64_t>> pending_checkpoint() const;
+  // The runtime ends: a write in flight finishes first (its index is never written without
+  // wait_checkpoint(), so the previous checkpoint stays the one the directory names).
+  void finish_background_save();
 
   // ---- checkpoint/snapshots.cpp: Note [Snapshots] ---------------------------------------------
   // Before the first backward: with snapshots, resumed_step() must have run (UsageError otherwise).

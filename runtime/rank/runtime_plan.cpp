@@ -55,8 +55,7 @@ void Runtime::Impl::ensure_finalized() {
   } catch (const CommError& e) {
     fail(e);
   }
-  unused.reset(n);
-  graph.reset(n);
+  size_param_counts(n);
   marked.reset(new std::atomic<std::uint8_t>[n]);
   for (std::size_t i = 0; i < n; ++i) marked[i].store(0, std::memory_order_relaxed);
   touched.assign(n, 0);

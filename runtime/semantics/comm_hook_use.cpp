@@ -12,6 +12,7 @@
 // ZeRO-2's reduce-scatter keeps its own 16-bit wire (Config::precision.comm_dtype), and a hook
 // beside a 16-bit comm_dtype would compress twice; both are refused. Hooks work on host buckets.
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 
@@ -20,20 +21,20 @@ void Runtime::register_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard lock(I.finalize_mu);
   if (!hook) throw UsageError("register_comm_hook: null hook");
   if (I.finalized.load()) throw UsageError("register_comm_hook('" + hook->name() + "'): register it before training starts (finalize)");
-  if (I.hook.hook) throw UsageError("register_comm_hook('" + hook->name() + "'): '" + I.hook.hook->name() + "' is registered already (one hook per Runtime)");
-  I.hook.hook = std::move(hook);
+  if (I.semantics->hook.hook) throw UsageError("register_comm_hook('" + hook->name() + "'): '" + I.semantics->hook.hook->name() + "' is registered already (one hook per Runtime)");
+  I.semantics->hook.hook = std::move(hook);
 }
 
 std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {
   const bool wire16 = cfg.precision.comm_dtype != DType::f32;
-  if (!hook.hook) {
+  if (!semantics->hook.hook) {
     // On GPU buckets the 16-bit wire is the shard's cast: configure_optimizer usually comes after
     // finalize() (which spawns the first actors), so the missing optimizer is an error at the
     // first backward (check_settings_used), not here.
     if (!wire16 || shard || mem->on_gpu()) return nullptr;
     return cfg.precision.comm_dtype == DType::f16 ? fp16_compress_hook() : bf16_compress_hook();
   }
-  const std::string who = "comm hook '" + hook.hook->name() + "'";
+  const std::string who = "comm hook '" + semantics->hook.hook->name() + "'";
   if (wire16)
     throw UsageError(who + " beside " + cfg.name_of("precision.comm_dtype") + " = " + dtype_name(cfg.precision.comm_dtype) +
                      ": the gradients would be compressed twice; use one of them");
@@ -43,7 +44,9 @@ std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {
     throw UsageError(who + ": ZeRO-2 with the flat partition reduce-scatters its buckets, and hooks replace an all-reduce; use " +
                      cfg.name_of("precision.comm_dtype") + " for a 16-bit wire there, ZeRO-1, or the param or bucket partition");
   if (mem->on_gpu()) throw UsageError(who + ": hooks reduce host buckets; this Runtime's parameters are on " + mem->device.str());
-  return hook.hook;
+  return semantics->hook.hook;
 }
+
+bool Runtime::Impl::has_trainer_hook() const { return semantics->hook.hook != nullptr; }
 
 }  // namespace shardflow

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 
@@ -41,18 +42,18 @@ std::vector<Param> Runtime::register_flat(const FlatBuffers& flat) {
     ParamSpec spec{e.name, e.shape, flat.dtype, flat.device, static_cast<std::byte*>(flat.params) + e.offset * es};
     if (flat.grads) spec.grad = static_cast<std::byte*>(flat.grads) + e.offset * es;
     out.push_back(register_param(std::move(spec)));
-    I.flat.entries.push_back({e.offset, std::size_t(numel(e.shape)), out.back()});
+    I.semantics->flat.entries.push_back({e.offset, std::size_t(numel(e.shape)), out.back()});
   }
-  std::sort(I.flat.entries.begin(), I.flat.entries.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  std::sort(I.semantics->flat.entries.begin(), I.semantics->flat.entries.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
   return out;
 }
 
 void Runtime::grads_ready(std::size_t offset, std::size_t count) {
   auto& I = *impl_;
-  if (I.flat.entries.empty()) throw UsageError("grads_ready: no flat buffer registered (register_flat)");
+  if (I.semantics->flat.entries.empty()) throw UsageError("grads_ready: no flat buffer registered (register_flat)");
   const std::size_t end = offset + count;
   std::vector<Param> ready;
-  for (const auto& e : I.flat.entries) {
+  for (const auto& e : I.semantics->flat.entries) {
     const std::size_t e_end = e.offset + e.numel;
     if (e_end <= offset || e.offset >= end) continue;
     if (e.offset < offset || e_end > end)

@@ -17,20 +17,21 @@
 #include <algorithm>
 
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 
 void Runtime::Impl::count_training_ranks() {
   // Called by every grad_ready: one acquire load once counted. Backward threads that report at
   // the same moment wait for the count (the lock) rather than send their gradients before it.
-  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || join.counted.load(std::memory_order_acquire)) return;
-  std::lock_guard lock(join.count_mu);
-  if (join.counted.load(std::memory_order_relaxed)) return;
-  float training = join.joined ? 0.0f : 1.0f;
+  if (!cfg.join.uneven_inputs || !require_sync.load(std::memory_order_relaxed) || semantics->join.counted.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(semantics->join.count_mu);
+  if (semantics->join.counted.load(std::memory_order_relaxed)) return;
+  float training = semantics->join.joined ? 0.0f : 1.0f;
   control_collective(CollectiveKind::allreduce, &training, 1, "join: ranks still training");
-  join.training_ranks = int(training);
-  join.divisor->store(join.training_ranks > 0 ? 1.0f / float(join.training_ranks) : 0.0f, std::memory_order_release);
-  join.counted.store(true, std::memory_order_release);
+  semantics->join.training_ranks = int(training);
+  semantics->join.divisor->store(semantics->join.training_ranks > 0 ? 1.0f / float(semantics->join.training_ranks) : 0.0f, std::memory_order_release);
+  semantics->join.counted.store(true, std::memory_order_release);
 }
 
 void Runtime::join() {
@@ -41,12 +42,12 @@ void Runtime::join() {
     throw UsageError("join() on rank " + std::to_string(I.rank) + ": set " + I.cfg.name_of("join.uneven_inputs") +
                      " = true, so that every iteration counts the ranks still training");
   I.require_between_iterations("join()", "call it after wait()");
-  I.join.joined = true;
+  I.semantics->join.joined = true;
   const auto joined_at = float(I.iterations);
   for (;;) {
     I.count_training_ranks();
-    if (I.join.training_ranks == 0) {  // every rank has joined: all leave on this count
-      I.join.recount();
+    if (I.semantics->join.training_ranks == 0) {  // every rank has joined: all leave on this count
+      I.semantics->join.recount();
       break;
     }
     zero_grad();  // a shadow iteration: every gradient zero
@@ -63,6 +64,14 @@ void Runtime::join() {
   I.log->info("joined: every rank is out of data after iteration {}", I.iterations);
 }
 
-int Runtime::training_ranks() const { return impl_->cfg.join.uneven_inputs ? impl_->join.training_ranks : impl_->world; }
+int Runtime::training_ranks() const { return impl_->cfg.join.uneven_inputs ? impl_->semantics->join.training_ranks : impl_->world; }
+
+void Runtime::Impl::recount_training_ranks() { semantics->join.recount(); }
+
+bool Runtime::Impl::has_joined() const { return semantics->join.joined; }
+
+std::shared_ptr<std::atomic<float>> Runtime::Impl::join_divisor() const {
+  return cfg.join.uneven_inputs ? semantics->join.divisor : nullptr;
+}
 
 }  // namespace shardflow

@@ -7,6 +7,7 @@
 // the optimizer kind, and SGD momentum appearing where no group had it (or going from every
 // group), which would add or drop a state slot.
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 #include "runtime/zero/optimizer_hyper.hpp"
 
 namespace shardflow {
@@ -34,9 +35,9 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
     }
     og->groups.push_back(oc);
   }
-  I.grouping.explicitly_grouped.assign(I.registry.size(), 0);
+  I.semantics->grouping.explicitly_grouped.assign(I.registry.size(), 0);
   for (std::size_t i = 0; i < I.registry.size(); ++i) {
-    I.grouping.explicitly_grouped[i] = og->group_of[i] != ~0u;
+    I.semantics->grouping.explicitly_grouped[i] = og->group_of[i] != ~0u;
     if (og->group_of[i] == ~0u) og->group_of[i] = 0;
   }
   I.groups = std::move(og);
@@ -109,14 +110,14 @@ std::size_t Runtime::add_param_group(const ParamGroup& g) {
   const auto index = std::uint32_t(next->groups.size());
   for (Param p : g.params) {
     const auto i = I.check_handle(p, "add_param_group");
-    if (I.grouping.explicitly_grouped[i])
+    if (I.semantics->grouping.explicitly_grouped[i])
       throw UsageError("add_param_group: parameter '" + I.name_of(i) + "' is already in group " + std::to_string(next->group_of[i]) +
                        " (a parameter belongs to one group)");
     next->group_of[i] = index;
   }
   next->groups.push_back(g.optimizer);
   I.publish_groups(std::move(next), "add_param_group");
-  for (Param p : g.params) I.grouping.explicitly_grouped[p.index] = 1;
+  for (Param p : g.params) I.semantics->grouping.explicitly_grouped[p.index] = 1;
   return index;
 }
 

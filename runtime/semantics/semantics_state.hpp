@@ -1,7 +1,7 @@
-// The state of each training-semantics feature, one struct per feature, each owned by
-// Runtime::Impl and worked on by its own file in this folder (and, for what the core needs of it,
-// through the named calls declared with it in runtime_impl.hpp). A feature never reads another
-// feature's struct.
+// The state of each training-semantics feature, one struct per feature, held together in
+// SemanticsState (below) and worked on by the feature's own file in this folder; the core reaches
+// a feature only through the named calls declared with it in runtime/rank/runtime_impl.hpp. A
+// feature never reads another feature's struct.
 #pragma once
 
 #include <atomic>
@@ -78,6 +78,20 @@ struct CommHookState {
 // stream when backward ends so that their broadcast reads what backward left.
 struct StateSyncState {
   std::shared_ptr<void> buffers_event;
+};
+
+// All of the folder's state. Runtime::Impl holds it through a pointer (`semantics`, made by
+// make_semantics_state), so the rank's floor never includes this header: only the files of this
+// folder open it, and the rank reaches a feature through the calls runtime_impl.hpp declares.
+struct SemanticsState {
+  StateSyncState state_sync;  // Note [Rank 0's state everywhere]
+  UnusedParamsState unused;   // Note [Unused parameters]
+  JoinState join;             // Note [Uneven inputs]
+  StaticGraphState graph;     // Note [Static graph]
+  TrainableState trainable;   // Note [Changing the trainable set]
+  ParamGroupsState grouping;  // Note [Changing hyper-parameters]
+  FlatBuffersState flat;      // Note [Flat buffers]
+  CommHookState hook;         // Note [Comm hooks]
 };
 
 }  // namespace shardflow

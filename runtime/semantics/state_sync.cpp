@@ -13,6 +13,7 @@
 // final then. wait() returns only after it completed, with forward prefetch too, so the next
 // forward never reads a buffer the link is writing.
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 namespace {
@@ -72,9 +73,9 @@ void Runtime::Impl::send_buffers() {
   // device (an event recorded now, after every kernel of this forward and backward was enqueued).
   void* written = nullptr;
   if (mem->on_gpu()) {
-    if (!state_sync.buffers_event) state_sync.buffers_event = std::shared_ptr<void>(cuda::event_create(mem->device.index), [](void* e) { cuda::event_destroy(cuda::Event(e)); });
-    cuda::event_record(cuda::Event(state_sync.buffers_event.get()), mem->stream);
-    written = state_sync.buffers_event.get();
+    if (!semantics->state_sync.buffers_event) semantics->state_sync.buffers_event = std::shared_ptr<void>(cuda::event_create(mem->device.index), [](void* e) { cuda::event_destroy(cuda::Event(e)); });
+    cuda::event_record(cuda::Event(semantics->state_sync.buffers_event.get()), mem->stream);
+    written = semantics->state_sync.buffers_event.get();
   }
   for (const auto& b : registry.buffers())
     if (b.bytes > 0) {

@@ -12,16 +12,17 @@
 #include <algorithm>
 
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 
 std::uint32_t Runtime::Impl::reports_allowed(std::uint32_t p) const {
   if (!cfg.buckets.static_graph) return 1;
-  return graph.learnt ? graph.expected_reports[p] : 255;  // learning: counted, not yet limited
+  return semantics->graph.learnt ? semantics->graph.expected_reports[p] : 255;  // learning: counted, not yet limited
 }
 
 void Runtime::Impl::count_report(std::uint32_t p, std::uint32_t reports) {
-  if (learning_graph()) graph.last_report[p].store(graph.report_seq.fetch_add(1, std::memory_order_relaxed), std::memory_order_relaxed);
+  if (learning_graph()) semantics->graph.last_report[p].store(semantics->graph.report_seq.fetch_add(1, std::memory_order_relaxed), std::memory_order_relaxed);
   if (reports <= reports_allowed(p)) return;
   if (!cfg.buckets.static_graph)
     throw UsageError("parameter '" + name_of(p) + "' was marked ready twice in iteration " + std::to_string(iterations) + " on rank " +
@@ -29,14 +30,14 @@ void Runtime::Impl::count_report(std::uint32_t p, std::uint32_t reports) {
                      ". Report each gradient once per backward pass; a parameter used several times in forward is reported after its "
                      "gradient is complete (re-entrant backward reports it several times: set Config::buckets.static_graph).");
   throw UsageError("parameter '" + name_of(p) + "' was reported " + std::to_string(reports) + " times in iteration " + std::to_string(iterations) +
-                   " on rank " + std::to_string(rank) + ", but " + std::to_string(graph.expected_reports[p]) +
+                   " on rank " + std::to_string(rank) + ", but " + std::to_string(semantics->graph.expected_reports[p]) +
                    " times in the first one: with Config::buckets.static_graph every iteration must run the same graph");
 }
 
 void Runtime::Impl::send_learnt_zeros() {
-  if (!graph.learnt) return;
+  if (!semantics->graph.learnt) return;
   for (std::uint32_t p = 0; p < registry.size(); ++p)
-    if (registry.params()[p].requires_grad && graph.expected_reports[p] == 0 && !touched[p]) {
+    if (registry.params()[p].requires_grad && semantics->graph.expected_reports[p] == 0 && !touched[p]) {
       order[order_pos.fetch_add(1)] = p;
       send_to_bucket(p, true);
     }
@@ -47,35 +48,37 @@ void Runtime::Impl::finish_learning_pass() {
   for (std::uint32_t p = 0; p < registry.size(); ++p)
     if (marked[p].load(std::memory_order_acquire)) reported.push_back(p);
   // The order gradients were completed in (their last report) is the order the rebuild follows.
-  std::sort(reported.begin(), reported.end(), [&](auto a, auto b) { return graph.last_report[a].load() < graph.last_report[b].load(); });
-  graph.expected_reports.assign(registry.size(), 0);
+  std::sort(reported.begin(), reported.end(), [&](auto a, auto b) { return semantics->graph.last_report[a].load() < semantics->graph.last_report[b].load(); });
+  semantics->graph.expected_reports.assign(registry.size(), 0);
   for (auto p : reported) {
-    graph.expected_reports[p] = std::uint8_t(marked[p].load());
+    semantics->graph.expected_reports[p] = std::uint8_t(marked[p].load());
     order[order_pos.fetch_add(1)] = p;
     send_to_bucket(p, false);
   }
 }
 
 bool Runtime::Impl::learnt_as_unused(std::uint32_t p, std::uint32_t reports) {
-  if (!graph.learnt) return false;
-  if (graph.expected_reports[p] == 0) return true;
-  if (reports > 0 && reports < graph.expected_reports[p])
+  if (!semantics->graph.learnt) return false;
+  if (semantics->graph.expected_reports[p] == 0) return true;
+  if (reports > 0 && reports < semantics->graph.expected_reports[p])
     fail(UsageError("finish_backward: parameter '" + name_of(p) + "' was reported " + std::to_string(reports) + " of the " +
-                    std::to_string(graph.expected_reports[p]) + " times the first iteration did (Config::buckets.static_graph) in iteration " +
+                    std::to_string(semantics->graph.expected_reports[p]) + " times the first iteration did (Config::buckets.static_graph) in iteration " +
                     std::to_string(iterations) + " on rank " + std::to_string(rank)));
   return false;
 }
 
 void Runtime::Impl::fix_unused_in(Shard& next) {
-  if (graph.learnt) next.set_fixed_skip(used_counts());
+  if (semantics->graph.learnt) next.set_fixed_skip(used_counts());
 }
 
 void Runtime::Impl::learn_graph() {
-  graph.learnt = true;
-  graph.last_report.reset();
+  semantics->graph.learnt = true;
+  semantics->graph.last_report.reset();
   std::size_t fixed = 0;
   for (std::uint32_t p = 0; p < registry.size(); ++p) fixed += registry.params()[p].requires_grad && used_counts()[p] == 0.0f;
   log->info("static graph learnt: {} parameter(s) unused on every rank, fixed from now on", fixed);
 }
+
+bool Runtime::Impl::learning_graph() const { return cfg.buckets.static_graph && !semantics->graph.learnt; }
 
 }  // namespace shardflow

@@ -10,6 +10,7 @@
 // would: zero state, its own step count from 0 (Shard::skipped). The forward-prefetch order and
 // the interleave lag, measured on the old buckets, are measured anew.
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 
@@ -22,8 +23,8 @@ void Runtime::set_requires_grad(Param p, bool on) {
     I.registry.set_requires_grad(i, on);
     return;
   }
-  I.trainable.wanted.resize(I.registry.size(), -1);
-  I.trainable.wanted[i] = on ? 1 : 0;
+  I.semantics->trainable.wanted.resize(I.registry.size(), -1);
+  I.semantics->trainable.wanted[i] = on ? 1 : 0;
 }
 
 void Runtime::refresh_trainable() {
@@ -34,12 +35,12 @@ void Runtime::refresh_trainable() {
   wait_all_params();
   const auto& params = I.registry.params();
   std::vector<std::uint32_t> thawed;
-  for (std::uint32_t p = 0; p < I.trainable.wanted.size(); ++p) {
-    if (I.trainable.wanted[p] < 0 || bool(I.trainable.wanted[p]) == params[p].requires_grad) continue;
-    if (I.trainable.wanted[p]) thawed.push_back(p);
-    I.registry.set_requires_grad(p, I.trainable.wanted[p] != 0);
+  for (std::uint32_t p = 0; p < I.semantics->trainable.wanted.size(); ++p) {
+    if (I.semantics->trainable.wanted[p] < 0 || bool(I.semantics->trainable.wanted[p]) == params[p].requires_grad) continue;
+    if (I.semantics->trainable.wanted[p]) thawed.push_back(p);
+    I.registry.set_requires_grad(p, I.semantics->trainable.wanted[p] != 0);
   }
-  I.trainable.wanted.clear();
+  I.semantics->trainable.wanted.clear();
   if (I.registry.trainable() == 0)
     throw UsageError("refresh_trainable() on rank " + std::to_string(I.rank) + ": every parameter is frozen; keep at least one trainable");
   // Every rank must train the same set (the buckets and the collectives follow from it).

@@ -12,11 +12,12 @@
 // syncs of ZeRO then follow all reductions instead of interleaving with them: the price PyTorch's
 // find_unused_parameters also pays, for models whose graph changes between iterations.
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/semantics/semantics_state.hpp"
 
 namespace shardflow {
 
 void Runtime::Impl::send_used_counts() {
-  auto& counts = *unused.used_counts;
+  auto& counts = *semantics->unused.used_counts;
   for (std::size_t p = 0; p < counts.size(); ++p) counts[p] = marked[p].load(std::memory_order_acquire) || touched[p] ? 1.0f : 0.0f;
   CollectiveIssue issue;
   CollectiveOp op;
@@ -25,7 +26,7 @@ void Runtime::Impl::send_used_counts() {
   op.send = op.recv = counts.data();
   op.count = counts.size();
   op.tag = "used counts, iteration " + std::to_string(iterations);
-  op.keep_alive = unused.used_counts;
+  op.keep_alive = semantics->unused.used_counts;
   issue.ops.push_back(std::move(op));
   hand_over(ScheduledCollective::unused, std::move(issue));
 }
@@ -36,10 +37,20 @@ std::vector<Param> Runtime::unused_parameters() const {
     throw UsageError("unused_parameters(): set Config::buckets.find_unused_parameters = true (or static_graph); without it every parameter must get a gradient");
   I.require_between_iterations("unused_parameters()", "the counts are not in yet: ask after wait()");
   std::vector<Param> out;
-  if (!I.unused.used_counts || I.iterations == 0) return out;
-  for (std::uint32_t p = 0; p < I.unused.used_counts->size(); ++p)
-    if ((*I.unused.used_counts)[p] == 0.0f && I.registry.params()[p].requires_grad) out.push_back(Param{p, I.owner});
+  if (!I.semantics->unused.used_counts || I.iterations == 0) return out;
+  for (std::uint32_t p = 0; p < I.semantics->unused.used_counts->size(); ++p)
+    if ((*I.semantics->unused.used_counts)[p] == 0.0f && I.registry.params()[p].requires_grad) out.push_back(Param{p, I.owner});
   return out;
 }
+
+bool Runtime::Impl::finds_unused() const {
+  return cfg.buckets.static_graph ? !semantics->graph.learnt : cfg.buckets.find_unused_parameters;
+}
+
+std::shared_ptr<std::vector<float>> Runtime::Impl::used_counts_for_shard() const {
+  return finds_unused() ? semantics->unused.used_counts : nullptr;
+}
+
+const std::vector<float>& Runtime::Impl::used_counts() const { return *semantics->unused.used_counts; }
 
 }  // namespace shardflow
