@@ -10,8 +10,8 @@
 
 #include "examples/actor_trainer/train.hpp"
 #include "shardflow/actor.hpp"
-#include "tests/launch_helpers.hpp"
-#include "tests/subprocess.hpp"
+#include "tests/support/launch_helpers.hpp"
+#include "tests/support/subprocess.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

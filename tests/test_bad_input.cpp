@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "helpers.hpp"
-#include "subprocess.hpp"
+#include "support/helpers.hpp"
+#include "support/subprocess.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

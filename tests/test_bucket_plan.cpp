@@ -6,7 +6,7 @@
 #include <numeric>
 #include <random>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "runtime/plans/bucket_plan.hpp"
 
 using namespace shardflow;

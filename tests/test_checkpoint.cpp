@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "runtime/checkpoint/safetensors_stream.hpp"
 
 using namespace shardflow;

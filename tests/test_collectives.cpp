@@ -9,7 +9,7 @@
 #include <cstring>
 #include <numeric>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 
 using namespace shardflow;

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -11,7 +11,7 @@
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "kernels/cpu/optim.hpp"
-#include "gpu_suite.hpp"
+#include "support/gpu_suite.hpp"
 #include "kernels/cuda/device.hpp"
 
 #ifdef SHARDFLOW_WITH_CUDA_RUNTIME

@@ -16,10 +16,10 @@
 #include <thread>
 #include <vector>
 
-#include "collective_op.hpp"
+#include "support/collective_op.hpp"
 #include "examples/mlp/train.hpp"
 #include "kernels/cpu/elementwise.hpp"
-#include "gpu_suite.hpp"
+#include "support/gpu_suite.hpp"
 #include "kernels/cuda/device.hpp"
 #include "shardflow/nccl.hpp"
 #include "shardflow/shardflow.hpp"

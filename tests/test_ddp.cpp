@@ -15,7 +15,7 @@
 #include <random>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

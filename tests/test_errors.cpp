@@ -4,7 +4,7 @@
 
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <vector>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

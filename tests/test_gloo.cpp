@@ -5,7 +5,7 @@
 
 #include <numeric>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "shardflow/gloo.hpp"
 #include "shardflow/store.hpp"

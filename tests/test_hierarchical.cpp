@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "examples/mlp/train.hpp"
-#include "forwarding_comm.hpp"
+#include "support/forwarding_comm.hpp"
 #include "runtime/plans/run_plan.hpp"
 #include "shardflow/hierarchical.hpp"
-#include "tests/collective_op.hpp"
+#include "tests/support/collective_op.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
-#include "per_param_optimizer.hpp"
+#include "support/helpers.hpp"
+#include "support/per_param_optimizer.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

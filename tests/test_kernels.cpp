@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "examples/mlp/model.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
 #include "kernels/cpu/linear.hpp"

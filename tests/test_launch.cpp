@@ -14,11 +14,11 @@
 
 #include "examples/mlp/train.hpp"
 #include "kernels/cuda/device.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/safetensors.hpp"
-#include "launch_helpers.hpp"
-#include "subprocess.hpp"
+#include "support/launch_helpers.hpp"
+#include "support/subprocess.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

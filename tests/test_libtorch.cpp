@@ -14,7 +14,7 @@
 #include <doctest/doctest.h>
 
 #include "gpt/model.hpp"  // examples/gpt: the tied-embedding transformer gpt_train trains
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

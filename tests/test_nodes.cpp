@@ -15,15 +15,15 @@
 #include <memory>
 #include <thread>
 
-#include "helpers.hpp"
-#include "launch_helpers.hpp"
-#include "saved_params.hpp"
+#include "support/helpers.hpp"
+#include "support/launch_helpers.hpp"
+#include "support/saved_params.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/safetensors.hpp"
 #include "shardflow/store.hpp"
-#include "subprocess.hpp"
+#include "support/subprocess.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -13,7 +13,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "examples/synthetic/trainer.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "shardflow/sim.hpp"
 
 using namespace shardflow;

@@ -11,7 +11,7 @@
 #include <fstream>
 #include <string>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "runtime/plans/param_list.hpp"
 #include "runtime/plans/run_plan.hpp"
 #include "shardflow/shm.hpp"

@@ -7,7 +7,7 @@
 
 #include <random>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "forwarding_comm.hpp"
-#include "helpers.hpp"
+#include "support/forwarding_comm.hpp"
+#include "support/helpers.hpp"
 #include "runtime/zero/shard_ops.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/shardflow.hpp"

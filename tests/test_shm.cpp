@@ -4,7 +4,7 @@
 // with its own communicator and mapping of the segment; test_launch runs them as processes.
 #include <doctest/doctest.h>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "shardflow/shm.hpp"
 #include "shardflow/store.hpp"
 

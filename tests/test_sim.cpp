@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "shardflow/sim.hpp"
 
 using namespace shardflow;

@@ -6,8 +6,8 @@
 #include <chrono>
 #include <vector>
 
-#include "helpers.hpp"
-#include "per_param_optimizer.hpp"
+#include "support/helpers.hpp"
+#include "support/per_param_optimizer.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

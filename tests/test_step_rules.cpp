@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "examples/mlp/train.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "runtime/checkpoint/safetensors_stream.hpp"
 
 using namespace shardflow;

@@ -18,7 +18,7 @@
 
 #include "bench/proc_memory.hpp"
 #include "runtime/bootstrap/store_protocol.hpp"
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 #include "shardflow/store.hpp"
 
 using namespace shardflow;

@@ -6,7 +6,7 @@
 #include <random>
 #include <thread>
 
-#include "helpers.hpp"
+#include "support/helpers.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

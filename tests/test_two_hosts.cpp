@@ -15,10 +15,10 @@
 #include <optional>
 #include <thread>
 
-#include "launch_helpers.hpp"
-#include "saved_params.hpp"
+#include "support/launch_helpers.hpp"
+#include "support/saved_params.hpp"
 #include "shardflow/safetensors.hpp"
-#include "subprocess.hpp"
+#include "support/subprocess.hpp"
 
 using namespace shardflow;
 using namespace std::chrono_literals;

@@ -10,8 +10,8 @@
 #include <unistd.h>
 #include <vector>
 
-#include "helpers.hpp"
-#include "per_param_optimizer.hpp"
+#include "support/helpers.hpp"
+#include "support/per_param_optimizer.hpp"
 #include "runtime/checkpoint/safetensors_stream.hpp"
 
 using namespace shardflow;

@@ -12,8 +12,8 @@
 #include <random>
 
 #include "examples/mlp/train.hpp"
-#include "forwarding_comm.hpp"
-#include "helpers.hpp"
+#include "support/forwarding_comm.hpp"
+#include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
 
