@@ -427,8 +427,8 @@ void Runtime::load_checkpoint(const std::string& path) {
   checkpoint_entry(I, *this, "load_checkpoint");
   auto ends_with = [&](const char* s) { const std::size_t n = std::strlen(s); return path.size() >= n && path.compare(path.size() - n, n, s) == 0; };
   const bool split = ends_with(".safetensors.index.json");
-  if (std::filesystem::is_directory(path)) return load_sharded_checkpoint(path + "/index.json");
-  if (!split && ends_with(".json")) return load_sharded_checkpoint(path);
+  if (std::filesystem::is_directory(path)) return I.load_sharded_checkpoint(path + "/index.json");
+  if (!split && ends_with(".json")) return I.load_sharded_checkpoint(path);
   const auto file = split ? read_safetensors_split(path) : read_safetensors_index(path);
   const std::string label = "checkpoint '" + path + "'";
   // Each tensor is read front to back (the parameters whole, the state window by window): its

@@ -147,7 +147,7 @@ StateDict Runtime::shard_state_dict() {
 void Runtime::save_sharded_checkpoint(const std::string& dir) {
   // The synchronous save is the background one, waited for: one path to get right.
   save_sharded_checkpoint_async(dir);
-  finish_checkpoint();
+  impl_->finish_checkpoint();
 }
 
 namespace {
@@ -252,7 +252,7 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   auto& I = *impl_;
   if (dir.empty()) throw UsageError("save_sharded_checkpoint: the directory is empty");
   checkpoint_entry(I, *this, "save_sharded_checkpoint");
-  if (I.persistence->saves.pending) finish_checkpoint();  // one save in flight at a time
+  if (I.persistence->saves.pending) I.finish_checkpoint();  // one save in flight at a time
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
   std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
   I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
@@ -283,12 +283,12 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
 // A request to the rank actor (Note [The rank actor]), which runs finish_checkpoint() on its thread.
 void Runtime::wait_checkpoint() {
   if (!impl_->persistence->saves.pending) return;
-  if (impl_->client.on_rank_thread()) return finish_checkpoint();  // a RankCall (Note [The rank actor])
+  if (impl_->client.on_rank_thread()) return impl_->finish_checkpoint();  // a RankCall (Note [The rank actor])
   impl_->client.ask<rank_api::checkpoint_done_atom, std::string, std::uint64_t>("wait_checkpoint()", rank_api::checkpoint_atom::value);
 }
 
-void Runtime::finish_checkpoint() {
-  auto& I = *impl_;
+void Runtime::Impl::finish_checkpoint() {
+  auto& I = *this;
   if (!I.persistence->saves.pending) return;
   auto pending = std::move(I.persistence->saves.pending);
   if (pending->writer.joinable()) pending->writer.join();
@@ -300,8 +300,8 @@ void Runtime::finish_checkpoint() {
   I.client.subscribers->checkpoint_done(pending->dir, pending->step);
 }
 
-void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& written, std::size_t slices) {
-  auto& I = *impl_;
+void Runtime::Impl::finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& written, std::size_t slices) {
+  auto& I = *this;
   float failed = written.empty() ? 0.0f : 1.0f;
   I.control_collective(CollectiveKind::allreduce, &failed, 1, "sharded checkpoint: shards written");
   if (failed > 0)
@@ -338,123 +338,174 @@ void Runtime::finish_sharded_checkpoint(const std::string& dir, const std::strin
   I.log->info("sharded checkpoint written to '{}' ({} slice(s) from this rank)", dir, slices);
 }
 
-void Runtime::load_sharded_checkpoint(const std::string& index_path) {  // after load_checkpoint's checkpoint_entry
-  auto& I = *impl_;
-  const auto& params = I.registry.params();
+namespace {
+
+nlohmann::json read_sharded_index(const std::string& index_path) {
   nlohmann::json j;
-  {
-    std::ifstream in(index_path);
-    if (!in) throw UsageError("checkpoint index '" + index_path + "' cannot be read: " + std::strerror(errno));
-    try {
-      j = nlohmann::json::parse(in);
-      if (j.at("format") != "shardflow-sharded-checkpoint") throw std::runtime_error("its format is not shardflow-sharded-checkpoint");
-    } catch (const std::exception& e) {
-      throw UsageError("checkpoint index '" + index_path + "' is not a shardflow sharded checkpoint index: " + e.what());
+  std::ifstream in(index_path);
+  if (!in) throw UsageError("checkpoint index '" + index_path + "' cannot be read: " + std::strerror(errno));
+  try {
+    j = nlohmann::json::parse(in);
+    if (j.at("format") != "shardflow-sharded-checkpoint") throw std::runtime_error("its format is not shardflow-sharded-checkpoint");
+  } catch (const std::exception& e) {
+    throw UsageError("checkpoint index '" + index_path + "' is not a shardflow sharded checkpoint index: " + e.what());
+  }
+  return j;
+}
+
+// The index's parameters are this run's, by name, shape and dtype; their indices by name.
+std::map<std::string, std::uint32_t> match_index_params(const nlohmann::json& j, const std::vector<ParamSpec>& params, const std::string& index_path) {
+  std::map<std::string, std::uint32_t> by_name;
+  for (std::uint32_t p = 0; p < params.size(); ++p) by_name[params[p].name] = p;
+  std::map<std::string, const nlohmann::json*> saved;
+  for (const auto& p : j.at("params")) saved[p.at("name").get<std::string>()] = &p;
+  for (const auto& p : params) {
+    const auto it = saved.find(p.name);
+    if (it == saved.end())
+      throw UsageError("checkpoint '" + index_path + "' has no parameter '" + p.name + "' (a parameter of this run): a checkpoint of another model?");
+    const auto shape = it->second->at("shape").get<Shape>();
+    const auto dtype = it->second->at("dtype").get<std::string>();
+    if (shape != p.shape || dtype != safetensors_dtype(p.dtype))
+      throw UsageError("checkpoint '" + index_path + "', parameter '" + p.name + "' is " + dtype + " " + shape_str(shape) +
+                       ", this run's " + safetensors_dtype(p.dtype) + " " + shape_str(p.shape));
+  }
+  for (const auto& [name, _] : saved)
+    if (!by_name.count(name))
+      throw UsageError("checkpoint '" + index_path + "' has a parameter '" + name + "' this run does not register: a checkpoint of another model?");
+  return by_name;
+}
+
+// The ranks' files of one sharded checkpoint, each opened at its first use: a whole slice tensor
+// read and its checksum checked.
+class ShardFiles {
+ public:
+  ShardFiles(std::string index_path, std::vector<std::string> files)
+      : index_path_(std::move(index_path)), dir_(fs::path(index_path_).parent_path().string()), files_(std::move(files)) {}
+
+  void read(int r, const std::string& tensor, void* out, std::size_t bytes) {
+    const auto& f = open(r, tensor);
+    const auto e = f.index.tensors.find(tensor);
+    if (e == f.index.tensors.end()) throw UsageError("checkpoint shard '" + f.index.path + "' has no tensor '" + tensor + "'");
+    if (e->second.bytes != bytes)
+      throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "' holds " + std::to_string(e->second.bytes) +
+                       " bytes, the index says " + std::to_string(bytes));
+    f.index.read(tensor, 0, out, bytes);
+    if (!f.crcs.count(tensor) || f.crcs.at(tensor) != crc32_update(0, out, bytes))
+      throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "': checksum mismatch (the file is damaged)");
+  }
+
+ private:
+  struct Open {
+    SafetensorsIndex index;
+    std::map<std::string, std::uint32_t> crcs;
+  };
+  const Open& open(int r, const std::string& tensor) {
+    if (r < 0 || std::size_t(r) >= files_.size() || files_[std::size_t(r)].empty())
+      throw UsageError("checkpoint '" + index_path_ + "' names no file for rank " + std::to_string(r) + " (tensor '" + tensor + "')");
+    auto it = opened_.find(r);
+    if (it == opened_.end()) {
+      Open o{read_safetensors_index(dir_ + "/" + files_[std::size_t(r)]), {}};
+      o.crcs = safetensors_checksums(o.index);
+      if (o.crcs.empty()) throw UsageError("checkpoint shard '" + o.index.path + "' has no checksums in its metadata");
+      it = opened_.emplace(r, std::move(o)).first;
+    }
+    return it->second;
+  }
+  std::string index_path_, dir_;
+  std::vector<std::string> files_;
+  std::map<int, Open> opened_;
+};
+
+struct SlicePos {
+  std::uint32_t param;
+  std::size_t offset, length;
+  int rank;
+};
+SlicePos slice_pos(const nlohmann::json& sl, const std::map<std::string, std::uint32_t>& by_name) {
+  return {by_name.at(sl.at("param").get<std::string>()), sl.at("offset").get<std::size_t>(), sl.at("length").get<std::size_t>(),
+          sl.at("rank").get<int>()};
+}
+
+// Every parameter slice into the trainer's parameters; true when the slices carry optimizer state.
+bool load_param_slices(const nlohmann::json& j, const std::vector<ParamSpec>& params, const std::map<std::string, std::uint32_t>& by_name,
+                       ShardFiles& files, const std::string& index_path) {
+  const Coordinates at(params);
+  bool has_state = false;
+  for (const auto& sl : j.at("slices")) {
+    const auto pos = slice_pos(sl, by_name);
+    if (pos.offset + pos.length > at.size[pos.param])
+      throw UsageError("checkpoint '" + index_path + "': a slice of '" + params[pos.param].name + "' lies outside it");
+    const std::size_t es = dtype_size(params[pos.param].dtype);
+    files.read(pos.rank, slice_name(params[pos.param].name, pos.offset), static_cast<std::byte*>(params[pos.param].data) + pos.offset * es,
+               pos.length * es);
+    has_state |= !sl.at("state").empty();
+  }
+  return has_state;
+}
+
+// Each state slot's slices that overlap rank `rank`'s pieces, read into its shard: saved state as
+// it was, masters from the parameters just loaded when saved without them, a parameter frozen when
+// saved starting afresh.
+void load_owned_state(const nlohmann::json& j, const std::vector<ParamSpec>& params, const std::map<std::string, std::uint32_t>& by_name,
+                      ShardFiles& files, bool has_state, Shard& shard, const OptimizerGroups& groups, const Config& cfg, int rank,
+                      const std::string& index_path) {
+  const Coordinates at(params);
+  // The pieces this rank owns under its own plan, in parameter coordinates: only the slices
+  // that overlap them are read.
+  std::vector<std::pair<std::size_t, std::size_t>> owned;  // [begin, end)
+  for (const auto& sl : owned_slices(&shard, params, shard.shard_plan().sharded ? rank : 0))
+    owned.emplace_back(at.base[sl.param] + sl.offset, at.base[sl.param] + sl.offset + sl.length);
+  auto overlaps = [&](std::size_t b, std::size_t e) {
+    for (const auto& [ob, oe] : owned)
+      if (ob < e && b < oe) return true;
+    return false;
+  };
+  const CheckpointField field = [&](const std::string& key) { return j.contains(key) ? j.at(key).dump() : std::string(); };
+  const auto was_frozen = frozen_names(field, "checkpoint '" + index_path + "'");
+  std::vector<float> values;
+  for (std::size_t s = 0; s < shard.migrate_slots(); ++s) {
+    const bool masters = s == shard.state_slots();
+    if (!has_state && !masters) continue;  // parameters alone: the state starts anew
+    for (const auto& sl : j.at("slices")) {
+      const auto [p, off, len, r] = slice_pos(sl, by_name);
+      const std::size_t begin = at.base[p] + off;
+      if (!overlaps(begin, begin + len)) continue;
+      const auto name = slot_name(params, shard, groups, cfg, p, s);
+      if (name.empty()) continue;
+      values.assign(len, 0.0f);
+      const auto saved_state = sl.at("state").get<std::vector<std::string>>();
+      if (std::find(saved_state.begin(), saved_state.end(), name) != saved_state.end()) {
+        files.read(r, slice_name(state_key(params[p].name, name), off), values.data(), len * 4);
+      } else if (masters) {  // saved without masters: they start from the parameters just loaded
+        kernels::convert_to_f32(params[p].dtype, values.data(), static_cast<const std::byte*>(params[p].data) + off * dtype_size(params[p].dtype), len);
+      } else if (was_frozen.count(params[p].name)) {  // frozen when saved: its state starts afresh (zeros)
+      } else {
+        throw UsageError("checkpoint '" + index_path + "' has no '" + state_key(params[p].name, name) + "' for this run's optimizer (" +
+                         kind_name(groups.groups[groups.group_of[p]].kind) + "): saved with another optimizer?");
+      }
+      shard.import_state(s, begin, values);
     }
   }
-  const std::string dir = fs::path(index_path).parent_path().string();
+  if (has_state) {
+    shard.set_steps(j.at("steps").get<std::int64_t>());
+    restore_counters(shard, params, cfg, was_frozen, field, "checkpoint '" + index_path + "'");
+  }
+}
+
+}  // namespace
+
+void Runtime::Impl::load_sharded_checkpoint(const std::string& index_path) {  // after load_checkpoint's checkpoint_entry
+  const auto j = read_sharded_index(index_path);
   try {
-    std::map<std::string, std::uint32_t> by_name;
-    for (std::uint32_t p = 0; p < params.size(); ++p) by_name[params[p].name] = p;
-    std::map<std::string, const nlohmann::json*> saved;
-    for (const auto& p : j.at("params")) saved[p.at("name").get<std::string>()] = &p;
-    for (const auto& p : params) {
-      const auto it = saved.find(p.name);
-      if (it == saved.end())
-        throw UsageError("checkpoint '" + index_path + "' has no parameter '" + p.name + "' (a parameter of this run): a checkpoint of another model?");
-      const auto shape = it->second->at("shape").get<Shape>();
-      const auto dtype = it->second->at("dtype").get<std::string>();
-      if (shape != p.shape || dtype != safetensors_dtype(p.dtype))
-        throw UsageError("checkpoint '" + index_path + "', parameter '" + p.name + "' is " + dtype + " " + shape_str(shape) +
-                         ", this run's " + safetensors_dtype(p.dtype) + " " + shape_str(p.shape));
-    }
-    for (const auto& [name, _] : saved)
-      if (!by_name.count(name))
-        throw UsageError("checkpoint '" + index_path + "' has a parameter '" + name + "' this run does not register: a checkpoint of another model?");
-    const auto files = j.at("files").get<std::vector<std::string>>();
-    struct Open {
-      SafetensorsIndex index;
-      std::map<std::string, std::uint32_t> crcs;
-    };
-    std::map<int, Open> opened;
-    // Reads a whole slice tensor from rank r's file and checks its checksum.
-    auto read_slice = [&](int r, const std::string& tensor, void* out, std::size_t bytes) {
-      if (r < 0 || std::size_t(r) >= files.size() || files[std::size_t(r)].empty())
-        throw UsageError("checkpoint '" + index_path + "' names no file for rank " + std::to_string(r) + " (tensor '" + tensor + "')");
-      auto it = opened.find(r);
-      if (it == opened.end()) {
-        Open o{read_safetensors_index(dir + "/" + files[std::size_t(r)]), {}};
-        o.crcs = safetensors_checksums(o.index);
-        if (o.crcs.empty()) throw UsageError("checkpoint shard '" + o.index.path + "' has no checksums in its metadata");
-        it = opened.emplace(r, std::move(o)).first;
-      }
-      const auto& f = it->second;
-      const auto e = f.index.tensors.find(tensor);
-      if (e == f.index.tensors.end()) throw UsageError("checkpoint shard '" + f.index.path + "' has no tensor '" + tensor + "'");
-      if (e->second.bytes != bytes)
-        throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "' holds " + std::to_string(e->second.bytes) +
-                         " bytes, the index says " + std::to_string(bytes));
-      f.index.read(tensor, 0, out, bytes);
-      if (!f.crcs.count(tensor) || f.crcs.at(tensor) != crc32_update(0, out, bytes))
-        throw UsageError("checkpoint shard '" + f.index.path + "', tensor '" + tensor + "': checksum mismatch (the file is damaged)");
-    };
-    const Coordinates at(params);
-    bool has_state = false;
-    for (const auto& sl : j.at("slices")) {
-      const auto p = by_name.at(sl.at("param").get<std::string>());
-      const auto off = sl.at("offset").get<std::size_t>(), len = sl.at("length").get<std::size_t>();
-      if (off + len > at.size[p]) throw UsageError("checkpoint '" + index_path + "': a slice of '" + params[p].name + "' lies outside it");
-      const std::size_t es = dtype_size(params[p].dtype);
-      read_slice(sl.at("rank").get<int>(), slice_name(params[p].name, off), static_cast<std::byte*>(params[p].data) + off * es, len * es);
-      has_state |= !sl.at("state").empty();
-    }
-    if (!I.shard) return;
-    // The pieces this rank owns under its own plan, in parameter coordinates: only the slices
-    // that overlap them are read.
-    std::vector<std::pair<std::size_t, std::size_t>> owned;  // [begin, end)
-    for (const auto& sl : owned_slices(I.shard.get(), params, I.shard->shard_plan().sharded ? I.rank : 0))
-      owned.emplace_back(at.base[sl.param] + sl.offset, at.base[sl.param] + sl.offset + sl.length);
-    auto overlaps = [&](std::size_t b, std::size_t e) {
-      for (const auto& [ob, oe] : owned)
-        if (ob < e && b < oe) return true;
-      return false;
-    };
-    const std::size_t slots = I.shard->migrate_slots();
-    const CheckpointField field = [&](const std::string& key) { return j.contains(key) ? j.at(key).dump() : std::string(); };
-    const auto was_frozen = frozen_names(field, "checkpoint '" + index_path + "'");
-    std::vector<float> values;
-    for (std::size_t s = 0; s < slots; ++s) {
-      const bool masters = s == I.shard->state_slots();
-      if (!has_state && !masters) continue;  // parameters alone: the state starts anew
-      for (const auto& sl : j.at("slices")) {
-        const auto p = by_name.at(sl.at("param").get<std::string>());
-        const auto off = sl.at("offset").get<std::size_t>(), len = sl.at("length").get<std::size_t>();
-        const std::size_t begin = at.base[p] + off;
-        if (!overlaps(begin, begin + len)) continue;
-        const auto name = slot_name(params, *I.shard, *I.groups, I.cfg, p, s);
-        if (name.empty()) continue;
-        values.assign(len, 0.0f);
-        const auto saved_state = sl.at("state").get<std::vector<std::string>>();
-        if (std::find(saved_state.begin(), saved_state.end(), name) != saved_state.end()) {
-          read_slice(sl.at("rank").get<int>(), slice_name(state_key(params[p].name, name), off), values.data(), len * 4);
-        } else if (masters) {  // saved without masters: they start from the parameters just loaded
-          kernels::convert_to_f32(params[p].dtype, values.data(), static_cast<const std::byte*>(params[p].data) + off * dtype_size(params[p].dtype), len);
-        } else if (was_frozen.count(params[p].name)) {  // frozen when saved: its state starts afresh (zeros)
-        } else {
-          throw UsageError("checkpoint '" + index_path + "' has no '" + state_key(params[p].name, name) + "' for this run's optimizer (" +
-                           kind_name(I.groups->groups[I.groups->group_of[p]].kind) + "): saved with another optimizer?");
-        }
-        I.shard->import_state(s, begin, values);
-      }
-    }
-    if (has_state) {
-      I.shard->set_steps(j.at("steps").get<std::int64_t>());
-      restore_counters(*I.shard, params, I.cfg, was_frozen, field, "checkpoint '" + index_path + "'");
-    }
+    const auto by_name = match_index_params(j, registry.params(), index_path);
+    ShardFiles files(index_path, j.at("files").get<std::vector<std::string>>());
+    const bool has_state = load_param_slices(j, registry.params(), by_name, files, index_path);
+    if (!shard) return;
+    load_owned_state(j, registry.params(), by_name, files, has_state, *shard, *groups, cfg, rank, index_path);
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint index '" + index_path + "' is malformed: " + e.what());
   }
-  I.log->info("sharded checkpoint '{}' loaded ({} optimizer step(s))", index_path, I.shard ? I.shard->steps() : 0);
+  log->info("sharded checkpoint '{}' loaded ({} optimizer step(s))", index_path, shard ? shard->steps() : 0);
 }
 
 std::optional<std::pair<std::string, std::uint64_t>> Runtime::Impl::pending_checkpoint() const {

@@ -255,8 +255,8 @@ std::uint64_t Runtime::resumed_step() {
   return step;
 }
 
-void Runtime::snapshot_if_due() {
-  auto& I = *impl_;
+void Runtime::Impl::snapshot_if_due() {
+  auto& I = *this;
   const auto every = std::uint64_t(I.cfg.snapshot.every);
   if (every == 0) return;
   const std::uint64_t step = I.persistence->snapshots.base + I.iterations;
@@ -288,7 +288,7 @@ void Runtime::snapshot_if_due() {
   const bool to_memory = !I.persistence->snapshots.memory_dir.empty() && step % I.persistence->snapshots.disk_every != 0;
   I.persistence->saves.next_mirrored = to_memory && !I.persistence->snapshots.mirror.empty();
   I.persistence->saves.next_host_index = to_memory && I.persistence->snapshots.host_index;
-  save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir, step));
+  facade->save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir, step));
   I.persistence->snapshots.started = step;
   I.persistence->snapshots.started_in_memory = to_memory;
 }

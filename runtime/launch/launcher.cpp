@@ -67,33 +67,54 @@ class Supervisor {
     for (int k = 0; k < spec_.nnodes; ++k) members_.push_back(k);
     std::string token = spec_.token;
     if (token.empty()) token = random_token();
-    // Signals arrive through a descriptor, in the same poll loop as the ranks' output. Blocked
-    // before the store's thread exists, so that it inherits the mask and never takes them.
+    const sigset_t old = take_signals();
+    probe_blas();
+    const bool one_node = spec_.nnodes == 1;
+    socket_ = socket_choice();
+    // Resolved before anything starts: a bad --iface is an error now, not in every rank later.
+    const net::LocalAddress local = net::choose_local_address(socket_, spec_.master_addr, one_node);
+    const int port = serve_store(token, one_node);
+    if (!one_node)
+      if (const auto stopped = join_nodes(local, port, token)) return *stopped;
+    // Memory for the ranks' snapshots (Note [Snapshots in memory]); across nodes each host keeps
+    // the copies of the node before it in the ring too (Note [Snapshots on the other host]).
+    snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
+    if (!one_node) offer_mirrored_memory(local.address, token);
+    run_generations(port, token, old);
+    return finish();
+  }
+
+ private:
+  // Signals arrive through a descriptor, in the same poll loop as the ranks' output. Blocked
+  // before the store's thread exists, so that it inherits the mask and never takes them. Returns
+  // the mask as it was, for the ranks.
+  sigset_t take_signals() {
     sigset_t mask, old;
     sigemptyset(&mask);
     for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&mask, s);
     pthread_sigmask(SIG_BLOCK, &mask, &old);
     sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd_ < 0) throw Error("signalfd: " + std::string(std::strerror(errno)));
-    // Note [OpenBLAS on CPUs it does not know]: a child of this command probes OpenBLAS (the
-    // launcher itself loads no BLAS: Note [Launcher supervision]). Where OpenBLAS fell back to a
-    // pre-AVX kernel, the child's choice reaches the ranks as OPENBLAS_CORETYPE, before their
-    // torch or shardflow loads it; a kernel whose bits depend on the thread count is said once,
-    // with the setting that fixes it.
-    {
-      std::vector<std::pair<std::string, std::string>> blas_env;
-      const auto probe = kernels::blas::probe_in_child("/proc/self/exe", "__blas-probe", &blas_env);
-      for (const auto& [name, value] : blas_env) ::setenv(name.c_str(), value.c_str(), 1);
-      if (probe.ran && !(probe.thread_invariant && probe.repeatable)) say(probe.line());
-    }
+    return old;
+  }
 
-    const bool one_node = spec_.nnodes == 1;
-    socket_ = socket_choice();
-    // Resolved before anything starts: a bad --iface is an error now, not in every rank later.
-    const net::LocalAddress local = net::choose_local_address(socket_, spec_.master_addr, one_node);
+  // Note [OpenBLAS on CPUs it does not know]: a child of this command probes OpenBLAS (the
+  // launcher itself loads no BLAS: Note [Launcher supervision]). Where OpenBLAS fell back to a
+  // pre-AVX kernel, the child's choice reaches the ranks as OPENBLAS_CORETYPE, before their
+  // torch or shardflow loads it; a kernel whose bits depend on the thread count is said once,
+  // with the setting that fixes it.
+  void probe_blas() {
+    std::vector<std::pair<std::string, std::string>> blas_env;
+    const auto probe = kernels::blas::probe_in_child("/proc/self/exe", "__blas-probe", &blas_env);
+    for (const auto& [name, value] : blas_env) ::setenv(name.c_str(), value.c_str(), 1);
+    if (probe.ran && !(probe.thread_invariant && probe.repeatable)) say(probe.line());
+  }
+
+  // Node 0 serves the store; returns the port the ranks reach it on. Where this node's launcher
+  // and ranks reach the store: on node 0 the address it is bound to (loopback for a one-node job,
+  // whatever --master-addr says), elsewhere the master address.
+  int serve_store(const std::string& token, bool one_node) {
     int port = spec_.master_port;
-    // Where this node's launcher and ranks reach the store: on node 0 the address it is bound to
-    // (loopback for a one-node job, whatever --master-addr says), elsewhere the master address.
     store_at_ = net::resolve_ipv4(spec_.master_addr);
     if (spec_.node_rank == 0) {
       StoreServerOptions so;
@@ -104,43 +125,47 @@ class Supervisor {
       port = store_->port();
       store_at_ = so.host;
     }
-    if (!one_node) {
-      NodeWatchOptions wo;
-      wo.nnodes = spec_.nnodes;
-      wo.node_rank = spec_.node_rank;
-      wo.nproc_per_node = spec_.nproc_per_node;
-      wo.store_host = store_at_;
-      wo.store_port = std::uint16_t(port);
-      wo.token = token;
-      wo.local_address = local.address;
-      wo.rdzv_timeout = spec_.rdzv_timeout;
-      wo.heartbeat_interval = spec_.heartbeat_interval;
-      wo.heartbeat_timeout = spec_.heartbeat_timeout;
-      wo.min_nnodes = spec_.min_nnodes;
-      wo.rejoin_timeout = spec_.rejoin_timeout;
-      wo.say = [](const std::string& line) { say(line); };
-      say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
-          local.address + " (" + local.why + "), waiting for the other nodes at " + store_at_ + ":" + std::to_string(port));
-      try {
-        watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
-      } catch (const Error&) {
-        if (!interrupted_) throw;
-        say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)) + " during the rendezvous; no rank was started");
-        return 128 + interrupted_;
-      }
-      if (const int g = watch_->joined_at(); g > 0) {  // Note [Rejoining]
-        restart_ = g;
-        members_ = watch_->members();
-        say("node " + std::to_string(spec_.node_rank) + " rejoins the job at its restart " + std::to_string(g) + ": " +
-            std::to_string(members_.size()) + " node(s), world " + std::to_string(int(members_.size()) * spec_.nproc_per_node));
-      }
-      watch_->start();
-    }
+    return port;
+  }
 
-    // Memory for the ranks' snapshots (Note [Snapshots in memory]); across nodes each host keeps
-    // the copies of the node before it in the ring too (Note [Snapshots on the other host]).
-    snapshot_memory_ = std::make_unique<SnapshotMemory>(::getpid());
-    if (!one_node) offer_mirrored_memory(local.address, token);
+  // The rendezvous of the nodes' launchers, and their watch from then on. An exit status when a
+  // signal stopped it before any rank started.
+  std::optional<int> join_nodes(const net::LocalAddress& local, int port, const std::string& token) {
+    NodeWatchOptions wo;
+    wo.nnodes = spec_.nnodes;
+    wo.node_rank = spec_.node_rank;
+    wo.nproc_per_node = spec_.nproc_per_node;
+    wo.store_host = store_at_;
+    wo.store_port = std::uint16_t(port);
+    wo.token = token;
+    wo.local_address = local.address;
+    wo.rdzv_timeout = spec_.rdzv_timeout;
+    wo.heartbeat_interval = spec_.heartbeat_interval;
+    wo.heartbeat_timeout = spec_.heartbeat_timeout;
+    wo.min_nnodes = spec_.min_nnodes;
+    wo.rejoin_timeout = spec_.rejoin_timeout;
+    wo.say = [](const std::string& line) { say(line); };
+    say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
+        local.address + " (" + local.why + "), waiting for the other nodes at " + store_at_ + ":" + std::to_string(port));
+    try {
+      watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
+    } catch (const Error&) {
+      if (!interrupted_) throw;
+      say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)) + " during the rendezvous; no rank was started");
+      return 128 + interrupted_;
+    }
+    if (const int g = watch_->joined_at(); g > 0) {  // Note [Rejoining]
+      restart_ = g;
+      members_ = watch_->members();
+      say("node " + std::to_string(spec_.node_rank) + " rejoins the job at its restart " + std::to_string(g) + ": " +
+          std::to_string(members_.size()) + " node(s), world " + std::to_string(int(members_.size()) * spec_.nproc_per_node));
+    }
+    watch_->start();
+    return std::nullopt;
+  }
+
+  // This node's ranks, generation after generation, until the job ends or no restart is wanted.
+  void run_generations(int port, const std::string& token, const sigset_t& old) {
     std::vector<int> before = members_;  // the nodes of the generation before (a joiner's: the others)
     if (restart_ > 0) before.erase(std::remove(before.begin(), before.end(), spec_.node_rank), before.end());
     for (;;) {
@@ -161,13 +186,11 @@ class Supervisor {
           std::to_string(port) + (spec_.node_rank == 0 ? " (served here)" : "") +
           (restart_ ? "; restart " + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) : ""));
       supervise();
-      if (!restart_wanted()) break;
+      if (!restart_wanted()) return;
       next_generation();
     }
-    return finish();
   }
 
- private:
   // Flags first, then the environment (Note [Choosing the socket address]).
   net::SocketChoice socket_choice() const {
     if (!spec_.local_addr.empty()) return {spec_.local_addr, "", "--local-addr"};

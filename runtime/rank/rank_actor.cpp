@@ -32,10 +32,6 @@ namespace shardflow {
 
 struct RankActorAccess {
   static Runtime::Impl& impl(Runtime& rt) { return *rt.impl_; }
-  static bool begin_wait(Runtime& rt) { return rt.begin_wait(); }
-  static void end_wait(Runtime& rt) { rt.end_wait(); }
-  static std::uint32_t param_bucket_to_await(Runtime& rt, Param p) { return rt.param_bucket_to_await(p); }
-  static void finish_checkpoint(Runtime& rt) { rt.finish_checkpoint(); }
 };
 
 namespace {
@@ -127,7 +123,7 @@ void check(self_ptr self) {
   try {
     if (st.iteration && I.pass_complete(I.passes_handed, I.wait_prefetching)) {
       I.blocked_since("wait (iteration)", -1, st.iteration->t0);
-      RankActorAccess::end_wait(rt);  // a failure here is the waiting request's (still pending)
+      RankActorAccess::impl(rt).end_wait();  // a failure here is the waiting request's (still pending)
       auto rp = st.iteration->rp;
       st.iteration.reset();
       rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
@@ -180,7 +176,7 @@ void await_params(self_ptr self, const std::vector<Param>& ps, std::function<voi
   std::vector<std::uint32_t> buckets;
   std::string what;
   for (const auto p : ps) {
-    const auto b = RankActorAccess::param_bucket_to_await(*st.rt, p);
+    const auto b = RankActorAccess::impl(*st.rt).param_bucket_to_await(p);
     if (b == ~0u || std::find(buckets.begin(), buckets.end(), b) != buckets.end()) continue;
     if (buckets.empty()) what = "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")";
     buckets.push_back(b);
@@ -260,7 +256,7 @@ promise_of<rank_api::step_done_atom, std::uint64_t> on_iteration(self_ptr self) 
   }
   const auto t0 = Timeline::now();
   try {
-    if (!RankActorAccess::begin_wait(*st.rt)) {  // accumulation: nothing went out
+    if (!RankActorAccess::impl(*st.rt).begin_wait()) {  // accumulation: nothing went out
       rp.deliver(rank_api::step_done_atom::value, std::uint64_t(I.iterations));
       return rp;
     }
@@ -330,7 +326,7 @@ checkpoint_answer on_checkpoint(self_ptr self) {
     auto& I = RankActorAccess::impl(*self->state.rt);
     const auto pending = I.pending_checkpoint();
     if (!pending) return checkpoint_answer(rank_api::checkpoint_done_atom::value, std::string(), std::uint64_t(0));
-    RankActorAccess::finish_checkpoint(*self->state.rt);
+    I.finish_checkpoint();
     return checkpoint_answer(rank_api::checkpoint_done_atom::value, pending->first, pending->second);
   });
 }

@@ -43,6 +43,7 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
     }
     trace_file = resolve_trace_path(config.trace.path, I.rank, own_process);
   }
+  I.facade = this;
   I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
   I.collectives->set_timeline(I.timeline);
   I.client.actor = spawn_rank_actor(I.actors->system(), *this);
@@ -294,12 +295,12 @@ void Runtime::finish_backward() {
 // the actor it runs in: there each wait blocks on the IterationSignal instead, the same halves
 // around it. Only there.
 void Runtime::wait() {
-  if (impl_->client.on_rank_thread()) return wait_on_rank_thread();
+  if (impl_->client.on_rank_thread()) return impl_->wait_on_rank_thread();
   impl_->client.ask<rank_api::step_done_atom, std::uint64_t>("wait()", rank_api::iteration_atom::value);
 }
 
-void Runtime::wait_on_rank_thread() {
-  auto& I = *impl_;
+void Runtime::Impl::wait_on_rank_thread() {
+  auto& I = *this;
   const auto t0 = Timeline::now();
   if (!begin_wait()) return;
   I.await_iterations(I.wait_prefetching ? I.passes_handed - 1 : I.passes_handed);
@@ -308,11 +309,11 @@ void Runtime::wait_on_rank_thread() {
   end_wait();
 }
 
-bool Runtime::begin_wait() {
-  auto& I = *impl_;
+bool Runtime::Impl::begin_wait() {
+  auto& I = *this;
   I.ensure_finalized();
   I.throw_if_failed();
-  finish_backward();
+  facade->finish_backward();
   if (!I.require_sync.load()) return false;  // an accumulation pass: nothing went out
   ++I.passes_handed;
   // Prefetching, only the previous iteration must be complete (forward waited for its buckets);
@@ -323,8 +324,8 @@ bool Runtime::begin_wait() {
   return true;
 }
 
-void Runtime::end_wait() {
-  auto& I = *impl_;
+void Runtime::Impl::end_wait() {
+  auto& I = *this;
   const bool prefetching = I.wait_prefetching;
   // GPU shards: what comes next on the compute stream (forward, zero_grad) follows the updates.
   if (I.shard && !prefetching) I.shard->join_compute();
@@ -371,7 +372,7 @@ void Runtime::end_wait() {
 
 void Runtime::wait_param(Param p) {
   // Most parameters are ready when forward reaches them: no message for those.
-  const auto b = param_bucket_to_await(p);
+  const auto b = impl_->param_bucket_to_await(p);
   if (b == ~0u) return;
   auto& I = *impl_;
   if (!I.client.on_rank_thread()) return I.client.ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
@@ -383,12 +384,12 @@ void Runtime::wait_param(Param p) {
 
 bool Runtime::params_ready(const std::vector<Param>& ps) {
   bool all = true;
-  for (const Param p : ps) all = (param_bucket_to_await(p) == ~0u) && all;  // every use noted, in order
+  for (const Param p : ps) all = (impl_->param_bucket_to_await(p) == ~0u) && all;  // every use noted, in order
   return all;
 }
 
-std::uint32_t Runtime::param_bucket_to_await(Param p) {
-  auto& I = *impl_;
+std::uint32_t Runtime::Impl::param_bucket_to_await(Param p) {
+  auto& I = *this;
   I.ensure_finalized();
   I.throw_if_failed();
   const auto b = I.plan.where[I.check_handle(p, "wait_param")].bucket;

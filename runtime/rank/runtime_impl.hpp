@@ -20,8 +20,6 @@
 // needs of a feature is one of the named calls declared below under the feature's name.
 #pragma once
 
-#include <caf/all.hpp>
-
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -44,6 +42,13 @@ struct PersistenceState;
 
 struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   RankClient client{*this};
+  Runtime* facade = nullptr;  // the Runtime holding this: what the rank actor's halves call back into
+
+  // ---- The halves of the waits (Note [The rank actor]): the rank actor runs them ---------------
+  bool begin_wait();  // the pass handed over; false for an accumulation pass (nothing to await)
+  void end_wait();    // after the completion: the bookkeeping before the next iteration
+  void wait_on_rank_thread();  // wait() on the rank actor's own thread (a RankCall), which may block
+  std::uint32_t param_bucket_to_await(Param p);  // ~0u: p holds its update (forward's use noted)
 
   // A wait on the runtime that began at t0 and ends now: exposed time (stats) and a span on the
   // compute lane (nothing when it did not block).
@@ -245,6 +250,9 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   std::vector<ScheduledCollective> build_schedule() const;
 
   // ---- checkpoint/sharded_checkpoint.cpp: Note [Sharded checkpoints] --------------------------
+  void finish_checkpoint();  // the pending background save onto disk (wait_checkpoint's work)
+  void finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& failure, std::size_t slices);
+  void load_sharded_checkpoint(const std::string& index_path);  // load_checkpoint's, for an index
   // The save in flight, if any: its directory and step.
   std::optional<std::pair<std::string, std::uint64_t>> pending_checkpoint() const;
   // The runtime ends: a write in flight finishes first (its index is never written without
@@ -252,6 +260,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   void finish_background_save();
 
   // ---- checkpoint/snapshots.cpp: Note [Snapshots] ---------------------------------------------
+  void snapshot_if_due();  // at the end of a synchronised iteration
   // Before the first backward: with snapshots, resumed_step() must have run (UsageError otherwise).
   void check_resumed() const;
   // Before loading a snapshot: its saved run's buckets, through adopt_bucket_order.

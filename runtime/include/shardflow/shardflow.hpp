@@ -218,17 +218,9 @@ class Runtime {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  // The rank actor (runtime/rank/rank_actor.cpp) runs the halves of the waits around the completions it
-  // is told of (Note [The rank actor]); these are its way in, and the checkpoint files'.
+  // The rank actor (runtime/rank/rank_actor.cpp) runs the halves of the waits around the
+  // completions it is told of (Note [The rank actor]) through Impl: this is its way in.
   friend struct RankActorAccess;
-  bool begin_wait();  // the pass handed over; false for an accumulation pass (nothing to await)
-  void end_wait();    // after the completion: the bookkeeping before the next iteration
-  std::uint32_t param_bucket_to_await(Param p);  // ~0u: p holds its update (forward's use noted)
-  void finish_checkpoint();  // the pending background save onto disk (wait_checkpoint's work)
-  void wait_on_rank_thread();          // wait() on the rank actor's own thread (a RankCall), which may block
-  void load_sharded_checkpoint(const std::string& index_path);
-  void finish_sharded_checkpoint(const std::string& dir, const std::string& index, const std::string& failure, std::size_t slices);
-  void snapshot_if_due();  // at the end of a synchronised iteration (Note [Snapshots])
 };
 
 }  // namespace shardflow
