@@ -282,6 +282,19 @@ TEST_CASE("launch environment: torchrun, Slurm and Open MPI variables; malformed
     CHECK(e.store_port == 29501);
     CHECK(e.token == "torchrun-abc");
   }
+  SUBCASE("torchrun --standalone: an agent port in the ephemeral range puts the store below that range, the same for every rank of the run") {
+    long first_ephemeral = 32768;
+    std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> first_ephemeral;
+    auto standalone = [&](const char* rank, const char* run_id) {
+      return detect({{"RANK", rank}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(first_ephemeral + 100)},
+                     {"TORCHELASTIC_RUN_ID", run_id}});
+    };
+    const auto r0 = standalone("0", "run-one"), r1 = standalone("1", "run-one"), other = standalone("0", "run-two");
+    CHECK(r0.store_port >= 20000);
+    CHECK(r0.store_port < first_ephemeral);
+    CHECK(r1.store_port == r0.store_port);
+    CHECK(other.store_port != r0.store_port);
+  }
   SUBCASE("the worker group's generation: shardflow run's SHARDFLOW_RESTART_COUNT, else torchrun's; malformed named") {
     std::map<std::string, std::string> base{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
     CHECK(detect(base).restart_count == 0);

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <charconv>
 #include <limits>
+#include <cstdint>
 #include <cstdlib>
+#include <fstream>
 
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
@@ -58,6 +60,28 @@ int leading_count(const std::string& s) {
 
 constexpr long kMaxWorld = 1 << 20;
 
+// Note [The store beside torchrun's agent]
+// torchrun's agent listens on MASTER_PORT, so the store takes MASTER_PORT + 1: 29501 where users
+// set 29500. torchrun --standalone picks MASTER_PORT from the kernel's ephemeral range itself, and
+// in that range MASTER_PORT + 1 may be any process's outgoing connection at that moment (a suite
+// failed with "Address already in use" beside parallel ones). There the store takes a port below
+// the range instead, derived from the run id, which every rank of the job shares.
+long first_ephemeral_port() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  long first = 32768;  // Linux's default
+  in >> first;
+  return first;
+}
+
+long store_port_beside_agent(long master_port, const std::string& run_id) {
+  constexpr long kLow = 20000;
+  const long first_ephemeral = first_ephemeral_port();
+  if (master_port + 1 < first_ephemeral || run_id.empty() || first_ephemeral <= kLow + 1000) return master_port + 1;
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a: the same in every rank, whatever its language
+  for (const unsigned char c : run_id) h = (h ^ c) * 1099511628211ull;
+  return kLow + long(h % std::uint64_t(first_ephemeral - kLow));
+}
+
 }  // namespace
 
 LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& getenv) {
@@ -76,8 +100,9 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
     e.local_rank = int(env.integer("LOCAL_RANK", e.rank, 0, kMaxWorld));
     e.local_world_size = int(env.integer("LOCAL_WORLD_SIZE", e.world_size, 1, kMaxWorld));
     port = env.integer("MASTER_PORT", port, 1, 65535);
-    // torchrun's agent serves its own store on MASTER_PORT (Note [Who runs the store]).
-    if (e.source == "torchrun") ++port;
+    // torchrun's agent serves its own store on MASTER_PORT (Note [Who runs the store], Note [The
+    // store beside torchrun's agent]).
+    if (e.source == "torchrun") port = store_port_beside_agent(port, env.str("TORCHELASTIC_RUN_ID", ""));
     e.token = env.str("SHARDFLOW_STORE_TOKEN", "torchrun-" + env.str("TORCHELASTIC_RUN_ID", std::to_string(port)));
   } else if (env.has("OMPI_COMM_WORLD_RANK")) {
     e.source = "openmpi";

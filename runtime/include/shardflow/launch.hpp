@@ -9,8 +9,9 @@
 // run` the launcher of node 0 serves it (SHARDFLOW_STORE_HOSTED=1) with a fresh per-job token in
 // SHARDFLOW_STORE_TOKEN. Under srun, mpirun or torchrun rank 0 serves it; the token is
 // SHARDFLOW_STORE_TOKEN when set, else derived from the scheduler's job id. torchrun's own agent
-// already listens on MASTER_PORT, so there the store takes MASTER_PORT + 1. SHARDFLOW_STORE_PORT
-// overrides the port in every case.
+// already listens on MASTER_PORT, so there the store takes MASTER_PORT + 1, or, where that lies in
+// the kernel's ephemeral range (torchrun --standalone), a port below it derived from the run id
+// (Note [The store beside torchrun's agent]). SHARDFLOW_STORE_PORT overrides the port in every case.
 #pragma once
 
 #include <chrono>
