@@ -412,6 +412,43 @@ TEST_CASE("shardflow plan: the JSON form, the bytes between hosts (--hosts), and
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("shardflow plan --timings: the shortest iteration any schedule could reach, in words and in JSON; a timing file that does not fit is named") {
+  const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_timings_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  // Two layers of 64 x 64: 16 KiB each, one bucket each at a 16 KiB cap.
+  std::ofstream(dir / "m.json") << R"([{"name": "w0", "shape": [64, 64]}, {"name": "w1", "shape": [64, 64]}])";
+  // 16 KiB at 0.016384 GB/s: 1 ms per whole bucket, 0.5 ms for half of it (world 2), no latency.
+  std::ofstream(dir / "t.json") << R"({"link": {"gbytes_per_s": 0.016384, "latency_us": 0}, "step_ms_per_mib": 0,
+                                       "params": {"w0": {"forward_ms": 1, "backward_ms": 1}, "w1": {"forward_ms": 1, "backward_ms": 1}}})";
+  std::ofstream(dir / "bad.json") << R"({"link": {"gbytes_per_s": 1}, "params": {"w9": {"forward_ms": 1}}})";
+  auto run_cli = [&](const std::string& args, std::string& out) {
+    const std::string cmd = std::string(SHARDFLOW_LAUNCHER_PATH) + " plan " + args + " 2>&1";
+    FILE* p = ::popen(cmd.c_str(), "r");
+    REQUIRE(p);
+    char buf[4096];
+    out.clear();
+    while (std::size_t got = std::fread(buf, 1, sizeof buf, p)) out.append(buf, got);
+    return WEXITSTATUS(::pclose(p));
+  };
+  const std::string model = "--params " + (dir / "m.json").string() + " --world-size 2 --zero-stage 1 --bucket-cap-mb 0.015625 --first-bucket-cap-mb 0.015625";
+  std::string out;
+  REQUIRE(run_cli(model + " --timings " + (dir / "t.json").string() + " --json", out) == 0);
+  const auto j = nlohmann::json::parse(out);
+  REQUIRE(j["buckets"].size() == 2);
+  // Backward: w1's gradient at 1 ms, w0's at 2 ms; reduce-scatter and all-gather 0.5 ms each.
+  // Best: R(w1) [1, 1.5], S(w1) [1.5, 2], R(w0) [2, 2.5], S(w0) [2.5, 3]; forward w0 [3, 4], w1 [4, 5].
+  CHECK(j["bound"]["compute_ms"].get<double>() == doctest::Approx(4.0));
+  CHECK(j["bound"]["link_ms"].get<double>() == doctest::Approx(2.0));
+  CHECK(j["bound"]["iteration_ms"].get<double>() == doctest::Approx(5.0));
+  REQUIRE(run_cli(model + " --timings " + (dir / "t.json").string(), out) == 0);
+  CHECK(out.find("iteration bound: 5.000 ms (set by the link and the dependencies)") != std::string::npos);
+  CHECK(run_cli(model + " --timings " + (dir / "bad.json").string(), out) == 2);
+  CHECK(out.find("parameter 'w9'") != std::string::npos);
+  CHECK(run_cli(model + " --timings " + (dir / "none.json").string(), out) == 2);
+  CHECK(out.find("none.json' cannot be read") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("peak resident memory of a whole run agrees: stage 2 <= stage 1 <= stage 0, within 1.25x of the formula plus the data") {
   // mlp_train with 8 x Linear(1024, 1024) and AdamW (Psi = 8.4 M: 134 MB of model state per rank at
   // stage 0), 3 steps: the first rebuilds the buckets, so its state migration is in the peak. Each

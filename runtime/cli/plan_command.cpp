@@ -1,11 +1,16 @@
 #include "runtime/cli/plan_command.hpp"
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
 
+#include "runtime/plans/iteration_bound.hpp"
 #include "runtime/plans/param_list.hpp"
+#include "runtime/plans/plan_timings.hpp"
 #include "runtime/plans/run_plan.hpp"
 #include "shardflow/errors.hpp"
 
@@ -15,6 +20,24 @@ namespace {
 std::size_t mb_to_bytes(double mb, const char* flag) {
   if (!(mb > 0.0) || !std::isfinite(mb)) throw UsageError(std::string(flag) + " must be a positive number of MiB, got " + std::to_string(mb));
   return std::size_t(std::llround(mb * 1048576.0));
+}
+
+// The plan's output with its bound (Note [The iteration's bound]) added.
+std::string with_bound(std::string out, const RunPlan& plan, const PlanTimings& timings, bool json) {
+  const auto b = iteration_bound(plan_iteration_times(plan, timings));
+  if (json) {
+    auto j = nlohmann::json::parse(out);
+    j["bound"] = {{"iteration_ms", b.iteration_ms}, {"compute_ms", b.compute_ms}, {"link_ms", b.link_ms}, {"chain_ms", b.chain_ms},
+                  {"binding", b.binding}};
+    return j.dump(2) + "\n";
+  }
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "iteration bound: %.3f ms (set by %s): compute %.3f ms (backward + forward), link %.3f ms (every reduction "
+                "and sync), best overlap efficiency %.2f\n",
+                b.iteration_ms, b.binding.c_str(), b.compute_ms, b.link_ms,
+                std::min(b.compute_ms, b.link_ms) > 0 ? (b.compute_ms + b.link_ms - b.iteration_ms) / std::min(b.compute_ms, b.link_ms) : 1.0);
+  return out + line;
 }
 
 }  // namespace
@@ -84,16 +107,21 @@ std::function<int()> add_plan_command(CLI::App& app) {
   struct State {
     PlanArgs args;
     bool json = false;
+    std::string timings;
   };
   auto st = std::make_shared<State>();
   auto* plan = app.add_subcommand("plan", "show a run's buckets, owners and per-rank memory before running it");
   add_plan_options(*plan, st->args, true);
   plan->add_flag("--json", st->json, "machine-readable: {\"buckets\": [...], \"ranks\": [...]}");
+  plan->add_option("--timings", st->timings,
+                   "measured times (JSON: the link's rate and latency, each parameter's layer's forward and backward ms, the "
+                   "step's ms per MiB): adds the shortest iteration any schedule of this plan could reach");
   return [plan, st]() -> int {
     if (!plan->parsed()) return -1;
     try {
       const RunPlan p = make_plan(st->args);
-      const std::string out = st->json ? p.to_json() : p.describe();
+      std::string out = st->json ? p.to_json() : p.describe();
+      if (!st->timings.empty()) out = with_bound(std::move(out), p, read_plan_timings(st->timings), st->json);
       std::fwrite(out.data(), 1, out.size(), stdout);
       return 0;
     } catch (const std::exception& e) {
