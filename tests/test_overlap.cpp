@@ -143,6 +143,30 @@ TEST_CASE("world 2 and 3, stages 1 and 2, interleaved: every bucket but the last
     }
 }
 
+TEST_CASE("stats report the iteration's bound: at least the link's work, no more than the measured iteration, and interleaved comes closer to it than none") {
+  if (!timing_meaningful()) return;
+  auto ratio = [](const synthetic::Result& x) {
+    const auto& m = x.stats[0].median;
+    return m.bound_ms > 0 ? m.iteration_ms / m.bound_ms : 0.0;
+  };
+  const auto none_o = scenario(2, 1, Overlap::none), inter_o = scenario(2, 1, Overlap::interleaved);
+  synthetic::Result none, inter;
+  inter = run_until(inter_o, [&](const synthetic::Result& x) {
+    none = synthetic::run(none_o);
+    return ratio(x) > 0 && ratio(x) < ratio(none);
+  });
+  for (const auto* res : {&none, &inter})
+    for (const auto& st : res->stats) {
+      const auto& m = st.median;
+      INFO("iteration " << m.iteration_ms << " ms, bound " << m.bound_ms << " ms, link " << m.link_ms << " ms, compute " << m.compute_ms << " ms");
+      CHECK(m.bound_ms > 0);
+      CHECK(m.bound_ms >= 0.98 * m.link_ms);
+      CHECK(m.bound_ms <= m.iteration_ms + kSlackMs);
+    }
+  INFO("iteration / bound: none " << ratio(none) << ", interleaved " << ratio(inter));
+  CHECK(ratio(inter) < ratio(none));
+}
+
 TEST_CASE("none and after_backward keep the promises of their names; interleaved exposes less than both") {
   for (int stage : {1, 2}) {
     std::map<Overlap, double> exposed;

@@ -3,6 +3,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <stdexcept>
+
+#include "runtime/plans/iteration_bound.hpp"
 
 namespace shardflow {
 namespace {
@@ -54,7 +57,10 @@ void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, std::
   if (b >= reduce_done_.size()) {
     reduce_done_.resize(b + 1, -1);
     sync_issued_.resize(b + 1, -1);
+    reduce_link_us_.resize(b + 1, 0);
+    sync_link_us_.resize(b + 1, 0);
   }
+  (sync ? sync_link_us_ : reduce_link_us_)[b] += end - begin;
   if (sync)
     sync_issued_[b] = sync_issued_[b] < 0 ? issued : std::min(sync_issued_[b], issued);  // its first op
   else
@@ -107,7 +113,42 @@ void OverlapStats::touch(Time t) {
   if (window_start_ < 0) window_start_ = t;
 }
 
-void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward) {
+// The bound on this window's own times (Note [The iteration's bound]), on the trainer's clock (the
+// time it was held up left out). Forward is one span here (the runtime sees only its start and the
+// first gradient): it is split between the buckets in proportion to their reductions' link time,
+// that is their size, and needs them last bucket first, as backward filled them first to last.
+// The steps count as free, so it stays a bound when they run beside compute. Syncs that complete
+// in this window's forward belong to the iteration before (forward prefetch): in a steady run they
+// take what this one's will.
+double OverlapStats::window_bound_ms(Time lo, const std::vector<Time>& bucket_ready, std::size_t buckets) const {
+  if (buckets == 0 || first_grad_ < 0 || bucket_ready.size() < buckets) return 0;
+  auto on_trainer = [&](Time x) { return x - covered(blocked_, lo, x); };
+  const Time g0 = on_trainer(first_grad_);
+  IterationTimes t;
+  double sizes = 0;
+  for (std::size_t b = 0; b < buckets; ++b) {
+    if (bucket_ready[b] < first_grad_) return 0;  // not ready in this pass: nothing measured
+    t.gradient_ms.push_back(double(on_trainer(bucket_ready[b]) - g0) / 1e3);
+    t.reduce_ms.push_back(b < reduce_link_us_.size() ? double(reduce_link_us_[b]) / 1e3 : 0.0);
+    t.sync_ms.push_back(b < sync_link_us_.size() ? double(sync_link_us_[b]) / 1e3 : 0.0);
+    t.step_ms.push_back(0.0);
+    sizes += t.reduce_ms.back();
+  }
+  const double forward = double(g0 - lo) / 1e3;
+  for (std::size_t i = 0; i < buckets; ++i) {
+    const auto b = std::uint32_t(buckets - 1 - i);
+    t.forward_order.push_back(b);
+    t.forward_ms.push_back(sizes > 0 ? forward * t.reduce_ms[b] / sizes : forward / double(buckets));
+  }
+  try {
+    return iteration_bound(t).iteration_ms;
+  } catch (const std::invalid_argument&) {
+    return 0;  // a clock that ran backwards: no figure rather than a wrong one
+  }
+}
+
+void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward,
+                                 const std::vector<Time>& bucket_ready) {
   std::lock_guard lock(mu_);
   const Time lo = window_start_ < 0 ? t : window_start_, hi = t;
   IterationStats s;
@@ -125,12 +166,15 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   s.buckets_done_in_backward = done_in_backward;
   s.bytes = bytes_;
   s.wire_bytes = wire_bytes_;
+  s.bound_ms = window_bound_ms(lo, bucket_ready, buckets);
   bytes_ = {};
   wire_bytes_ = 0;
   sync_us_ = reduce_us_ = 0;
   first_grad_ = backward_end_ = -1;
   reduce_done_.clear();
   sync_issued_.clear();
+  reduce_link_us_.clear();
+  sync_link_us_.clear();
   // Intervals still running past the window's end count in the next one.
   auto keep = [hi](std::vector<Interval>& v) { std::erase_if(v, [hi](const Interval& i) { return i.end <= hi; }); };
   keep(link_);
@@ -165,6 +209,7 @@ RuntimeStats OverlapStats::snapshot() const {
   m.buckets_done_in_backward = std::size_t(med([](const IterationStats& s) { return s.buckets_done_in_backward; }));
   for (std::size_t k = 0; k < m.bytes.size(); ++k) m.bytes[k] = std::uint64_t(med([k](const IterationStats& s) { return s.bytes[k]; }));
   m.wire_bytes = std::uint64_t(med([](const IterationStats& s) { return s.wire_bytes; }));
+  m.bound_ms = med([](const IterationStats& s) { return s.bound_ms; });
   return r;
 }
 
@@ -175,7 +220,7 @@ nlohmann::json to_json(const IterationStats& s) {
   return {{"iteration", s.iteration},       {"iteration_ms", s.iteration_ms}, {"compute_ms", s.compute_ms},
           {"link_ms", s.link_ms},           {"hidden_ms", s.hidden_ms},       {"exposed_ms", s.exposed_ms},
           {"optimizer_ms", s.optimizer_ms}, {"buckets", s.buckets},           {"buckets_done_in_backward", s.buckets_done_in_backward},
-          {"bytes", bytes},                 {"wire_bytes", s.wire_bytes}};
+          {"bytes", bytes},                 {"wire_bytes", s.wire_bytes},     {"bound_ms", s.bound_ms}};
 }
 }  // namespace
 

@@ -47,8 +47,9 @@ class OverlapStats {
   // The trainer started working on an iteration (first call of a window opens it).
   void touch(Time t);
   // A synchronised iteration ended at `t`; `done_in_backward` of `buckets` were complete when
-  // backward finished.
-  void end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward);
+  // backward finished; `bucket_ready[b]`: when bucket b's last gradient came in (its bound).
+  void end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward,
+                     const std::vector<Time>& bucket_ready = {});
   RuntimeStats snapshot() const;
   IterationStats last() const {
     std::lock_guard lock(mu_);
@@ -64,6 +65,8 @@ class OverlapStats {
   Time sync_us_ = 0, reduce_us_ = 0;
   std::vector<Interval> link_, blocked_, optimizer_;
   std::vector<Time> reduce_done_, sync_issued_;  // per bucket in this window, -1: not yet
+  std::vector<Time> reduce_link_us_, sync_link_us_;  // per bucket in this window: its time on the link
+  double window_bound_ms(Time lo, const std::vector<Time>& bucket_ready, std::size_t buckets) const;
   std::array<std::uint64_t, 5> bytes_{};
   std::uint64_t wire_bytes_ = 0;
   std::vector<IterationStats> steps_;

@@ -54,7 +54,7 @@ void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {
 void Runtime::Impl::end_iteration() {
   const auto t = Timeline::now();
   auto& st = timeline->stats();
-  st.end_iteration(t, iterations, plan.buckets.size(), done_in_backward);
+  st.end_iteration(t, iterations, plan.buckets.size(), done_in_backward, readiness->ready_times());
   if (timeline->tracing()) {
     const auto& last = st.last();
     timeline->span("iteration " + std::to_string(iterations), "iteration", Lane::iteration,

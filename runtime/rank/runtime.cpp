@@ -3,20 +3,17 @@
 // actors (actors/messages.hpp), which this file only spawns and feeds.
 #include <caf/all.hpp>
 
-#include "runtime/rank/rank_actor.hpp"
 #include "runtime/process/fault_injection.hpp"
+#include "runtime/rank/rank_actor.hpp"
 #include "runtime/rank/runtime_impl.hpp"
 #include "shardflow/launch.hpp"
+
 namespace shardflow {
 namespace {
 
 std::atomic<std::uint32_t> next_owner_id{1};
 
-
 }  // namespace
-
-
-// -----------------------------------------------------------------------------------------------
 
 Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std::make_unique<Impl>()) {
   if (!comm) throw UsageError("Runtime: communicator is null");

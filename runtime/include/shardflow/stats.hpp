@@ -38,6 +38,11 @@ struct IterationStats {
   // 2 (N - 1) / N, a reduce-scatter's, all-gather's or broadcast's (N - 1) / N). ZeRO-1 and -2 with
   // the flat partition move what DDP moves.
   std::uint64_t wire_bytes = 0;
+  // The shortest iteration any schedule could reach with this iteration's own times (Note [The
+  // iteration's bound]): backward and each bucket's collectives as measured, forward split between
+  // the buckets by their size, steps taken as free. iteration_ms / bound_ms is how far this run
+  // is from the best order of its plan; 0 where it was not measured (no gradient, an accumulation).
+  double bound_ms = 0;
 };
 struct RuntimeStats {
   std::vector<IterationStats> steps;  // the most recent iterations (up to 10,000)
