@@ -7,6 +7,8 @@ efficiency = (T_comp + T_comm - T_iter) / min(T_comp, T_comm): 1 when the shorte
 link hides entirely behind the longer, 0 when they add up. T_comm is the link model's own time for
 the iteration's collectives (Note [Simulated link]: rs/ag (N-1)(alpha + B/(N beta)) per bucket),
 T_iter the run's median iteration. Every configuration once per round, --reps rounds (A B A B).
+Beside each, the run's own bound (median of stats' bound_ms, Note [The iteration's bound]: the
+shortest iteration any schedule could reach with that run's measured times) and T_iter / bound.
 
     python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3]
 """
@@ -34,7 +36,8 @@ def run(build, stage, flags, tmp, steps):
     if out.returncode != 0:
         sys.exit("overlap_real: mlp_train failed:\n" + out.stdout)
     with open(stats) as f:
-        return json.load(f)["median"]["iteration_ms"]
+        median = json.load(f)["median"]
+        return median["iteration_ms"], median.get("bound_ms", 0.0)
 
 
 def link_ms(stage, gbytes_per_s):
@@ -61,7 +64,7 @@ def main():
     ratios = [float(r) for r in args.ratios.split(",")]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        comp = [run(build, args.stage, ["--overlap", "interleaved"], tmp, args.steps) for _ in range(args.reps)]
+        comp = [run(build, args.stage, ["--overlap", "interleaved"], tmp, args.steps)[0] for _ in range(args.reps)]
         t_comp = statistics.median(comp)
         print("compute alone (in-process backend, no link): %.2f ms (%s)" % (t_comp, ", ".join("%.2f" % c for c in comp)), flush=True)
         for ratio in ratios:
@@ -78,10 +81,14 @@ def main():
             print("\nlink/compute %.1f: link %.2f GB/s, T_comm %.2f ms" % (ratio, gbps, t_comm), flush=True)
             res = {}
             for m, v in runs.items():
-                t_iter = statistics.median(v)
+                t_iter = statistics.median(x for x, _ in v)
+                bound = statistics.median(b for _, b in v)
                 eff = (t_comp + t_comm - t_iter) / min(t_comp, t_comm)
-                res[m] = {"runs_ms": v, "median_ms": t_iter, "efficiency": eff}
-                print("  %-24s %7.2f ms  efficiency %.2f  (%s)" % (m, t_iter, eff, ", ".join("%.2f" % x for x in v)), flush=True)
+                res[m] = {"runs_ms": [x for x, _ in v], "median_ms": t_iter, "efficiency": eff, "bound_ms": bound,
+                          "over_bound": t_iter / bound if bound > 0 else None}
+                print("  %-24s %7.2f ms  efficiency %.2f  bound %6.2f ms  T_iter/bound %.3f  (%s)" %
+                      (m, t_iter, eff, bound, t_iter / bound if bound > 0 else float("nan"), ", ".join("%.2f" % x for x, _ in v)),
+                      flush=True)
             out["ratio %.1f" % ratio] = {"t_comp_ms": t_comp, "t_comm_ms": t_comm, "gbytes_per_s": gbps, "modes": res}
     if args.json:
         with open(args.json, "w") as f:
