@@ -32,11 +32,7 @@ IterationTimes layers(std::size_t L, double forward_ms, double backward_ms, doub
 
 PrefetchTimes as_replay(const IterationTimes& t) {
   PrefetchTimes p;
-  p.forward_order = t.forward_order;
-  p.forward_ms = t.forward_ms;
-  p.gradient_ms = t.gradient_ms;
-  p.reduce_ms = t.reduce_ms;
-  p.sync_ms = t.sync_ms;
+  static_cast<IterationTimes&>(p) = t;
   p.lag = 1;
   return p;
 }

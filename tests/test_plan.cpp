@@ -121,6 +121,17 @@ std::vector<OwnedPiece> owned_in_plan(const RunPlan& p, int r) {
 
 std::size_t total(const MemoryReport& m) { return m.params + m.grads + m.optimizer_state + m.comm_buffers; }
 
+// `shardflow plan ARGS`: its exit status, and what it printed (both streams) in `out`.
+int run_cli(const std::string& args, std::string& out) {
+  const std::string cmd = std::string(SHARDFLOW_LAUNCHER_PATH) + " plan " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  REQUIRE(p);
+  char buf[4096];
+  out.clear();
+  while (std::size_t got = std::fread(buf, 1, sizeof buf, p)) out.append(buf, got);
+  return WEXITSTATUS(::pclose(p));
+}
+
 }  // namespace
 
 TEST_CASE("the test models have 2, 4 and 25 buckets at stage 1") {
@@ -356,15 +367,6 @@ TEST_CASE("shardflow plan: the JSON form, the bytes between hosts (--hosts), and
   const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_cli_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "m.json") << R"([{"name": "w", "shape": [64, 32]}, {"name": "b", "shape": [64]}])";
-  auto run_cli = [&](const std::string& args, std::string& out) {
-    const std::string cmd = std::string(SHARDFLOW_LAUNCHER_PATH) + " plan " + args + " 2>&1";
-    FILE* p = ::popen(cmd.c_str(), "r");
-    REQUIRE(p);
-    char buf[4096];
-    out.clear();
-    while (std::size_t got = std::fread(buf, 1, sizeof buf, p)) out.append(buf, got);
-    return WEXITSTATUS(::pclose(p));
-  };
   std::string out;
   const std::string model = "--params " + (dir / "m.json").string();
   REQUIRE(run_cli(model + " --world-size 2 --zero-stage 2 --json", out) == 0);
@@ -421,15 +423,6 @@ TEST_CASE("shardflow plan --timings: the shortest iteration any schedule could r
   std::ofstream(dir / "t.json") << R"({"link": {"gbytes_per_s": 0.016384, "latency_us": 0}, "step_ms_per_mib": 0,
                                        "params": {"w0": {"forward_ms": 1, "backward_ms": 1}, "w1": {"forward_ms": 1, "backward_ms": 1}}})";
   std::ofstream(dir / "bad.json") << R"({"link": {"gbytes_per_s": 1}, "params": {"w9": {"forward_ms": 1}}})";
-  auto run_cli = [&](const std::string& args, std::string& out) {
-    const std::string cmd = std::string(SHARDFLOW_LAUNCHER_PATH) + " plan " + args + " 2>&1";
-    FILE* p = ::popen(cmd.c_str(), "r");
-    REQUIRE(p);
-    char buf[4096];
-    out.clear();
-    while (std::size_t got = std::fread(buf, 1, sizeof buf, p)) out.append(buf, got);
-    return WEXITSTATUS(::pclose(p));
-  };
   const std::string model = "--params " + (dir / "m.json").string() + " --world-size 2 --zero-stage 1 --bucket-cap-mb 0.015625 --first-bucket-cap-mb 0.015625";
   std::string out;
   REQUIRE(run_cli(model + " --timings " + (dir / "t.json").string() + " --json", out) == 0);

@@ -20,14 +20,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "runtime/plans/iteration_bound.hpp"
+
 namespace shardflow {
 
-struct PrefetchTimes {
-  std::vector<std::uint32_t> forward_order;  // every bucket once, in the order forward first needs it
-  std::vector<double> forward_ms;            // [i]: forward from needing forward_order[i] to needing the next (the last: to backward)
-  std::vector<double> gradient_ms;           // per bucket: from backward's start until its last gradient is in
-  std::vector<double> reduce_ms, sync_ms;    // per bucket: its reduction's and its sync's time on the link
-  std::size_t lag = 1;                       // an early sync goes out after the reduction of bucket b + lag
+// The times of the iteration's bound (runtime/plans/iteration_bound.hpp), played in the runtime's
+// own schedule; the replay takes the steps as free (step_ms is not read).
+struct PrefetchTimes : IterationTimes {
+  std::size_t lag = 1;  // an early sync goes out after the reduction of bucket b + lag
 };
 
 // `order` (buckets forward asked for, first ask first) with the buckets it never asked for after
