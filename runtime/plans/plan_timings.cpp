@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "shardflow/errors.hpp"
+#include "shardflow/sim.hpp"
 
 namespace shardflow {
 namespace {
@@ -18,13 +19,6 @@ double non_negative(const nlohmann::json& j, const char* key, const std::string&
   if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
     throw UsageError(where + ": '" + key + "' must be a number >= 0, got " + v.dump());
   return v.get<double>();
-}
-
-// One collective's time on a ring of `world` ranks moving `bytes` in all.
-double ring_ms(std::size_t bytes, int world, const PlanTimings& t) {
-  if (world < 2) return 0.0;
-  const double n = double(world);
-  return double(bytes) * (n - 1) / n / (t.gbytes_per_s * 1e9) * 1e3 + (n - 1) * t.latency_us / 1e3;
 }
 
 }  // namespace
@@ -65,6 +59,9 @@ IterationTimes plan_iteration_times(const RunPlan& plan, const PlanTimings& timi
     return it == timings.params.end() ? PlanTimings::Layer{} : it->second;
   };
   const auto& buckets = plan.buckets.buckets;
+  SimLink link;  // the simulated link's ring model (Note [Simulated link]) at the measured rate
+  link.latency_us = timings.latency_us;
+  link.gbytes_per_s = timings.gbytes_per_s;
   const std::size_t B = buckets.size();
   IterationTimes t;
   // Backward from the last registered parameter to the first: when each gradient is in.
@@ -83,8 +80,9 @@ IterationTimes plan_iteration_times(const RunPlan& plan, const PlanTimings& timi
     const auto& s = plan.settings;
     const std::size_t comm_bytes = buckets[b].numel * (s.comm_dtype == DType::f32 ? dtype_size(buckets[b].dtype) : dtype_size(s.comm_dtype));
     const bool sharded = s.stage != ZeroStage::ddp;
-    t.reduce_ms.push_back(ring_ms(comm_bytes, s.world, timings) * (sharded ? 1 : 2));
-    t.sync_ms.push_back(sharded ? ring_ms(buckets[b].bytes(), s.world, timings) : 0.0);
+    const auto ms = [&](CollectiveKind kind, std::size_t bytes) { return double(link.cost(kind, bytes, s.world).count()) / 1e6; };
+    t.reduce_ms.push_back(ms(sharded ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce, comm_bytes));
+    t.sync_ms.push_back(sharded ? ms(CollectiveKind::allgather, buckets[b].bytes()) : 0.0);
     const double updated_mib = double(buckets[b].numel) * 4 / (sharded ? double(s.world) : 1.0) / 1048576.0;
     t.step_ms.push_back(updated_mib * timings.step_ms_per_mib);
   }

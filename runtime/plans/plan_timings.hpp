@@ -8,9 +8,9 @@
 // Each parameter's times are those of the layer it belongs to, given to one of the layer's
 // parameters (a bias may have none: 0). Forward runs in registration order, backward in reverse;
 // a bucket is needed by forward at its first registered parameter and ready when its last
-// gradient is in. A collective over the link is a ring: (N-1)/N of its bytes each way, and N-1
-// latencies; stage 0 reduces with an all-reduce (twice a reduce-scatter's time) and syncs
-// nothing, stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters.
+// gradient is in. A collective costs what the simulated link charges for it (SimLink::cost, Note
+// [Simulated link]: a ring); stage 0 reduces with an all-reduce and syncs nothing, stages 1 and 2
+// reduce-scatter the gradients and all-gather the updated parameters.
 #pragma once
 
 #include <map>
