@@ -9,12 +9,12 @@ using namespace shardflow;
 
 namespace {
 
-// 4 layers; bucket b holds layer 3-b (forward asks 3, 2, 1, 0).
-PrefetchTimes four_layers(double forward_ms, double backward_ms) {
+// n layers; bucket b holds layer n-1-b (forward asks n-1, ..., 0).
+PrefetchTimes layers(std::uint32_t n, double forward_ms, double backward_ms) {
   PrefetchTimes t;
   t.lag = 1;
-  for (std::uint32_t l = 0; l < 4; ++l) {
-    t.forward_order.push_back(3 - l);
+  for (std::uint32_t l = 0; l < n; ++l) {
+    t.forward_order.push_back(n - 1 - l);
     t.forward_ms.push_back(forward_ms);
     t.gradient_ms.push_back(double(l + 1) * backward_ms);
     t.reduce_ms.push_back(1.0);
@@ -22,6 +22,8 @@ PrefetchTimes four_layers(double forward_ms, double backward_ms) {
   }
   return t;
 }
+
+PrefetchTimes four_layers(double forward_ms, double backward_ms) { return layers(4, forward_ms, backward_ms); }
 
 }  // namespace
 
@@ -88,4 +90,22 @@ TEST_CASE("observed times: buckets forward never asked for join back to front wi
   CHECK(t.forward_ms[2] == 0.0);
   CHECK(t.forward_ms[3] == 0.0);
   CHECK(best_early_syncs(t).early <= 4);
+}
+
+TEST_CASE("stage 2's buffers in flight: a sync in backward holds a reduction and, through it, backward itself") {
+  // 8 layers, backward 1.2 ms per layer against a 1 ms reduction, two gradient buffers in flight.
+  // Without the limit, two syncs in backward are as good as none (15.9 ms) and the runtime would
+  // take them. With it, bucket b's backward waits for the reduction of b - 2, and each sync sent
+  // in backward pushes the reductions behind it, hence the backward behind those, forward's start
+  // and every sync after it: two syncs in backward then cost 0.4 ms, and none is chosen.
+  auto t = layers(8, 0.6, 1.2);
+  CHECK(best_early_syncs(t).early == 2);
+  CHECK(steady_iteration_ms(t, 2) == doctest::Approx(15.9));
+  t.grads_in_flight = 2;
+  CHECK(steady_iteration_ms(t, 2) == doctest::Approx(16.3));
+  const auto best = best_early_syncs(t);
+  CHECK(best.early == 0);
+  CHECK(best.iteration_ms == doctest::Approx(15.9));
+  // With no sync in backward the buffers wait for nothing the link did not: same iteration.
+  CHECK(steady_iteration_ms(t, 0) == doctest::Approx(steady_iteration_ms(layers(8, 0.6, 1.2), 0)));
 }

@@ -5,7 +5,11 @@
 // bucket's reduction waited for it for ever.
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <random>
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include "support/helpers.hpp"
 
@@ -16,8 +20,8 @@ namespace {
 
 // World 2, ZeRO-1 interleaved, 6 parameters of a bucket each; backward hands the gradients over in
 // one shuffled order (every rank the same, every iteration), forward asks in registration order.
-std::vector<std::vector<float>> train(bool prefetch, int early, int lag) {
-  const int n = 2, P = 6, numel = 64, iterations = 6;
+std::vector<std::vector<float>> train(bool prefetch, int early, int lag, int iterations = 6, const std::string& trace = "") {
+  const int n = 2, P = 6, numel = 64;
   auto world = InProcessWorld::create(n, 20s);
   std::vector<std::vector<float>> out(n);
   test::require_all_ok(test::run_ranks(n, [&](int r) {
@@ -26,6 +30,7 @@ std::vector<std::vector<float>> train(bool prefetch, int early, int lag) {
     cfg.zero.prefetch_syncs_in_backward = early;
     cfg.zero.interleave_lag = lag;  // fixed: the measured one is past the last bucket on an idle machine
     cfg.timeouts.collective = 20s;  // a stopped schedule fails the test instead of hanging it
+    cfg.trace.path = trace;
     Runtime rt(world->communicator(r), cfg);
     const auto h = test::register_flat(rt, params.data(), P, numel);
     OptimizerConfig adam;
@@ -62,4 +67,40 @@ TEST_CASE("forward prefetch, world 2, buckets rebuilt from a shuffled backward: 
       CHECK(got[0] == reference[0]);
       CHECK(got[1] == reference[1]);
     }
+}
+
+namespace {
+
+// The iterations at whose end rank 0 chose the sync order ("forward order for prefetch" spans).
+std::vector<std::int64_t> order_choices(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  const auto j = nlohmann::json::parse(in);
+  std::vector<std::int64_t> at;
+  for (const auto& e : j.at("traceEvents"))
+    if (e.value("name", "") == "forward order for prefetch" && e.value("pid", -1) == 0) at.push_back(e.at("args").at("iteration").get<std::int64_t>());
+  return at;
+}
+
+}  // namespace
+
+TEST_CASE("forward prefetch, automatic K: chosen on the second iteration, chosen again once on the settled fifth, and the run ends bit for bit where no prefetch ends") {
+  // Note [Choosing on a settled iteration]. The actors restart only if K changed, which on an idle
+  // machine it may or may not: either way every rank must issue the same schedule from then on.
+  const int iterations = 9;
+  const auto reference = train(false, -1, 1, iterations);
+  const std::string automatic = "/tmp/shardflow_prefetch_auto_" + std::to_string(::getpid()) + ".json";
+  const auto got = train(true, -1, 1, iterations, automatic);
+  CHECK(got[0] == reference[0]);
+  CHECK(got[1] == reference[1]);
+  CHECK(order_choices(automatic) == std::vector<std::int64_t>{1, 4});
+  std::remove(automatic.c_str());
+
+  SUBCASE("a K the Config fixed is not chosen again") {
+    const std::string fixed = "/tmp/shardflow_prefetch_fixed_" + std::to_string(::getpid()) + ".json";
+    const auto kept = train(true, 3, 1, iterations, fixed);
+    CHECK(kept[0] == reference[0]);
+    CHECK(order_choices(fixed) == std::vector<std::int64_t>{1});
+    std::remove(fixed.c_str());
+  }
 }

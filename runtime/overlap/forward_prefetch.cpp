@@ -13,12 +13,26 @@
 // gives the shortest iteration. When the link is the bottleneck that is none, and every sync
 // overlaps the next forward (sending syncs in backward then would only push the forward's first
 // sync further back: measured, 4 ms of idle link per iteration at link/compute 4).
+//
+// Note [Choosing on a settled iteration]
+// The second iteration, which shows forward's order, is not yet a steady one: it runs on the
+// buckets just rebuilt, its pages and the optimizer's state touched for the first time (16 x
+// Linear(512, 512), world 2: 91 ms against 28 ms from the fourth on, its replay 152 ms). Its
+// times made K look as if backward left the link idle: 14 of 17 syncs went into backward where
+// none was best (ZeRO-2, link/compute 1: 31.2 ms against 28.6 ms). So the automatic K is chosen
+// again, once, on the times of the kPrefetchSettleIterations-th iteration after, observed the same
+// way (waits left out); the actors are restarted only if the order or K changed.
 #include "runtime/rank/runtime_impl.hpp"
 #include "runtime/overlap/overlap_state.hpp"
 
 #include "runtime/plans/prefetch_model.hpp"
 
 namespace shardflow {
+
+namespace {
+// Note [Choosing on a settled iteration]: the third iteration with prefetch is measured again.
+constexpr std::uint64_t kPrefetchSettleIterations = 3;
+}  // namespace
 
 void Runtime::Impl::establish_sync_order() {
   std::vector<std::uint32_t> order;
@@ -29,19 +43,43 @@ void Runtime::Impl::establish_sync_order() {
     order = overlap->prefetch.forward_order;
     asked = overlap->prefetch.asked_us;
   }
+  const bool again = overlap->prefetch.active;
+  if (again) {
+    // Prefetching, this pass's syncs are still on their way: the broadcast below must not go out
+    // among them (every rank would issue them in its own order), and the actors stop only between
+    // complete iterations. So this one iteration waits as wait() without prefetch does.
+    await_iterations(passes_handed);
+    if (shard) shard->join_compute();
+  }
   const std::size_t early = choose_early_syncs(order, asked);
   const std::size_t B = plan.buckets.size();
   order = complete_forward_order(std::move(order), B);
   order.push_back(std::uint32_t(early));  // rank 0's choice travels with its order
   control_collective(CollectiveKind::broadcast, order.data(), order.size(), "forward order");
-  overlap->prefetch.early = std::min<std::size_t>(order.back(), B);
+  const std::size_t chosen = std::min<std::size_t>(order.back(), B);
   order.pop_back();
-  overlap->prefetch.sync_order = prefetch_sync_order(order, overlap->prefetch.early);
-  log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward", overlap->prefetch.early, B,
-            B - overlap->prefetch.early);
+  auto sync_order = prefetch_sync_order(order, chosen);
+  // Note [Choosing on a settled iteration]: only the automatic choice is made again.
+  overlap->prefetch.recheck_after = !again && early_syncs_measured() ? iterations + kPrefetchSettleIterations - 1 : ~std::uint64_t{0};
+  if (again && chosen == overlap->prefetch.early && sync_order == overlap->prefetch.sync_order) {
+    log->info("forward prefetch: iteration {}'s steady times keep {} of {} parameter syncs in backward", iterations + 1, chosen, B);
+    return;
+  }
+  overlap->prefetch.early = chosen;
+  overlap->prefetch.sync_order = std::move(sync_order);
+  log->info("forward prefetch: {} of {} parameter syncs interleaved with backward, {} overlap the next forward{}", chosen, B, B - chosen,
+            again ? " (chosen again on steady times)" : "");
   overlap->prefetch.active = true;
   stop_actors();
   spawn_actors(iterations + 1);  // inside wait(): the actors start the next iteration
+}
+
+bool Runtime::Impl::early_syncs_measured() const {
+  return cfg.zero.overlap == Overlap::interleaved && shard && shard->syncs() && cfg.zero.prefetch_syncs_in_backward < 0;
+}
+
+bool Runtime::Impl::wants_forward_observation() const {
+  return !overlap->prefetch.observing && (!overlap->prefetch.active || overlap->prefetch.recheck_after == iterations);
 }
 
 void Runtime::Impl::start_observing_forward() {
@@ -63,7 +101,7 @@ void Runtime::Impl::note_forward_use(std::uint32_t b) {
 std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& order, std::vector<std::int64_t> asked) const {
   const std::size_t B = plan.buckets.size();
   if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return 0;
-  if (cfg.zero.prefetch_syncs_in_backward >= 0) return std::min<std::size_t>(std::size_t(cfg.zero.prefetch_syncs_in_backward), B);
+  if (!early_syncs_measured()) return std::min<std::size_t>(std::size_t(cfg.zero.prefetch_syncs_in_backward), B);
   const auto open = timeline->stats().open_window();
   std::vector<double> bytes(B);
   for (std::size_t b = 0; b < B; ++b) bytes[b] = double(shard->shard_plan().buckets[b].padded) * dtype_size(shard->sync_dtype(b));
@@ -75,8 +113,8 @@ std::size_t Runtime::Impl::choose_early_syncs(const std::vector<std::uint32_t>& 
   for (auto& t : ready)
     if (t >= 0) t = st.unblocked(t);
   for (auto& t : asked) t = st.unblocked(t);
-  const auto times = observed_prefetch_times(order, asked, ready, bytes, open.reduce_ms, open.sync_ms,
-                                             std::max<std::size_t>(1, overlap->lag.lag));
+  auto times = observed_prefetch_times(order, asked, ready, bytes, open.reduce_ms, open.sync_ms, std::max<std::size_t>(1, overlap->lag.lag));
+  times.grads_in_flight = bufs->pooled() ? caps.grads_in_flight : 0;  // Note [Backpressure in the replay]
   const auto choice = best_early_syncs(times);
   log->debug("forward prefetch: replayed iteration {:.3f} ms with {} syncs in backward ({:.3f} ms with none)", choice.iteration_ms,
              choice.early, steady_iteration_ms(times, 0));

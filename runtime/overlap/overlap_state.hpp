@@ -22,12 +22,16 @@ struct ForwardPrefetchState {
   std::vector<std::uint32_t> sync_order;  // S entries, empty = bucket order
   std::size_t early = 0;  // syncs interleaved into backward (the first of sync_order)
   bool active = false;
+  // Note [Choosing on a settled iteration]: the iteration whose end starts observing forward once
+  // more, to choose `early` again on steady times (~0: none pending).
+  std::uint64_t recheck_after = ~std::uint64_t{0};
   // What was measured on one plan's buckets is measured again on the next's.
   void forget() {
     active = false;
     observing = false;
     sync_order.clear();
     early = 0;
+    recheck_after = ~std::uint64_t{0};
   }
 };
 

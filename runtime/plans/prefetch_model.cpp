@@ -39,6 +39,7 @@ double steady_iteration_ms(const PrefetchTimes& t, std::size_t early) {
   spec.sync_order = prefetch_sync_order(t.forward_order, early);
   spec.interleaved_syncs = early;
   const auto entries = collective_order(spec);
+  const std::size_t G = t.grads_in_flight;
   // Iterations until the link's backlog settles (forward waits for the syncs, so it cannot grow
   // without bound), then the mean of the last few.
   constexpr int kIterations = 30, kCounted = 10;
@@ -49,14 +50,29 @@ double steady_iteration_ms(const PrefetchTimes& t, std::size_t early) {
     start = now;
     if (it >= kIterations - kCounted) sum += start - previous;
     for (std::size_t i = 0; i < B; ++i) now = std::max(now, available[t.forward_order[i]]) + t.forward_ms[i];
-    double backward_end = now;
-    for (std::size_t b = 0; b < B; ++b) backward_end = std::max(backward_end, grad[b] = now + t.gradient_ms[b]);
+    // Backward's gradients in bucket order, each delayed by the waits for a free buffer before it
+    // (Note [Backpressure in the replay]); a reduction needs only the gradients up to its own.
+    double held = 0, backward_end = now;
+    std::size_t produced = 0;
+    auto produce_up_to = [&](std::size_t last) {
+      for (; produced <= last; ++produced) {
+        const std::size_t b = produced;
+        if (G && b >= G) {
+          const double begins = now + (b ? t.gradient_ms[b - 1] : 0.0) + held;
+          held += std::max(0.0, reduced[b - G] - begins);
+        }
+        backward_end = std::max(backward_end, grad[b] = now + t.gradient_ms[b] + held);
+      }
+    };
     for (const auto& e : entries) {
-      if (e.kind == ScheduledCollective::reduce)
+      if (e.kind == ScheduledCollective::reduce) {
+        produce_up_to(e.bucket);
         link = reduced[e.bucket] = std::max(link, grad[e.bucket]) + t.reduce_ms[e.bucket];
-      else if (e.kind == ScheduledCollective::sync)
+      } else if (e.kind == ScheduledCollective::sync) {
         link = synced[e.bucket] = std::max(link, reduced[e.bucket]) + t.sync_ms[e.bucket];
+      }
     }
+    if (B) produce_up_to(B - 1);
     now = backward_end;  // wait() returns once backward is handed over
     available = synced;
   }

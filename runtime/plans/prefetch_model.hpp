@@ -14,6 +14,14 @@
 // its bucket's sync. The steady-state iteration of each K decides; among ties the larger K
 // (fewer syncs left for forward to wait on when hops cost what the model leaves out).
 // bench/overlap_bound.hpp plays the same model with free hops as the benchmark's yardstick.
+//
+// Note [Backpressure in the replay]
+// Stage 2 holds a few gradient buffers at once (BucketCaps::grads_in_flight); backward waits for a
+// free one. The measured gradient times leave those waits out (the trainer's own clock), so the
+// replay puts them back for each K: bucket b's backward starts no earlier than the reduction of
+// b - grads_in_flight ends. A sync sent in backward delays the reductions behind it and so, at
+// stage 2, backward itself; without this the replay saw only the link's idle time between
+// reductions and sent 9 of 17 syncs into backward where none was best.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +36,9 @@ namespace shardflow {
 // own schedule; the replay takes the steps as free (step_ms is not read).
 struct PrefetchTimes : IterationTimes {
   std::size_t lag = 1;  // an early sync goes out after the reduction of bucket b + lag
+  // Stage 2's gradient buffers in flight (0: no limit): backward writes bucket b only once the
+  // reduction of bucket b - grads_in_flight has freed its buffer (Note [Backpressure in the replay]).
+  std::size_t grads_in_flight = 0;
 };
 
 // `order` (buckets forward asked for, first ask first) with the buckets it never asked for after

@@ -348,7 +348,7 @@ void Runtime::Impl::end_wait() {
     I.rebuild_from_observed_order();
     I.timeline->span("rebuild buckets", "rebuild", Lane::compute, r0, Timeline::now(),
                      SpanArgs{-1, -1, nullptr, std::int64_t(I.iterations), -1});
-  } else if (prefetch_wanted && !I.prefetching() && I.observing_forward()) {
+  } else if (prefetch_wanted && I.observing_forward()) {
     const auto r0 = Timeline::now();
     I.establish_sync_order();
     I.timeline->span("forward order for prefetch", "rebuild", Lane::compute, r0, Timeline::now(),
@@ -357,7 +357,7 @@ void Runtime::Impl::end_wait() {
   // Note [Static graph]: with the unused set fixed the used counts' exchange leaves the schedule
   // (a rebuild just now made a new one already).
   if (just_learnt && I.signal.get() == schedule_before) I.install_plan(BucketPlan(I.plan), I.iterations + 1);
-  if (prefetch_wanted && !I.prefetching() && !I.observing_forward()) I.start_observing_forward();
+  if (prefetch_wanted && I.wants_forward_observation()) I.start_observing_forward();
   // A rebuilt shard copied its masters and state on its own stream: the compute stream waits for
   // that too, so that wait()'s promise holds for whichever shard the next iteration uses.
   if (I.shard && I.shard.get() != stepped_by && !prefetching) I.shard->join_compute();

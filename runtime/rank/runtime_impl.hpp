@@ -235,6 +235,10 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // ---- overlap/forward_prefetch.cpp: Note [Forward prefetch] ----------------------------------
   bool prefetching() const;
   bool observing_forward() const;
+  // Whether the next forward's first-use order and times are to be observed: before prefetch is
+  // active, and once more on a settled iteration (Note [Choosing on a settled iteration]).
+  bool wants_forward_observation() const;
+  bool early_syncs_measured() const;  // the syncs in backward are chosen from measured times (not fixed, not 0 by mode)
   void start_observing_forward();  // the next forward's first-use order decides the sync order
   void note_forward_use(std::uint32_t bucket);  // wait_param: forward asks for `bucket`
   void establish_sync_order();
