@@ -10,7 +10,10 @@ T_iter the run's median iteration. Every configuration once per round, --reps ro
 Beside each, the run's own bound (median of stats' bound_ms, Note [The iteration's bound]: the
 shortest iteration any schedule could reach with that run's measured times) and T_iter / bound.
 
-    python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3]
+    python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3] [--modes a,b] [--baseline OLD_BUILD]
+
+--baseline runs every mode on a second build too, in the same rounds (A B A B), on the link solved
+from --build's compute time, and prints both with their ratio new/old.
 """
 import argparse
 import json
@@ -59,8 +62,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
+    ap.add_argument("--baseline", help="a second build (the tree before a change) run in the same rounds")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
+    modes = {m: MODES[m] for m in args.modes.split(",")}
+    builds = {"": build} if not args.baseline else {"old ": os.path.abspath(args.baseline), "new ": build}
     ratios = [float(r) for r in args.ratios.split(",")]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,10 +81,11 @@ def main():
             gbps = (link_ms(args.stage, 1.0) - fixed) / (target - fixed)
             t_comm = link_ms(args.stage, gbps)
             sim = ["--backend", "sim", "--sim-latency-us", str(LATENCY_US), "--sim-gbytes-per-s", "%.6f" % gbps]
-            runs = {m: [] for m in MODES}
+            runs = {b + m: [] for m in modes for b in builds}
             for _ in range(args.reps):
-                for m, flags in MODES.items():
-                    runs[m].append(run(build, args.stage, sim + flags, tmp, args.steps))
+                for m, flags in modes.items():
+                    for b, path in builds.items():
+                        runs[b + m].append(run(path, args.stage, sim + flags, tmp, args.steps))
             print("\nlink/compute %.1f: link %.2f GB/s, T_comm %.2f ms" % (ratio, gbps, t_comm), flush=True)
             res = {}
             for m, v in runs.items():
@@ -86,9 +94,12 @@ def main():
                 eff = (t_comp + t_comm - t_iter) / min(t_comp, t_comm)
                 res[m] = {"runs_ms": [x for x, _ in v], "median_ms": t_iter, "efficiency": eff, "bound_ms": bound,
                           "over_bound": t_iter / bound if bound > 0 else None}
-                print("  %-24s %7.2f ms  efficiency %.2f  bound %6.2f ms  T_iter/bound %.3f  (%s)" %
+                print("  %-28s %7.2f ms  efficiency %.2f  bound %6.2f ms  T_iter/bound %.3f  (%s)" %
                       (m, t_iter, eff, bound, t_iter / bound if bound > 0 else float("nan"), ", ".join("%.2f" % x for x, _ in v)),
                       flush=True)
+            if args.baseline:
+                for m in modes:
+                    print("  new/old %-20s %.3f" % (m, res["new " + m]["median_ms"] / res["old " + m]["median_ms"]), flush=True)
             out["ratio %.1f" % ratio] = {"t_comp_ms": t_comp, "t_comm_ms": t_comm, "gbytes_per_s": gbps, "modes": res}
     if args.json:
         with open(args.json, "w") as f:

@@ -134,7 +134,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   cfg.setting_names = {{"zero.stage", "--zero-stage"},         {"zero.overlap", "--overlap"},
                        {"zero.partition", "--partition"},      {"zero.forward_prefetch", "--forward-prefetch"}, {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
                        {"zero.clip_grad_norm", "--clip-grad-norm"}, {"buckets.cap_bytes", "--bucket-mb"},
-                       {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.min_buckets", "--min-buckets"}, {"timeouts.collective", "--timeout"}};
+                       {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"}, {"buckets.min_buckets", "--min-buckets"}, {"timeouts.collective", "--timeout"}};
   libtorch::DataParallel ddp(*net, comm, opts);  // rank 0's weights on every rank from here
   Runtime& rt = ddp.runtime();
   // Two AdamW groups: weight decay on matrices and embeddings (the tied head with them), none on

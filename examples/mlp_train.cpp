@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
                                  {"zero.max_buckets_in_flight", "--max-buckets-in-flight"},
                                  {"zero.clip_grad_norm", "--clip-grad-norm"},
                                  {"precision.comm_dtype", "--comm-dtype"},
-                                 {"buckets.first_cap_bytes", "--first-bucket-mb"},
+                                 {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"},
                                  {"buckets.cap_bytes", "--bucket-mb"},
                                  {"buckets.min_buckets", "--min-buckets"},
                                  {"timeouts.collective", "--timeout"},

@@ -35,6 +35,7 @@ struct Model {
   const char* name;
   std::vector<ParamSpec> params;
   std::size_t first_cap, cap;
+  std::size_t last_cap = BucketConfig{}.last_cap_bytes;
 };
 
 // 25 parameters of uneven sizes that each close their own bucket.
@@ -46,9 +47,10 @@ std::vector<ParamSpec> uneven(int n) {
 
 // 2, 4 and 25 buckets at stages 0 and 1.
 std::vector<Model> models() {
-  return {{"2-bucket", mlp({64, 96, 96, 10}), 16 << 10, 64 << 10},
-          {"4-bucket", mlp({32, 64, 64, 64, 64, 8}), 8 << 10, 16 << 10},
-          {"25-bucket", uneven(25), 64, 64}};
+  // The last cap at each model's scale, as the first (Note [A small last bucket]).
+  return {{"3-bucket", mlp({64, 96, 96, 10}), 16 << 10, 64 << 10, 16 << 10},
+          {"5-bucket", mlp({32, 64, 64, 64, 64, 8}), 8 << 10, 16 << 10, 8 << 10},
+          {"25-bucket", uneven(25), 64, 64, 64}};
 }
 
 struct Measured {
@@ -68,6 +70,7 @@ Measured run(const Model& m, int n, int stage, Partition partition) {
     Config cfg;
     cfg.buckets.first_cap_bytes = m.first_cap;
     cfg.buckets.cap_bytes = m.cap;
+    cfg.buckets.last_cap_bytes = m.last_cap;
     cfg.zero.stage = ZeroStage(stage);
     cfg.zero.partition = partition;
     cfg.zero.overlap = Overlap::interleaved;
@@ -107,6 +110,7 @@ RunPlan plan_of(const Model& m, int n, int stage, Partition partition) {
   s.partition = partition;
   s.first_cap_bytes = m.first_cap;
   s.cap_bytes = m.cap;
+  s.last_cap_bytes = m.last_cap;
   s.state_slots = 2;  // Adam
   return make_run_plan(m.params, s);
 }
@@ -134,10 +138,10 @@ int run_cli(const std::string& args, std::string& out) {
 
 }  // namespace
 
-TEST_CASE("the test models have 2, 4 and 25 buckets at stage 1") {
+TEST_CASE("the test models have 3, 5 and 25 buckets at stage 1") {
   std::vector<std::size_t> got;
   for (const auto& m : models()) got.push_back(plan_of(m, 2, 1, Partition::flat).buckets.buckets.size());
-  CHECK(got == std::vector<std::size_t>{2, 4, 25});
+  CHECK(got == std::vector<std::size_t>{3, 5, 25});
 }
 
 TEST_CASE("plan = what the runtime builds: buckets, owners and memory, every model x world 2-4 x stage x partition") {
@@ -253,8 +257,8 @@ TEST_CASE("a parameter too large for stage 2's budget: whole buckets reduce-scat
   CHECK(s2.memory[0].grads == s1.memory[0].grads);
 }
 
-TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) at 25 MiB gets PyTorch's 2 buckets, left out the small-model default gets 5, and the plan names the rule behind each cap") {
-  const Model set{"8 x Linear(1024, 1024), 25 MiB set", mlp({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}), 1 << 20, 25 << 20};
+TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) at 25 MiB without a small last bucket gets PyTorch's 2 buckets, left out the small-model default gets 5, and the plan names the rule behind each cap") {
+  const Model set{"8 x Linear(1024, 1024), 25 MiB set", mlp({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}), 1 << 20, 25 << 20, 0};
   Model unset = set;
   unset.cap = 0;
   const RunPlan as_set = plan_of(set, 1, 0, Partition::flat), by_default = plan_of(unset, 1, 0, Partition::flat);
@@ -267,6 +271,7 @@ TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) a
   // min_buckets set beside a set cap: both hold, as the user asked.
   PlanSettings s;
   s.world = 1;
+  s.last_cap_bytes = 0;
   s.cap_bytes = std::size_t(25) << 20;
   s.min_buckets = 4;
   CHECK(make_run_plan(set.params, s).buckets.buckets.size() == 5);
@@ -276,6 +281,36 @@ TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) a
   // The runtime builds what the plan says, in both cases.
   CHECK(run(set, 1, 0, Partition::flat).buckets.size() == 2);
   CHECK(run(unset, 1, 0, Partition::flat).buckets.size() == 5);
+}
+
+TEST_CASE("a small last bucket: the layers forward needs first get a bucket of their own, in the plan and in the runtime; 0 gives PyTorch's layout") {
+  // 8 x Linear(1024, 1024) at 25 MiB, walked in reverse registration order (weight after bias):
+  // from the walk's end, layers.0.weight (4 MiB) passes the 1 MiB last cap alone, so it leaves the
+  // 25 MiB bucket before it (Note [A small last bucket]). After a rebuild the walk is the ready
+  // order, where a Linear's bias comes after its weight and joins it.
+  const Model m{"8 x Linear(1024, 1024), 25 MiB", mlp({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}), 1 << 20, 25 << 20};
+  const RunPlan p = plan_of(m, 2, 1, Partition::flat);
+  REQUIRE(p.buckets.buckets.size() == 3);
+  const auto& last = p.buckets.buckets.back();
+  std::vector<std::string> names;
+  for (const auto& e : last.entries) names.push_back(p.params[e.param].name);
+  CHECK(names == std::vector<std::string>{"layers.0.weight"});
+  CHECK(p.caps.last == std::size_t(1) << 20);
+  CHECK(p.caps.last_rule == "the default");
+  CHECK(p.describe().find("last 1.00 MiB, the default") != std::string::npos);
+  CHECK(run(m, 2, 1, Partition::flat).buckets.size() == 3);  // the runtime builds what the plan says
+  // A cap under the last cap bounds it too; a last cap as large as the model: no bucket of its own.
+  Model small = m;
+  small.cap = 512 << 10;
+  CHECK(plan_of(small, 1, 0, Partition::flat).caps.last == std::size_t(512) << 10);
+  CHECK(plan_of(small, 1, 0, Partition::flat).caps.last_rule == "the cap below it");
+  Model whole = m;
+  whole.cap = whole.last_cap = std::size_t(64) << 20;
+  CHECK(plan_of(whole, 1, 0, Partition::flat).buckets.buckets.size() == 2);
+  Model off = m;
+  off.last_cap = 0;
+  CHECK(plan_of(off, 1, 0, Partition::flat).buckets.buckets.size() == 2);
+  CHECK(plan_of(off, 1, 0, Partition::flat).caps.last_rule == "none");
 }
 
 TEST_CASE("bucket rules: each dtype's first bucket gets the first cap; buckets ordered by their first parameter walked") {

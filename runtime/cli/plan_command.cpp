@@ -52,6 +52,7 @@ RunPlan make_plan(const PlanArgs& a) {
   s.partition = parse_partition(a.partition);
   if (a.first_cap_mb) s.first_cap_bytes = mb_to_bytes(*a.first_cap_mb, "--first-bucket-cap-mb");
   if (a.cap_mb) s.cap_bytes = mb_to_bytes(*a.cap_mb, "--bucket-cap-mb");
+  if (a.last_cap_mb) s.last_cap_bytes = *a.last_cap_mb == 0.0 ? 0 : mb_to_bytes(*a.last_cap_mb, "--last-bucket-cap-mb");
   s.min_buckets = a.min_buckets;
   s.max_buckets_in_flight = a.in_flight;
   s.comm_dtype = parse_dtype(a.comm_dtype);
@@ -83,6 +84,8 @@ void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {
   auto* world = cmd.add_option("--world-size", args.world, "data-parallel ranks");
   if (required) params->required(), world->required();
   cmd.add_option("--first-bucket-cap-mb", args.first_cap_mb, "first bucket cap, MiB (default 1)");
+  cmd.add_option("--last-bucket-cap-mb", args.last_cap_mb,
+                 "the last gradients' bucket (the layers forward needs first), MiB (default 1; 0: none, PyTorch's layout)");
   cmd.add_option("--bucket-cap-mb", args.cap_mb,
                  "bucket cap, MiB, used as given (default: 25, shrunk so that a small model gets --min-buckets buckets)");
   cmd.add_option("--min-buckets", args.min_buckets,

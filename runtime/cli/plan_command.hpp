@@ -18,6 +18,7 @@ struct PlanArgs {
   std::string params;
   int world = 0;
   std::optional<double> first_cap_mb;  // unset: BucketConfig's default
+  std::optional<double> last_cap_mb;   // unset: BucketConfig's default; 0: no small last bucket
   std::optional<double> cap_mb;        // unset: the default cap (25 MiB, shrunk for small models)
   std::optional<std::size_t> min_buckets;
   int stage = 0;

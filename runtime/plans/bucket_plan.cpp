@@ -23,7 +23,7 @@ std::vector<std::uint32_t> reverse_registration_order(const std::vector<ParamSpe
 }
 
 BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order,
-                            std::size_t first_cap, std::size_t cap) {
+                            std::size_t first_cap, std::size_t cap, std::size_t last_cap) {
   std::size_t trainable = 0;
   for (const auto& p : params) trainable += p.requires_grad;
   if (order.size() != trainable)
@@ -37,13 +37,31 @@ BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vec
     seen[p] = 1;
   }
 
+  // Note [A small last bucket]: per (dtype, device), the walk position where its last bucket starts.
+  using Key = std::tuple<int, int, int>;  // (dtype, device kind, device index)
+  auto key_of = [&](std::uint32_t p) { return Key{int(params[p].dtype), int(params[p].device.kind), params[p].device.index}; };
+  std::map<Key, std::size_t> tail_start;
+  if (last_cap) {
+    std::map<Key, std::size_t> tail_bytes;
+    std::map<Key, std::size_t> first_of;
+    for (std::size_t pos = order.size(); pos-- > 0;) {
+      const Key k = key_of(order[pos]);
+      first_of[k] = pos;
+      auto& bytes = tail_bytes[k];
+      if (bytes >= last_cap) continue;
+      bytes += std::size_t(numel(params[order[pos]].shape)) * dtype_size(params[order[pos]].dtype);
+      tail_start[k] = pos;
+    }
+    for (const auto& [k, start] : first_of)
+      if (tail_start[k] == start) tail_start.erase(k);  // the whole pair: no bucket of its own
+  }
+
   struct Open {
     Bucket bucket;
     std::size_t first_pos = 0;  // walk position of its first gradient
     bool any_closed = false;    // the first-bucket cap applies until one bucket of this key closed
   };
-  // Key: (dtype, device kind, device index). std::map keeps iteration deterministic.
-  std::map<std::tuple<int, int, int>, Open> open;
+  std::map<Key, Open> open;  // std::map keeps iteration deterministic
   std::vector<std::pair<std::size_t, Bucket>> closed;
 
   auto close = [&](Open& o) {
@@ -54,8 +72,9 @@ BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vec
 
   for (std::size_t pos = 0; pos < order.size(); ++pos) {
     const ParamSpec& p = params[order[pos]];
-    auto key = std::make_tuple(int(p.dtype), int(p.device.kind), p.device.index);
+    const Key key = key_of(order[pos]);
     Open& o = open[key];
+    if (const auto t = tail_start.find(key); t != tail_start.end() && t->second == pos && !o.bucket.entries.empty()) close(o);
     if (o.bucket.entries.empty()) {
       o.bucket.dtype = p.dtype;
       o.bucket.device = p.device;

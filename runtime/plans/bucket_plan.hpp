@@ -7,6 +7,16 @@
 // reach or pass its cap; the first bucket of each pair gets the smaller first-bucket cap so the
 // first reduction starts early in backward. Buckets are numbered by the position of their first
 // gradient in the walk: that is the order collectives are issued in on every rank.
+//
+// Note [A small last bucket]
+// The mirror of the small first bucket. The gradients that come last in backward belong to the
+// layers forward needs first (the embeddings, the first block; a tied embedding's gradient
+// completes last of all). Their bucket's reduction, step and parameter sync are all that stands
+// between backward's end and the next forward's first layer, whatever the schedule: with forward
+// prefetch forward waits exactly for them, without it wait() does. So, per (dtype, device), the
+// parameters at the end of the walk whose bytes first reach the last-bucket cap form a bucket of
+// their own (at least one parameter; none when that would be every parameter of the pair). GPT of
+// examples/gpt: wte, wpe and block 0 made a last bucket of 10.2 MiB behind which forward waited.
 #pragma once
 
 #include <cstddef>
@@ -45,8 +55,9 @@ struct BucketPlan {
 };
 
 // `order` lists every registration index exactly once, in expected gradient order.
+// last_bucket_cap_bytes: Note [A small last bucket] (0: none, the walk's last bucket fills as any other).
 BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order,
-                            std::size_t first_bucket_cap_bytes, std::size_t bucket_cap_bytes);
+                            std::size_t first_bucket_cap_bytes, std::size_t bucket_cap_bytes, std::size_t last_bucket_cap_bytes = 0);
 
 std::vector<std::uint32_t> reverse_registration_order(std::size_t nparams);
 // The parameters that require a gradient (ParamSpec::requires_grad), last registered first: the

@@ -28,6 +28,7 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   s.stage = cfg.zero.stage;
   s.partition = cfg.zero.partition;
   s.first_cap_bytes = cfg.buckets.first_cap_bytes;
+  s.last_cap_bytes = cfg.buckets.last_cap_bytes;
   s.cap_bytes = cfg.buckets.cap_bytes;
   s.min_buckets = cfg.buckets.min_buckets;
   s.max_buckets_in_flight = cfg.zero.max_buckets_in_flight;
@@ -80,10 +81,17 @@ std::size_t buffer_bytes(const Bucket& b, const PlanSettings& s) {
   return ((b.numel + W - 1) / W + 15) / 16 * 16 * W * dtype_size(b.dtype);
 }
 
+// The last bucket is small (Note [A small last bucket]); never larger than the others.
+void bound_last_cap(BucketCaps& c) {
+  if (c.cap >= c.last) return;
+  c.last = c.cap;
+  c.last_rule = "the cap below it";
+}
+
 // Whether every bucket of the plan at `cap` fits `per_slot`.
 bool caps_fit(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s, std::size_t first,
               std::size_t cap, std::size_t per_slot) {
-  for (const auto& b : make_bucket_plan(params, order, std::min(first, cap), cap).buckets)
+  for (const auto& b : make_bucket_plan(params, order, std::min(first, cap), cap, std::min(s.last_cap_bytes, cap)).buckets)
     if (buffer_bytes(b, s) > per_slot) return false;
   return true;
 }
@@ -113,7 +121,7 @@ std::size_t largest_fitting_cap(const std::vector<ParamSpec>& params, const std:
 void widen_in_flight(BucketCaps& c, const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
   if (s.max_buckets_in_flight != 0) return;
   std::size_t largest_buffer = 0, buckets = 0;
-  for (const auto& b : make_bucket_plan(params, order, c.first, c.cap).buckets) {
+  for (const auto& b : c.plan(params, order).buckets) {
     largest_buffer = std::max(largest_buffer, buffer_bytes(b, s));
     ++buckets;
   }
@@ -150,6 +158,7 @@ void fit_stage2_pool(BucketCaps& c, const std::vector<ParamSpec>& params, const 
   c.cap = cap;
   if (c.cap < c.first) c.first_rule = "the cap below it";
   c.first = std::min(c.first, c.cap);
+  bound_last_cap(c);
   widen_in_flight(c, params, order, s);
 }
 
@@ -160,12 +169,19 @@ BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<s
   const bool cap_set = s.cap_bytes != 0;
   c.first = s.first_cap_bytes;
   c.first_rule = s.first_cap_bytes == BucketConfig{}.first_cap_bytes ? "the default" : "as set";
+  c.last = s.last_cap_bytes;
+  c.last_rule = s.last_cap_bytes == 0 ? "none" : s.last_cap_bytes == BucketConfig{}.last_cap_bytes ? "the default" : "as set";
   c.cap = cap_set ? s.cap_bytes : kDefaultBucketCapBytes;
   c.cap_rule = cap_set ? "as set" : "the default";
   const auto t = trainable_bytes(params);
   apply_min_buckets(c, t.total, s);
+  bound_last_cap(c);
   if (sharded(s) && s.stage == ZeroStage::gradients) fit_stage2_pool(c, params, order, s, t);
   return c;
+}
+
+BucketPlan BucketCaps::plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order) const {
+  return make_bucket_plan(params, order, first, cap, last);
 }
 
 RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& plan, const ShardPlan& shard,
@@ -203,7 +219,7 @@ RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
   rp.settings = s;
   const auto order = reverse_registration_order(params);
   rp.caps = bucket_caps(params, order, s);
-  rp.buckets = make_bucket_plan(params, order, rp.caps.first, rp.caps.cap);
+  rp.buckets = rp.caps.plan(params, order);
   for (int r = 0; r < s.world; ++r) {
     rp.shards.push_back(make_shard_plan(rp.buckets, params, s.partition, s.world, r, sharded(s)));
     rp.memory.push_back(plan_memory(params, rp.buckets, rp.shards.back(), s, rp.caps));
@@ -282,7 +298,8 @@ std::string RunPlan::to_json() const {
   j["world_size"] = settings.world;
   j["zero_stage"] = int(settings.stage);
   j["partition"] = partition_name(settings.partition);
-  j["bucket_caps"] = {{"first", caps.first}, {"first_rule", caps.first_rule}, {"cap", caps.cap}, {"cap_rule", caps.cap_rule}, {"pooled", caps.pooled}};
+  j["bucket_caps"] = {{"first", caps.first}, {"first_rule", caps.first_rule}, {"cap", caps.cap}, {"cap_rule", caps.cap_rule},
+                      {"last", caps.last},   {"last_rule", caps.last_rule},   {"pooled", caps.pooled}};
   if (!caps.warning.empty()) j["warning"] = caps.warning;
   auto buckets_j = nlohmann::ordered_json::array();
   for (const auto& b : buckets.buckets) {
@@ -304,7 +321,7 @@ std::string RunPlan::describe() const {
   std::string s = "world " + std::to_string(settings.world) + ", ZeRO stage " + std::to_string(int(settings.stage)) + ", " +
                   partition_name(settings.partition) + " partition, " + std::to_string(params.size()) + " parameters in " +
                   std::to_string(buckets.buckets.size()) + " bucket(s) (caps: first " + mib(caps.first) + ", " + caps.first_rule +
-                  "; then " + mib(caps.cap) + ", " + caps.cap_rule + ")\n";
+                  "; then " + mib(caps.cap) + ", " + caps.cap_rule + "; last " + (caps.last ? mib(caps.last) + ", " : "") + caps.last_rule + ")\n";
   if (!caps.warning.empty()) s += "note: " + caps.warning + "\n";
   s += "\nbuckets, in reduce order:\n";
   for (const auto& b : buckets.buckets) {

@@ -56,6 +56,7 @@ struct PlanSettings {
   ZeroStage stage = ZeroStage::ddp;
   Partition partition = Partition::flat;
   std::size_t first_cap_bytes = BucketConfig{}.first_cap_bytes;
+  std::size_t last_cap_bytes = BucketConfig{}.last_cap_bytes;  // 0: no small last bucket
   std::size_t cap_bytes = 0;                  // 0: the default, kDefaultBucketCapBytes (BucketConfig::cap_bytes)
   std::optional<std::size_t> min_buckets;     // unset: kDefaultMinBuckets with the default cap, none with a set one
   std::size_t max_buckets_in_flight = 0;  // 0: the stage-2 default
@@ -75,9 +76,12 @@ struct PlanSettings {
 // configured otherwise. `pooled`: whether stage 2 holds buckets only while in flight.
 struct BucketCaps {
   std::size_t first = 0, cap = 0;
+  std::size_t last = 0;  // Note [A small last bucket] (0: none); never above `cap`
   // Which rule set each cap, for `shardflow plan` and the runtime's log: "as set", "the default",
   // "min_buckets 4: 32.03 MiB / 4", "stage 2's in-flight budget".
-  std::string first_rule, cap_rule;
+  std::string first_rule, cap_rule, last_rule;
+  // The buckets these caps make of `params` walked in `order`.
+  BucketPlan plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order) const;
   bool pooled = false;
   std::size_t grads_in_flight = 0;  // gradient buffers held at once (pooled)
   std::size_t budget = 0;           // stage 2: bytes the buckets in flight may take

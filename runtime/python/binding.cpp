@@ -152,6 +152,7 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   if (bucket_cap_mb > 0) {
     o.config.buckets.cap_bytes = std::max<std::size_t>(1, std::size_t(bucket_cap_mb * 1048576.0));
     o.config.buckets.first_cap_bytes = std::min(o.config.buckets.first_cap_bytes, o.config.buckets.cap_bytes);
+    o.config.buckets.last_cap_bytes = std::min(o.config.buckets.last_cap_bytes, o.config.buckets.cap_bytes);
   }
   o.config.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
   o.config.trace.path = trace;

@@ -61,15 +61,16 @@ void Runtime::Impl::ensure_finalized() {
   touched.assign(n, 0);
   order.assign(n, 0);
   install_plan(make_plan(reverse_registration_order(registry.params())), 0);
-  log->info("{} parameters in {} bucket(s) on backend {} (world {}); caps: first {} bytes ({}), then {} bytes ({})\n{}", n,
-            plan.buckets.size(), comm->backend_name(), world, caps.first, caps.first_rule, caps.cap, caps.cap_rule, plan.describe());
+  log->info("{} parameters in {} bucket(s) on backend {} (world {}); caps: first {} bytes ({}), then {} bytes ({}), last {} bytes ({})\n{}", n,
+            plan.buckets.size(), comm->backend_name(), world, caps.first, caps.first_rule, caps.cap, caps.cap_rule, caps.last, caps.last_rule,
+            plan.describe());
   finalized.store(true, std::memory_order_release);
 }
 
 BucketPlan Runtime::Impl::make_plan(const std::vector<std::uint32_t>& order) {
   caps = bucket_caps(registry.params(), order, PlanSettings::from(cfg, world, groups ? groups->state_slots() : 0, groups != nullptr));
   if (!caps.warning.empty() && rank == 0) log->info("{}", caps.warning);
-  return make_bucket_plan(registry.params(), order, caps.first, caps.cap);
+  return caps.plan(registry.params(), order);
 }
 
 void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration) {

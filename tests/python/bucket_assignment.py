@@ -1,4 +1,6 @@
-"""`shardflow plan --bucket-cap-mb C --first-bucket-cap-mb F` makes the buckets PyTorch's DDP makes.
+"""`shardflow plan --bucket-cap-mb C --first-bucket-cap-mb F --last-bucket-cap-mb 0` makes the buckets PyTorch's DDP makes.
+
+(PyTorch has no small last bucket: Note [A small last bucket]; --last-bucket-cap-mb 0 turns it off.)
 
 PyTorch's DDP assigns buckets with torch.distributed._compute_bucket_assignment_by_size, walking
 the parameters in the order their gradients are expected (reverse registration before the first
@@ -57,7 +59,7 @@ def shardflow_buckets(cli, workdir, params, first_mb, cap_mb):
     path = os.path.join(workdir, "model.json")
     with open(path, "w") as f:
         json.dump([{"name": n, "shape": s, "dtype": d} for n, s, d in params], f)
-    cmd = [cli, "plan", "--params", path, "--world-size", "1", "--json"]
+    cmd = [cli, "plan", "--params", path, "--world-size", "1", "--json", "--last-bucket-cap-mb", "0"]
     if first_mb is not None:
         cmd += ["--first-bucket-cap-mb", repr(first_mb)]
     if cap_mb is not None:

@@ -24,10 +24,11 @@ inline std::string scratch(const std::string& suite, const std::string& name) {
 }
 
 // The MLP flags every scenario shares: small, a few steps, AdamW (state that must be sharded right).
+// Its buckets are pinned (no small last bucket either): the faults count collectives per step.
 inline std::vector<std::string> mlp_args(int zero_stage) {
   return {"--sizes", "24,40,40,6", "--steps", "6", "--global-batch", "12", "--optimizer", "adamw", "--lr", "0.01",
           "--zero-stage", std::to_string(zero_stage), "--overlap", zero_stage ? "interleaved" : "none", "--first-bucket-mb",
-          "0.004", "--bucket-mb", "0.004", "--quiet", "--timeout", "20"};
+          "0.004", "--bucket-mb", "0.004", "--last-bucket-mb", "0", "--quiet", "--timeout", "20"};
 }
 
 // Replaces the value that follows `flag` in `args`.

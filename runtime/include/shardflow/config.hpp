@@ -52,6 +52,11 @@ struct BucketConfig {
   // early in backward; the rest are large so that per-collective latency is amortised. A bucket
   // closes as soon as its byte size reaches or passes its cap.
   std::size_t first_cap_bytes = std::size_t{1} << 20;  // 1 MiB
+  // The mirror: the gradients that come last (the layers the next forward needs first: embeddings,
+  // first block, a tied embedding) get a small bucket of their own, so that what stands between
+  // backward's end and forward's first layer (that bucket's reduction, step and sync) is short
+  // (Note [A small last bucket]). 0: none, the last bucket fills like any other (PyTorch's DDP).
+  std::size_t last_cap_bytes = std::size_t{1} << 20;  // 1 MiB
   // 0 (default): 25 MiB, shrunk for small models by min_buckets. A cap you set is used as given,
   // as PyTorch's bucket_cap_mb is (`shardflow plan` says which rule set each cap).
   std::size_t cap_bytes = 0;
