@@ -271,6 +271,12 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow ZeRO-1 interleaved": ["--zero-stage", "1", "--overlap", "interleaved"],
     "shardflow ZeRO-1 interleaved + prefetch": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch"],
     "shardflow ZeRO-2 interleaved + prefetch": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
+    "shardflow ZeRO-2 interleaved": ["--zero-stage", "2", "--overlap", "interleaved"],
+    # Issue 47: without the small last bucket (Note [A small last bucket]), PyTorch's layout.
+    "shardflow ZeRO-1 interleaved + prefetch, no small last bucket": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch",
+                                                                      "--last-bucket-mb", "0"],
+    "shardflow ZeRO-2 interleaved + prefetch, no small last bucket": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
+                                                                      "--last-bucket-mb", "0"],
     # Several ranks a host (issue 34): the two levels, shm inside a host and Gloo between hosts.
     "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
@@ -309,13 +315,24 @@ def gpt_python_cmd(build, world, flags, init):
 
 def gpt_shardflow_row(build, per_host, flags, trace=None, init=None):
     backend = [] if "--backend" in flags else ["--backend", "gloo"]
+    stats = None
     if "--python" in flags:
         prog = gpt_python_cmd(build, 2 * per_host, [*backend, *(f for f in flags if f != "--python")], init)
     else:
-        prog = gpt_cmd(build, 2 * per_host, [*backend, *flags] + (["--trace", trace] if trace else []),
+        stats = tempfile.mktemp(prefix="gpt_stats_", suffix=".json")
+        prog = gpt_cmd(build, 2 * per_host, [*backend, *flags, "--stats-json", stats] + (["--trace", trace] if trace else []),
                        steps=GPT_STEPS + (4 if trace else 0))
     outs = run_both([launcher(build, h, n, 2, per_host, prog) for h, n in (("a", 0), ("b", 1))], "gpt_train " + " ".join(flags))
-    return median_step(outs)
+    step = median_step(outs)
+    if stats and os.path.exists(stats):
+        # The run's own bound (Note [The iteration's bound]), rank 0's median, beside its median step.
+        with open(stats) as f:
+            median = json.load(f)["median"]
+        os.remove(stats)
+        if median.get("bound_ms"):
+            print("    %s: step %.1f ms, iteration %.1f ms, bound %.1f ms, iteration / bound %.3f" %
+                  (" ".join(flags), step, median["iteration_ms"], median["bound_ms"], median["iteration_ms"] / median["bound_ms"]), flush=True)
+    return step
 
 
 def gpt_torch_row(per_host, zero, init, data, tmp):

@@ -19,20 +19,19 @@
 // buckets just rebuilt, its pages and the optimizer's state touched for the first time (16 x
 // Linear(512, 512), world 2: 91 ms against 28 ms from the fourth on, its replay 152 ms). Its
 // times made K look as if backward left the link idle: 14 of 17 syncs went into backward where
-// none was best (ZeRO-2, link/compute 1: 31.2 ms against 28.6 ms). So the automatic K is chosen
-// again, once, on the times of the kPrefetchSettleIterations-th iteration after, observed the same
-// way (waits left out); the actors are restarted only if the order or K changed.
+// none was best (ZeRO-2, link/compute 1: 31.2 ms against 28.6 ms). The interleave lag, chosen on
+// the first iteration, fared the same: 4 runs of that case without prefetch chose lag 0 three
+// times (40-41 ms an iteration) and lag 4 once (31 ms). So each automatic choice is made again,
+// once, on the fifth iteration's times (kLagSettleIterations, kPrefetchSettleIterations), measured
+// the same way (waits left out); the actors restart only if the choice changed. Prefetching, that
+// iteration first waits for its syncs, as wait() without prefetch does: the choice's broadcast
+// must not go out among them.
 #include "runtime/rank/runtime_impl.hpp"
 #include "runtime/overlap/overlap_state.hpp"
 
 #include "runtime/plans/prefetch_model.hpp"
 
 namespace shardflow {
-
-namespace {
-// Note [Choosing on a settled iteration]: the third iteration with prefetch is measured again.
-constexpr std::uint64_t kPrefetchSettleIterations = 3;
-}  // namespace
 
 void Runtime::Impl::establish_sync_order() {
   std::vector<std::uint32_t> order;

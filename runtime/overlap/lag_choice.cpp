@@ -7,9 +7,15 @@
 namespace shardflow {
 
 void Runtime::Impl::choose_interleave_lag() {
-  if (overlap->lag.chosen) return;
+  const bool again = overlap->lag.chosen && overlap->lag.recheck_after == iterations;  // Note [Choosing on a settled iteration]
+  if (overlap->lag.chosen && !again) return;
   overlap->lag.chosen = true;
   if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return;
+  overlap->lag.recheck_after = again ? ~std::uint64_t{0} : iterations + kLagSettleIterations;
+  if (again && prefetching()) {
+    await_iterations(passes_handed);  // this pass's syncs are still on their way: the broadcast must not go out among them
+    shard->join_compute();
+  }
   auto& st = timeline->stats();
   const auto open = st.open_window();
   const std::size_t B = plan.buckets.size();
@@ -24,8 +30,9 @@ void Runtime::Impl::choose_interleave_lag() {
   std::uint32_t chosen = std::uint32_t(shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0,
                                                                         B ? open.sync_ms / double(B) : 0, open.step_chain_ms, max_lag));
   control_collective(CollectiveKind::broadcast, &chosen, 1, "interleave lag");  // rank 0's choice: every rank issues the same order
-  log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}", chosen,
-            chosen ? " (the step and its hops take longer than the gradients leave between reductions)" : "");
+  log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}{}", chosen,
+            chosen ? " (the step and its hops take longer than the gradients leave between reductions)" : "",
+            again ? (chosen == overlap->lag.lag ? " (kept on steady times)" : " (chosen again on steady times)") : "");
   if (chosen == overlap->lag.lag) return;
   overlap->lag.lag = chosen;
   stop_actors();

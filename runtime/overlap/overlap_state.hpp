@@ -35,16 +35,26 @@ struct ForwardPrefetchState {
   }
 };
 
+// Note [Choosing on a settled iteration] (forward_prefetch.cpp): both automatic choices are made
+// once more on the fifth iteration of a plan, the lag kLagSettleIterations after its first choice
+// and the syncs in backward kPrefetchSettleIterations after theirs (made on the second).
+inline constexpr std::uint64_t kLagSettleIterations = 4;
+inline constexpr std::uint64_t kPrefetchSettleIterations = 3;
+
 // Note [Choosing the interleave lag] (lag_choice.cpp): bucket b's sync goes after the reduction
 // of b + lag. Config's, or 0 until chosen after the first iteration.
 struct InterleaveLagState {
   std::size_t lag = 0;
   bool chosen = false;
+  std::uint64_t recheck_after = ~std::uint64_t{0};  // the iteration at whose end it is chosen again (~0: none)
   explicit InterleaveLagState(const Config& cfg)
       : lag(cfg.zero.interleave_lag >= 0 ? std::size_t(cfg.zero.interleave_lag) : 0), chosen(cfg.zero.interleave_lag >= 0) {}
   InterleaveLagState() = default;
   // A new plan: chosen again after its first iteration, unless the Config fixed it.
-  void forget(const Config& cfg) { chosen = cfg.zero.interleave_lag >= 0; }
+  void forget(const Config& cfg) {
+    chosen = cfg.zero.interleave_lag >= 0;
+    recheck_after = ~std::uint64_t{0};
+  }
 };
 
 // All of the folder's state. Runtime::Impl holds it through a pointer (`overlap`, made by
