@@ -11,6 +11,7 @@ Beside each, the run's own bound (median of stats' bound_ms, Note [The iteration
 shortest iteration any schedule could reach with that run's measured times) and T_iter / bound.
 
     python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3] [--modes a,b] [--baseline OLD_BUILD]
+                                  [--optimizer adamw|sgd]
 
 --baseline runs every mode on a second build too, in the same rounds (A B A B), on the link solved
 from --build's compute time, and prints both with their ratio new/old.
@@ -29,10 +30,13 @@ MODES = {"none": ["--overlap", "none"], "after_backward": ["--overlap", "after_b
          "interleaved": ["--overlap", "interleaved"], "interleaved + prefetch": ["--overlap", "interleaved", "--forward-prefetch"]}
 
 
+OPTIMIZER = "adamw"
+
+
 def run(build, stage, flags, tmp, steps):
     stats = os.path.join(tmp, "stats.json")
     cmd = [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join([str(WIDTH)] * (LAYERS + 1)), "--steps", str(steps),
-           "--global-batch", str(BATCH), "--world-size", str(WORLD), "--optimizer", "adamw", "--lr", "1e-3",
+           "--global-batch", str(BATCH), "--world-size", str(WORLD), "--optimizer", OPTIMIZER, "--lr", "1e-3",
            "--zero-stage", str(stage), "--first-bucket-mb", "1", "--bucket-mb", "1", "--stats-json", stats, *flags]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
@@ -64,7 +68,10 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--baseline", help="a second build (the tree before a change) run in the same rounds")
+    ap.add_argument("--optimizer", default="adamw", help="mlp_train's --optimizer (sgd: a step that costs almost nothing)")
     args = ap.parse_args()
+    global OPTIMIZER
+    OPTIMIZER = args.optimizer
     build = os.path.abspath(args.build)
     modes = {m: MODES[m] for m in args.modes.split(",")}
     builds = {"": build} if not args.baseline else {"old ": os.path.abspath(args.baseline), "new ": build}
