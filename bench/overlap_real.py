@@ -30,13 +30,10 @@ MODES = {"none": ["--overlap", "none"], "after_backward": ["--overlap", "after_b
          "interleaved": ["--overlap", "interleaved"], "interleaved + prefetch": ["--overlap", "interleaved", "--forward-prefetch"]}
 
 
-OPTIMIZER = "adamw"
-
-
-def run(build, stage, flags, tmp, steps):
+def run(build, stage, flags, tmp, steps, optimizer):
     stats = os.path.join(tmp, "stats.json")
     cmd = [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join([str(WIDTH)] * (LAYERS + 1)), "--steps", str(steps),
-           "--global-batch", str(BATCH), "--world-size", str(WORLD), "--optimizer", OPTIMIZER, "--lr", "1e-3",
+           "--global-batch", str(BATCH), "--world-size", str(WORLD), "--optimizer", optimizer, "--lr", "1e-3",
            "--zero-stage", str(stage), "--first-bucket-mb", "1", "--bucket-mb", "1", "--stats-json", stats, *flags]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
@@ -70,15 +67,13 @@ def main():
     ap.add_argument("--baseline", help="a second build (the tree before a change) run in the same rounds")
     ap.add_argument("--optimizer", default="adamw", help="mlp_train's --optimizer (sgd: a step that costs almost nothing)")
     args = ap.parse_args()
-    global OPTIMIZER
-    OPTIMIZER = args.optimizer
     build = os.path.abspath(args.build)
     modes = {m: MODES[m] for m in args.modes.split(",")}
     builds = {"": build} if not args.baseline else {"old ": os.path.abspath(args.baseline), "new ": build}
     ratios = [float(r) for r in args.ratios.split(",")]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        comp = [run(build, args.stage, ["--overlap", "interleaved"], tmp, args.steps)[0] for _ in range(args.reps)]
+        comp = [run(build, args.stage, ["--overlap", "interleaved"], tmp, args.steps, args.optimizer)[0] for _ in range(args.reps)]
         t_comp = statistics.median(comp)
         print("compute alone (in-process backend, no link): %.2f ms (%s)" % (t_comp, ", ".join("%.2f" % c for c in comp)), flush=True)
         for ratio in ratios:
@@ -92,7 +87,7 @@ def main():
             for _ in range(args.reps):
                 for m, flags in modes.items():
                     for b, path in builds.items():
-                        runs[b + m].append(run(path, args.stage, sim + flags, tmp, args.steps))
+                        runs[b + m].append(run(path, args.stage, sim + flags, tmp, args.steps, args.optimizer))
             print("\nlink/compute %.1f: link %.2f GB/s, T_comm %.2f ms" % (ratio, gbps, t_comm), flush=True)
             res = {}
             for m, v in runs.items():

@@ -95,12 +95,14 @@ TEST_CASE("forward prefetch, automatic K: chosen on the second iteration, chosen
   CHECK(got[1] == reference[1]);
   CHECK(order_choices(automatic) == std::vector<std::int64_t>{1, 4});
   std::remove(automatic.c_str());
+}
 
-  SUBCASE("a K the Config fixed is not chosen again") {
-    const std::string fixed = "/tmp/shardflow_prefetch_fixed_" + std::to_string(::getpid()) + ".json";
-    const auto kept = train(true, 3, 1, iterations, fixed);
-    CHECK(kept[0] == reference[0]);
-    CHECK(order_choices(fixed) == std::vector<std::int64_t>{1});
-    std::remove(fixed.c_str());
-  }
+TEST_CASE("forward prefetch, a K the Config fixed: chosen on the second iteration only, and the run ends bit for bit where no prefetch ends") {
+  const int iterations = 9;
+  const auto reference = train(false, -1, 1, iterations);
+  const std::string fixed = "/tmp/shardflow_prefetch_fixed_" + std::to_string(::getpid()) + ".json";
+  const auto kept = train(true, 3, 1, iterations, fixed);
+  CHECK(kept[0] == reference[0]);
+  CHECK(order_choices(fixed) == std::vector<std::int64_t>{1});
+  std::remove(fixed.c_str());
 }

@@ -43,13 +43,7 @@ void Runtime::Impl::establish_sync_order() {
     asked = overlap->prefetch.asked_us;
   }
   const bool again = overlap->prefetch.active;
-  if (again) {
-    // Prefetching, this pass's syncs are still on their way: the broadcast below must not go out
-    // among them (every rank would issue them in its own order), and the actors stop only between
-    // complete iterations. So this one iteration waits as wait() without prefetch does.
-    await_iterations(passes_handed);
-    if (shard) shard->join_compute();
-  }
+  if (again) complete_prefetched_pass();
   const std::size_t early = choose_early_syncs(order, asked);
   const std::size_t B = plan.buckets.size();
   order = complete_forward_order(std::move(order), B);

@@ -12,10 +12,7 @@ void Runtime::Impl::choose_interleave_lag() {
   overlap->lag.chosen = true;
   if (cfg.zero.overlap != Overlap::interleaved || !shard || !shard->syncs()) return;
   overlap->lag.recheck_after = again ? ~std::uint64_t{0} : iterations + kLagSettleIterations;
-  if (again && prefetching()) {
-    await_iterations(passes_handed);  // this pass's syncs are still on their way: the broadcast must not go out among them
-    shard->join_compute();
-  }
+  if (again) complete_prefetched_pass();
   auto& st = timeline->stats();
   const auto open = st.open_window();
   const std::size_t B = plan.buckets.size();

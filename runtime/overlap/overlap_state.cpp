@@ -12,4 +12,15 @@ void Runtime::Impl::forget_overlap_choices() {
   overlap->lag.forget(cfg);
 }
 
+// Note [Choosing on a settled iteration]: prefetching, this pass's syncs are still on their way.
+// A choice's broadcast must not go out among them (every rank would issue them in its own order),
+// and the actors stop only between complete iterations, so the iteration that chooses again waits
+// as wait() without prefetch does (the compute stream following the updates too). Once complete,
+// a second call returns at once.
+void Runtime::Impl::complete_prefetched_pass() {
+  if (!prefetching()) return;
+  await_iterations(passes_handed);
+  if (shard) shard->join_compute();
+}
+
 }  // namespace shardflow

@@ -43,17 +43,13 @@ BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vec
   std::map<Key, std::size_t> tail_start;
   if (last_cap) {
     std::map<Key, std::size_t> tail_bytes;
-    std::map<Key, std::size_t> first_of;
     for (std::size_t pos = order.size(); pos-- > 0;) {
       const Key k = key_of(order[pos]);
-      first_of[k] = pos;
       auto& bytes = tail_bytes[k];
       if (bytes >= last_cap) continue;
       bytes += std::size_t(numel(params[order[pos]].shape)) * dtype_size(params[order[pos]].dtype);
       tail_start[k] = pos;
     }
-    for (const auto& [k, start] : first_of)
-      if (tail_start[k] == start) tail_start.erase(k);  // the whole pair: no bucket of its own
   }
 
   struct Open {
@@ -74,6 +70,7 @@ BucketPlan make_bucket_plan(const std::vector<ParamSpec>& params, const std::vec
     const ParamSpec& p = params[order[pos]];
     const Key key = key_of(order[pos]);
     Open& o = open[key];
+    // The tail closes the bucket before it; a tail that is every parameter of the pair finds none open.
     if (const auto t = tail_start.find(key); t != tail_start.end() && t->second == pos && !o.bucket.entries.empty()) close(o);
     if (o.bucket.entries.empty()) {
       o.bucket.dtype = p.dtype;

@@ -248,6 +248,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   const std::vector<std::uint32_t>& sync_order() const;
   // A new trainable set: the prefetch order and the interleave lag are measured again.
   void forget_overlap_choices();  // overlap/overlap_state.cpp
+  void complete_prefetched_pass();  // overlap/overlap_state.cpp: before a choice is made again
 
   // ---- overlap/iteration_schedule.cpp: Note [Collective schedule] ---------------------------------------
   // The iteration's collectives in the order every rank issues them, from the overlap choices.
