@@ -14,6 +14,7 @@ packages=(
   pybind11-dev python3-dev  # shardflow.torch, the Python module (runtime/python)
   python3-torch    # its tests, and the cross-checks against PyTorch (1.13, the same libtorch)
   fortunes         # gpt_train's English text (/usr/share/games/fortunes), converted at build time
+  etcd-server etcd-client  # the store on etcd (--rdzv-backend etcd): its scenarios start a real cluster
   iproute2  # the two-host test: network namespaces and a veth link
   pkgconf   # the install test builds a consumer with pkg-config
   openmpi-bin  # jobs started by mpirun (tests/run_mpirun.sh)

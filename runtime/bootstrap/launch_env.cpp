@@ -82,6 +82,33 @@ long store_port_beside_agent(long master_port, const std::string& run_id) {
   return kLow + long(h % std::uint64_t(first_ephemeral - kLow));
 }
 
+// SHARDFLOW_RDZV_BACKEND: tcp (the default) or etcd, with its endpoints, user and key root.
+template <class Bad>
+void read_etcd(const Env& env, LaunchEnv& e, const Bad& bad) {
+  const std::string backend = env.str("SHARDFLOW_RDZV_BACKEND", "tcp");
+  if (backend == "tcp") {
+    if (env.has("SHARDFLOW_RDZV_ENDPOINTS")) bad("SHARDFLOW_RDZV_ENDPOINTS is set but SHARDFLOW_RDZV_BACKEND is not etcd");
+    return;
+  }
+  if (backend != "etcd") bad("SHARDFLOW_RDZV_BACKEND='" + backend + "': expected tcp or etcd");
+  std::string list = env.str("SHARDFLOW_RDZV_ENDPOINTS");
+  for (std::size_t start = 0; start <= list.size();) {
+    const std::size_t comma = std::min(list.find(',', start), list.size());
+    if (comma > start) e.etcd_endpoints.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  if (e.etcd_endpoints.empty()) bad("SHARDFLOW_RDZV_BACKEND=etcd needs SHARDFLOW_RDZV_ENDPOINTS=host:2379[,host:2379...]");
+  e.etcd_user = env.str("SHARDFLOW_ETCD_USER", "shardflow");
+  const std::string run = env.str("SHARDFLOW_RUN_ID", env.str("TORCHELASTIC_RUN_ID", env.str("SLURM_JOB_ID")));
+  if (env.has("SHARDFLOW_ETCD_ROOT"))
+    e.etcd_root = env.str("SHARDFLOW_ETCD_ROOT");
+  else if (!run.empty())
+    e.etcd_root = "/shardflow/" + run + "/";
+  else
+    bad("the etcd store needs a run id of its own (SHARDFLOW_RUN_ID, or SHARDFLOW_ETCD_ROOT): etcd keeps an earlier job's keys");
+  if (e.etcd_root.back() != '/') e.etcd_root += '/';
+}
+
 }  // namespace
 
 LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& getenv) {
@@ -137,6 +164,7 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
   if (e.store_hosted && !env.has("SHARDFLOW_STORE_TOKEN"))
     bad("SHARDFLOW_STORE_HOSTED=1 but SHARDFLOW_STORE_TOKEN is not set: start the job with `shardflow run`");
   e.store_port = std::uint16_t(env.integer("SHARDFLOW_STORE_PORT", port, 1, 65535));
+  read_etcd(env, e, bad);
   // Note [Restarting the worker group]: shardflow run's generation, else torchrun's.
   e.restart_count = int(env.integer(env.has("SHARDFLOW_RESTART_COUNT") ? "SHARDFLOW_RESTART_COUNT" : "TORCHELASTIC_RESTART_COUNT", 0, 0,
                                     1 << 20));
@@ -148,9 +176,14 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
 }
 
 std::string LaunchEnv::describe() const {
+  std::string store = "store " + master_addr + ":" + std::to_string(store_port) + (store_hosted ? " served by the launcher" : " served by rank 0");
+  if (!etcd_endpoints.empty()) {
+    store = "store on etcd at ";
+    for (std::size_t i = 0; i < etcd_endpoints.size(); ++i) store += (i ? "," : "") + etcd_endpoints[i];
+    store += " under " + etcd_root;
+  }
   return "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " (local " + std::to_string(local_rank) +
-         " of " + std::to_string(local_world_size) + ", from " + source + "; store " + master_addr + ":" +
-         std::to_string(store_port) + (store_hosted ? " served by the launcher" : " served by rank 0") + ")";
+         " of " + std::to_string(local_world_size) + ", from " + source + "; " + store + ")";
 }
 
 std::string LaunchEnv::socket_bind_address() const {

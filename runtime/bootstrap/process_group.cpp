@@ -60,7 +60,7 @@ std::string choose_backend(const LaunchEnv& env, const ProcessGroupOptions& o) {
 // Rank 0 serves the rendezvous store unless the launcher does; `store_host` is where it listens.
 std::unique_ptr<TcpStoreServer> serve_store(const LaunchEnv& env, std::string& store_host) {
   store_host = env.master_addr;
-  if (env.store_hosted || env.rank != 0) return nullptr;
+  if (env.store_hosted || env.rank != 0 || !env.etcd_endpoints.empty()) return nullptr;
   StoreServerOptions so;
   so.host = net::store_bind_address({env.socket_address, env.socket_ifname, env.socket_origin}, env.master_addr, env.single_host());
   so.port = env.store_port;
@@ -78,10 +78,10 @@ std::unique_ptr<TcpStoreServer> serve_store(const LaunchEnv& env, std::string& s
 
 // Every rank asked for the same backend and world, and auto chose alike (hosts with different
 // numbers of ranks would choose differently): MismatchError naming both otherwise.
-void agree_on_backend(const LaunchEnv& env, const ProcessGroupOptions& o, const std::string& backend, const std::string& store_host,
+void agree_on_backend(const LaunchEnv& env, const ProcessGroupOptions& o, const std::string& backend, const StoreRendezvous& where,
                       const std::string& prefix) {
-  TcpStoreClient client(store_host, env.store_port, env.token, o.timeout);
-  PrefixStore store(client, prefix);
+  const auto client = connect_store(where);
+  PrefixStore store(*client, prefix);
   store.set("backend/" + std::to_string(env.rank), o.backend + " (" + backend + ") " + std::to_string(env.world_size));
   const std::string mine = store.get("backend/" + std::to_string(env.rank));
   const std::string root = store.get("backend/0");
@@ -144,15 +144,18 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   // The store outlives a restarted worker group: each generation's keys are its own (Note
   // [Restarting the worker group]).
   const std::string prefix = "g" + std::to_string(env.restart_count) + "/pg" + std::to_string(groups_created++) + "/";
-  agree_on_backend(env, o, backend, store_host, prefix);
   StoreRendezvous where;
   where.rank = env.rank;
   where.world_size = env.world_size;
   where.store_host = store_host;
   where.store_port = env.store_port;
+  where.etcd_endpoints = env.etcd_endpoints;
+  where.etcd_user = env.etcd_user;
+  where.etcd_root = env.etcd_root;
   where.token = env.token;
-  where.key_prefix = prefix + backend + "/";
   where.timeout = o.timeout;
+  agree_on_backend(env, o, backend, where, prefix);
+  where.key_prefix = prefix + backend + "/";
   return std::make_shared<GroupComm>(std::move(server), make_backend(backend, env, where, prefix));
 }
 

@@ -146,4 +146,6 @@ bool TcpStoreClient::remove(const std::string& key) {
 
 void TcpStoreClient::set_timeout(std::chrono::milliseconds timeout) { impl_->timeout = timeout; }
 
+std::string TcpStoreClient::where() const { return "store at " + impl_->where; }
+
 }  // namespace shardflow

@@ -29,7 +29,7 @@ namespace {
 // Gloo's rendezvous on the shardflow store.
 class StoreAdapter final : public gloo::rendezvous::Store {
  public:
-  StoreAdapter(std::unique_ptr<TcpStoreClient> client, std::string prefix, std::chrono::milliseconds timeout)
+  StoreAdapter(std::unique_ptr<shardflow::Store> client, std::string prefix, std::chrono::milliseconds timeout)
       : client_(std::move(client)), prefix_(std::move(prefix)), timeout_(timeout) {}
   void set(const std::string& key, const std::vector<char>& data) override {
     client_->set(prefix_ + key, std::string(data.begin(), data.end()));
@@ -46,7 +46,7 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   }
 
  private:
-  std::unique_ptr<TcpStoreClient> client_;
+  std::unique_ptr<shardflow::Store> client_;
   std::string prefix_;
   std::chrono::milliseconds timeout_;
 };
@@ -74,7 +74,7 @@ class GlooComm final : public Communicator {
       : rank_(o.rank), world_(o.world_size), timeout_(o.timeout), stream_([this](const CollectiveOp& op) { execute(op); }) {
     if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
       throw UsageError("gloo: rank " + std::to_string(o.rank) + " is outside world size " + std::to_string(o.world_size));
-    auto client = std::make_unique<TcpStoreClient>(o.store_host, o.store_port, o.token, o.timeout);
+    auto client = connect_store(o);
     StoreAdapter store(std::move(client), o.key_prefix, o.timeout);
     gloo::transport::tcp::attr attr;
     attr.hostname = o.hostname;

@@ -55,8 +55,8 @@ class NcclComm final : public DeviceComm {
     // Rank 0 makes the id; everyone reads it from the store (bounded by the store's timeout).
     ncclUniqueId id{};
     {
-      TcpStoreClient client(o.store_host, o.store_port, o.token, o.timeout);
-      PrefixStore store(client, o.key_prefix);
+      const auto client = connect_store(o);
+      PrefixStore store(*client, o.key_prefix);
       if (o.rank == 0) {
         check(ncclGetUniqueId(&id), "ncclGetUniqueId");
         store.set("unique_id", std::string(reinterpret_cast<const char*>(&id), sizeof(id)));

@@ -161,8 +161,8 @@ class ShmComm final : public Communicator {
 
  private:
   std::unique_ptr<Segment> rendezvous(const ShmOptions& o) {
-    TcpStoreClient client(o.store_host, o.store_port, o.token, o.timeout);
-    PrefixStore store(client, o.key_prefix);
+    const auto client = connect_store(o);
+    PrefixStore store(*client, o.key_prefix);
     const std::string me = host_identity();
     const std::size_t staging = round_up(o.staging_bytes, 4096);
     const std::size_t staging_offset = round_up(sizeof(Header) + sizeof(RankSlot) * std::size_t(n_), 4096);

@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "shardflow/communicator.hpp"
 
@@ -33,6 +34,15 @@ struct LaunchEnv {
   std::uint16_t store_port = 0;   // where the store listens (Note [Who runs the store])
   bool store_hosted = false;      // a launcher serves the store; rank 0 must not
   std::string token;
+  // The store on etcd instead (Note [A store no node owns]): SHARDFLOW_RDZV_BACKEND=etcd with
+  // SHARDFLOW_RDZV_ENDPOINTS=host:port,... Nobody serves a store then. The job's keys live under
+  // etcd_root: SHARDFLOW_ETCD_ROOT, else /shardflow/<run id>/, the run id from SHARDFLOW_RUN_ID,
+  // TORCHELASTIC_RUN_ID or SLURM_JOB_ID (one of them is required: an etcd outlives jobs, and a job
+  // must not read an earlier one's keys). The etcd user is SHARDFLOW_ETCD_USER (shardflow); its
+  // password is the token.
+  std::vector<std::string> etcd_endpoints;
+  std::string etcd_user = "shardflow";
+  std::string etcd_root;
   std::string source = "none";    // "shardflow run", "torchrun", "slurm", "openmpi" or "none"
   // Where this rank's sockets (the Gloo transport, a store rank 0 serves) bind and advertise
   // (Note [Choosing the socket address]): SHARDFLOW_SOCKET_ADDR; SHARDFLOW_SOCKET_IFNAME, else

@@ -1,11 +1,13 @@
-// A TCP key-value store for rendezvous: ranks exchange addresses, NCCL unique ids and Gloo's
-// rendezvous keys through it. The server runs inside rank 0 or the launcher; clients are
-// synchronous and every call has a timeout.
+// The key-value store a job meets at: ranks exchange addresses, NCCL unique ids and Gloo's
+// rendezvous keys through it, and launchers keep the job's membership in it. Two kinds behind one
+// interface (Store): shardflow's own TCP store, served by rank 0 or a launcher (the default, for one
+// host and small jobs), and etcd (EtcdStore, shardflow/etcd_store.hpp), a replicated store whose
+// loss of one host the job survives. Every call is synchronous and has a timeout.
 //
-// Protocol (all little-endian): a frame is a u32 length and that many bytes; a request frame is a
-// u8 op followed by length-prefixed strings (u32 + bytes) and, for ADD, an i64; a reply frame is a
-// u8 status (0 ok, 1 error) and the payload. The first request of a connection must be HELLO with
-// the job's token.
+// The TCP store's protocol (all little-endian): a frame is a u32 length and that many bytes; a
+// request frame is a u8 op followed by length-prefixed strings (u32 + bytes) and, for ADD, an i64;
+// a reply frame is a u8 status (0 ok, 1 error) and the payload. The first request of a connection
+// must be HELLO with the job's token.
 #pragma once
 
 #include <chrono>
@@ -46,7 +48,26 @@ class TcpStoreServer {
   std::unique_ptr<Impl> impl_;
 };
 
-class TcpStoreClient {
+// What every store offers. Keys and values are byte strings; counters are decimal strings.
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Waits (up to the client's timeout) until the key exists, then returns its value.
+  virtual std::string get(const std::string& key) = 0;
+  // Adds to a counter (absent: 0) and returns the new value; applied exactly once, also when a
+  // store's server fails over mid-call.
+  virtual std::int64_t add(const std::string& key, std::int64_t delta) = 0;
+  virtual bool check(const std::vector<std::string>& keys) = 0;  // all present now?
+  virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;  // TimeoutError naming the missing
+  virtual bool remove(const std::string& key) = 0;  // true if it existed
+  // The deadline of each later call (the constructor's timeout until then).
+  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
+  // Where it is, for messages ("store at 10.0.0.1:29500", "etcd at h1:2379,h2:2379").
+  virtual std::string where() const = 0;
+};
+
+class TcpStoreClient final : public Store {
  public:
   // Connects and authenticates; TimeoutError / CommError naming host:port when that fails.
   TcpStoreClient(const std::string& host, std::uint16_t port, const std::string& token,
@@ -55,15 +76,14 @@ class TcpStoreClient {
   TcpStoreClient(const TcpStoreClient&) = delete;
   TcpStoreClient& operator=(const TcpStoreClient&) = delete;
 
-  void set(const std::string& key, const std::string& value);
-  // Waits (up to the client's timeout) until the key exists, then returns its value.
-  std::string get(const std::string& key);
-  std::int64_t add(const std::string& key, std::int64_t delta);  // counters are decimal strings
-  bool check(const std::vector<std::string>& keys);                // all present now?
-  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);  // TimeoutError naming the missing
-  bool remove(const std::string& key);                             // true if it existed
-  // The deadline of each later call (the constructor's timeout until then).
-  void set_timeout(std::chrono::milliseconds timeout);
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key) override;
+  std::int64_t add(const std::string& key, std::int64_t delta) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  bool remove(const std::string& key) override;
+  void set_timeout(std::chrono::milliseconds timeout) override;
+  std::string where() const override;
 
  private:
   struct Impl;
@@ -75,17 +95,24 @@ class TcpStoreClient {
 struct StoreRendezvous {
   int rank = 0;
   int world_size = 1;
+  // The TCP store at store_host:store_port, unless etcd_endpoints names an etcd cluster.
   std::string store_host = "127.0.0.1";
   std::uint16_t store_port = 0;
-  std::string token;
+  std::vector<std::string> etcd_endpoints;  // "host:port" of each etcd member (its client URL)
+  std::string etcd_user = "shardflow";      // EtcdOptions::user and ::root
+  std::string etcd_root = "/shardflow/";
+  std::string token;  // the TCP store's HELLO; etcd: the password of its user (EtcdOptions)
   std::string key_prefix;  // several communicators can share one store
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
 };
 
+// A client of the store `where` names: etcd's when it lists endpoints, else the TCP store's.
+std::unique_ptr<Store> connect_store(const StoreRendezvous& where);
+
 // Every key gets `prefix` in front: several jobs or phases share one server without clashing.
 class PrefixStore {
  public:
-  PrefixStore(TcpStoreClient& store, std::string prefix) : store_(store), prefix_(std::move(prefix)) {}
+  PrefixStore(Store& store, std::string prefix) : store_(store), prefix_(std::move(prefix)) {}
   void set(const std::string& k, const std::string& v) { store_.set(prefix_ + k, v); }
   std::string get(const std::string& k) { return store_.get(prefix_ + k); }
   std::int64_t add(const std::string& k, std::int64_t d) { return store_.add(prefix_ + k, d); }
@@ -98,7 +125,7 @@ class PrefixStore {
     for (auto& k : keys) k = prefix_ + k;
     return keys;
   }
-  TcpStoreClient& store_;
+  Store& store_;
   std::string prefix_;
 };
 

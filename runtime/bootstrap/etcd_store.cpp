@@ -1,0 +1,250 @@
+// The Store on etcd's v3 JSON gateway (Note [A store no node owns], shardflow/etcd_store.hpp).
+#include "shardflow/etcd_store.hpp"
+
+#include <random>
+#include <thread>
+
+#include "runtime/bootstrap/etcd_http.hpp"
+
+namespace shardflow {
+
+using etcd::Clock;
+using json = nlohmann::json;
+
+namespace {
+
+std::string random_id() {
+  std::random_device rd;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+  return buf;
+}
+
+std::int64_t as_int(const json& j, const char* field) {
+  if (!j.contains(field)) return 0;
+  const auto& v = j[field];
+  return v.is_string() ? std::stoll(v.get<std::string>()) : v.get<std::int64_t>();
+}
+
+std::string ms(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
+
+}  // namespace
+
+struct EtcdStore::Impl {
+  EtcdOptions o;
+  std::vector<std::unique_ptr<etcd::Connection>> members;
+  std::size_t current = 0;
+  std::string token;  // the current member's login (simple tokens are each member's own)
+  std::string where;
+  const std::string client_id = random_id();
+  std::uint64_t adds = 0;
+  std::int64_t lease = 0;
+  Clock::time_point lease_renew{};
+
+  std::string key(const std::string& k) const { return etcd::base64(o.root + k); }
+  Clock::time_point deadline() const { return Clock::now() + o.timeout; }
+  // One request's deadline: etcd answers in milliseconds, also during an election (~0.5-1 s), so
+  // a member that has not answered in 5 s is taken as gone (SIGSTOPped, cut off) and the next one
+  // is asked, while the call's own deadline bounds the retries.
+  Clock::time_point request_deadline() const { return Clock::now() + std::min<std::chrono::milliseconds>(o.timeout, std::chrono::seconds(5)); }
+
+  // etcd's answer to a call that it refused: the job's mistakes are UsageErrors naming the fix.
+  [[noreturn]] void refused(const char* what, const etcd::Reply& r) {
+    const std::string msg = r.body.value("error", r.body.value("message", r.body.dump()));
+    // A member between leaders, or cut off from the quorum, says so (gRPC Unavailable, 14, or
+    // DeadlineExceeded, 4): the next member may answer.
+    const int code = r.body.value("code", 0);
+    if (code == 14 || code == 4 || msg.find("leader changed") != std::string::npos || msg.find("no leader") != std::string::npos)
+      throw etcd::TransportError(where + ": " + what + ": " + msg);
+    if (msg.find("authentication is not enabled") != std::string::npos)
+      throw UsageError(where + ": authentication is not enabled, so the job's token would gate nothing: enable it (etcdctl user add root; "
+                       "etcdctl user grant-role root root; etcdctl user add " + o.user + " with the job's token as its password, a role "
+                       "with readwrite on prefix " + o.root + "; etcdctl auth enable)");
+    if (msg.find("invalid user ID or password") != std::string::npos)
+      throw UsageError(where + ": etcd refused user '" + o.user + "' with the job's token as password (is the token the one etcd's user was made with?)");
+    if (msg.find("permission denied") != std::string::npos)
+      throw UsageError(where + ": " + what + ": user '" + o.user + "' may not write under '" + o.root + "' (grant its role readwrite on that prefix)");
+    throw CommError(where + ": " + what + ": " + msg);
+  }
+
+  void login(etcd::Connection& c) {
+    const auto r = c.post("/v3/auth/authenticate", json{{"name", o.user}, {"password", o.password}}.dump(), "", request_deadline());
+    if (r.status != 200 || !r.body.contains("token")) refused("login", r);
+    token = r.body["token"].get<std::string>();
+  }
+
+  // Runs `f` on a member: the current one, else the next that answers, until `until`. A member
+  // that forgot this client's login (its simple tokens expire, and each member has its own) is
+  // logged in to again.
+  template <class F>
+  auto on_member(const char* what, Clock::time_point until, F f) {
+    std::string last;
+    for (std::size_t attempt = 0;; ++attempt) {
+      auto& c = *members[current];
+      try {
+        if (token.empty()) login(c);
+        return f(c);
+      } catch (const etcd::TransportError& e) {
+        last = e.what();
+        token.clear();
+        current = (current + 1) % members.size();
+        if (Clock::now() >= until)
+          throw TimeoutError(where + ": " + what + " did not complete within " + ms(o.timeout) + " (last: " + last + ")");
+        if (current == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // every member tried: a breath
+      }
+    }
+  }
+
+  // One unary call: its reply's body when etcd took it.
+  json call(etcd::Connection& c, const char* what, const std::string& path, const json& body) {
+    auto r = c.post(path, body.dump(), token, request_deadline());
+    if (r.status != 200 && r.body.value("error", std::string()).find("invalid auth token") != std::string::npos) {
+      login(c);
+      r = c.post(path, body.dump(), token, request_deadline());
+    }
+    if (r.status != 200) refused(what, r);
+    return std::move(r.body);
+  }
+
+  // The key's value and mod_revision, or the store's revision when it is absent.
+  struct Seen {
+    bool present = false;
+    std::string value;
+    std::int64_t mod_revision = 0;
+    std::int64_t revision = 0;
+  };
+  Seen range(etcd::Connection& c, const std::string& k) {
+    const auto r = call(c, "get", "/v3/kv/range", {{"key", key(k)}});
+    Seen s;
+    s.revision = as_int(r["header"], "revision");
+    if (r.contains("kvs") && !r["kvs"].empty()) {
+      const auto& kv = r["kvs"][0];
+      s.present = true;
+      s.value = etcd::unbase64(kv.value("value", std::string()));
+      s.mod_revision = as_int(kv, "mod_revision");
+    }
+    return s;
+  }
+
+  // The key's value once it exists: a range, then a watch from the revision that range saw. A
+  // watch is renewed every few seconds (a range and a new watch): a member that stopped answering
+  // mid-watch (SIGSTOP, a cut link) says nothing, and would otherwise hold the wait to its end.
+  std::optional<std::string> value_by(const std::string& k, Clock::time_point until) {
+    return on_member("get", until + std::chrono::seconds(5), [&](etcd::Connection& c) -> std::optional<std::string> {
+      for (;;) {
+        const auto seen = range(c, k);
+        if (seen.present) return seen.value;
+        if (Clock::now() >= until) return std::nullopt;
+        const auto round = std::min(until, request_deadline());
+        c.open_stream("/v3/watch", json{{"create_request", {{"key", key(k)}, {"start_revision", std::to_string(seen.revision + 1)}}}}.dump(), token, round);
+        while (auto msg = c.next(round)) {
+          if (msg->contains("error")) throw etcd::TransportError(where + ": watch of '" + k + "': " + msg->dump());
+          const auto& res = (*msg)["result"];
+          if (!res.contains("events")) continue;
+          for (const auto& ev : res["events"])
+            if (ev.value("type", std::string("PUT")) == "PUT") return etcd::unbase64(ev["kv"].value("value", std::string()));
+        }
+      }
+    });
+  }
+
+  // The lease an add's own key lives under: long enough to outlast any retry of that add.
+  std::int64_t lease_for_adds(etcd::Connection& c) {
+    if (lease != 0 && Clock::now() < lease_renew) return lease;
+    const auto ttl = std::max<std::int64_t>(120, 2 * std::chrono::duration_cast<std::chrono::seconds>(o.timeout).count());
+    const auto r = call(c, "add", "/v3/lease/grant", {{"TTL", std::to_string(ttl)}});
+    lease = as_int(r, "ID");
+    lease_renew = Clock::now() + std::chrono::seconds(ttl / 2);
+    return lease;
+  }
+};
+
+EtcdStore::EtcdStore(EtcdOptions options) : impl_(std::make_unique<Impl>()) {
+  auto& I = *impl_;
+  I.o = std::move(options);
+  if (I.o.endpoints.empty()) throw UsageError("EtcdStore: no endpoints given (--rdzv-endpoints host:2379[,host:2379...])");
+  if (I.o.password.empty()) throw UsageError("EtcdStore: an empty token: etcd's authentication must gate the job's store");
+  if (I.o.root.empty() || I.o.root.back() != '/') I.o.root += '/';
+  for (const auto& e : I.o.endpoints) {
+    I.members.push_back(std::make_unique<etcd::Connection>(e));
+    I.where += (I.where.empty() ? "etcd at " : ",") + I.members.back()->endpoint();
+  }
+  I.on_member("login", I.deadline(), [&](etcd::Connection&) { return 0; });
+}
+
+EtcdStore::~EtcdStore() = default;
+
+void EtcdStore::set(const std::string& key, const std::string& value) {
+  auto& I = *impl_;
+  const auto until = I.deadline();
+  I.on_member("set", until, [&](etcd::Connection& c) {
+    return I.call(c, "set", "/v3/kv/put", {{"key", I.key(key)}, {"value", etcd::base64(value)}});
+  });
+}
+
+std::string EtcdStore::get(const std::string& key) {
+  auto& I = *impl_;
+  if (auto v = I.value_by(key, I.deadline())) return *v;
+  throw TimeoutError(I.where + ": key '" + key + "' did not appear within " + ms(I.o.timeout));
+}
+
+std::int64_t EtcdStore::add(const std::string& key, std::int64_t delta) {
+  auto& I = *impl_;
+  const auto until = I.deadline();
+  const std::string mine = ".adds/" + I.client_id + "/" + std::to_string(I.adds++);
+  bool sent = false;  // a transaction went out: after a broken connection, it may have been applied
+  return I.on_member("add", until, [&](etcd::Connection& c) -> std::int64_t {
+    for (;;) {
+      if (sent)
+        if (const auto done = I.range(c, mine); done.present) return std::stoll(done.value);
+      const auto seen = I.range(c, key);
+      const std::int64_t now = seen.present ? std::stoll(seen.value) : 0;
+      const std::string next = std::to_string(now + delta);
+      const json compare = seen.present ? json{{"key", I.key(key)}, {"target", "MOD"}, {"result", "EQUAL"}, {"mod_revision", std::to_string(seen.mod_revision)}}
+                                        : json{{"key", I.key(key)}, {"target", "VERSION"}, {"result", "EQUAL"}, {"version", "0"}};
+      const json txn = {{"compare", json::array({compare})},
+                        {"success", json::array({json{{"request_put", {{"key", I.key(key)}, {"value", etcd::base64(next)}}}},
+                                                 json{{"request_put", {{"key", I.key(mine)}, {"value", etcd::base64(next)}, {"lease", std::to_string(I.lease_for_adds(c))}}}}})}};
+      sent = true;
+      if (I.call(c, "add", "/v3/kv/txn", txn).value("succeeded", false)) return now + delta;
+      if (Clock::now() >= until) throw TimeoutError(I.where + ": add to '" + key + "' lost every race for " + ms(I.o.timeout));
+    }
+  });
+}
+
+bool EtcdStore::check(const std::vector<std::string>& keys) {
+  auto& I = *impl_;
+  if (keys.empty()) return true;
+  json compare = json::array();
+  for (const auto& k : keys) compare.push_back({{"key", I.key(k)}, {"target", "VERSION"}, {"result", "GREATER"}, {"version", "0"}});
+  const auto until = I.deadline();
+  return I.on_member("check", until, [&](etcd::Connection& c) {
+    return I.call(c, "check", "/v3/kv/txn", {{"compare", compare}}).value("succeeded", false);
+  });
+}
+
+void EtcdStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  auto& I = *impl_;
+  const auto until = Clock::now() + timeout;
+  std::vector<std::string> missing;
+  for (const auto& k : keys)
+    if (!I.value_by(k, until)) missing.push_back(k);
+  if (missing.empty()) return;
+  std::string names;
+  for (const auto& k : missing) names += (names.empty() ? "'" : ", '") + k + "'";
+  throw TimeoutError(I.where + ": wait: " + names + " still missing after " + ms(timeout));
+}
+
+bool EtcdStore::remove(const std::string& key) {
+  auto& I = *impl_;
+  const auto until = I.deadline();
+  return I.on_member("delete", until, [&](etcd::Connection& c) {
+    return as_int(I.call(c, "delete", "/v3/kv/deleterange", {{"key", I.key(key)}}), "deleted") > 0;
+  });
+}
+
+void EtcdStore::set_timeout(std::chrono::milliseconds timeout) { impl_->o.timeout = timeout; }
+
+std::string EtcdStore::where() const { return impl_->where; }
+
+}  // namespace shardflow

@@ -1,0 +1,96 @@
+// A real etcd cluster for the store's scenarios: 1 or 3 members of Debian's etcd-server on
+// loopback ports, in a temporary directory, with authentication enabled the way docs/launching.md
+// tells a user to (a root user, and a user "shardflow" whose password is the job's token, with
+// readwrite on /shardflow/). Members can be killed (SIGKILL) to test fail-over.
+#pragma once
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "subprocess.hpp"
+
+namespace shardflow::test {
+
+inline bool etcd_installed() { return ::access("/usr/bin/etcd", X_OK) == 0 && ::access("/usr/bin/etcdctl", X_OK) == 0; }
+
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+class EtcdCluster {
+ public:
+  EtcdCluster(int members, const std::string& token, bool auth = true) {
+    dir_ = std::filesystem::temp_directory_path() / ("sf-etcd-" + std::to_string(::getpid()) + "-" + std::to_string(free_port()));
+    std::filesystem::create_directories(dir_);
+    std::string cluster;
+    for (int m = 0; m < members; ++m) {
+      client_.push_back(free_port());
+      peer_.push_back(free_port());
+      cluster += (m ? "," : "") + name(m) + "=http://127.0.0.1:" + std::to_string(peer_[m]);
+    }
+    for (int m = 0; m < members; ++m) {
+      const std::string c = "http://127.0.0.1:" + std::to_string(client_[m]), p = "http://127.0.0.1:" + std::to_string(peer_[m]);
+      // Elections in 0.5 s rather than 1 s: the fail-over scenarios wait for one.
+      const std::string cmd = "exec /usr/bin/etcd --name " + name(m) + " --data-dir " + (dir_ / name(m)).string() + " --listen-client-urls " + c +
+                              " --advertise-client-urls " + c + " --listen-peer-urls " + p + " --initial-advertise-peer-urls " + p +
+                              " --initial-cluster " + cluster + " --initial-cluster-state new --initial-cluster-token " + dir_.filename().string() +
+                              " --heartbeat-interval 50 --election-timeout 500 > " + (dir_ / (name(m) + ".log")).string() + " 2>&1";
+      members_.push_back(std::make_unique<Child>(std::vector<std::string>{"/bin/sh", "-c", cmd}));
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!ctl("endpoint health")) {
+      if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("etcd did not become healthy: see " + dir_.string());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (auth) {
+      for (const std::string& c : std::vector<std::string>{"user add root:root-password", "user grant-role root root", "role add shardflow-job",
+                                   "role grant-permission shardflow-job --prefix=true readwrite /shardflow/", "user add shardflow:" + token,
+                                   "user grant-role shardflow shardflow-job", "auth enable"})
+        if (!ctl(c)) throw std::runtime_error("etcdctl " + c + " failed");
+    }
+  }
+  ~EtcdCluster() {
+    members_.clear();  // SIGKILL
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  std::vector<std::string> endpoints() const {
+    std::vector<std::string> out;
+    for (const int p : client_) out.push_back("127.0.0.1:" + std::to_string(p));
+    return out;
+  }
+  void kill(int member) { members_[std::size_t(member)].reset(); }
+
+ private:
+  static std::string name(int m) { return "m" + std::to_string(m); }
+  bool ctl(const std::string& args) const {
+    std::string eps;
+    for (const auto& e : endpoints()) eps += (eps.empty() ? "" : ",") + e;
+    return std::system(("ETCDCTL_API=3 /usr/bin/etcdctl --dial-timeout 2s --endpoints " + eps + " " + args + " >/dev/null 2>&1").c_str()) == 0;
+  }
+
+  std::filesystem::path dir_;
+  std::vector<int> client_, peer_;
+  std::vector<std::unique_ptr<Child>> members_;
+};
+
+}  // namespace shardflow::test
