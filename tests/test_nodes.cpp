@@ -15,6 +15,7 @@
 #include <memory>
 #include <thread>
 
+#include "support/etcd_cluster.hpp"
 #include "support/helpers.hpp"
 #include "support/launch_helpers.hpp"
 #include "support/saved_params.hpp"
@@ -616,4 +617,79 @@ TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside 
     CHECK(test::failed(st));
     CHECK(job.says(says));
   }
+}
+
+// Note [A store no node owns], Note [No node decides alone]
+namespace {
+
+// The flags that put a node's store on `etcd`, for the job `id`.
+std::vector<std::string> on_etcd(const test::EtcdCluster& etcd, const std::string& id) {
+  std::string list;
+  for (const auto& e : etcd.endpoints()) list += (list.empty() ? "" : ",") + e;
+  return {"--rdzv-backend", "etcd", "--rdzv-endpoints", list, "--rdzv-id", id};
+}
+
+}  // namespace
+
+TEST_CASE("2 nodes x 2 ranks with the store on etcd (--rdzv-backend etcd): no launcher serves a store, and the job ends with the "
+          "parameters of 1 node x 4 ranks, bit for bit") {
+  if (!test::etcd_installed()) {
+    MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
+    return;
+  }
+  const std::string one = scratch("etcd_one_node.safetensors"), two = scratch("etcd_two_nodes.safetensors");
+  {
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, gloo_trainer({"--save", one})), env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  test::EtcdCluster etcd(1, "test-nodes");
+  const int port = test::free_port();  // MASTER_PORT only: nothing serves a store there
+  Child n0(node_cmd({0, 2, 2, port, on_etcd(etcd, "bitwise")}, gloo_trainer({"--save", two})), env());
+  Child n1(node_cmd({1, 2, 2, port, on_etcd(etcd, "bitwise")}, gloo_trainer({})), env());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  CHECK(n0.says("waiting for the other nodes at etcd at 127.0.0.1:"));
+  CHECK(!n0.says("(served here)"));
+  CHECK(n0.says("[rank 0] mlp_train: sizes 24,40,40,6, world 4 (gloo)"));
+  check_params(two, one);
+}
+
+TEST_CASE("3 nodes x 1 rank, the store on etcd, --nnodes 2:3 --max-restarts 1: node 0's host lost in step 7 (its launcher and rank "
+          "gone at once) -> node 1 decides, nodes 1 and 2 resume step 4's snapshot from memory at world 2 and end where 1 node x 3 "
+          "ranks ends, to float rounding") {
+  if (!test::etcd_installed()) {
+    MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
+    return;
+  }
+  const std::string one = scratch("etcd_ring_one_node.safetensors"), three = scratch("etcd_ring_three_nodes.safetensors");
+  const std::string snaps = scratch("etcd_ring_snapshots");
+  one_node_of(3, one);
+  std::filesystem::remove_all(snaps);
+  test::EtcdCluster etcd(1, "test-nodes");
+  const int port = test::free_port();
+  std::vector<std::unique_ptr<Child>> nodes;
+  for (int k = 0; k < 3; ++k) {
+    auto flags = on_etcd(etcd, "node0-lost");
+    flags.insert(flags.end(), {"--max-restarts", "1"});
+    auto argv = node_cmd({k, 3, 1, port, flags},
+                         fault_in_first_generation("collective:0:host:13", eight_steps(k == 1 ? three : scratch("etcd_ring_unused.safetensors"), snaps)));
+    nodes.push_back(std::make_unique<Child>(with_nnodes(argv, {"--nnodes", "2:3", "--rejoin-timeout", "1"}), env_info()));
+  }
+  const auto s2 = nodes[2]->wait(120s);
+  const auto s1 = nodes[1]->wait(120s);
+  const auto s0 = nodes[0]->wait(120s);
+  INFO(nodes[0]->output());
+  INFO(nodes[1]->output());
+  INFO(nodes[2]->output());
+  CHECK(test::failed(s0));  // killed
+  REQUIRE(test::exited_ok(s1));
+  REQUIRE(test::exited_ok(s2));
+  CHECK(nodes[1]->says(") decides this restart (the lowest node whose heartbeat moves)"));
+  CHECK(!nodes[2]->says("decides this restart"));
+  CHECK(nodes[1]->says("going on without node 0 (host "));
+  CHECK(nodes[1]->says("[rank 0] mlp_train: sizes 24,40,40,6, world 2 (gloo)"));
+  CHECK(nodes[1]->says("[shardflow] [rank 0] [info] resumed from the snapshot of step 4 in memory"));
+  CHECK(nodes[2]->says("[shardflow] [rank 1] [info] resumed from the snapshot of step 4 in memory"));
+  CHECK(nodes[1]->says("[rank 0] done: 4 steps"));
+  check_params(three, one, 1e-5);  // world 3, then 2: the same global batch in another order
 }

@@ -65,6 +65,7 @@ struct RunFlags {
   double grace_s = 5, rejoin_s = 10, rdzv_s = 600, hb_s = 10, hb_interval_s = 1;
   bool no_prefix = false;
   std::string nnodes = "1", endpoint;
+  std::string rdzv_backend = "tcp", rdzv_endpoints;
 };
 
 CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
@@ -82,6 +83,11 @@ CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
   run->add_option("--master-port,--master_port", spec.master_port, "store port (default: any free port on one node, 29500 across nodes)");
   run->add_option("--token", spec.token, "the job's store token (default: SHARDFLOW_STORE_TOKEN, else random on one node)");
   run->add_option("--rdzv-endpoint,--rdzv_endpoint", f.endpoint, "torchrun's spelling of --master-addr and --master-port: HOST:PORT");
+  run->add_option("--rdzv-backend,--rdzv_backend", f.rdzv_backend,
+                  "where the job's store lives: tcp (node 0's launcher serves it) or etcd (an etcd cluster: no node is special)")
+      ->capture_default_str();
+  run->add_option("--rdzv-endpoints,--rdzv_endpoints", f.rdzv_endpoints, "with --rdzv-backend etcd: the etcd members' client addresses, H:P,H:P,...");
+  run->add_option("--rdzv-id,--rdzv_id", spec.rdzv_id, "with --rdzv-backend etcd: this job's id, the same on every node (its keys live under /shardflow/ID/)");
   run->add_option("--iface", spec.iface,
                   "network interface whose address the ranks bind and advertise (default: SHARDFLOW_SOCKET_IFNAME, "
                   "GLOO_SOCKET_IFNAME, else the one routing to the master address)");
@@ -137,6 +143,16 @@ std::string finish_spec(RunFlags& f, const CLI::App& run) {
   spec.heartbeat_timeout = std::chrono::milliseconds(long(f.hb_s * 1000));
   spec.heartbeat_interval = std::chrono::milliseconds(long(f.hb_interval_s * 1000));
   if (auto why = apply_endpoint(f, run); !why.empty()) return why;
+  if (f.rdzv_backend != "tcp" && f.rdzv_backend != "etcd") return "--rdzv-backend '" + f.rdzv_backend + "': expected tcp or etcd";
+  if (f.rdzv_backend == "tcp" && !f.rdzv_endpoints.empty()) return "--rdzv-endpoints is for --rdzv-backend etcd";
+  if (f.rdzv_backend == "etcd") {
+    for (std::size_t start = 0; start <= f.rdzv_endpoints.size();) {
+      const std::size_t comma = std::min(f.rdzv_endpoints.find(',', start), f.rdzv_endpoints.size());
+      if (comma > start) spec.etcd_endpoints.push_back(f.rdzv_endpoints.substr(start, comma - start));
+      start = comma + 1;
+    }
+    if (spec.etcd_endpoints.empty()) return "--rdzv-backend etcd needs --rdzv-endpoints H:P[,H:P...]";
+  }
   spec.kill_grace = std::chrono::milliseconds(long(f.grace_s * 1000));
   spec.rejoin_timeout = std::chrono::milliseconds(long(f.rejoin_s * 1000));
   return apply_nnodes(f);

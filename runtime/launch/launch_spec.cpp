@@ -24,7 +24,15 @@ void validate(const LaunchSpec& spec) {
                      std::to_string(spec.heartbeat_interval.count()) + " ms)");
   if (spec.rdzv_timeout.count() <= 0) throw UsageError("shardflow run: --rdzv-timeout must be positive");
   if (spec.kill_grace.count() < 0) throw UsageError("shardflow run: --kill-grace must be >= 0 seconds");
-  if (spec.nnodes > 1 && spec.node_rank != 0 && spec.master_port < 0)
+  if (!spec.etcd_endpoints.empty()) {
+    if (spec.token.empty())
+      throw UsageError("shardflow run: the etcd store (--rdzv-backend etcd) needs the job's token (--token T or SHARDFLOW_STORE_TOKEN): "
+                       "it is the password of etcd's user for the job (docs/launching.md, \"The store on etcd\")");
+    if (spec.rdzv_id.empty())
+      throw UsageError("shardflow run: the etcd store (--rdzv-backend etcd) needs --rdzv-id ID, one ID per job and the same on every "
+                       "node: etcd keeps an earlier job's keys");
+  }
+  if (spec.nnodes > 1 && spec.node_rank != 0 && spec.master_port < 0 && spec.etcd_endpoints.empty())
     throw UsageError("shardflow run: nodes other than 0 need --master-port (node 0's store)");
   if (spec.max_restarts < 0) throw UsageError("shardflow run: --max-restarts must be >= 0");
   if (spec.min_nnodes) {

@@ -116,6 +116,7 @@ class Supervisor {
   int serve_store(const std::string& token, bool one_node) {
     int port = spec_.master_port;
     store_at_ = net::resolve_ipv4(spec_.master_addr);
+    if (!spec_.etcd_endpoints.empty()) return port < 0 ? 29500 : port;  // nobody serves one: MASTER_PORT is torch's
     if (spec_.node_rank == 0) {
       StoreServerOptions so;
       so.host = net::store_bind_address(socket_, spec_.master_addr, one_node);
@@ -138,6 +139,8 @@ class Supervisor {
     wo.store_host = store_at_;
     wo.store_port = std::uint16_t(port);
     wo.token = token;
+    wo.etcd_endpoints = spec_.etcd_endpoints;
+    wo.etcd_root = "/shardflow/" + spec_.rdzv_id + "/";
     wo.local_address = local.address;
     wo.rdzv_timeout = spec_.rdzv_timeout;
     wo.heartbeat_interval = spec_.heartbeat_interval;
@@ -145,8 +148,8 @@ class Supervisor {
     wo.min_nnodes = spec_.min_nnodes;
     wo.rejoin_timeout = spec_.rejoin_timeout;
     wo.say = [](const std::string& line) { say(line); };
-    say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " +
-        local.address + " (" + local.why + "), waiting for the other nodes at " + store_at_ + ":" + std::to_string(port));
+    say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " + local.address + " (" +
+        local.why + "), waiting for the other nodes at " + store_name(store_at_, port));
     try {
       watch_ = std::make_unique<NodeWatch>(wo, [this] { return interrupted_by_signal(); });
     } catch (const Error&) {
@@ -182,13 +185,21 @@ class Supervisor {
         spawn(r, node, world, port, token, old);
         started += (started.empty() ? "" : ", ") + ("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ")");
       }
-      say("started " + started + "; world " + std::to_string(world) + ", store " + spec_.master_addr + ":" +
-          std::to_string(port) + (spec_.node_rank == 0 ? " (served here)" : "") +
+      say("started " + started + "; world " + std::to_string(world) + ", store " + store_name(spec_.master_addr, port) +
+          (spec_.node_rank == 0 && spec_.etcd_endpoints.empty() ? " (served here)" : "") +
           (restart_ ? "; restart " + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) : ""));
       supervise();
       if (!restart_wanted()) return;
       next_generation();
     }
+  }
+
+  // "10.0.0.1:29500", or "etcd at h1:2379,h2:2379 (job ID)".
+  std::string store_name(const std::string& host, int port) const {
+    if (spec_.etcd_endpoints.empty()) return host + ":" + std::to_string(port);
+    std::string list;
+    for (const auto& e : spec_.etcd_endpoints) list += (list.empty() ? "" : ",") + e;
+    return "etcd at " + list + " (job " + spec_.rdzv_id + ")";
   }
 
   // Flags first, then the environment (Note [Choosing the socket address]).

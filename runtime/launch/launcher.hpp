@@ -27,6 +27,11 @@ struct LaunchSpec {
   std::string master_addr = "127.0.0.1";
   int master_port = -1;    // -1: any free port on one node, 29500 across nodes
   std::string token;       // empty: random on one node; required across nodes
+  // The store on etcd (--rdzv-backend etcd --rdzv-endpoints H:P,...; Note [A store no node owns]):
+  // no node serves one, and any node may be lost. rdzv_id (--rdzv-id) keeps this job's keys apart
+  // from any other's in the same etcd; every node passes the same.
+  std::vector<std::string> etcd_endpoints;
+  std::string rdzv_id;
   // Where this node's sockets bind and advertise (Note [Choosing the socket address]); empty:
   // SHARDFLOW_SOCKET_ADDR / SHARDFLOW_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, else the route to master_addr.
   std::string local_addr;

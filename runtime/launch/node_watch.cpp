@@ -75,20 +75,32 @@ void stop_if_interrupted(const std::function<bool()>& interrupted) {
 
 }  // namespace
 
+std::unique_ptr<Store> NodeWatch::open_store(milliseconds timeout) const {
+  StoreRendezvous where;
+  where.store_host = o_.store_host;
+  where.store_port = o_.store_port;
+  where.etcd_endpoints = o_.etcd_endpoints;
+  where.etcd_root = o_.etcd_root;
+  where.token = o_.token;
+  where.timeout = timeout;
+  return shardflow::connect_store(where);
+}
+
+std::string NodeWatch::store_name() const { return (on_etcd() ? "the etcd store at " : "node 0's store at ") + store_where_; }
+
 // Node 0's store may not be up yet: connect in short attempts, so that Ctrl-C is heard.
 void NodeWatch::connect_store(clock::time_point deadline, const std::function<bool()>& interrupted, const std::string& how) {
   for (;;) {
     stop_if_interrupted(interrupted);
     try {
-      main_ = std::make_unique<TcpStoreClient>(o_.store_host, o_.store_port, o_.token,
-                                               std::clamp(time_left(deadline), milliseconds(1), milliseconds(1000)));
+      main_ = open_store(std::clamp(time_left(deadline), milliseconds(1), milliseconds(1000)));
       break;
     } catch (const TimeoutError&) {
       if (time_left(deadline).count() <= 0)
-        throw TimeoutError("rendezvous: node 0's store at " + store_where_ + " accepted no connection within " +
-                           seconds(o_.rdzv_timeout) + ": is node 0's launcher running? (" + how + ")");
+        throw TimeoutError("rendezvous: " + store_name() + " accepted no connection within " + seconds(o_.rdzv_timeout) +
+                           (on_etcd() ? ": is etcd running there?" : ": is node 0's launcher running? (" + how + ")"));
     } catch (const CommError& e) {
-      throw CommError("rendezvous: node 0's store at " + store_where_ + " refused this launcher (" + e.what() +
+      throw CommError("rendezvous: " + store_name() + " refused this launcher (" + e.what() +
                       "): every node needs the same --token (or SHARDFLOW_STORE_TOKEN)");
     }
   }
@@ -139,8 +151,8 @@ void NodeWatch::await_nodes(const std::vector<std::string>& keys, clock::time_po
   } catch (const TimeoutError&) {
     throw;
   } catch (const CommError& e) {
-    throw CommError("rendezvous: node 0's store at " + store_where_ + " went away while waiting for the other nodes (" +
-                    e.what() + "): node 0's launcher stopped or was stopped");
+    throw CommError("rendezvous: " + store_name() + " went away while waiting for the other nodes (" + e.what() +
+                    (on_etcd() ? ")" : "): node 0's launcher stopped or was stopped"));
   }
 }
 
@@ -175,6 +187,10 @@ void NodeWatch::check_same_job(const std::vector<std::string>& keys) {
 
 NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
   store_where_ = o_.store_host + ":" + std::to_string(o_.store_port);
+  if (on_etcd()) {
+    store_where_.clear();
+    for (const auto& e : o_.etcd_endpoints) store_where_ += (store_where_.empty() ? "" : ",") + e;
+  }
   const auto deadline = clock::now() + o_.rdzv_timeout;
   const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) + " --node-rank K --master-addr " + o_.store_host +
                           " --master-port " + std::to_string(o_.store_port) + " --token ...` on every node";
@@ -232,7 +248,7 @@ std::vector<int> NodeWatch::members() const {
 std::vector<int> NodeWatch::returning(const std::vector<int>& next) {
   std::vector<int> asking;
   std::vector<std::int64_t> beats;
-  for (int k = 1; k < o_.nnodes; ++k)
+  for (int k = 0; k < o_.nnodes; ++k)
     if (std::find(next.begin(), next.end(), k) == next.end() && main_->check({key("join/" + std::to_string(k))})) {
       asking.push_back(k);
       beats.push_back(main_->add(key("hb/" + std::to_string(k)), 0));
@@ -260,7 +276,7 @@ std::string NodeWatch::label(int node) const {
 }
 
 void NodeWatch::start() {
-  beat_ = std::make_unique<TcpStoreClient>(o_.store_host, o_.store_port, o_.token, o_.heartbeat_timeout);
+  beat_ = open_store(o_.heartbeat_timeout);
   peers_.reset(o_.nnodes, clock::now());
   thread_ = std::thread([this] { heartbeat_loop(); });
 }
@@ -282,13 +298,17 @@ void NodeWatch::heartbeat_loop() {
         const auto [what, lost] = parse_failure(beat_->get(generation_key("failure/1")));
         peer_failed(what, false, nullptr, lost);
       }
-      if (o_.node_rank == 0) watch_peers(*beat_, clock::now());
+      if (watches_peers()) watch_peers(*beat_, clock::now());
     } catch (const std::exception& e) {
       lock.lock();
       const bool done = stopping_;
       lock.unlock();
-      // Node 0 serves the store itself: a failing call there is no other node's fault.
-      if (o_.node_rank != 0 && !done)
+      // Node 0 serves the TCP store itself: a failing call there is no other node's fault. An etcd
+      // this node cannot reach leaves it cut off: it stops its ranks (the others go on, if elastic).
+      if (on_etcd() && !done)
+        peer_failed(label(o_.node_rank) + " cannot reach " + store_name() + " (" + e.what() + "): it stops its ranks", false, nullptr,
+                    false);
+      else if (o_.node_rank != 0 && !done)
         peer_failed(label(0) + " is unreachable: its store at " + store_where_ + " failed (" + e.what() +
                         "); its launcher was killed, or its host or the link is down",
                     false, nullptr, true);
@@ -299,8 +319,9 @@ void NodeWatch::heartbeat_loop() {
   }
 }
 
-void NodeWatch::watch_peers(TcpStoreClient& store, clock::time_point now) {
-  for (int k = 1; k < o_.nnodes; ++k) {
+void NodeWatch::watch_peers(Store& store, clock::time_point now) {
+  for (int k = 0; k < o_.nnodes; ++k) {
+    if (k == o_.node_rank) continue;
     {
       std::lock_guard lock(mu_);
       if (!member(k)) continue;
@@ -319,7 +340,7 @@ void NodeWatch::watch_peers(TcpStoreClient& store, clock::time_point now) {
   }
 }
 
-void NodeWatch::peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost) {
+void NodeWatch::peer_failed(const std::string& what, bool publish, Store* store, bool lost) {
   {
     std::lock_guard lock(mu_);
     if (failure_ || reported_) return;  // the first failure is the cause; later ones are its echo
@@ -408,6 +429,28 @@ bool NodeWatch::member(int node) const {
   return std::find(members_.begin(), members_.end(), node) != members_.end();
 }
 
+// Note [No node decides alone]
+// With the TCP store node 0 decides every restart: it serves the store, so the job ends with it
+// anyway. With the store on etcd node 0 may be the node that was lost, so the decider is the
+// lowest node of the generation that this node's own watch of the heartbeats does not hold lost:
+// node 0 while it beats, else node 1, and so on. Two launchers may see the heartbeats a moment
+// apart and both think themselves lowest; the claim (an add on the generation's "decider"
+// counter, which etcd applies once) lets exactly one decide, and every other node waits for the
+// decision it posts, as before.
+std::optional<bool> NodeWatch::claim_decision() {
+  if (!on_etcd()) return o_.node_rank == 0 ? std::optional<bool>(true) : std::nullopt;
+  std::vector<int> members;
+  {
+    std::lock_guard lock(mu_);
+    members = members_;
+  }
+  for (int k : members) {
+    if (k == o_.node_rank) break;
+    if (!peers_.lost(k)) return std::nullopt;  // a lower node still beats: it decides
+  }
+  return main_->add(generation_key("decider"), 1) == 1;  // false: another node claimed first
+}
+
 std::string NodeWatch::decide(milliseconds limit) {
   auto posted = [&](int k) -> std::optional<std::string> {
     const auto key_k = generation_key("next/" + std::to_string(k));
@@ -479,22 +522,28 @@ std::optional<std::vector<int>> NodeWatch::decide_restart(bool want, millisecond
   std::string decision;
   try {
     main_->set(generation_key("next/" + std::to_string(o_.node_rank)), want ? "restart" : "stop");
-    if (o_.node_rank == 0) {
-      decision = want ? decide(limit) : "stop " + label(0) + " does not restart (interrupted or out of restarts)";
-      main_->set(generation_key("decision"), decision);
-    } else {
-      const auto deadline = clock::now() + wait_limit;
-      while (!main_->check({generation_key("decision")})) {
-        if (clock::now() >= deadline) {
-          why_not = label(0) + " decided nothing within " + seconds(wait_limit);
-          return std::nullopt;
-        }
-        std::this_thread::sleep_for(milliseconds(50));
+    const auto deadline = clock::now() + wait_limit;
+    for (bool may_claim = true;;) {
+      if (main_->check({generation_key("decision")})) {
+        decision = main_->get(generation_key("decision"));
+        break;
       }
-      decision = main_->get(generation_key("decision"));
+      const auto claim = may_claim ? claim_decision() : std::nullopt;
+      if (claim) may_claim = false;
+      if (claim == true) {
+        if (on_etcd() && o_.say) o_.say(label(o_.node_rank) + " decides this restart (the lowest node whose heartbeat moves)");
+        decision = want ? decide(limit) : "stop " + label(o_.node_rank) + " does not restart (interrupted or out of restarts)";
+        main_->set(generation_key("decision"), decision);
+        break;
+      }
+      if (clock::now() >= deadline) {
+        why_not = (on_etcd() ? std::string("no node") : label(0)) + " decided within " + seconds(wait_limit);
+        return std::nullopt;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
     }
   } catch (const std::exception& e) {
-    why_not = label(0) + "'s store is unreachable (" + std::string(e.what()) + ")";
+    why_not = store_name() + " is unreachable (" + std::string(e.what()) + ")";
     return std::nullopt;
   }
   if (decision.rfind("restart", 0) != 0) {

@@ -62,7 +62,7 @@
 #include "runtime/launch/peer_table.hpp"
 
 namespace shardflow {
-class TcpStoreClient;
+class Store;
 }
 
 namespace shardflow::launch {
@@ -74,6 +74,9 @@ struct NodeWatchOptions {
   std::string store_host;  // where this launcher reaches node 0's store
   std::uint16_t store_port = 0;
   std::string token;
+  // The store on etcd instead (Note [No node decides alone]): its members and this job's root.
+  std::vector<std::string> etcd_endpoints;
+  std::string etcd_root;
   std::string local_address;  // this node's socket address, for the other nodes' messages
   std::chrono::milliseconds rdzv_timeout = std::chrono::seconds(600);
   std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
@@ -126,8 +129,15 @@ class NodeWatch {
 
  private:
   void heartbeat_loop();
-  void watch_peers(TcpStoreClient& store, std::chrono::steady_clock::time_point now);
-  void peer_failed(const std::string& what, bool publish, TcpStoreClient* store, bool lost);
+  void watch_peers(Store& store, std::chrono::steady_clock::time_point now);
+  void peer_failed(const std::string& what, bool publish, Store* store, bool lost);
+  // Note [No node decides alone]: with the store on etcd every node watches every other, and the
+  // decider of a restart is the lowest node of the generation that is not lost, by claim.
+  bool on_etcd() const { return !o_.etcd_endpoints.empty(); }
+  bool watches_peers() const { return on_etcd() || o_.node_rank == 0; }
+  std::optional<bool> claim_decision();  // nullopt: not this node's turn (yet); false: another node claimed
+  std::unique_ptr<Store> open_store(std::chrono::milliseconds timeout) const;
+  std::string store_name() const;  // "node 0's store at H:P" or "the etcd store at H:P,..."
   std::string decide(std::chrono::milliseconds limit);  // node 0: the decision it posts
   void wait_to_rejoin(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& interrupted);
   // The rendezvous, in the constructor's order (`how` says how to start every node, for errors).
@@ -143,8 +153,8 @@ class NodeWatch {
 
   NodeWatchOptions o_;
   std::string store_where_;
-  std::unique_ptr<TcpStoreClient> main_;  // this thread's calls
-  std::unique_ptr<TcpStoreClient> beat_;  // the heartbeat thread's calls
+  std::unique_ptr<Store> main_;  // this thread's calls
+  std::unique_ptr<Store> beat_;  // the heartbeat thread's calls
   std::vector<std::string> labels_;
   int event_fd_ = -1;
 

@@ -75,6 +75,13 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(ids.restart)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(ids.max_restarts)},
   };
+  if (!spec.etcd_endpoints.empty()) {  // Note [A store no node owns]
+    std::string list;
+    for (const auto& e : spec.etcd_endpoints) list += (list.empty() ? "" : ",") + e;
+    env["SHARDFLOW_RDZV_BACKEND"] = "etcd";
+    env["SHARDFLOW_RDZV_ENDPOINTS"] = list;
+    env["SHARDFLOW_RUN_ID"] = spec.rdzv_id;
+  }
   if (!ids.snapshot_memory.empty()) env[snapshot_env::kMemory] = ids.snapshot_memory;
   if (!ids.snapshot_mirror.empty()) env[snapshot_env::kMirror] = ids.snapshot_mirror;
   // The ranks bind where this launcher chose (flags reach them as the variables they read).

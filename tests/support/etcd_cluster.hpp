@@ -4,8 +4,6 @@
 // readwrite on /shardflow/). Members can be killed (SIGKILL) to test fail-over.
 #pragma once
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -17,23 +15,12 @@
 #include <thread>
 #include <vector>
 
+#include "free_port.hpp"
 #include "subprocess.hpp"
 
 namespace shardflow::test {
 
 inline bool etcd_installed() { return ::access("/usr/bin/etcd", X_OK) == 0 && ::access("/usr/bin/etcdctl", X_OK) == 0; }
-
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 class EtcdCluster {
  public:

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "free_port.hpp"
+
 namespace shardflow::test {
 
 inline const std::string kLauncher = SHARDFLOW_LAUNCHER_PATH;
@@ -72,19 +74,6 @@ inline std::map<std::string, std::string> one_blas_thread_env() {
   auto e = no_launch_env();
   e["OMP_NUM_THREADS"] = "1";
   return e;
-}
-
-// A port nothing listens on right now (the kernel's pick, released again).
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 }  // namespace shardflow::test
