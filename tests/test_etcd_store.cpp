@@ -200,6 +200,22 @@ TEST_CASE("three etcd members, one killed mid-run: the clients go on through the
   for (int x = 1; x <= 240; ++x) CHECK_MESSAGE(hits[std::size_t(x)] == 1, "value " << x);
 }
 
+TEST_CASE("three etcd members, the one in use hung (SIGSTOP): a set and a get go through another member within the 5 s a request "
+          "may take, plus an election") {
+  SKIP_WITHOUT_ETCD();
+  test::EtcdCluster etcd(3, kToken);
+  EtcdStore s(options(etcd, 30s));
+  s.set("before", "1");
+  etcd.stop(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  s.set("after", "2");
+  CHECK(s.get("before") == "1");
+  CHECK(s.get("after") == "2");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(took < 5.0 + 3.0);
+  MESSAGE("fail-over from a hung member took " << took << " s");
+}
+
 TEST_CASE("world 3 rendezvous on etcd: Gloo and shared-memory groups run every collective right, and nobody serves a store") {
   SKIP_WITHOUT_ETCD();
   test::EtcdCluster etcd(1, "t");  // store_world's token

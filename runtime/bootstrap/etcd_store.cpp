@@ -1,6 +1,8 @@
 // The Store on etcd's v3 JSON gateway (Note [A store no node owns], shardflow/etcd_store.hpp).
 #include "shardflow/etcd_store.hpp"
 
+#include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -27,6 +29,39 @@ std::int64_t as_int(const json& j, const char* field) {
 }
 
 std::string ms(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
+
+// Note [One login per process]
+// etcd checks a password with bcrypt (~50-100 ms of a member's CPU on the 2-core VM), and a rank
+// opens several store clients (the backend's agreement, Gloo's rendezvous, the shared-memory
+// segment's): measured, 1,000 clients logging in at once kept a 3-member etcd busy for over a
+// minute. A member's token is valid for any client of this process, so the logins are shared:
+// one per member, user and password in a process; a client that finds the token expired (etcd
+// drops idle simple tokens after 5 minutes) logs in again and shares the new one.
+class TokenCache {
+ public:
+  std::string get(const std::string& who) {
+    std::lock_guard lock(mu_);
+    const auto it = tokens_.find(who);
+    return it == tokens_.end() ? std::string() : it->second;
+  }
+  void put(const std::string& who, const std::string& token) {
+    std::lock_guard lock(mu_);
+    tokens_[who] = token;
+  }
+  void drop(const std::string& who, const std::string& token) {
+    std::lock_guard lock(mu_);
+    if (const auto it = tokens_.find(who); it != tokens_.end() && it->second == token) tokens_.erase(it);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::string> tokens_;
+};
+
+TokenCache& tokens() {
+  static TokenCache cache;
+  return cache;
+}
 
 }  // namespace
 
@@ -67,10 +102,16 @@ struct EtcdStore::Impl {
     throw CommError(where + ": " + what + ": " + msg);
   }
 
-  void login(etcd::Connection& c) {
+  // Note [One login per process]: `fresh` skips the shared token (it was refused).
+  std::string who(const etcd::Connection& c) const { return c.endpoint() + "\n" + o.user + "\n" + o.password; }
+  void login(etcd::Connection& c, bool fresh = false) {
+    const std::string who = this->who(c);
+    if (fresh) tokens().drop(who, token);
+    if (token = tokens().get(who); !token.empty()) return;
     const auto r = c.post("/v3/auth/authenticate", json{{"name", o.user}, {"password", o.password}}.dump(), "", request_deadline());
     if (r.status != 200 || !r.body.contains("token")) refused("login", r);
     token = r.body["token"].get<std::string>();
+    tokens().put(who, token);
   }
 
   // Runs `f` on a member: the current one, else the next that answers, until `until`. A member
@@ -86,6 +127,7 @@ struct EtcdStore::Impl {
         return f(c);
       } catch (const etcd::TransportError& e) {
         last = e.what();
+        tokens().drop(who(c), token);  // a watch refused for an expired token ends here too
         token.clear();
         current = (current + 1) % members.size();
         if (Clock::now() >= until)
@@ -99,7 +141,7 @@ struct EtcdStore::Impl {
   json call(etcd::Connection& c, const char* what, const std::string& path, const json& body) {
     auto r = c.post(path, body.dump(), token, request_deadline());
     if (r.status != 200 && r.body.value("error", std::string()).find("invalid auth token") != std::string::npos) {
-      login(c);
+      login(c, /*fresh=*/true);
       r = c.post(path, body.dump(), token, request_deadline());
     }
     if (r.status != 200) refused(what, r);

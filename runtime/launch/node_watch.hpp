@@ -1,4 +1,5 @@
-// The launchers of a multi-node job watching each other through node 0's store.
+// The launchers of a multi-node job watching each other through the job's store: node 0's (TCP),
+// or etcd's (Note [A store no node owns], Note [No node decides alone]).
 //
 // Note [Failures cross hosts]
 // A rank that dies takes down its own node's ranks (Note [Launcher supervision]); its peers on
@@ -24,7 +25,9 @@
 //   "restart" and the nodes of the next generation, or "stop" and why; the others wait for it.
 //   One node that is interrupted or out of restarts stops every node, so that no rank waits for a
 //   peer that will never start. A lost node stops the job too, unless it is elastic (Note
-//   [Shrinking the world]). Node 0 serves the store: its loss always ends the job.
+//   [Shrinking the world]). Node 0 serves the TCP store: its loss always ends such a job. With the
+//   store on etcd every node watches every other and any node may decide (Note [No node decides
+//   alone], node_watch.cpp), so node 0 may be lost like any other.
 //
 // Note [Shrinking the world]
 // With --nnodes MIN:MAX (and --max-restarts) a node lost during a generation is waited for

@@ -4,6 +4,7 @@
 // readwrite on /shardflow/). Members can be killed (SIGKILL) to test fail-over.
 #pragma once
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -66,6 +67,8 @@ class EtcdCluster {
     return out;
   }
   void kill(int member) { members_[std::size_t(member)].reset(); }
+  // Hung, not gone: its sockets stay open and say nothing (the destructor's SIGKILL still ends it).
+  void stop(int member) { ::kill(members_[std::size_t(member)]->pid(), SIGSTOP); }
 
  private:
   static std::string name(int m) { return "m" + std::to_string(m); }
