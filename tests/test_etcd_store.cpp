@@ -30,6 +30,17 @@ EtcdOptions options(const test::EtcdCluster& etcd, std::chrono::milliseconds tim
   return o;
 }
 
+// What `fn` threw, if it threw an E; "" if it returned (another exception fails the scenario).
+template <class E, class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
 #define SKIP_WITHOUT_ETCD()                                                        \
   if (!test::etcd_installed()) {                                                   \
     MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");   \
@@ -76,14 +87,7 @@ TEST_CASE("etcd store: get waits for a key another client sets later; wait times
   later.join();
   a.set("present", "1");
   const auto t1 = std::chrono::steady_clock::now();
-  const auto missing = test::message_of([&] {
-    try {
-      b.wait({"present", "gone/1", "gone/2"}, 400ms);
-    } catch (...) {
-      return std::current_exception();
-    }
-    return std::exception_ptr{};
-  }());
+  const auto missing = error_of<TimeoutError>([&] { b.wait({"present", "gone/1", "gone/2"}, 400ms); });
   CHECK(std::chrono::steady_clock::now() - t1 < 3s);
   CAPTURE(missing);
   CHECK(missing.find("'gone/1', 'gone/2'") != std::string::npos);
@@ -115,26 +119,12 @@ TEST_CASE("etcd store: the token gates every client; an etcd without authenticat
     test::EtcdCluster etcd(1, kToken);
     auto wrong = options(etcd);
     wrong.password = "not-the-token";
-    const auto e = test::message_of([&] {
-      try {
-        EtcdStore s(wrong);
-      } catch (const UsageError&) {
-        return std::current_exception();
-      }
-      return std::exception_ptr{};
-    }());
+    const auto e = error_of<UsageError>([&] { EtcdStore s(wrong); });
     CHECK(e.find("refused user 'shardflow'") != std::string::npos);
     auto elsewhere = options(etcd);
     elsewhere.root = "/not-shardflow/";
     EtcdStore s(elsewhere);  // logs in; the role does not cover that root
-    const auto denied = test::message_of([&] {
-      try {
-        s.set("k", "v");
-      } catch (const UsageError&) {
-        return std::current_exception();
-      }
-      return std::exception_ptr{};
-    }());
+    const auto denied = error_of<UsageError>([&] { s.set("k", "v"); });
     CHECK(denied.find("may not write under '/not-shardflow/'") != std::string::npos);
     auto empty = options(etcd);
     empty.password.clear();
@@ -142,14 +132,7 @@ TEST_CASE("etcd store: the token gates every client; an etcd without authenticat
   }
   {
     test::EtcdCluster open(1, kToken, /*auth=*/false);
-    const auto e = test::message_of([&] {
-      try {
-        EtcdStore s(options(open));
-      } catch (const UsageError&) {
-        return std::current_exception();
-      }
-      return std::exception_ptr{};
-    }());
+    const auto e = error_of<UsageError>([&] { EtcdStore s(options(open)); });
     CHECK(e.find("authentication is not enabled") != std::string::npos);
   }
   EtcdOptions nobody;
@@ -157,14 +140,7 @@ TEST_CASE("etcd store: the token gates every client; an etcd without authenticat
   nobody.password = kToken;
   nobody.timeout = 500ms;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto e = test::message_of([&] {
-    try {
-      EtcdStore s(nobody);
-    } catch (const TimeoutError&) {
-      return std::current_exception();
-    }
-    return std::exception_ptr{};
-  }());
+  const auto e = error_of<TimeoutError>([&] { EtcdStore s(nobody); });
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   CHECK(e.find(nobody.endpoints[0]) != std::string::npos);
 }

@@ -482,6 +482,33 @@ TEST_CASE("two nodes: a launcher's copy port keeps a snapshot's shard file only 
   CHECK(!std::filesystem::exists(memory));  // the job's end takes its memory
 }
 
+namespace {
+
+// Three nodes x 1 rank of the eight-step job (snapshots every 2 steps in `snaps`), `fault` in the
+// first generation; node `saver` saves the parameters to `save`.
+std::vector<std::unique_ptr<Child>> ring_of_three(const std::vector<std::string>& flags, const std::vector<std::string>& nnodes,
+                                                  const std::string& fault, int saver, const std::string& save, const std::string& snaps) {
+  const int port = test::free_port();
+  std::vector<std::unique_ptr<Child>> nodes;
+  for (int k = 0; k < 3; ++k) {
+    auto argv = node_cmd({k, 3, 1, port, flags}, fault_in_first_generation(fault, eight_steps(k == saver ? save : scratch("ring_unused.safetensors"), snaps)));
+    nodes.push_back(std::make_unique<Child>(with_nnodes(argv, nnodes), env_info()));
+  }
+  return nodes;
+}
+
+}  // namespace
+
+// The three nodes' statuses s0, s1, s2 (waited for from the last: node 0 outlives the others on the
+// TCP store), with every output in the failures' report.
+#define WAIT_THREE_NODES(nodes)              \
+  const auto s2 = (nodes)[2]->wait(120s);    \
+  const auto s1 = (nodes)[1]->wait(120s);    \
+  const auto s0 = (nodes)[0]->wait(120s);    \
+  INFO((nodes)[0]->output());                \
+  INFO((nodes)[1]->output());                \
+  INFO((nodes)[2]->output())
+
 // Note [Snapshots on the other host] with a ring of three
 TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holding its own and its predecessor's files: rank 1 "
           "killed in step 7 -> every host fetches what it lacks before the restart, resumes from step 4 in memory, and ends where "
@@ -497,19 +524,8 @@ TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holdin
     elastic = {"--nnodes", "2:3", "--rejoin-timeout", "1"};
   }
   std::filesystem::remove_all(snaps);
-  const int port = test::free_port();
-  std::vector<std::unique_ptr<Child>> nodes;
-  for (int k = 0; k < 3; ++k) {
-    auto argv = node_cmd({k, 3, 1, port, {"--max-restarts", "1"}},
-                         fault_in_first_generation(fault, eight_steps(k == 0 ? three : scratch("ring_unused.safetensors"), snaps)));
-    nodes.push_back(std::make_unique<Child>(with_nnodes(argv, elastic), env_info()));
-  }
-  const auto s2 = nodes[2]->wait(120s);
-  const auto s1 = nodes[1]->wait(120s);
-  const auto s0 = nodes[0]->wait(120s);
-  INFO(nodes[0]->output());
-  INFO(nodes[1]->output());
-  INFO(nodes[2]->output());
+  const auto nodes = ring_of_three({"--max-restarts", "1"}, elastic, fault, 0, three, snaps);
+  WAIT_THREE_NODES(nodes);
   REQUIRE(test::exited_ok(s0));
   REQUIRE(test::exited_ok(s1));
   CHECK(nodes[0]->says("[shardflow] [rank 0] [info] resumed from the snapshot of step 4 in memory"));
@@ -666,21 +682,10 @@ TEST_CASE("3 nodes x 1 rank, the store on etcd, --nnodes 2:3 --max-restarts 1: n
   one_node_of(3, one);
   std::filesystem::remove_all(snaps);
   test::EtcdCluster etcd(1, "test-nodes");
-  const int port = test::free_port();
-  std::vector<std::unique_ptr<Child>> nodes;
-  for (int k = 0; k < 3; ++k) {
-    auto flags = on_etcd(etcd, "node0-lost");
-    flags.insert(flags.end(), {"--max-restarts", "1"});
-    auto argv = node_cmd({k, 3, 1, port, flags},
-                         fault_in_first_generation("collective:0:host:13", eight_steps(k == 1 ? three : scratch("etcd_ring_unused.safetensors"), snaps)));
-    nodes.push_back(std::make_unique<Child>(with_nnodes(argv, {"--nnodes", "2:3", "--rejoin-timeout", "1"}), env_info()));
-  }
-  const auto s2 = nodes[2]->wait(120s);
-  const auto s1 = nodes[1]->wait(120s);
-  const auto s0 = nodes[0]->wait(120s);
-  INFO(nodes[0]->output());
-  INFO(nodes[1]->output());
-  INFO(nodes[2]->output());
+  auto flags = on_etcd(etcd, "node0-lost");
+  flags.insert(flags.end(), {"--max-restarts", "1"});
+  const auto nodes = ring_of_three(flags, {"--nnodes", "2:3", "--rejoin-timeout", "1"}, "collective:0:host:13", 1, three, snaps);
+  WAIT_THREE_NODES(nodes);
   CHECK(test::failed(s0));  // killed
   REQUIRE(test::exited_ok(s1));
   REQUIRE(test::exited_ok(s2));

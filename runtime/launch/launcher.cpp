@@ -136,11 +136,11 @@ class Supervisor {
     wo.nnodes = spec_.nnodes;
     wo.node_rank = spec_.node_rank;
     wo.nproc_per_node = spec_.nproc_per_node;
-    wo.store_host = store_at_;
-    wo.store_port = std::uint16_t(port);
-    wo.token = token;
-    wo.etcd_endpoints = spec_.etcd_endpoints;
-    wo.etcd_root = "/shardflow/" + spec_.rdzv_id + "/";
+    wo.store.store_host = store_at_;
+    wo.store.store_port = std::uint16_t(port);
+    wo.store.token = token;
+    wo.store.etcd_endpoints = spec_.etcd_endpoints;
+    wo.store.etcd_root = "/shardflow/" + spec_.rdzv_id + "/";
     wo.local_address = local.address;
     wo.rdzv_timeout = spec_.rdzv_timeout;
     wo.heartbeat_interval = spec_.heartbeat_interval;

@@ -76,12 +76,7 @@ void stop_if_interrupted(const std::function<bool()>& interrupted) {
 }  // namespace
 
 std::unique_ptr<Store> NodeWatch::open_store(milliseconds timeout) const {
-  StoreRendezvous where;
-  where.store_host = o_.store_host;
-  where.store_port = o_.store_port;
-  where.etcd_endpoints = o_.etcd_endpoints;
-  where.etcd_root = o_.etcd_root;
-  where.token = o_.token;
+  StoreRendezvous where = o_.store;
   where.timeout = timeout;
   return shardflow::connect_store(where);
 }
@@ -186,14 +181,14 @@ void NodeWatch::check_same_job(const std::vector<std::string>& keys) {
 }
 
 NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
-  store_where_ = o_.store_host + ":" + std::to_string(o_.store_port);
+  store_where_ = o_.store.store_host + ":" + std::to_string(o_.store.store_port);
   if (on_etcd()) {
     store_where_.clear();
-    for (const auto& e : o_.etcd_endpoints) store_where_ += (store_where_.empty() ? "" : ",") + e;
+    for (const auto& e : o_.store.etcd_endpoints) store_where_ += (store_where_.empty() ? "" : ",") + e;
   }
   const auto deadline = clock::now() + o_.rdzv_timeout;
-  const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) + " --node-rank K --master-addr " + o_.store_host +
-                          " --master-port " + std::to_string(o_.store_port) + " --token ...` on every node";
+  const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) + " --node-rank K --master-addr " + o_.store.store_host +
+                          " --master-port " + std::to_string(o_.store.store_port) + " --token ...` on every node";
   connect_store(deadline, interrupted, how);
   const bool rejoining = claim_node_rank();
   std::vector<std::string> keys;

@@ -64,9 +64,7 @@
 
 #include "runtime/launch/peer_table.hpp"
 
-namespace shardflow {
-class Store;
-}
+#include "shardflow/store.hpp"
 
 namespace shardflow::launch {
 
@@ -74,12 +72,10 @@ struct NodeWatchOptions {
   int nnodes = 1;
   int node_rank = 0;
   int nproc_per_node = 1;
-  std::string store_host;  // where this launcher reaches node 0's store
-  std::uint16_t store_port = 0;
-  std::string token;
-  // The store on etcd instead (Note [No node decides alone]): its members and this job's root.
-  std::vector<std::string> etcd_endpoints;
-  std::string etcd_root;
+  // Where this launcher reaches the job's store: node 0's TCP store (store_host:store_port, the
+  // token its HELLO), or etcd (etcd_endpoints under etcd_root, the token its password: Note [No
+  // node decides alone]). Its timeout is set per client.
+  StoreRendezvous store;
   std::string local_address;  // this node's socket address, for the other nodes' messages
   std::chrono::milliseconds rdzv_timeout = std::chrono::seconds(600);
   std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
@@ -136,7 +132,7 @@ class NodeWatch {
   void peer_failed(const std::string& what, bool publish, Store* store, bool lost);
   // Note [No node decides alone]: with the store on etcd every node watches every other, and the
   // decider of a restart is the lowest node of the generation that is not lost, by claim.
-  bool on_etcd() const { return !o_.etcd_endpoints.empty(); }
+  bool on_etcd() const { return !o_.store.etcd_endpoints.empty(); }
   bool watches_peers() const { return on_etcd() || o_.node_rank == 0; }
   std::optional<bool> claim_decision();  // nullopt: not this node's turn (yet); false: another node claimed
   std::unique_ptr<Store> open_store(std::chrono::milliseconds timeout) const;
