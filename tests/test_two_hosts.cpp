@@ -12,9 +12,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <thread>
 
+#include "support/etcd_cluster.hpp"
 #include "support/launch_helpers.hpp"
 #include "support/saved_params.hpp"
 #include "shardflow/safetensors.hpp"
@@ -51,11 +53,14 @@ std::string ns(char host) { return g_name + "-" + host; }
 std::string scratch(const std::string& name) { return test::scratch("test_two_hosts", name); }
 
 // `shardflow run` for node `node_rank` inside host `host`'s namespace.
-std::vector<std::string> on_host(char host, int node_rank, int nnodes, int nproc, const std::vector<std::string>& prog) {
+// `flags`: more launcher flags.
+std::vector<std::string> on_host(char host, int node_rank, int nnodes, int nproc, const std::vector<std::string>& prog,
+                                 const std::vector<std::string>& flags = {}) {
   std::vector<std::string> argv{"/usr/sbin/ip", "netns", "exec", ns(host), test::kLauncher, "run", "--nnodes",
                                 std::to_string(nnodes), "--node-rank", std::to_string(node_rank), "--nproc-per-node",
                                 std::to_string(nproc), "--master-addr", kHostA, "--master-port", "29533", "--token",
                                 "two-hosts", "--kill-grace", "2", "--heartbeat-timeout", std::to_string(kHeartbeatTimeout)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
   argv.push_back("--");
   argv.insert(argv.end(), prog.begin(), prog.end());
   return argv;
@@ -145,6 +150,41 @@ TEST_CASE("a host's launcher killed and its link cut -> the other host exits non
     CHECK(has(l, "FAILED: node 0 (host "));
     CHECK(has(l, kHostA + ") is unreachable"));
   }
+}
+
+// Note [No node decides alone] across real sockets: etcd lives on host b, node 0 on host a.
+TEST_CASE("the store on etcd (on host b), --nnodes 1:2 --max-restarts 1: host a (node 0) lost -> node 1 decides the restart and goes on "
+          "alone from the snapshot in its memory, to the job's end") {
+  if (!test::etcd_installed()) {
+    MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
+    return;
+  }
+  test::EtcdCluster etcd(1, "two-hosts", true, kHostB, "/usr/sbin/ip netns exec " + ns('b'));
+  const std::string snaps = scratch("etcd_node0_lost_snapshots");
+  std::filesystem::remove_all(snaps);
+  auto prog = gloo_trainer({"--log-every", "1", "--snapshot-dir", snaps, "--snapshot-every", "2"});
+  test::set_flag(prog, "--steps", "400");
+  prog.erase(std::find(prog.begin(), prog.end(), "--quiet"));
+  const std::vector<std::string> flags{"--rdzv-backend", "etcd", "--rdzv-endpoints", etcd.endpoints()[0], "--rdzv-id", "two-hosts-etcd",
+                                       "--nnodes", "1:2", "--max-restarts", "1", "--rejoin-timeout", "1"};
+  auto without_nnodes = [](std::vector<std::string> argv) {  // flags' --nnodes 1:2 stands for on_host's --nnodes 2
+    const auto at = std::find(argv.begin(), argv.end(), "--nnodes");
+    argv.erase(at, at + 2);
+    return argv;
+  };
+  Child a(without_nnodes(on_host('a', 0, 2, 1, prog, flags)), env());
+  Child b(without_nnodes(on_host('b', 1, 2, 1, prog, flags)), env());
+  REQUIRE(a.read_until("10/400", 60s));
+  sh(kPair + " link " + g_name + " down");  // as in lose_host: the link first, then the launcher
+  ::kill(a.pid(), SIGKILL);
+  const auto s = b.wait(90s);
+  sh(kPair + " link " + g_name + " up");
+  INFO(b.output());
+  REQUIRE(test::exited_ok(s));
+  CHECK(b.says(") decides this restart (the lowest node whose heartbeat moves)"));
+  CHECK(b.says("going on without node 0 (host "));
+  CHECK(b.says("1 node(s), world 1"));
+  CHECK(b.says("400/400"));
 }
 
 int main(int argc, char** argv) {

@@ -233,6 +233,13 @@ std::string EtcdStore::get(const std::string& key) {
 std::int64_t EtcdStore::add(const std::string& key, std::int64_t delta) {
   auto& I = *impl_;
   const auto until = I.deadline();
+  // add(k, 0) reads a counter (the launchers poll each other's heartbeats so, every interval): a
+  // range, not a transaction that would write the same value back and an add key beside it.
+  if (delta == 0)
+    return I.on_member("add", until, [&](etcd::Connection& c) -> std::int64_t {
+      const auto seen = I.range(c, key);
+      return seen.present ? std::stoll(seen.value) : 0;
+    });
   const std::string mine = ".adds/" + I.client_id + "/" + std::to_string(I.adds++);
   bool sent = false;  // a transaction went out: after a broken connection, it may have been applied
   return I.on_member("add", until, [&](etcd::Connection& c) -> std::int64_t {

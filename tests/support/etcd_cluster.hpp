@@ -25,19 +25,22 @@ inline bool etcd_installed() { return ::access("/usr/bin/etcd", X_OK) == 0 && ::
 
 class EtcdCluster {
  public:
-  EtcdCluster(int members, const std::string& token, bool auth = true) {
+  // `host`: the address its members listen on; `wrap`: a command they and etcdctl run under
+  // ("/usr/sbin/ip netns exec NS": a member inside a network-namespace host).
+  EtcdCluster(int members, const std::string& token, bool auth = true, std::string host = "127.0.0.1", std::string wrap = "")
+      : host_(std::move(host)), wrap_(std::move(wrap)) {
     dir_ = std::filesystem::temp_directory_path() / ("sf-etcd-" + std::to_string(::getpid()) + "-" + std::to_string(free_port()));
     std::filesystem::create_directories(dir_);
     std::string cluster;
     for (int m = 0; m < members; ++m) {
       client_.push_back(free_port());
       peer_.push_back(free_port());
-      cluster += (m ? "," : "") + name(m) + "=http://127.0.0.1:" + std::to_string(peer_[m]);
+      cluster += (m ? "," : "") + name(m) + "=http://" + host_ + ":" + std::to_string(peer_[m]);
     }
     for (int m = 0; m < members; ++m) {
-      const std::string c = "http://127.0.0.1:" + std::to_string(client_[m]), p = "http://127.0.0.1:" + std::to_string(peer_[m]);
+      const std::string c = "http://" + host_ + ":" + std::to_string(client_[m]), p = "http://" + host_ + ":" + std::to_string(peer_[m]);
       // Elections in 0.5 s rather than 1 s: the fail-over scenarios wait for one.
-      const std::string cmd = "exec /usr/bin/etcd --name " + name(m) + " --data-dir " + (dir_ / name(m)).string() + " --listen-client-urls " + c +
+      const std::string cmd = "exec " + wrap_ + " /usr/bin/etcd --name " + name(m) + " --data-dir " + (dir_ / name(m)).string() + " --listen-client-urls " + c +
                               " --advertise-client-urls " + c + " --listen-peer-urls " + p + " --initial-advertise-peer-urls " + p +
                               " --initial-cluster " + cluster + " --initial-cluster-state new --initial-cluster-token " + dir_.filename().string() +
                               " --heartbeat-interval 50 --election-timeout 500 > " + (dir_ / (name(m) + ".log")).string() + " 2>&1";
@@ -63,7 +66,7 @@ class EtcdCluster {
 
   std::vector<std::string> endpoints() const {
     std::vector<std::string> out;
-    for (const int p : client_) out.push_back("127.0.0.1:" + std::to_string(p));
+    for (const int p : client_) out.push_back(host_ + ":" + std::to_string(p));
     return out;
   }
   void kill(int member) { members_[std::size_t(member)].reset(); }
@@ -75,9 +78,10 @@ class EtcdCluster {
   bool ctl(const std::string& args) const {
     std::string eps;
     for (const auto& e : endpoints()) eps += (eps.empty() ? "" : ",") + e;
-    return std::system(("ETCDCTL_API=3 /usr/bin/etcdctl --dial-timeout 2s --endpoints " + eps + " " + args + " >/dev/null 2>&1").c_str()) == 0;
+    return std::system(("ETCDCTL_API=3 " + wrap_ + " /usr/bin/etcdctl --dial-timeout 2s --endpoints " + eps + " " + args + " >/dev/null 2>&1").c_str()) == 0;
   }
 
+  std::string host_, wrap_;
   std::filesystem::path dir_;
   std::vector<int> client_, peer_;
   std::vector<std::unique_ptr<Child>> members_;

@@ -38,7 +38,8 @@ struct EtcdOptions {
 //   breaks after sending cannot know whether etcd applied it, so each add also writes its own key
 //   (client id and sequence number, under a lease so they expire) in the same transaction; the
 //   retry on the next member looks for that key first. Two transactions that read the same
-//   revision cannot both commit, so an add is never lost nor doubled across a fail-over.
+//   revision cannot both commit, so an add is never lost nor doubled across a fail-over. add(k, 0)
+//   only reads (a counter that does not exist reads 0 and is not made).
 // - remove across a fail-over may report false for a key its first attempt deleted.
 class EtcdStore final : public Store {
  public:
