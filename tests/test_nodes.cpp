@@ -19,6 +19,7 @@
 #include "support/helpers.hpp"
 #include "support/launch_helpers.hpp"
 #include "support/saved_params.hpp"
+#include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/launch.hpp"
@@ -640,9 +641,7 @@ namespace {
 
 // The flags that put a node's store on `etcd`, for the job `id`.
 std::vector<std::string> on_etcd(const test::EtcdCluster& etcd, const std::string& id) {
-  std::string list;
-  for (const auto& e : etcd.endpoints()) list += (list.empty() ? "" : ",") + e;
-  return {"--rdzv-backend", "etcd", "--rdzv-endpoints", list, "--rdzv-id", id};
+  return {"--rdzv-backend", "etcd", "--rdzv-endpoints", etcd::join_endpoints(etcd.endpoints()), "--rdzv-id", id};
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/launch.hpp"
@@ -91,19 +92,14 @@ void read_etcd(const Env& env, LaunchEnv& e, const Bad& bad) {
     return;
   }
   if (backend != "etcd") bad("SHARDFLOW_RDZV_BACKEND='" + backend + "': expected tcp or etcd");
-  std::string list = env.str("SHARDFLOW_RDZV_ENDPOINTS");
-  for (std::size_t start = 0; start <= list.size();) {
-    const std::size_t comma = std::min(list.find(',', start), list.size());
-    if (comma > start) e.etcd_endpoints.push_back(list.substr(start, comma - start));
-    start = comma + 1;
-  }
+  e.etcd_endpoints = etcd::split_endpoints(env.str("SHARDFLOW_RDZV_ENDPOINTS"));
   if (e.etcd_endpoints.empty()) bad("SHARDFLOW_RDZV_BACKEND=etcd needs SHARDFLOW_RDZV_ENDPOINTS=host:2379[,host:2379...]");
   e.etcd_user = env.str("SHARDFLOW_ETCD_USER", "shardflow");
   const std::string run = env.str("SHARDFLOW_RUN_ID", env.str("TORCHELASTIC_RUN_ID", env.str("SLURM_JOB_ID")));
   if (env.has("SHARDFLOW_ETCD_ROOT"))
     e.etcd_root = env.str("SHARDFLOW_ETCD_ROOT");
   else if (!run.empty())
-    e.etcd_root = "/shardflow/" + run + "/";
+    e.etcd_root = etcd::root_for(run);
   else
     bad("the etcd store needs a run id of its own (SHARDFLOW_RUN_ID, or SHARDFLOW_ETCD_ROOT): etcd keeps an earlier job's keys");
   if (e.etcd_root.back() != '/') e.etcd_root += '/';
@@ -178,9 +174,7 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
 std::string LaunchEnv::describe() const {
   std::string store = "store " + master_addr + ":" + std::to_string(store_port) + (store_hosted ? " served by the launcher" : " served by rank 0");
   if (!etcd_endpoints.empty()) {
-    store = "store on etcd at ";
-    for (std::size_t i = 0; i < etcd_endpoints.size(); ++i) store += (i ? "," : "") + etcd_endpoints[i];
-    store += " under " + etcd_root;
+    store = "store on etcd at " + etcd::join_endpoints(etcd_endpoints) + " under " + etcd_root;
   }
   return "rank " + std::to_string(rank) + " of " + std::to_string(world_size) + " (local " + std::to_string(local_rank) +
          " of " + std::to_string(local_world_size) + ", from " + source + "; " + store + ")";

@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "kernels/cpu/blas.hpp"
+#include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/cli/doctor_command.hpp"
 #include "runtime/cli/plan_command.hpp"
 #include "runtime/launch/launcher.hpp"
@@ -146,11 +147,7 @@ std::string finish_spec(RunFlags& f, const CLI::App& run) {
   if (f.rdzv_backend != "tcp" && f.rdzv_backend != "etcd") return "--rdzv-backend '" + f.rdzv_backend + "': expected tcp or etcd";
   if (f.rdzv_backend == "tcp" && !f.rdzv_endpoints.empty()) return "--rdzv-endpoints is for --rdzv-backend etcd";
   if (f.rdzv_backend == "etcd") {
-    for (std::size_t start = 0; start <= f.rdzv_endpoints.size();) {
-      const std::size_t comma = std::min(f.rdzv_endpoints.find(',', start), f.rdzv_endpoints.size());
-      if (comma > start) spec.etcd_endpoints.push_back(f.rdzv_endpoints.substr(start, comma - start));
-      start = comma + 1;
-    }
+    spec.etcd_endpoints = shardflow::etcd::split_endpoints(f.rdzv_endpoints);
     if (spec.etcd_endpoints.empty()) return "--rdzv-backend etcd needs --rdzv-endpoints H:P[,H:P...]";
   }
   spec.kill_grace = std::chrono::milliseconds(long(f.grace_s * 1000));

@@ -21,6 +21,7 @@
 
 #include "kernels/cpu/blas.hpp"
 #include "runtime/comm/shm_names.hpp"
+#include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
@@ -140,7 +141,7 @@ class Supervisor {
     wo.store.store_port = std::uint16_t(port);
     wo.store.token = token;
     wo.store.etcd_endpoints = spec_.etcd_endpoints;
-    wo.store.etcd_root = "/shardflow/" + spec_.rdzv_id + "/";
+    wo.store.etcd_root = etcd::root_for(spec_.rdzv_id);  // as the ranks derive it from SHARDFLOW_RUN_ID
     wo.local_address = local.address;
     wo.rdzv_timeout = spec_.rdzv_timeout;
     wo.heartbeat_interval = spec_.heartbeat_interval;
@@ -197,9 +198,7 @@ class Supervisor {
   // "10.0.0.1:29500", or "etcd at h1:2379,h2:2379 (job ID)".
   std::string store_name(const std::string& host, int port) const {
     if (spec_.etcd_endpoints.empty()) return host + ":" + std::to_string(port);
-    std::string list;
-    for (const auto& e : spec_.etcd_endpoints) list += (list.empty() ? "" : ",") + e;
-    return "etcd at " + list + " (job " + spec_.rdzv_id + ")";
+    return "etcd at " + etcd::join_endpoints(spec_.etcd_endpoints) + " (job " + spec_.rdzv_id + ")";
   }
 
   // Flags first, then the environment (Note [Choosing the socket address]).

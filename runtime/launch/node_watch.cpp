@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "runtime/bootstrap/etcd_names.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
 
@@ -181,11 +182,8 @@ void NodeWatch::check_same_job(const std::vector<std::string>& keys) {
 }
 
 NodeWatch::NodeWatch(NodeWatchOptions o, const std::function<bool()>& interrupted) : o_(std::move(o)) {
-  store_where_ = o_.store.store_host + ":" + std::to_string(o_.store.store_port);
-  if (on_etcd()) {
-    store_where_.clear();
-    for (const auto& e : o_.store.etcd_endpoints) store_where_ += (store_where_.empty() ? "" : ",") + e;
-  }
+  store_where_ = on_etcd() ? etcd::join_endpoints(o_.store.etcd_endpoints)
+                           : o_.store.store_host + ":" + std::to_string(o_.store.store_port);
   const auto deadline = clock::now() + o_.rdzv_timeout;
   const std::string how = "start `shardflow run --nnodes " + std::to_string(o_.nnodes) + " --node-rank K --master-addr " + o_.store.store_host +
                           " --master-port " + std::to_string(o_.store.store_port) + " --token ...` on every node";

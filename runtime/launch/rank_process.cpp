@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/bootstrap/snapshot_env.hpp"
 #include "shardflow/errors.hpp"
 
@@ -76,10 +77,8 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(ids.max_restarts)},
   };
   if (!spec.etcd_endpoints.empty()) {  // Note [A store no node owns]
-    std::string list;
-    for (const auto& e : spec.etcd_endpoints) list += (list.empty() ? "" : ",") + e;
     env["SHARDFLOW_RDZV_BACKEND"] = "etcd";
-    env["SHARDFLOW_RDZV_ENDPOINTS"] = list;
+    env["SHARDFLOW_RDZV_ENDPOINTS"] = etcd::join_endpoints(spec.etcd_endpoints);
     env["SHARDFLOW_RUN_ID"] = spec.rdzv_id;
   }
   if (!ids.snapshot_memory.empty()) env[snapshot_env::kMemory] = ids.snapshot_memory;
