@@ -227,4 +227,6 @@ TEST_CASE("launch environment: SHARDFLOW_RDZV_BACKEND=etcd needs its endpoints a
   CHECK_THROWS_WITH_AS(detect({{"SHARDFLOW_RDZV_BACKEND", "etcd"}, {"SHARDFLOW_RDZV_ENDPOINTS", "h:1"}}), doctest::Contains("run id"), UsageError);
   CHECK_THROWS_WITH_AS(detect({{"SHARDFLOW_RDZV_BACKEND", "zookeeper"}}), doctest::Contains("expected tcp or etcd"), UsageError);
   CHECK_THROWS_WITH_AS(detect({{"SHARDFLOW_RDZV_ENDPOINTS", "h:1"}}), doctest::Contains("not etcd"), UsageError);
+  CHECK_THROWS_WITH_AS(detect({{"SHARDFLOW_ETCD_ROOT", "/x/"}}), doctest::Contains("SHARDFLOW_ETCD_ROOT is set but"), UsageError);
+  CHECK_THROWS_WITH_AS(detect({{"SHARDFLOW_ETCD_USER", "u"}}), doctest::Contains("SHARDFLOW_ETCD_USER is set but"), UsageError);
 }

@@ -88,7 +88,8 @@ template <class Bad>
 void read_etcd(const Env& env, LaunchEnv& e, const Bad& bad) {
   const std::string backend = env.str("SHARDFLOW_RDZV_BACKEND", "tcp");
   if (backend == "tcp") {
-    if (env.has("SHARDFLOW_RDZV_ENDPOINTS")) bad("SHARDFLOW_RDZV_ENDPOINTS is set but SHARDFLOW_RDZV_BACKEND is not etcd");
+    for (const char* v : {"SHARDFLOW_RDZV_ENDPOINTS", "SHARDFLOW_ETCD_USER", "SHARDFLOW_ETCD_ROOT"})
+      if (env.has(v)) bad(std::string(v) + " is set but SHARDFLOW_RDZV_BACKEND is not etcd");
     return;
   }
   if (backend != "etcd") bad("SHARDFLOW_RDZV_BACKEND='" + backend + "': expected tcp or etcd");

@@ -146,6 +146,8 @@ std::string finish_spec(RunFlags& f, const CLI::App& run) {
   if (auto why = apply_endpoint(f, run); !why.empty()) return why;
   if (f.rdzv_backend != "tcp" && f.rdzv_backend != "etcd") return "--rdzv-backend '" + f.rdzv_backend + "': expected tcp or etcd";
   if (f.rdzv_backend == "tcp" && !f.rdzv_endpoints.empty()) return "--rdzv-endpoints is for --rdzv-backend etcd";
+  if (f.rdzv_backend == "tcp" && !spec.rdzv_id.empty())
+    return "--rdzv-id is for --rdzv-backend etcd (the TCP store is the job's own: node 0's launcher serves it)";
   if (f.rdzv_backend == "etcd") {
     spec.etcd_endpoints = shardflow::etcd::split_endpoints(f.rdzv_endpoints);
     if (spec.etcd_endpoints.empty()) return "--rdzv-backend etcd needs --rdzv-endpoints H:P[,H:P...]";
