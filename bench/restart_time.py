@@ -4,6 +4,9 @@
 its N-th collective) to rank 0's first step after the restart, and how many steps were lost.
 
   bench/restart_time.py --build build [--sizes 4096,4096] [--every 10] [--kill-at 61] [--reps 3] [--data-file]
+  bench/restart_time.py --build build --data-file --recovery both [--reps 5]
+      in-place recovery (Note [Recovering in place]: only rank 1's process starts again, rank 0 goes on
+      in its own) against restarting every rank, runs alternated A B A B, medians
   sudo bench/restart_time.py --build build --two-hosts [--rate 1gbit] [--heartbeat-timeout 10]
       rank 1 on another network-namespace host (scripts/netns_pair.sh), Gloo over a tc-tbf link;
       restarts across nodes: both launchers stop their ranks and agree through the store
@@ -62,14 +65,14 @@ def read_all(procs):
     return codes, sorted(events, key=lambda e: e[0])
 
 
-def one_run(a, snaps, data):
+def one_run(a, snaps, data, recovery="restart"):
     shutil.rmtree(snaps, ignore_errors=True)
     trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", "8",
                "--optimizer", "adamw", "--zero-stage", "1", "--overlap", "interleaved", "--backend", a.backend,
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
     if data:
         trainer += ["--data", data]
-    script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:%d; fi; exec %s'
+    script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ] && [ "${SHARDFLOW_RECOVERY_ROUND:-0}" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:%d; fi; exec %s'
               % (a.kill_at, " ".join("'%s'" % t for t in trainer)))
     prog = ["/bin/sh", "-c", script]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -78,7 +81,7 @@ def one_run(a, snaps, data):
                 ["--max-restarts", "1", "--"] + prog for h, n in (("a", 0), ("b", 1))]
     else:
         cmds = [[os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
-                 "--"] + prog]
+                 "--recovery", recovery, "--"] + prog]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in cmds]
     codes, events = read_all(procs)
     started = first_step = killed_at = restarted = first_after = None
@@ -91,7 +94,8 @@ def one_run(a, snaps, data):
             first_step = now
         if "dies at collective" in line and killed_at is None:
             killed_at = now
-        elif "restart 1 of 1" in line and line.startswith("shardflow run: started") and restarted is None:
+        elif restarted is None and (("restart 1 of 1" in line and line.startswith("shardflow run: started")) or
+                                    "again in round 1" in line):
             restarted = now
         elif m and killed_at is None:
             last_step_before = int(m.group(1))
@@ -115,7 +119,11 @@ def main():
     ap.add_argument("--two-hosts", action="store_true", help="rank 0 and rank 1 on two network-namespace hosts (root), over Gloo")
     ap.add_argument("--rate", default="1gbit", help="with --two-hosts: the link's rate (tc tbf), or off")
     ap.add_argument("--heartbeat-timeout", type=int, default=10, help="with --two-hosts: the launchers' --heartbeat-timeout")
+    ap.add_argument("--recovery", choices=["restart", "in-place", "both"], default="restart",
+                    help="shardflow run --recovery; both: the two alternated run by run (one host only)")
     a = ap.parse_args()
+    if a.two_hosts and a.recovery != "restart":
+        ap.error("--recovery in-place is for one node so far")
     if a.two_hosts:
         a.backend = "gloo"
         two_hosts.sh("up", two_hosts.NAME)
@@ -134,15 +142,27 @@ def measure(a):
         if a.data_file:
             data = os.path.join(tmp, "data.safetensors")
             write_data(a, data)
-        runs = [one_run(a, os.path.join(tmp, "snapshots"), data) for _ in range(a.reps)]
+        modes = ["restart", "in-place"] if a.recovery == "both" else [a.recovery]
+        runs = {m: [] for m in modes}
+        for _ in range(a.reps):
+            for m in modes:  # A B A B: the machine's drift spread over both
+                runs[m].append(one_run(a, os.path.join(tmp, "snapshots"), data, m))
+    for m in modes:
+        report(a, m, runs[m])
+    if len(modes) == 2:
+        ratio = statistics.median(r[0] for r in runs["in-place"]) / statistics.median(r[0] for r in runs["restart"])
+        print(f"in-place / restart, kill -> rank 0's first step after: {ratio:.2f}")
+
+
+def report(a, mode, runs):
     total, stop, lost, fresh = zip(*runs)
     where = f"2 hosts x 1 rank, link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
-    print(f"restart_time: --sizes {a.sizes}, world 2 ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
+    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world 2 ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
           f"collective {a.kill_at}; {a.reps} runs; data "
           f"{'from a file' if a.data_file else 'synthesised at start-up'}")
     print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
           f"(runs: {', '.join(f'{t:.2f}' for t in total)})")
-    print(f"  of which kill -> the new generation started: median {statistics.median(stop):.2f} s")
+    print(f"  of which kill -> the lost rank's new process started: median {statistics.median(stop):.2f} s")
     print(f"  for comparison, the first start -> its first step: median {statistics.median(fresh):.2f} s")
     print(f"  steps lost (done before the kill, done again): {', '.join(str(n) for n in lost)}")
 

@@ -229,8 +229,15 @@ int main(int argc, char** argv) {
         backend = "nccl";
         opt.device = Device::cuda(env.local_rank % std::max(1, cuda::device_count()));  // as init_process_group picks
       }
-      comm = init_process_group(env, ProcessGroupOptions{simulated ? "auto" : backend, opt.runtime.timeouts.collective});
+      const ProcessGroupOptions group{simulated ? "auto" : backend, opt.runtime.timeouts.collective};
+      comm = init_process_group(env, group);
       if (simulated) comm = simulate_link(std::move(comm), sim);
+      // Note [Recovering in place]: a lost peer is healed in this process.
+      if (env.recover_in_place)
+        opt.rejoin = [env, group, simulated, sim] {
+          auto next = rejoin_process_group(env, group);
+          return simulated ? simulate_link(std::move(next), sim) : next;
+        };
       if (env.rank != 0) quiet = true;  // rank 0 reports for the job
     } else if (simulated) {
       sim.validate(opt.world_size);

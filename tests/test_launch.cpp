@@ -546,3 +546,61 @@ TEST_CASE("world 3 over Gloo: rank 2 killed in step 7 -> resumed from step 5's s
   CHECK(job.output().find("[rank 0] done: 3 steps") != std::string::npos);  // 6 to 8, after step 5's snapshot
   check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
 }
+
+// Note [Recovering in place]
+TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) or stopped (SIGSTOP) in step 7 -> only its "
+          "process starts again; ranks 0 and 2 keep theirs, reload step 5's snapshot with it, and the job ends bit for bit "
+          "where the same job ends uninterrupted (shm and gloo)") {
+  auto job_for = [](const std::string& backend, const std::string& out, const std::string& snaps, const char* fault) {
+    // The fault only in the first process of rank 1: its replacement starts in round 1.
+    std::string cmd = fault ? "if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:" +
+                                  std::string(fault) + ":13; fi; exec"
+                            : "exec";
+    auto args = mlp_args(1);
+    args.insert(args.begin(), kTrainer);
+    test::set_flag(args, "--steps", "8");
+    for (auto a : {"--backend", backend.c_str(), "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "1"})
+      args.push_back(a);
+    for (const auto& a : args) cmd += " '" + a + "'";
+    auto argv = launch(3, {"/bin/sh", "-c", cmd});
+    argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", "in-place", "--heartbeat-timeout", "2"});
+    return argv;
+  };
+  auto run_ok = [](const std::vector<std::string>& argv) {
+    Child job(argv, no_launch_env());
+    const auto st = job.wait(120s);
+    INFO(job.output());
+    REQUIRE(test::exited_ok(st));
+    return job.output();
+  };
+  for (const std::string backend : {"shm", "gloo"}) {
+    CAPTURE(backend);
+    const std::string ref = scratch("in_place_ref_" + backend + ".safetensors"), ref_snaps = scratch("in_place_ref_snaps_" + backend);
+    std::filesystem::remove_all(ref_snaps);
+    run_ok(job_for(backend, ref, ref_snaps, nullptr));
+    for (const std::string fault : {"kill", "stop"}) {
+      if (backend == "gloo" && fault == "stop") continue;  // the launcher's part is the backend's same
+      CAPTURE(fault);
+      const std::string out = scratch("in_place_" + backend + "_" + fault + ".safetensors");
+      const std::string snaps = scratch("in_place_snaps_" + backend + "_" + fault);
+      std::filesystem::remove_all(snaps);
+      const std::string log = run_ok(job_for(backend, out, snaps, fault.c_str()));
+      INFO(log);
+      CHECK(log.find("recovering in place (round 1, 1 of 1 restarts)") != std::string::npos);
+      CHECK(log.find("recovered in place: every rank joined round 1") != std::string::npos);
+      CHECK(log.find("restarting every rank") == std::string::npos);
+      if (fault == "stop") CHECK(log.find("has been stopped for longer than --heartbeat-timeout") != std::string::npos);
+      // The survivors are the processes the launcher started first.
+      for (int r : {0, 2}) {
+        const std::string needle = "rank " + std::to_string(r) + " (pid ";
+        const auto started = log.find(needle);
+        REQUIRE(started != std::string::npos);
+        const auto from = started + needle.size();
+        const std::string pid = log.substr(from, log.find(')', from) - from);
+        CHECK(log.find("rank " + std::to_string(r) + " (pid " + pid + "): recovered in place, going on after step 5") != std::string::npos);
+      }
+      CHECK(log.find("[rank 1] rank 1 (pid") == std::string::npos);  // the replacement resumed as a fresh process does
+      check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
+    }
+  }
+}

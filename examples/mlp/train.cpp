@@ -1,5 +1,7 @@
 #include "examples/mlp/train.hpp"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <exception>
@@ -304,10 +306,29 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
     std::lock_guard lock(sh.mu);
     sh.result.memory[slot] = rt.memory_report();
   }
-  train_steps(
-      sh, rank, rt,
-      [&](const float* x, const float* y, int rows, double denom) { return adapter->micro_batch(rt, x, y, rows, denom); },
-      [&](int step) { adapter->after_step(rt, step); }, first_step, steps_done);
+  const int loaded_steps = first_step - steps_done;  // from --resume, before the snapshots
+  for (;;) {
+    try {
+      train_steps(
+          sh, rank, rt,
+          [&](const float* x, const float* y, int rows, double denom) { return adapter->micro_batch(rt, x, y, rows, denom); },
+          [&](int step) { adapter->after_step(rt, step); }, first_step, steps_done);
+      break;
+    } catch (const Error& e) {
+      // A lost peer (its death, or its silence past the timeout) with in-place recovery: this
+      // process goes on in the job's next round, from the newest snapshot (Note [Recovering in place]).
+      if (!opt.rejoin || !(dynamic_cast<const CommError*>(&e) || dynamic_cast<const TimeoutError*>(&e))) throw;
+      std::fprintf(stderr, "rank %d: a peer was lost (%s); recovering in place\n", rank, e.what());
+      steps_done = int(rt.recover(opt.rejoin()));
+      if (rt.world_size() != opt.world_size || rt.rank() != rank)
+        throw UsageError("recovered as rank " + std::to_string(rt.rank()) + " of " + std::to_string(rt.world_size()) + " instead of rank " +
+                         std::to_string(rank) + " of " + std::to_string(opt.world_size) +
+                         ": this trainer splits its batches by the world it started with");
+      first_step = loaded_steps + steps_done;
+      if (steps_done) adapter->after_step(rt, -1);
+      std::fprintf(stderr, "rank %d (pid %ld): recovered in place, going on after step %d\n", rank, long(::getpid()), steps_done);
+    }
+  }
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   adapter->finish(rt, model);
   finish_rank(sh, rank, rt, model, slot);

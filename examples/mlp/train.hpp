@@ -87,6 +87,10 @@ struct TrainOptions {
   // optimizer state and the data position; `steps` counts the steps still to run. Any world
   // size, stage and partition.
   std::optional<std::string> resume_dir;
+  // Under `shardflow run --recovery in-place` (train_rank only): the communicator of the job's next
+  // round (rejoin_process_group). Set, a lost peer does not end this rank: it recovers in place
+  // (Runtime::recover) and goes on from the newest snapshot (Note [Recovering in place]).
+  std::function<std::shared_ptr<Communicator>()> rejoin;
   // Parameters registered frozen (ParamSpec::requires_grad false): never reduced or stepped; their
   // gradients are computed and dropped (CPU only).
   std::vector<std::string> freeze;

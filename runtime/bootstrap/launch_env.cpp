@@ -165,6 +165,15 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
   // Note [Restarting the worker group]: shardflow run's generation, else torchrun's.
   e.restart_count = int(env.integer(env.has("SHARDFLOW_RESTART_COUNT") ? "SHARDFLOW_RESTART_COUNT" : "TORCHELASTIC_RESTART_COUNT", 0, 0,
                                     1 << 20));
+  // Note [Recovering in place]: the launcher's choice and which round of this generation a rank
+  // started in (a replacement starts in a later one than the ranks it joins).
+  if (env.has("SHARDFLOW_RECOVERY")) {
+    const std::string r = env.str("SHARDFLOW_RECOVERY");
+    if (r != "in-place" && r != "restart") bad("SHARDFLOW_RECOVERY is '" + r + "', not in-place or restart");
+    e.recover_in_place = r == "in-place";
+  }
+  e.recovery_round = int(env.integer("SHARDFLOW_RECOVERY_ROUND", 0, 0, 1 << 20));
+  if (e.recovery_round > 0 && !e.recover_in_place) bad("SHARDFLOW_RECOVERY_ROUND is set without SHARDFLOW_RECOVERY=in-place");
   if (env.has("MASTER_ADDR"))
     e.master_addr = env.str("MASTER_ADDR");
   else if (!e.single_host())

@@ -2,7 +2,8 @@
 // agreement check over it, then the backend's own rendezvous.
 #include <cstdlib>
 
-#include <atomic>
+#include <algorithm>
+#include <mutex>
 
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
@@ -36,7 +37,20 @@ class GroupComm final : public Communicator {
   std::shared_ptr<Communicator> inner_;  // destroyed first: its threads may still use the store
 };
 
-std::atomic<int> groups_created{0};
+// Groups made in this process, per generation and round (Note [Recovering in place]): a rank that
+// replaces a lost one makes its first group of a round where the survivors make their second.
+std::mutex groups_mu;
+int groups_round = -1, groups_in_round = 0;
+int latest_round = 0;  // the newest round this process joined
+
+std::string group_prefix(const LaunchEnv& env, int round) {
+  std::lock_guard lock(groups_mu);
+  if (round != groups_round) groups_round = round, groups_in_round = 0;
+  latest_round = std::max(latest_round, round);
+  // Round 0's keys are as they were before rounds existed: g<k>/pg<n>/.
+  return "g" + std::to_string(env.restart_count) + "/" + (round ? "r" + std::to_string(round) + "/" : "") + "pg" +
+         std::to_string(groups_in_round++) + "/";
+}
 
 }  // namespace
 
@@ -136,14 +150,9 @@ std::shared_ptr<Communicator> make_backend(const std::string& backend, const Lau
 
 }  // namespace
 
-std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
-  const std::string backend = choose_backend(env, o);
-  if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
-  std::string store_host;
-  auto server = serve_store(env, store_host);
-  // The store outlives a restarted worker group: each generation's keys are its own (Note
-  // [Restarting the worker group]).
-  const std::string prefix = "g" + std::to_string(env.restart_count) + "/pg" + std::to_string(groups_created++) + "/";
+namespace {
+
+StoreRendezvous store_of(const LaunchEnv& env, const std::string& store_host, std::chrono::milliseconds timeout) {
   StoreRendezvous where;
   where.rank = env.rank;
   where.world_size = env.world_size;
@@ -153,10 +162,61 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   where.etcd_user = env.etcd_user;
   where.etcd_root = env.etcd_root;
   where.token = env.token;
-  where.timeout = o.timeout;
+  where.timeout = timeout;
+  return where;
+}
+
+std::shared_ptr<Communicator> make_group(const LaunchEnv& env, const ProcessGroupOptions& o, int round) {
+  const std::string backend = choose_backend(env, o);
+  if (o.timeout.count() <= 0) throw UsageError("init_process_group: timeout must be positive");
+  std::string store_host;
+  auto server = serve_store(env, store_host);
+  // The store outlives a restarted worker group: each generation's keys are its own (Note
+  // [Restarting the worker group]), and each round's within it (Note [Recovering in place]).
+  const std::string prefix = group_prefix(env, round);
+  StoreRendezvous where = store_of(env, store_host, o.timeout);
   agree_on_backend(env, o, backend, where, prefix);
   where.key_prefix = prefix + backend + "/";
-  return std::make_shared<GroupComm>(std::move(server), make_backend(backend, env, where, prefix));
+  auto group = std::make_shared<GroupComm>(std::move(server), make_backend(backend, env, where, prefix));
+  if (round > 0) {  // the launcher counts the ranks that made the round's group: the recovery is over once all have
+    const auto client = connect_store(where);
+    client->add("g" + std::to_string(env.restart_count) + "/r" + std::to_string(round) + "/joined", 1);
+  }
+  return group;
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
+  return make_group(env, o, env.recovery_round);
+}
+
+std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
+  if (!env.recover_in_place)
+    throw UsageError("rejoin_process_group on rank " + std::to_string(env.rank) + ": the job was not started with `shardflow run "
+                     "--recovery in-place` (SHARDFLOW_RECOVERY is not in-place), so no launcher starts the lost rank again for the "
+                     "survivors to join; let the launcher restart every rank (--max-restarts) instead");
+  if (o.timeout.count() <= 0) throw UsageError("rejoin_process_group: timeout must be positive");
+  int round;
+  {
+    std::lock_guard lock(groups_mu);
+    round = std::max(latest_round, env.recovery_round) + 1;
+  }
+  // The launcher's word for this round: "in-place: ..." once it started the lost rank's process
+  // again, "restart: ..." when it stops every rank instead.
+  const std::string key = "g" + std::to_string(env.restart_count) + "/recovery/" + std::to_string(round);
+  std::string verdict;
+  try {
+    const auto client = connect_store(store_of(env, env.master_addr, o.timeout));
+    verdict = client->get(key);
+  } catch (const Error& e) {
+    throw CommError("rejoin_process_group on rank " + std::to_string(env.rank) + ": no word from the launcher on round " +
+                    std::to_string(round) + " of the job's recovery (" + e.what() + ")");
+  }
+  if (verdict.rfind("in-place", 0) != 0)
+    throw CommError("rejoin_process_group on rank " + std::to_string(env.rank) + ": the launcher does not recover in place this time: " +
+                    verdict);
+  return make_group(env, o, round);
 }
 
 }  // namespace shardflow

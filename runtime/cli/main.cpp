@@ -102,6 +102,11 @@ CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
                   "when a rank fails, stop the others and start every rank again, up to this many times "
                   "(SHARDFLOW_RESTART_COUNT tells each generation which it is; across nodes all restart together)")
       ->capture_default_str();
+  run->add_option("--recovery", spec.recovery,
+                  "how a lost rank is healed with --max-restarts: restart (every rank starts again) or in-place (only the lost "
+                  "rank's process starts again; the others go on after Runtime::recover, Note [Recovering in place])")
+      ->check(CLI::IsMember({"restart", "in-place"}))
+      ->capture_default_str();
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
   return run;
 }

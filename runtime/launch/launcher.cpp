@@ -14,6 +14,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <map>
 #include <optional>
@@ -43,6 +44,8 @@ struct Rank {
   int status = 0;  // waitpid status once exited
   int stopped_by = 0;  // the signal that stopped it (SIGSTOP, SIGTSTP...), while it is stopped
   bool signal_ours = false;  // killed by the signal this launcher sent while stopping the job
+  bool replaced = false;     // lost and started again in place (Note [Recovering in place]): not this generation's verdict
+  std::optional<std::chrono::steady_clock::time_point> stopped_since;  // while stopped by a signal
   int out_fd = -1, err_fd = -1;
   std::unique_ptr<OutputRelay> out, err;
 };
@@ -177,6 +180,7 @@ class Supervisor {
       // This node's place among the generation's nodes (Note [Shrinking the world]).
       const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
       const int world = spec_.nproc_per_node * int(members_.size());
+      generation_ = {node, world, port, token, old};
       point_mirror(before);
       before = members_;
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
@@ -295,7 +299,7 @@ class Supervisor {
   void spawn(Rank& r, int node, int world, int port, const std::string& token, const sigset_t& old_mask) {
     const auto env = rank_environment(spec_, socket_, {r.global, r.local, world, store_at_, port, token, restart_, spec_.max_restarts,
                                                          snapshot_memory_ ? snapshot_memory_->path() : std::string(), mirror_label_,
-                                                         node, torch_port(port)});
+                                                         node, torch_port(port), round_no_});
     const RankProcess p = start_rank_process(spec_.command, env, old_mask);
     r.pid = p.pid;
     r.running = true;
@@ -319,22 +323,26 @@ class Supervisor {
   }
 
   void reap() {
+    std::vector<Rank*> lost;  // to recover in place once the loop is done: a replacement adds to ranks_
     for (;;) {
       int status = 0;
       // Stops too: a stopped rank hangs its peers until they time out, and the peer that times out
       // first is not the one to blame, so the verdict names the stopped rank as the likely cause.
       const pid_t pid = ::waitpid(-1, &status, WNOHANG | WUNTRACED | WCONTINUED);
-      if (pid <= 0) return;
+      if (pid <= 0) break;
       for (auto& r : ranks_) {
         if (r.pid != pid) continue;
         if (WIFSTOPPED(status)) {
           r.stopped_by = WSTOPSIG(status);
+          r.stopped_since = clock::now();
           say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") was stopped by SIG" +
-              sigabbrev_np(r.stopped_by) + "; its peers wait for it until their timeout");
+              sigabbrev_np(r.stopped_by) + (in_place() ? "; it counts as lost if still stopped after --heartbeat-timeout"
+                                                       : "; its peers wait for it until their timeout"));
           continue;
         }
         if (WIFCONTINUED(status)) {
           r.stopped_by = 0;
+          r.stopped_since.reset();
           continue;
         }
         r.running = false;
@@ -342,6 +350,10 @@ class Supervisor {
         r.signal_ours = WIFSIGNALED(status) && stop_deadline_ &&
                         (WTERMSIG(status) == SIGTERM || (WTERMSIG(status) == SIGKILL && killed_));
         const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && can_recover_in_place()) {
+          lost.push_back(&r);
+          continue;
+        }
         if (failed && !first_failure_ && !interrupted_ && !peer_failure_) {
           first_failure_ = r.global;
           say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") " + describe_status(status) +
@@ -361,6 +373,124 @@ class Supervisor {
         if (stop_deadline_) ::kill(-pid, SIGKILL);
       }
     }
+    if (!lost.empty()) recover_in_place(lost);
+  }
+
+  // ---- Note [Recovering in place] --------------------------------------------------------------
+  // With --recovery in-place a lost rank (its process exited non-zero or died, or stayed stopped
+  // for longer than --heartbeat-timeout) is not the end of the generation: its process starts
+  // again in the generation's next round, the surviving ranks (which see their collectives fail)
+  // are told so through the store ("g<k>/recovery/<round>": "in-place: ...") and join it there
+  // (rejoin_process_group, Runtime::recover). The round is over once every rank made the round's
+  // group ("g<k>/r<round>/joined" counts them). A rank lost while a round is still open, or a
+  // round not over within --rdzv-timeout, ends the generation as without in-place recovery: every
+  // rank stops, and the job restarts if restarts are left. Each round counts as one restart.
+  bool in_place() const { return spec_.recovery == "in-place"; }
+
+  bool can_recover_in_place() const {
+    return in_place() && !round_ && !first_failure_ && !peer_failure_ && !interrupted_ && !stop_deadline_ &&
+           restart_ + recoveries_ < spec_.max_restarts;
+  }
+
+  Store& recovery_store() {
+    if (!recovery_store_) {
+      StoreRendezvous where;
+      where.store_host = store_at_;
+      where.store_port = std::uint16_t(generation_.port);
+      where.token = generation_.token;
+      where.etcd_endpoints = spec_.etcd_endpoints;
+      where.etcd_root = etcd::root_for(spec_.rdzv_id);
+      where.timeout = std::chrono::seconds(10);
+      recovery_store_ = connect_store(where);
+    }
+    return *recovery_store_;
+  }
+
+  std::string round_key(const std::string& what) const {
+    return "g" + std::to_string(restart_) + "/" + what;
+  }
+
+  void recover_in_place(const std::vector<Rank*>& lost) {
+    ++recoveries_;
+    ++round_no_;
+    std::string who, pids;
+    for (const Rank* r : lost) {
+      who += (who.empty() ? "" : "; ") + ("rank " + std::to_string(r->global) + " (pid " + std::to_string(r->pid) + ") " +
+                                          describe_status(r->status));
+      pids += (pids.empty() ? "" : ", ") + std::to_string(r->global);
+    }
+    say(who + "; recovering in place (round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries_) + " of " +
+        std::to_string(spec_.max_restarts) + " restarts): the other ranks keep running, rank(s) " + pids + " start again");
+    std::vector<long> dead;
+    for (Rank* r : lost) {
+      ::kill(-r->pid, SIGKILL);  // what its process group still holds
+      r->replaced = true;
+      dead.push_back(r->pid);
+    }
+    shm::remove_segments_of(dead);
+    round_ = RecoveryRound{clock::now(), who};
+    try {
+      recovery_store().set(round_key("recovery/" + std::to_string(round_no_)), "in-place: " + who + "; started again");
+    } catch (const Error& e) {
+      say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
+      end_round("the store could not be reached");
+      return;
+    }
+    for (const Rank* r : lost) {
+      auto& again = ranks_.emplace_back();
+      again.global = r->global;
+      again.local = r->local;
+      spawn(again, generation_.node, generation_.world, generation_.port, generation_.token, generation_.mask);
+      say("started rank " + std::to_string(again.global) + " (pid " + std::to_string(again.pid) + ") again in round " +
+          std::to_string(round_no_));
+    }
+  }
+
+  // Polled by supervise(): the round is over once every rank joined it; not over in time, the
+  // generation ends (the survivors are stopped and, restarts left, every rank starts again).
+  void check_round() {
+    if (!round_) return;
+    std::int64_t joined = 0;
+    try {
+      joined = recovery_store().add(round_key("r" + std::to_string(round_no_) + "/joined"), 0);
+    } catch (const Error& e) {
+      end_round(std::string("the store could not be read (") + e.what() + ")");
+      return;
+    }
+    const double s = std::chrono::duration<double>(clock::now() - round_->started).count();
+    if (joined >= generation_.world) {
+      char took[32];
+      std::snprintf(took, sizeof took, "%.2f", s);
+      say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
+      round_.reset();
+    } else if (s * 1000 > double(spec_.rdzv_timeout.count())) {
+      end_round(std::to_string(joined) + " of " + std::to_string(generation_.world) + " ranks joined round " + std::to_string(round_no_) +
+                " within --rdzv-timeout");
+    }
+  }
+
+  // The round failed: the generation ends as a failure would end it without in-place recovery.
+  void end_round(const std::string& why) {
+    if (!first_failure_ && !interrupted_ && !peer_failure_) {
+      peer_failure_ = "recovering in place failed: " + why + " (after " + round_->lost + ")";
+      say(*peer_failure_ + "; stopping every rank");
+      begin_stop(SIGTERM);
+    }
+    round_.reset();
+  }
+
+  // A rank stopped (SIGSTOP) for longer than --heartbeat-timeout counts as lost: killed, it is
+  // recovered like any other (its peers would otherwise wait for it until their own timeout).
+  void kill_long_stopped() {
+    if (!in_place()) return;
+    for (auto& r : ranks_)
+      if (r.running && r.stopped_since && clock::now() - *r.stopped_since > spec_.heartbeat_timeout) {
+        say("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ") has been stopped for longer than "
+            "--heartbeat-timeout: killing it, it counts as lost");
+        r.stopped_since.reset();
+        ::kill(-r.pid, SIGKILL);
+        ::kill(-r.pid, SIGCONT);
+      }
   }
 
   void on_signal() {
@@ -431,6 +561,8 @@ class Supervisor {
       }
       const int n = ::poll(fds.data(), fds.size(), wait_ms);
       if (n < 0 && errno != EINTR) throw Error("poll: " + std::string(std::strerror(errno)));
+      check_round();
+      kill_long_stopped();
       if (n <= 0) {
         reap();  // belt and braces: SIGCHLDs coalesce
         continue;
@@ -472,7 +604,7 @@ class Supervisor {
     if (!first_failure_ && !peer_failure_) return false;  // the job is done
     if (spec_.max_restarts == 0) return false;
     const bool lost = watch_ && watch_->lost_a_node();
-    bool want = !interrupted_ && restart_ < spec_.max_restarts && (!lost || spec_.min_nnodes > 0);
+    bool want = !interrupted_ && restart_ + recoveries_ < spec_.max_restarts && (!lost || spec_.min_nnodes > 0);
     if (lost && !spec_.min_nnodes && !interrupted_) not_restarted_ = "a lost node is not restarted around without --nnodes MIN:MAX";
     if (!watch_) return want;
     std::string why_not;
@@ -497,7 +629,7 @@ class Supervisor {
   }
 
   void next_generation() {
-    say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + 1) + " of " +
+    say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + recoveries_ + 1) + " of " +
         std::to_string(spec_.max_restarts) + " restarts)");
     remove_shared_memory();
     ranks_.clear();
@@ -508,6 +640,8 @@ class Supervisor {
     store_lost_.clear();
     if (watch_) watch_->next_generation();
     ++restart_;
+    round_no_ = 0;  // a generation's keys are its own, its rounds too
+    round_.reset();
   }
 
   // A rank that died (or was stopped) left its shared-memory buffers in /dev/shm: this job's are
@@ -555,7 +689,7 @@ class Supervisor {
   std::string restarts_note() const {
     if (!spec_.max_restarts || interrupted_) return "";
     if (!not_restarted_.empty()) return "; not restarted: " + not_restarted_;
-    return "; restarts used up (" + std::to_string(restart_) + " of " + std::to_string(spec_.max_restarts) + ")";
+    return "; restarts used up (" + std::to_string(restart_ + recoveries_) + " of " + std::to_string(spec_.max_restarts) + ")";
   }
 
   // Which rank failed and how, with the others' fate: the verdict's words, and a restart's.
@@ -565,12 +699,12 @@ class Supervisor {
     // and exits first: then the killed rank is the one to name.
     int blamed = *first_failure_;
     for (const auto& r : ranks_)
-      if (r.global != *first_failure_ && !r.running && WIFSIGNALED(r.status) && !r.signal_ours) {
+      if (!r.replaced && r.global != *first_failure_ && !r.running && WIFSIGNALED(r.status) && !r.signal_ours) {
         blamed = r.global;
         break;
       }
     for (const auto& r : ranks_)
-      if (r.global == blamed) return r;
+      if (!r.replaced && r.global == blamed) return r;
     return ranks_.front();
   }
 
@@ -579,6 +713,7 @@ class Supervisor {
     const int blamed = failed->global;
     std::string others, stopped;
     for (const auto& r : ranks_) {
+      if (r.replaced) continue;  // recovered in place: the supervisor said so then
       if (r.global != blamed)
         others += "; rank " + std::to_string(r.global) + " " + describe_status(r.status);
       if (r.stopped_by && r.global != blamed)
@@ -602,7 +737,20 @@ class Supervisor {
   std::optional<std::string> peer_failure_;
   std::string store_lost_;
   std::string other_nodes_;  // what node 0 learned of the others while finishing
-  std::vector<Rank> ranks_;
+  std::deque<Rank> ranks_;  // a deque: a replacement is added while references to the others are held
+  struct Generation {
+    int node = 0, world = 1, port = 0;
+    std::string token;
+    sigset_t mask{};
+  } generation_;  // how this generation's ranks were started: a replacement starts alike
+  struct RecoveryRound {
+    clock::time_point started;
+    std::string lost;  // who was lost, for messages
+  };
+  std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
+  int round_no_ = 0;     // this generation's rounds so far (Note [Recovering in place])
+  int recoveries_ = 0;   // in-place recoveries over the whole job: each counts as a restart
+  std::unique_ptr<Store> recovery_store_;
   int sigfd_ = -1;
   int torch_port_ = 0;  // MASTER_PORT (torch_port)
   int interrupted_ = 0;

@@ -6,7 +6,8 @@
 //   one (or the grace period running out) sends SIGKILL.
 // - When a rank exits non-zero or dies of a signal, the others are stopped (SIGTERM, then SIGKILL
 //   after the grace period) and the launcher exits non-zero naming that rank and its status —
-//   the first failure is the cause, later ones are consequences.
+//   the first failure is the cause, later ones are consequences. With --recovery in-place only the
+//   lost rank's process starts again and the others go on (Note [Recovering in place], launcher.cpp).
 // - The ranks die with the launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
 // - Node 0's launcher serves the rendezvous store for the whole job (Note [Who runs the store]).
 // - Across nodes the launchers meet in that store before any rank starts, and stop each other's
@@ -45,6 +46,10 @@ struct LaunchSpec {
   // Note [Restarting the worker group]: when a rank fails, stop the others and start them all
   // again, up to this many times (torchrun's --max_restarts); across nodes all of them together.
   int max_restarts = 0;
+  // Note [Recovering in place]: "restart" (the above), or "in-place": only a lost rank's process
+  // starts again and the survivors join it in the generation's next round (Runtime::recover).
+  // Each such round counts as one of max_restarts.
+  std::string recovery = "restart";
   // Note [Shrinking the world]: --nnodes MIN:MAX. 0: not elastic (MIN = MAX = nnodes). A node lost
   // for longer than rejoin_timeout is left out of the next generation, while MIN nodes remain.
   int min_nnodes = 0;

@@ -81,6 +81,10 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
     env["SHARDFLOW_RDZV_ENDPOINTS"] = etcd::join_endpoints(spec.etcd_endpoints);
     env["SHARDFLOW_RUN_ID"] = spec.rdzv_id;
   }
+  if (spec.recovery == "in-place") {  // Note [Recovering in place]
+    env["SHARDFLOW_RECOVERY"] = "in-place";
+    env["SHARDFLOW_RECOVERY_ROUND"] = std::to_string(ids.recovery_round);
+  }
   if (!ids.snapshot_memory.empty()) env[snapshot_env::kMemory] = ids.snapshot_memory;
   if (!ids.snapshot_mirror.empty()) env[snapshot_env::kMirror] = ids.snapshot_mirror;
   // The ranks bind where this launcher chose (flags reach them as the variables they read).

@@ -37,6 +37,7 @@ struct RankIds {
   std::string snapshot_mirror;  // Note [Snapshots on the other host]: the node holding the copies; empty: none
   int node = 0;                 // GROUP_RANK: this node's place in the generation (Note [Shrinking the world])
   int torch_port = 0;           // MASTER_PORT: for torch.distributed's own env:// store (0: store_port + 1)
+  int recovery_round = 0;       // Note [Recovering in place]: the round of the generation this process starts in
 };
 
 // The torchrun-style environment of one rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), the

@@ -20,34 +20,48 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   config.validate();
   auto& I = *impl_;
   I.cfg = config;
-  I.overlap = Impl::make_overlap_state(config);
-  I.comm = std::move(comm);
+  I.owner = next_owner_id.fetch_add(1);
+  I.begin(*this, std::move(comm), nullptr);
+}
+
+void Runtime::Impl::begin(Runtime& rt, std::shared_ptr<Communicator> c, std::shared_ptr<Timeline> kept) {
+  auto& I = *this;
+  I.overlap = Impl::make_overlap_state(I.cfg);
+  I.comm = std::move(c);
   I.rank = I.comm->rank();
   I.world = I.comm->world_size();
-  I.owner = next_owner_id.fetch_add(1);
   I.log = rank_logger(I.rank);
-  I.actors = ProcessActorSystem::acquire(config.actor_threads);
-  std::string trace_file;
-  if (!config.trace.path.empty()) {
-    // Ranks that are threads of one process share a file; a rank that is a process of its own
-    // writes its own (Note [Timeline]).
-    bool own_process = false;
-    try {
-      const auto env = LaunchEnv::detect();
-      own_process = env.launched() && env.world_size > 1;
-    } catch (const std::exception&) {
-      // a malformed launch environment is the process group's error to report, not the trace's
+  I.actors = ProcessActorSystem::acquire(I.cfg.actor_threads);
+  I.facade = &rt;
+  if (kept) {
+    I.timeline = std::move(kept);
+  } else {
+    std::string trace_file;
+    if (!I.cfg.trace.path.empty()) {
+      // Ranks that are threads of one process share a file; a rank that is a process of its own
+      // writes its own (Note [Timeline]).
+      bool own_process = false;
+      try {
+        const auto env = LaunchEnv::detect();
+        own_process = env.launched() && env.world_size > 1;
+      } catch (const std::exception&) {
+        // a malformed launch environment is the process group's error to report, not the trace's
+      }
+      trace_file = resolve_trace_path(I.cfg.trace.path, I.rank, own_process);
     }
-    trace_file = resolve_trace_path(config.trace.path, I.rank, own_process);
+    I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
   }
-  I.facade = this;
-  I.timeline = std::make_shared<Timeline>(I.rank, trace_file);
   I.collectives->set_timeline(I.timeline);
-  I.client.actor = spawn_rank_actor(I.actors->system(), *this);
+  I.client.actor = spawn_rank_actor(I.actors->system(), rt);
 }
 
 Runtime::~Runtime() {
-  auto& I = *impl_;
+  impl_->retire();
+  impl_->timeline->close();  // the trace file is complete once the last rank's Runtime is gone
+}
+
+void Runtime::Impl::retire() {
+  auto& I = *this;
   // First, so that nothing runs on the rank actor's thread while the rest goes.
   stop_rank_actor(I.actors->system(), I.client.actor);
   I.client.release();
@@ -64,7 +78,6 @@ Runtime::~Runtime() {
                   std::to_string(I.iterations));
   }
   I.stop_actors();
-  I.timeline->close();  // the trace file is complete once the last rank's Runtime is gone
 }
 
 int Runtime::rank() const { return impl_->rank; }
@@ -83,7 +96,9 @@ Param Runtime::register_param(ParamSpec spec) {
                      I.name_of(0) + "' is on " + I.mem->device.str() +
                      "; one Runtime reduces the parameters of one device (use one Runtime per device)");
   const Device device = spec.device;
+  ParamSpec again = spec;
   auto index = Param{I.registry.add(std::move(spec), I.cfg.buckets.gradient_as_bucket_view, *I.comm), I.owner};
+  I.remember([again](Runtime& rt) { rt.register_param(again); });
   I.mem->device = device;
   I.device_bound = true;
   return index;
@@ -94,6 +109,7 @@ void Runtime::register_buffer(BufferSpec spec) {
   std::lock_guard lock(I.finalize_mu);
   if (I.finalized.load())
     throw UsageError("register_buffer('" + spec.name + "'): registration is closed once training has started");
+  I.remember([spec](Runtime& rt) { rt.register_buffer(spec); });
   I.registry.add_buffer(std::move(spec), *I.comm);
 }
 
@@ -114,6 +130,7 @@ Param Runtime::param(const std::string& name) const {
 void Runtime::finalize() {
   test_fault::reached("registration");
   impl_->ensure_finalized();
+  impl_->remember([](Runtime& rt) { rt.finalize(); });
 }
 
 void Runtime::Impl::require_between_iterations(const std::string& call, const std::string& advice) const {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -93,6 +94,26 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
     check_resumed();
     settings_checked.store(true, std::memory_order_relaxed);
   }
+
+  // ---- Recovering in place (rank/recovery.cpp, Note [Recovering in place]) --------------------
+  // The set-up calls the trainer made, in order, each as the public call that makes it again:
+  // recover() replays them on a fresh Impl, so that a survivor is set up exactly as the process
+  // that replaces a lost rank is by the trainer's own start-up code.
+  std::vector<std::function<void(Runtime&)>> recipe;
+  int recipe_paused = 0;         // inside a recorded call that makes other public calls (register_flat)
+  std::string recipe_broken;     // a change after training started that a replay cannot make alike: recover() names it
+  template <class F>
+  void remember(F&& call) {
+    if (!recipe_paused) recipe.emplace_back(std::forward<F>(call));
+  }
+  // The trainer changed the set-up after training started: recover() refuses, naming `what`.
+  void remember_change(const std::string& what) {
+    if (recipe_broken.empty() && (iterations > 0 || in_pass())) recipe_broken = what;
+  }
+  // The Runtime's start on `comm` (its constructor's work; recover()'s for the new Impl), and its end
+  // (the destructor's: the rank actor first, a save in flight finished, the actors stopped).
+  void begin(Runtime& rt, std::shared_ptr<Communicator> c, std::shared_ptr<Timeline> kept);
+  void retire();
 
   // ---------------------------------------------------------------------------------------------
   void ensure_finalized();

@@ -23,6 +23,7 @@ void Runtime::register_comm_hook(std::shared_ptr<CommHook> hook) {
   if (I.finalized.load()) throw UsageError("register_comm_hook('" + hook->name() + "'): register it before training starts (finalize)");
   if (I.semantics->hook.hook) throw UsageError("register_comm_hook('" + hook->name() + "'): '" + I.semantics->hook.hook->name() + "' is registered already (one hook per Runtime)");
   I.semantics->hook.hook = std::move(hook);
+  I.remember([h = I.semantics->hook.hook](Runtime& rt) { rt.register_comm_hook(h); });
 }
 
 std::shared_ptr<CommHook> Runtime::Impl::effective_hook() const {

@@ -41,6 +41,7 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
     if (og->group_of[i] == ~0u) og->group_of[i] = 0;
   }
   I.groups = std::move(og);
+  I.remember([groups](Runtime& rt) { rt.configure_optimizer(groups); });
   I.shard.reset();
   // The optimizer may change the caps (stage 2's memory budget): the buckets anew, in the order
   // the current ones were made in (no iteration has run yet: the registration order reversed).
@@ -117,6 +118,10 @@ std::size_t Runtime::add_param_group(const ParamGroup& g) {
   }
   next->groups.push_back(g.optimizer);
   I.publish_groups(std::move(next), "add_param_group");
+  if (I.iterations == 0)
+    I.remember([g](Runtime& rt) { rt.add_param_group(g); });
+  else
+    I.remember_change("add_param_group() after iteration " + std::to_string(I.iterations));
   for (Param p : g.params) I.semantics->grouping.explicitly_grouped[p.index] = 1;
   return index;
 }

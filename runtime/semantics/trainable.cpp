@@ -19,6 +19,7 @@ void Runtime::set_requires_grad(Param p, bool on) {
   const auto i = I.check_handle(p, "set_requires_grad");
   I.require_between_iterations("set_requires_grad('" + I.name_of(i) + "')", "freeze or unfreeze between iterations");
   std::lock_guard lock(I.finalize_mu);
+  if (I.iterations == 0) I.remember([p, on](Runtime& rt) { rt.set_requires_grad(p, on); });
   if (!I.finalized.load()) {  // still registering: the plan is made with it
     I.registry.set_requires_grad(i, on);
     return;
@@ -32,6 +33,10 @@ void Runtime::refresh_trainable() {
   I.ensure_finalized();
   I.throw_if_failed();
   I.require_between_iterations("refresh_trainable()", "call it between iterations");
+  if (I.iterations == 0)
+    I.remember([](Runtime& rt) { rt.refresh_trainable(); });
+  else
+    I.remember_change("refresh_trainable() after iteration " + std::to_string(I.iterations));
   wait_all_params();
   const auto& params = I.registry.params();
   std::vector<std::uint32_t> thawed;

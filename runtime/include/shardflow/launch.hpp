@@ -54,6 +54,11 @@ struct LaunchEnv {
   // from `shardflow run --max-restarts`, TORCHELASTIC_RESTART_COUNT from torchrun). The store keys of
   // a generation are its own.
   int restart_count = 0;
+  // Note [Recovering in place] (`shardflow run --recovery in-place`, SHARDFLOW_RECOVERY=in-place):
+  // a lost rank's process starts again while the others keep theirs and join it in the
+  // generation's next round (SHARDFLOW_RECOVERY_ROUND: the round this process started in).
+  bool recover_in_place = false;
+  int recovery_round = 0;
 
   // Reads the environment of this process; `getenv` replaces ::getenv (tests). UsageError naming
   // the variable when a value is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
@@ -80,5 +85,16 @@ struct ProcessGroupOptions {
 // once). Ranks that asked for different backends get a MismatchError naming both, before any
 // backend rendezvous could hang. The returned communicator keeps the store alive.
 std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const ProcessGroupOptions& options = {});
+
+// A survivor's way on after a peer was lost, under `shardflow run --recovery in-place` (Note
+// [Recovering in place]): waits (at most options.timeout) for the launcher to say how the job goes
+// on, and joins the generation's next round with the rank that replaces the lost one; the new
+// communicator is for Runtime::recover(). A collective: every surviving rank calls it once per
+// loss. CommError naming the launcher's verdict when it restarts every rank instead; UsageError
+// outside `shardflow run --recovery in-place`.
+//
+//   try { train_step(); }
+//   catch (const shardflow::CommError&) { step = rt.recover(shardflow::rejoin_process_group(env, opts)); }
+std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const ProcessGroupOptions& options = {});
 
 }  // namespace shardflow

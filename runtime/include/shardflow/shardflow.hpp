@@ -173,6 +173,14 @@ class Runtime {
   // Config::snapshot.dir (Note [Snapshots]): restores the newest complete snapshot, the same on
   // every rank; returns the iteration it follows (0: a fresh start). Once, before the first forward.
   std::uint64_t resumed_step();
+  // After a peer was lost (a CommError or TimeoutError from a call above), under `shardflow run
+  // --recovery in-place`: goes on in this process over `comm`, the job's next round
+  // (rejoin_process_group in shardflow/launch.hpp), while the lost rank's process starts again
+  // (Note [Recovering in place]). The failed step is discarded on every rank: the set-up calls made
+  // before training are made again on `comm` and the newest complete snapshot is loaded, as the
+  // replacement's resumed_step() does. Returns the iteration to go on from; rank() and world_size()
+  // are the new round's. Parameter handles stay valid. Needs Config::snapshot.dir.
+  std::uint64_t recover(std::shared_ptr<Communicator> comm);
   // A consolidated file, a parameters-only state dict or a sharded checkpoint, at any world size,
   // stage and partition; between iterations, after configure_optimizer(). UsageError naming the
   // file and tensor for another model or optimizer, a bad checksum, a missing or cut file.

@@ -1,0 +1,77 @@
+// Note [Recovering in place]
+// A lost rank used to cost every rank its process: the launcher stopped them all and started them
+// again, each paying its start-up (a CUDA context, NCCL's and the trainer's own initialisation)
+// before resuming from the newest snapshot. Under `shardflow run --recovery in-place` only the
+// lost rank's process starts again; the survivors keep theirs and call Runtime::recover() with a
+// communicator of the job's next round (rejoin_process_group, bootstrap/process_group.cpp).
+//
+// What the survivors must reach is exactly where the replacement process arrives by running the
+// trainer's start-up code and resumed_step(): every rank then issues the same collectives, and the
+// job goes on as an uninterrupted one would (bit for bit over one backend: the recovery scenarios of
+// test_launch check it). So recover() does not patch the old Runtime's many parts (its buckets,
+// shard, actors, pass, overlap choices, snapshots in flight, a failure half recorded): it retires the
+// old Impl as the destructor would and builds a fresh one on the new communicator, then replays the
+// set-up calls the trainer made (Impl::recipe: register_param, register_flat, register_buffer,
+// register_comm_hook, set_requires_grad, finalize, configure_optimizer, add_param_group, in their
+// order, recorded until training started), then loads the newest complete snapshot through
+// resumed_step() (rank 0 chooses it for everyone). The step that failed is discarded everywhere: no
+// rank keeps a half-applied update, since every rank reloads the same snapshot.
+//
+// What stays from the old Runtime: the parameter handles (the owner id is kept, and the replayed
+// registration gives the same indices), the trainer's memory the parameters live in (overwritten
+// by the load), the timeline (the trace file goes on, unless the rank changed), the actor API's
+// subscribers, and the CUDA stream. What does not, as after a restart: hyper-parameters set after
+// training started (set_lr: the trainer's schedule sets them again at the step it resumes from).
+// Changes a replay cannot make alike are refused by name rather than half replayed: a
+// refresh_trainable() or add_param_group() after training started (the replacement would not have
+// them), and recovery without Config::snapshot.dir (there would be nothing consistent to go back to).
+#include "runtime/rank/rank_actor.hpp"
+#include "runtime/rank/runtime_impl.hpp"
+
+namespace shardflow {
+
+std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
+  if (!comm) throw UsageError("recover: communicator is null");
+  auto& old = *impl_;
+  const std::string who = "recover() on rank " + std::to_string(old.rank);
+  if (old.client.on_rank_thread()) throw UsageError(who + ": called on the rank actor's own thread; call it from the trainer's");
+  if (old.cfg.snapshot.dir.empty())
+    throw UsageError(who + ": " + old.cfg.name_of("snapshot.dir") + " is not set, so there is no snapshot every rank can go back to "
+                     "alike; set it (and snapshot.every) to recover in place, or let the launcher restart every rank");
+  if (!old.recipe_broken.empty())
+    throw UsageError(who + ": " + old.recipe_broken + " changed the set-up after training started, which a recovered rank cannot "
+                     "make again alike with the process that replaces the lost one; restart every rank instead (--recovery restart)");
+  // The old round's collectives: peers still inside them fail now instead of at their timeout, and
+  // nothing below waits for an iteration that can no longer complete.
+  old.comm->abort("rank " + std::to_string(old.rank) + " recovers in place");
+  old.failure.record(std::make_exception_ptr(CommError(who + ": the old round was abandoned")));
+  const auto recipe = old.recipe;
+  const bool same_rank = comm->rank() == old.rank;
+  auto kept = same_rank ? old.timeline : nullptr;
+  auto subscribers = old.client.subscribers;
+  void* stream = old.mem->stream;
+  old.log->warn("recovering in place: rank {} of {} becomes rank {} of {}; the set-up ({} call(s)) is made again and the newest "
+                "snapshot reloaded", old.rank, old.world, comm->rank(), comm->world_size(), recipe.size());
+  auto next = std::make_unique<Impl>();
+  next->cfg = old.cfg;
+  next->owner = old.owner;  // the trainer's parameter handles stay valid
+  next->client.subscribers = std::move(subscribers);
+  old.retire();
+  if (!same_rank) old.timeline->close();
+  impl_.reset();  // its buffers (in the old communicator's memory) go before the new ones come
+  impl_ = std::move(next);
+  impl_->begin(*this, std::move(comm), std::move(kept));
+  impl_->mem->stream = stream;
+  try {
+    for (const auto& call : recipe) call(*this);
+    return resumed_step();
+  } catch (...) {
+    // Another failure during the recovery: the trainer may call recover() again with a newer
+    // round's communicator, which replays the whole set-up again.
+    impl_->recipe = recipe;
+    impl_->recipe_paused = 0;
+    throw;
+  }
+}
+
+}  // namespace shardflow

@@ -1,0 +1,185 @@
+// Recovering in place (Note [Recovering in place], runtime/rank/recovery.cpp): Runtime::recover()
+// on ranks that are threads of this process, so that a round of recovery can be placed at any
+// point of an iteration. The launcher's side (a rank's process killed or stopped, only it started
+// again) is in test_launch.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <optional>
+#include <utility>
+#include <thread>
+
+#include "shardflow/shardflow.hpp"
+#include "shardflow/launch.hpp"
+#include "support/helpers.hpp"
+
+using namespace shardflow;
+
+namespace {
+
+constexpr int kSteps = 8;
+constexpr std::size_t kA = 300, kB = 37;  // two parameters, several buckets with the small caps below
+
+Config config(const std::string& snapshots, int stage) {
+  Config cfg;
+  cfg.zero.stage = ZeroStage(stage);
+  cfg.zero.overlap = stage ? Overlap::interleaved : Overlap::none;
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 512;
+  cfg.snapshot.dir = snapshots;
+  cfg.snapshot.every = 1;
+  cfg.timeouts.collective = std::chrono::seconds(20);
+  return cfg;
+}
+
+// A rank's gradients at a step: they depend on the parameters, the rank and the step only, so a
+// run that goes back to a snapshot and on computes what an uninterrupted one computes.
+void gradients(const std::vector<float>& w, std::vector<float>& g, int rank, int step) {
+  for (std::size_t i = 0; i < w.size(); ++i) g[i] = 0.1f * w[i] + 0.01f * float((i * 7 + std::size_t(rank) * 3 + std::size_t(step)) % 11) - 0.05f;
+}
+
+struct Model {
+  std::vector<float> a = std::vector<float>(kA), b = std::vector<float>(kB);
+  Model() {
+    for (std::size_t i = 0; i < kA; ++i) a[i] = 0.01f * float(i % 13) - 0.06f;
+    for (std::size_t i = 0; i < kB; ++i) b[i] = 0.02f * float(i % 5);
+  }
+};
+
+// One rank's training; with `recover_at` the ranks abandon step `recover_at` after reporting
+// parameter a only (its bucket's reduction may be under way) and recover onto `next`.
+void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::string& snapshots, int stage, Model& m,
+                std::optional<int> recover_at, std::shared_ptr<Communicator> next, std::uint64_t& resumed) {
+  Runtime rt(comm, config(snapshots, stage));
+  const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
+  const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+  OptimizerConfig adamw;
+  adamw.kind = OptimizerConfig::Kind::adamw;
+  adamw.lr = 0.01f;
+  rt.configure_optimizer(adamw);
+  std::vector<float> ga(kA), gb(kB);
+  std::shared_ptr<Communicator> round = next;
+  for (int step = int(rt.resumed_step()); step < kSteps; ++step) {
+    try {
+      rt.zero_grad();
+      gradients(m.a, ga, rank, step);
+      gradients(m.b, gb, rank, step);
+      std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
+      rt.grad_ready(pa);
+      if (recover_at && step == *recover_at) {
+        recover_at.reset();
+        throw CommError("rank " + std::to_string(rank) + ": the test loses a peer in step " + std::to_string(step));
+      }
+      std::copy(gb.begin(), gb.end(), rt.grad_f32(pb));
+      rt.grad_ready(pb);
+      rt.wait();
+    } catch (const Error&) {
+      // What a trainer does on a lost peer; a rank may also see another's abort first, anywhere in
+      // the step: it recovers alike.
+      if (!round) throw;
+      resumed = rt.recover(std::exchange(round, nullptr));
+      step = int(resumed) - 1;  // the handles are still good: the loop goes on from the snapshot
+    }
+  }
+  rt.wait_all_params();
+}
+
+std::string scratch(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardflow_recovery_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+}  // namespace
+
+TEST_CASE("world 3, ZeRO 0/1/2: every rank abandons its 8th step half reported and recovers onto a new round -> the snapshot "
+          "after 6 steps is reloaded (the half step discarded everywhere), the handles still work, and the run ends bit for bit where an "
+          "uninterrupted one ends") {
+  constexpr int N = 3;
+  for (int stage : {0, 1, 2}) {
+    CAPTURE(stage);
+    std::vector<Model> want(N), got(N);
+    {
+      auto world = InProcessWorld::create(N);
+      const auto snaps = scratch("ref" + std::to_string(stage));
+      std::vector<std::thread> ts;
+      std::vector<std::uint64_t> unused(N);
+      for (int r = 0; r < N; ++r)
+        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, want[r], std::nullopt, nullptr, unused[r]); });
+      for (auto& t : ts) t.join();
+      std::filesystem::remove_all(snaps);
+    }
+    auto first = InProcessWorld::create(N), second = InProcessWorld::create(N);
+    const auto snaps = scratch("rec" + std::to_string(stage));
+    std::vector<std::thread> ts;
+    std::vector<std::uint64_t> resumed(N, 0);
+    std::vector<std::exception_ptr> errors(N);
+    for (int r = 0; r < N; ++r)
+      ts.emplace_back([&, r] {
+        try {
+          train_rank(r, first->communicator(r), snaps, stage, got[r], 7, second->communicator(r), resumed[r]);
+        } catch (...) {
+          errors[r] = std::current_exception();
+        }
+      });
+    for (auto& t : ts) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    for (int r = 0; r < N; ++r) {
+      CAPTURE(r);
+      // The snapshot after 7 steps completes at the end of the 8th, which never ended: the one after 6
+      // is the newest complete one.
+      CHECK(resumed[r] == 6);
+      CHECK(got[r].a == want[r].a);
+      CHECK(got[r].b == want[r].b);
+    }
+    std::filesystem::remove_all(snaps);
+  }
+}
+
+TEST_CASE("recovering in place misused: a null communicator, no snapshots, a set-up changed after training started, "
+          "rejoining outside `shardflow run --recovery in-place`, a bad SHARDFLOW_RECOVERY — each named") {
+  float w[4] = {1, 2, 3, 4}, v[2] = {5, 6};
+  auto world = InProcessWorld::create(1);
+  {
+    Runtime rt(world->communicator(0), Config{});
+    rt.register_param({"w", {4}, DType::f32, Device::cpu(), w});
+    CHECK_THROWS_WITH_AS(rt.recover(nullptr), doctest::Contains("communicator is null"), UsageError);
+    CHECK_THROWS_WITH_AS(rt.recover(InProcessWorld::create(1)->communicator(0)), doctest::Contains("snapshot.dir is not set"), UsageError);
+  }
+  {
+    const auto snaps = scratch("misused");
+    Runtime rt(world->communicator(0), config(snaps, 1));
+    const Param pw = rt.register_param({"w", {4}, DType::f32, Device::cpu(), w});
+    const Param pv = rt.register_param({"v", {2}, DType::f32, Device::cpu(), v});
+    rt.configure_optimizer(OptimizerConfig{});
+    rt.resumed_step();
+    rt.grad_ready(pw);
+    rt.grad_ready(pv);
+    rt.wait();
+    rt.set_requires_grad(pw, false);
+    rt.refresh_trainable();
+    CHECK_THROWS_WITH_AS(rt.recover(InProcessWorld::create(1)->communicator(0)), doctest::Contains("refresh_trainable() after iteration 1"),
+                         UsageError);
+  }
+  std::filesystem::remove_all(scratch("misused"));  // once its Runtime, and the save it had in flight, are gone
+  LaunchEnv env;
+  env.source = "torchrun";
+  CHECK_THROWS_WITH_AS(rejoin_process_group(env), doctest::Contains("--recovery in-place"), UsageError);
+  auto detect = [](const char* recovery, const char* round) {
+    return LaunchEnv::detect([=](const char* k) -> const char* {
+      const std::string key = k;
+      if (key == "RANK") return "0";
+      if (key == "WORLD_SIZE") return "1";
+      if (key == "SHARDFLOW_RECOVERY") return recovery;
+      if (key == "SHARDFLOW_RECOVERY_ROUND") return round;
+      return nullptr;
+    });
+  };
+  CHECK_THROWS_WITH_AS(detect("sideways", nullptr), doctest::Contains("SHARDFLOW_RECOVERY is 'sideways'"), UsageError);
+  CHECK_THROWS_WITH_AS(detect(nullptr, "2"), doctest::Contains("SHARDFLOW_RECOVERY_ROUND is set without"), UsageError);
+  const auto ok = detect("in-place", "2");
+  CHECK(ok.recover_in_place);
+  CHECK(ok.recovery_round == 2);
+}
