@@ -4,9 +4,10 @@
 its N-th collective) to rank 0's first step after the restart, and how many steps were lost.
 
   bench/restart_time.py --build build [--sizes 4096,4096] [--every 10] [--kill-at 61] [--reps 3] [--data-file]
-  bench/restart_time.py --build build --data-file --recovery both [--reps 5]
-      in-place recovery (Note [Recovering in place]: only rank 1's process starts again, rank 0 goes on
-      in its own) against restarting every rank, runs alternated A B A B, medians
+  bench/restart_time.py --build build --data-file --recovery all [--reps 5]
+      recovering in place (Note [Recovering in place]: only rank 1's process starts again, rank 0 goes
+      on in its own), and shrinking (no process starts: rank 0 goes on alone), against restarting every
+      rank; runs alternated A B C A B C, medians
   sudo bench/restart_time.py --build build --two-hosts [--rate 1gbit] [--heartbeat-timeout 10]
       rank 1 on another network-namespace host (scripts/netns_pair.sh), Gloo over a tc-tbf link;
       restarts across nodes: both launchers stop their ranks and agree through the store
@@ -95,7 +96,7 @@ def one_run(a, snaps, data, recovery="restart"):
         if "dies at collective" in line and killed_at is None:
             killed_at = now
         elif restarted is None and (("restart 1 of 1" in line and line.startswith("shardflow run: started")) or
-                                    "again in round 1" in line):
+                                    "again in round 1" in line or "from now on" in line):
             restarted = now
         elif m and killed_at is None:
             last_step_before = int(m.group(1))
@@ -119,8 +120,8 @@ def main():
     ap.add_argument("--two-hosts", action="store_true", help="rank 0 and rank 1 on two network-namespace hosts (root), over Gloo")
     ap.add_argument("--rate", default="1gbit", help="with --two-hosts: the link's rate (tc tbf), or off")
     ap.add_argument("--heartbeat-timeout", type=int, default=10, help="with --two-hosts: the launchers' --heartbeat-timeout")
-    ap.add_argument("--recovery", choices=["restart", "in-place", "both"], default="restart",
-                    help="shardflow run --recovery; both: the two alternated run by run (one host only)")
+    ap.add_argument("--recovery", choices=["restart", "in-place", "shrink", "all"], default="restart",
+                    help="shardflow run --recovery; all: the three alternated run by run (one host only)")
     a = ap.parse_args()
     if a.two_hosts and a.recovery != "restart":
         ap.error("--recovery in-place is for one node so far")
@@ -142,16 +143,16 @@ def measure(a):
         if a.data_file:
             data = os.path.join(tmp, "data.safetensors")
             write_data(a, data)
-        modes = ["restart", "in-place"] if a.recovery == "both" else [a.recovery]
+        modes = ["restart", "in-place", "shrink"] if a.recovery == "all" else [a.recovery]
         runs = {m: [] for m in modes}
         for _ in range(a.reps):
             for m in modes:  # A B A B: the machine's drift spread over both
                 runs[m].append(one_run(a, os.path.join(tmp, "snapshots"), data, m))
     for m in modes:
         report(a, m, runs[m])
-    if len(modes) == 2:
-        ratio = statistics.median(r[0] for r in runs["in-place"]) / statistics.median(r[0] for r in runs["restart"])
-        print(f"in-place / restart, kill -> rank 0's first step after: {ratio:.2f}")
+    for m in modes[1:]:
+        ratio = statistics.median(r[0] for r in runs[m]) / statistics.median(r[0] for r in runs["restart"])
+        print(f"{m} / restart, kill -> rank 0's first step after: {ratio:.2f}")
 
 
 def report(a, mode, runs):
@@ -162,7 +163,7 @@ def report(a, mode, runs):
           f"{'from a file' if a.data_file else 'synthesised at start-up'}")
     print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
           f"(runs: {', '.join(f'{t:.2f}' for t in total)})")
-    print(f"  of which kill -> the lost rank's new process started: median {statistics.median(stop):.2f} s")
+    print(f"  of which kill -> the launcher's decision (restart, in-place: the new process started): median {statistics.median(stop):.2f} s")
     print(f"  for comparison, the first start -> its first step: median {statistics.median(fresh):.2f} s")
     print(f"  steps lost (done before the kill, done again): {', '.join(str(n) for n in lost)}")
 

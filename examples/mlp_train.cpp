@@ -257,8 +257,9 @@ int main(int argc, char** argv) {
     if (report) mlp::print_header("mlp_train", sizes, opt, where, optimizer, overlap, partition);
     auto res = comm ? mlp::train_rank(opt, comm) : mlp::train(opt);
     if (!res.data_split.empty()) std::printf("data: %s\n", res.data_split.c_str());
-    if (!report) return 0;
-    mlp::print_summary(res, opt, comm ? comm->rank() : -1, quiet);
+    // The rank 0 at the end reports it (recovering in place by shrinking renumbers the survivors).
+    if (env.launched() ? res.rank_at_end != 0 : !report) return 0;
+    mlp::print_summary(res, opt, comm ? res.rank_at_end : -1, quiet);
     if (!stats_json.empty()) mlp::write_stats_json(res, stats_json);
     if (plot) {
       // Rank 0's file: the one every rank shares, or its own under a launcher.

@@ -190,6 +190,7 @@ TEST_CASE("shardflow run and plan: invalid flags and malformed parameter lists a
                                           {{"run", "--rejoin-timeout", "-1", "--", "/bin/true"}, "--rejoin-timeout"},
                                           {{"run", "--recovery", "sideways", "--", "/bin/true"}, "--recovery"},
                                           {{"run", "--recovery", "in-place", "--", "/bin/true"}, "give --max-restarts N too"},
+                                          {{"run", "--recovery", "shrink", "--", "/bin/true"}, "--recovery shrink heals a lost rank"},
                                           {{"run", "--recovery", "in-place", "--max-restarts", "1", "--nnodes", "2", "--token", "t", "--", "/bin/true"},
                                            "--recovery in-place is for one node so far"},
                                           {{"run", "--standalone", "--", "/bin/true"}, "--standalone"},

@@ -604,3 +604,45 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
     }
   }
 }
+
+// Note [Recovering in place], shrinking
+TEST_CASE("shardflow run --recovery shrink, world 3: rank 1 or rank 0 killed in step 7 -> no process starts; the two "
+          "survivors are numbered 0 and 1, reload step 5's snapshot at world 2 and end within float rounding of the "
+          "uninterrupted world-3 run (the global batch unchanged, each rank's share larger)") {
+  const TensorMap want = in_process(3, 1, 8);
+  struct Case {
+    std::string backend;
+    int killed;
+  };
+  for (const auto& c : {Case{"shm", 1}, Case{"shm", 0}, Case{"gloo", 1}}) {
+    CAPTURE(c.backend);
+    CAPTURE(c.killed);
+    const std::string tag = c.backend + std::to_string(c.killed);
+    const std::string out = scratch("shrink_" + tag + ".safetensors"), snaps = scratch("shrink_snaps_" + tag);
+    std::filesystem::remove_all(snaps);
+    std::string cmd = "SHARDFLOW_TEST_FAULT=collective:" + std::to_string(c.killed) + ":kill:13 exec";
+    auto args = mlp_args(1);
+    args.insert(args.begin(), kTrainer);
+    test::set_flag(args, "--steps", "8");
+    for (auto a : {"--backend", c.backend.c_str(), "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "1"})
+      args.push_back(a);
+    for (const auto& a : args) cmd += " '" + a + "'";
+    auto argv = launch(3, {"/bin/sh", "-c", cmd});
+    argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", "shrink"});
+    Child job(argv, no_launch_env());
+    const auto st = job.wait(120s);
+    const std::string log = job.output();
+    INFO(log);
+    REQUIRE(test::exited_ok(st));
+    CHECK(log.find("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, at world 2 from now on") !=
+          std::string::npos);
+    CHECK(log.find("recovered in place: every rank joined round 1") != std::string::npos);
+    CHECK(log.find("again in round") == std::string::npos);  // nothing started
+    const int a = c.killed == 0 ? 1 : 0, b = 2;
+    CHECK(log.find("rank " + std::to_string(a) + " (pid") != std::string::npos);
+    CHECK(log.find("recovered in place as rank 0 of 2, going on after step 5") != std::string::npos);
+    CHECK(log.find("rank " + std::to_string(b) + " (pid") != std::string::npos);
+    CHECK(log.find("recovered in place as rank 1 of 2, going on after step 5") != std::string::npos);
+    check_params(out, want, "gloo");  // another world's sums: equal to float rounding
+  }
+}

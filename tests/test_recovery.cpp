@@ -13,6 +13,7 @@
 
 #include "shardflow/shardflow.hpp"
 #include "shardflow/launch.hpp"
+#include "shardflow/store.hpp"
 #include "support/helpers.hpp"
 
 using namespace shardflow;
@@ -182,4 +183,41 @@ TEST_CASE("recovering in place misused: a null communicator, no snapshots, a set
   const auto ok = detect("in-place", "2");
   CHECK(ok.recover_in_place);
   CHECK(ok.recovery_round == 2);
+}
+
+TEST_CASE("rejoin_process_group reads the launcher's word: restart instead, a rank counted lost, a malformed word -> a "
+          "CommError saying which; in-place -> the round's group with the rank and world the word gives") {
+  StoreServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = 0;
+  so.token = "recovery-test";
+  TcpStoreServer server(so);
+  LaunchEnv env;
+  env.source = "shardflow run";
+  env.rank = 0;
+  env.world_size = 2;  // the round before's world; the word below leaves one rank
+  env.local_world_size = 2;
+  env.store_hosted = true;
+  env.store_port = server.port();
+  env.token = so.token;
+  env.recover_in_place = true;
+  StoreRendezvous where;
+  where.store_port = server.port();
+  where.token = so.token;
+  const auto store = connect_store(where);
+  const ProcessGroupOptions group{"auto", std::chrono::seconds(5)};
+  auto word_is = [&](const std::string& word) { store->set("g0/recovery/1", word); };
+  word_is("restart: rank 1 failed again while round 1 was open");
+  CHECK_THROWS_WITH_AS(rejoin_process_group(env, group), doctest::Contains("does not recover in place this time: restart: rank 1"),
+                       CommError);
+  word_is("in-place: rank 0 (pid 1) was stopped\nworld 1\nranks -1 0");
+  CHECK_THROWS_WITH_AS(rejoin_process_group(env, group), doctest::Contains("rank 0 was counted lost in round 1"), CommError);
+  word_is("in-place: garbled");
+  CHECK_THROWS_WITH_AS(rejoin_process_group(env, group), doctest::Contains("malformed"), CommError);
+  word_is("in-place: rank 0 (pid 1) was killed\nworld 1\nranks -1 0");
+  env.rank = 1;
+  const auto comm = rejoin_process_group(env, group);
+  CHECK(comm->rank() == 0);
+  CHECK(comm->world_size() == 1);
+  CHECK(store->add("g0/r1/joined", 0) == 1);  // what the launcher counts to end the round
 }

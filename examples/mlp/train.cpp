@@ -143,7 +143,8 @@ namespace {
 // the runtime's comm stream after the parameter syncs forward prefetch leaves running past wait()
 // (Runtime::collective), so it neither races them nor waits for them here.
 std::future<void> global_loss(const TrainOptions& opt, Runtime& rt, float* loss, std::size_t n) {
-  return rt.collective(loss_allreduce(loss, n, opt.world_size));
+  (void)opt;
+  return rt.collective(loss_allreduce(loss, n, rt.world_size()));  // the world now (it shrinks when recovering in place)
 }
 
 // Rank 0's step reports in step order, each with its global loss. A step whose loss is being
@@ -179,7 +180,7 @@ void end_step(Shared& sh, int rank, Runtime& rt, int step, float loss, std::chro
   local_losses.push_back(loss);
   resolve(sh, log, local_losses);
   const bool reduce_now = (step + 1) % std::max(1, opt.loss_every) == 0 || step + 1 == opt.steps;
-  const bool reduces = opt.report_loss && opt.world_size > 1 && !opt.shard_data;
+  const bool reduces = opt.report_loss && rt.world_size() > 1 && !opt.shard_data;
   if (!reduces) log.last_global = loss;
   if (reduces && reduce_now) {
     log.value = loss;
@@ -230,7 +231,7 @@ using MicroBatch = std::function<float(const float* x, const float* y, int rows,
 void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
                  const std::function<void(int step)>& update, int first_step, int steps_done) {
   const auto& opt = sh.opt;
-  const int N = opt.world_size, B = opt.global_batch, local = B / N, K = opt.accumulate;
+  const int N = rt.world_size(), B = opt.global_batch, local = B / N, K = opt.accumulate;
   // This rank's loss is a mean over its rows; K micro-batches sum their gradients, so each one's
   // loss counts 1/K: together they equal one K-times-larger batch.
   const double denom = double(local) * (opt.loss == Loss::mse ? opt.sizes.back() : 1) * K;
@@ -265,7 +266,7 @@ void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
   if (opt.shard_data) rt.join();  // out of batches: shadow the ranks that still have some
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
-    if (opt.world_size > 1 && opt.loss_every > 1 && !local_losses.empty() && !opt.shard_data)
+    if (rt.world_size() > 1 && opt.loss_every > 1 && !local_losses.empty() && !opt.shard_data)
       global_loss(opt, rt, local_losses.data(), local_losses.size()).get();
     if (rank == 0) sh.result.losses = local_losses;
   }
@@ -276,6 +277,7 @@ void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
 // where this rank's memory reports go in the result (its rank when ranks are threads, 0 when this
 // process is one rank of many).
 void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, std::size_t slot) {
+  const int started_as = rank;
   const auto& opt = sh.opt;
   Model model = initial_model(sh);
   const auto adapter =
@@ -320,18 +322,21 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
       if (!opt.rejoin || !(dynamic_cast<const CommError*>(&e) || dynamic_cast<const TimeoutError*>(&e))) throw;
       std::fprintf(stderr, "rank %d: a peer was lost (%s); recovering in place\n", rank, e.what());
       steps_done = int(rt.recover(opt.rejoin()));
-      if (rt.world_size() != opt.world_size || rt.rank() != rank)
-        throw UsageError("recovered as rank " + std::to_string(rt.rank()) + " of " + std::to_string(rt.world_size()) + " instead of rank " +
-                         std::to_string(rank) + " of " + std::to_string(opt.world_size) +
-                         ": this trainer splits its batches by the world it started with");
+      // A shrinking round numbers the survivors afresh: each takes its new share of every batch.
+      if (opt.global_batch % rt.world_size() != 0)
+        throw UsageError("recovered at world " + std::to_string(rt.world_size()) + ", which does not divide --global-batch " +
+                         std::to_string(opt.global_batch) + ": every rank takes an equal share of each batch");
+      rank = rt.rank();
       first_step = loaded_steps + steps_done;
       if (steps_done) adapter->after_step(rt, -1);
-      std::fprintf(stderr, "rank %d (pid %ld): recovered in place, going on after step %d\n", rank, long(::getpid()), steps_done);
+      std::fprintf(stderr, "rank %d (pid %ld): recovered in place as rank %d of %d, going on after step %d\n", started_as,
+                   long(::getpid()), rank, rt.world_size(), steps_done);
     }
   }
   rt.wait_all_params();  // the last iteration's updates, before anyone reads the parameters
   adapter->finish(rt, model);
   finish_rank(sh, rank, rt, model, slot);
+  if (slot == 0) sh.result.rank_at_end = rank;
 }
 
 bool is_consequence(const std::exception_ptr& e) {
@@ -462,7 +467,7 @@ TrainResult train_rank(const TrainOptions& options, const std::shared_ptr<Commun
     comm->abort("rank " + std::to_string(comm->rank()) + " failed: " + e.what());
     throw;
   }
-  if (options.save_path && comm->rank() == 0) save_safetensors(*options.save_path, sh.result.params, {{"format", "pt"}});
+  if (options.save_path && sh.result.rank_at_end == 0) save_safetensors(*options.save_path, sh.result.params, {{"format", "pt"}});
   return std::move(sh.result);
 }
 

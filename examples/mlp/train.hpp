@@ -126,6 +126,7 @@ void local_batch(const Dataset& d, int step, int B, int N, int r, std::vector<fl
                  std::optional<std::size_t> at = std::nullopt);
 
 struct TrainResult {
+  int rank_at_end = 0;          // train_rank: this process's rank at the end (recovering in place may renumber it)
   TensorMap params;             // final, full parameters (rank 0's; all ranks agree)
   std::vector<float> losses;    // per step (empty without report_loss)
   std::vector<double> step_ms;  // per step, rank 0

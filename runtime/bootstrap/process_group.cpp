@@ -4,6 +4,10 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
+#include <sstream>
+#include <utility>
+#include <vector>
 
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/errors.hpp"
@@ -42,11 +46,14 @@ class GroupComm final : public Communicator {
 std::mutex groups_mu;
 int groups_round = -1, groups_in_round = 0;
 int latest_round = 0;  // the newest round this process joined
+// This process's rank and world in the newest round (a shrinking round numbers the survivors afresh).
+std::optional<std::pair<int, int>> current_place;
 
 std::string group_prefix(const LaunchEnv& env, int round) {
   std::lock_guard lock(groups_mu);
   if (round != groups_round) groups_round = round, groups_in_round = 0;
   latest_round = std::max(latest_round, round);
+  current_place = std::pair{env.rank, env.world_size};
   // Round 0's keys are as they were before rounds existed: g<k>/pg<n>/.
   return "g" + std::to_string(env.restart_count) + "/" + (round ? "r" + std::to_string(round) + "/" : "") + "pg" +
          std::to_string(groups_in_round++) + "/";
@@ -216,7 +223,30 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   if (verdict.rfind("in-place", 0) != 0)
     throw CommError("rejoin_process_group on rank " + std::to_string(env.rank) + ": the launcher does not recover in place this time: " +
                     verdict);
-  return make_group(env, o, round);
+  // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's place in this one.
+  int before, world = 0;
+  {
+    std::lock_guard lock(groups_mu);
+    before = current_place ? current_place->first : env.rank;
+  }
+  std::istringstream lines(verdict.substr(verdict.find('\n') + 1));
+  std::string word;
+  std::vector<int> next;
+  lines >> word >> world;
+  if (word != "world" || !(lines >> word) || word != "ranks")
+    throw CommError("rejoin_process_group: the launcher's word on round " + std::to_string(round) + " is malformed: " + verdict);
+  for (int n; lines >> n;) next.push_back(n);
+  if (before >= int(next.size()) || world < 1)
+    throw CommError("rejoin_process_group: the launcher's word on round " + std::to_string(round) + " does not place rank " +
+                    std::to_string(before) + ": " + verdict);
+  if (next[std::size_t(before)] < 0)
+    throw CommError("rejoin_process_group: rank " + std::to_string(before) + " was counted lost in round " + std::to_string(round) +
+                    " and left out: " + verdict.substr(0, verdict.find('\n')));
+  LaunchEnv placed = env;
+  placed.rank = next[std::size_t(before)];
+  placed.world_size = world;
+  if (env.single_host()) placed.local_rank = placed.rank, placed.local_world_size = world;
+  return make_group(placed, o, round);
 }
 
 }  // namespace shardflow

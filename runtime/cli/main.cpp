@@ -103,9 +103,10 @@ CLI::App* add_run_command(CLI::App& app, RunFlags& f) {
                   "(SHARDFLOW_RESTART_COUNT tells each generation which it is; across nodes all restart together)")
       ->capture_default_str();
   run->add_option("--recovery", spec.recovery,
-                  "how a lost rank is healed with --max-restarts: restart (every rank starts again) or in-place (only the lost "
-                  "rank's process starts again; the others go on after Runtime::recover, Note [Recovering in place])")
-      ->check(CLI::IsMember({"restart", "in-place"}))
+                  "how a lost rank is healed with --max-restarts: restart (every rank starts again), in-place (only the lost "
+                  "rank's process starts again; the others go on after Runtime::recover, Note [Recovering in place]) or shrink "
+                  "(no process starts: the others go on at once at the smaller world)")
+      ->check(CLI::IsMember({"restart", "in-place", "shrink"}))
       ->capture_default_str();
   run->add_option("command", spec.command, "the program and its arguments (after --)")->required();
   return run;

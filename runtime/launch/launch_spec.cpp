@@ -43,13 +43,13 @@ void validate(const LaunchSpec& spec) {
       throw UsageError("shardflow run: --nnodes " + std::to_string(spec.min_nnodes) + ":" + std::to_string(spec.nnodes) +
                        " lets the job go on without a lost node at its next restart: give --max-restarts N too");
   }
-  if (spec.recovery != "restart" && spec.recovery != "in-place")
-    throw UsageError("shardflow run: --recovery '" + spec.recovery + "' is not restart or in-place");
-  if (spec.recovery == "in-place" && spec.max_restarts == 0)
-    throw UsageError("shardflow run: --recovery in-place heals a lost rank at most --max-restarts times (each recovery counts as "
-                     "one): give --max-restarts N too");
-  if (spec.recovery == "in-place" && spec.nnodes > 1)
-    throw UsageError("shardflow run: --recovery in-place is for one node so far (--nnodes " + std::to_string(spec.nnodes) +
+  if (spec.recovery != "restart" && spec.recovery != "in-place" && spec.recovery != "shrink")
+    throw UsageError("shardflow run: --recovery '" + spec.recovery + "' is not restart, in-place or shrink");
+  if (spec.recovery != "restart" && spec.max_restarts == 0)
+    throw UsageError("shardflow run: --recovery " + spec.recovery + " heals a lost rank at most --max-restarts times (each recovery "
+                     "counts as one): give --max-restarts N too");
+  if (spec.recovery != "restart" && spec.nnodes > 1)
+    throw UsageError("shardflow run: --recovery " + spec.recovery + " is for one node so far (--nnodes " + std::to_string(spec.nnodes) +
                      "): across nodes use --recovery restart, which restarts every rank");
   if (spec.rejoin_timeout.count() < 0) throw UsageError("shardflow run: --rejoin-timeout must be >= 0 seconds");
 }

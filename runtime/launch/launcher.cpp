@@ -380,12 +380,14 @@ class Supervisor {
   // With --recovery in-place a lost rank (its process exited non-zero or died, or stayed stopped
   // for longer than --heartbeat-timeout) is not the end of the generation: its process starts
   // again in the generation's next round, the surviving ranks (which see their collectives fail)
-  // are told so through the store ("g<k>/recovery/<round>": "in-place: ...") and join it there
-  // (rejoin_process_group, Runtime::recover). The round is over once every rank made the round's
+  // are told so through the store ("g<k>/recovery/<round>": "in-place: ...", the new world and
+  // each rank's new number) and join it there (rejoin_process_group, Runtime::recover). With
+  // --recovery shrink nothing starts: the survivors are numbered afresh in their order and go on
+  // at the smaller world (the output's "[rank N]" follows). The round is over once every rank made the round's
   // group ("g<k>/r<round>/joined" counts them). A rank lost while a round is still open, or a
   // round not over within --rdzv-timeout, ends the generation as without in-place recovery: every
   // rank stops, and the job restarts if restarts are left. Each round counts as one restart.
-  bool in_place() const { return spec_.recovery == "in-place"; }
+  bool in_place() const { return spec_.recovery != "restart"; }
 
   bool can_recover_in_place() const {
     return in_place() && !round_ && !first_failure_ && !peer_failure_ && !interrupted_ && !stop_deadline_ &&
@@ -410,17 +412,44 @@ class Supervisor {
     return "g" + std::to_string(restart_) + "/" + what;
   }
 
+  // The round's verdict for the survivors (rejoin_process_group reads it): a line for people, the
+  // new world, and each rank of the round before's new rank (-1: lost).
+  static std::string verdict(const std::string& why, int world, const std::vector<int>& next) {
+    std::string v = "in-place: " + why + "\nworld " + std::to_string(world) + "\nranks";
+    for (int n : next) v += " " + std::to_string(n);
+    return v;
+  }
+
   void recover_in_place(const std::vector<Rank*>& lost) {
-    ++recoveries_;
-    ++round_no_;
+    const bool shrink = spec_.recovery == "shrink";
+    std::vector<Rank*> alive;  // the survivors, by rank
+    for (auto& r : ranks_)
+      if (r.running && !r.replaced && std::find(lost.begin(), lost.end(), &r) == lost.end()) alive.push_back(&r);
+    std::sort(alive.begin(), alive.end(), [](const Rank* a, const Rank* b) { return a->global < b->global; });
     std::string who, pids;
     for (const Rank* r : lost) {
       who += (who.empty() ? "" : "; ") + ("rank " + std::to_string(r->global) + " (pid " + std::to_string(r->pid) + ") " +
                                           describe_status(r->status));
       pids += (pids.empty() ? "" : ", ") + std::to_string(r->global);
     }
-    say(who + "; recovering in place (round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries_) + " of " +
-        std::to_string(spec_.max_restarts) + " restarts): the other ranks keep running, rank(s) " + pids + " start again");
+    if (alive.empty()) {  // nobody to go on: the generation ends as without in-place recovery
+      first_failure_ = lost.front()->global;
+      say(who + "; no rank is left to go on in place");
+      begin_stop(SIGTERM);
+      return;
+    }
+    ++recoveries_;
+    ++round_no_;
+    const std::string round = "round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries_) + " of " +
+                              std::to_string(spec_.max_restarts) + " restarts";
+    // Shrinking, the survivors are numbered afresh in their order; replacing, every rank keeps its number.
+    std::vector<int> next(std::size_t(generation_.world), -1);
+    const int world = shrink ? int(alive.size()) : generation_.world;
+    for (int i = 0; i < generation_.world; ++i) next[std::size_t(i)] = shrink ? -1 : i;
+    if (shrink)
+      for (std::size_t i = 0; i < alive.size(); ++i) next[std::size_t(alive[i]->global)] = int(i);
+    say(who + "; recovering in place (" + round + "): the other ranks keep running" +
+        (shrink ? ", at world " + std::to_string(world) + " from now on" : ", rank(s) " + pids + " start again"));
     std::vector<long> dead;
     for (Rank* r : lost) {
       ::kill(-r->pid, SIGKILL);  // what its process group still holds
@@ -430,10 +459,24 @@ class Supervisor {
     shm::remove_segments_of(dead);
     round_ = RecoveryRound{clock::now(), who};
     try {
-      recovery_store().set(round_key("recovery/" + std::to_string(round_no_)), "in-place: " + who + "; started again");
+      recovery_store().set(round_key("recovery/" + std::to_string(round_no_)),
+                           verdict(who + (shrink ? "; going on without it" : "; started again"), world, next));
     } catch (const Error& e) {
       say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
       end_round("the store could not be reached");
+      return;
+    }
+    if (shrink) {
+      for (Rank* r : alive) {
+        const int n = next[std::size_t(r->global)];
+        if (n != r->global && spec_.prefix_output) {
+          r->out->set_prefix("[rank " + std::to_string(n) + "] ");
+          r->err->set_prefix("[rank " + std::to_string(n) + "] ");
+        }
+        r->global = n;
+        r->local = n;  // one node: the local rank is the rank
+      }
+      generation_.world = world;
       return;
     }
     for (const Rank* r : lost) {

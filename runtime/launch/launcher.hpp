@@ -46,8 +46,9 @@ struct LaunchSpec {
   // Note [Restarting the worker group]: when a rank fails, stop the others and start them all
   // again, up to this many times (torchrun's --max_restarts); across nodes all of them together.
   int max_restarts = 0;
-  // Note [Recovering in place]: "restart" (the above), or "in-place": only a lost rank's process
-  // starts again and the survivors join it in the generation's next round (Runtime::recover).
+  // Note [Recovering in place]: "restart" (the above), "in-place": only a lost rank's process
+  // starts again and the survivors join it in the generation's next round (Runtime::recover), or
+  // "shrink": no process starts, the survivors go on at once at the smaller world, numbered afresh.
   // Each such round counts as one of max_restarts.
   std::string recovery = "restart";
   // Note [Shrinking the world]: --nnodes MIN:MAX. 0: not elastic (MIN = MAX = nnodes). A node lost

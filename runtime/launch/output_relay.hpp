@@ -12,6 +12,7 @@ class OutputRelay {
   OutputRelay(int out_fd, std::string prefix) : out_(out_fd), prefix_(std::move(prefix)) {}
   void feed(const char* data, std::size_t n);  // writes every complete line
   void flush();                                // the unterminated rest, at EOF
+  void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }  // the rank renumbered
 
  private:
   void emit(const char* data, std::size_t n);

@@ -81,7 +81,7 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
     env["SHARDFLOW_RDZV_ENDPOINTS"] = etcd::join_endpoints(spec.etcd_endpoints);
     env["SHARDFLOW_RUN_ID"] = spec.rdzv_id;
   }
-  if (spec.recovery == "in-place") {  // Note [Recovering in place]
+  if (spec.recovery != "restart") {  // Note [Recovering in place]: the ranks' side is the same for in-place and shrink
     env["SHARDFLOW_RECOVERY"] = "in-place";
     env["SHARDFLOW_RECOVERY_ROUND"] = std::to_string(ids.recovery_round);
   }

@@ -3,12 +3,15 @@
 // again, each paying its start-up (a CUDA context, NCCL's and the trainer's own initialisation)
 // before resuming from the newest snapshot. Under `shardflow run --recovery in-place` only the
 // lost rank's process starts again; the survivors keep theirs and call Runtime::recover() with a
-// communicator of the job's next round (rejoin_process_group, bootstrap/process_group.cpp).
+// communicator of the job's next round (rejoin_process_group, bootstrap/process_group.cpp). Under
+// `--recovery shrink` no process starts: the survivors go on at once at the smaller world,
+// numbered afresh, which takes the replacement's start-up off the way to the next step (the
+// launcher's word for the round gives each survivor its new rank and the world).
 //
 // What the survivors must reach is exactly where the replacement process arrives by running the
 // trainer's start-up code and resumed_step(): every rank then issues the same collectives, and the
-// job goes on as an uninterrupted one would (bit for bit over one backend: the recovery scenarios of
-// test_launch check it). So recover() does not patch the old Runtime's many parts (its buckets,
+// job goes on as an uninterrupted one would (bit for bit over one backend at the same world, within
+// float rounding at a smaller one: the recovery scenarios of test_launch check both). So recover() does not patch the old Runtime's many parts (its buckets,
 // shard, actors, pass, overlap choices, snapshots in flight, a failure half recorded): it retires the
 // old Impl as the destructor would and builds a fresh one on the new communicator, then replays the
 // set-up calls the trainer made (Impl::recipe: register_param, register_flat, register_buffer,
