@@ -37,6 +37,10 @@ restart resumed from.
 
   scripts/soak.py BUILD_DIR [--reps 20] [--backends shm,gloo] [--phases ...] [--timeout 3]
   scripts/soak.py BUILD_DIR --heal [--reps 1] [--worlds 2,3] [--phases registration,backward,collective,sync]
+  scripts/soak.py BUILD_DIR --heal --recovery in-place,shrink
+      the same faults healed in place (Note [Recovering in place]): only the lost rank's process starts
+      again, or none and the survivors go on at the smaller world (within SHRINK_TOLERANCE of the
+      uninterrupted run); a loss in the set-up's collectives (registration) restarts every rank instead
   sudo scripts/soak.py BUILD_DIR --heal --two-hosts [--worlds 2,4]
 """
 import argparse
@@ -197,7 +201,7 @@ HEAL_PHASES = "registration,backward,collective,sync"
 HEAL_AT = {"registration": 1, "backward": 60, "collective": 13, "sync": 13}
 
 
-def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1):
+def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1, recovery="restart"):
     """A self-healing job: its launcher command(s), its environment, where its final parameters go.
     hosts 2: one launcher on each network-namespace host (bench/two_hosts.py's pair), world / 2
     ranks each, Gloo between them."""
@@ -208,10 +212,11 @@ def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=
                "--timeout", str(timeout_s), "--snapshot-dir", snaps, "--snapshot-every", "2", "--snapshot-disk-every", "4",
                "--save", out_path, "--log-every", "1"]
     script = "exec " + " ".join(f"'{t}'" for t in trainer)
-    if fault:  # generation 0 only: the restarted job must run clean
-        script = f'if [ "$SHARDFLOW_RESTART_COUNT" = 0 ]; then export SHARDFLOW_TEST_FAULT={fault}; fi; ' + script
+    if fault:  # generation 0's first processes only: the restarted job (or a replacement) must run clean
+        script = (f'if [ "$SHARDFLOW_RESTART_COUNT" = 0 ] && [ "${{SHARDFLOW_RECOVERY_ROUND:-0}}" = 0 ]; then '
+                  f'export SHARDFLOW_TEST_FAULT={fault}; fi; ' + script)
     cmd = [os.path.join(build, "bin", "shardflow"), "run", "--nproc-per-node", str(world), "--max-restarts", "1", "--kill-grace", "1",
-           "--", "/bin/sh", "-c", script]
+           "--recovery", recovery, "--heartbeat-timeout", "2", "--", "/bin/sh", "-c", script]
     if hosts == 2:
         import two_hosts
         cmd = []
@@ -249,16 +254,19 @@ def heal_reference(build, backend, world, timeout_s, work, hosts):
     return out_path
 
 
-def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts):
+def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts, recovery="restart"):
     soak_id = uuid.uuid4().hex[:12]
     cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, soak_id,
-                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts)
+                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts, recovery)
     shm_before = shm_segments()
     start = time.monotonic()
     rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120)
     took = time.monotonic() - start
     problems = []
     shrink = action == "host"  # node 1 lost: node 0 goes on alone (Note [Shrinking the world])
+    # Healed in place, except a loss in the set-up's collectives: that restarts every rank.
+    in_place = recovery != "restart" and phase != "registration"
+    smaller = shrink or (in_place and recovery == "shrink")  # another world's sums: within the tolerance
     if shrink and rc is not None and run_job.codes[1:] and run_job.codes[1] != 0:
         rc = run_job.codes[0]
     if fault_at is None and not shrink:  # a lost host takes its launcher, which relays the line, with it
@@ -267,12 +275,16 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
         problems.append("the job hung")
     elif rc != 0:
         problems.append(f"the job exited {rc}")
-    elif "restarting every rank (1 of 1 restarts)" not in out:
+    elif in_place and "recovered in place: every rank joined round 1" not in out:
+        problems.append("not recovered in place")
+    elif in_place and "restarting every rank" in out:
+        problems.append("every rank restarted")
+    elif not in_place and "restarting every rank (1 of 1 restarts)" not in out:
         problems.append("no restart")
     elif shrink and "going on without node 1" not in out:
         problems.append("node 0 did not go on without node 1")
-    elif not same_params(out_path, want, SHRINK_TOLERANCE if shrink else 0.0):
-        problems.append("its parameters differ from the uninterrupted run's" + (f" by more than {SHRINK_TOLERANCE}" if shrink else ""))
+    elif not same_params(out_path, want, SHRINK_TOLERANCE if smaller else 0.0):
+        problems.append("its parameters differ from the uninterrupted run's" + (f" by more than {SHRINK_TOLERANCE}" if smaller else ""))
     problems += leftovers(soak_id, out, shm_before, re.findall(r"^LAUNCHER (\d+)$", out, re.M)[1:] if shrink else ())
     resumed = re.search(r"resumed from the snapshot of step (\d+) (in memory|on disk)", out)
     shutil.rmtree(snaps, ignore_errors=True)
@@ -289,6 +301,7 @@ def heal_matrix(a, work):
     wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work, hosts)
              for b in a.backends.split(",") for w in map(int, a.worlds.split(",")) if not (b == "auto" and w // hosts < 2)}
     for rep in range(a.reps):
+      for recovery in a.recovery.split(","):
         for (backend, world), want in wants.items():
             for phase in a.phases.split(","):
                 for action in a.actions.split(","):
@@ -299,24 +312,25 @@ def heal_matrix(a, work):
                     victims = range(world // 2, world) if action == "host" else range(world)
                     for victim in victims:
                         problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want,
-                                                                hosts)
-                        s = stats.setdefault((backend, world, phase, action), {"runs": 0, "passes": 0, "worst": 0.0, "memory": 0})
+                                                                hosts, recovery)
+                        s = stats.setdefault((recovery, backend, world, phase, action),
+                                             {"runs": 0, "passes": 0, "worst": 0.0, "memory": 0})
                         s["runs"] += 1
                         s["memory"] += resumed.endswith("in memory")
                         s["passes"] += not problems
                         s["worst"] = max(s["worst"], took)
-                        print(f"{'ok  ' if not problems else 'FAIL'} rep {rep + 1} {backend:4} world {world} {phase:12} {action:4} rank {victim}: "
+                        print(f"{'ok  ' if not problems else 'FAIL'} rep {rep + 1} {recovery:8} {backend:4} world {world} {phase:12} {action:4} rank {victim}: "
                               f"{took:5.2f} s, resumed from {resumed}" + ("" if not problems else " -- " + "; ".join(problems)), flush=True)
                         if problems:
                             failures += 1
                             print("     " + out[-1500:].replace("\n", "\n     "), flush=True)
     print(f"\n{'2 network-namespace hosts, world / 2 ranks each' if a.two_hosts else 'one host'}:")
-    print("\n| backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) | resumed from memory "
+    print("\n| recovery | backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) | resumed from memory "
           "| worst job time (s) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (backend, world, phase, action), s in stats.items():
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (recovery, backend, world, phase, action), s in stats.items():
         fault = {"kill": "kill -9", "stop": "SIGSTOP", "host": "node 1 lost (shrink, within %g)" % SHRINK_TOLERANCE}[action]
-        print(f"| {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['memory']} | {s['worst']:.2f} |")
+        print(f"| {recovery} | {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['memory']} | {s['worst']:.2f} |")
     print(f"\n{sum(s['runs'] for s in stats.values())} runs, {failures} failed (trainer --timeout {a.timeout} s)")
     return failures
 
@@ -330,6 +344,8 @@ def main():
     ap.add_argument("--heal", action="store_true", help="the faults in a job that heals itself (see above)")
     ap.add_argument("--worlds", default=None, help="with --heal (default 2,3; with --two-hosts 2,4)")
     ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root)")
+    ap.add_argument("--recovery", default="restart",
+                    help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink (one host only)")
     ap.add_argument("--actions", default=None, help="default kill,stop (--heal --two-hosts: kill,stop,host)")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
@@ -340,6 +356,8 @@ def main():
         a.backends = "shm,gloo"
     if a.actions is None:
         a.actions = "kill,stop,host" if a.heal and a.two_hosts else "kill,stop"
+    if a.two_hosts and a.recovery != "restart":
+        ap.error("--recovery in-place and shrink are for one host so far (shardflow run refuses them across nodes)")
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
     if a.heal:

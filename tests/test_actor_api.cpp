@@ -180,7 +180,7 @@ TEST_CASE("a peer that never reports: the trainer actor's iteration request is a
   CHECK(what(answer).find("rank") != std::string::npos);
 }
 
-TEST_CASE("subscribers get step_done per iteration, params_ready per bucket and checkpoint_done; a RankCall may make blocking calls (they block the rank's own thread)") {
+TEST_CASE("subscribers get step_done per iteration, params_ready per bucket and checkpoint_done — a RankCall may make blocking calls (they block the rank's own thread)") {
   TwoRanks ranks(20s, 1);
   ranks.setup(true);
   const int steps = 3;

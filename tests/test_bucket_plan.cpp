@@ -31,7 +31,7 @@ std::vector<std::vector<std::uint32_t>> members(const BucketPlan& plan) {
 
 }  // namespace
 
-TEST_CASE("reverse registration order; a bucket closes once it reaches its cap; the first cap is smaller") {
+TEST_CASE("reverse registration order — a bucket closes once it reaches its cap — the first cap is smaller") {
   // Ten parameters of 400 KiB; first cap 1 MiB (3 fill it), then 2 MiB (6 fill it).
   auto p = specs(std::vector<std::int64_t>(10, 400 * 256));
   auto plan = make_bucket_plan(p, reverse_registration_order(10), 1 << 20, 2 << 20);
@@ -45,7 +45,7 @@ TEST_CASE("reverse registration order; a bucket closes once it reaches its cap; 
   }
 }
 
-TEST_CASE("a parameter exactly at the cap closes its bucket on its own; an oversized one closes the bucket it joins") {
+TEST_CASE("a parameter exactly at the cap closes its bucket on its own — an oversized one closes the bucket it joins") {
   auto p = specs({10, 256 * 1024, 4 * 1024 * 1024, 5});
   auto plan = make_bucket_plan(p, reverse_registration_order(4), 1 << 20, 8 << 20);
   // Walk: p3 (20 B), p2 (16 MiB) -> first bucket passes 1 MiB and closes; p1 (1 MiB) and p0 in the next.

@@ -175,7 +175,7 @@ TEST_CASE("10 steps, checkpoint, 10 more == 20 straight, bit for bit: stages 1 a
   }
 }
 
-TEST_CASE("save at world 4 stage 2 flat; resume at world 2 stage 1 param and at world 3 stage 2: as if never interrupted") {
+TEST_CASE("save at world 4 stage 2 flat — resume at world 2 stage 1 param and at world 3 stage 2: as if never interrupted") {
   resumes_at_other_layouts(false);
 }
 
@@ -309,11 +309,11 @@ TEST_CASE("sharded checkpoints: 10 steps, each rank its own file, 10 more from t
   }
 }
 
-TEST_CASE("sharded at world 4 stage 2 flat; resumed at world 2 stage 1 param, world 3 stage 2, world 1: each rank reads the slices it needs") {
+TEST_CASE("sharded at world 4 stage 2 flat — resumed at world 2 stage 1 param, world 3 stage 2, world 1: each rank reads the slices it needs") {
   resumes_at_other_layouts(true);
 }
 
-TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, another model: each an error naming the file, nothing trained; a new save replaces the old files") {
+TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, another model: each an error naming the file, nothing trained — a new save replaces the old files") {
   Scratch s;
   auto o = base(2, 1, Partition::flat, OptimizerConfig::Kind::adamw);
   o.sharded_checkpoint = true;
@@ -357,7 +357,7 @@ TEST_CASE("sharded checkpoints: a flipped byte, a truncated or missing shard, an
   CHECK(now == 2);
 }
 
-TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are written; the checkpoint holds the parameters as they were at the save, and the directory names it only after wait_checkpoint") {
+TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are written — the checkpoint holds the parameters as they were at the save, and the directory names it only after wait_checkpoint") {
   Scratch s;
   std::vector<std::vector<float>> at_save(2), at_end(2);
   bool index_before_wait = true;
@@ -387,7 +387,7 @@ TEST_CASE("save_sharded_checkpoint_async: training goes on while the files are w
   CHECK(loaded != at_end[0]);
 }
 
-TEST_CASE("a consolidated checkpoint past its file limit splits into files with a weight_map index; it resumes bit for bit, and a damaged or missing part is named") {
+TEST_CASE("a consolidated checkpoint past its file limit splits into files with a weight_map index — it resumes bit for bit, and a damaged or missing part is named") {
   Scratch s;
   auto o = base(2, 2, Partition::flat, OptimizerConfig::Kind::adamw);
   const auto straight = train_and_save(o, 20, s / "straight");
@@ -444,7 +444,7 @@ TEST_CASE("a consolidated checkpoint past its file limit splits into files with 
   CHECK(left == 1);
 }
 
-TEST_CASE("state_dict(): the consolidated state in memory, to one rank or to every rank; load_state_dict at another world, stage and partition round-trips it bit for bit") {
+TEST_CASE("state_dict(): the consolidated state in memory, to one rank or to every rank — load_state_dict at another world, stage and partition round-trips it bit for bit") {
   Scratch s;
   std::vector<StateDict> to_rank0(3), to_all(3);
   Config stage2;
@@ -490,7 +490,7 @@ TEST_CASE("state_dict(): the consolidated state in memory, to one rank or to eve
   });
 }
 
-TEST_CASE("shard_state_dict(): each rank's own slices, no collective; at world 3 stage 2 they cover the gathered state once, element for element") {
+TEST_CASE("shard_state_dict(): each rank's own slices, no collective — at world 3 stage 2 they cover the gathered state once, element for element") {
   std::vector<StateDict> own(3);
   StateDict gathered;
   Config stage2;

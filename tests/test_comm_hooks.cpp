@@ -74,7 +74,7 @@ TEST_CASE("the allreduce hook is the runtime's own reduction, bit for bit, at st
   }
 }
 
-TEST_CASE("fp16 and bf16 compression halve the bytes and the loss tracks fp32 within 5%; a 16-bit wire with the trainer's own optimizer is the bf16 hook") {
+TEST_CASE("fp16 and bf16 compression halve the bytes and the loss tracks fp32 within 5% — a 16-bit wire with the trainer's own optimizer is the bf16 hook") {
   const auto fp32 = mlp::train(mlp_at(0, ""));
   for (const char* hook : {"fp16", "bf16"}) {
     CAPTURE(hook);
@@ -135,7 +135,7 @@ TEST_CASE("a trainer's own hook in three phases, world 3, gradients reported in 
   CHECK(grads[2] == grads[0]);
 }
 
-TEST_CASE("hooks: a continuation that throws fails the iteration naming the bucket; ZeRO-2, a 16-bit comm_dtype beside a hook, a second hook and a late one are errors") {
+TEST_CASE("hooks: a continuation that throws fails the iteration naming the bucket — ZeRO-2, a 16-bit comm_dtype beside a hook, a second hook and a late one are errors") {
   {
     auto w = InProcessWorld::create(2, 10s);
     const auto errors = test::run_ranks(2, [&](int r) {

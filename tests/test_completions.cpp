@@ -104,7 +104,7 @@ TEST_CASE("device completions: keep_alive is held until the op's completion has 
   CHECK(watch.expired());
 }
 
-TEST_CASE("device completions: an op that never completes fails after the timeout naming it; the backend is aborted, later ops fail at once") {
+TEST_CASE("device completions: an op that never completes fails after the timeout naming it — the backend is aborted, later ops fail at once") {
   auto o = options(150ms);
   std::promise<std::string> aborted;
   o.on_failure = [&](const std::string& reason) { aborted.set_value(reason); };
@@ -174,7 +174,7 @@ TEST_CASE("device completions: a failed op reports the device's message") {
   CHECK(message(r.errors[0]).find("allreduce 'bucket 5' failed on the device: an illegal memory access") != std::string::npos);
 }
 
-TEST_CASE("device completions: abort fails pending ops promptly with the reason; destroying the queue never hangs") {
+TEST_CASE("device completions: abort fails pending ops promptly with the reason — destroying the queue never hangs") {
   Recorder r;
   FakeEvent a, b;
   {

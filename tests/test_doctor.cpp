@@ -42,7 +42,7 @@ const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLO
 
 }  // namespace
 
-TEST_CASE("shardflow doctor on this machine with a bare environment: every check named, none fails, exit 0; the BLAS kernel is no pre-AVX fallback") {
+TEST_CASE("shardflow doctor on this machine with a bare environment: every check named, none fails, exit 0 — the BLAS kernel is no pre-AVX fallback") {
   const auto d = doctor(bare);
   CHECK(d.status == 0);
   for (const char* name : {"cpu", "openblas", "blas reproducibility", "libshardflow", "gpus", "python module", "/dev/shm", "open files",

@@ -73,7 +73,7 @@ TEST_CASE("etcd store: set, get, add, check, delete under the job's root, and ke
   CHECK_FALSE(c.check({"count"}));
 }
 
-TEST_CASE("etcd store: get waits for a key another client sets later; wait times out naming every missing key") {
+TEST_CASE("etcd store: get waits for a key another client sets later — wait times out naming every missing key") {
   SKIP_WITHOUT_ETCD();
   test::EtcdCluster etcd(1, kToken);
   EtcdStore a(options(etcd)), b(options(etcd));
@@ -113,7 +113,7 @@ TEST_CASE("etcd store: 8 clients x 40 adds of one counter end at 320, none lost 
   for (int x = 1; x <= 320; ++x) CHECK_MESSAGE(hits[std::size_t(x)] == 1, "value " << x);
 }
 
-TEST_CASE("etcd store: the token gates every client; an etcd without authentication, or none answering, is refused by name") {
+TEST_CASE("etcd store: the token gates every client — an etcd without authentication, or none answering, is refused by name") {
   SKIP_WITHOUT_ETCD();
   {
     test::EtcdCluster etcd(1, kToken);

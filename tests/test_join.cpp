@@ -141,7 +141,7 @@ TEST_CASE("join without uneven_inputs, or with forward prefetch, is an error tha
   CHECK_THROWS_WITH_AS(Runtime(w->communicator(0), c), doctest::Contains("does not work with Config::zero.forward_prefetch"), UsageError);
 }
 
-TEST_CASE("mlp_train --shard-data: 23 rows over 3 ranks in batches of 4 give 2, 2 and 1 batches; rank 2 joins early, the run ends, the split is reported") {
+TEST_CASE("mlp_train --shard-data: 23 rows over 3 ranks in batches of 4 give 2, 2 and 1 batches — rank 2 joins early, the run ends, the split is reported") {
   mlp::TrainOptions o;
   o.sizes = {8, 16, 2};
   o.world_size = 3;

@@ -136,7 +136,7 @@ TEST_CASE("linear_backward accumulates into the gradient, as autograd does") {
   CHECK(db == std::vector<float>{2, 2});
 }
 
-TEST_CASE("bf16 rounds to nearest even and keeps NaN; fp16 round trips") {
+TEST_CASE("bf16 rounds to nearest even and keeps NaN — fp16 round trips") {
   CHECK(f32_to_bf16(1.0f) == 0x3F80);
   CHECK(f32_to_bf16(1.00390625f) == 0x3F80);   // exactly halfway: to even
   CHECK(f32_to_bf16(1.01171875f) == 0x3F82);   // 1 + 3 * 2^-8: halfway, up to even

@@ -157,7 +157,7 @@ TEST_CASE("without a launcher: kill -9 of rank 1 -> rank 0 exits non-zero within
   }
 }
 
-TEST_CASE("shardflow run: --trace without {rank} -> each rank writes <stem>.rank<r>.json, over the sim link too; trace_merge.py joins them") {
+TEST_CASE("shardflow run: --trace without {rank} -> each rank writes <stem>.rank<r>.json, over the sim link too — trace_merge.py joins them") {
   const std::string trace = scratch("trace.json");
   auto args = mlp_args(1);
   args.insert(args.begin(), kTrainer);
@@ -258,7 +258,7 @@ TEST_CASE("shardflow run: a failing rank's exit status and SIGINT are passed on"
   }
 }
 
-TEST_CASE("launch environment: torchrun, Slurm and Open MPI variables; malformed values named") {
+TEST_CASE("launch environment: torchrun, Slurm and Open MPI variables — malformed values named") {
   auto detect = [](std::map<std::string, std::string> vars) {
     return LaunchEnv::detect([vars](const char* k) -> const char* {
       auto it = vars.find(k);
@@ -399,7 +399,7 @@ TEST_CASE("shardflow run takes torchrun's underscore spellings, and names a torc
 }
 
 // Note [Restarting the worker group]
-TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank again in a new generation; used up -> the failure, named") {
+TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank again in a new generation — used up -> the failure, named") {
   auto with_restarts = [](int nproc, int restarts, std::vector<std::string> prog) {
     auto argv = launch(nproc, std::move(prog));
     argv.insert(argv.begin() + 2, {"--max-restarts", std::to_string(restarts)});
@@ -464,7 +464,7 @@ TEST_CASE("shardflow run --max-restarts: a rank that fails starts every rank aga
 
 // Note [Snapshots], Note [Snapshots in memory]
 TEST_CASE("shardflow run --max-restarts with a snapshot every step, every 3rd on disk: rank 1 killed in step 7 -> resumed "
-          "from step 5 in the launcher's memory, or from step 3 on disk when the memory is lost; the parameters of an "
+          "from step 5 in the launcher's memory, or from step 3 on disk when the memory is lost — the parameters of an "
           "uninterrupted run (bit for bit over shm)") {
   const TensorMap want = in_process(2, 1, 8);
   struct Case {
@@ -549,7 +549,7 @@ TEST_CASE("world 3 over Gloo: rank 2 killed in step 7 -> resumed from step 5's s
 
 // Note [Recovering in place]
 TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) or stopped (SIGSTOP) in step 7 -> only its "
-          "process starts again; ranks 0 and 2 keep theirs, reload step 5's snapshot with it, and the job ends bit for bit "
+          "process starts again — ranks 0 and 2 keep theirs, reload step 5's snapshot with it, and the job ends bit for bit "
           "where the same job ends uninterrupted (shm and gloo)") {
   auto job_for = [](const std::string& backend, const std::string& out, const std::string& snaps, const char* fault) {
     // The fault only in the first process of rank 1: its replacement starts in round 1.
@@ -597,7 +597,8 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
         REQUIRE(started != std::string::npos);
         const auto from = started + needle.size();
         const std::string pid = log.substr(from, log.find(')', from) - from);
-        CHECK(log.find("rank " + std::to_string(r) + " (pid " + pid + "): recovered in place, going on after step 5") != std::string::npos);
+        CHECK(log.find("rank " + std::to_string(r) + " (pid " + pid + "): recovered in place as rank " + std::to_string(r) +
+                       " of 3, going on after step 5") != std::string::npos);
       }
       CHECK(log.find("[rank 1] rank 1 (pid") == std::string::npos);  // the replacement resumed as a fresh process does
       check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
@@ -606,7 +607,7 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
 }
 
 // Note [Recovering in place], shrinking
-TEST_CASE("shardflow run --recovery shrink, world 3: rank 1 or rank 0 killed in step 7 -> no process starts; the two "
+TEST_CASE("shardflow run --recovery shrink, world 3: rank 1 or rank 0 killed in step 7 -> no process starts — the two "
           "survivors are numbered 0 and 1, reload step 5's snapshot at world 2 and end within float rounding of the "
           "uninterrupted world-3 run (the global batch unchanged, each rank's share larger)") {
   const TensorMap want = in_process(3, 1, 8);

@@ -245,7 +245,7 @@ TEST_CASE("libtorch: buffers (BatchNorm's running statistics) are rank 0's on ev
   CHECK(means[0].abs().sum().item<float>() > 0.0f);
 }
 
-TEST_CASE("libtorch: frozen parameters stay as they are; bad parameters are refused naming them") {
+TEST_CASE("libtorch: frozen parameters stay as they are — bad parameters are refused naming them") {
   auto comms = InProcessWorld::create(1, 30s);
   {
     Tiny net = models(1)[0];

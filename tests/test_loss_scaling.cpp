@@ -25,7 +25,7 @@ OptimizerConfig adamw() { return test::adamw(0.01f, 0.1f); }
 
 }  // namespace
 
-TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips that step, the scale halves and grows back after 3 clean steps, the parameters as if the step was never tried; stages 0-2") {
+TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips that step, the scale halves and grows back after 3 clean steps, the parameters as if the step was never tried — stages 0-2") {
   std::vector<std::vector<float>> init(2, std::vector<float>(kNumel));
   for (std::size_t p = 0; p < 2; ++p)
     for (std::int64_t e = 0; e < kNumel; ++e) init[p][std::size_t(e)] = 0.5f - 0.01f * float(e) + float(p);
@@ -83,7 +83,7 @@ TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips 
   }
 }
 
-TEST_CASE("loss scaling settings: bad values are named; without the runtime's optimizer it is refused at the first backward") {
+TEST_CASE("loss scaling settings: bad values are named — without the runtime's optimizer it is refused at the first backward") {
   auto w = InProcessWorld::create(1, 5s);
   Config c;
   c.precision.dynamic_loss_scale = true;

@@ -115,7 +115,7 @@ TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, g
   }, env());
 }
 
-TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit; torchrun's --rdzv-endpoint") {
+TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit — torchrun's --rdzv-endpoint") {
   const std::string one = scratch("one_node.safetensors"), two = scratch("two_nodes.safetensors");
   {
     Child job(node_cmd({0, 1, 4, test::free_port(), {}}, gloo_trainer({"--save", one})), env());
@@ -273,7 +273,7 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
   }
 }
 
-TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap); a missing interface is named before any rank starts") {
+TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap) — a missing interface is named before any rank starts") {
   SUBCASE("--iface lo") {
     Child job({test::kLauncher, "run", "--nproc-per-node", "2", "--iface", "lo", "--", "/bin/sh", "-c",
                "echo iface=$SHARDFLOW_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME"},
@@ -344,7 +344,7 @@ std::map<std::string, std::string> env_info() {
 
 // Note [Restarting the worker group] across nodes, Note [Snapshots], Note [Snapshots on the other host]
 TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps: rank 3 (node 1) killed in step 7 -> both nodes restart "
-          "together, resume from step 4 (in memory, each host holding the other's copies; or on disk), and end where 1 node x 4 "
+          "together, resume from step 4 (in memory, each host holding the other's copies — or on disk), and end where 1 node x 4 "
           "ranks ends uninterrupted, bit for bit") {
   const std::string one = scratch("restart_one_node.safetensors"), two = scratch("restart_two_nodes.safetensors");
   const std::string snaps = scratch("restart_snapshots");
@@ -513,7 +513,7 @@ std::vector<std::unique_ptr<Child>> ring_of_three(const std::vector<std::string>
 // Note [Snapshots on the other host] with a ring of three
 TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holding its own and its predecessor's files: rank 1 "
           "killed in step 7 -> every host fetches what it lacks before the restart, resumes from step 4 in memory, and ends where "
-          "1 node x 3 ranks ends, bit for bit; node 2 lost instead (--nnodes 2:3) -> nodes 0 and 1 resume it at world 2 from memory") {
+          "1 node x 3 ranks ends, bit for bit — node 2 lost instead (--nnodes 2:3) -> nodes 0 and 1 resume it at world 2 from memory") {
   const std::string one = scratch("ring_one_node.safetensors"), three = scratch("ring_three_nodes.safetensors");
   const std::string snaps = scratch("ring_snapshots");
   one_node_of(3, one);
@@ -543,7 +543,7 @@ TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holdin
 }
 
 // Note [Rejoining]
-TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on alone; node 1's launcher started again waits, and "
+TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on alone — node 1's launcher started again waits, and "
           "the next restart (a rank of node 0 killed) takes it back in at world 4, from node 0's snapshot copied into its memory: "
           "the run ends where 1 node x 4 ranks ends, to float rounding") {
   const std::string one = scratch("rejoin_one_node.safetensors"), two = scratch("rejoin_two_nodes.safetensors");
@@ -583,7 +583,7 @@ TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on 
 }
 
 TEST_CASE("node 1 left out, its launcher started again, and no restart comes before the job ends -> the returning launcher "
-          "fails naming that; a second returning launcher for the same node is refused") {
+          "fails naming that — a second returning launcher for the same node is refused") {
   const std::string snaps = scratch("rejoin_end_snapshots"), go = scratch("rejoin_end_go");
   std::filesystem::remove_all(snaps);
   std::filesystem::remove(go);

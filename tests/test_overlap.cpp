@@ -167,7 +167,7 @@ TEST_CASE("stats report the iteration's bound: at least the link's work, no more
   CHECK(ratio(inter) < ratio(none));
 }
 
-TEST_CASE("none and after_backward keep the promises of their names; interleaved exposes less than both") {
+TEST_CASE("none and after_backward keep the promises of their names — interleaved exposes less than both") {
   for (int stage : {1, 2}) {
     std::map<Overlap, double> exposed;
     for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) {
@@ -296,7 +296,7 @@ TEST_CASE("forward prefetch, split chosen by the runtime: backward has idle link
   }
 }
 
-TEST_CASE("clipping: reductions overlap backward; steps and syncs wait for the global norm after it") {
+TEST_CASE("clipping: reductions overlap backward — steps and syncs wait for the global norm after it") {
   auto o = scenario(2, 1, Overlap::interleaved);
   o.runtime.zero.clip_grad_norm = 1.0f;
   o.runtime.trace.path = trace_path("clip");

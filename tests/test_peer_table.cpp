@@ -14,7 +14,7 @@
 using shardflow::launch::PeerTable;
 using namespace std::chrono_literals;
 
-TEST_CASE("peer table: 8 nodes, the heartbeat thread beats, loses and readmits them while the launcher's thread decides and waits; every node settles") {
+TEST_CASE("peer table: 8 nodes, the heartbeat thread beats, loses and readmits them while the launcher's thread decides and waits — every node settles") {
   PeerTable t;
   const int nodes = 8;
   const auto t0 = PeerTable::clock::now();

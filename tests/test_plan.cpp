@@ -283,7 +283,7 @@ TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) a
   CHECK(run(unset, 1, 0, Partition::flat).buckets.size() == 5);
 }
 
-TEST_CASE("a small last bucket: the layers forward needs first get a bucket of their own, in the plan and in the runtime; 0 gives PyTorch's layout") {
+TEST_CASE("a small last bucket: the layers forward needs first get a bucket of their own, in the plan and in the runtime — 0 gives PyTorch's layout") {
   // 8 x Linear(1024, 1024) at 25 MiB, walked in reverse registration order (weight after bias):
   // from the walk's end, layers.0.weight (4 MiB) passes the 1 MiB last cap alone, so it leaves the
   // 25 MiB bucket before it (Note [A small last bucket]). After a rebuild the walk is the ready
@@ -313,7 +313,7 @@ TEST_CASE("a small last bucket: the layers forward needs first get a bucket of t
   CHECK(plan_of(off, 1, 0, Partition::flat).caps.last_rule == "none");
 }
 
-TEST_CASE("bucket rules: each dtype's first bucket gets the first cap; buckets ordered by their first parameter walked") {
+TEST_CASE("bucket rules: each dtype's first bucket gets the first cap — buckets ordered by their first parameter walked") {
   // Registration: f32 a, bf16 b, f32 c, bf16 d, ... walked in reverse.
   std::vector<ParamSpec> ps;
   for (int i = 0; i < 8; ++i) ps.push_back({"p" + std::to_string(i), {256}, i % 2 ? DType::bf16 : DType::f32});
@@ -449,7 +449,7 @@ TEST_CASE("shardflow plan: the JSON form, the bytes between hosts (--hosts), and
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("shardflow plan --timings: the shortest iteration any schedule could reach, in words and in JSON; a timing file that does not fit is named") {
+TEST_CASE("shardflow plan --timings: the shortest iteration any schedule could reach, in words and in JSON — a timing file that does not fit is named") {
   const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_timings_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   // Two layers of 64 x 64: 16 KiB each, one bucket each at a 16 KiB cap.

@@ -34,7 +34,7 @@ TEST_CASE("the sync order: the K buckets forward needs last go in bucket order, 
   CHECK(prefetch_sync_order({2, 3, 1, 0}, 1) == std::vector<std::uint32_t>{0, 2, 3, 1});
 }
 
-TEST_CASE("compute-bound backward: two syncs in backward; a third would queue before the sync forward needs first") {
+TEST_CASE("compute-bound backward: two syncs in backward — a third would queue before the sync forward needs first") {
   // Backward 3 ms per layer (the link idles 2 ms of every 3), forward 0.3 ms. With K = 2:
   // R0 R1 S0 R2 S1 | R3 S3 S2 after backward (12 ms): forward's layer 0 waits for R3 + S3 (13.5),
   // layer 1 for S2 (14.0), then 14.3, 14.6, 14.9. With K = 3, S2 goes before S3: layer 0 at 14.0,

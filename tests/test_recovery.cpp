@@ -186,7 +186,7 @@ TEST_CASE("recovering in place misused: a null communicator, no snapshots, a set
 }
 
 TEST_CASE("rejoin_process_group reads the launcher's word: restart instead, a rank counted lost, a malformed word -> a "
-          "CommError saying which; in-place -> the round's group with the rank and world the word gives") {
+          "CommError saying which — in-place -> the round's group with the rank and world the word gives") {
   StoreServerOptions so;
   so.host = "127.0.0.1";
   so.port = 0;

@@ -62,7 +62,7 @@ TEST_CASE("shm: ranks issuing different collectives fail alike, naming both ops"
   }
 }
 
-TEST_CASE("shm: a rank that never submits -> the others time out naming it; an abort fails the peers at once") {
+TEST_CASE("shm: a rank that never submits -> the others time out naming it — an abort fails the peers at once") {
   SUBCASE("timeout") {
     ShmWorld w(3, 1 << 16, 400ms);
     std::vector<float> x(16, 1.0f);

@@ -110,7 +110,7 @@ TEST_CASE("Config::sync.initial off: the ranks keep what they built, and at stag
   CHECK(run.params[1] != run.params[0]);
 }
 
-TEST_CASE("buffers: after each wait() every rank holds rank 0's running statistics, not its own; with forward prefetch too") {
+TEST_CASE("buffers: after each wait() every rank holds rank 0's running statistics, not its own — with forward prefetch too") {
   for (bool prefetch : {false, true}) {
     CAPTURE(prefetch);
     const auto run = prefetch ? train_apart(3, at_stage(1, true), 4, true) : train_apart(3, Config{}, 4, false);

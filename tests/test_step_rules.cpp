@@ -90,7 +90,7 @@ TEST_CASE("a trainer's AdamW as a step rule equals the built-in AdamW bit for bi
     }
 }
 
-TEST_CASE("a step rule's state survives a checkpoint under its own names: 5 steps, save, 5 more == 10 straight, bit for bit; Lion with one state tensor trains") {
+TEST_CASE("a step rule's state survives a checkpoint under its own names: 5 steps, save, 5 more == 10 straight, bit for bit — Lion with one state tensor trains") {
   const auto dir = fs::temp_directory_path() / ("sf_rules_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   auto o = with_rule(base(2, Partition::flat), std::make_shared<MyAdamW>());

@@ -104,7 +104,7 @@ TEST_CASE("set, get, add, check, delete and key prefixes") {
   CHECK(c.get("job/b/rank") == "1");
 }
 
-TEST_CASE("get waits for a key another client sets later; wait times out naming the missing keys") {
+TEST_CASE("get waits for a key another client sets later — wait times out naming the missing keys") {
   TcpStoreServer server(opts());
   TcpStoreClient c("127.0.0.1", server.port(), "job-42", 5s);
   std::thread later([&] {
@@ -136,7 +136,7 @@ TEST_CASE("concurrent clients: 8 threads x 50 increments of one counter") {
   CHECK(c.get("barrier") == "400");
 }
 
-TEST_CASE("a wrong token is refused; a server without a token refuses to start") {
+TEST_CASE("a wrong token is refused — a server without a token refuses to start") {
   TcpStoreServer server(opts());
   CHECK_THROWS_WITH_AS(TcpStoreClient("127.0.0.1", server.port(), "guess", 2s), doctest::Contains("wrong token"), CommError);
   StoreServerOptions none;
@@ -176,7 +176,7 @@ TEST_CASE("malformed and oversized frames are refused and the server keeps servi
   CHECK(c.get("still") == "serving");
 }
 
-TEST_CASE("a client that stalls inside a frame is disconnected; the others are not held up") {
+TEST_CASE("a client that stalls inside a frame is disconnected — the others are not held up") {
   TcpStoreServer server(opts());  // stall timeout 300 ms
   Raw staller(server.port());
   staller.send(hello("job-42"));
@@ -227,7 +227,7 @@ TEST_CASE("the store's limits: keys, bytes and pre-token frames refused to that 
 // the server must not crash or stop serving a well-behaved client, a stranger must not get past
 // HELLO, and what the store holds stays within its limits. Run under `make sanitize` it is also
 // a memory-safety check of the frame parser.
-TEST_CASE("fuzz: 8 connections x 2,500 random and mutated frames; a well-behaved client is served throughout") {
+TEST_CASE("fuzz: 8 connections x 2,500 random and mutated frames — a well-behaved client is served throughout") {
   auto o = opts();
   o.max_keys = 500;
   o.max_bytes = 64 * 1024;

@@ -119,7 +119,7 @@ Config at(int stage, Partition partition, bool prefetch = false) {
 
 }  // namespace
 
-TEST_CASE("freeze half the model, train, unfreeze, train: frozen parameters bit-identical while frozen, the rest as a model that never had them, then every parameter as torch.optim would have it; stages 0-2, every partition") {
+TEST_CASE("freeze half the model, train, unfreeze, train: frozen parameters bit-identical while frozen, the rest as a model that never had them, then every parameter as torch.optim would have it — stages 0-2, every partition") {
   const auto want = reference(8);
   for (int stage : {0, 1, 2})
     for (auto partition : {Partition::param, Partition::bucket, Partition::flat}) {

@@ -83,7 +83,7 @@ TEST_CASE("world 3, ZeRO-1 with forward prefetch, grads in random order: the los
   CHECK(placed == iterations);
 }
 
-TEST_CASE("a trainer's collective during backward is refused, naming the call; at world 1 it simply runs") {
+TEST_CASE("a trainer's collective during backward is refused, naming the call — at world 1 it simply runs") {
   auto world = InProcessWorld::create(2, 10s);
   const auto errors = test::run_ranks(2, [&](int r) {
     std::vector<float> params(64, 0.5f);

@@ -123,7 +123,7 @@ const Uses kUses = [](int r, int it, std::size_t p) {
 
 }  // namespace
 
-TEST_CASE("a parameter no rank used is not stepped (AdamW with weight decay leaves it bit for bit), and comes back with its own step count; one some ranks used is averaged with zeros: stages 0-2, every partition") {
+TEST_CASE("a parameter no rank used is not stepped (AdamW with weight decay leaves it bit for bit), and comes back with its own step count — one some ranks used is averaged with zeros: stages 0-2, every partition") {
   const auto want = reference(5, kUses, adamw());
   for (int stage : {0, 1, 2})
     for (auto partition : {Partition::param, Partition::bucket, Partition::flat}) {

@@ -402,7 +402,7 @@ TEST_CASE("interleaved, 24 buckets' gradients reported at once: each sync trails
 // ZeRO's bytes: each rank's step reads only its slice of the reduced gradient, so stages 1 and 2
 // reduce-scatter and all-gather, which moves what DDP's all-reduce moves (Rajbhandari et al.:
 // 2 Psi either way). Layer sizes where every bucket splits into equal slices without padding.
-TEST_CASE("stages 1 and 2 with the flat partition put DDP's bytes on the link; all-reduced gradients cost 1.5x") {
+TEST_CASE("stages 1 and 2 with the flat partition put DDP's bytes on the link — all-reduced gradients cost 1.5x") {
   for (int world : {2, 4}) {
     auto wire = [&](int stage, bool reduce_scatter, Partition partition) {
       auto o = base(OptimizerConfig::Kind::adamw);
@@ -428,7 +428,7 @@ TEST_CASE("stages 1 and 2 with the flat partition put DDP's bytes on the link; a
   }
 }
 
-TEST_CASE("stage 1 with all-reduced gradients (reduce_scatter off) trains as with reduce-scatter; ZeRO-2's flat partition refuses it") {
+TEST_CASE("stage 1 with all-reduced gradients (reduce_scatter off) trains as with reduce-scatter — ZeRO-2's flat partition refuses it") {
   auto o = base(OptimizerConfig::Kind::adamw);
   o.world_size = 3;
   o.runtime.zero.stage = ZeroStage::optimizer_state;
@@ -468,7 +468,7 @@ TEST_CASE("configure_optimizer refuses what it cannot do, naming it") {
   CHECK_THROWS_AS(parse_partition("rows"), UsageError);
 }
 
-TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard; stage 1 holds every bucket") {
+TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard — stage 1 holds every bucket") {
   // World 2, 12 parameters of 64 KiB, one bucket each; a trainer that reports each gradient right
   // after writing it, as backward does.
   const int n = 2, P = 12, numel = 16384;
@@ -586,7 +586,7 @@ void sixteen_bit_tracks_fp32(const char* what, Make16 make16, Extra extra) {
 
 }  // namespace
 
-TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard; every stage and mode matches stage 0, and training tracks fp32") {
+TEST_CASE("bf16 / fp16 parameters: fp32 masters in the shard — every stage and mode matches stage 0, and training tracks fp32") {
   sixteen_bit_tracks_fp32(
       " parameters,", [](mlp::TrainOptions& o, DType dt) { o.param_dtype = dt; },
       [](const mlp::TrainResult& got) {

@@ -44,7 +44,7 @@ struct Rank {
   int status = 0;  // waitpid status once exited
   int stopped_by = 0;  // the signal that stopped it (SIGSTOP, SIGTSTP...), while it is stopped
   bool signal_ours = false;  // killed by the signal this launcher sent while stopping the job
-  bool replaced = false;     // lost and started again in place (Note [Recovering in place]): not this generation's verdict
+  bool replaced = false;     // lost and recovered in place (started again, or left out of a shrunk world; Note [Recovering in place]): not in the verdict
   std::optional<std::chrono::steady_clock::time_point> stopped_since;  // while stopped by a signal
   int out_fd = -1, err_fd = -1;
   std::unique_ptr<OutputRelay> out, err;
@@ -355,6 +355,7 @@ class Supervisor {
           continue;
         }
         if (failed && !first_failure_ && !interrupted_ && !peer_failure_) {
+          if (round_) fail_round();  // lost while a round was open: the round did not heal the job
           first_failure_ = r.global;
           say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") " + describe_status(status) +
               "; stopping the other rank(s)");
@@ -386,7 +387,8 @@ class Supervisor {
   // at the smaller world (the output's "[rank N]" follows). The round is over once every rank made the round's
   // group ("g<k>/r<round>/joined" counts them). A rank lost while a round is still open, or a
   // round not over within --rdzv-timeout, ends the generation as without in-place recovery: every
-  // rank stops, and the job restarts if restarts are left. Each round counts as one restart.
+  // rank stops, and the job restarts if restarts are left. Each round that heals counts as one
+  // restart; one that does not is replaced by the restart it ends in.
   bool in_place() const { return spec_.recovery != "restart"; }
 
   bool can_recover_in_place() const {
@@ -519,7 +521,15 @@ class Supervisor {
       say(*peer_failure_ + "; stopping every rank");
       begin_stop(SIGTERM);
     }
+    fail_round();
+  }
+
+  // A round that did not heal the job does not count as a restart: the restart it ends in does
+  // (so that --max-restarts 1 still restarts every rank when, say, a trainer does not call recover).
+  void fail_round() {
+    if (!round_) return;
     round_.reset();
+    --recoveries_;
   }
 
   // A rank stopped (SIGSTOP) for longer than --heartbeat-timeout counts as lost: killed, it is

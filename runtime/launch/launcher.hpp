@@ -49,7 +49,7 @@ struct LaunchSpec {
   // Note [Recovering in place]: "restart" (the above), "in-place": only a lost rank's process
   // starts again and the survivors join it in the generation's next round (Runtime::recover), or
   // "shrink": no process starts, the survivors go on at once at the smaller world, numbered afresh.
-  // Each such round counts as one of max_restarts.
+  // Each such round that heals counts as one of max_restarts.
   std::string recovery = "restart";
   // Note [Shrinking the world]: --nnodes MIN:MAX. 0: not elastic (MIN = MAX = nnodes). A node lost
   // for longer than rejoin_timeout is left out of the next generation, while MIN nodes remain.
