@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <utility>
 #include <thread>
 
@@ -36,25 +37,38 @@ Config config(const std::string& snapshots, int stage) {
 
 // A rank's gradients at a step: they depend on the parameters, the rank and the step only, so a
 // run that goes back to a snapshot and on computes what an uninterrupted one computes.
-void gradients(const std::vector<float>& w, std::vector<float>& g, int rank, int step) {
+void gradients(std::span<const float> w, std::vector<float>& g, int rank, int step) {
   for (std::size_t i = 0; i < w.size(); ++i) g[i] = 0.1f * w[i] + 0.01f * float((i * 7 + std::size_t(rank) * 3 + std::size_t(step)) % 11) - 0.05f;
 }
 
+// Both parameters in one buffer, llm.c-style: registered one by one or as one flat buffer.
 struct Model {
-  std::vector<float> a = std::vector<float>(kA), b = std::vector<float>(kB);
+  std::vector<float> w = std::vector<float>(kA + kB);
+  std::span<float> a{w.data(), kA}, b{w.data() + kA, kB};
   Model() {
     for (std::size_t i = 0; i < kA; ++i) a[i] = 0.01f * float(i % 13) - 0.06f;
     for (std::size_t i = 0; i < kB; ++i) b[i] = 0.02f * float(i % 5);
   }
+  Model(const Model&) = delete;
 };
 
 // One rank's training; with `recover_at` the ranks abandon step `recover_at` after reporting
 // parameter a only (its bucket's reduction may be under way) and recover onto `next`.
-void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::string& snapshots, int stage, Model& m,
+void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::string& snapshots, int stage, bool flat, Model& m,
                 std::optional<int> recover_at, std::shared_ptr<Communicator> next, std::uint64_t& resumed) {
   Runtime rt(comm, config(snapshots, stage));
-  const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
-  const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+  Param pa, pb;
+  if (flat) {
+    FlatBuffers f;
+    f.params = m.w.data();
+    f.numel = m.w.size();
+    f.table = {{"a", {std::int64_t(kA)}, 0}, {"b", {std::int64_t(kB)}, kA}};
+    const auto ps = rt.register_flat(f);
+    pa = ps[0], pb = ps[1];
+  } else {
+    pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
+    pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+  }
   OptimizerConfig adamw;
   adamw.kind = OptimizerConfig::Kind::adamw;
   adamw.lr = 0.01f;
@@ -94,12 +108,13 @@ std::string scratch(const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("world 3, ZeRO 0/1/2: every rank abandons its 8th step half reported and recovers onto a new round -> the snapshot "
+TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer: every rank abandons its 8th step half reported and recovers onto a new round -> the snapshot "
           "after 6 steps is reloaded (the half step discarded everywhere), the handles still work, and the run ends bit for bit where an "
           "uninterrupted one ends") {
   constexpr int N = 3;
-  for (int stage : {0, 1, 2}) {
+  for (const auto& [stage, flat] : {std::pair{0, false}, std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
     CAPTURE(stage);
+    CAPTURE(flat);
     std::vector<Model> want(N), got(N);
     {
       auto world = InProcessWorld::create(N);
@@ -107,7 +122,7 @@ TEST_CASE("world 3, ZeRO 0/1/2: every rank abandons its 8th step half reported a
       std::vector<std::thread> ts;
       std::vector<std::uint64_t> unused(N);
       for (int r = 0; r < N; ++r)
-        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, want[r], std::nullopt, nullptr, unused[r]); });
+        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, flat, want[r], std::nullopt, nullptr, unused[r]); });
       for (auto& t : ts) t.join();
       std::filesystem::remove_all(snaps);
     }
@@ -119,7 +134,7 @@ TEST_CASE("world 3, ZeRO 0/1/2: every rank abandons its 8th step half reported a
     for (int r = 0; r < N; ++r)
       ts.emplace_back([&, r] {
         try {
-          train_rank(r, first->communicator(r), snaps, stage, got[r], 7, second->communicator(r), resumed[r]);
+          train_rank(r, first->communicator(r), snaps, stage, flat, got[r], 7, second->communicator(r), resumed[r]);
         } catch (...) {
           errors[r] = std::current_exception();
         }
@@ -132,8 +147,7 @@ TEST_CASE("world 3, ZeRO 0/1/2: every rank abandons its 8th step half reported a
       // The snapshot after 7 steps completes at the end of the 8th, which never ended: the one after 6
       // is the newest complete one.
       CHECK(resumed[r] == 6);
-      CHECK(got[r].a == want[r].a);
-      CHECK(got[r].b == want[r].b);
+      CHECK(got[r].w == want[r].w);
     }
     std::filesystem::remove_all(snaps);
   }

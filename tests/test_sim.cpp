@@ -104,7 +104,12 @@ TEST_CASE("one collective at a time per link, in issue order, each done when the
   for (auto& b : bufs) CHECK(b[count - 1] == 2.0f);
   // Waiting is a timer: the data movement (16 MB of adds and copies) is all the CPU spent.
   INFO("wall " << wall << " ms, cpu " << cpu << " ms");
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer multiplies the CPU time of the 16 MB of adds and copies, not the link's wait.
+  MESSAGE("the CPU check skipped under ThreadSanitizer");
+#else
   CHECK(cpu < 0.8 * wall + 20);
+#endif
 }
 
 TEST_CASE("a long link wait costs no CPU: 300 ms of simulated transfer, a few ms of CPU") {

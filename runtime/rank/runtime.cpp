@@ -109,8 +109,9 @@ void Runtime::register_buffer(BufferSpec spec) {
   std::lock_guard lock(I.finalize_mu);
   if (I.finalized.load())
     throw UsageError("register_buffer('" + spec.name + "'): registration is closed once training has started");
-  I.remember([spec](Runtime& rt) { rt.register_buffer(spec); });
+  BufferSpec again = spec;
   I.registry.add_buffer(std::move(spec), *I.comm);
+  I.remember([again](Runtime& rt) { rt.register_buffer(again); });  // once it was taken
 }
 
 Param Runtime::param(const std::string& name) const {

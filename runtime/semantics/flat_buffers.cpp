@@ -38,18 +38,20 @@ std::vector<Param> Runtime::register_flat(const FlatBuffers& flat) {
   }
   const std::size_t es = dtype_size(flat.dtype);
   std::vector<Param> out;
-  I.remember([flat](Runtime& rt) { rt.register_flat(flat); });
   ++I.recipe_paused;  // its parameters are registered again by register_flat, not one by one
-  struct Resume {
-    int& paused;
-    ~Resume() { --paused; }
-  } resume{I.recipe_paused};
-  for (const auto& e : flat.table) {
-    ParamSpec spec{e.name, e.shape, flat.dtype, flat.device, static_cast<std::byte*>(flat.params) + e.offset * es};
-    if (flat.grads) spec.grad = static_cast<std::byte*>(flat.grads) + e.offset * es;
-    out.push_back(register_param(std::move(spec)));
-    I.semantics->flat.entries.push_back({e.offset, std::size_t(numel(e.shape)), out.back()});
+  try {
+    for (const auto& e : flat.table) {
+      ParamSpec spec{e.name, e.shape, flat.dtype, flat.device, static_cast<std::byte*>(flat.params) + e.offset * es};
+      if (flat.grads) spec.grad = static_cast<std::byte*>(flat.grads) + e.offset * es;
+      out.push_back(register_param(std::move(spec)));
+      I.semantics->flat.entries.push_back({e.offset, std::size_t(numel(e.shape)), out.back()});
+    }
+  } catch (...) {
+    --I.recipe_paused;
+    throw;
   }
+  --I.recipe_paused;
+  I.remember([flat](Runtime& rt) { rt.register_flat(flat); });
   std::sort(I.semantics->flat.entries.begin(), I.semantics->flat.entries.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
   return out;
 }
