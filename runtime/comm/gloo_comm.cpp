@@ -7,6 +7,7 @@
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/transport/pair.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <signal.h>
@@ -96,12 +97,22 @@ class GlooComm final : public Communicator {
   std::string backend_name() const override { return "gloo"; }
   bool supports(Device d) const override { return d.kind == Device::Kind::cpu; }
   void submit(CollectiveOp op, CollectiveDone done) override { stream_.push(std::move(op), std::move(done)); }
-  // Gloo cannot interrupt a collective in progress; later ones fail at once, and peers learn of a
-  // dead process from its closed connections (or their timeout).
+  // Gloo cannot interrupt a collective in progress; later ones fail at once. Peers learn of a dead
+  // process from its closed connections, so an abort closes this rank's connections too: a peer
+  // blocked on this rank fails now instead of at its timeout. That matters when the ranks recover
+  // in place (Note [Recovering in place]): a survivor that abandons the old round must not leave
+  // another survivor waiting on it for the whole collective timeout while the new round's
+  // rendezvous times out without it (seen at world 3: rank 0 waited on rank 2, which had moved on).
   void abort(const std::string& reason) override {
-    std::lock_guard lock(abort_mu_);
-    if (!aborted_) abort_reason_ = reason;
-    aborted_ = true;
+    {
+      std::lock_guard lock(abort_mu_);
+      if (aborted_) return;
+      abort_reason_ = reason;
+      aborted_ = true;
+    }
+    for (int r = 0; r < world_; ++r)
+      if (r != rank_)
+        if (auto& pair = context_->getPair(r)) pair->close();
   }
 
  private:
