@@ -57,18 +57,21 @@ sanitize-thread: deps
 	  TSAN_OPTIONS=suppressions=$(SAN_DIR)/tsan.supp:halt_on_error=1:second_deadlock_stack=1:print_suppressions=0 \
 	  ctest --output-on-failure -j $(JOBS) --timeout 1800
 
-# The failure matrix, repeated (not in CI: ~35 min): kill -9 and SIGSTOP of each rank at each phase
+# The failure matrix, repeated (not in CI: ~35 min before the healing matrix ran once per way of
+# healing, 2026-11-27): kill -9 and SIGSTOP of each rank at each phase
 # (registration, backward, inside a collective, a parameter sync, a checkpoint write), over shm and
 # Gloo under the launcher, SOAK_REPS times each (scripts/soak.py; results in bench/RESULTS.md);
 # then the same faults in jobs that heal themselves (--max-restarts and snapshots) at worlds 2 and
-# 3, which must end bit for bit where an uninterrupted job ends, HEAL_REPS times each; as root also
+# 3, which must end bit for bit where an uninterrupted job ends, HEAL_REPS times each, healed by
+# restarting every rank, in place, and in place at the smaller world (Note [Recovering in place]:
+# within float rounding there); as root also
 # across two network-namespace hosts, over Gloo and auto (the two levels at world 4: 2 ranks a host),
 # worlds 2 and 4, and node 1's host lost: a shrink.
 SOAK_REPS ?= 20
 HEAL_REPS ?= 5
 soak: build
 	/usr/bin/python3 scripts/soak.py $(BUILD) --reps $(SOAK_REPS)
-	/usr/bin/python3 scripts/soak.py $(BUILD) --heal --reps $(HEAL_REPS)
+	/usr/bin/python3 scripts/soak.py $(BUILD) --heal --recovery restart,in-place,shrink --reps $(HEAL_REPS)
 	@if [ "$$(id -u)" = 0 ]; then /usr/bin/python3 scripts/soak.py $(BUILD) --heal --two-hosts --reps $(HEAL_REPS); \
 	else echo "soak: the two-host cases need root (network namespaces): skipped"; fi
 
