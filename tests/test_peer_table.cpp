@@ -31,10 +31,15 @@ TEST_CASE("peer table: 8 nodes, the heartbeat thread beats, loses and readmits t
     for (int k = 1; k < nodes; ++k) (k % 2 ? t.mark_exited(k) : t.mark_lost(k));
     done = true;
   });
-  // The launcher's thread: decides from the same facts meanwhile, as NodeWatch::decide does.
-  std::size_t reads = 0;
-  while (!done)
-    for (int k = 1; k < nodes; ++k) reads += t.lost(k) + t.exited(k) + t.watched(k);
+  // The launcher's thread: decides from the same facts meanwhile, as NodeWatch::decide does. A pass
+  // at least: how many of them overlap the heartbeat thread's writes is the scheduler's choice (on
+  // a fast machine the 2,000 rounds may end before the first pass), and ThreadSanitizer checks
+  // whichever do. Counting the flags that were set measured nothing but that race.
+  std::size_t passes = 0;
+  do {
+    for (int k = 1; k < nodes; ++k) (void)(t.lost(k) + t.exited(k) + t.watched(k));
+    ++passes;
+  } while (!done);
   std::vector<int> members;
   for (int k = 0; k < nodes; ++k) members.push_back(k);
   t.wait_settled(members, 10s);
@@ -43,7 +48,7 @@ TEST_CASE("peer table: 8 nodes, the heartbeat thread beats, loses and readmits t
     CHECK_FALSE(t.watched(k));
     CHECK(t.exited(k) == (k % 2 == 1));
   }
-  CHECK(reads > 0);
+  INFO(passes << " pass(es) over the table while the heartbeat thread ran");
   // A node that asks to come back is lost until readmitted, then watched afresh.
   t.rejoining(2);
   CHECK(t.lost(2));
