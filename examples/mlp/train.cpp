@@ -142,8 +142,7 @@ namespace {
 // The global mean of this rank's per-step losses: an all-reduce of the trainer's own, queued on
 // the runtime's comm stream after the parameter syncs forward prefetch leaves running past wait()
 // (Runtime::collective), so it neither races them nor waits for them here.
-std::future<void> global_loss(const TrainOptions& opt, Runtime& rt, float* loss, std::size_t n) {
-  (void)opt;
+std::future<void> global_loss(Runtime& rt, float* loss, std::size_t n) {
   return rt.collective(loss_allreduce(loss, n, rt.world_size()));  // the world now (it shrinks when recovering in place)
 }
 
@@ -185,7 +184,7 @@ void end_step(Shared& sh, int rank, Runtime& rt, int step, float loss, std::chro
   if (reduces && reduce_now) {
     log.value = loss;
     log.pending_step = int(local_losses.size()) - 1;  // its slot (step counts from the start of the training)
-    log.pending = global_loss(opt, rt, &log.value, 1);
+    log.pending = global_loss(rt, &log.value, 1);
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (rank == 0) {
@@ -267,7 +266,7 @@ void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
   // Every step's global loss, in one collective at the end (the same sums as per step).
   if (opt.report_loss) {
     if (rt.world_size() > 1 && opt.loss_every > 1 && !local_losses.empty() && !opt.shard_data)
-      global_loss(opt, rt, local_losses.data(), local_losses.size()).get();
+      global_loss(rt, local_losses.data(), local_losses.size()).get();
     if (rank == 0) sh.result.losses = local_losses;
   }
 }
