@@ -12,7 +12,20 @@ for p in slurmctld slurmd srun sinfo munged; do command -v $p > /dev/null || exi
 mode=$1 prog=$2 dir=$3
 rm -rf "$dir" && mkdir -p "$dir"/{state,spool,log}
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2> /dev/null || true; done; wait 2> /dev/null || true; }
+# On a failure, what Slurm knew: the queue, the node's state and reason, the daemons' last words
+# (a CI run once timed out here with nothing to go on).
+diagnose() {
+  echo "run_srun: failed; Slurm's view (logs in $dir/log):" >&2
+  squeue -a -o '%i %T %r' >&2 2> /dev/null || true
+  sinfo -N -o '%N %t %E' >&2 2> /dev/null || true
+  for f in "$dir"/log/*; do echo "--- $f" >&2; tail -n 15 "$f" >&2; done
+}
+cleanup() {
+  local rc=$?
+  [ $rc = 0 ] || [ $rc = 77 ] || diagnose
+  for p in "${pids[@]}"; do kill "$p" 2> /dev/null || true; done
+  wait 2> /dev/null || true
+}
 trap cleanup EXIT
 dd if=/dev/urandom of="$dir/munge.key" bs=1024 count=1 status=none
 chmod 400 "$dir/munge.key"

@@ -167,14 +167,18 @@ TEST_CASE("stats report the iteration's bound: at least the link's work, no more
   CHECK(ratio(inter) < ratio(none));
 }
 
+// Under ThreadSanitizer only the orders that the modes guarantee are checked (none steps after every
+// reduction, after_backward after backward's end, neither inside backward); what the link's timing
+// makes happen besides (interleaved stepping inside backward, how much each mode exposes) is not.
 TEST_CASE("none and after_backward keep the promises of their names — interleaved exposes less than both") {
+  const bool timed = timing_meaningful();
   for (int stage : {1, 2}) {
     std::map<Overlap, double> exposed;
     for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved}) {
       auto o = scenario(2, stage, overlap);
       o.runtime.trace.path = trace_path(std::string("modes_") + overlap_name(overlap));
       // interleaved runs last: it must expose less than the two before it.
-      const auto res = overlap != Overlap::interleaved ? synthetic::run(o) : run_until(o, [&](const synthetic::Result& x) {
+      const auto res = overlap != Overlap::interleaved || !timed ? synthetic::run(o) : run_until(o, [&](const synthetic::Result& x) {
         return x.stats[0].median.exposed_ms < std::min(exposed[Overlap::none], exposed[Overlap::after_backward]);
       });
       const auto& m = res.stats[0].median;
@@ -198,10 +202,10 @@ TEST_CASE("none and after_backward keep the promises of their names — interlea
         CAPTURE(it);
         REQUIRE(first_step.count(it));
         if (overlap == Overlap::interleaved) {
-          CHECK(first_step[it] < backward_end[it]);  // stepping while backward still reports gradients
+          if (timed) CHECK(first_step[it] < backward_end[it]);  // stepping while backward still reports gradients
         } else if (overlap == Overlap::after_backward) {
-          CHECK(first_step[it] >= backward_end[it]);     // not before backward handed everything over
-          CHECK(first_step[it] < last_reduce_end[it]);         // but before the last reduction is in
+          CHECK(first_step[it] >= backward_end[it]);                // not before backward handed everything over
+          if (timed) CHECK(first_step[it] < last_reduce_end[it]);  // but before the last reduction is in
         } else {
           CHECK(first_step[it] >= last_reduce_end[it]);  // none: only once every reduction completed
         }
@@ -211,9 +215,10 @@ TEST_CASE("none and after_backward keep the promises of their names — interlea
       if (overlap != Overlap::interleaved) {
         CHECK(m.buckets_done_in_backward == 0);
         // Every sync waits for backward's end: at least the last reduction and all four syncs.
-        CHECK(m.exposed_ms >= 0.9 * ms(synthetic::reduce_time(o) + 4 * synthetic::sync_time(o)));
+        if (timed) CHECK(m.exposed_ms >= 0.9 * ms(synthetic::reduce_time(o) + 4 * synthetic::sync_time(o)));
       }
     }
+    if (!timed) continue;
     CHECK(exposed[Overlap::interleaved] < exposed[Overlap::after_backward]);
     CHECK(exposed[Overlap::interleaved] < exposed[Overlap::none]);
   }
