@@ -11,6 +11,7 @@
 #include <span>
 #include <utility>
 #include <thread>
+#include <tuple>
 
 #include "shardflow/shardflow.hpp"
 #include "shardflow/launch.hpp"
@@ -24,9 +25,10 @@ namespace {
 constexpr int kSteps = 8;
 constexpr std::size_t kA = 300, kB = 37;  // two parameters, several buckets with the small caps below
 
-Config config(const std::string& snapshots, int stage) {
+Config config(const std::string& snapshots, int stage, bool prefetch = false) {
   Config cfg;
   cfg.zero.stage = ZeroStage(stage);
+  cfg.zero.forward_prefetch = prefetch;
   cfg.zero.overlap = stage ? Overlap::interleaved : Overlap::none;
   cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 512;
   cfg.snapshot.dir = snapshots;
@@ -55,8 +57,8 @@ struct Model {
 // One rank's training; with `recover_at` the ranks abandon step `recover_at` after reporting
 // parameter a only (its bucket's reduction may be under way) and recover onto `next`.
 void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::string& snapshots, int stage, bool flat, Model& m,
-                std::optional<int> recover_at, std::shared_ptr<Communicator> next, std::uint64_t& resumed) {
-  Runtime rt(comm, config(snapshots, stage));
+                std::optional<int> recover_at, std::shared_ptr<Communicator> next, std::uint64_t& resumed, bool prefetch = false) {
+  Runtime rt(comm, config(snapshots, stage, prefetch));
   Param pa, pb;
   if (flat) {
     FlatBuffers f;
@@ -78,6 +80,7 @@ void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::
   for (int step = int(rt.resumed_step()); step < kSteps; ++step) {
     try {
       rt.zero_grad();
+      if (prefetch) rt.wait_param(pa), rt.wait_param(pb);  // "forward" reads both
       gradients(m.a, ga, rank, step);
       gradients(m.b, gb, rank, step);
       std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
@@ -108,13 +111,18 @@ std::string scratch(const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer: every rank abandons its 8th step half reported and recovers onto a new round -> the snapshot "
+TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer, forward prefetch or not: every rank abandons its 8th step half reported and recovers onto a new round -> the snapshot "
           "after 6 steps is reloaded (the half step discarded everywhere), the handles still work, and the run ends bit for bit where an "
           "uninterrupted one ends") {
   constexpr int N = 3;
-  for (const auto& [stage, flat] : {std::pair{0, false}, std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
+  // (stage, flat, forward prefetch): prefetch's syncs are still landing when each snapshot's
+  // control words go out (Note [Control words after prefetched syncs]).
+  for (const auto& [stage, flat, prefetch] : {std::tuple{0, false, false}, std::tuple{1, false, false}, std::tuple{2, false, false},
+                                              std::tuple{1, true, false}, std::tuple{2, true, false}, std::tuple{1, false, true},
+                                              std::tuple{2, true, true}}) {
     CAPTURE(stage);
     CAPTURE(flat);
+    CAPTURE(prefetch);
     std::vector<Model> want(N), got(N);
     {
       auto world = InProcessWorld::create(N);
@@ -122,7 +130,7 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer: every 
       std::vector<std::thread> ts;
       std::vector<std::uint64_t> unused(N);
       for (int r = 0; r < N; ++r)
-        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, flat, want[r], std::nullopt, nullptr, unused[r]); });
+        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, flat, want[r], std::nullopt, nullptr, unused[r], prefetch); });
       for (auto& t : ts) t.join();
       std::filesystem::remove_all(snaps);
     }
@@ -134,7 +142,7 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer: every 
     for (int r = 0; r < N; ++r)
       ts.emplace_back([&, r] {
         try {
-          train_rank(r, first->communicator(r), snaps, stage, flat, got[r], 7, second->communicator(r), resumed[r]);
+          train_rank(r, first->communicator(r), snaps, stage, flat, got[r], 7, second->communicator(r), resumed[r], prefetch);
         } catch (...) {
           errors[r] = std::current_exception();
         }

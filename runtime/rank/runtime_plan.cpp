@@ -160,7 +160,16 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   }
 }
 
+// Note [Control words after prefetched syncs]
+// With forward prefetch, wait() returns while the iteration's parameter syncs are still on the comm
+// stream, and the bookkeeping after it (snapshot_if_due: "every rank's files written", finishing a
+// snapshot) ran its control words straight on the communicator, so each rank put them among its
+// syncs wherever its own timing fell: a collective mismatch (found by test_libtorch's recovery
+// scenario, forward prefetch with a snapshot every step). A control word goes out only once every
+// handed-over pass is complete, so it follows the same syncs on every rank. The cost is the overlap
+// of those syncs with the next forward, on the iterations that issue a control word.
 void Runtime::Impl::run_now(const CollectiveOp& op) {
+  if (prefetching()) facade->wait_all_params();
   {
     std::unique_lock lock(trainer_ops->mu);
     if (!trainer_ops->cv.wait_for(lock, cfg.timeouts.collective, [&] { return trainer_ops->outstanding == 0; }))
