@@ -13,6 +13,10 @@
 
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+
 #include "gpt/model.hpp"  // examples/gpt: the tied-embedding transformer gpt_train trains
 #include "support/helpers.hpp"
 
@@ -344,4 +348,76 @@ TEST_CASE("libtorch: a model given as named tensors (dotted names, as a Python n
   auto one = InProcessWorld::create(1, 30s);
   CHECK_THROWS_WITH_AS(libtorch::DataParallel({{"model.w", torch::Tensor()}}, {}, one->communicator(0)),
                        doctest::Contains("parameter 'model.w' is an undefined tensor"), UsageError);
+}
+
+// Note [Recovering in place], for a module: every rank loses the job's first communicator after
+// its 8th backward (the reductions under way, after_backward() never called) and goes on over a
+// second one, as `shardflow run --recovery in-place` has it do. The .grad() views must move to the
+// new runtime's buckets (autograd adding into the old ones would write freed memory: ASan's
+// suite watches) and the run must end where an uninterrupted one ends, bit for bit.
+TEST_CASE("libtorch: world 3, ZeRO 0/1/2 and forward prefetch: every rank loses its communicator after the 8th backward and recovers onto a new one "
+          "-> step 6's snapshot reloaded, .grad() views the new buckets, and the parameters end bit for bit where an uninterrupted run ends") {
+  constexpr int N = 3, kSteps = 10, kLost = 7;
+  auto run = [&](int stage, bool prefetch, bool lose) {
+    const auto snaps = std::filesystem::temp_directory_path() /
+                       ("shardflow_libtorch_recover_" + std::to_string(::getpid()) + "_" + std::to_string(stage) + (lose ? "_lost" : "_ref"));
+    std::filesystem::remove_all(snaps);
+    auto first = InProcessWorld::create(N, 30s), second = InProcessWorld::create(N, 30s);
+    auto nets = models(N);
+    const Batches data(kSteps);
+    std::map<std::string, torch::Tensor> out;
+    std::vector<std::uint64_t> resumed(N, 0);
+    test::require_all_ok(test::run_ranks(N, [&](int r) {
+      auto& net = nets[std::size_t(r)];
+      auto o = small_buckets_adamw();
+      o.config.zero.stage = ZeroStage(stage);
+      o.config.zero.forward_prefetch = prefetch;
+      o.config.snapshot.dir = snaps.string();
+      o.config.snapshot.every = 1;
+      libtorch::DataParallel ddp(*net, first->communicator(r), o);
+      bool lost = !lose;
+      for (int s = int(ddp.runtime().resumed_step()); s < kSteps; ++s) {
+        try {
+          ddp.zero_grad();
+          auto [x, y] = data.at(s, r, N);
+          if (prefetch) ddp.wait_for(*net);
+          ddp.before_backward();
+          torch::mse_loss(net->forward(x), y).backward();
+          if (!lost && s == kLost) {
+            lost = true;
+            throw CommError("rank " + std::to_string(r) + ": the test loses the job's communicator after backward " + std::to_string(s + 1));
+          }
+          ddp.after_backward();
+        } catch (const CommError&) {
+          if (!lose) throw;
+          resumed[std::size_t(r)] = ddp.recover(second->communicator(r));
+          s = int(resumed[std::size_t(r)]) - 1;
+          // Every .grad() already views its slot in the new runtime's buckets (stage 2 binds none;
+          // with prefetch before_backward() binds them).
+          for (auto& item : net->named_parameters()) {
+            CAPTURE(item.key());
+            if (stage == 2 || prefetch) CHECK(!item.value().grad().defined());
+            else CHECK(item.value().grad().data_ptr() == ddp.runtime().grad(ddp.runtime().param(item.key())));
+          }
+        }
+      }
+      ddp.runtime().wait_all_params();
+      if (r == 0)
+        for (auto& item : net->named_parameters()) out[item.key()] = item.value().detach().clone();
+    }));
+    if (lose)
+      for (int r = 0; r < N; ++r) CHECK(resumed[std::size_t(r)] == kLost - 1);  // step 7's snapshot completes at the end of step 8: never
+    std::filesystem::remove_all(snaps);
+    return out;
+  };
+  for (const auto& [stage, prefetch] : {std::pair{0, false}, std::pair{1, false}, std::pair{2, false}, std::pair{1, true}}) {
+    CAPTURE(stage);
+    CAPTURE(prefetch);
+    const auto want = run(stage, prefetch, false), got = run(stage, prefetch, true);
+    REQUIRE(got.size() == want.size());
+    for (const auto& [name, t] : want) {
+      CAPTURE(name);
+      CHECK(torch::equal(got.at(name), t));
+    }
+  }
 }

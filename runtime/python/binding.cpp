@@ -30,6 +30,7 @@ struct World {
   std::shared_ptr<InProcessWorld> alone;
   std::shared_ptr<Communicator> comm;
   std::chrono::milliseconds timeout{0};
+  std::string backend;  // what the launched group was made with: recover() rejoins alike
 };
 World& world() {
   static World w;
@@ -46,7 +47,8 @@ py::tuple init(double timeout_s, const std::string& backend, int device) {
   const LaunchEnv env = LaunchEnv::detect();
   if (env.launched()) {
     py::gil_scoped_release nogil;  // the rendezvous waits for the other ranks
-    world().comm = init_process_group(env, ProcessGroupOptions{backend == "auto" && device >= 0 ? "nccl" : backend, timeout});
+    world().backend = backend == "auto" && device >= 0 ? "nccl" : backend;
+    world().comm = init_process_group(env, ProcessGroupOptions{world().backend, timeout});
   } else {
     if (backend != "auto")
       throw UsageError("shardflow.torch.init: backend '" + backend + "' needs a launcher (shardflow run or torchrun); alone this is a world of 1");
@@ -135,7 +137,7 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
                                                  bool forward_prefetch, bool uneven_inputs, bool find_unused_parameters, bool static_graph,
                                                  bool broadcast_buffers, double bucket_cap_mb, double timeout_s, const std::string& trace,
                                                  const std::vector<Group>& groups, double clip_grad_norm, double clip_norm_type,
-                                                 std::uintptr_t cuda_stream) {
+                                                 std::uintptr_t cuda_stream, const std::string& snapshot_dir, int snapshot_every) {
   libtorch::Options o;
   o.cuda_stream = reinterpret_cast<void*>(cuda_stream);
   if (zero_stage < 0 || zero_stage > 2) throw UsageError("shardflow.torch: zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
@@ -158,11 +160,14 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   o.config.trace.path = trace;
   o.config.zero.clip_grad_norm = float(clip_grad_norm);  // 0: off (Note [Clipping that cannot be lost], torch.py)
   o.config.zero.clip_norm_type = float(clip_norm_type);
+  o.config.snapshot.dir = snapshot_dir;  // empty: none
+  o.config.snapshot.every = snapshot_dir.empty() ? 0 : snapshot_every;
   o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
                             {"join.uneven_inputs", "uneven_inputs"}, {"buckets.cap_bytes", "bucket_cap_mb"}, {"timeouts.collective", "init(timeout=)"},
                             {"trace.path", "trace"}, {"buckets.find_unused_parameters", "find_unused_parameters"},
                             {"buckets.static_graph", "static_graph"}, {"sync.buffers", "broadcast_buffers"},
-                            {"zero.clip_grad_norm", "clip_grad_norm"}, {"zero.clip_norm_type", "clip_norm_type"}};
+                            {"zero.clip_grad_norm", "clip_grad_norm"}, {"zero.clip_norm_type", "clip_norm_type"},
+                            {"snapshot.dir", "snapshot_dir"}, {"snapshot.every", "snapshot_every"}};
   Device device = Device::cpu();
   if (!params.empty() && params.front().second.is_cuda()) device = Device::cuda(params.front().second.device().index());
   auto c = comm_for(device);
@@ -301,6 +306,23 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_checkpoint", [](libtorch::DataParallel& d) { d.runtime().wait_checkpoint(); }, py::call_guard<py::gil_scoped_release>())
       .def("load_checkpoint", [](libtorch::DataParallel& d, const std::string& path) { d.runtime().load_checkpoint(path); },
            py::call_guard<py::gil_scoped_release>())
+      .def("resumed_step", [](libtorch::DataParallel& d) { return d.runtime().resumed_step(); }, py::call_guard<py::gil_scoped_release>())
+      // Note [Recovering in place]: the job's next round (the launcher's word), then the runtime
+      // rebuilt on it and the newest complete snapshot loaded; the world's communicator follows.
+      .def("recover", [](libtorch::DataParallel& d) {
+             if (!world().alone && world().backend.empty()) throw UsageError("shardflow.torch: recover(): no process group was made");
+             if (world().alone)
+               throw UsageError("shardflow.torch: recover() goes on after a lost peer of a launched job (shardflow run --max-restarts N "
+                                "--recovery in-place); this process is a world of 1 of its own");
+             std::shared_ptr<Communicator> next;
+             {
+               py::gil_scoped_release nogil;  // waits for the launcher's word and the round's rendezvous
+               next = rejoin_process_group(LaunchEnv::detect(), ProcessGroupOptions{world().backend, world().timeout});
+             }
+             world().comm = next;
+             py::gil_scoped_release nogil;  // the set-up's collectives and the snapshot's load
+             return d.recover(next);
+           })
       .def("optimizer_steps", [](libtorch::DataParallel& d) { return d.runtime().optimizer_steps(); })
       .def("last_grad_norm", [](libtorch::DataParallel& d) { return d.runtime().last_grad_norm(); })
       .def("stats_json", [](libtorch::DataParallel& d) { return d.runtime().stats().to_json(); })

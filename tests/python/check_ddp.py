@@ -275,7 +275,8 @@ def main():
                       (dict(zero_stage=0, optimizer=("adamw", {"momentum": 0.9})), "not momentum"),
                       (dict(zero_stage=1, optimizer=("adamw", {"lr": "fast"})), "'lr' must be a number"),
                       (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": [torch.zeros(2)]}])), "group 0 holds a tensor"),
-                      (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": ["nope.weight"]}])), "nope.weight")):
+                      (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": ["nope.weight"]}])), "nope.weight"),
+                      (dict(snapshot_every=5), "without snapshot_dir"), (dict(snapshot_dir="snaps", snapshot_every=0), "snapshot_every must be")):
         failed += refused(lambda: sft.DistributedDataParallel(model(0), **bad), ValueError, want, bad)  # UsageError is a ValueError
     failed += refused(lambda: joined(zero_stage=1, optimizer=adamw), ValueError, "uneven_inputs=True", "join() without uneven_inputs")
     # DDP's loop forgets nothing but the step: a forward after an unended synchronised backward

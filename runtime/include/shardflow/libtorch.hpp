@@ -23,7 +23,9 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -162,6 +164,7 @@ class DataParallel {
     if (prefetch_) bind_all();  // forward has waited for its parameters: no slot is still a sync's
   }
   void after_backward() {
+    throw_if_peer_lost();
     if (prefetch_) {
       // A parameter forward read without wait_for() may have been read before its sync landed:
       // refuse, naming it, rather than train on last step's values.
@@ -179,6 +182,29 @@ class DataParallel {
     rt_.wait();
     // The first iteration's end rebuilt the buckets: .grad() follows the averages there.
     if (!prefetch_) bind_all();
+  }
+
+  // After a lost peer (a CommError or TimeoutError from backward() or after_backward()), under
+  // `shardflow run --recovery in-place`: Runtime::recover(comm) (Note [Recovering in place]), and
+  // each .grad() pointed at the new runtime's buckets. The old buckets went with the old runtime:
+  // a gradient autograd added into a view of them would land in freed memory. Returns the
+  // iteration to go on from (the failed one is discarded on every rank); the module's parameters
+  // hold that snapshot's values.
+  std::uint64_t recover(std::shared_ptr<Communicator> comm) {
+    const std::uint64_t step = rt_.recover(std::move(comm));
+    landed_ = 0;
+    {
+      std::lock_guard lock(lost_mu_);
+      lost_ = nullptr;  // the loss it was
+    }
+    torch::NoGradGuard no_grad;
+    for (auto& e : entries_) {
+      e.used = e.waited = false;
+      e.bound = nullptr;
+      if (e.param.requires_grad()) e.param.mutable_grad() = torch::Tensor();  // no view of the old buckets survives
+    }
+    if (!prefetch_) bind_all();  // with prefetch, before_backward() binds them (Note [Binding .grad() with forward prefetch])
+    return step;
   }
 
   // Gradients that landed since the last after_backward(): a backward pass left open (a Python
@@ -222,12 +248,39 @@ class DataParallel {
     ReadyHook(DataParallel* owner, std::size_t index) : owner_(owner), index_(index) {}
     torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                               const torch::autograd::variable_list&) override {
-      owner_->grad_landed(index_);
+      // A lost peer is kept for after_backward() (Note [A peer lost inside backward]); anything
+      // else (a misuse) ends backward here, as before.
+      try {
+        owner_->grad_landed(index_);
+      } catch (const CommError&) {
+        owner_->peer_lost(std::current_exception());
+      } catch (const TimeoutError&) {
+        owner_->peer_lost(std::current_exception());
+      }
       return outputs;
     }
     DataParallel* owner_;
     std::size_t index_;
   };
+
+  // Note [A peer lost inside backward]
+  // A readiness hook can see a peer's loss (a pooled bucket at ZeRO-2 never freed, a failure the
+  // runtime already recorded). Thrown from the hook, it left backward as autograd's own error: a
+  // RuntimeError in Python, not the CommError or TimeoutError a trainer recovering in place
+  // catches. So the hooks keep the first one and let backward finish (each later hook fails as
+  // fast), and after_backward() throws it as it was.
+  void peer_lost(std::exception_ptr e) {
+    std::lock_guard lock(lost_mu_);
+    if (!lost_) lost_ = std::move(e);
+  }
+  void throw_if_peer_lost() {
+    std::exception_ptr e;
+    {
+      std::lock_guard lock(lost_mu_);
+      e = std::exchange(lost_, nullptr);
+    }
+    if (e) std::rethrow_exception(e);
+  }
 
   void grad_landed(std::size_t i) {
     landed_.fetch_add(1, std::memory_order_acq_rel);
@@ -352,6 +405,8 @@ class DataParallel {
   std::vector<Entry> entries_;
   std::atomic<std::size_t> landed_{0};  // autograd's hooks may run on its worker threads
   std::unordered_map<const void*, Index> by_impl_;
+  std::mutex lost_mu_;       // the hooks run on autograd's threads
+  std::exception_ptr lost_;  // Note [A peer lost inside backward]
 };
 
 }  // namespace shardflow::libtorch

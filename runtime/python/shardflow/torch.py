@@ -18,6 +18,7 @@ import contextlib
 import functools
 import itertools
 import json
+import os
 import weakref
 
 import torch  # noqa: F401  (loads libtorch before the native half)
@@ -200,11 +201,15 @@ class DistributedDataParallel:
     torch.nn.utils.clip_grad_norm_ clips the whole model, inside shardflow's optimizer step with
     the exact global norm (needs optimizer=); torch's own clip functions raise where .grad is not
     the averaged gradient (Note [Clipping that cannot be lost]). require_backward_grad_sync: DDP's
-    attribute; False accumulates the next backward passes locally, as inside no_sync()."""
+    attribute; False accumulates the next backward passes locally, as inside no_sync().
+    snapshot_dir, snapshot_every: every `snapshot_every` steps each rank snapshots its shard of the
+    model and optimizer state in the background (under `shardflow run` into memory that outlives
+    the ranks, now and then into snapshot_dir); resumed_step() goes on from the newest after a
+    restart, recover() after a lost peer without restarting this process."""
 
     def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=None, optimizer=None,
                  uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None,
-                 clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None):
+                 clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None, snapshot_dir=None, snapshot_every=1):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
         device = _module_device(module)
@@ -225,6 +230,12 @@ class DistributedDataParallel:
             raise UsageError("shardflow.torch.DistributedDataParallel: clip_grad_norm=%r clips inside shardflow's optimizer step, and "
                              "there is none: pass optimizer=(kind, {...}), or clip with torch.nn.utils.clip_grad_norm_ after "
                              "model.step(), when .grad holds the averaged gradient" % (clip_grad_norm,))
+        if snapshot_dir is None and snapshot_every != 1:
+            raise UsageError("shardflow.torch.DistributedDataParallel: snapshot_every=%r without snapshot_dir: no snapshot would be "
+                             "taken; pass snapshot_dir= too" % (snapshot_every,))
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise UsageError("shardflow.torch.DistributedDataParallel: snapshot_every must be a whole number of steps >= 1, got %r"
+                             % (snapshot_every,))
         self.module = module
         self._clip = None if clip_grad_norm is None else (float(clip_grad_norm), float(clip_norm_type))
         self._clipped_step = False  # torch's clip_grad_norm_ ended this pass (Note [Clipping that cannot be lost])
@@ -241,7 +252,7 @@ class DistributedDataParallel:
                                     self._prefetch, self._uneven, bool(find_unused_parameters), bool(static_graph), bool(broadcast_buffers),
                                     0.0 if bucket_cap_mb is None else float(bucket_cap_mb), _timeout, trace or "", groups,
                                     0.0 if clip_grad_norm is None else float(clip_grad_norm), float(clip_norm_type),
-                                    self._current_stream())
+                                    self._current_stream(), "" if snapshot_dir is None else os.fspath(snapshot_dir), int(snapshot_every))
         self._ddp.zero_grad()
         _live.add(self)
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
@@ -459,6 +470,31 @@ class DistributedDataParallel:
         self.wait_all_params()
         self._ddp.load_checkpoint(str(path))
         self._refresh_groups()
+
+    # ---- snapshots and recovering from a lost peer (Note [Snapshots], Note [Recovering in place]) --
+    def resumed_step(self):
+        """With snapshot_dir: loads the newest complete snapshot there (the same on every rank; under
+        `shardflow run` the snapshots live in memory) and returns the step it follows, 0 on a fresh
+        start. Once, before the first forward: the loop goes on from there."""
+        step = self._ddp.resumed_step()
+        self._refresh_groups()
+        return step
+
+    def recover(self):
+        """After a lost peer (a CommError or TimeoutError from step() or a collective) under `shardflow
+        run --max-restarts N --recovery in-place`: this process goes on in the job's next round while
+        the lost rank's process starts again (--recovery shrink: the survivors go on at the smaller
+        world). Every rank discards the failed step and reloads the newest complete snapshot, the
+        same one; returns the step to go on from. rank and world_size are the new round's (shard the
+        data by them). Needs snapshot_dir; one model per process."""
+        if len(_live) > 1:
+            raise UsageError("shardflow.torch.DistributedDataParallel.recover: %d models are alive in this process; recover() "
+                             "moves the process's one process group to the next round, so it recovers one model per process"
+                             % len(_live))
+        step = self._ddp.recover()
+        self._clipped_step = False
+        self._refresh_groups()
+        return step
 
     def _refresh_groups(self):
         for g in self.param_groups:

@@ -1,0 +1,139 @@
+"""shardflow.torch recovering in place (Note [Recovering in place]), as a Python trainer writes it:
+
+    step = model.resumed_step()
+    while step < STEPS:
+        try:
+            ...forward, loss.backward(), model.step()...; step += 1
+        except (sft.CommError, sft.TimeoutError):
+            step = model.recover()
+
+Driver: python3 check_recovery.py SHARDFLOW_CLI WORKDIR. Under `shardflow run --nproc-per-node 3
+--max-restarts 1 --recovery in-place`, rank 1's first process is killed (kill -9) at its 13th
+collective, in the middle of a step: ranks 0 and 2 keep their processes, only rank 1's starts again,
+and the job ends bit for bit where the same job ends uninterrupted (ZeRO-1 and ZeRO-2 at 3 ranks on
+shared memory). With --recovery shrink no process starts: ranks 0 and 2 go on at world 2, each
+taking half of every global batch instead of a third, so the gradient is the same mean and the job
+ends within float rounding of the uninterrupted one. Exit 77 (skipped) without python3-torch."""
+import os
+import shutil
+import subprocess
+import sys
+
+try:
+    import torch
+except ImportError:
+    sys.exit(77)
+
+STEPS, ROWS = 12, 12
+F = torch.nn.functional
+
+
+def batch(step, rank, world):
+    """The global batch of `step`, the same on every rank and in every run; rank r's share of it."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
+    per = ROWS // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def rank_main(out, snapshots, stage):
+    import shardflow.torch as sft
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model = sft.DistributedDataParallel(net, zero_stage=stage, optimizer=("adamw", {"lr": 1e-2}), bucket_cap_mb=0.0005,
+                                        snapshot_dir=snapshots, snapshot_every=1)
+    if not os.environ.get("SHARDFLOW_RECOVERY"):
+        # Outside --recovery in-place there is no next round to go on in: refused, naming the flag.
+        try:
+            model.recover()
+            raise SystemExit("rank %d: recover() without --recovery in-place was accepted" % model.rank)
+        except ValueError as e:
+            if "--recovery in-place" not in str(e):
+                raise SystemExit("rank %d: recover() without --recovery in-place: %r does not name the flag" % (model.rank, str(e)))
+    step = model.resumed_step()
+    recovered = 0
+    while step < STEPS:
+        try:
+            model.zero_grad()
+            x, y = batch(step, model.rank, model.world_size)
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            step += 1
+        except (sft.CommError, sft.TimeoutError) as e:
+            print("rank %d (pid %d): a peer was lost in step %d (%s); recovering" % (model.rank, os.getpid(), step, str(e).splitlines()[0]), flush=True)
+            step = model.recover()
+            recovered += 1
+            print("rank %d (pid %d): recovered, going on from step %d at world %d" % (model.rank, os.getpid(), step, model.world_size), flush=True)
+    model.wait_all_params()
+    if model.rank == 0:
+        torch.save({"params": {k: v.detach().clone() for k, v in net.named_parameters()}}, out)
+    print("rank %d (pid %d): done, %d recovery(ies)" % (model.rank, os.getpid(), recovered), flush=True)
+
+
+def run(cli, workdir, name, stage, recovery=None):
+    out, snaps = os.path.join(workdir, name + ".pt"), os.path.join(workdir, name + "_snapshots")
+    # A snapshot left by an earlier run would be resumed from, past the fault.
+    shutil.rmtree(snaps, ignore_errors=True)
+    if os.path.exists(out):
+        os.remove(out)
+    script = os.path.abspath(__file__)
+    inner = "exec /usr/bin/python3 '%s' rank '%s' '%s' %d" % (script, out, snaps, stage)
+    if recovery:
+        # The fault only in round 0's processes: rank 1's replacement starts in round 1.
+        inner = 'if [ "$SHARDFLOW_RECOVERY_ROUND" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:13; fi; ' + inner
+    argv = [cli, "run", "--nproc-per-node", "3"]
+    if recovery:
+        argv += ["--max-restarts", "1", "--recovery", recovery, "--heartbeat-timeout", "2"]
+    argv += ["--", "/bin/sh", "-c", inner]
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    if p.returncode != 0:
+        print(p.stdout)
+        raise SystemExit("check_recovery: %s (stage %d) failed with exit code %d" % (name, stage, p.returncode))
+    return torch.load(out), p.stdout
+
+
+def main(cli, workdir):
+    os.makedirs(workdir, exist_ok=True)
+    failed = 0
+    for stage in (1, 2):
+        want, _ = run(cli, workdir, "ref%d" % stage, stage)
+        for recovery in ("in-place", "shrink"):
+            got, log = run(cli, workdir, "%s%d" % (recovery, stage), stage, recovery)
+            problems = []
+            if "recovering in place (round 1" not in log:
+                problems.append("the launcher did not recover in place")
+            if "restarting every rank" in log:
+                problems.append("the launcher restarted every rank")
+            # Ranks 0 and 2 recovered in their first processes (pids the launcher started first).
+            for r in (0, 2):
+                started = log.split("rank %d (pid " % r, 1)
+                pid = started[1].split(")", 1)[0] if len(started) > 1 else "?"
+                if "(pid %s): recovered, going on from step" % pid not in log:
+                    problems.append("rank %d's first process (pid %s) did not recover in place" % (r, pid))
+            if recovery == "in-place":
+                if "going on from step" not in log or "at world 3" not in log:
+                    problems.append("the survivors did not go on at world 3")
+                for k, v in want["params"].items():
+                    if not torch.equal(got["params"][k], v):
+                        problems.append("parameter %s differs from the uninterrupted run's (max %g)" % (k, (got["params"][k] - v).abs().max().item()))
+            else:
+                if "at world 2" not in log:
+                    problems.append("the survivors did not go on at world 2")
+                # The same global batch's mean over 2 ranks instead of 3: the sums round differently.
+                for k, v in want["params"].items():
+                    err = ((got["params"][k] - v).norm() / v.norm()).item()
+                    if not err <= 1e-5:
+                        problems.append("parameter %s is %g (relative) from the uninterrupted run's" % (k, err))
+            status = "ok" if not problems else "FAILED: " + "; ".join(problems)
+            print("stage %d, --recovery %s: %s" % (stage, recovery, status))
+            if problems:
+                print(log)
+                failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "rank":
+        rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        sys.exit(main(sys.argv[1], sys.argv[2]))
