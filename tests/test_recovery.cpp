@@ -25,14 +25,14 @@ namespace {
 constexpr int kSteps = 8;
 constexpr std::size_t kA = 300, kB = 37;  // two parameters, several buckets with the small caps below
 
-Config config(const std::string& snapshots, int stage, bool prefetch = false) {
+Config config(const std::string& snapshots, int stage, bool prefetch = false, int every = 1) {
   Config cfg;
   cfg.zero.stage = ZeroStage(stage);
   cfg.zero.forward_prefetch = prefetch;
   cfg.zero.overlap = stage ? Overlap::interleaved : Overlap::none;
   cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 512;
   cfg.snapshot.dir = snapshots;
-  cfg.snapshot.every = 1;
+  cfg.snapshot.every = every;
   cfg.timeouts.collective = std::chrono::seconds(20);
   return cfg;
 }
@@ -57,8 +57,9 @@ struct Model {
 // One rank's training; with `recover_at` the ranks abandon step `recover_at` after reporting
 // parameter a only (its bucket's reduction may be under way) and recover onto `next`.
 void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::string& snapshots, int stage, bool flat, Model& m,
-                std::optional<int> recover_at, std::shared_ptr<Communicator> next, std::uint64_t& resumed, bool prefetch = false) {
-  Runtime rt(comm, config(snapshots, stage, prefetch));
+                std::optional<int> recover_at, std::shared_ptr<Communicator> next, std::uint64_t& resumed, bool prefetch = false,
+                int every = 1) {
+  Runtime rt(comm, config(snapshots, stage, prefetch, every));
   Param pa, pb;
   if (flat) {
     FlatBuffers f;
@@ -115,14 +116,21 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer, forwar
           "after 6 steps is reloaded (the half step discarded everywhere), the handles still work, and the run ends bit for bit where an "
           "uninterrupted one ends") {
   constexpr int N = 3;
-  // (stage, flat, forward prefetch): prefetch's syncs are still landing when each snapshot's
-  // control words go out (Note [Control words after prefetched syncs]).
-  for (const auto& [stage, flat, prefetch] : {std::tuple{0, false, false}, std::tuple{1, false, false}, std::tuple{2, false, false},
-                                              std::tuple{1, true, false}, std::tuple{2, true, false}, std::tuple{1, false, true},
-                                              std::tuple{2, true, true}}) {
+  // (stage, flat, forward prefetch, snapshot every, the step resumed at). Prefetch's syncs are
+  // still landing when each snapshot's control words go out (Note [Control words after prefetched
+  // syncs]); every 2 steps a snapshot completes at the end of the first step by which every rank's
+  // files are written — one step later with prefetch, whose word rides the comm stream behind the
+  // syncs (Note [The written word behind the syncs]): snapshot 6 completes at the end of step 7
+  // without it if its files are written by then (else 4 is the newest: 0 below takes either), and
+  // at the end of step 8 (never reached) with it.
+  for (const auto& [stage, flat, prefetch, every, resumed_at] :
+       {std::tuple{0, false, false, 1, 6}, std::tuple{1, false, false, 1, 6}, std::tuple{2, false, false, 1, 6}, std::tuple{1, true, false, 1, 6},
+        std::tuple{2, true, false, 1, 6}, std::tuple{1, false, true, 1, 6}, std::tuple{1, false, false, 2, 0}, std::tuple{1, false, true, 2, 4},
+        std::tuple{2, true, true, 2, 4}}) {
     CAPTURE(stage);
     CAPTURE(flat);
     CAPTURE(prefetch);
+    CAPTURE(every);
     std::vector<Model> want(N), got(N);
     {
       auto world = InProcessWorld::create(N);
@@ -130,7 +138,7 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer, forwar
       std::vector<std::thread> ts;
       std::vector<std::uint64_t> unused(N);
       for (int r = 0; r < N; ++r)
-        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, flat, want[r], std::nullopt, nullptr, unused[r], prefetch); });
+        ts.emplace_back([&, r] { train_rank(r, world->communicator(r), snaps, stage, flat, want[r], std::nullopt, nullptr, unused[r], prefetch, every); });
       for (auto& t : ts) t.join();
       std::filesystem::remove_all(snaps);
     }
@@ -142,7 +150,7 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer, forwar
     for (int r = 0; r < N; ++r)
       ts.emplace_back([&, r] {
         try {
-          train_rank(r, first->communicator(r), snaps, stage, flat, got[r], 7, second->communicator(r), resumed[r], prefetch);
+          train_rank(r, first->communicator(r), snaps, stage, flat, got[r], 7, second->communicator(r), resumed[r], prefetch, every);
         } catch (...) {
           errors[r] = std::current_exception();
         }
@@ -152,9 +160,11 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer, forwar
       if (e) std::rethrow_exception(e);
     for (int r = 0; r < N; ++r) {
       CAPTURE(r);
-      // The snapshot after 7 steps completes at the end of the 8th, which never ended: the one after 6
-      // is the newest complete one.
-      CHECK(resumed[r] == 6);
+      // Every step: the snapshot after 7 steps completes at the end of the 8th, which never ended,
+      // so the one after 6 is the newest complete one.
+      if (resumed_at) CHECK(resumed[r] == std::uint64_t(resumed_at));
+      else CHECK((resumed[r] == 4 || resumed[r] == 6));
+      CHECK(resumed[r] == resumed[0]);
       CHECK(got[r].w == want[r].w);
     }
     std::filesystem::remove_all(snaps);

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -55,6 +56,11 @@ struct SnapshotState {
   // label; empty: no copies), and whether this rank writes the index into this host's memory.
   std::string mirror;
   bool host_index = false;
+  // Note [The written word behind the syncs]: with forward prefetch, the last iteration's "every
+  // rank's files written" word, in flight on the comm stream behind that iteration's syncs; `word`
+  // holds its sum once `word_done` is ready.
+  std::shared_ptr<float> word;
+  std::future<void> word_done;
 };
 
 // All of the folder's state on a rank. Runtime::Impl holds it through a pointer (`persistence`,
