@@ -13,6 +13,9 @@
 #include <thread>
 #include <tuple>
 
+#include <caf/scoped_actor.hpp>
+
+#include "shardflow/actor.hpp"
 #include "shardflow/shardflow.hpp"
 #include "shardflow/launch.hpp"
 #include "shardflow/store.hpp"
@@ -252,4 +255,79 @@ TEST_CASE("rejoin_process_group reads the launcher's word: restart instead, a ra
   CHECK(comm->rank() == 0);
   CHECK(comm->world_size() == 1);
   CHECK(store->add("g0/r1/joined", 0) == 1);  // what the launcher counts to end the round
+}
+
+// The actor API's side (shardflow/actor.hpp): a subscriber hears the failure, then `recovered`
+// with the rank's new actor, the step, rank and world, and a second failure after it is heard
+// again (a rank announces its failure once per round, not once per life).
+TEST_CASE("the actor API hears a recovery: world 2, lost twice -> each time failed then recovered, carrying the new rank actor, the step resumed and "
+          "the round's rank and world") {
+  constexpr int N = 2;
+  std::vector<Model> models(N);
+  auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N), InProcessWorld::create(N)};
+  const auto snaps = scratch("actor_events");
+  struct Heard {
+    int failed = 0, recovered = 0;
+    std::vector<std::uint64_t> steps;
+    std::vector<std::pair<int, int>> where;
+    bool actor_matches = true;
+  };
+  std::vector<Heard> heard(N);
+  test::require_all_ok(test::run_ranks(N, [&](int r) {
+    Runtime rt(rounds[0]->communicator(r), config(snaps, 1));
+    auto& m = models[std::size_t(r)];
+    const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
+    const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+    rt.configure_optimizer(OptimizerConfig{});
+    caf::scoped_actor self{actor_system_of(rt)};
+    self->send(rank_actor_of(rt), rank_api::subscribe_atom::value, caf::actor(self), std::uint8_t(rank_api::failed | rank_api::recovered));
+    std::vector<float> ga(kA), gb(kB);
+    std::size_t round = 0;
+    for (int step = int(rt.resumed_step()); step < kSteps; ++step) {
+      try {
+        rt.zero_grad();
+        if ((round == 0 && step == 4) || (round == 1 && step == 6)) {
+          CollectiveOp both;  // both ranks between the same iterations, then the round ends under them
+          both.kind = CollectiveKind::barrier;
+          both.tag = "the test's barrier";
+          rt.collective(both).get();
+          rounds[round]->communicator(r)->abort("the test ends round " + std::to_string(round));
+        }
+        gradients(m.a, ga, r, step);
+        gradients(m.b, gb, r, step);
+        std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
+        rt.grad_ready(pa);
+        std::copy(gb.begin(), gb.end(), rt.grad_f32(pb));
+        rt.grad_ready(pb);
+        rt.wait();
+      } catch (const Error&) {
+        REQUIRE(round + 1 < rounds.size());
+        step = int(rt.recover(rounds[++round]->communicator(r))) - 1;
+        const auto now = rank_actor_of(rt);
+        auto& h = heard[std::size_t(r)];
+        self->receive([&](rank_api::failed_atom, caf::error&) { ++h.failed; }, caf::after(std::chrono::seconds(10)) >> [] {});
+        self->receive(
+            [&](rank_api::recovered_atom, rank_api::actor a, std::uint64_t s, std::int32_t rk, std::int32_t w) {
+              ++h.recovered;
+              h.steps.push_back(s);
+              h.where.emplace_back(rk, w);
+              h.actor_matches = h.actor_matches && a == now;
+            },
+            caf::after(std::chrono::seconds(10)) >> [] {});
+      }
+    }
+    rt.wait_all_params();
+  }));
+  for (int r = 0; r < N; ++r) {
+    CAPTURE(r);
+    const auto& h = heard[std::size_t(r)];
+    CHECK(h.failed == 2);
+    CHECK(h.recovered == 2);
+    CHECK(h.actor_matches);
+    CHECK(h.where == std::vector<std::pair<int, int>>{{r, N}, {r, N}});
+    // A snapshot every step completes at the end of the next: lost in the 5th step -> the one after
+    // 3 steps, then in the 7th -> the one after 5.
+    CHECK(h.steps == std::vector<std::uint64_t>{3, 5});
+  }
+  std::filesystem::remove_all(snaps);
 }

@@ -12,7 +12,10 @@
 // Sums run in rank order, so every rank gets bitwise the same result, whatever the timing.
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "runtime/comm/barrier.hpp"
@@ -49,9 +52,35 @@ class World {
              std::to_string(seq) + " ('" + op.tag + "')";
     };
     const peer::Sync sync = [&] { barrier_.arrive_and_wait(rank, timeout_, what); };
-    sync();
-    slots_.check_matching(parity, barrier_);
+    try {
+      sync();
+      slots_.check_matching(parity, barrier_);
+      const Reading reading(readers_);
+      run(rank, op, parity, sync);
+    } catch (...) {
+      // Note [No peer reads a failed rank's buffers]
+      // Every rank reads its peers' buffers directly. When this op fails (an abort, a timeout,
+      // a mismatch: each leaves the barrier aborted), a peer may still be inside its share of the
+      // op, reading ours, until it reaches its next sync and fails too. Returning at once let the
+      // owner free the buffers under that read (ThreadSanitizer: a recovered rank's snapshot word,
+      // freed with its runtime while a peer's allreduce still summed it). So the failure waits
+      // until no rank is reading; every reader leaves at its next sync, which now throws (an
+      // error of this rank's own, thrown by the work itself, aborts the barrier here first).
+      barrier_.abort(what() + ": failed on this rank");  // the first reason stays
+      while (readers_.load(std::memory_order_acquire) != 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      throw;
+    }
+  }
 
+ private:
+  // Ranks between the entry barrier and the end of the op's work on each other's buffers.
+  struct Reading {
+    explicit Reading(std::atomic<int>& n) : n_(n) { n_.fetch_add(1, std::memory_order_acq_rel); }
+    ~Reading() { n_.fetch_sub(1, std::memory_order_acq_rel); }
+    std::atomic<int>& n_;
+  };
+
+  void run(int rank, const CollectiveOp& op, std::size_t parity, const peer::Sync& sync) {
     std::vector<const void*> send(static_cast<std::size_t>(n_));
     std::vector<void*> recv(static_cast<std::size_t>(n_));
     for (int i = 0; i < n_; ++i) {
@@ -79,11 +108,11 @@ class World {
     sync();  // Note [In-process op protocol] step 4
   }
 
- private:
   const int n_;
   const std::chrono::milliseconds timeout_;
   RankBarrier barrier_;
   ParitySlots<Slot> slots_;  // Note [Parity slots]
+  std::atomic<int> readers_{0};
 };
 
 class InProcessComm final : public Communicator {

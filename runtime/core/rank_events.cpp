@@ -1,5 +1,6 @@
 #include "runtime/core/rank_events.hpp"
 
+#include <caf/actor_cast.hpp>
 #include <caf/send.hpp>
 
 #include <algorithm>
@@ -45,12 +46,30 @@ void RankEvents::checkpoint_done(const std::string& dir, std::uint64_t step) {
   for (const auto& a : to(rank_api::checkpoint_done)) caf::anon_send(a, rank_api::checkpoint_done_atom::value, dir, step);
 }
 
-void RankEvents::failed(const caf::error& e) {
+void RankEvents::failed(const caf::error& e) { failed(e, round()); }
+
+void RankEvents::failed(const caf::error& e, std::uint64_t round) {
   {
     std::lock_guard lock(mu_);
-    if (std::exchange(failed_, true)) return;
+    if (round != round_ || std::exchange(failed_, true)) return;
   }
   for (const auto& a : to(rank_api::failed)) caf::anon_send(a, rank_api::failed_atom::value, e);
+}
+
+std::uint64_t RankEvents::round() {
+  std::lock_guard lock(mu_);
+  return round_;
+}
+
+void RankEvents::recovered(const caf::actor& rank_actor, std::uint64_t step, int rank, int world) {
+  {
+    std::lock_guard lock(mu_);
+    failed_ = false;  // the new round's failures are news again
+    ++round_;
+  }
+  const auto typed = caf::actor_cast<rank_api::actor>(rank_actor);
+  for (const auto& a : to(rank_api::recovered))
+    caf::anon_send(a, rank_api::recovered_atom::value, typed, step, std::int32_t(rank), std::int32_t(world));
 }
 
 }  // namespace shardflow

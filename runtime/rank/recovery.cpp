@@ -28,7 +28,10 @@
 // Changes a replay cannot make alike are refused by name rather than half replayed: a
 // refresh_trainable() or add_param_group() after training started (the replacement would not have
 // them), and recovery without Config::snapshot.dir (there would be nothing consistent to go back to).
+#include <caf/actor_cast.hpp>
+
 #include "runtime/rank/rank_actor.hpp"
+#include "shardflow/actor.hpp"
 #include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
@@ -48,6 +51,9 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   // nothing below waits for an iteration that can no longer complete.
   old.comm->abort("rank " + std::to_string(old.rank) + " recovers in place");
   old.failure.record(std::make_exception_ptr(CommError(who + ": the old round was abandoned")));
+  // The actor API's subscribers hear each round's loss before its recovery, however the trainer
+  // learnt of it (a failed bucket announces itself; an error met elsewhere did not): once a round.
+  old.client.subscribers->failed(make_error(errc::comm, who + ": a peer was lost; the round is abandoned"));
   const auto recipe = old.recipe;
   const bool same_rank = comm->rank() == old.rank;
   auto kept = same_rank ? old.timeline : nullptr;
@@ -67,7 +73,9 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   impl_->mem->stream = stream;
   try {
     for (const auto& call : recipe) call(*this);
-    return resumed_step();
+    const std::uint64_t step = resumed_step();
+    impl_->client.subscribers->recovered(caf::actor_cast<caf::actor>(impl_->client.actor), step, impl_->rank, impl_->world);
+    return step;
   } catch (...) {
     // Another failure during the recovery: the trainer may call recover() again with a newer
     // round's communicator, which replays the whole set-up again.

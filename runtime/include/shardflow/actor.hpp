@@ -103,6 +103,7 @@ using unsubscribe_atom = caf::atom_constant<caf::atom("sf_unsub")>;
 using step_done_atom = caf::atom_constant<caf::atom("sf_stepped")>;
 using checkpoint_done_atom = caf::atom_constant<caf::atom("sf_ckdone")>;
 using failed_atom = caf::atom_constant<caf::atom("sf_failed")>;
+using recovered_atom = caf::atom_constant<caf::atom("sf_recov")>;
 
 // What a blocking call would do with the Runtime, run on the rank actor's own thread (setup's
 // collectives: finalize, configure_optimizer, resumed_step, load_checkpoint; between iterations
@@ -118,8 +119,13 @@ using RankCall = std::function<void(Runtime&)>;
 //   step_done     (step_done_atom, std::uint64_t iteration): that many synchronised iterations done
 //   checkpoint_done (checkpoint_done_atom, std::string dir, std::uint64_t step): a sharded
 //                 checkpoint or a snapshot in dir is complete and loadable
-//   failed        (failed_atom, caf::error): the rank failed; once
-enum Event : std::uint8_t { params_ready = 1, step_done = 2, checkpoint_done = 4, failed = 8, all_events = 15 };
+//   failed        (failed_atom, caf::error): the rank failed; once (until it recovers)
+//   recovered     (recovered_atom, rank_api::actor, std::uint64_t step, std::int32_t rank,
+//                 std::int32_t world): Runtime::recover() went on in place (Note [Recovering in
+//                 place]): the rank's new actor (the old one is gone: send it what went to the old),
+//                 the step training goes on from, the rank and world of the new round. A later
+//                 failure is announced again.
+enum Event : std::uint8_t { params_ready = 1, step_done = 2, checkpoint_done = 4, failed = 8, recovered = 16, all_events = 31 };
 
 using actor = caf::typed_actor<
     caf::replies_to<call_atom, RankCall>::with<call_atom>,
