@@ -16,6 +16,7 @@ optimizer of your own.
 """
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import os
@@ -487,6 +488,8 @@ class DistributedDataParallel:
         world). Every rank discards the failed step and reloads the newest complete snapshot, the
         same one; returns the step to go on from. rank and world_size are the new round's (shard the
         data by them). Needs snapshot_dir; one model per process."""
+        if len(_live) > 1:
+            gc.collect()  # wrappers no longer referenced, but held in a cycle until the collector runs
         if len(_live) > 1:
             raise UsageError("shardflow.torch.DistributedDataParallel.recover: %d models are alive in this process; recover() "
                              "moves the process's one process group to the next round, so it recovers one model per process"
