@@ -204,10 +204,13 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
                      "--recovery in-place` (SHARDFLOW_RECOVERY is not in-place), so no launcher starts the lost rank again for the "
                      "survivors to join; let the launcher restart every rank (--max-restarts) instead");
   if (o.timeout.count() <= 0) throw UsageError("rejoin_process_group: timeout must be positive");
-  int round;
+  // This process's rank now: after a shrinking round it is no longer the one it was launched as,
+  // and the errors below name the rank the job's output shows.
+  int round, before;
   {
     std::lock_guard lock(groups_mu);
     round = std::max(latest_round, env.recovery_round) + 1;
+    before = current_place ? current_place->first : env.rank;
   }
   // The launcher's word for this round: "in-place: ..." once it started the lost rank's process
   // again, "restart: ..." when it stops every rank instead.
@@ -217,18 +220,14 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
     const auto client = connect_store(store_of(env, env.master_addr, o.timeout));
     verdict = client->get(key);
   } catch (const Error& e) {
-    throw CommError("rejoin_process_group on rank " + std::to_string(env.rank) + ": no word from the launcher on round " +
+    throw CommError("rejoin_process_group on rank " + std::to_string(before) + ": no word from the launcher on round " +
                     std::to_string(round) + " of the job's recovery (" + e.what() + ")");
   }
   if (verdict.rfind("in-place", 0) != 0)
-    throw CommError("rejoin_process_group on rank " + std::to_string(env.rank) + ": the launcher does not recover in place this time: " +
+    throw CommError("rejoin_process_group on rank " + std::to_string(before) + ": the launcher does not recover in place this time: " +
                     verdict);
   // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's place in this one.
-  int before, world = 0;
-  {
-    std::lock_guard lock(groups_mu);
-    before = current_place ? current_place->first : env.rank;
-  }
+  int world = 0;
   std::istringstream lines(verdict.substr(verdict.find('\n') + 1));
   std::string word;
   std::vector<int> next;
