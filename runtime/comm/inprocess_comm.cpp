@@ -53,9 +53,11 @@ class World {
     };
     const peer::Sync sync = [&] { barrier_.arrive_and_wait(rank, timeout_, what); };
     try {
+      // Counted from before the entry barrier: a peer past it reads every slot at once, and a rank
+      // that failed must not go on to write its slot of a later op under that read.
+      const Reading reading(readers_);
       sync();
       slots_.check_matching(parity, barrier_);
-      const Reading reading(readers_);
       run(rank, op, parity, sync);
     } catch (...) {
       // Note [No peer reads a failed rank's buffers]
@@ -73,7 +75,7 @@ class World {
   }
 
  private:
-  // Ranks between the entry barrier and the end of the op's work on each other's buffers.
+  // Ranks inside an op: from its entry barrier to the end of its work on each other's slots and buffers.
   struct Reading {
     explicit Reading(std::atomic<int>& n) : n_(n) { n_.fetch_add(1, std::memory_order_acq_rel); }
     ~Reading() { n_.fetch_sub(1, std::memory_order_acq_rel); }
