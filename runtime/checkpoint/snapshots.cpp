@@ -290,15 +290,9 @@ void Runtime::Impl::snapshot_if_due() {
     float written = I.persistence->saves.pending->written.load(std::memory_order_acquire) && (marker.empty() || fs::exists(marker, ec)) ? 1.0f : 0.0f;
     if (!due && !complete && I.prefetching() && I.world > 1) {
       snaps.word = std::make_shared<float>(written);
-      auto done = std::make_shared<std::promise<void>>();
-      snaps.word_done = done->get_future();
-      CollectiveOp op;
-      op.kind = CollectiveKind::allreduce;
-      op.dtype = DType::f32;
-      op.send = op.recv = snaps.word.get();
-      op.count = 1;
-      op.tag = "snapshot: every rank's files written";
-      I.trainer_collective(std::move(op), [done, keep = snaps.word](std::exception_ptr e) { e ? done->set_exception(e) : done->set_value(); });
+      auto op = control_op(CollectiveKind::allreduce, snaps.word.get(), 1, "snapshot: every rank's files written");
+      op.keep_alive = snaps.word;  // the runtime may go (a recovery) while the word is in flight
+      snaps.word_done = facade->collective(std::move(op));
     } else if (!due && !complete) {
       I.control_collective(CollectiveKind::allreduce, &written, 1, "snapshot: every rank's files written");
       complete = written == float(I.world);

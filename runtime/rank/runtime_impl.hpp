@@ -148,6 +148,9 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // rest. `words`: 32-bit words, summed as f32 by an all-reduce, copied as they are by a
   // broadcast. Nothing at world 1.
   void control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root = 0);
+  // The op of a control word (f32 words, in place): control_collective runs it at once; the
+  // snapshot's written word queues it on the comm stream (Note [The written word behind the syncs]).
+  static CollectiveOp control_op(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root = 0);
   // A collective of the runtime's own issued on the calling thread, recorded. The trainer's
   // collectives (Runtime::collective) still on the comm stream complete first: the two paths
   // would otherwise reach the backend in a different order on different ranks.

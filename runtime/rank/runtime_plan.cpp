@@ -180,8 +180,7 @@ void Runtime::Impl::run_now(const CollectiveOp& op) {
   comm->run(op, cfg.timeouts.collective);
 }
 
-void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
-  if (world == 1) return;
+CollectiveOp Runtime::Impl::control_op(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
   CollectiveOp op;
   op.kind = kind;
   op.dtype = DType::f32;
@@ -189,7 +188,12 @@ void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::si
   op.count = count;
   op.root = root;
   op.tag = tag;
-  run_now(op);
+  return op;
+}
+
+void Runtime::Impl::control_collective(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {
+  if (world == 1) return;
+  run_now(control_op(kind, words, count, tag, root));
 }
 
 void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begin, std::vector<float>& window, const char* what,
