@@ -375,6 +375,91 @@ TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps: rank 3 
   check_params(two, one);
 }
 
+namespace {
+
+// `prog` with SHARDFLOW_TEST_FAULT=`fault` only in the processes the launchers start first (generation
+// 0, before any round of in-place recovery): a replacement, or a restarted job, runs clean.
+std::vector<std::string> fault_in_first_process(const std::string& fault, const std::vector<std::string>& prog) {
+  std::string cmd = "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ] && [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=" +
+                    fault + "; fi; exec";
+  for (const auto& a : prog) cmd += " '" + a + "'";
+  return {"/bin/sh", "-c", cmd};
+}
+
+// The survivors' own processes went on: rank r's first pid (the launcher's "rank r (pid P)") is the
+// one that says it recovered in place as rank r of `world`.
+void check_kept_process(const std::string& out, int r, int world) {
+  const pid_t pid = pid_of_rank(out, r);
+  REQUIRE(pid > 0);
+  CHECK(out.find("[rank " + std::to_string(r) + "] rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                 "): recovered in place as rank " + std::to_string(r) + " of " + std::to_string(world) + ", going on after step ") !=
+        std::string::npos);
+}
+
+}  // namespace
+
+// Note [Recovering in place], Note [Rounds across nodes]
+TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on node 1, or on node 0 (which serves the store) -> "
+          "only its process starts again, on its node — the other three keep theirs, no node fails, and the job ends where 1 "
+          "node x 4 ranks ends uninterrupted, bit for bit") {
+  const std::string one = scratch("in_place_one_node.safetensors"), two = scratch("in_place_two_nodes.safetensors");
+  const std::string snaps = scratch("in_place_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of_four(one);
+  int killed = 3;
+  SUBCASE("rank 3, node 1") {}
+  SUBCASE("rank 1, node 0") { killed = 1; }
+  CAPTURE(killed);
+  const int port = test::free_port();
+  const std::vector<std::string> flags{"--max-restarts", "1", "--recovery", "in-place"};
+  // Two collectives a step at ZeRO-1: the 13th is in step 7.
+  const std::string fault = "collective:" + std::to_string(killed) + ":kill:13";
+  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(two, snaps))), env_info());
+  Child n1(node_cmd({1, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(scratch("in_place_unused.safetensors"), snaps))),
+           env_info());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  const Child& home = killed == 3 ? n1 : n0;  // the lost rank's node runs the round
+  const Child& other = killed == 3 ? n0 : n1;
+  CHECK(home.says("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) " + std::to_string(killed) +
+                  " start again"));
+  CHECK(home.says("started rank " + std::to_string(killed) + " (pid "));
+  CHECK(home.says("recovered in place: every rank joined round 1"));
+  CHECK(!other.says("recovering in place (round"));  // its launcher has nothing to do
+  for (const Child* n : {&n0, &n1}) {
+    CHECK(!n->says("restarting every rank"));
+    CHECK(!n->says("FAILED"));
+  }
+  for (int r = 0; r < 4; ++r)
+    if (r != killed) check_kept_process((r < 2 ? n0 : n1).output(), r, 4);
+  check_params(two, one);
+}
+
+// Note [Rounds across nodes]: no split brain
+TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 1 (node 0) and rank 3 (node 1) killed at once -> one "
+          "node holds the round, the other's loss cannot join it and fails the generation: every rank restarts, and the job "
+          "still ends where 1 node x 4 ranks ends, bit for bit") {
+  const std::string one = scratch("in_place_both_one_node.safetensors"), two = scratch("in_place_both_two_nodes.safetensors");
+  const std::string snaps = scratch("in_place_both_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of_four(one);
+  const int port = test::free_port();
+  const std::vector<std::string> flags{"--max-restarts", "2", "--recovery", "in-place"};
+  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process("collective:1:kill:13", eight_steps(two, snaps))), env_info());
+  Child n1(node_cmd({1, 2, 2, port, flags},
+                    fault_in_first_process("collective:3:kill:13", eight_steps(scratch("in_place_both_unused.safetensors"), snaps))),
+           env_info());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  const bool zero_holds = n0.says("recovering in place (round 1");
+  CHECK(zero_holds != n1.says("recovering in place (round 1"));  // exactly one node held round 1
+  CHECK((zero_holds ? n1 : n0).says("; not recovered in place: round 1 of another node's recovery is still open"));
+  CHECK(!n0.says("recovered in place: every rank joined"));
+  CHECK(!n1.says("recovered in place: every rank joined"));
+  // The round that did not heal does not count: the restart is the first of two.
+  CHECK(n0.says("; restarting every rank (1 of 2 restarts)"));
+  CHECK(n1.says("; restarting every rank (1 of 2 restarts)"));
+  check_params(two, one);
+}
+
 TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why") {
   const int port = test::free_port();
   Child n0(node_cmd({0, 2, 1, port, {"--max-restarts", "3"}}, test::endless_gloo_trainer()), env());

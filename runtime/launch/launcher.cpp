@@ -354,27 +354,32 @@ class Supervisor {
           lost.push_back(&r);
           continue;
         }
-        if (failed && !first_failure_ && !interrupted_ && !peer_failure_) {
-          if (round_) fail_round();  // lost while a round was open: the round did not heal the job
-          first_failure_ = r.global;
-          say("rank " + std::to_string(r.global) + " (pid " + std::to_string(pid) + ") " + describe_status(status) +
-              "; stopping the other rank(s)");
-          begin_stop(SIGTERM);
-          if (watch_) {
-            const std::string mine = "rank " + std::to_string(r.global) + " (local rank " + std::to_string(r.local) +
-                                     ", pid " + std::to_string(pid) + ") " + describe_status(status);
-            const auto first = watch_->report_failure(mine);
-            if (!first)
-              store_lost_ = watch_->label(0) + "'s store is unreachable too: node 0 is likely down and this rank's failure its echo";
-            else if (first->find(mine) == std::string::npos)
-              peer_failure_ = *first;  // another node failed first: the likelier cause
-          }
-        }
+        if (failed) rank_failed(r, "");
         // The rank's group may still hold children of its own; they go with it.
         if (stop_deadline_) ::kill(-pid, SIGKILL);
       }
     }
     if (!lost.empty()) recover_in_place(lost);
+  }
+
+  // A rank's failure that is not recovered in place ends the generation: every rank of every node
+  // stops (and restarts, if restarts are left). `why_not`: why it was not recovered in place, if it could have been.
+  void rank_failed(Rank& r, const std::string& why_not) {
+    if (first_failure_ || interrupted_ || peer_failure_) return;
+    if (round_) fail_round();  // lost while a round was open: the round did not heal the job
+    first_failure_ = r.global;
+    say("rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ") " + describe_status(r.status) + why_not +
+        "; stopping the other rank(s)");
+    begin_stop(SIGTERM);
+    if (watch_) {
+      const std::string mine = "rank " + std::to_string(r.global) + " (local rank " + std::to_string(r.local) + ", pid " +
+                               std::to_string(r.pid) + ") " + describe_status(r.status);
+      const auto first = watch_->report_failure(mine);
+      if (!first)
+        store_lost_ = watch_->label(0) + "'s store is unreachable too: node 0 is likely down and this rank's failure its echo";
+      else if (first->find(mine) == std::string::npos)
+        peer_failure_ = *first;  // another node failed first: the likelier cause
+    }
   }
 
   // ---- Note [Recovering in place] --------------------------------------------------------------
@@ -389,11 +394,53 @@ class Supervisor {
   // round not over within --rdzv-timeout, ends the generation as without in-place recovery: every
   // rank stops, and the job restarts if restarts are left. Each round that heals counts as one
   // restart; one that does not is replaced by the restart it ends in.
+  //
+  // ---- Note [Rounds across nodes] ----------------------------------------------------------------
+  // Across nodes the launcher of the node whose rank was lost runs the round; the other nodes'
+  // launchers see nothing (their ranks keep running and rejoin through the shared store, and no
+  // node failure is reported). Rounds are numbered in the store, not by each launcher: a launcher
+  // claims round r by counting "g<k>/rounds" up to r, and holds it only if every round before r is
+  // over ("g<k>/rounds_done" is r - 1). Two nodes that lose a rank at once cannot both hold a round
+  // (the survivors would wait in one while the other's lost rank never joins it): the one that
+  // does not hold it fails the generation as without in-place recovery, and every rank of every
+  // node stops and restarts. The store's count of finished rounds is also the job's, so
+  // --max-restarts bounds the recoveries of all nodes together. Shrinking stays on one node: it
+  // renumbers every node's ranks, which the other launchers would have to learn.
   bool in_place() const { return spec_.recovery != "restart"; }
 
-  bool can_recover_in_place() const {
+  bool can_recover_in_place() {
     return in_place() && !round_ && !first_failure_ && !peer_failure_ && !interrupted_ && !stop_deadline_ &&
-           restart_ + recoveries_ < spec_.max_restarts;
+           restart_ + recoveries() < spec_.max_restarts;
+  }
+
+  // In-place recoveries over the whole job, every node's (an open round included): each counts as
+  // a restart. Across nodes the store holds this generation's count; unreachable, this node's own
+  // count stands in (the restart that follows cannot reach the store either).
+  int recoveries() {
+    int in_generation = rounds_healed_;
+    if (in_place() && spec_.nnodes > 1) {
+      try {
+        in_generation = int(recovery_store().add(round_key("rounds_done"), 0));
+      } catch (const Error&) {
+      }
+    }
+    recoveries_seen_ = recoveries_before_ + in_generation + (round_ ? 1 : 0);
+    return recoveries_seen_;
+  }
+
+  // Note [Rounds across nodes]: the next round's number, or 0 when another node's round is still
+  // open or the store cannot be reached, with why in `why_not`.
+  int claim_round(std::string& why_not) {
+    try {
+      auto& st = recovery_store();
+      const int r = int(st.add(round_key("rounds"), 1));
+      const int done = int(st.add(round_key("rounds_done"), 0));
+      if (done == r - 1) return r;
+      why_not = "; not recovered in place: round " + std::to_string(done + 1) + " of another node's recovery is still open";
+    } catch (const Error& e) {
+      why_not = "; not recovered in place: the store could not be reached (" + std::string(e.what()) + ")";
+    }
+    return 0;
   }
 
   Store& recovery_store() {
@@ -424,7 +471,7 @@ class Supervisor {
 
   void recover_in_place(const std::vector<Rank*>& lost) {
     const bool shrink = spec_.recovery == "shrink";
-    std::vector<Rank*> alive;  // the survivors, by rank
+    std::vector<Rank*> alive;  // this node's survivors, by rank (across nodes the other nodes' ranks survive too)
     for (auto& r : ranks_)
       if (r.running && !r.replaced && std::find(lost.begin(), lost.end(), &r) == lost.end()) alive.push_back(&r);
     std::sort(alive.begin(), alive.end(), [](const Rank* a, const Rank* b) { return a->global < b->global; });
@@ -434,15 +481,24 @@ class Supervisor {
                                           describe_status(r->status));
       pids += (pids.empty() ? "" : ", ") + std::to_string(r->global);
     }
-    if (alive.empty()) {  // nobody to go on: the generation ends as without in-place recovery
+    if (alive.empty() && spec_.nnodes == 1) {  // nobody to go on: the generation ends as without in-place recovery
       first_failure_ = lost.front()->global;
       say(who + "; no rank is left to go on in place");
       begin_stop(SIGTERM);
       return;
     }
-    ++recoveries_;
-    ++round_no_;
-    const std::string round = "round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries_) + " of " +
+    std::string why_not;
+    const int claimed = claim_round(why_not);
+    if (!claimed) {
+      for (Rank* r : lost) {
+        rank_failed(*r, why_not);
+        ::kill(-r->pid, SIGKILL);  // what its process group still holds
+      }
+      return;
+    }
+    round_no_ = claimed;
+    round_ = RecoveryRound{clock::now(), who};
+    const std::string round = "round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries()) + " of " +
                               std::to_string(spec_.max_restarts) + " restarts";
     // Shrinking, the survivors are numbered afresh in their order; replacing, every rank keeps its number.
     std::vector<int> next(std::size_t(generation_.world), -1);
@@ -459,7 +515,6 @@ class Supervisor {
       dead.push_back(r->pid);
     }
     shm::remove_segments_of(dead);
-    round_ = RecoveryRound{clock::now(), who};
     try {
       recovery_store().set(round_key("recovery/" + std::to_string(round_no_)),
                            verdict(who + (shrink ? "; going on without it" : "; started again"), world, next));
@@ -508,6 +563,13 @@ class Supervisor {
       std::snprintf(took, sizeof took, "%.2f", s);
       say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
       round_.reset();
+      ++rounds_healed_;
+      try {
+        recovery_store().add(round_key("rounds_done"), 1);  // Note [Rounds across nodes]: the next round may be claimed
+      } catch (const Error& e) {
+        say("cannot count round " + std::to_string(round_no_) + " as over in the store (" + e.what() +
+            "): a later loss restarts every rank instead of recovering in place");
+      }
     } else if (s * 1000 > double(spec_.rdzv_timeout.count())) {
       end_round(std::to_string(joined) + " of " + std::to_string(generation_.world) + " ranks joined round " + std::to_string(round_no_) +
                 " within --rdzv-timeout");
@@ -520,17 +582,14 @@ class Supervisor {
       peer_failure_ = "recovering in place failed: " + why + " (after " + round_->lost + ")";
       say(*peer_failure_ + "; stopping every rank");
       begin_stop(SIGTERM);
+      if (watch_) watch_->report_failure(*peer_failure_);  // the other nodes' ranks wait in the round too
     }
     fail_round();
   }
 
   // A round that did not heal the job does not count as a restart: the restart it ends in does
   // (so that --max-restarts 1 still restarts every rank when, say, a trainer does not call recover).
-  void fail_round() {
-    if (!round_) return;
-    round_.reset();
-    --recoveries_;
-  }
+  void fail_round() { round_.reset(); }
 
   // A rank stopped (SIGSTOP) for longer than --heartbeat-timeout counts as lost: killed, it is
   // recovered like any other (its peers would otherwise wait for it until their own timeout).
@@ -657,7 +716,8 @@ class Supervisor {
     if (!first_failure_ && !peer_failure_) return false;  // the job is done
     if (spec_.max_restarts == 0) return false;
     const bool lost = watch_ && watch_->lost_a_node();
-    bool want = !interrupted_ && restart_ + recoveries_ < spec_.max_restarts && (!lost || spec_.min_nnodes > 0);
+    fail_round();  // the generation ends: a round still open did not heal it
+    bool want = !interrupted_ && restart_ + recoveries() < spec_.max_restarts && (!lost || spec_.min_nnodes > 0);
     if (lost && !spec_.min_nnodes && !interrupted_) not_restarted_ = "a lost node is not restarted around without --nnodes MIN:MAX";
     if (!watch_) return want;
     std::string why_not;
@@ -682,7 +742,9 @@ class Supervisor {
   }
 
   void next_generation() {
-    say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + recoveries_ + 1) + " of " +
+    recoveries_before_ = recoveries_seen_;  // restart_wanted() counted them; this generation's keys are left behind
+    rounds_healed_ = 0;
+    say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + recoveries_seen_ + 1) + " of " +
         std::to_string(spec_.max_restarts) + " restarts)");
     remove_shared_memory();
     ranks_.clear();
@@ -742,7 +804,7 @@ class Supervisor {
   std::string restarts_note() const {
     if (!spec_.max_restarts || interrupted_) return "";
     if (!not_restarted_.empty()) return "; not restarted: " + not_restarted_;
-    return "; restarts used up (" + std::to_string(restart_ + recoveries_) + " of " + std::to_string(spec_.max_restarts) + ")";
+    return "; restarts used up (" + std::to_string(restart_ + recoveries_seen_) + " of " + std::to_string(spec_.max_restarts) + ")";
   }
 
   // Which rank failed and how, with the others' fate: the verdict's words, and a restart's.
@@ -801,8 +863,10 @@ class Supervisor {
     std::string lost;  // who was lost, for messages
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
-  int round_no_ = 0;     // this generation's rounds so far (Note [Recovering in place])
-  int recoveries_ = 0;   // in-place recoveries over the whole job: each counts as a restart
+  int round_no_ = 0;           // the round this node ran last in this generation (Note [Rounds across nodes])
+  int rounds_healed_ = 0;      // of them, over: this generation's count where the store cannot say
+  int recoveries_before_ = 0;  // in-place recoveries of the generations before, every node's
+  int recoveries_seen_ = 0;    // recoveries() when last counted, for messages once the store may be gone
   std::unique_ptr<Store> recovery_store_;
   int sigfd_ = -1;
   int torch_port_ = 0;  // MASTER_PORT (torch_port)
