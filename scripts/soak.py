@@ -42,6 +42,9 @@ restart resumed from.
       again, or none and the survivors go on at the smaller world (within SHRINK_TOLERANCE of the
       uninterrupted run); a loss in the set-up's collectives (registration) restarts every rank instead
   sudo scripts/soak.py BUILD_DIR --heal --two-hosts [--worlds 2,4]
+  sudo scripts/soak.py BUILD_DIR --heal --two-hosts --recovery in-place
+      across the hosts healed in place (Note [Rounds across nodes]): the lost rank's process starts again
+      on its host, every other rank keeps its own; a lost host still ends in node 0 going on alone
 """
 import argparse
 import collections
@@ -223,7 +226,7 @@ def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=
         for h, n in (("a", 0), ("b", 1)):
             c = two_hosts.launcher(build, h, n, 2, world // 2, [], 3)[:-1]
             c[c.index("--nnodes") + 1] = "1:2"  # elastic: a lost node 1 leaves node 0 going on alone
-            cmd.append(c + ["--max-restarts", "1", "--rejoin-timeout", "1", "--", "/bin/sh", "-c", script])
+            cmd.append(c + ["--max-restarts", "1", "--rejoin-timeout", "1", "--recovery", recovery, "--", "/bin/sh", "-c", script])
     # info: the runtime's "resumed from the snapshot of step N in memory" line
     return cmd, dict(os.environ, SOAK_ID=soak_id, SHARDFLOW_LOG_LEVEL="info"), out_path, snaps
 
@@ -264,8 +267,9 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
     took = time.monotonic() - start
     problems = []
     shrink = action == "host"  # node 1 lost: node 0 goes on alone (Note [Shrinking the world])
-    # Healed in place, except a loss in the set-up's collectives: that restarts every rank.
-    in_place = recovery != "restart" and phase != "registration"
+    # Healed in place, except a loss in the set-up's collectives (that restarts every rank) and a
+    # lost host (its launcher is gone with its ranks: node 0 goes on without it, restarting).
+    in_place = recovery != "restart" and phase != "registration" and not shrink
     smaller = shrink or (in_place and recovery == "shrink")  # another world's sums: within the tolerance
     if shrink and rc is not None and run_job.codes[1:] and run_job.codes[1] != 0:
         rc = run_job.codes[0]
@@ -345,7 +349,7 @@ def main():
     ap.add_argument("--worlds", default=None, help="with --heal (default 2,3; with --two-hosts 2,4)")
     ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root)")
     ap.add_argument("--recovery", default="restart",
-                    help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink (one host only)")
+                    help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink (shrink: one host only)")
     ap.add_argument("--actions", default=None, help="default kill,stop (--heal --two-hosts: kill,stop,host)")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
@@ -356,8 +360,8 @@ def main():
         a.backends = "shm,gloo"
     if a.actions is None:
         a.actions = "kill,stop,host" if a.heal and a.two_hosts else "kill,stop"
-    if a.two_hosts and a.recovery != "restart":
-        ap.error("--recovery in-place and shrink are for one host so far (shardflow run refuses them across nodes)")
+    if a.two_hosts and "shrink" in a.recovery.split(","):
+        ap.error("--recovery shrink is for one host so far (shardflow run refuses it across nodes)")
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
     if a.heal:
