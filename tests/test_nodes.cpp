@@ -434,6 +434,33 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on no
   check_params(two, one);
 }
 
+// Note [Rounds across nodes]: rounds numbered in the store, counted against --max-restarts together
+TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node 1) lost in step 7, then rank 1 (node 0) two "
+          "reductions after the recovery -> round 1 run by node 1 and round 2 by node 0, 2 of 2 restarts, ranks 0 and 2 keep "
+          "their processes through both, and the job ends where 1 node x 4 ranks ends, bit for bit") {
+  const std::string one = scratch("in_place_twice_one_node.safetensors"), two = scratch("in_place_twice_two_nodes.safetensors");
+  const std::string snaps = scratch("in_place_twice_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of_four(one);
+  const int port = test::free_port();
+  const std::vector<std::string> flags{"--max-restarts", "2", "--recovery", "in-place"};
+  // Rank 1 issues at most its 14th reduction (step 7's second) before rank 3's loss holds everyone,
+  // and at least 4 more after resuming from step 6's or 4's snapshot: its 15th comes after round 1.
+  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process("collective:1:kill:15", eight_steps(two, snaps))), env_info());
+  Child n1(node_cmd({1, 2, 2, port, flags},
+                    fault_in_first_process("collective:3:kill:13", eight_steps(scratch("in_place_twice_unused.safetensors"), snaps))),
+           env_info());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  CHECK(n1.says("recovering in place (round 1, 1 of 2 restarts): the other ranks keep running, rank(s) 3 start again"));
+  CHECK(n1.says("recovered in place: every rank joined round 1"));
+  CHECK(n0.says("recovering in place (round 2, 2 of 2 restarts): the other ranks keep running, rank(s) 1 start again"));
+  CHECK(n0.says("recovered in place: every rank joined round 2"));
+  for (const Child* n : {&n0, &n1}) CHECK(!n->says("restarting every rank"));
+  check_kept_process(n0.output(), 0, 4);
+  check_kept_process(n1.output(), 2, 4);
+  check_params(two, one);
+}
+
 // Note [Rounds across nodes]: no split brain
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 1 (node 0) and rank 3 (node 1) killed at once -> one "
           "node holds the round, the other's loss cannot join it and fails the generation: every rank restarts, and the job "

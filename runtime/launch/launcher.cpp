@@ -399,13 +399,14 @@ class Supervisor {
   // Across nodes the launcher of the node whose rank was lost runs the round; the other nodes'
   // launchers see nothing (their ranks keep running and rejoin through the shared store, and no
   // node failure is reported). Rounds are numbered in the store, not by each launcher: a launcher
-  // claims round r by counting "g<k>/rounds" up to r, and holds it only if every round before r is
-  // over ("g<k>/rounds_done" is r - 1). Two nodes that lose a rank at once cannot both hold a round
-  // (the survivors would wait in one while the other's lost rank never joins it): the one that
-  // does not hold it fails the generation as without in-place recovery, and every rank of every
-  // node stops and restarts. The store's count of finished rounds is also the job's, so
-  // --max-restarts bounds the recoveries of all nodes together. Shrinking stays on one node: it
-  // renumbers every node's ranks, which the other launchers would have to learn.
+  // claims round r by counting "g<k>/rounds" up to r, and holds it only if round r - 1 is over: every
+  // rank of the world made its group ("g<k>/r<round>/joined", which the ranks count themselves, so
+  // a loss right after a round may claim the next one before the holder's launcher polled). Two
+  // nodes that lose a rank at once cannot both hold a round (the survivors would wait in one while
+  // the other's lost rank never joins it): the one that does not hold it fails the generation as
+  // without in-place recovery, and every rank of every node stops and restarts. The rounds over are
+  // the generation's recoveries, every node's: --max-restarts bounds them all together. Shrinking
+  // stays on one node: it renumbers every node's ranks, which the other launchers would have to learn.
   bool in_place() const { return spec_.recovery != "restart"; }
 
   bool can_recover_in_place() {
@@ -413,19 +414,29 @@ class Supervisor {
            restart_ + recoveries() < spec_.max_restarts;
   }
 
-  // In-place recoveries over the whole job, every node's (an open round included): each counts as
-  // a restart. Across nodes the store holds this generation's count; unreachable, this node's own
-  // count stands in (the restart that follows cannot reach the store either).
+  // In-place recoveries over the whole job, every node's (this node's open round included): each
+  // counts as a restart. Across nodes the store says which of the generation's rounds are over;
+  // unreachable, this node's own count stands in (the restart that follows cannot reach it either).
   int recoveries() {
-    int in_generation = rounds_healed_;
+    int in_generation = rounds_healed_ + (round_ ? 1 : 0);
     if (in_place() && spec_.nnodes > 1) {
       try {
-        in_generation = int(recovery_store().add(round_key("rounds_done"), 0));
+        auto& st = recovery_store();
+        const int claimed = int(st.add(round_key("rounds"), 0));
+        int over = 0;
+        for (int j = 1; j <= claimed; ++j) over += (round_ && j == round_no_) || round_over(st, j);
+        in_generation = over;
       } catch (const Error&) {
       }
     }
-    recoveries_seen_ = recoveries_before_ + in_generation + (round_ ? 1 : 0);
+    recoveries_seen_ = recoveries_before_ + in_generation;
     return recoveries_seen_;
+  }
+
+  // Note [Rounds across nodes]: round j is over once every rank of the world joined it (across
+  // nodes the world does not change from round to round: shrinking is for one node).
+  bool round_over(Store& st, int j) {
+    return j < 1 || st.add(round_key("r" + std::to_string(j) + "/joined"), 0) >= generation_.world;
   }
 
   // Note [Rounds across nodes]: the next round's number, or 0 when another node's round is still
@@ -434,9 +445,8 @@ class Supervisor {
     try {
       auto& st = recovery_store();
       const int r = int(st.add(round_key("rounds"), 1));
-      const int done = int(st.add(round_key("rounds_done"), 0));
-      if (done == r - 1) return r;
-      why_not = "; not recovered in place: round " + std::to_string(done + 1) + " of another node's recovery is still open";
+      if (round_over(st, r - 1)) return r;
+      why_not = "; not recovered in place: round " + std::to_string(r - 1) + " of another node's recovery is still open";
     } catch (const Error& e) {
       why_not = "; not recovered in place: the store could not be reached (" + std::string(e.what()) + ")";
     }
@@ -564,12 +574,6 @@ class Supervisor {
       say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
       round_.reset();
       ++rounds_healed_;
-      try {
-        recovery_store().add(round_key("rounds_done"), 1);  // Note [Rounds across nodes]: the next round may be claimed
-      } catch (const Error& e) {
-        say("cannot count round " + std::to_string(round_no_) + " as over in the store (" + e.what() +
-            "): a later loss restarts every rank instead of recovering in place");
-      }
     } else if (s * 1000 > double(spec_.rdzv_timeout.count())) {
       end_round(std::to_string(joined) + " of " + std::to_string(generation_.world) + " ranks joined round " + std::to_string(round_no_) +
                 " within --rdzv-timeout");
