@@ -42,9 +42,10 @@ restart resumed from.
       again, or none and the survivors go on at the smaller world (within SHRINK_TOLERANCE of the
       uninterrupted run); a loss in the set-up's collectives (registration) restarts every rank instead
   sudo scripts/soak.py BUILD_DIR --heal --two-hosts [--worlds 2,4]
-  sudo scripts/soak.py BUILD_DIR --heal --two-hosts --recovery in-place
+  sudo scripts/soak.py BUILD_DIR --heal --two-hosts --recovery in-place,shrink
       across the hosts healed in place (Note [Rounds across nodes]): the lost rank's process starts again
-      on its host, every other rank keeps its own; a lost host still ends in node 0 going on alone
+      on its host, or none and the survivors of both hosts go on at the smaller world; every other rank
+      keeps its own process; a lost host still ends in node 0 going on alone
 """
 import argparse
 import collections
@@ -349,7 +350,7 @@ def main():
     ap.add_argument("--worlds", default=None, help="with --heal (default 2,3; with --two-hosts 2,4)")
     ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root)")
     ap.add_argument("--recovery", default="restart",
-                    help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink (shrink: one host only)")
+                    help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink")
     ap.add_argument("--actions", default=None, help="default kill,stop (--heal --two-hosts: kill,stop,host)")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
@@ -360,8 +361,6 @@ def main():
         a.backends = "shm,gloo"
     if a.actions is None:
         a.actions = "kill,stop,host" if a.heal and a.two_hosts else "kill,stop"
-    if a.two_hosts and "shrink" in a.recovery.split(","):
-        ap.error("--recovery shrink is for one host so far (shardflow run refuses it across nodes)")
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
     if a.heal:

@@ -191,8 +191,6 @@ TEST_CASE("shardflow run and plan: invalid flags and malformed parameter lists a
                                           {{"run", "--recovery", "sideways", "--", "/bin/true"}, "--recovery"},
                                           {{"run", "--recovery", "in-place", "--", "/bin/true"}, "give --max-restarts N too"},
                                           {{"run", "--recovery", "shrink", "--", "/bin/true"}, "--recovery shrink heals a lost rank"},
-                                          {{"run", "--recovery", "shrink", "--max-restarts", "1", "--nnodes", "2", "--token", "t", "--", "/bin/true"},
-                                           "--recovery shrink is for one node so far"},
                                           {{"run", "--standalone", "--", "/bin/true"}, "--standalone"},
                                           {{"run", "--", "/no/such/program"}, "rank 0"},
                                           {{"plan", "--params", (f.dir / "missing.json").string(), "--world-size", "2"}, "missing.json"},

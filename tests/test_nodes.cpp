@@ -434,6 +434,72 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on no
   check_params(two, one);
 }
 
+// Note [Rounds across nodes], shrinking
+TEST_CASE("2 nodes x 2 ranks, --recovery shrink: a rank killed in step 7 on node 1, or on node 0 -> no process starts, the "
+          "three survivors of both nodes go on at world 3 in their own processes, numbered afresh (the other node's launcher "
+          "learns its ranks' new numbers), and the job ends within float rounding of 1 node x 4 ranks") {
+  const std::string one = scratch("shrink_nodes_one_node.safetensors"), two = scratch("shrink_nodes_two_nodes.safetensors");
+  const std::string snaps = scratch("shrink_nodes_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of_four(one);
+  int killed = 3;
+  SUBCASE("rank 3, node 1") {}
+  SUBCASE("rank 1, node 0: node 1's ranks 2 and 3 become 1 and 2") { killed = 1; }
+  CAPTURE(killed);
+  const int port = test::free_port();
+  const std::vector<std::string> flags{"--max-restarts", "1", "--recovery", "shrink"};
+  // A global batch of 12: 3 a rank at world 4, 4 at world 3.
+  const std::string fault = "collective:" + std::to_string(killed) + ":kill:13";
+  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(two, snaps))), env_info());
+  Child n1(node_cmd({1, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(scratch("shrink_nodes_unused.safetensors"), snaps))),
+           env_info());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  const Child& home = killed == 3 ? n1 : n0;
+  const Child& other = killed == 3 ? n0 : n1;
+  CHECK(home.says("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, at world 3 from now on"));
+  CHECK(home.says("recovered in place: every rank joined round 1"));
+  CHECK(!other.says("recovering in place (round"));
+  for (const Child* n : {&n0, &n1}) {
+    CHECK(!n->says("restarting every rank"));
+    CHECK(!n->says("started rank " + std::to_string(killed) + " (pid"));  // nothing started
+  }
+  // Each survivor in its first process, under its new number.
+  for (int r = 0; r < 4; ++r) {
+    if (r == killed) continue;
+    const std::string& out = (r < 2 ? n0 : n1).output();
+    const int now = r < killed ? r : r - 1;
+    const pid_t pid = pid_of_rank(out, r);
+    REQUIRE(pid > 0);
+    CHECK(out.find("rank " + std::to_string(r) + " (pid " + std::to_string(pid) + "): recovered in place as rank " + std::to_string(now) +
+                   " of 3, going on after step ") != std::string::npos);
+  }
+  if (killed == 1) CHECK(n1.says("round 1 shrank the world to 3: this node's rank(s) 2 -> 1, 3 -> 2"));
+  check_params(two, one, 1e-5);  // the same global batch summed over 3 ranks instead of 4
+}
+
+// Note [Rounds across nodes], shrinking: no node is emptied
+TEST_CASE("2 nodes x 1 rank, --recovery shrink: node 1's only rank killed in step 7 -> a shrink would leave node 1 without a "
+          "rank, so its rank starts again in place instead, rank 0 keeps its process, and the job ends where 1 node x 2 ranks "
+          "ends, bit for bit") {
+  const std::string one = scratch("shrink_empty_one_node.safetensors"), two = scratch("shrink_empty_two_nodes.safetensors");
+  const std::string snaps = scratch("shrink_empty_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of(2, one);
+  const int port = test::free_port();
+  const std::vector<std::string> flags{"--max-restarts", "1", "--recovery", "shrink"};
+  const std::string fault = "collective:1:kill:13";
+  Child n0(node_cmd({0, 2, 1, port, flags}, fault_in_first_process(fault, eight_steps(two, snaps))), env_info());
+  Child n1(node_cmd({1, 2, 1, port, flags}, fault_in_first_process(fault, eight_steps(scratch("shrink_empty_unused.safetensors"), snaps))),
+           env_info());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  CHECK(n1.says("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) 1 start again (a shrink "
+                "would leave this node without a rank)"));
+  CHECK(n1.says("recovered in place: every rank joined round 1"));
+  CHECK(!n0.says("restarting every rank"));
+  check_kept_process(n0.output(), 0, 2);
+  check_params(two, one);
+}
+
 // Note [Rounds across nodes]: rounds numbered in the store, counted against --max-restarts together
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node 1) lost in step 7, then rank 1 (node 0) two "
           "reductions after the recovery -> round 1 run by node 1 and round 2 by node 0, 2 of 2 restarts, ranks 0 and 2 keep "

@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <utility>
 #include <vector>
 
 #include "runtime/bootstrap/net_address.hpp"
+#include "runtime/bootstrap/recovery_verdict.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/gloo.hpp"
 #include "shardflow/hierarchical.hpp"
@@ -214,37 +214,41 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   }
   // The launcher's word for this round: "in-place: ..." once it started the lost rank's process
   // again, "restart: ..." when it stops every rank instead.
-  const std::string key = "g" + std::to_string(env.restart_count) + "/recovery/" + std::to_string(round);
-  std::string verdict;
+  const std::string key = recovery_verdict::key(env.restart_count, round);
+  std::string text;
   try {
     const auto client = connect_store(store_of(env, env.master_addr, o.timeout));
-    verdict = client->get(key);
+    text = client->get(key);
   } catch (const Error& e) {
     throw CommError("rejoin_process_group on rank " + std::to_string(before) + ": no word from the launcher on round " +
                     std::to_string(round) + " of the job's recovery (" + e.what() + ")");
   }
-  if (verdict.rfind("in-place", 0) != 0)
+  if (text.rfind("in-place", 0) != 0)
     throw CommError("rejoin_process_group on rank " + std::to_string(before) + ": the launcher does not recover in place this time: " +
-                    verdict);
-  // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's place in this one.
-  int world = 0;
-  std::istringstream lines(verdict.substr(verdict.find('\n') + 1));
-  std::string word;
-  std::vector<int> next;
-  lines >> word >> world;
-  if (word != "world" || !(lines >> word) || word != "ranks")
-    throw CommError("rejoin_process_group: the launcher's word on round " + std::to_string(round) + " is malformed: " + verdict);
-  for (int n; lines >> n;) next.push_back(n);
-  if (before >= int(next.size()) || world < 1)
+                    text);
+  const auto verdict = recovery_verdict::parse(text);
+  if (!verdict)
+    throw CommError("rejoin_process_group: the launcher's word on round " + std::to_string(round) + " is malformed: " + text);
+  const auto& next = verdict->next;
+  if (before >= int(next.size()))
     throw CommError("rejoin_process_group: the launcher's word on round " + std::to_string(round) + " does not place rank " +
-                    std::to_string(before) + ": " + verdict);
+                    std::to_string(before) + ": " + text);
   if (next[std::size_t(before)] < 0)
     throw CommError("rejoin_process_group: rank " + std::to_string(before) + " was counted lost in round " + std::to_string(round) +
-                    " and left out: " + verdict.substr(0, verdict.find('\n')));
+                    " and left out: " + verdict->why);
   LaunchEnv placed = env;
   placed.rank = next[std::size_t(before)];
-  placed.world_size = world;
-  if (env.single_host()) placed.local_rank = placed.rank, placed.local_world_size = world;
+  placed.world_size = verdict->world;
+  if (env.single_host()) {
+    placed.local_rank = placed.rank, placed.local_world_size = verdict->world;
+  } else if (verdict->world != int(next.size()) && choose_backend(placed, o) == "hierarchical") {
+    // A shrink across nodes leaves the lost rank's host with fewer ranks than the others, which
+    // two levels (shm inside a host, Gloo between the hosts' same local ranks) cannot pair up.
+    throw UsageError("rejoin_process_group on rank " + std::to_string(before) + ": round " + std::to_string(round) +
+                     " shrinks the world across nodes, which leaves the hosts with different numbers of ranks, and backend '" +
+                     o.backend + "' chose two levels, which need as many on every host; use --recovery in-place across nodes, "
+                     "or backend gloo");
+  }
   return make_group(placed, o, round);
 }
 

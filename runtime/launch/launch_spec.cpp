@@ -48,11 +48,6 @@ void validate(const LaunchSpec& spec) {
   if (spec.recovery != "restart" && spec.max_restarts == 0)
     throw UsageError("shardflow run: --recovery " + spec.recovery + " heals a lost rank at most --max-restarts times (each recovery "
                      "counts as one): give --max-restarts N too");
-  // Across nodes a shrink would renumber the ranks of every node, which the other nodes' launchers
-  // (their output prefixes, their next verdicts) do not learn yet: refused rather than half done.
-  if (spec.recovery == "shrink" && spec.nnodes > 1)
-    throw UsageError("shardflow run: --recovery shrink is for one node so far (--nnodes " + std::to_string(spec.nnodes) +
-                     "): across nodes use --recovery in-place (the lost rank's process starts again on its node) or restart");
   if (spec.rejoin_timeout.count() < 0) throw UsageError("shardflow run: --rejoin-timeout must be >= 0 seconds");
 }
 

@@ -24,6 +24,7 @@
 #include "runtime/comm/shm_names.hpp"
 #include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
+#include "runtime/bootstrap/recovery_verdict.hpp"
 #include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
 #include "runtime/launch/rank_process.hpp"
@@ -405,8 +406,9 @@ class Supervisor {
   // nodes that lose a rank at once cannot both hold a round (the survivors would wait in one while
   // the other's lost rank never joins it): the one that does not hold it fails the generation as
   // without in-place recovery, and every rank of every node stops and restarts. The rounds over are
-  // the generation's recoveries, every node's: --max-restarts bounds them all together. Shrinking
-  // stays on one node: it renumbers every node's ranks, which the other launchers would have to learn.
+  // the generation's recoveries, every node's: --max-restarts bounds them all together. A
+  // shrinking round renumbers every node's ranks: the other nodes' launchers learn it from the
+  // round's verdict in the store (learn_rounds), for their output prefixes and their own next rounds.
   bool in_place() const { return spec_.recovery != "restart"; }
 
   bool can_recover_in_place() {
@@ -471,20 +473,59 @@ class Supervisor {
     return "g" + std::to_string(restart_) + "/" + what;
   }
 
-  // The round's verdict for the survivors (rejoin_process_group reads it): a line for people, the
-  // new world, and each rank of the round before's new rank (-1: lost).
-  static std::string verdict(const std::string& why, int world, const std::vector<int>& next) {
-    std::string v = "in-place: " + why + "\nworld " + std::to_string(world) + "\nranks";
-    for (int n : next) v += " " + std::to_string(n);
-    return v;
+  // Shrinking: this node's surviving ranks take their numbers in round `round`'s world (-1: lost),
+  // their output prefix follows. One node: the local rank is the rank; across nodes a rank's local
+  // rank (its LOCAL_RANK, its device) stays.
+  void renumber(const std::vector<int>& next, int world, int round) {
+    std::string moved;
+    for (auto& r : ranks_) {
+      if (!r.running || r.replaced || r.global >= int(next.size())) continue;
+      const int n = next[std::size_t(r.global)];
+      if (n < 0 || n == r.global) continue;
+      moved += (moved.empty() ? "" : ", ") + std::to_string(r.global) + " -> " + std::to_string(n);
+      if (spec_.prefix_output) {
+        r.out->set_prefix("[rank " + std::to_string(n) + "] ");
+        r.err->set_prefix("[rank " + std::to_string(n) + "] ");
+      }
+      r.global = n;
+      if (spec_.nnodes == 1) r.local = n;
+    }
+    generation_.world = world;
+    if (spec_.nnodes > 1 && !moved.empty())
+      say("round " + std::to_string(round) + " shrank the world to " + std::to_string(world) + ": this node's rank(s) " + moved);
+  }
+
+  // Note [Rounds across nodes]: another node's shrinking round renumbers this node's ranks too;
+  // polled while supervising (every 200 ms at most), and before this node claims a round of its own.
+  void learn_rounds() {
+    if (spec_.recovery != "shrink" || spec_.nnodes == 1 || round_ || store_silent_ || first_failure_ || peer_failure_ || stop_deadline_)
+      return;
+    try {
+      auto& st = recovery_store();
+      const int claimed = int(st.add(round_key("rounds"), 0));
+      while (learned_round_ < claimed) {
+        const std::string key = recovery_verdict::key(restart_, learned_round_ + 1);
+        if (!st.check({key})) return;  // claimed, its word not out yet (or a claim that failed: the generation ends)
+        const auto v = recovery_verdict::parse(st.get(key));
+        ++learned_round_;
+        if (v) renumber(v->next, v->world, learned_round_);
+      }
+    } catch (const Error&) {
+      // The store unreachable: the ranks' own rejoin fails too, and the generation ends. Not asked
+      // again, so that a store whose host is gone does not hold the output's relay at every poll.
+      store_silent_ = true;
+    }
   }
 
   void recover_in_place(const std::vector<Rank*>& lost) {
-    const bool shrink = spec_.recovery == "shrink";
-    std::vector<Rank*> alive;  // this node's survivors, by rank (across nodes the other nodes' ranks survive too)
+    std::vector<Rank*> alive;  // this node's survivors (across nodes the other nodes' ranks survive too)
     for (auto& r : ranks_)
       if (r.running && !r.replaced && std::find(lost.begin(), lost.end(), &r) == lost.end()) alive.push_back(&r);
-    std::sort(alive.begin(), alive.end(), [](const Rank* a, const Rank* b) { return a->global < b->global; });
+    // Across nodes a shrink keeps every node in the job: a node whose every rank was lost starts
+    // them again instead (a node without ranks would leave, and with it the copies of the other
+    // hosts' snapshots it holds, Note [Snapshots on the other host]).
+    const bool emptied = spec_.nnodes > 1 && alive.empty();
+    const bool shrink = spec_.recovery == "shrink" && !emptied;
     std::string who, pids;
     for (const Rank* r : lost) {
       who += (who.empty() ? "" : "; ") + ("rank " + std::to_string(r->global) + " (pid " + std::to_string(r->pid) + ") " +
@@ -497,6 +538,7 @@ class Supervisor {
       begin_stop(SIGTERM);
       return;
     }
+    learn_rounds();  // the ranks' numbers now, if another node shrank the world
     std::string why_not;
     const int claimed = claim_round(why_not);
     if (!claimed) {
@@ -507,17 +549,23 @@ class Supervisor {
       return;
     }
     round_no_ = claimed;
+    learned_round_ = claimed;
     round_ = RecoveryRound{clock::now(), who};
     const std::string round = "round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries()) + " of " +
                               std::to_string(spec_.max_restarts) + " restarts";
-    // Shrinking, the survivors are numbered afresh in their order; replacing, every rank keeps its number.
-    std::vector<int> next(std::size_t(generation_.world), -1);
-    const int world = shrink ? int(alive.size()) : generation_.world;
-    for (int i = 0; i < generation_.world; ++i) next[std::size_t(i)] = shrink ? -1 : i;
-    if (shrink)
-      for (std::size_t i = 0; i < alive.size(); ++i) next[std::size_t(alive[i]->global)] = int(i);
+    // Shrinking, the survivors (every node's) are numbered afresh in their order; replacing, every
+    // rank keeps its number.
+    std::vector<int> next(std::size_t(generation_.world));
+    int world = 0;
+    for (int g = 0; g < generation_.world; ++g) {
+      const bool gone = std::any_of(lost.begin(), lost.end(), [&](const Rank* r) { return r->global == g; });
+      next[std::size_t(g)] = shrink && gone ? -1 : shrink ? world++ : g;
+    }
+    if (!shrink) world = generation_.world;
     say(who + "; recovering in place (" + round + "): the other ranks keep running" +
-        (shrink ? ", at world " + std::to_string(world) + " from now on" : ", rank(s) " + pids + " start again"));
+        (shrink ? ", at world " + std::to_string(world) + " from now on"
+                : ", rank(s) " + pids + " start again" +
+                      (spec_.recovery == "shrink" ? " (a shrink would leave this node without a rank)" : "")));
     std::vector<long> dead;
     for (Rank* r : lost) {
       ::kill(-r->pid, SIGKILL);  // what its process group still holds
@@ -526,24 +574,15 @@ class Supervisor {
     }
     shm::remove_segments_of(dead);
     try {
-      recovery_store().set(round_key("recovery/" + std::to_string(round_no_)),
-                           verdict(who + (shrink ? "; going on without it" : "; started again"), world, next));
+      recovery_store().set(recovery_verdict::key(restart_, round_no_),
+                           recovery_verdict::format({who + (shrink ? "; going on without it" : "; started again"), world, next}));
     } catch (const Error& e) {
       say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
       end_round("the store could not be reached");
       return;
     }
     if (shrink) {
-      for (Rank* r : alive) {
-        const int n = next[std::size_t(r->global)];
-        if (n != r->global && spec_.prefix_output) {
-          r->out->set_prefix("[rank " + std::to_string(n) + "] ");
-          r->err->set_prefix("[rank " + std::to_string(n) + "] ");
-        }
-        r->global = n;
-        r->local = n;  // one node: the local rank is the rank
-      }
-      generation_.world = world;
+      renumber(next, world, round_no_);
       return;
     }
     for (const Rank* r : lost) {
@@ -662,7 +701,10 @@ class Supervisor {
           }
       }
       const bool running = any_running();
-      if (!running && pipes.empty()) return;
+      if (!running && pipes.empty()) {
+        learn_rounds();  // a round its ranks went through in the last 200 ms: said all the same
+        return;
+      }
       if (!running && !drain_until) drain_until = clock::now() + std::chrono::seconds(2);
       if (drain_until && clock::now() >= *drain_until) break;  // a grandchild holds a pipe open: let it be
       int wait_ms = 200;
@@ -679,6 +721,10 @@ class Supervisor {
       if (n < 0 && errno != EINTR) throw Error("poll: " + std::string(std::strerror(errno)));
       check_round();
       kill_long_stopped();
+      if (clock::now() - learned_at_ > std::chrono::milliseconds(200)) {
+        learned_at_ = clock::now();
+        learn_rounds();
+      }
       if (n <= 0) {
         reap();  // belt and braces: SIGCHLDs coalesce
         continue;
@@ -760,6 +806,7 @@ class Supervisor {
     if (watch_) watch_->next_generation();
     ++restart_;
     round_no_ = 0;  // a generation's keys are its own, its rounds too
+    learned_round_ = 0;
     round_.reset();
   }
 
@@ -868,6 +915,9 @@ class Supervisor {
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
   int round_no_ = 0;           // the round this node ran last in this generation (Note [Rounds across nodes])
+  int learned_round_ = 0;      // the generation's rounds whose renumbering this node applied (Note [Rounds across nodes])
+  clock::time_point learned_at_{};
+  bool store_silent_ = false;  // learn_rounds() met an unreachable store: it asks no more
   int rounds_healed_ = 0;      // of them, over: this generation's count where the store cannot say
   int recoveries_before_ = 0;  // in-place recoveries of the generations before, every node's
   int recoveries_seen_ = 0;    // recoveries() when last counted, for messages once the store may be gone

@@ -1,0 +1,47 @@
+// The launcher's word on a round of in-place recovery (Note [Recovering in place], runtime/launch/
+// launcher.cpp), as it sits in the store under "g<k>/recovery/<round>": the surviving ranks read it
+// in rejoin_process_group, and across nodes the other nodes' launchers read a shrinking round's to
+// learn their ranks' new numbers (Note [Rounds across nodes]). Both sides read the format from here.
+#pragma once
+
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace shardflow::recovery_verdict {
+
+inline std::string key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/recovery/" + std::to_string(round);
+}
+
+// "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's number in this
+// round (-1: lost, left out). A launcher that stops every rank instead says "restart: <why>".
+struct Verdict {
+  std::string why;
+  int world = 0;
+  std::vector<int> next;
+};
+
+inline std::string format(const Verdict& v) {
+  std::string s = "in-place: " + v.why + "\nworld " + std::to_string(v.world) + "\nranks";
+  for (int n : v.next) s += " " + std::to_string(n);
+  return s;
+}
+
+// nullopt: not an in-place verdict, or malformed.
+inline std::optional<Verdict> parse(const std::string& text) {
+  if (text.rfind("in-place: ", 0) != 0) return std::nullopt;
+  const auto nl = text.find('\n');
+  if (nl == std::string::npos) return std::nullopt;
+  Verdict v;
+  v.why = text.substr(10, nl - 10);
+  std::istringstream lines(text.substr(nl + 1));
+  std::string word;
+  lines >> word >> v.world;
+  if (word != "world" || v.world < 1 || !(lines >> word) || word != "ranks") return std::nullopt;
+  for (int n; lines >> n;) v.next.push_back(n);
+  return v;
+}
+
+}  // namespace shardflow::recovery_verdict
