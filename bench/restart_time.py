@@ -72,7 +72,8 @@ def read_all(procs):
 
 def one_run(a, snaps, data, recovery="restart"):
     shutil.rmtree(snaps, ignore_errors=True)
-    trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch", "8",
+    trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch",
+               "8" if a.per_host == 1 else "24",  # 24: divisible at world 4 and, shrunk, at 3
                "--optimizer", "adamw", "--zero-stage", "1", "--overlap", "interleaved", "--backend", a.backend,
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
     if data:
@@ -82,7 +83,7 @@ def one_run(a, snaps, data, recovery="restart"):
     prog = ["/bin/sh", "-c", script]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     if a.two_hosts:  # rank 0 on host a, rank 1 on host b
-        cmds = [two_hosts.launcher(a.build, h, n, 2, 1, prog, a.heartbeat_timeout)[:-len(prog) - 1] +
+        cmds = [two_hosts.launcher(a.build, h, n, 2, a.per_host, prog, a.heartbeat_timeout)[:-len(prog) - 1] +
                 ["--max-restarts", "1", "--recovery", recovery, "--"] + prog for h, n in (("a", 0), ("b", 1))]
     else:
         cmds = [[os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
@@ -123,6 +124,8 @@ def main():
     ap.add_argument("--data-file", action="store_true", help="the trainer reads 256 rows of data from a file (see above)")
     ap.add_argument("--two-hosts", action="store_true", help="rank 0 and rank 1 on two network-namespace hosts (root), over Gloo")
     ap.add_argument("--rate", default="1gbit", help="with --two-hosts: the link's rate (tc tbf), or off")
+    ap.add_argument("--per-host", type=int, default=1, choices=[1, 2],
+                    help="with --two-hosts: ranks a host (2: world 4, rank 1 on host a lost; a shrink goes on at world 3)")
     ap.add_argument("--heartbeat-timeout", type=int, default=10, help="with --two-hosts: the launchers' --heartbeat-timeout")
     ap.add_argument("--recovery", choices=["restart", "in-place", "shrink", "all"], default="restart",
                     help="shardflow run --recovery; all: the three alternated run by run")
@@ -159,8 +162,9 @@ def measure(a):
 
 def report(a, mode, runs):
     total, stop, lost, fresh = zip(*runs)
-    where = f"2 hosts x 1 rank, link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
-    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world 2 ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
+    where = f"2 hosts x {a.per_host} rank(s), link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
+    world = 2 * a.per_host if a.two_hosts else 2
+    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world {world} ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
           f"collective {a.kill_at}; {a.reps} runs; data "
           f"{'from a file' if a.data_file else 'synthesised at start-up'}")
     print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
