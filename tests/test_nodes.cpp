@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -396,161 +397,133 @@ void check_kept_process(const std::string& out, int r, int world) {
         std::string::npos);
 }
 
+
+bool says(const std::string& out, const std::string& what) { return out.find(what) != std::string::npos; }
+
+// The 8-step job healing itself across 2 nodes x `nproc` ranks under `flags`, node k's first
+// processes with faults[k] (empty: none): both nodes must succeed, and the parameters must equal
+// (within `tolerance`; 0: bit for bit) those of the same job uninterrupted on 1 node. Both nodes' output.
+std::array<std::string, 2> heal_across_two_nodes(const std::string& tag, int nproc, const std::vector<std::string>& flags,
+                                                 const std::array<std::string, 2>& faults, double tolerance = 0.0) {
+  const std::string one = scratch(tag + "_one_node.safetensors"), two = scratch(tag + "_two_nodes.safetensors");
+  const std::string snaps = scratch(tag + "_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of(2 * nproc, one);
+  const int port = test::free_port();
+  auto prog = [&](int k, const std::string& save) {
+    auto args = eight_steps(save, snaps);
+    return faults[std::size_t(k)].empty() ? args : fault_in_first_process(faults[std::size_t(k)], args);
+  };
+  Child n0(node_cmd({0, 2, nproc, port, flags}, prog(0, two)), env_info());
+  Child n1(node_cmd({1, 2, nproc, port, flags}, prog(1, scratch(tag + "_unused.safetensors"))), env_info());
+  REQUIRE_BOTH_NODES_OK(n0, n1);
+  check_params(two, one, tolerance);
+  return {n0.output(), n1.output()};
+}
+
 }  // namespace
 
 // Note [Recovering in place], Note [Rounds across nodes]
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on node 1, or on node 0 (which serves the store) -> "
           "only its process starts again, on its node — the other three keep theirs, no node fails, and the job ends where 1 "
           "node x 4 ranks ends uninterrupted, bit for bit") {
-  const std::string one = scratch("in_place_one_node.safetensors"), two = scratch("in_place_two_nodes.safetensors");
-  const std::string snaps = scratch("in_place_snapshots");
-  std::filesystem::remove_all(snaps);
-  one_node_of_four(one);
   int killed = 3;
   SUBCASE("rank 3, node 1") {}
   SUBCASE("rank 1, node 0") { killed = 1; }
   CAPTURE(killed);
-  const int port = test::free_port();
-  const std::vector<std::string> flags{"--max-restarts", "1", "--recovery", "in-place"};
   // Two collectives a step at ZeRO-1: the 13th is in step 7.
   const std::string fault = "collective:" + std::to_string(killed) + ":kill:13";
-  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(two, snaps))), env_info());
-  Child n1(node_cmd({1, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(scratch("in_place_unused.safetensors"), snaps))),
-           env_info());
-  REQUIRE_BOTH_NODES_OK(n0, n1);
-  const Child& home = killed == 3 ? n1 : n0;  // the lost rank's node runs the round
-  const Child& other = killed == 3 ? n0 : n1;
-  CHECK(home.says("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) " + std::to_string(killed) +
-                  " start again"));
-  CHECK(home.says("started rank " + std::to_string(killed) + " (pid "));
-  CHECK(home.says("recovered in place: every rank joined round 1"));
-  CHECK(!other.says("recovering in place (round"));  // its launcher has nothing to do
-  for (const Child* n : {&n0, &n1}) {
-    CHECK(!n->says("restarting every rank"));
-    CHECK(!n->says("FAILED"));
+  const auto out = heal_across_two_nodes("in_place", 2, {"--max-restarts", "1", "--recovery", "in-place"}, {fault, fault});
+  const std::string& home = out[killed / 2];  // the lost rank's node runs the round
+  const std::string& other = out[1 - killed / 2];
+  CHECK(says(home, "recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) " + std::to_string(killed) +
+                       " start again"));
+  CHECK(says(home, "started rank " + std::to_string(killed) + " (pid "));
+  CHECK(says(home, "recovered in place: every rank joined round 1"));
+  CHECK(!says(other, "recovering in place (round"));  // its launcher has nothing to do
+  for (const auto& o : out) {
+    CHECK(!says(o, "restarting every rank"));
+    CHECK(!says(o, "FAILED"));
   }
   for (int r = 0; r < 4; ++r)
-    if (r != killed) check_kept_process((r < 2 ? n0 : n1).output(), r, 4);
-  check_params(two, one);
+    if (r != killed) check_kept_process(out[r / 2], r, 4);
 }
 
 // Note [Rounds across nodes], shrinking
 TEST_CASE("2 nodes x 2 ranks, --recovery shrink: a rank killed in step 7 on node 1, or on node 0 -> no process starts, the "
           "three survivors of both nodes go on at world 3 in their own processes, numbered afresh (the other node's launcher "
           "learns its ranks' new numbers), and the job ends within float rounding of 1 node x 4 ranks") {
-  const std::string one = scratch("shrink_nodes_one_node.safetensors"), two = scratch("shrink_nodes_two_nodes.safetensors");
-  const std::string snaps = scratch("shrink_nodes_snapshots");
-  std::filesystem::remove_all(snaps);
-  one_node_of_four(one);
   int killed = 3;
   SUBCASE("rank 3, node 1") {}
   SUBCASE("rank 1, node 0: node 1's ranks 2 and 3 become 1 and 2") { killed = 1; }
   CAPTURE(killed);
-  const int port = test::free_port();
-  const std::vector<std::string> flags{"--max-restarts", "1", "--recovery", "shrink"};
-  // A global batch of 12: 3 a rank at world 4, 4 at world 3.
+  // A global batch of 12: 3 a rank at world 4, 4 at world 3, summed in another order.
   const std::string fault = "collective:" + std::to_string(killed) + ":kill:13";
-  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(two, snaps))), env_info());
-  Child n1(node_cmd({1, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(scratch("shrink_nodes_unused.safetensors"), snaps))),
-           env_info());
-  REQUIRE_BOTH_NODES_OK(n0, n1);
-  const Child& home = killed == 3 ? n1 : n0;
-  const Child& other = killed == 3 ? n0 : n1;
-  CHECK(home.says("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, at world 3 from now on"));
-  CHECK(home.says("recovered in place: every rank joined round 1"));
-  CHECK(!other.says("recovering in place (round"));
-  for (const Child* n : {&n0, &n1}) {
-    CHECK(!n->says("restarting every rank"));
-    CHECK(!n->says("started rank " + std::to_string(killed) + " (pid"));  // nothing started
+  const auto out = heal_across_two_nodes("shrink_nodes", 2, {"--max-restarts", "1", "--recovery", "shrink"}, {fault, fault}, 1e-5);
+  const std::string& home = out[killed / 2];
+  CHECK(says(home, "recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, at world 3 from now on"));
+  CHECK(says(home, "recovered in place: every rank joined round 1"));
+  CHECK(!says(out[1 - killed / 2], "recovering in place (round"));
+  for (const auto& o : out) {
+    CHECK(!says(o, "restarting every rank"));
+    CHECK(!says(o, "started rank " + std::to_string(killed) + " (pid"));  // nothing started
   }
   // Each survivor in its first process, under its new number.
   for (int r = 0; r < 4; ++r) {
     if (r == killed) continue;
-    const std::string& out = (r < 2 ? n0 : n1).output();
-    const int now = r < killed ? r : r - 1;
-    const pid_t pid = pid_of_rank(out, r);
+    const pid_t pid = pid_of_rank(out[r / 2], r);
     REQUIRE(pid > 0);
-    CHECK(out.find("rank " + std::to_string(r) + " (pid " + std::to_string(pid) + "): recovered in place as rank " + std::to_string(now) +
-                   " of 3, going on after step ") != std::string::npos);
+    const int now = r < killed ? r : r - 1;
+    CHECK(says(out[r / 2], "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + "): recovered in place as rank " +
+                               std::to_string(now) + " of 3, going on after step "));
   }
-  if (killed == 1) CHECK(n1.says("round 1 shrank the world to 3: this node's rank(s) 2 -> 1, 3 -> 2"));
-  check_params(two, one, 1e-5);  // the same global batch summed over 3 ranks instead of 4
+  if (killed == 1) CHECK(says(out[1], "round 1 shrank the world to 3: this node's rank(s) 2 -> 1, 3 -> 2"));
 }
 
 // Note [Rounds across nodes], shrinking: no node is emptied
 TEST_CASE("2 nodes x 1 rank, --recovery shrink: node 1's only rank killed in step 7 -> a shrink would leave node 1 without a "
           "rank, so its rank starts again in place instead, rank 0 keeps its process, and the job ends where 1 node x 2 ranks "
           "ends, bit for bit") {
-  const std::string one = scratch("shrink_empty_one_node.safetensors"), two = scratch("shrink_empty_two_nodes.safetensors");
-  const std::string snaps = scratch("shrink_empty_snapshots");
-  std::filesystem::remove_all(snaps);
-  one_node_of(2, one);
-  const int port = test::free_port();
-  const std::vector<std::string> flags{"--max-restarts", "1", "--recovery", "shrink"};
   const std::string fault = "collective:1:kill:13";
-  Child n0(node_cmd({0, 2, 1, port, flags}, fault_in_first_process(fault, eight_steps(two, snaps))), env_info());
-  Child n1(node_cmd({1, 2, 1, port, flags}, fault_in_first_process(fault, eight_steps(scratch("shrink_empty_unused.safetensors"), snaps))),
-           env_info());
-  REQUIRE_BOTH_NODES_OK(n0, n1);
-  CHECK(n1.says("recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) 1 start again (a shrink "
-                "would leave this node without a rank)"));
-  CHECK(n1.says("recovered in place: every rank joined round 1"));
-  CHECK(!n0.says("restarting every rank"));
-  check_kept_process(n0.output(), 0, 2);
-  check_params(two, one);
+  const auto out = heal_across_two_nodes("shrink_empty", 1, {"--max-restarts", "1", "--recovery", "shrink"}, {fault, fault});
+  CHECK(says(out[1], "recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) 1 start again (a "
+                     "shrink would leave this node without a rank)"));
+  CHECK(says(out[1], "recovered in place: every rank joined round 1"));
+  CHECK(!says(out[0], "restarting every rank"));
+  check_kept_process(out[0], 0, 2);
 }
 
 // Note [Rounds across nodes]: rounds numbered in the store, counted against --max-restarts together
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node 1) lost in step 7, then rank 1 (node 0) two "
           "reductions after the recovery -> round 1 run by node 1 and round 2 by node 0, 2 of 2 restarts, ranks 0 and 2 keep "
           "their processes through both, and the job ends where 1 node x 4 ranks ends, bit for bit") {
-  const std::string one = scratch("in_place_twice_one_node.safetensors"), two = scratch("in_place_twice_two_nodes.safetensors");
-  const std::string snaps = scratch("in_place_twice_snapshots");
-  std::filesystem::remove_all(snaps);
-  one_node_of_four(one);
-  const int port = test::free_port();
-  const std::vector<std::string> flags{"--max-restarts", "2", "--recovery", "in-place"};
   // Rank 1 issues at most its 14th reduction (step 7's second) before rank 3's loss holds everyone,
   // and at least 4 more after resuming from step 6's or 4's snapshot: its 15th comes after round 1.
-  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process("collective:1:kill:15", eight_steps(two, snaps))), env_info());
-  Child n1(node_cmd({1, 2, 2, port, flags},
-                    fault_in_first_process("collective:3:kill:13", eight_steps(scratch("in_place_twice_unused.safetensors"), snaps))),
-           env_info());
-  REQUIRE_BOTH_NODES_OK(n0, n1);
-  CHECK(n1.says("recovering in place (round 1, 1 of 2 restarts): the other ranks keep running, rank(s) 3 start again"));
-  CHECK(n1.says("recovered in place: every rank joined round 1"));
-  CHECK(n0.says("recovering in place (round 2, 2 of 2 restarts): the other ranks keep running, rank(s) 1 start again"));
-  CHECK(n0.says("recovered in place: every rank joined round 2"));
-  for (const Child* n : {&n0, &n1}) CHECK(!n->says("restarting every rank"));
-  check_kept_process(n0.output(), 0, 4);
-  check_kept_process(n1.output(), 2, 4);
-  check_params(two, one);
+  const auto out = heal_across_two_nodes("in_place_twice", 2, {"--max-restarts", "2", "--recovery", "in-place"},
+                                         {"collective:1:kill:15", "collective:3:kill:13"});
+  CHECK(says(out[1], "recovering in place (round 1, 1 of 2 restarts): the other ranks keep running, rank(s) 3 start again"));
+  CHECK(says(out[1], "recovered in place: every rank joined round 1"));
+  CHECK(says(out[0], "recovering in place (round 2, 2 of 2 restarts): the other ranks keep running, rank(s) 1 start again"));
+  CHECK(says(out[0], "recovered in place: every rank joined round 2"));
+  for (const auto& o : out) CHECK(!says(o, "restarting every rank"));
+  check_kept_process(out[0], 0, 4);
+  check_kept_process(out[1], 2, 4);
 }
 
 // Note [Rounds across nodes]: no split brain
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 1 (node 0) and rank 3 (node 1) killed at once -> one "
           "node holds the round, the other's loss cannot join it and fails the generation: every rank restarts, and the job "
           "still ends where 1 node x 4 ranks ends, bit for bit") {
-  const std::string one = scratch("in_place_both_one_node.safetensors"), two = scratch("in_place_both_two_nodes.safetensors");
-  const std::string snaps = scratch("in_place_both_snapshots");
-  std::filesystem::remove_all(snaps);
-  one_node_of_four(one);
-  const int port = test::free_port();
-  const std::vector<std::string> flags{"--max-restarts", "2", "--recovery", "in-place"};
-  Child n0(node_cmd({0, 2, 2, port, flags}, fault_in_first_process("collective:1:kill:13", eight_steps(two, snaps))), env_info());
-  Child n1(node_cmd({1, 2, 2, port, flags},
-                    fault_in_first_process("collective:3:kill:13", eight_steps(scratch("in_place_both_unused.safetensors"), snaps))),
-           env_info());
-  REQUIRE_BOTH_NODES_OK(n0, n1);
-  const bool zero_holds = n0.says("recovering in place (round 1");
-  CHECK(zero_holds != n1.says("recovering in place (round 1"));  // exactly one node held round 1
-  CHECK((zero_holds ? n1 : n0).says("; not recovered in place: round 1 of another node's recovery is still open"));
-  CHECK(!n0.says("recovered in place: every rank joined"));
-  CHECK(!n1.says("recovered in place: every rank joined"));
-  // The round that did not heal does not count: the restart is the first of two.
-  CHECK(n0.says("; restarting every rank (1 of 2 restarts)"));
-  CHECK(n1.says("; restarting every rank (1 of 2 restarts)"));
-  check_params(two, one);
+  const auto out = heal_across_two_nodes("in_place_both", 2, {"--max-restarts", "2", "--recovery", "in-place"},
+                                         {"collective:1:kill:13", "collective:3:kill:13"});
+  const bool zero_holds = says(out[0], "recovering in place (round 1");
+  CHECK(zero_holds != says(out[1], "recovering in place (round 1"));  // exactly one node held round 1
+  CHECK(says(out[zero_holds ? 1 : 0], "; not recovered in place: round 1 of another node's recovery is still open"));
+  for (const auto& o : out) {
+    CHECK(!says(o, "recovered in place: every rank joined"));
+    // The round that did not heal does not count: the restart is the first of two.
+    CHECK(says(o, "; restarting every rank (1 of 2 restarts)"));
+  }
 }
 
 TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why") {
