@@ -435,8 +435,8 @@ class Supervisor {
     return recoveries_seen_;
   }
 
-  // Note [Rounds across nodes]: round j is over once every rank of the world joined it (across
-  // nodes the world does not change from round to round: shrinking is for one node).
+  // Note [Rounds across nodes]: round j is over once every rank of its world joined it. Compared
+  // with the world now: after a shrink, an earlier round's larger world joined more than that.
   bool round_over(Store& st, int j) {
     return j < 1 || st.add(round_key("r" + std::to_string(j) + "/joined"), 0) >= generation_.world;
   }
