@@ -187,7 +187,7 @@ std::shared_ptr<Communicator> make_group(const LaunchEnv& env, const ProcessGrou
   auto group = std::make_shared<GroupComm>(std::move(server), make_backend(backend, env, where, prefix));
   if (round > 0) {  // the launcher counts the ranks that made the round's group: the recovery is over once all have
     const auto client = connect_store(where);
-    client->add("g" + std::to_string(env.restart_count) + "/r" + std::to_string(round) + "/joined", 1);
+    client->add(recovery_verdict::joined_key(env.restart_count, round), 1);
   }
   return group;
 }

@@ -1,7 +1,8 @@
 // The launcher's word on a round of in-place recovery (Note [Recovering in place], runtime/launch/
-// launcher.cpp), as it sits in the store under "g<k>/recovery/<round>": the surviving ranks read it
-// in rejoin_process_group, and across nodes the other nodes' launchers read a shrinking round's to
-// learn their ranks' new numbers (Note [Rounds across nodes]). Both sides read the format from here.
+// launcher.cpp), as it sits in the store under "g<k>/recovery/<round>", and the ranks' count of who
+// joined the round: the surviving ranks read the word in rejoin_process_group, and across nodes the
+// other nodes' launchers read a shrinking round's to learn their ranks' new numbers (Note [Rounds
+// across nodes]). Both sides read the keys and the format from here.
 #pragma once
 
 #include <optional>
@@ -13,6 +14,12 @@ namespace shardflow::recovery_verdict {
 
 inline std::string key(int generation, int round) {
   return "g" + std::to_string(generation) + "/recovery/" + std::to_string(round);
+}
+
+// Counts the ranks that made the round's group (each adds 1): the round is over once it reaches
+// the round's world.
+inline std::string joined_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/joined";
 }
 
 // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's number in this

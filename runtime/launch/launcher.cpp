@@ -438,7 +438,7 @@ class Supervisor {
   // Note [Rounds across nodes]: round j is over once every rank of its world joined it. Compared
   // with the world now: after a shrink, an earlier round's larger world joined more than that.
   bool round_over(Store& st, int j) {
-    return j < 1 || st.add(round_key("r" + std::to_string(j) + "/joined"), 0) >= generation_.world;
+    return j < 1 || st.add(recovery_verdict::joined_key(restart_, j), 0) >= generation_.world;
   }
 
   // Note [Rounds across nodes]: the next round's number, or 0 when another node's round is still
@@ -518,13 +518,14 @@ class Supervisor {
   }
 
   void recover_in_place(const std::vector<Rank*>& lost) {
-    std::vector<Rank*> alive;  // this node's survivors (across nodes the other nodes' ranks survive too)
-    for (auto& r : ranks_)
-      if (r.running && !r.replaced && std::find(lost.begin(), lost.end(), &r) == lost.end()) alive.push_back(&r);
+    // This node's survivors (across nodes the other nodes' ranks survive too).
+    const bool none_alive = std::none_of(ranks_.begin(), ranks_.end(), [&](const Rank& r) {
+      return r.running && !r.replaced && std::find(lost.begin(), lost.end(), &r) == lost.end();
+    });
     // Across nodes a shrink keeps every node in the job: a node whose every rank was lost starts
     // them again instead (a node without ranks would leave, and with it the copies of the other
     // hosts' snapshots it holds, Note [Snapshots on the other host]).
-    const bool emptied = spec_.nnodes > 1 && alive.empty();
+    const bool emptied = spec_.nnodes > 1 && none_alive;
     const bool shrink = spec_.recovery == "shrink" && !emptied;
     std::string who, pids;
     for (const Rank* r : lost) {
@@ -532,7 +533,7 @@ class Supervisor {
                                           describe_status(r->status));
       pids += (pids.empty() ? "" : ", ") + std::to_string(r->global);
     }
-    if (alive.empty() && spec_.nnodes == 1) {  // nobody to go on: the generation ends as without in-place recovery
+    if (none_alive && spec_.nnodes == 1) {  // nobody to go on: the generation ends as without in-place recovery
       first_failure_ = lost.front()->global;
       say(who + "; no rank is left to go on in place");
       begin_stop(SIGTERM);
@@ -601,7 +602,7 @@ class Supervisor {
     if (!round_) return;
     std::int64_t joined = 0;
     try {
-      joined = recovery_store().add(round_key("r" + std::to_string(round_no_) + "/joined"), 0);
+      joined = recovery_store().add(recovery_verdict::joined_key(restart_, round_no_), 0);
     } catch (const Error& e) {
       end_round(std::string("the store could not be read (") + e.what() + ")");
       return;
