@@ -130,6 +130,8 @@ def main():
     ap.add_argument("--recovery", choices=["restart", "in-place", "shrink", "all"], default="restart",
                     help="shardflow run --recovery; all: the three alternated run by run")
     a = ap.parse_args()
+    if not a.two_hosts and a.per_host != 1:
+        ap.error("--per-host is for --two-hosts (one host runs world 2)")
     if a.two_hosts:
         a.backend = "gloo"
         two_hosts.sh("up", two_hosts.NAME)
