@@ -15,6 +15,12 @@ its N-th collective) to rank 0's first step after the restart, and how many step
       the same, alternated with recovering in place across the hosts (Note [Rounds across nodes]:
       host b's launcher starts rank 1 again, rank 0 on host a keeps its process) and shrinking (rank 0
       goes on alone at world 1, in its own process)
+  sudo bench/restart_time.py --build build --two-hosts --lose host --data-file --recovery all [--reps 3]
+      host b lost instead (rank 1 kills its launcher, and so its host's ranks, with itself), the
+      launchers elastic (--nnodes 1:2): restarting, host a's ranks start again at the smaller world;
+      in place and shrinking, they go on in their own processes (Note [A lost host healed in place]).
+      Host b's launcher cannot relay the kill's line, so the time counts from rank 0's last step before
+      the loss (an upper bound, by at most one step)
 
 The default model is one 4096 x 4096 layer: 64 MiB of fp32 parameters, AdamW at ZeRO-1 over shm,
 world 2. Each rep runs the job once and reads the launcher's output as it comes.
@@ -78,19 +84,24 @@ def one_run(a, snaps, data, recovery="restart"):
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
     if data:
         trainer += ["--data", data]
-    script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ] && [ "${SHARDFLOW_RECOVERY_ROUND:-0}" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:%d; fi; exec %s'
-              % (a.kill_at, " ".join("'%s'" % t for t in trainer)))
+    victim = 2 * a.per_host - 1 if a.lose == "host" else 1  # host b's last rank, or rank 1
+    script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ] && [ "${SHARDFLOW_RECOVERY_ROUND:-0}" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:%d:%s:%d; fi; exec %s'
+              % (victim, "host" if a.lose == "host" else "kill", a.kill_at, " ".join("'%s'" % t for t in trainer)))
     prog = ["/bin/sh", "-c", script]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     if a.two_hosts:  # rank 0 on host a, rank 1 on host b
         cmds = [two_hosts.launcher(a.build, h, n, 2, a.per_host, prog, a.heartbeat_timeout)[:-len(prog) - 1] +
                 ["--max-restarts", "1", "--recovery", recovery, "--"] + prog for h, n in (("a", 0), ("b", 1))]
+        if a.lose == "host":  # elastic: node 0 goes on without node 1
+            for c in cmds:
+                c[c.index("--nnodes") + 1] = "1:2"
+                c[c.index("--max-restarts"):c.index("--max-restarts")] = ["--rejoin-timeout", "1"]
     else:
         cmds = [[os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
                  "--recovery", recovery, "--"] + prog]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in cmds]
     codes, events = read_all(procs)
-    started = first_step = killed_at = restarted = first_after = None
+    started = first_step = killed_at = restarted = first_after = last_step_at = None
     last_step_before = resumed_first = None
     for now, line in events:
         m = re.match(r"\[rank 0\] step +(\d+)/", line)
@@ -100,11 +111,14 @@ def one_run(a, snaps, data, recovery="restart"):
             first_step = now
         if "dies at collective" in line and killed_at is None:
             killed_at = now
-        elif restarted is None and (("restart 1 of 1" in line and line.startswith("shardflow run: started")) or
-                                    "again in round 1" in line or "from now on" in line):
+        elif a.lose == "host" and killed_at is None and line.startswith("shardflow run: ") and (
+                "lost" in line or "exited" in line or "restart" in line or "killed" in line):
+            killed_at = last_step_at  # the kill's own line went with host b's launcher: rank 0's last step before
+        if restarted is None and killed_at is not None and (("restart 1 of 1" in line and line.startswith("shardflow run: started")) or
+                                                            "again in round 1" in line or "from now on" in line):
             restarted = now
         elif m and killed_at is None:
-            last_step_before = int(m.group(1))
+            last_step_before, last_step_at = int(m.group(1)), now
         elif m and restarted is not None and first_after is None:
             first_after, resumed_first = now, int(m.group(1))
     if any(codes) or None in (killed_at, first_after):
@@ -127,11 +141,14 @@ def main():
     ap.add_argument("--per-host", type=int, default=1, choices=[1, 2],
                     help="with --two-hosts: ranks a host (2: world 4, rank 1 on host a lost; a shrink goes on at world 3)")
     ap.add_argument("--heartbeat-timeout", type=int, default=10, help="with --two-hosts: the launchers' --heartbeat-timeout")
+    ap.add_argument("--lose", choices=["rank", "host"], default="rank", help="with --two-hosts: rank 1 killed, or host b lost (see above)")
     ap.add_argument("--recovery", choices=["restart", "in-place", "shrink", "all"], default="restart",
                     help="shardflow run --recovery; all: the three alternated run by run")
     a = ap.parse_args()
     if not a.two_hosts and a.per_host != 1:
         ap.error("--per-host is for --two-hosts (one host runs world 2)")
+    if not a.two_hosts and a.lose != "rank":
+        ap.error("--lose host is for --two-hosts (one host cannot lose a host and go on)")
     if a.two_hosts:
         a.backend = "gloo"
         two_hosts.sh("up", two_hosts.NAME)
@@ -165,11 +182,13 @@ def measure(a):
 def report(a, mode, runs):
     total, stop, lost, fresh = zip(*runs)
     where = f"2 hosts x {a.per_host} rank(s), link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
+    lost = f"host b lost at rank {2 * a.per_host - 1}'s" if a.lose == "host" else "rank 1 killed at"
     world = 2 * a.per_host if a.two_hosts else 2
-    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world {world} ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, rank 1 killed at "
+    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world {world} ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, {lost} "
           f"collective {a.kill_at}; {a.reps} runs; data "
           f"{'from a file' if a.data_file else 'synthesised at start-up'}")
-    print(f"  kill -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
+    since = "rank 0's last step before the loss" if a.lose == "host" else "kill"
+    print(f"  {since} -> rank 0's first step after the restart: median {statistics.median(total):.2f} s "
           f"(runs: {', '.join(f'{t:.2f}' for t in total)})")
     print(f"  of which kill -> the launcher's decision (restart, in-place: the new process started): median {statistics.median(stop):.2f} s")
     print(f"  for comparison, the first start -> its first step: median {statistics.median(fresh):.2f} s")

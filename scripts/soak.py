@@ -268,9 +268,9 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
     took = time.monotonic() - start
     problems = []
     shrink = action == "host"  # node 1 lost: node 0 goes on alone (Note [Shrinking the world])
-    # Healed in place, except a loss in the set-up's collectives (that restarts every rank) and a
-    # lost host (its launcher is gone with its ranks: node 0 goes on without it, restarting).
-    in_place = recovery != "restart" and phase != "registration" and not shrink
+    # Healed in place, except a loss in the set-up's collectives (that restarts every rank). A lost
+    # host too: node 0's ranks go on without it in their processes (Note [A lost host healed in place]).
+    in_place = recovery != "restart" and phase != "registration"
     smaller = shrink or (in_place and recovery == "shrink")  # another world's sums: within the tolerance
     if shrink and rc is not None and run_job.codes[1:] and run_job.codes[1] != 0:
         rc = run_job.codes[0]
@@ -286,8 +286,10 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
         problems.append("every rank restarted")
     elif not in_place and "restarting every rank (1 of 1 restarts)" not in out:
         problems.append("no restart")
-    elif shrink and "going on without node 1" not in out:
+    elif shrink and not in_place and "going on without node 1" not in out:
         problems.append("node 0 did not go on without node 1")
+    elif shrink and in_place and f"at world {world // 2} from now on, without it" not in out:
+        problems.append("node 0's ranks did not go on in place without node 1")
     elif not same_params(out_path, want, SHRINK_TOLERANCE if smaller else 0.0):
         problems.append("its parameters differ from the uninterrupted run's" + (f" by more than {SHRINK_TOLERANCE}" if smaller else ""))
     problems += leftovers(soak_id, out, shm_before, re.findall(r"^LAUNCHER (\d+)$", out, re.M)[1:] if shrink else ())

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "support/etcd_cluster.hpp"
@@ -570,6 +571,23 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
   check_params(two, one, 1e-5);  // the same global batch, summed in another order (measured 4e-8)
 }
 
+// Note [A lost host healed in place]
+TEST_CASE("--recovery shrink across nodes, node 1 lost, and the lost host cannot be healed in place -> the generation fails as "
+          "before, saying why: --nnodes not elastic") {
+  const int port = test::free_port();
+  auto cmd = [&](int node) { return node_cmd({node, 2, 1, port, {"--max-restarts", "3", "--recovery", "shrink"}}, test::endless_gloo_trainer()); };
+  Child n0(cmd(0), env());
+  Child n1(cmd(1), env());
+  REQUIRE(n0.read_until("3/1000000", 60s));
+  ::kill(n1.pid(), SIGKILL);  // its rank dies with it (PR_SET_PDEATHSIG)
+  const auto s0 = n0.wait(60s);
+  INFO(n0.output());
+  REQUIRE(test::failed(s0));
+  CHECK(n0.says(" lost: no heartbeat for "));
+  CHECK(n0.says("; not recovered in place: --nnodes is not elastic (MIN:MAX)"));
+  CHECK(!n0.says("; recovering in place (round"));
+}
+
 namespace {
 
 // One file pushed to a launcher's copy port as the other node's launcher would (Note [Snapshots on
@@ -847,4 +865,66 @@ TEST_CASE("3 nodes x 1 rank, the store on etcd, --nnodes 2:3 --max-restarts 1: n
   CHECK(nodes[2]->says("[shardflow] [rank 1] [info] resumed from the snapshot of step 4 in memory"));
   CHECK(nodes[1]->says("[rank 0] done: 4 steps"));
   check_params(three, one, 1e-5);  // world 3, then 2: the same global batch in another order
+}
+
+// Note [A lost host healed in place]
+TEST_CASE("--nnodes 1:2 --recovery shrink or in-place: a host lost in step 7 (its launcher and ranks gone at once) -> the other "
+          "node's ranks keep their processes and go on at world 2 from the snapshot in its memory (the lost node's files were "
+          "copied there), nothing restarts, and the job ends where 1 node x 4 ranks ends, to float rounding") {
+  std::string recovery = "shrink";
+  int lost = 1;
+  SUBCASE("node 1 lost, shrink") {}
+  SUBCASE("node 1 lost, in-place: the lost host's ranks cannot start again anywhere, so it shrinks too") { recovery = "in-place"; }
+  SUBCASE("node 0 lost with the store on etcd: node 1 runs the round, and its ranks 2 and 3 become 0 and 1") { lost = 0; }
+  CAPTURE(recovery);
+  CAPTURE(lost);
+  std::optional<test::EtcdCluster> etcd;
+  std::vector<std::string> flags{"--recovery", recovery};
+  if (lost == 0) {
+    if (!test::etcd_installed()) {
+      MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
+      return;
+    }
+    etcd.emplace(1, "test-nodes");
+    const auto where = on_etcd(*etcd, "lost-host-in-place");
+    flags.insert(flags.end(), where.begin(), where.end());
+  }
+  const std::string one = scratch("lost_host_one_node.safetensors"), two = scratch("lost_host_two_nodes.safetensors");
+  const std::string snaps = scratch("lost_host_snapshots");
+  std::filesystem::remove_all(snaps);
+  one_node_of_four(one);
+  const int port = test::free_port();
+  // A rank of the lost node takes its launcher down at its 13th collective (step 7); the launcher's
+  // other rank goes with it (PR_SET_PDEATHSIG).
+  const std::string fault = "collective:" + std::to_string(2 * lost + 1) + ":host:13";
+  auto cmd_for = [&](int node, const std::string& save) {
+    return with_nnodes(node_cmd({node, 2, 2, port, flags}, fault_in_first_process(fault, eight_steps(save, snaps))),
+                       {"--nnodes", "1:2", "--max-restarts", "1"});
+  };
+  Child n0(cmd_for(0, lost == 0 ? scratch("lost_host_unused.safetensors") : two), env_info());
+  Child n1(cmd_for(1, lost == 1 ? scratch("lost_host_unused.safetensors") : two), env_info());
+  const auto s1 = n1.wait(120s);
+  const auto s0 = n0.wait(120s);
+  INFO(n0.output());
+  INFO(n1.output());
+  REQUIRE(test::exited_ok(lost == 1 ? s0 : s1));
+  CHECK(test::failed(lost == 1 ? s1 : s0));  // killed
+  const std::string out = lost == 1 ? n0.output() : n1.output();
+  CHECK(says(out, "node " + std::to_string(lost) + " (host "));
+  CHECK(says(out, " lost: no heartbeat for "));
+  CHECK(says(out, "; recovering in place (round 1, 1 of 1 restarts): this node's ranks keep running, at world 2 from now on, without it"));
+  CHECK(says(out, "recovered in place: every rank joined round 1"));
+  CHECK(!says(out, "restarting every rank"));
+  CHECK(out.find("started rank") == out.rfind("started rank"));  // once, at the start
+  if (lost == 0) CHECK(says(out, "round 1 shrank the world to 2: this node's rank(s) 2 -> 0, 3 -> 1"));
+  for (int r = 2 * (1 - lost); r < 2 * (1 - lost) + 2; ++r) {  // each survivor in its first process
+    const pid_t pid = pid_of_rank(out, r);
+    REQUIRE(pid > 0);
+    CHECK(says(out, "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + "): recovered in place as rank " +
+                        std::to_string(r % 2) + " of 2, going on after step "));
+  }
+  // The lost node's shards come from the copies this node's memory holds; later snapshots wait for no copy.
+  CHECK(says(out, "in memory (/dev/shm/shardflow-snapshots-"));
+  CHECK(!says(out, "did not reach"));
+  check_params(two, one, 1e-5);
 }

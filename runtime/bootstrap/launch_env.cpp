@@ -174,6 +174,7 @@ LaunchEnv LaunchEnv::detect(const std::function<const char*(const char*)>& geten
   }
   e.recovery_round = int(env.integer("SHARDFLOW_RECOVERY_ROUND", 0, 0, 1 << 20));
   if (e.recovery_round > 0 && !e.recover_in_place) bad("SHARDFLOW_RECOVERY_ROUND is set without SHARDFLOW_RECOVERY=in-place");
+  e.recovery_word_wait = std::chrono::milliseconds(env.integer("SHARDFLOW_RECOVERY_WAIT_MS", 0, 0, 24L * 3600 * 1000));
   if (env.has("MASTER_ADDR"))
     e.master_addr = env.str("MASTER_ADDR");
   else if (!e.single_host())

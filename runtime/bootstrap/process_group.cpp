@@ -217,7 +217,7 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   const std::string key = recovery_verdict::key(env.restart_count, round);
   std::string text;
   try {
-    const auto client = connect_store(store_of(env, env.master_addr, o.timeout));
+    const auto client = connect_store(store_of(env, env.master_addr, std::max(o.timeout, env.recovery_word_wait)));
     text = client->get(key);
   } catch (const Error& e) {
     throw CommError("rejoin_process_group on rank " + std::to_string(before) + ": no word from the launcher on round " +

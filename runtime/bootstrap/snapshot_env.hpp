@@ -15,6 +15,10 @@ constexpr const char* kMemory = "SHARDFLOW_SNAPSHOT_MEMORY";
 constexpr const char* kMirror = "SHARDFLOW_SNAPSHOT_MIRROR";
 // Created next to a rank's file once the other host holds the copy: "<file>.mirrored".
 constexpr std::string_view kMirroredSuffix = ".mirrored";
+// In the memory directory while the launcher copies nothing, although the ranks were started
+// with kMirror: the job went on without the other host (Note [A lost host healed in place],
+// runtime/launch/launcher.cpp), and a rank waiting for its files' copies would wait in vain.
+constexpr const char* kNoCopies = "no-copies";
 
 // A rank's file in a snapshot: what the launcher copies (ckpt-<id>-rank<r>-of-<w>.safetensors).
 inline bool is_shard_file(std::string_view name) {

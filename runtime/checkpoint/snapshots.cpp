@@ -311,8 +311,13 @@ void Runtime::Impl::snapshot_if_due() {
   }
   if (step % every != 0) return;
   const bool to_memory = !I.persistence->snapshots.memory_dir.empty() && step % I.persistence->snapshots.disk_every != 0;
-  I.persistence->saves.next_mirrored = to_memory && !I.persistence->snapshots.mirror.empty();
-  I.persistence->saves.next_host_index = to_memory && I.persistence->snapshots.host_index;
+  // The launcher stops copying when the job goes on without the other host (Note [A lost host
+  // healed in place]): this process was started with a copy to wait for, and would wait in vain.
+  std::error_code no_copies_ec;
+  const bool copies = !I.persistence->snapshots.mirror.empty() &&
+                      !fs::exists(fs::path(I.persistence->snapshots.memory_dir) / snapshot_env::kNoCopies, no_copies_ec);
+  I.persistence->saves.next_mirrored = to_memory && copies;
+  I.persistence->saves.next_host_index = to_memory && copies && I.persistence->snapshots.host_index;
   facade->save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir, step));
   I.persistence->snapshots.started = step;
   I.persistence->snapshots.started_in_memory = to_memory;

@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <map>
 #include <optional>
@@ -25,6 +27,7 @@
 #include "runtime/bootstrap/etcd_names.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/bootstrap/recovery_verdict.hpp"
+#include "runtime/bootstrap/snapshot_env.hpp"
 #include "runtime/launch/node_watch.hpp"
 #include "runtime/launch/output_relay.hpp"
 #include "runtime/launch/rank_process.hpp"
@@ -152,6 +155,7 @@ class Supervisor {
     wo.heartbeat_timeout = spec_.heartbeat_timeout;
     wo.min_nnodes = spec_.min_nnodes;
     wo.rejoin_timeout = spec_.rejoin_timeout;
+    wo.heal_lost_nodes = in_place();  // Note [A lost host healed in place]
     wo.say = [](const std::string& line) { say(line); };
     say("node " + std::to_string(spec_.node_rank) + " of " + std::to_string(spec_.nnodes) + ": sockets on " + local.address + " (" +
         local.why + "), waiting for the other nodes at " + store_name(store_at_, port));
@@ -265,6 +269,7 @@ class Supervisor {
     }
     const bool returned = next >= 0 && std::find(before.begin(), before.end(), next) == before.end();
     mirror_->send_to(mirror_label_.empty() ? "" : address[next], mirror_label_, returned);
+    say_copies(!mirror_label_.empty());
     if (returned && !mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
       say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
   }
@@ -596,6 +601,82 @@ class Supervisor {
     }
   }
 
+  // ---- Note [A lost host healed in place] --------------------------------------------------------
+  // With --recovery in-place or shrink and --nnodes MIN:MAX, a node found lost by its heartbeats
+  // (its host gone, its link down, its launcher killed) need not end the generation: the ranks of
+  // the node left keep their processes and go on at the smaller world in a round of their own, as
+  // after a shrinking round (its word counts the lost node's ranks lost and numbers the others
+  // afresh). The lost node leaves the generation, marked left: a launcher started again there
+  // rejoins at the next restart (Note [Rejoining]). Its ranks cannot start again anywhere, so
+  // --recovery in-place shrinks here too. This is done where each survivor reloads the newest
+  // snapshot from its own host's memory and no other node has a renumbering to learn: two nodes,
+  // each holding the other's snapshot files (Note [Snapshots on the other host]); the one left
+  // runs the round. It stops copying snapshots and tells its ranks so (snapshot_env::kNoCopies),
+  // or each would wait its collective timeout for copies at every snapshot. Elsewhere the
+  // generation fails as before, saying why: more than two nodes (a host there holds only its own
+  // and its predecessor's files), a world an earlier round shrank (the lost node's ranks carry
+  // numbers this launcher did not give), not elastic, too few nodes left, a round still open, no
+  // restart left. Node 0's loss with its TCP store is no such case: the store is gone with it.
+  void recover_lost_node(int node, const std::string& what) {
+    std::string why_not;
+    const int left = int(members_.size()) - 1;
+    if (!spec_.min_nnodes)
+      why_not = "--nnodes is not elastic (MIN:MAX)";
+    else if (left < spec_.min_nnodes)
+      why_not = "only " + std::to_string(left) + " node(s) would be left, and --nnodes " + std::to_string(spec_.min_nnodes) + ":" +
+                std::to_string(spec_.nnodes) + " needs at least " + std::to_string(spec_.min_nnodes);
+    else if (members_.size() != 2)
+      why_not = "with more than two nodes the hosts left do not each hold the lost host's snapshot files";
+    else if (generation_.world != int(members_.size()) * spec_.nproc_per_node)
+      why_not = "an earlier round of this generation shrank the world";
+    else if (round_)
+      why_not = "round " + std::to_string(round_no_) + " of in-place recovery is still open";
+    else if (!can_recover_in_place())
+      why_not = restart_ + recoveries() >= spec_.max_restarts ? "no restart is left (--max-restarts " + std::to_string(spec_.max_restarts) + ")"
+                                                              : "the job is stopping";
+    const int claimed = why_not.empty() ? claim_round(why_not) : 0;
+    if (!claimed) {
+      watch_->fail_lost(what + (why_not.rfind("; ", 0) == 0 ? why_not : "; not recovered in place: " + why_not));
+      return;
+    }
+    round_no_ = claimed;
+    learned_round_ = claimed;
+    round_ = RecoveryRound{clock::now(), what};
+    const int index = int(std::find(members_.begin(), members_.end(), node) - members_.begin());
+    std::vector<int> next(std::size_t(generation_.world));
+    int world = 0;
+    for (int g = 0; g < generation_.world; ++g) next[std::size_t(g)] = g / spec_.nproc_per_node == index ? -1 : world++;
+    say(what + "; recovering in place (round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries()) + " of " +
+        std::to_string(spec_.max_restarts) + " restarts): this node's ranks keep running, at world " + std::to_string(world) +
+        " from now on, without it");
+    members_.erase(members_.begin() + index);
+    watch_->drop_member(node);
+    if (mirror_) mirror_->send_to("", "", false);
+    mirror_label_.clear();
+    say_copies(false);
+    try {
+      recovery_store().set(recovery_verdict::key(restart_, round_no_), recovery_verdict::format({what + "; going on without it", world, next}));
+    } catch (const Error& e) {
+      say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
+      end_round("the store could not be reached");
+      return;
+    }
+    renumber(next, world, round_no_);
+  }
+
+  // Whether this host's launcher copies its snapshot files now, for ranks started with a copy to
+  // wait for (snapshot_env::kNoCopies).
+  void say_copies(bool on) {
+    if (!snapshot_memory_ || snapshot_memory_->path().empty()) return;
+    const auto flag = std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kNoCopies;
+    std::error_code ec;
+    if (on) {
+      std::filesystem::remove(flag, ec);
+    } else {
+      std::ofstream(flag) << "the other host was lost: this launcher copies no snapshot files\n";
+    }
+  }
+
   // Polled by supervise(): the round is over once every rank joined it; not over in time, the
   // generation ends (the survivors are stopped and, restarts left, every rank starts again).
   void check_round() {
@@ -673,6 +754,7 @@ class Supervisor {
   void on_peer_failure() {
     std::uint64_t count;
     [[maybe_unused]] auto r = ::read(watch_->event_fd(), &count, sizeof count);
+    for (const auto& [node, what] : watch_->take_lost()) recover_lost_node(node, what);
     if (peer_failure_ || first_failure_ || interrupted_) return;
     peer_failure_ = watch_->peer_failure();
     if (!peer_failure_) return;

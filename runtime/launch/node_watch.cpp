@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "runtime/bootstrap/etcd_names.hpp"
 #include "shardflow/errors.hpp"
@@ -327,9 +328,37 @@ void NodeWatch::watch_peers(Store& store, clock::time_point now) {
     const auto silent = peers_.beat(k, store.add(key("hb/" + std::to_string(k)), 0), now);
     if (silent < o_.heartbeat_timeout) continue;
     peers_.mark_lost(k);
-    peer_failed(label(k) + " lost: no heartbeat for " + seconds(silent) +
-                    " (its launcher was killed, or its host or the link is down)",
-                true, &store, true);
+    const std::string what = label(k) + " lost: no heartbeat for " + seconds(silent) +
+                             " (its launcher was killed, or its host or the link is down)";
+    if (o_.heal_lost_nodes) {
+      {
+        std::lock_guard lock(mu_);
+        if (failure_ || reported_) continue;  // the generation ends anyway
+        lost_.emplace_back(k, what);
+      }
+      const std::uint64_t one = 1;
+      [[maybe_unused]] auto w = ::write(event_fd_, &one, sizeof one);
+      continue;
+    }
+    peer_failed(what, true, &store, true);
+  }
+}
+
+std::vector<std::pair<int, std::string>> NodeWatch::take_lost() {
+  std::lock_guard lock(mu_);
+  return std::exchange(lost_, {});
+}
+
+void NodeWatch::fail_lost(const std::string& what) { peer_failed(what, true, main_.get(), true); }
+
+void NodeWatch::drop_member(int node) {
+  {
+    std::lock_guard lock(mu_);
+    members_.erase(std::remove(members_.begin(), members_.end(), node), members_.end());
+  }
+  try {
+    main_->set(key("left/" + std::to_string(node)), "1");
+  } catch (const std::exception&) {
   }
 }
 
@@ -563,6 +592,7 @@ void NodeWatch::next_generation() {
   ++generation_;
   failure_.reset();
   failure_lost_ = false;
+  lost_.clear();
   reported_ = false;
   own_report_.clear();
   std::uint64_t count;

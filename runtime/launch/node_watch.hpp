@@ -83,6 +83,9 @@ struct NodeWatchOptions {
   int min_nnodes = 0;  // Note [Shrinking the world]; 0: not elastic
   std::chrono::milliseconds rejoin_timeout = std::chrono::seconds(10);
   std::function<void(const std::string&)> say;  // the launcher's messages (a node waiting to rejoin says so)
+  // Note [A lost host healed in place]: a node found lost is handed to the launcher (take_lost)
+  // instead of failing the generation at once.
+  bool heal_lost_nodes = false;
 };
 
 class NodeWatch {
@@ -111,6 +114,14 @@ class NodeWatch {
 
   // The failure this generation saw was a node lost (not a rank of a node still there).
   bool lost_a_node() const;
+  // Note [A lost host healed in place] (with heal_lost_nodes): the nodes found lost since the last
+  // call, each with what was seen, not yet a failure. The launcher either heals the job without
+  // one (drop_member) or fails the generation with it (fail_lost, as without healing).
+  std::vector<std::pair<int, std::string>> take_lost();
+  void fail_lost(const std::string& what);
+  // The node leaves this generation: no longer watched or waited for, and marked left, so that a
+  // launcher started again there may rejoin at the next restart (Note [Rejoining]).
+  void drop_member(int node);
   // Posts this node's choice for the generation that just failed and waits (at most `limit`, plus
   // the rejoin timeout when elastic) for node 0's decision: the nodes of the next generation (by
   // their node rank at the start), or nullopt with `why_not` when the job stops.
@@ -165,6 +176,7 @@ class NodeWatch {
   std::string own_report_;                // what this node posted
   bool failure_lost_ = false;             // failure_ is a node lost, not a rank failed
   std::vector<int> members_;              // the nodes of this generation, by node rank at the start
+  std::vector<std::pair<int, std::string>> lost_;  // found lost, for the launcher to heal (take_lost)
   int generation_ = 0;
   int joined_at_ = 0;
   PeerTable peers_;                       // node 0's view of the others (Note [One owner for the peers' state])

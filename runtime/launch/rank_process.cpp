@@ -84,6 +84,10 @@ std::map<std::string, std::string> rank_environment(const LaunchSpec& spec, cons
   if (spec.recovery != "restart") {  // Note [Recovering in place]: the ranks' side is the same for in-place and shrink
     env["SHARDFLOW_RECOVERY"] = "in-place";
     env["SHARDFLOW_RECOVERY_ROUND"] = std::to_string(ids.recovery_round);
+    // A lost node is noticed after its heartbeat timeout (and up to two beats' polling), a rank
+    // stopped by SIGSTOP after the same: the survivors wait that long for the word, and some more.
+    const auto word = spec.heartbeat_timeout + 2 * spec.heartbeat_interval + std::chrono::seconds(5);
+    env["SHARDFLOW_RECOVERY_WAIT_MS"] = std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(word).count());
   }
   if (!ids.snapshot_memory.empty()) env[snapshot_env::kMemory] = ids.snapshot_memory;
   if (!ids.snapshot_mirror.empty()) env[snapshot_env::kMirror] = ids.snapshot_mirror;

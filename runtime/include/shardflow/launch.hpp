@@ -59,6 +59,10 @@ struct LaunchEnv {
   // generation's next round (SHARDFLOW_RECOVERY_ROUND: the round this process started in).
   bool recover_in_place = false;
   int recovery_round = 0;
+  // How long the launcher may take to give its word on a round (SHARDFLOW_RECOVERY_WAIT_MS): a node
+  // lost is noticed only after its heartbeat timeout, which may be longer than the ranks' own
+  // timeout. rejoin_process_group waits for the longer of the two.
+  std::chrono::milliseconds recovery_word_wait{0};
 
   // Reads the environment of this process; `getenv` replaces ::getenv (tests). UsageError naming
   // the variable when a value is malformed or inconsistent (RANK >= WORLD_SIZE, ...).
