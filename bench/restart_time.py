@@ -121,8 +121,8 @@ def one_run(a, snaps, data, recovery="restart"):
             last_step_before, last_step_at = int(m.group(1)), now
         elif m and restarted is not None and first_after is None:
             first_after, resumed_first = now, int(m.group(1))
-    if any(codes) or None in (killed_at, first_after):
-        sys.exit("restart_time: the job failed or did not restart:\n" + "".join(l for _, l in events[-40:]))
+    if any(codes[:1] if a.lose == "host" else codes) or None in (killed_at, first_after):  # host b's launcher was killed
+        sys.exit("restart_time: the job failed or did not restart:\n" + "".join(l for _, l in events[-40:]) + "\nexit codes: " + str(codes))
     return first_after - killed_at, restarted - killed_at, last_step_before - (resumed_first - 1), first_step - started
 
 
@@ -182,9 +182,9 @@ def measure(a):
 def report(a, mode, runs):
     total, stop, lost, fresh = zip(*runs)
     where = f"2 hosts x {a.per_host} rank(s), link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
-    lost = f"host b lost at rank {2 * a.per_host - 1}'s" if a.lose == "host" else "rank 1 killed at"
+    loss = f"host b lost at rank {2 * a.per_host - 1}'s" if a.lose == "host" else "rank 1 killed at"
     world = 2 * a.per_host if a.two_hosts else 2
-    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world {world} ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, {lost} "
+    print(f"restart_time [--recovery {mode}]: --sizes {a.sizes}, world {world} ({a.backend}, {where}), ZeRO-1 AdamW, snapshot every {a.every}, {loss} "
           f"collective {a.kill_at}; {a.reps} runs; data "
           f"{'from a file' if a.data_file else 'synthesised at start-up'}")
     since = "rank 0's last step before the loss" if a.lose == "host" else "kill"

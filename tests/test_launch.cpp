@@ -606,6 +606,44 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
   }
 }
 
+// Note [Recovering in place]: nothing to go back to
+TEST_CASE("shardflow run --recovery in-place, world 3, no snapshot complete yet: rank 1 killed in step 3 -> the survivors' "
+          "recover() refuses by name (their parameters moved, the replacement's are the initial ones), they start again "
+          "(a second round, or every rank), and the job ends bit for bit where it ends uninterrupted") {
+  auto job_for = [](const std::string& out, bool fault) {
+    std::string cmd = fault ? "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ] && [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export "
+                              "SHARDFLOW_TEST_FAULT=collective:1:kill:5; fi; exec"
+                            : "exec";
+    auto args = mlp_args(1);
+    args.insert(args.begin(), kTrainer);
+    test::set_flag(args, "--steps", "6");
+    const std::string snaps = out + ".snapshots";
+    std::filesystem::remove_all(snaps);
+    for (auto a : {"--backend", "shm", "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "100"})
+      args.push_back(a);
+    for (const auto& a : args) cmd += " '" + a + "'";
+    auto argv = launch(3, {"/bin/sh", "-c", cmd});
+    argv.insert(argv.begin() + 2, {"--max-restarts", "2", "--recovery", "in-place"});
+    return argv;
+  };
+  const std::string ref = scratch("in_place_early_ref.safetensors"), out = scratch("in_place_early.safetensors");
+  {
+    Child job(job_for(ref, false), no_launch_env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  Child job(job_for(out, true), no_launch_env());
+  const auto st = job.wait(120s);
+  INFO(job.output());
+  REQUIRE(test::exited_ok(st));
+  CHECK(job.says("recovering in place (round 1"));
+  CHECK(job.says(": no complete snapshot to go back to yet, and this rank's parameters moved through 2 iteration(s) since the start"));
+  // The refusing survivors exit: the launcher starts them again, in a second round (where rank 1's
+  // replacement has not moved yet) or with every rank.
+  CHECK((job.says("restarting every rank") || job.says("recovering in place (round 2, 2 of 2 restarts)")));
+  check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
+}
+
 // Note [Recovering in place], shrinking
 TEST_CASE("shardflow run --recovery shrink, world 3: rank 1 or rank 0 killed in step 7 -> no process starts — the two "
           "survivors are numbered 0 and 1, reload step 5's snapshot at world 2 and end within float rounding of the "

@@ -912,7 +912,8 @@ TEST_CASE("--nnodes 1:2 --recovery shrink or in-place: a host lost in step 7 (it
   const std::string out = lost == 1 ? n0.output() : n1.output();
   CHECK(says(out, "node " + std::to_string(lost) + " (host "));
   CHECK(says(out, " lost: no heartbeat for "));
-  CHECK(says(out, "; recovering in place (round 1, 1 of 1 restarts): this node's ranks keep running, at world 2 from now on, without it"));
+  CHECK(says(out, "; recovering in place (round 1, 1 of 1 restarts): the ranks of the node(s) left keep running, at world 2 from now on, "
+                  "without it"));
   CHECK(says(out, "recovered in place: every rank joined round 1"));
   CHECK(!says(out, "restarting every rank"));
   CHECK(out.find("started rank") == out.rfind("started rank"));  // once, at the start
@@ -927,4 +928,67 @@ TEST_CASE("--nnodes 1:2 --recovery shrink or in-place: a host lost in step 7 (it
   CHECK(says(out, "in memory (/dev/shm/shardflow-snapshots-"));
   CHECK(!says(out, "did not reach"));
   check_params(two, one, 1e-5);
+}
+
+// Note [A lost host healed in place] with a ring of three
+TEST_CASE("3 nodes x 1 rank, --nnodes 2:3 --recovery shrink: node 1 lost in step 7 -> node 0 runs the round, node 2 learns it, "
+          "both fetch the newest snapshot whole (node 1's file was on node 2 only) and go on at world 2 in their own processes, "
+          "numbered 0 and 1, and the job ends where 1 node x 3 ranks ends, to float rounding") {
+  const std::string one = scratch("ring_lost_one_node.safetensors"), three = scratch("ring_lost_three_nodes.safetensors");
+  const std::string snaps = scratch("ring_lost_snapshots");
+  one_node_of(3, one);
+  std::filesystem::remove_all(snaps);
+  const auto nodes = ring_of_three({"--max-restarts", "1", "--recovery", "shrink"}, {"--nnodes", "2:3"}, "collective:1:host:13", 0,
+                                   three, snaps);
+  WAIT_THREE_NODES(nodes);
+  REQUIRE(test::exited_ok(s0));
+  REQUIRE(test::exited_ok(s2));
+  CHECK(test::failed(s1));  // killed
+  CHECK(nodes[0]->says("node 1 (host "));
+  CHECK(nodes[0]->says("; recovering in place (round 1, 1 of 1 restarts): the ranks of the node(s) left keep running, at world 2 "
+                       "from now on, without it"));
+  CHECK(nodes[0]->says("recovered in place: every rank joined round 1"));
+  CHECK(!nodes[2]->says("recovering in place (round"));
+  CHECK(nodes[2]->says("round 1 shrank the world to 2: this node's rank(s) 2 -> 1"));
+  for (const auto& n : nodes) CHECK(!n->says("restarting every rank"));
+  const pid_t p0 = pid_of_rank(nodes[0]->output(), 0), p2 = pid_of_rank(nodes[2]->output(), 2);
+  REQUIRE(p0 > 0);
+  REQUIRE(p2 > 0);
+  CHECK(nodes[0]->says("rank 0 (pid " + std::to_string(p0) + "): recovered in place as rank 0 of 2, going on after step "));
+  CHECK(nodes[2]->says("rank 2 (pid " + std::to_string(p2) + "): recovered in place as rank 1 of 2, going on after step "));
+  CHECK(nodes[0]->says("[shardflow] [rank 0] [info] resumed from the snapshot of step "));
+  CHECK(nodes[2]->says("[shardflow] [rank 1] [info] resumed from the snapshot of step "));
+  CHECK(!nodes[0]->says(" on disk ("));  // from memory, node 1's file fetched from node 2
+  CHECK(!nodes[2]->says(" on disk ("));
+  check_params(three, one, 1e-5);
+}
+
+// Note [A lost host healed in place]: whole hosts left out keep two levels
+TEST_CASE("3 nodes x 2 ranks, --backend auto (two levels), --nnodes 2:3 --recovery in-place: node 1 lost in step 7 -> nodes 0 and 2 "
+          "go on at world 4 over two levels in their own processes (node 2's ranks 4 and 5 become 2 and 3), and the job ends where 1 "
+          "node x 6 ranks ends, to float rounding") {
+  const std::string one = scratch("two_levels_lost_one_node.safetensors"), three = scratch("two_levels_lost_three_nodes.safetensors");
+  const std::string snaps = scratch("two_levels_lost_snapshots");
+  one_node_of(6, one);
+  std::filesystem::remove_all(snaps);
+  const int port = test::free_port();
+  std::vector<std::unique_ptr<Child>> nodes;
+  for (int k = 0; k < 3; ++k) {
+    auto prog = eight_steps(k == 0 ? three : scratch("two_levels_lost_unused.safetensors"), snaps);
+    test::set_flag(prog, "--backend", "auto");
+    auto argv = node_cmd({k, 3, 2, port, {"--max-restarts", "1", "--recovery", "in-place"}}, fault_in_first_process("collective:3:host:60", prog));
+    nodes.push_back(std::make_unique<Child>(with_nnodes(argv, {"--nnodes", "2:3"}), env_info()));
+  }
+  WAIT_THREE_NODES(nodes);
+  REQUIRE(test::exited_ok(s0));
+  REQUIRE(test::exited_ok(s2));
+  CHECK(test::failed(s1));  // killed
+  CHECK(nodes[0]->says("[rank 0] mlp_train: sizes 24,40,40,6, world 6 (hierarchical"));
+  CHECK(nodes[0]->says("recovered in place: every rank joined round 1"));
+  CHECK(nodes[2]->says("round 1 shrank the world to 4: this node's rank(s) 4 -> 2, 5 -> 3"));
+  CHECK(nodes[2]->says("rank 4 (pid " + std::to_string(pid_of_rank(nodes[2]->output(), 4)) + "): recovered in place as rank 2 of 4"));
+  CHECK(nodes[0]->says("[shardflow] [rank 0] [info] resumed from the snapshot of step "));
+  CHECK(nodes[2]->says("[shardflow] [rank 3] [info] resumed from the snapshot of step "));
+  for (const auto& n : nodes) CHECK(!n->says("restarting every rank"));
+  check_params(three, one, 1e-5);
 }

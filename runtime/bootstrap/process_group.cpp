@@ -198,6 +198,23 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
   return make_group(env, o, env.recovery_round);
 }
 
+namespace {
+
+// Note [A lost host healed in place] (runtime/launch/launcher.cpp): a round that leaves out whole
+// hosts of the world as launched (numbered host by host) keeps it so, numbered afresh: the hosts
+// left run as many ranks each, and two levels still pair their local ranks up.
+bool whole_hosts_left_out(const LaunchEnv& env, const std::vector<int>& next, int world_before) {
+  const int L = env.local_world_size;
+  if (L < 1 || world_before != env.world_size || int(next.size()) != env.world_size || env.world_size % L != 0) return false;
+  for (auto host = next.begin(); host != next.end(); host += L) {
+    const auto lost = std::count_if(host, host + L, [](int n) { return n < 0; });
+    if (lost != 0 && lost != L) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const ProcessGroupOptions& o) {
   if (!env.recover_in_place)
     throw UsageError("rejoin_process_group on rank " + std::to_string(env.rank) + ": the job was not started with `shardflow run "
@@ -206,11 +223,12 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   if (o.timeout.count() <= 0) throw UsageError("rejoin_process_group: timeout must be positive");
   // This process's rank now: after a shrinking round it is no longer the one it was launched as,
   // and the errors below name the rank the job's output shows.
-  int round, before;
+  int round, before, world_before;
   {
     std::lock_guard lock(groups_mu);
     round = std::max(latest_round, env.recovery_round) + 1;
     before = current_place ? current_place->first : env.rank;
+    world_before = current_place ? current_place->second : env.world_size;
   }
   // The launcher's word for this round: "in-place: ..." once it started the lost rank's process
   // again, "restart: ..." when it stops every rank instead.
@@ -241,7 +259,8 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   placed.world_size = verdict->world;
   if (env.single_host()) {
     placed.local_rank = placed.rank, placed.local_world_size = verdict->world;
-  } else if (verdict->world != int(next.size()) && choose_backend(placed, o) == "hierarchical") {
+  } else if (verdict->world != int(next.size()) && choose_backend(placed, o) == "hierarchical" &&
+             !whole_hosts_left_out(env, next, world_before)) {
     // A shrink across nodes leaves the lost rank's host with fewer ranks than the others, which
     // two levels (shm inside a host, Gloo between the hosts' same local ranks) cannot pair up.
     throw UsageError("rejoin_process_group on rank " + std::to_string(before) + ": round " + std::to_string(round) +

@@ -22,6 +22,16 @@ inline std::string joined_key(int generation, int round) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/joined";
 }
 
+// Note [A lost host healed in place] (runtime/launch/launcher.cpp): the node a lost host's round
+// leaves out, posted by the launcher that runs it; each other node left says it is ready (it holds
+// the newest snapshot whole) before the word goes out.
+inline std::string lost_node_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/lost-node";
+}
+inline std::string ready_key(int generation, int round, int node) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/ready/" + std::to_string(node);
+}
+
 // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's number in this
 // round (-1: lost, left out). A launcher that stops every rank instead says "restart: <why>".
 struct Verdict {

@@ -103,6 +103,11 @@ class Supervisor {
     pthread_sigmask(SIG_BLOCK, &mask, &old);
     sigfd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd_ < 0) throw Error("signalfd: " + std::string(std::strerror(errno)));
+    // A peer that dies while this launcher writes to its socket (the snapshot copies' sendfile,
+    // which takes no MSG_NOSIGNAL) must cost an EPIPE, not this launcher: SIGPIPE killed node 0's
+    // launcher when node 1's host went mid-copy (bench/restart_time.py --lose host). The ranks get
+    // the default back before they exec (rank_process.cpp).
+    ::signal(SIGPIPE, SIG_IGN);
     return old;
   }
 
@@ -186,7 +191,7 @@ class Supervisor {
       const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
       const int world = spec_.nproc_per_node * int(members_.size());
       generation_ = {node, world, port, token, old};
-      point_mirror(before);
+      point_mirror(before, restart_ > 0);
       before = members_;
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
         auto& r = ranks_.emplace_back();
@@ -243,11 +248,12 @@ class Supervisor {
 
   // Each generation: the copies go to the next node of the ring (the generation's nodes in order);
   // alone, they stay here. Addresses are read afresh: a node that rejoined (Note [Rejoining]) has
-  // a new one, and first gets this host's newest snapshot whole. After a failure this host first
-  // fetches what it lacks of its newest snapshot from the others (with more than two nodes at the
-  // snapshot's time it holds only its own and its predecessor's files), so that it holds it
-  // whole. Both happen before this node's ranks start.
-  void point_mirror(const std::vector<int>& before) {
+  // a new one, and first gets this host's newest snapshot whole. With `fetch` (after a failure, or
+  // in a lost host's round: Note [A lost host healed in place]) this host first fetches what it
+  // lacks of its newest snapshot from the others (with more than two nodes at the snapshot's time
+  // it holds only its own and its predecessor's files), so that it holds it whole. Both happen
+  // before this node's ranks load it.
+  void point_mirror(const std::vector<int>& before, bool fetch) {
     mirror_label_.clear();
     if (!mirror_) return;
     std::map<int, std::string> address;  // the other nodes' copy ports
@@ -262,7 +268,7 @@ class Supervisor {
     const auto me = std::find(members_.begin(), members_.end(), spec_.node_rank);
     const int next = members_.size() >= 2 ? *(std::next(me) == members_.end() ? members_.begin() : std::next(me)) : -1;
     if (address.count(next)) mirror_label_ = watch_->label(next);
-    if (restart_ > 0 && !address.empty()) {  // with two from the start a no-op: each host holds every file
+    if (fetch && !address.empty()) {  // with two from the start a no-op: each host holds every file
       std::vector<std::string> peers;
       for (const auto& [k, a] : address) peers.push_back(a);
       mirror_->assemble(peers);
@@ -484,7 +490,8 @@ class Supervisor {
   void renumber(const std::vector<int>& next, int world, int round) {
     std::string moved;
     for (auto& r : ranks_) {
-      if (!r.running || r.replaced || r.global >= int(next.size())) continue;
+      // A rank that already finished went through the round too (learnt after the job's end).
+      if (r.replaced || r.global >= int(next.size())) continue;
       const int n = next[std::size_t(r.global)];
       if (n < 0 || n == r.global) continue;
       moved += (moved.empty() ? "" : ", ") + std::to_string(r.global) + " -> " + std::to_string(n);
@@ -500,17 +507,35 @@ class Supervisor {
       say("round " + std::to_string(round) + " shrank the world to " + std::to_string(world) + ": this node's rank(s) " + moved);
   }
 
-  // Note [Rounds across nodes]: another node's shrinking round renumbers this node's ranks too;
+  // Note [Rounds across nodes]: another node's shrinking round renumbers this node's ranks too,
+  // and a lost host's round takes that node out here first (Note [A lost host healed in place]);
   // polled while supervising (every 200 ms at most), and before this node claims a round of its own.
   void learn_rounds() {
-    if (spec_.recovery != "shrink" || spec_.nnodes == 1 || round_ || store_silent_ || first_failure_ || peer_failure_ || stop_deadline_)
-      return;
+    if (!in_place() || spec_.nnodes == 1 || round_ || store_silent_ || first_failure_ || peer_failure_ || stop_deadline_) return;
     try {
       auto& st = recovery_store();
       const int claimed = int(st.add(round_key("rounds"), 0));
       while (learned_round_ < claimed) {
-        const std::string key = recovery_verdict::key(restart_, learned_round_ + 1);
-        if (!st.check({key})) return;  // claimed, its word not out yet (or a claim that failed: the generation ends)
+        const int j = learned_round_ + 1;
+        const std::string key = recovery_verdict::key(restart_, j);
+        if (!st.check({key})) {  // claimed, its word not out yet (or a claim that failed: the generation ends)
+          // Note [A lost host healed in place], step 2: another node runs a lost host's round.
+          if (left_out_in_round_ != j && st.check({recovery_verdict::lost_node_key(restart_, j)})) {
+            left_out_in_round_ = j;
+            const int node = std::stoi(st.get(recovery_verdict::lost_node_key(restart_, j)));
+            if (node == spec_.node_rank) {  // found lost while it was silent (stopped, cut off): the others went on
+              left_out_ = true;
+              peer_failure_ = "this node was found lost by the others and left out of the job in round " + std::to_string(j) +
+                              " (a launcher started again here rejoins at the next restart)";
+              say(*peer_failure_ + "; stopping this node's rank(s)");
+              begin_stop(SIGTERM);
+              return;
+            }
+            leave_out(node);
+            st.set(recovery_verdict::ready_key(restart_, j, spec_.node_rank), "1");
+          }
+          return;
+        }
         const auto v = recovery_verdict::parse(st.get(key));
         ++learned_round_;
         if (v) renumber(v->next, v->world, learned_round_);
@@ -604,20 +629,31 @@ class Supervisor {
   // ---- Note [A lost host healed in place] --------------------------------------------------------
   // With --recovery in-place or shrink and --nnodes MIN:MAX, a node found lost by its heartbeats
   // (its host gone, its link down, its launcher killed) need not end the generation: the ranks of
-  // the node left keep their processes and go on at the smaller world in a round of their own, as
+  // the nodes left keep their processes and go on at the smaller world in a round of their own, as
   // after a shrinking round (its word counts the lost node's ranks lost and numbers the others
-  // afresh). The lost node leaves the generation, marked left: a launcher started again there
-  // rejoins at the next restart (Note [Rejoining]). Its ranks cannot start again anywhere, so
-  // --recovery in-place shrinks here too. This is done where each survivor reloads the newest
-  // snapshot from its own host's memory and no other node has a renumbering to learn: two nodes,
-  // each holding the other's snapshot files (Note [Snapshots on the other host]); the one left
-  // runs the round. It stops copying snapshots and tells its ranks so (snapshot_env::kNoCopies),
-  // or each would wait its collective timeout for copies at every snapshot. Elsewhere the
-  // generation fails as before, saying why: more than two nodes (a host there holds only its own
-  // and its predecessor's files), a world an earlier round shrank (the lost node's ranks carry
-  // numbers this launcher did not give), not elastic, too few nodes left, a round still open, no
-  // restart left. Node 0's loss with its TCP store is no such case: the store is gone with it.
+  // afresh). Its ranks cannot start again anywhere, so --recovery in-place shrinks here too. The
+  // lost node leaves the generation, marked left: a launcher started again there rejoins at the
+  // next restart (Note [Rejoining]). The node that found it lost runs the round (node 0 with its
+  // TCP store; on etcd, where every node watches every other, the first to claim "lost/<node>"):
+  // 1. It claims the round and posts the lost node in it (recovery_verdict::lost_node_key).
+  // 2. Every node left takes the lost node out of its ring of snapshot copies and fetches what its
+  //    memory lacks of the newest snapshot from the others (a host holds its own and its
+  //    predecessor's files: the lost node's are on its successor only), then says it is ready.
+  //    With one node left it stops copying and tells its ranks (snapshot_env::kNoCopies), or each
+  //    would wait its collective timeout for copies at every snapshot.
+  // 3. Once every node left is ready, the round's word goes out: the survivors, waiting for it in
+  //    rejoin_process_group, reload that snapshot from their own host's memory at the new world.
+  // Elsewhere the generation fails as before, saying why: not elastic, too few nodes left, a world
+  // an earlier round shrank (the lost node's ranks carry numbers this launcher did not give), a
+  // round still open, no restart left, a node left not ready in time. Node 0's loss with its TCP
+  // store is no such case: the store is gone with it.
   void recover_lost_node(int node, const std::string& what) {
+    try {  // on etcd every node left finds it lost: one runs the round, the others learn it
+      if (recovery_store().add(round_key("lost/" + std::to_string(node)), 1) != 1) return;
+    } catch (const Error& e) {
+      watch_->fail_lost(what + "; not recovered in place: the store could not be reached (" + e.what() + ")");
+      return;
+    }
     std::string why_not;
     const int left = int(members_.size()) - 1;
     if (!spec_.min_nnodes)
@@ -625,8 +661,6 @@ class Supervisor {
     else if (left < spec_.min_nnodes)
       why_not = "only " + std::to_string(left) + " node(s) would be left, and --nnodes " + std::to_string(spec_.min_nnodes) + ":" +
                 std::to_string(spec_.nnodes) + " needs at least " + std::to_string(spec_.min_nnodes);
-    else if (members_.size() != 2)
-      why_not = "with more than two nodes the hosts left do not each hold the lost host's snapshot files";
     else if (generation_.world != int(members_.size()) * spec_.nproc_per_node)
       why_not = "an earlier round of this generation shrank the world";
     else if (round_)
@@ -634,6 +668,7 @@ class Supervisor {
     else if (!can_recover_in_place())
       why_not = restart_ + recoveries() >= spec_.max_restarts ? "no restart is left (--max-restarts " + std::to_string(spec_.max_restarts) + ")"
                                                               : "the job is stopping";
+    learn_rounds();
     const int claimed = why_not.empty() ? claim_round(why_not) : 0;
     if (!claimed) {
       watch_->fail_lost(what + (why_not.rfind("; ", 0) == 0 ? why_not : "; not recovered in place: " + why_not));
@@ -643,25 +678,60 @@ class Supervisor {
     learned_round_ = claimed;
     round_ = RecoveryRound{clock::now(), what};
     const int index = int(std::find(members_.begin(), members_.end(), node) - members_.begin());
-    std::vector<int> next(std::size_t(generation_.world));
-    int world = 0;
-    for (int g = 0; g < generation_.world; ++g) next[std::size_t(g)] = g / spec_.nproc_per_node == index ? -1 : world++;
+    LostNodeRound lr{node, what, std::vector<int>(std::size_t(generation_.world)), 0, {}, clock::now() + spec_.rdzv_timeout};
+    for (int g = 0; g < generation_.world; ++g) lr.next[std::size_t(g)] = g / spec_.nproc_per_node == index ? -1 : lr.world++;
     say(what + "; recovering in place (round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries()) + " of " +
-        std::to_string(spec_.max_restarts) + " restarts): this node's ranks keep running, at world " + std::to_string(world) +
-        " from now on, without it");
-    members_.erase(members_.begin() + index);
-    watch_->drop_member(node);
-    if (mirror_) mirror_->send_to("", "", false);
-    mirror_label_.clear();
-    say_copies(false);
+        std::to_string(spec_.max_restarts) + " restarts): the ranks of the node(s) left keep running, at world " +
+        std::to_string(lr.world) + " from now on, without it");
     try {
-      recovery_store().set(recovery_verdict::key(restart_, round_no_), recovery_verdict::format({what + "; going on without it", world, next}));
+      recovery_store().set(recovery_verdict::lost_node_key(restart_, round_no_), std::to_string(node));
     } catch (const Error& e) {
+      end_round("the store could not be reached (" + std::string(e.what()) + ")");
+      return;
+    }
+    leave_out(node);
+    for (int k : members_)
+      if (k != spec_.node_rank) lr.waiting.push_back(k);
+    lost_round_ = std::move(lr);
+    check_lost_round();
+  }
+
+  // Note [A lost host healed in place], step 2 on any node left: the ring of copies without the
+  // lost node, and the newest snapshot whole in this host's memory.
+  void leave_out(int node) {
+    const std::vector<int> before = members_;
+    members_.erase(std::remove(members_.begin(), members_.end(), node), members_.end());
+    watch_->drop_member(node);
+    point_mirror(before, true);
+  }
+
+  // Step 3, polled by supervise() on the node that runs the round: the word goes out once every
+  // node left fetched the newest snapshot (or the round fails, naming who did not).
+  void check_lost_round() {
+    if (!lost_round_) return;
+    auto& lr = *lost_round_;
+    try {
+      auto& st = recovery_store();
+      lr.waiting.erase(std::remove_if(lr.waiting.begin(), lr.waiting.end(),
+                                      [&](int k) { return st.check({recovery_verdict::ready_key(restart_, round_no_, k)}); }),
+                       lr.waiting.end());
+      if (!lr.waiting.empty() && clock::now() < lr.deadline) return;
+      if (!lr.waiting.empty()) {
+        std::string who;
+        for (int k : lr.waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
+        lost_round_.reset();
+        end_round(who + " did not fetch the newest snapshot within --rdzv-timeout");
+        return;
+      }
+      st.set(recovery_verdict::key(restart_, round_no_), recovery_verdict::format({lr.what + "; going on without it", lr.world, lr.next}));
+    } catch (const Error& e) {
+      lost_round_.reset();
       say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
       end_round("the store could not be reached");
       return;
     }
-    renumber(next, world, round_no_);
+    renumber(lr.next, lr.world, round_no_);
+    lost_round_.reset();
   }
 
   // Whether this host's launcher copies its snapshot files now, for ranks started with a copy to
@@ -714,7 +784,10 @@ class Supervisor {
 
   // A round that did not heal the job does not count as a restart: the restart it ends in does
   // (so that --max-restarts 1 still restarts every rank when, say, a trainer does not call recover).
-  void fail_round() { round_.reset(); }
+  void fail_round() {
+    round_.reset();
+    lost_round_.reset();
+  }
 
   // A rank stopped (SIGSTOP) for longer than --heartbeat-timeout counts as lost: killed, it is
   // recovered like any other (its peers would otherwise wait for it until their own timeout).
@@ -803,6 +876,7 @@ class Supervisor {
       const int n = ::poll(fds.data(), fds.size(), wait_ms);
       if (n < 0 && errno != EINTR) throw Error("poll: " + std::string(std::strerror(errno)));
       check_round();
+      check_lost_round();
       kill_long_stopped();
       if (clock::now() - learned_at_ > std::chrono::milliseconds(200)) {
         learned_at_ = clock::now();
@@ -847,6 +921,10 @@ class Supervisor {
   // launcher (Ctrl-C) ends the job rather than restarting it.
   bool restart_wanted() {
     if (!first_failure_ && !peer_failure_) return false;  // the job is done
+    if (left_out_) {  // Note [A lost host healed in place]: the others went on without this node
+      not_restarted_ = "this node was left out of the job";
+      return false;
+    }
     if (spec_.max_restarts == 0) return false;
     const bool lost = watch_ && watch_->lost_a_node();
     fail_round();  // the generation ends: a round still open did not heal it
@@ -890,7 +968,9 @@ class Supervisor {
     ++restart_;
     round_no_ = 0;  // a generation's keys are its own, its rounds too
     learned_round_ = 0;
+    left_out_in_round_ = 0;
     round_.reset();
+    lost_round_.reset();
   }
 
   // A rank that died (or was stopped) left its shared-memory buffers in /dev/shm: this job's are
@@ -997,6 +1077,17 @@ class Supervisor {
     std::string lost;  // who was lost, for messages
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
+  struct LostNodeRound {  // Note [A lost host healed in place]: run here, its word not out yet
+    int node;
+    std::string what;
+    std::vector<int> next;  // the word's numbers
+    int world;
+    std::vector<int> waiting;  // the nodes left not ready yet
+    clock::time_point deadline;
+  };
+  std::optional<LostNodeRound> lost_round_;
+  int left_out_in_round_ = 0;  // the newest round whose lost node this node took out (a learner)
+  bool left_out_ = false;      // this node was the one found lost: the others went on without it
   int round_no_ = 0;           // the round this node ran last in this generation (Note [Rounds across nodes])
   int learned_round_ = 0;      // the generation's rounds whose renumbering this node applied (Note [Rounds across nodes])
   clock::time_point learned_at_{};

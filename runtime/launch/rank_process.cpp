@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -46,6 +47,7 @@ RankProcess start_rank_process(const std::vector<std::string>& command, const st
     ::dup2(out[1], STDOUT_FILENO);
     ::dup2(err[1], STDERR_FILENO);
     ::sigprocmask(SIG_SETMASK, &child_mask, nullptr);
+    ::signal(SIGPIPE, SIG_DFL);  // the launcher ignores it; an ignored signal would stay ignored across exec
     ::execvpe(argv[0], argv.data(), envp.data());
     [[maybe_unused]] auto w = ::write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
     ::_exit(127);

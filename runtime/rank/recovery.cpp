@@ -32,6 +32,7 @@
 
 #include "runtime/rank/rank_actor.hpp"
 #include "shardflow/actor.hpp"
+#include "runtime/checkpoint/background_save.hpp"
 #include "runtime/rank/runtime_impl.hpp"
 
 namespace shardflow {
@@ -54,6 +55,9 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   // The actor API's subscribers hear each round's loss before its recovery, however the trainer
   // learnt of it (a failed bucket announces itself; an error met elsewhere did not): once a round.
   old.client.subscribers->failed(make_error(errc::comm, who + ": a peer was lost; the round is abandoned"));
+  // How far this rank's parameters moved since the job's start (or the snapshot it resumed from):
+  // with no snapshot to go back to, going on would mix them with a replacement's initial ones.
+  const std::uint64_t moved = (old.persistence ? old.persistence->snapshots.base : 0) + old.iterations;
   const auto recipe = old.recipe;
   const bool same_rank = comm->rank() == old.rank;
   auto kept = same_rank ? old.timeline : nullptr;
@@ -74,6 +78,11 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   try {
     for (const auto& call : recipe) call(*this);
     const std::uint64_t step = resumed_step();
+    if (step == 0 && moved > 0)
+      throw Error(who + ": no complete snapshot to go back to yet, and this rank's parameters moved through " + std::to_string(moved) +
+                  " iteration(s) since the start: going on would mix them with the lost rank's replacement, which starts from the "
+                  "initial ones. Every rank must start again instead (the launcher restarts them when this rank exits); snapshot "
+                  "earlier (" + impl_->cfg.name_of("snapshot.every") + ") to recover in place from the first steps on");
     impl_->client.subscribers->recovered(caf::actor_cast<caf::actor>(impl_->client.actor), step, impl_->rank, impl_->world);
     return step;
   } catch (...) {
