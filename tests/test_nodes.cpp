@@ -527,10 +527,14 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 1 (node
   }
 }
 
-TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why") {
+TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why "
+          "— under --recovery shrink too, which heals a lost host in place only with --nnodes MIN:MAX") {
+  std::vector<std::string> flags{"--max-restarts", "3"};
+  SUBCASE("restart") {}
+  SUBCASE("--recovery shrink") { flags.insert(flags.end(), {"--recovery", "shrink"}); }  // Note [A lost host healed in place]
   const int port = test::free_port();
-  Child n0(node_cmd({0, 2, 1, port, {"--max-restarts", "3"}}, test::endless_gloo_trainer()), env());
-  Child n1(node_cmd({1, 2, 1, port, {"--max-restarts", "3"}}, test::endless_gloo_trainer()), env());
+  Child n0(node_cmd({0, 2, 1, port, flags}, test::endless_gloo_trainer()), env());
+  Child n1(node_cmd({1, 2, 1, port, flags}, test::endless_gloo_trainer()), env());
   REQUIRE(n0.read_until("3/1000000", 60s));
   ::kill(n1.pid(), SIGKILL);  // its rank dies with it (PR_SET_PDEATHSIG)
   const auto s0 = n0.wait(60s);
@@ -538,6 +542,11 @@ TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, n
   REQUIRE(test::failed(s0));
   CHECK(n0.says("not restarted: "));
   CHECK(!n0.says("restarting every rank"));
+  if (flags.size() > 2) {
+    CHECK(n0.says(" lost: no heartbeat for "));
+    CHECK(n0.says("; not recovered in place: --nnodes is not elastic (MIN:MAX)"));
+    CHECK(!n0.says("; recovering in place (round"));
+  }
 }
 
 // Note [Shrinking the world]
@@ -569,23 +578,6 @@ TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher an
   // Node 1's shards come from the copies node 0's memory holds (Note [Snapshots on the other host]).
   CHECK(n0.says("[shardflow] [rank 1] [info] resumed from the snapshot of step 4 in memory"));
   check_params(two, one, 1e-5);  // the same global batch, summed in another order (measured 4e-8)
-}
-
-// Note [A lost host healed in place]
-TEST_CASE("--recovery shrink across nodes, node 1 lost, and the lost host cannot be healed in place -> the generation fails as "
-          "before, saying why: --nnodes not elastic") {
-  const int port = test::free_port();
-  auto cmd = [&](int node) { return node_cmd({node, 2, 1, port, {"--max-restarts", "3", "--recovery", "shrink"}}, test::endless_gloo_trainer()); };
-  Child n0(cmd(0), env());
-  Child n1(cmd(1), env());
-  REQUIRE(n0.read_until("3/1000000", 60s));
-  ::kill(n1.pid(), SIGKILL);  // its rank dies with it (PR_SET_PDEATHSIG)
-  const auto s0 = n0.wait(60s);
-  INFO(n0.output());
-  REQUIRE(test::failed(s0));
-  CHECK(n0.says(" lost: no heartbeat for "));
-  CHECK(n0.says("; not recovered in place: --nnodes is not elastic (MIN:MAX)"));
-  CHECK(!n0.says("; recovering in place (round"));
 }
 
 namespace {
@@ -930,65 +922,67 @@ TEST_CASE("--nnodes 1:2 --recovery shrink or in-place: a host lost in step 7 (it
   check_params(two, one, 1e-5);
 }
 
-// Note [A lost host healed in place] with a ring of three
-TEST_CASE("3 nodes x 1 rank, --nnodes 2:3 --recovery shrink: node 1 lost in step 7 -> node 0 runs the round, node 2 learns it, "
-          "both fetch the newest snapshot whole (node 1's file was on node 2 only) and go on at world 2 in their own processes, "
-          "numbered 0 and 1, and the job ends where 1 node x 3 ranks ends, to float rounding") {
-  const std::string one = scratch("ring_lost_one_node.safetensors"), three = scratch("ring_lost_three_nodes.safetensors");
-  const std::string snaps = scratch("ring_lost_snapshots");
-  one_node_of(3, one);
-  std::filesystem::remove_all(snaps);
-  const auto nodes = ring_of_three({"--max-restarts", "1", "--recovery", "shrink"}, {"--nnodes", "2:3"}, "collective:1:host:13", 0,
-                                   three, snaps);
-  WAIT_THREE_NODES(nodes);
-  REQUIRE(test::exited_ok(s0));
-  REQUIRE(test::exited_ok(s2));
-  CHECK(test::failed(s1));  // killed
-  CHECK(nodes[0]->says("node 1 (host "));
-  CHECK(nodes[0]->says("; recovering in place (round 1, 1 of 1 restarts): the ranks of the node(s) left keep running, at world 2 "
-                       "from now on, without it"));
-  CHECK(nodes[0]->says("recovered in place: every rank joined round 1"));
-  CHECK(!nodes[2]->says("recovering in place (round"));
-  CHECK(nodes[2]->says("round 1 shrank the world to 2: this node's rank(s) 2 -> 1"));
-  for (const auto& n : nodes) CHECK(!n->says("restarting every rank"));
-  const pid_t p0 = pid_of_rank(nodes[0]->output(), 0), p2 = pid_of_rank(nodes[2]->output(), 2);
-  REQUIRE(p0 > 0);
-  REQUIRE(p2 > 0);
-  CHECK(nodes[0]->says("rank 0 (pid " + std::to_string(p0) + "): recovered in place as rank 0 of 2, going on after step "));
-  CHECK(nodes[2]->says("rank 2 (pid " + std::to_string(p2) + "): recovered in place as rank 1 of 2, going on after step "));
-  CHECK(nodes[0]->says("[shardflow] [rank 0] [info] resumed from the snapshot of step "));
-  CHECK(nodes[2]->says("[shardflow] [rank 1] [info] resumed from the snapshot of step "));
-  CHECK(!nodes[0]->says(" on disk ("));  // from memory, node 1's file fetched from node 2
-  CHECK(!nodes[2]->says(" on disk ("));
-  check_params(three, one, 1e-5);
-}
+namespace {
 
-// Note [A lost host healed in place]: whole hosts left out keep two levels
-TEST_CASE("3 nodes x 2 ranks, --backend auto (two levels), --nnodes 2:3 --recovery in-place: node 1 lost in step 7 -> nodes 0 and 2 "
-          "go on at world 4 over two levels in their own processes (node 2's ranks 4 and 5 become 2 and 3), and the job ends where 1 "
-          "node x 6 ranks ends, to float rounding") {
-  const std::string one = scratch("two_levels_lost_one_node.safetensors"), three = scratch("two_levels_lost_three_nodes.safetensors");
-  const std::string snaps = scratch("two_levels_lost_snapshots");
-  one_node_of(6, one);
+// Note [A lost host healed in place] at three nodes of `nproc` ranks (`backend`, --nnodes 2:3,
+// `flags` on every launcher): node 1's last rank takes its host down at its `at`-th collective.
+// Nodes 0 and 2 must succeed in their first processes, without a restart, and end within 1e-5 of
+// one node's uninterrupted run. Their outputs.
+std::array<std::string, 2> lose_node_one_of_three(const std::string& tag, int nproc, const std::string& backend,
+                                                  const std::vector<std::string>& flags, int at) {
+  const std::string one = scratch(tag + "_one_node.safetensors"), three = scratch(tag + "_three_nodes.safetensors");
+  const std::string snaps = scratch(tag + "_snapshots");
+  one_node_of(3 * nproc, one);
   std::filesystem::remove_all(snaps);
   const int port = test::free_port();
+  const std::string fault = "collective:" + std::to_string(2 * nproc - 1) + ":host:" + std::to_string(at);
   std::vector<std::unique_ptr<Child>> nodes;
   for (int k = 0; k < 3; ++k) {
-    auto prog = eight_steps(k == 0 ? three : scratch("two_levels_lost_unused.safetensors"), snaps);
-    test::set_flag(prog, "--backend", "auto");
-    auto argv = node_cmd({k, 3, 2, port, {"--max-restarts", "1", "--recovery", "in-place"}}, fault_in_first_process("collective:3:host:60", prog));
+    auto prog = eight_steps(k == 0 ? three : scratch(tag + "_unused.safetensors"), snaps);
+    test::set_flag(prog, "--backend", backend);
+    auto argv = node_cmd({k, 3, nproc, port, flags}, fault_in_first_process(fault, prog));
     nodes.push_back(std::make_unique<Child>(with_nnodes(argv, {"--nnodes", "2:3"}), env_info()));
   }
   WAIT_THREE_NODES(nodes);
   REQUIRE(test::exited_ok(s0));
   REQUIRE(test::exited_ok(s2));
   CHECK(test::failed(s1));  // killed
-  CHECK(nodes[0]->says("[rank 0] mlp_train: sizes 24,40,40,6, world 6 (hierarchical"));
-  CHECK(nodes[0]->says("recovered in place: every rank joined round 1"));
-  CHECK(nodes[2]->says("round 1 shrank the world to 4: this node's rank(s) 4 -> 2, 5 -> 3"));
-  CHECK(nodes[2]->says("rank 4 (pid " + std::to_string(pid_of_rank(nodes[2]->output(), 4)) + "): recovered in place as rank 2 of 4"));
-  CHECK(nodes[0]->says("[shardflow] [rank 0] [info] resumed from the snapshot of step "));
-  CHECK(nodes[2]->says("[shardflow] [rank 3] [info] resumed from the snapshot of step "));
   for (const auto& n : nodes) CHECK(!n->says("restarting every rank"));
   check_params(three, one, 1e-5);
+  return {nodes[0]->output(), nodes[2]->output()};
+}
+
+}  // namespace
+
+// Note [A lost host healed in place] with a ring of three
+TEST_CASE("3 nodes x 1 rank, --nnodes 2:3 --recovery shrink: node 1 lost in step 7 -> node 0 runs the round, node 2 learns it, "
+          "both fetch the newest snapshot whole (node 1's file was on node 2 only) and go on at world 2 in their own processes, "
+          "numbered 0 and 1, and the job ends where 1 node x 3 ranks ends, to float rounding") {
+  const auto [n0, n2] = lose_node_one_of_three("ring_lost", 1, "gloo", {"--max-restarts", "1", "--recovery", "shrink"}, 13);
+  CHECK(says(n0, "node 1 (host "));
+  CHECK(says(n0, "; recovering in place (round 1, 1 of 1 restarts): the ranks of the node(s) left keep running, at world 2 from now "
+                 "on, without it"));
+  CHECK(says(n0, "recovered in place: every rank joined round 1"));
+  CHECK(!says(n2, "recovering in place (round"));
+  CHECK(says(n2, "round 1 shrank the world to 2: this node's rank(s) 2 -> 1"));
+  CHECK(says(n0, "rank 0 (pid " + std::to_string(pid_of_rank(n0, 0)) + "): recovered in place as rank 0 of 2, going on after step "));
+  CHECK(says(n2, "rank 2 (pid " + std::to_string(pid_of_rank(n2, 2)) + "): recovered in place as rank 1 of 2, going on after step "));
+  CHECK(says(n0, "[shardflow] [rank 0] [info] resumed from the snapshot of step "));
+  CHECK(says(n2, "[shardflow] [rank 1] [info] resumed from the snapshot of step "));
+  CHECK(!says(n0, " on disk ("));  // from memory, node 1's file fetched from node 2
+  CHECK(!says(n2, " on disk ("));
+}
+
+// Note [A lost host healed in place]: whole hosts left out keep two levels
+TEST_CASE("3 nodes x 2 ranks, --backend auto (two levels), --nnodes 2:3 --recovery in-place: node 1 lost in step 7 -> nodes 0 and 2 "
+          "go on at world 4 over two levels in their own processes (node 2's ranks 4 and 5 become 2 and 3), and the job ends where 1 "
+          "node x 6 ranks ends, to float rounding") {
+  // Two levels count more collectives a step: the 60th comes after step 4's snapshot.
+  const auto [n0, n2] = lose_node_one_of_three("two_levels_lost", 2, "auto", {"--max-restarts", "1", "--recovery", "in-place"}, 60);
+  CHECK(says(n0, "[rank 0] mlp_train: sizes 24,40,40,6, world 6 (hierarchical"));
+  CHECK(says(n0, "recovered in place: every rank joined round 1"));
+  CHECK(says(n2, "round 1 shrank the world to 4: this node's rank(s) 4 -> 2, 5 -> 3"));
+  CHECK(says(n2, "rank 4 (pid " + std::to_string(pid_of_rank(n2, 4)) + "): recovered in place as rank 2 of 4, going on after step "));
+  CHECK(says(n0, "[shardflow] [rank 0] [info] resumed from the snapshot of step "));
+  CHECK(says(n2, "[shardflow] [rank 3] [info] resumed from the snapshot of step "));
 }
