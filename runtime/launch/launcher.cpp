@@ -654,6 +654,7 @@ class Supervisor {
       watch_->fail_lost(what + "; not recovered in place: the store could not be reached (" + e.what() + ")");
       return;
     }
+    learn_rounds();  // the world now, if another node's round shrank it
     std::string why_not;
     const int left = int(members_.size()) - 1;
     if (!spec_.min_nnodes)
@@ -668,7 +669,6 @@ class Supervisor {
     else if (!can_recover_in_place())
       why_not = restart_ + recoveries() >= spec_.max_restarts ? "no restart is left (--max-restarts " + std::to_string(spec_.max_restarts) + ")"
                                                               : "the job is stopping";
-    learn_rounds();
     const int claimed = why_not.empty() ? claim_round(why_not) : 0;
     if (!claimed) {
       watch_->fail_lost(what + (why_not.rfind("; ", 0) == 0 ? why_not : "; not recovered in place: " + why_not));
@@ -678,7 +678,7 @@ class Supervisor {
     learned_round_ = claimed;
     round_ = RecoveryRound{clock::now(), what};
     const int index = int(std::find(members_.begin(), members_.end(), node) - members_.begin());
-    LostNodeRound lr{node, what, std::vector<int>(std::size_t(generation_.world)), 0, {}, clock::now() + spec_.rdzv_timeout};
+    LostNodeRound lr{what, std::vector<int>(std::size_t(generation_.world)), 0, {}, clock::now() + spec_.rdzv_timeout};
     for (int g = 0; g < generation_.world; ++g) lr.next[std::size_t(g)] = g / spec_.nproc_per_node == index ? -1 : lr.world++;
     say(what + "; recovering in place (round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries()) + " of " +
         std::to_string(spec_.max_restarts) + " restarts): the ranks of the node(s) left keep running, at world " +
@@ -1078,7 +1078,6 @@ class Supervisor {
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
   struct LostNodeRound {  // Note [A lost host healed in place]: run here, its word not out yet
-    int node;
     std::string what;
     std::vector<int> next;  // the word's numbers
     int world;

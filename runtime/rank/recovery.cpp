@@ -25,15 +25,18 @@
 // by the load), the timeline (the trace file goes on, unless the rank changed), the actor API's
 // subscribers, and the CUDA stream. What does not, as after a restart: hyper-parameters set after
 // training started (set_lr: the trainer's schedule sets them again at the step it resumes from).
+// With no complete snapshot yet there is nothing every rank can go back to alike once the
+// survivors' parameters moved: recover() then refuses by name (the rank exits, and the launcher
+// starts it again), rather than redo the first steps from moved parameters.
 // Changes a replay cannot make alike are refused by name rather than half replayed: a
 // refresh_trainable() or add_param_group() after training started (the replacement would not have
 // them), and recovery without Config::snapshot.dir (there would be nothing consistent to go back to).
 #include <caf/actor_cast.hpp>
 
-#include "runtime/rank/rank_actor.hpp"
-#include "shardflow/actor.hpp"
 #include "runtime/checkpoint/background_save.hpp"
+#include "runtime/rank/rank_actor.hpp"
 #include "runtime/rank/runtime_impl.hpp"
+#include "shardflow/actor.hpp"
 
 namespace shardflow {
 
@@ -80,8 +83,8 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
     const std::uint64_t step = resumed_step();
     if (step == 0 && moved > 0)
       throw Error(who + ": no complete snapshot to go back to yet, and this rank's parameters moved through " + std::to_string(moved) +
-                  " iteration(s) since the start: going on would mix them with the lost rank's replacement, which starts from the "
-                  "initial ones. Every rank must start again instead (the launcher restarts them when this rank exits); snapshot "
+                  " iteration(s) since the start: going on would redo those steps from moved parameters (and mix them with a "
+                  "replacement's, which are the initial ones). Every rank must start again instead (the launcher restarts them when this rank exits); snapshot "
                   "earlier (" + impl_->cfg.name_of("snapshot.every") + ") to recover in place from the first steps on");
     impl_->client.subscribers->recovered(caf::actor_cast<caf::actor>(impl_->client.actor), step, impl_->rank, impl_->world);
     return step;
