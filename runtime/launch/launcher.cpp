@@ -604,14 +604,7 @@ class Supervisor {
       dead.push_back(r->pid);
     }
     shm::remove_segments_of(dead);
-    try {
-      recovery_store().set(recovery_verdict::key(restart_, round_no_),
-                           recovery_verdict::format({who + (shrink ? "; going on without it" : "; started again"), world, next}));
-    } catch (const Error& e) {
-      say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
-      end_round("the store could not be reached");
-      return;
-    }
+    if (!publish_verdict({who + (shrink ? "; going on without it" : "; started again"), world, next})) return;
     if (shrink) {
       renumber(next, world, round_no_);
       return;
@@ -715,23 +708,37 @@ class Supervisor {
       lr.waiting.erase(std::remove_if(lr.waiting.begin(), lr.waiting.end(),
                                       [&](int k) { return st.check({recovery_verdict::ready_key(restart_, round_no_, k)}); }),
                        lr.waiting.end());
-      if (!lr.waiting.empty() && clock::now() < lr.deadline) return;
-      if (!lr.waiting.empty()) {
-        std::string who;
-        for (int k : lr.waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
-        lost_round_.reset();
-        end_round(who + " did not fetch the newest snapshot within --rdzv-timeout");
-        return;
-      }
-      st.set(recovery_verdict::key(restart_, round_no_), recovery_verdict::format({lr.what + "; going on without it", lr.world, lr.next}));
     } catch (const Error& e) {
-      lost_round_.reset();
-      say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
-      end_round("the store could not be reached");
+      cannot_tell(e);
       return;
     }
-    renumber(lr.next, lr.world, round_no_);
+    if (!lr.waiting.empty() && clock::now() < lr.deadline) return;
+    if (!lr.waiting.empty()) {
+      std::string who;
+      for (int k : lr.waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
+      end_round(who + " did not fetch the newest snapshot within --rdzv-timeout");  // lost_round_ goes with it (fail_round)
+      return;
+    }
+    const auto verdict = recovery_verdict::Verdict{lr.what + "; going on without it", lr.world, lr.next};
     lost_round_.reset();
+    if (publish_verdict(verdict)) renumber(verdict.next, verdict.world, round_no_);
+  }
+
+  // The round's word for the surviving ranks (Note [Recovering in place]); false when the store
+  // cannot take it: then the round has ended, and every rank restarts.
+  bool publish_verdict(const recovery_verdict::Verdict& v) {
+    try {
+      recovery_store().set(recovery_verdict::key(restart_, round_no_), recovery_verdict::format(v));
+      return true;
+    } catch (const Error& e) {
+      cannot_tell(e);
+      return false;
+    }
+  }
+
+  void cannot_tell(const Error& e) {
+    say("cannot tell the surviving ranks through the store (" + std::string(e.what()) + "); restarting every rank instead");
+    end_round("the store could not be reached");
   }
 
   // Whether this host's launcher copies its snapshot files now, for ranks started with a copy to
