@@ -986,3 +986,80 @@ TEST_CASE("3 nodes x 2 ranks, --backend auto (two levels), --nnodes 2:3 --recove
   CHECK(says(n0, "[shardflow] [rank 0] [info] resumed from the snapshot of step "));
   CHECK(says(n2, "[shardflow] [rank 3] [info] resumed from the snapshot of step "));
 }
+
+// Note [A node joins live]
+TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node goes on alone in place — the lost node's launcher "
+          "started again is taken in by the running ranks at their next snapshot in memory, without a restart and without a step "
+          "lost, and the job ends at world 4 where 1 node x 4 ranks ends, to float rounding") {
+  int lost = 1;
+  std::optional<test::EtcdCluster> etcd;
+  std::vector<std::string> flags{"--recovery", "shrink"};
+  SUBCASE("node 1 lost and back") {}
+  SUBCASE("node 0 lost and back with the store on etcd: node 1 runs both rounds, and its ranks go 2 -> 0 -> 2") { lost = 0; }
+  CAPTURE(lost);
+  if (lost == 0) {
+    if (!test::etcd_installed()) {
+      MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
+      return;
+    }
+    etcd.emplace(1, "test-nodes");
+    const auto where = on_etcd(*etcd, "grow-live");
+    flags.insert(flags.end(), where.begin(), where.end());
+  }
+  const std::string one = scratch("grow_one_node.safetensors"), two = scratch("grow_two_nodes.safetensors");
+  const std::string snaps = scratch("grow_snapshots"), go = scratch("grow_go"), unused = scratch("grow_unused.safetensors");
+  std::filesystem::remove_all(snaps);
+  std::filesystem::remove(go);
+  auto sixteen_steps = [](const std::string& save, const std::string& dir) {
+    auto args = eight_steps(save, dir);
+    test::set_flag(args, "--steps", "16");
+    return args;
+  };
+  {
+    Child job(node_cmd({0, 1, 4, test::free_port(), {}}, sixteen_steps(one, "")), env());
+    INFO(job.output());
+    REQUIRE(test::exited_ok(job.wait(120s)));
+  }
+  const int port = test::free_port();
+  // A rank of the lost node takes its host down at its 13th collective (step 7); the survivors then
+  // hold before step 10 until the returning launcher is waiting to be taken in.
+  const std::string fault = "collective:" + std::to_string(2 * lost + 1) + ":host:13";
+  auto cmd_for = [&](int node, const std::string& save) {
+    return with_nnodes(node_cmd({node, 2, 2, port, flags}, fault_in_first_process(fault, sixteen_steps(save, snaps))),
+                       {"--nnodes", "1:2", "--max-restarts", "1"});
+  };
+  auto held = env_info();
+  held["SHARDFLOW_TEST_HOLD"] = "10:" + go;
+  // Rank 0 saves the parameters at the end: node 0's, whichever launcher that is then.
+  Child n0(cmd_for(0, lost == 0 ? unused : two), held);
+  Child n1(cmd_for(1, lost == 1 ? unused : two), held);
+  Child& survivor = lost == 1 ? n0 : n1;
+  REQUIRE(survivor.read_until("recovered in place: every rank joined round 1", 90s));
+  CHECK(test::failed((lost == 1 ? n1 : n0).wait(60s)));  // its launcher went with its host
+  Child back(cmd_for(lost, two), held);
+  REQUIRE(survivor.read_until("asks to join: taking it in (round 2): the ranks go on at world 4 from their next snapshot in memory", 60s));
+  std::ofstream(go).put('1');
+  REQUIRE_BOTH_NODES_OK(survivor, back);
+  const std::string out = survivor.output();
+  CHECK(back.says("the running ranks to take it in at their next snapshot in memory"));
+  CHECK(back.says("node " + std::to_string(lost) + " joins the running job in round 2: 2 node(s), world 4"));
+  CHECK(says(out, "grew in place: every rank joined round 2 at world 4"));
+  if (lost == 0) CHECK(says(out, "round 2 grew the world to 4: this node's rank(s) 0 -> 2, 1 -> 3"));
+  CHECK(!says(out, "restarting every rank"));
+  CHECK(out.find("started rank") == out.rfind("started rank"));  // the survivors' launcher: once, at the start
+  // The survivors stay in their first processes; nobody goes back a step: every rank goes on after
+  // the step the survivors were at, from the snapshot they completed there (the first after the
+  // newcomer asked: 12 at the latest, after the hold), the newcomer's ranks from their own host's
+  // memory (its predecessor's copy).
+  const auto at = out.find("the launcher takes a node into the job: snapshot of step ");
+  REQUIRE(at != std::string::npos);
+  const std::string step = std::to_string(std::atoi(out.c_str() + at + std::strlen("the launcher takes a node into the job: snapshot of step ")));
+  CHECK(std::stoi(step) % 2 == 0);
+  CHECK(std::stoi(step) <= 12);
+  for (int r = 2 * (1 - lost); r < 2 * (1 - lost) + 2; ++r)
+    CHECK(says(out, "rank " + std::to_string(r) + " (pid " + std::to_string(pid_of_rank(out, r)) + "): recovered in place as rank " +
+                        std::to_string(r) + " of 4, going on after step " + step + "\n"));
+  for (int r = 2 * lost; r < 2 * lost + 2; ++r)
+    CHECK(back.says("[shardflow] [rank " + std::to_string(r) + "] [info] resumed from the snapshot of step " + step + " in memory"));
+  check_params(two, one, 1e-5);  // world 4, then 2, then 4 again: the same global batch in other orders
+}

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <exception>
 #include <mutex>
@@ -227,6 +229,20 @@ Model initial_model(const Shared& sh) {
 // then the global loss and rank 0's report. `micro(x, y, rows, denom)` runs forward and backward
 // and returns the micro-batch's loss.
 using MicroBatch = std::function<float(const float* x, const float* y, int rows, double loss_denominator)>;
+// Test hook (tests/test_nodes.cpp, Note [A node joins live]): SHARDFLOW_TEST_HOLD=STEP:FILE holds
+// each rank before step STEP (counted from the start of training) until FILE exists, so that a
+// scenario can start another node's launcher while the job is at a known step.
+void hold_if_asked(int step) {
+  static const auto hold = []() -> std::pair<int, std::string> {
+    const char* v = std::getenv("SHARDFLOW_TEST_HOLD");
+    const char* colon = v ? std::strchr(v, ':') : nullptr;
+    if (!colon) return {-1, ""};
+    return {std::atoi(v), colon + 1};
+  }();
+  if (step != hold.first) return;
+  while (!std::filesystem::exists(hold.second)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
 void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
                  const std::function<void(int step)>& update, int first_step, int steps_done) {
   const auto& opt = sh.opt;
@@ -240,6 +256,7 @@ void train_steps(Shared& sh, int rank, Runtime& rt, const MicroBatch& micro,
   // steps_done: resumed from a snapshot, --steps counts from the start (Note [Snapshots]).
   const int steps = (opt.shard_data ? std::min(opt.steps, shard.batches) : opt.steps) - steps_done;
   for (int step = 0; step < steps; ++step) {
+    hold_if_asked(first_step + step);
     const auto t0 = std::chrono::steady_clock::now();
     rt.zero_grad();
     float loss = 0.0f;
@@ -319,7 +336,7 @@ void run_rank(Shared& sh, int rank, const std::shared_ptr<Communicator>& comm, s
       // A lost peer (its death, or its silence past the timeout) with in-place recovery: this
       // process goes on in the job's next round, from the newest snapshot (Note [Recovering in place]).
       if (!opt.rejoin || !(dynamic_cast<const CommError*>(&e) || dynamic_cast<const TimeoutError*>(&e))) throw;
-      std::fprintf(stderr, "rank %d: a peer was lost (%s); recovering in place\n", rank, e.what());
+      std::fprintf(stderr, "rank %d: this round ended (%s); recovering in place\n", rank, e.what());
       steps_done = int(rt.recover(opt.rejoin()));
       // A shrinking round numbers the survivors afresh: each takes its new share of every batch.
       if (opt.global_batch % rt.world_size() != 0)

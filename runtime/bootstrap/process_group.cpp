@@ -236,6 +236,9 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   std::string text;
   try {
     const auto client = connect_store(store_of(env, env.master_addr, std::max(o.timeout, env.recovery_word_wait)));
+    // Note [A node joins live]: a growing round's launcher waits for every rank to be here, its
+    // snapshot complete, before the new node fetches it.
+    client->add(recovery_verdict::parked_key(env.restart_count, round), 1);
     text = client->get(key);
   } catch (const Error& e) {
     throw CommError("rejoin_process_group on rank " + std::to_string(before) + ": no word from the launcher on round " +
@@ -259,7 +262,7 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
   placed.world_size = verdict->world;
   if (env.single_host()) {
     placed.local_rank = placed.rank, placed.local_world_size = verdict->world;
-  } else if (verdict->world != int(next.size()) && choose_backend(placed, o) == "hierarchical" &&
+  } else if (verdict->world < int(next.size()) && choose_backend(placed, o) == "hierarchical" &&
              !whole_hosts_left_out(env, next, world_before)) {
     // A shrink across nodes leaves the lost rank's host with fewer ranks than the others, which
     // two levels (shm inside a host, Gloo between the hosts' same local ranks) cannot pair up.

@@ -32,6 +32,19 @@ inline std::string ready_key(int generation, int round, int node) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/ready/" + std::to_string(node);
 }
 
+// Note [A node joins live] (runtime/launch/launcher.cpp): the node a growing round takes in; the
+// ranks that left their iteration for the round (each adds 1 in rejoin_process_group, after its
+// snapshot completed); and the round's nodes in order, posted once every rank is there.
+inline std::string grow_node_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/grow-node";
+}
+inline std::string parked_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/parked";
+}
+inline std::string members_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/members";
+}
+
 // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's number in this
 // round (-1: lost, left out). A launcher that stops every rank instead says "restart: <why>".
 struct Verdict {

@@ -19,6 +19,11 @@ constexpr std::string_view kMirroredSuffix = ".mirrored";
 // with kMirror: the job went on without the other host (Note [A lost host healed in place],
 // runtime/launch/launcher.cpp), and a rank waiting for its files' copies would wait in vain.
 constexpr const char* kNoCopies = "no-copies";
+// In the memory directory while the launcher takes a node into the running job (Note [A node
+// joins live], runtime/launch/launcher.cpp): rank 0 looks for it at each snapshot into memory, and
+// when it is there every rank completes that snapshot and goes on in the launcher's next round,
+// at the larger world, from it (Runtime::recover).
+constexpr const char* kRegroup = "regroup";
 
 // A rank's file in a snapshot: what the launcher copies (ckpt-<id>-rank<r>-of-<w>.safetensors).
 inline bool is_shard_file(std::string_view name) {

@@ -35,6 +35,11 @@ struct BackgroundSaveState {
   // index into its host's copy too, and its file counts as written once the copy is there.
   bool next_host_index = false;
   bool next_mirrored = false;
+  // For the next save only (a snapshot into memory): rank 0 asks its host's memory whether the
+  // launcher wants the ranks in its next round (snapshot_env::kRegroup), and every rank learns the
+  // answer with the save's id (regroup_asked).
+  bool next_regroup_check = false;
+  bool regroup_asked = false;
   // The runtime ends: a write in flight finishes first. With no wait_checkpoint() its index is
   // never written, so the previous checkpoint stays the one the directory names.
   void finish_writer() {
@@ -61,6 +66,9 @@ struct SnapshotState {
   // holds its sum once `word_done` is ready.
   std::shared_ptr<float> word;
   std::future<void> word_done;
+  // Note [A node joins live]: this rank left its iteration for the launcher's next round (not a
+  // failure: recover() tells the subscribers so).
+  bool regrouping = false;
 };
 
 // All of the folder's state on a rank. Runtime::Impl holds it through a pointer (`persistence`,

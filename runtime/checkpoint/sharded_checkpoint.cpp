@@ -254,8 +254,17 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   checkpoint_entry(I, *this, "save_sharded_checkpoint");
   if (I.persistence->saves.pending) I.finish_checkpoint();  // one save in flight at a time
   // This save's name: rank 0's, so that no file of the checkpoint the index names is overwritten.
-  std::uint32_t id = I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0;
-  I.control_collective(CollectiveKind::broadcast, &id, 1, "sharded checkpoint: save id");
+  // With it goes rank 0's word on whether the launcher wants the ranks in its next round (Note [A
+  // node joins live]): one broadcast, which a snapshot pays anyway.
+  const bool regroup_check = std::exchange(I.persistence->saves.next_regroup_check, false);
+  std::uint32_t words[2] = {I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0, 0};
+  if (I.rank == 0 && regroup_check) {
+    std::error_code ec;
+    words[1] = fs::exists(fs::path(I.persistence->snapshots.memory_dir) / snapshot_env::kRegroup, ec) ? 1 : 0;
+  }
+  I.control_collective(CollectiveKind::broadcast, words, 2, "sharded checkpoint: save id");
+  const std::uint32_t id = words[0];
+  I.persistence->saves.regroup_asked = regroup_check && words[1] != 0;
   auto pending = std::make_unique<BackgroundSaveState::Pending>();
   pending->dir = dir;
   pending->step = I.persistence->snapshots.base + I.iterations;

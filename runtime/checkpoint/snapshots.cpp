@@ -297,17 +297,7 @@ void Runtime::Impl::snapshot_if_due() {
       I.control_collective(CollectiveKind::allreduce, &written, 1, "snapshot: every rank's files written");
       complete = written == float(I.world);
     }
-    if (due || complete) {
-      finish_checkpoint();
-      I.persistence->snapshots.started = 0;
-      // In memory the newest complete one stays (the one written next is the second buffer),
-      // pruned on each host by the rank that writes its index there. Complete means every file is
-      // on two hosts (Note [Snapshots on the other host]); with more than two nodes no host holds
-      // it whole until a restart assembles it. On disk the newest `keep` stay, pruned by rank 0.
-      if (I.rank == 0 || (I.persistence->snapshots.started_in_memory && I.persistence->snapshots.host_index))
-        prune(I.persistence->snapshots.started_in_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir,
-              I.persistence->snapshots.started_in_memory ? 1 : I.cfg.snapshot.keep, *I.log);
-    }
+    if (due || complete) complete_snapshot();
   }
   if (step % every != 0) return;
   const bool to_memory = !I.persistence->snapshots.memory_dir.empty() && step % I.persistence->snapshots.disk_every != 0;
@@ -318,9 +308,35 @@ void Runtime::Impl::snapshot_if_due() {
                       !fs::exists(fs::path(I.persistence->snapshots.memory_dir) / snapshot_env::kNoCopies, no_copies_ec);
   I.persistence->saves.next_mirrored = to_memory && copies;
   I.persistence->saves.next_host_index = to_memory && copies && I.persistence->snapshots.host_index;
+  I.persistence->saves.next_regroup_check = to_memory;
   facade->save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir, step));
   I.persistence->snapshots.started = step;
   I.persistence->snapshots.started_in_memory = to_memory;
+  if (!std::exchange(I.persistence->saves.regroup_asked, false)) return;
+  // Note [A node joins live]: the launcher takes a node in. This snapshot completes now, on every
+  // rank alike (rank 0's word came with the save's id), and the iteration ends in the error every
+  // in-place trainer already answers with recover(rejoin_process_group(...)): the next round's
+  // world reloads this very snapshot, so no step is lost.
+  complete_snapshot();
+  snaps.regrouping = true;
+  I.log->info("the launcher takes a node into the job: snapshot of step {} complete, going on in its next round", step);
+  throw CommError("rank " + std::to_string(I.rank) + ": the launcher takes a node into the job after step " + std::to_string(step) +
+                  " (Note [A node joins live]): recover in place (Runtime::recover(rejoin_process_group(...))) to go on at the larger "
+                  "world from this step's snapshot; no step is lost");
+}
+
+// A snapshot is complete once every rank's files and its index are written.
+void Runtime::Impl::complete_snapshot() {
+  auto& I = *this;
+  finish_checkpoint();
+  I.persistence->snapshots.started = 0;
+  // In memory the newest complete one stays (the one written next is the second buffer), pruned on
+  // each host by the rank that writes its index there. Complete means every file is on two hosts
+  // (Note [Snapshots on the other host]); with more than two nodes no host holds it whole until a
+  // restart assembles it. On disk the newest `keep` stay, pruned by rank 0.
+  if (I.rank == 0 || (I.persistence->snapshots.started_in_memory && I.persistence->snapshots.host_index))
+    prune(I.persistence->snapshots.started_in_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir,
+          I.persistence->snapshots.started_in_memory ? 1 : I.cfg.snapshot.keep, *I.log);
 }
 
 }  // namespace shardflow

@@ -21,6 +21,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <sstream>
 
 #include "kernels/cpu/blas.hpp"
 #include "runtime/comm/shm_names.hpp"
@@ -171,7 +172,14 @@ class Supervisor {
       say("stopped by SIG" + std::string(sigabbrev_np(interrupted_)) + " during the rendezvous; no rank was started");
       return 128 + interrupted_;
     }
-    if (const int g = watch_->joined_at(); g > 0) {  // Note [Rejoining]
+    if (const int round = watch_->joined_round(); round > 0) {  // Note [A node joins live]
+      restart_ = watch_->joined_at();
+      members_ = watch_->members();
+      round_no_ = learned_round_ = round;
+      joined_live_ = true;
+      say("node " + std::to_string(spec_.node_rank) + " joins the running job in round " + std::to_string(round) + ": " +
+          std::to_string(members_.size()) + " node(s), world " + std::to_string(int(members_.size()) * spec_.nproc_per_node));
+    } else if (const int g = watch_->joined_at(); g > 0) {  // Note [Rejoining]
       restart_ = g;
       members_ = watch_->members();
       say("node " + std::to_string(spec_.node_rank) + " rejoins the job at its restart " + std::to_string(g) + ": " +
@@ -184,15 +192,17 @@ class Supervisor {
   // This node's ranks, generation after generation, until the job ends or no restart is wanted.
   void run_generations(int port, const std::string& token, const sigset_t& old) {
     std::vector<int> before = members_;  // the nodes of the generation before (a joiner's: the others)
-    if (restart_ > 0) before.erase(std::remove(before.begin(), before.end(), spec_.node_rank), before.end());
+    const bool joiner = restart_ > 0 || joined_live_;
+    if (joiner) before.erase(std::remove(before.begin(), before.end(), spec_.node_rank), before.end());
     for (;;) {
       std::string started;
       // This node's place among the generation's nodes (Note [Shrinking the world]).
       const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
       const int world = spec_.nproc_per_node * int(members_.size());
       generation_ = {node, world, port, token, old};
-      point_mirror(before, restart_ > 0);
+      point_mirror(before, restart_ > 0 || joined_live_);
       before = members_;
+      if (std::exchange(joined_live_, false)) say_ready(round_no_);  // Note [A node joins live], step 3
       for (int l = 0; l < spec_.nproc_per_node; ++l) {
         auto& r = ranks_.emplace_back();
         r.local = l;
@@ -233,7 +243,7 @@ class Supervisor {
         say(e.what());
       }
     watch_->post("mirror/" + std::to_string(spec_.node_rank), mine);
-    for (int k = 0; k < spec_.nnodes; ++k) {
+    for (int k : members_) {  // a node that joins a running job: the nodes there now
       if (k == spec_.node_rank || !mirror_) continue;
       if (watch_->read("mirror/" + std::to_string(k)) != "none") continue;
       say("snapshots on disk only: " + watch_->label(k) + " has no memory to keep them in (a tmpfs /dev/shm) or could not listen "
@@ -431,13 +441,15 @@ class Supervisor {
   // counts as a restart. Across nodes the store says which of the generation's rounds are over;
   // unreachable, this node's own count stands in (the restart that follows cannot reach it either).
   int recoveries() {
-    int in_generation = rounds_healed_ + (round_ ? 1 : 0);
+    const bool healing = round_ && !round_->grow;  // Note [A node joins live]: taking a node in uses no restart
+    int in_generation = rounds_healed_ + (healing ? 1 : 0);
     if (in_place() && spec_.nnodes > 1) {
       try {
         auto& st = recovery_store();
         const int claimed = int(st.add(round_key("rounds"), 0));
         int over = 0;
-        for (int j = 1; j <= claimed; ++j) over += (round_ && j == round_no_) || round_over(st, j);
+        for (int j = 1; j <= claimed; ++j)
+          over += (healing && j == round_no_) || (!(round_ && j == round_no_) && !grew(st, j) && round_over(st, j));
         in_generation = over;
       } catch (const Error&) {
       }
@@ -446,11 +458,19 @@ class Supervisor {
     return recoveries_seen_;
   }
 
-  // Note [Rounds across nodes]: round j is over once every rank of its world joined it. Compared
-  // with the world now: after a shrink, an earlier round's larger world joined more than that.
+  // Note [Rounds across nodes]: round j is over once every rank of its world joined it: the world
+  // its word says (a shrink's is smaller than the one before, a growing round's larger), else the
+  // world now.
   bool round_over(Store& st, int j) {
-    return j < 1 || st.add(recovery_verdict::joined_key(restart_, j), 0) >= generation_.world;
+    if (j < 1) return true;
+    int world = generation_.world;
+    if (const auto key = recovery_verdict::key(restart_, j); st.check({key}))
+      if (const auto v = recovery_verdict::parse(st.get(key))) world = v->world;
+    return st.add(recovery_verdict::joined_key(restart_, j), 0) >= world;
   }
+
+  // Round j took a node in (Note [A node joins live]).
+  bool grew(Store& st, int j) { return st.check({recovery_verdict::grow_node_key(restart_, j)}); }
 
   // Note [Rounds across nodes]: the next round's number, or 0 when another node's round is still
   // open or the store cannot be reached, with why in `why_not`.
@@ -502,9 +522,10 @@ class Supervisor {
       r.global = n;
       if (spec_.nnodes == 1) r.local = n;
     }
+    const bool grew = world > generation_.world;
     generation_.world = world;
     if (spec_.nnodes > 1 && !moved.empty())
-      say("round " + std::to_string(round) + " shrank the world to " + std::to_string(world) + ": this node's rank(s) " + moved);
+      say("round " + std::to_string(round) + (grew ? " grew" : " shrank") + " the world to " + std::to_string(world) + ": this node's rank(s) " + moved);
   }
 
   // Note [Rounds across nodes]: another node's shrinking round renumbers this node's ranks too,
@@ -519,6 +540,20 @@ class Supervisor {
         const int j = learned_round_ + 1;
         const std::string key = recovery_verdict::key(restart_, j);
         if (!st.check({key})) {  // claimed, its word not out yet (or a claim that failed: the generation ends)
+          // Note [A node joins live], steps 1 and 3 on the other nodes.
+          if (grew(st, j)) {
+            if (grow_flag_round_ != j) {
+              grow_flag_round_ = j;
+              ask_regroup(true);
+            }
+            if (grown_in_round_ != j && st.check({recovery_verdict::members_key(restart_, j)})) {
+              grown_in_round_ = j;
+              ask_regroup(false);
+              take_in(std::stoi(st.get(recovery_verdict::grow_node_key(restart_, j))), parse_nodes(st.get(recovery_verdict::members_key(restart_, j))));
+              say_ready(j);
+            }
+            return;
+          }
           // Note [A lost host healed in place], step 2: another node runs a lost host's round.
           if (left_out_in_round_ != j && st.check({recovery_verdict::lost_node_key(restart_, j)})) {
             left_out_in_round_ = j;
@@ -526,7 +561,7 @@ class Supervisor {
             if (node == spec_.node_rank) {  // found lost while it was silent (stopped, cut off): the others went on
               left_out_ = true;
               peer_failure_ = "this node was found lost by the others and left out of the job in round " + std::to_string(j) +
-                              " (a launcher started again here rejoins at the next restart)";
+                              " (a launcher started again here is taken in again: Note [A node joins live])";
               say(*peer_failure_ + "; stopping this node's rank(s)");
               begin_stop(SIGTERM);
               return;
@@ -545,6 +580,168 @@ class Supervisor {
       // again, so that a store whose host is gone does not hold the output's relay at every poll.
       store_silent_ = true;
     }
+  }
+
+  // ---- Note [A node joins live] ------------------------------------------------------------------
+  // A node left out (its host lost and healed in place, or left out at a restart) whose launcher is
+  // started again asks to join (Note [Rejoining]). Under --recovery in-place or shrink with --nnodes
+  // MIN:MAX the running generation takes it in without a restart, at a step boundary, losing no
+  // step: the survivors keep their processes, as when healing in place, and the world grows back.
+  // The node that sees the request first runs a round of its own (node 0 with its TCP store; on
+  // etcd the first to claim "grow/<node>"):
+  // 1. It claims the round, posts the node it takes in, and tells the ranks through their hosts'
+  //    memory (snapshot_env::kRegroup; the other nodes' launchers learn the round and do the same).
+  // 2. Rank 0 reads it at the next snapshot into memory, and its word goes with the save's id to
+  //    every rank: that snapshot completes at once, and each rank's iteration ends in the error an
+  //    in-place trainer answers with recover(rejoin_process_group(...)), where it says it is there.
+  // 3. Once every rank is, the node is told the round's nodes (launch/joined/<k>: "G R"), every
+  //    node points its ring of copies anew (the node before the newcomer seeds its memory with that
+  //    snapshot; with more than two nodes each fetches what its memory lacks), and says it is ready.
+  // 4. The round's word goes out: every rank keeps its node's place, the newcomer's ranks take
+  //    theirs (node by node, so two levels still pair up), and all of them load that snapshot.
+  // It uses no restart. Not taken in live, the node waits for the next restart, as before, and the
+  // launcher says why once: snapshots on disk only (no step to go on from at once), or an earlier
+  // round shrank the world by ranks rather than whole nodes. A round that does not finish within
+  // --rdzv-timeout (a trainer that never snapshots into memory, the newcomer lost again) ends the
+  // generation as a failed round does.
+  void look_for_joiners() {
+    if (!in_place() || !spec_.min_nnodes || spec_.nnodes == 1 || !watch_ || round_ || store_silent_ || first_failure_ || peer_failure_ ||
+        interrupted_ || stop_deadline_ || left_out_ || int(members_.size()) >= spec_.nnodes)
+      return;
+    std::vector<int> asking;
+    try {
+      asking = watch_->asking_to_join();
+    } catch (const Error&) {
+      return;  // the store: the heartbeats say what became of it
+    }
+    for (int k : asking) {
+      std::string why_not;
+      if (!snapshot_memory_ || snapshot_memory_->path().empty())
+        why_not = "the snapshots are kept on disk only, so there is no step the job can go on from at once";
+      else if (generation_.world != int(members_.size()) * spec_.nproc_per_node)
+        why_not = "an earlier round of this generation shrank the world by ranks, not by whole nodes";
+      if (!why_not.empty()) {
+        if (std::find(refused_joins_.begin(), refused_joins_.end(), k) == refused_joins_.end()) {
+          refused_joins_.push_back(k);
+          say(watch_->label(k) + " asks to join; not taken in live: " + why_not + "; it joins at the next restart");
+        }
+        continue;
+      }
+      try {
+        auto& st = recovery_store();
+        if (!round_over(st, int(st.add(round_key("rounds"), 0)))) return;  // another node's round first: asked again later
+        if (st.add(round_key("grow/" + std::to_string(k)), 1) != 1) continue;  // another node takes it in
+      } catch (const Error&) {
+        return;
+      }
+      learn_rounds();  // the world now, if another node's round changed it
+      const int claimed = claim_round(why_not);
+      if (!claimed) {
+        say(watch_->label(k) + " asks to join; not taken in live" + why_not + "; it joins at the next restart");
+        continue;
+      }
+      round_no_ = learned_round_ = claimed;
+      const std::string what = watch_->label(k) + " asks to join";
+      round_ = RecoveryRound{clock::now(), what, true};
+      grow_round_ = GrowRound{k, what, members_, false, {}, clock::now() + spec_.rdzv_timeout};
+      try {
+        recovery_store().set(recovery_verdict::grow_node_key(restart_, round_no_), std::to_string(k));
+      } catch (const Error& e) {
+        cannot_tell(e);
+        return;
+      }
+      ask_regroup(true);
+      say(what + ": taking it in (round " + std::to_string(round_no_) + "): the ranks go on at world " +
+          std::to_string(int(members_.size() + 1) * spec_.nproc_per_node) + " from their next snapshot in memory, which its ranks load");
+      return;  // one node a round
+    }
+  }
+
+  // Steps 2-4 on the node that runs the round, polled by supervise().
+  void check_grow_round() {
+    if (!grow_round_) return;
+    auto& gr = *grow_round_;
+    try {
+      auto& st = recovery_store();
+      if (!gr.admitted) {
+        if (st.add(recovery_verdict::parked_key(restart_, round_no_), 0) < generation_.world) {
+          if (clock::now() > gr.deadline)
+            end_round("not every rank reached a snapshot in memory within --rdzv-timeout (does the trainer take snapshots, and "
+                      "answer the error by recovering in place?)");
+          return;
+        }
+        std::vector<int> next = members_;
+        next.push_back(gr.node);
+        std::sort(next.begin(), next.end());
+        std::string list;
+        for (int k : next) list += (list.empty() ? "" : " ") + std::to_string(k);
+        st.set(recovery_verdict::members_key(restart_, round_no_), list);
+        ask_regroup(false);
+        take_in(gr.node, next, std::to_string(restart_) + " " + std::to_string(round_no_));
+        gr.admitted = true;
+        for (int k : members_)
+          if (k != spec_.node_rank) gr.waiting.push_back(k);
+        gr.deadline = clock::now() + spec_.rdzv_timeout;
+      }
+      gr.waiting.erase(std::remove_if(gr.waiting.begin(), gr.waiting.end(),
+                                      [&](int k) { return st.check({recovery_verdict::ready_key(restart_, round_no_, k)}); }),
+                       gr.waiting.end());
+    } catch (const Error& e) {
+      cannot_tell(e);
+      return;
+    }
+    if (!gr.waiting.empty() && clock::now() < gr.deadline) return;
+    if (!gr.waiting.empty()) {
+      std::string who;
+      for (int k : gr.waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
+      end_round(who + " did not get the newest snapshot within --rdzv-timeout");
+      return;
+    }
+    // Every rank keeps its node's place in the new order; the newcomer's ranks take theirs.
+    recovery_verdict::Verdict v{gr.what + "; taken in", int(members_.size()) * spec_.nproc_per_node,
+                                std::vector<int>(std::size_t(generation_.world))};
+    for (int g = 0; g < generation_.world; ++g) {
+      const int node = gr.before[std::size_t(g / spec_.nproc_per_node)];
+      const int at = int(std::find(members_.begin(), members_.end(), node) - members_.begin());
+      v.next[std::size_t(g)] = at * spec_.nproc_per_node + g % spec_.nproc_per_node;
+    }
+    grow_round_.reset();
+    if (publish_verdict(v)) renumber(v.next, v.world, round_no_);
+  }
+
+  // Step 3 on any node of the round: the newcomer is in this node's generation and its ring of copies.
+  void take_in(int node, const std::vector<int>& next, const std::string& joined = "") {
+    const std::vector<int> before = members_;
+    watch_->admit(node, joined);
+    members_ = next;
+    point_mirror(before, true);
+  }
+
+  void say_ready(int round) {
+    try {
+      recovery_store().set(recovery_verdict::ready_key(restart_, round, spec_.node_rank), "1");
+    } catch (const Error&) {
+      // The node that runs the round names this node when its deadline passes.
+    }
+  }
+
+  // Step 1: whether the ranks of this host leave their iteration at their next snapshot in memory.
+  void ask_regroup(bool on) {
+    if (!snapshot_memory_ || snapshot_memory_->path().empty()) return;
+    const auto flag = std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kRegroup;
+    std::error_code ec;
+    if (on) {
+      std::ofstream(flag) << "the launcher takes a node into the job: go on in its next round\n";
+    } else {
+      std::filesystem::remove(flag, ec);
+    }
+  }
+
+  static std::vector<int> parse_nodes(const std::string& list) {
+    std::vector<int> nodes;
+    std::istringstream in(list);
+    for (int k; in >> k;) nodes.push_back(k);
+    return nodes;
   }
 
   void recover_in_place(const std::vector<Rank*>& lost) {
@@ -625,8 +822,8 @@ class Supervisor {
   // the nodes left keep their processes and go on at the smaller world in a round of their own, as
   // after a shrinking round (its word counts the lost node's ranks lost and numbers the others
   // afresh). Its ranks cannot start again anywhere, so --recovery in-place shrinks here too. The
-  // lost node leaves the generation, marked left: a launcher started again there rejoins at the
-  // next restart (Note [Rejoining]). The node that found it lost runs the round (node 0 with its
+  // lost node leaves the generation, marked left: a launcher started again there is taken in
+  // again (Note [A node joins live]). The node that found it lost runs the round (node 0 with its
   // TCP store; on etcd, where every node watches every other, the first to claim "lost/<node>"):
   // 1. It claims the round and posts the lost node in it (recovery_verdict::lost_node_key).
   // 2. Every node left takes the lost node out of its ring of snapshot copies and fetches what its
@@ -766,12 +963,17 @@ class Supervisor {
       return;
     }
     const double s = std::chrono::duration<double>(clock::now() - round_->started).count();
-    if (joined >= generation_.world) {
+    if (joined >= generation_.world && !grow_round_) {
       char took[32];
       std::snprintf(took, sizeof took, "%.2f", s);
-      say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
+      if (round_->grow) {
+        say("grew in place: every rank joined round " + std::to_string(round_no_) + " at world " + std::to_string(generation_.world) + ", " +
+            took + " s after " + round_->lost);
+      } else {
+        say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
+        ++rounds_healed_;
+      }
       round_.reset();
-      ++rounds_healed_;
     } else if (s * 1000 > double(spec_.rdzv_timeout.count())) {
       end_round(std::to_string(joined) + " of " + std::to_string(generation_.world) + " ranks joined round " + std::to_string(round_no_) +
                 " within --rdzv-timeout");
@@ -794,6 +996,8 @@ class Supervisor {
   void fail_round() {
     round_.reset();
     lost_round_.reset();
+    grow_round_.reset();
+    ask_regroup(false);
   }
 
   // A rank stopped (SIGSTOP) for longer than --heartbeat-timeout counts as lost: killed, it is
@@ -884,10 +1088,12 @@ class Supervisor {
       if (n < 0 && errno != EINTR) throw Error("poll: " + std::string(std::strerror(errno)));
       check_round();
       check_lost_round();
+      check_grow_round();
       kill_long_stopped();
       if (clock::now() - learned_at_ > std::chrono::milliseconds(200)) {
         learned_at_ = clock::now();
         learn_rounds();
+        look_for_joiners();
       }
       if (n <= 0) {
         reap();  // belt and braces: SIGCHLDs coalesce
@@ -978,6 +1184,9 @@ class Supervisor {
     left_out_in_round_ = 0;
     round_.reset();
     lost_round_.reset();
+    grow_round_.reset();
+    grown_in_round_ = grow_flag_round_ = 0;
+    ask_regroup(false);  // a growing round another node ran, and failed before this node heard the end of it
   }
 
   // A rank that died (or was stopped) left its shared-memory buffers in /dev/shm: this job's are
@@ -1082,6 +1291,7 @@ class Supervisor {
   struct RecoveryRound {
     clock::time_point started;
     std::string lost;  // who was lost, for messages
+    bool grow = false;  // Note [A node joins live]: nobody lost, a node taken in; no restart used
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
   struct LostNodeRound {  // Note [A lost host healed in place]: run here, its word not out yet
@@ -1092,6 +1302,19 @@ class Supervisor {
     clock::time_point deadline;
   };
   std::optional<LostNodeRound> lost_round_;
+  struct GrowRound {  // Note [A node joins live]: run here, its word not out yet
+    int node;
+    std::string what;
+    std::vector<int> before;   // the nodes before it
+    bool admitted = false;     // every rank is in the round and the node was told to come
+    std::vector<int> waiting;  // the nodes not ready yet, once admitted
+    clock::time_point deadline;
+  };
+  std::optional<GrowRound> grow_round_;
+  int grown_in_round_ = 0;        // the newest growing round this node applied (a learner)
+  int grow_flag_round_ = 0;       // the newest growing round whose word this node passed to its ranks (a learner)
+  std::vector<int> refused_joins_;  // nodes told once that they cannot join live
+  bool joined_live_ = false;      // this launcher was taken into a running generation
   int left_out_in_round_ = 0;  // the newest round whose lost node this node took out (a learner)
   bool left_out_ = false;      // this node was the one found lost: the others went on without it
   int round_no_ = 0;           // the round this node ran last in this generation (Note [Rounds across nodes])

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "runtime/bootstrap/etcd_names.hpp"
+#include "runtime/bootstrap/recovery_verdict.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/store.hpp"
 
@@ -207,8 +208,9 @@ void NodeWatch::wait_to_rejoin(clock::time_point deadline, const std::function<b
     main_->remove(key("joined/" + me));
     main_->set(key("join/" + me), "1");
     if (o_.say)
-      o_.say(label(o_.node_rank) + " was left out of this job at a restart: waiting (--rdzv-timeout " + seconds(o_.rdzv_timeout) +
-             ") for the next restart to take it back in");
+      o_.say(label(o_.node_rank) + " was left out of this job: waiting (--rdzv-timeout " + seconds(o_.rdzv_timeout) + ") for " +
+             (o_.heal_lost_nodes ? "the running ranks to take it in at their next snapshot in memory, or " : "") +
+             "the next restart to take it back in");
     auto next_beat = clock::now();
     while (!main_->check({key("joined/" + me)})) {
       if (interrupted && interrupted()) throw Error("rejoining: interrupted by a signal");
@@ -223,13 +225,45 @@ void NodeWatch::wait_to_rejoin(clock::time_point deadline, const std::function<b
       }
       std::this_thread::sleep_for(milliseconds(50));
     }
-    joined_at_ = std::stoi(main_->get(key("joined/" + me)));
-    members_ = decided_nodes(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")));
+    // "G" from a restart's decision; "G R" from round R of generation G (Note [A node joins live]).
+    std::istringstream joined(main_->get(key("joined/" + me)));
+    joined >> joined_at_;
+    if (joined >> joined_round_)
+      members_ = decided_nodes("restart " + main_->get(recovery_verdict::members_key(joined_at_, joined_round_)));
+    else
+      members_ = decided_nodes(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")));
   } catch (const CommError& e) {
     throw Error("rejoining: " + label(0) + "'s store went away (" + std::string(e.what()) + "): the job ended before a restart took " +
                 label(o_.node_rank) + " back in");
   }
   generation_ = joined_at_;
+}
+
+std::vector<int> NodeWatch::asking_to_join() {
+  std::vector<int> asking;
+  for (int k = 0; k < o_.nnodes; ++k) {
+    {
+      std::lock_guard lock(mu_);
+      if (member(k)) continue;
+    }
+    if (main_->check({key("join/" + std::to_string(k))})) asking.push_back(k);
+  }
+  return asking;
+}
+
+void NodeWatch::admit(int node, const std::string& joined) {
+  const std::string kk = std::to_string(node);
+  if (!joined.empty()) {
+    // Its earlier launcher's exit and copy address are not this one's.
+    for (const auto& stale : {"join/", "left/", "exit/", "mirror/", "rejoin-claim/"}) main_->remove(key(stale + kk));
+    main_->set(key("joined/" + kk), joined);
+  }
+  peers_.readmit(node, clock::now());
+  std::lock_guard lock(mu_);
+  if (!member(node)) {
+    members_.push_back(node);
+    std::sort(members_.begin(), members_.end());
+  }
 }
 
 std::vector<int> NodeWatch::members() const {

@@ -49,6 +49,9 @@
 // N); the launcher of the node before it in the ring first copies its newest snapshot into the
 // returning node's memory (Note [Snapshots on the other host]), so that the restart resumes from memory. A job that
 // ends first ends the wait with an error naming it; so does a second launcher for the same node.
+// Under --recovery in-place or shrink the running generation takes it in without a restart, at its
+// ranks' next snapshot in memory (Note [A node joins live], launcher.cpp): launch/joined/<k> then
+// says "G R", the generation and the round that took it in.
 #pragma once
 
 #include <chrono>
@@ -120,7 +123,7 @@ class NodeWatch {
   std::vector<std::pair<int, std::string>> take_lost();
   void fail_lost(const std::string& what);
   // The node leaves this generation: no longer watched or waited for, and marked left, so that a
-  // launcher started again there may rejoin at the next restart (Note [Rejoining]).
+  // launcher started again there may rejoin (Note [Rejoining], Note [A node joins live]).
   void drop_member(int node);
   // Posts this node's choice for the generation that just failed and waits (at most `limit`, plus
   // the rejoin timeout when elastic) for node 0's decision: the nodes of the next generation (by
@@ -136,6 +139,14 @@ class NodeWatch {
   // start), and the nodes of that generation.
   int joined_at() const { return joined_at_; }
   std::vector<int> members() const;
+  // Note [A node joins live] (launcher.cpp): the round of the running generation that took this
+  // launcher in (0: a restart did, or it was there from the start).
+  int joined_round() const { return joined_round_; }
+  // The nodes outside this generation that asked to join (Note [Rejoining]).
+  std::vector<int> asking_to_join();
+  // The node is in this generation from now on, watched afresh. With `joined` (the launcher that
+  // takes it in): its earlier launcher's keys go and it learns where it joins (launch/joined/<k>).
+  void admit(int node, const std::string& joined = "");
 
  private:
   void heartbeat_loop();
@@ -179,6 +190,7 @@ class NodeWatch {
   std::vector<std::pair<int, std::string>> lost_;  // found lost, for the launcher to heal (take_lost)
   int generation_ = 0;
   int joined_at_ = 0;
+  int joined_round_ = 0;
   PeerTable peers_;                       // node 0's view of the others (Note [One owner for the peers' state])
   std::thread thread_;
 };

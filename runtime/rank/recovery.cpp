@@ -51,13 +51,15 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   if (!old.recipe_broken.empty())
     throw UsageError(who + ": " + old.recipe_broken + " changed the set-up after training started, which a recovered rank cannot "
                      "make again alike with the process that replaces the lost one; restart every rank instead (--recovery restart)");
+  // Note [A node joins live]: the launcher took a node in after a complete snapshot; nobody was lost.
+  const bool regrouping = old.persistence && old.persistence->snapshots.regrouping;
   // The old round's collectives: peers still inside them fail now instead of at their timeout, and
   // nothing below waits for an iteration that can no longer complete.
   old.comm->abort("rank " + std::to_string(old.rank) + " recovers in place");
   old.failure.record(std::make_exception_ptr(CommError(who + ": the old round was abandoned")));
   // The actor API's subscribers hear each round's loss before its recovery, however the trainer
   // learnt of it (a failed bucket announces itself; an error met elsewhere did not): once a round.
-  old.client.subscribers->failed(make_error(errc::comm, who + ": a peer was lost; the round is abandoned"));
+  if (!regrouping) old.client.subscribers->failed(make_error(errc::comm, who + ": a peer was lost; the round is abandoned"));
   // How far this rank's parameters moved since the job's start (or the snapshot it resumed from):
   // with no snapshot to go back to, going on would mix them with a replacement's initial ones.
   const std::uint64_t moved = (old.persistence ? old.persistence->snapshots.base : 0) + old.iterations;
@@ -66,8 +68,8 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   auto kept = same_rank ? old.timeline : nullptr;
   auto subscribers = old.client.subscribers;
   void* stream = old.mem->stream;
-  old.log->warn("recovering in place: rank {} of {} becomes rank {} of {}; the set-up ({} call(s)) is made again and the newest "
-                "snapshot reloaded", old.rank, old.world, comm->rank(), comm->world_size(), recipe.size());
+  old.log->warn("{}: rank {} of {} becomes rank {} of {}; the set-up ({} call(s)) is made again and the newest snapshot reloaded",
+                regrouping ? "a node joins" : "recovering in place", old.rank, old.world, comm->rank(), comm->world_size(), recipe.size());
   auto next = std::make_unique<Impl>();
   next->cfg = old.cfg;
   next->owner = old.owner;  // the trainer's parameter handles stay valid
