@@ -992,11 +992,16 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
           "started again is taken in by the running ranks at their next snapshot in memory, without a restart and without a step "
           "lost, and the job ends at world 4 where 1 node x 4 ranks ends, to float rounding") {
   int lost = 1;
+  bool memory = true;
   std::optional<test::EtcdCluster> etcd;
   std::vector<std::string> flags{"--recovery", "shrink"};
   SUBCASE("node 1 lost and back") {}
   SUBCASE("node 0 lost and back with the store on etcd: node 1 runs both rounds, and its ranks go 2 -> 0 -> 2") { lost = 0; }
+  SUBCASE("snapshots on disk only: not taken in live, said once; it waits for a restart, which does not come before the end") {
+    memory = false;
+  }
   CAPTURE(lost);
+  CAPTURE(memory);
   if (lost == 0) {
     if (!test::etcd_installed()) {
       MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
@@ -1025,8 +1030,9 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
   // hold before step 10 until the returning launcher is waiting to be taken in.
   const std::string fault = "collective:" + std::to_string(2 * lost + 1) + ":host:13";
   auto cmd_for = [&](int node, const std::string& save) {
-    return with_nnodes(node_cmd({node, 2, 2, port, flags}, fault_in_first_process(fault, sixteen_steps(save, snaps))),
-                       {"--nnodes", "1:2", "--max-restarts", "1"});
+    auto args = sixteen_steps(save, snaps);
+    if (!memory) args.push_back("--no-snapshot-memory");
+    return with_nnodes(node_cmd({node, 2, 2, port, flags}, fault_in_first_process(fault, args)), {"--nnodes", "1:2", "--max-restarts", "1"});
   };
   auto held = env_info();
   held["SHARDFLOW_TEST_HOLD"] = "10:" + go;
@@ -1037,6 +1043,21 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
   REQUIRE(survivor.read_until("recovered in place: every rank joined round 1", 90s));
   CHECK(test::failed((lost == 1 ? n1 : n0).wait(60s)));  // its launcher went with its host
   Child back(cmd_for(lost, two), held);
+  if (!memory) {
+    INFO(survivor.output());
+    INFO(back.output());
+    REQUIRE(survivor.read_until("asks to join; not taken in live: the ranks keep no snapshots in memory (none, or on disk only), so "
+                                "there is no step the job can go on from at once; it joins at the next restart", 60s));
+    std::ofstream(go).put('1');
+    const auto s_back = back.wait(120s);
+    const auto s_survivor = survivor.wait(120s);
+    REQUIRE(test::exited_ok(s_survivor));
+    CHECK(test::failed(s_back));
+    CHECK(back.says("before a restart took node 1 (host "));  // the job ended (or node 0's store with it) first
+    CHECK(!says(survivor.output(), "taking it in"));
+    check_params(two, one, 1e-5);  // world 4, then 2 to the end
+    return;
+  }
   REQUIRE(survivor.read_until("asks to join: taking it in (round 2): the ranks go on at world 4 from their next snapshot in memory", 60s));
   std::ofstream(go).put('1');
   REQUIRE_BOTH_NODES_OK(survivor, back);

@@ -24,6 +24,10 @@ constexpr const char* kNoCopies = "no-copies";
 // when it is there every rank completes that snapshot and goes on in the launcher's next round,
 // at the larger world, from it (Runtime::recover).
 constexpr const char* kRegroup = "regroup";
+// Written there by the ranks once they decided to keep their snapshots in it (resumed_step): only
+// then can the launcher take a node in live (a trainer without snapshots, or with them on disk
+// only, never reaches a snapshot in memory to leave its iteration at).
+constexpr const char* kInUse = "snapshots-kept-here";
 
 // A rank's file in a snapshot: what the launcher copies (ckpt-<id>-rank<r>-of-<w>.safetensors).
 inline bool is_shard_file(std::string_view name) {

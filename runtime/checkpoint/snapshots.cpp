@@ -233,6 +233,7 @@ std::uint64_t Runtime::resumed_step() {
   const bool use_memory = words[4] && missing[0] == 0;
   if (use_memory) {
     I.persistence->snapshots.memory_dir = memory;
+    std::ofstream(fs::path(memory) / snapshot_env::kInUse) << "the ranks keep their snapshots here\n";  // Note [A node joins live]
     const auto every = std::uint64_t(I.cfg.snapshot.every);
     I.persistence->snapshots.disk_every = I.cfg.snapshot.disk_every > 0 ? std::uint64_t(I.cfg.snapshot.disk_every) : 10 * every;
     // Note [Snapshots on the other host]: the launcher copies this host's files to the other node's memory.

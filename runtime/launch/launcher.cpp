@@ -600,10 +600,10 @@ class Supervisor {
   // 4. The round's word goes out: every rank keeps its node's place, the newcomer's ranks take
   //    theirs (node by node, so two levels still pair up), and all of them load that snapshot.
   // It uses no restart. Not taken in live, the node waits for the next restart, as before, and the
-  // launcher says why once: snapshots on disk only (no step to go on from at once), or an earlier
-  // round shrank the world by ranks rather than whole nodes. A round that does not finish within
-  // --rdzv-timeout (a trainer that never snapshots into memory, the newcomer lost again) ends the
-  // generation as a failed round does.
+  // launcher says why once: the ranks keep no snapshots in memory (snapshot_env::kInUse: none, or on
+  // disk only: no step to go on from at once), or an earlier round shrank the world by ranks rather
+  // than whole nodes. The ranks are waited for as long as the job runs; a node not ready within
+  // --rdzv-timeout after that (the newcomer lost again) ends the generation as a failed round does.
   void look_for_joiners() {
     if (!in_place() || !spec_.min_nnodes || spec_.nnodes == 1 || !watch_ || round_ || store_silent_ || first_failure_ || peer_failure_ ||
         interrupted_ || stop_deadline_ || left_out_ || int(members_.size()) >= spec_.nnodes)
@@ -616,8 +616,10 @@ class Supervisor {
     }
     for (int k : asking) {
       std::string why_not;
-      if (!snapshot_memory_ || snapshot_memory_->path().empty())
-        why_not = "the snapshots are kept on disk only, so there is no step the job can go on from at once";
+      std::error_code ec;
+      if (!snapshot_memory_ || snapshot_memory_->path().empty() ||
+          !std::filesystem::exists(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kInUse, ec))
+        why_not = "the ranks keep no snapshots in memory (none, or on disk only), so there is no step the job can go on from at once";
       else if (generation_.world != int(members_.size()) * spec_.nproc_per_node)
         why_not = "an earlier round of this generation shrank the world by ranks, not by whole nodes";
       if (!why_not.empty()) {
@@ -664,12 +666,10 @@ class Supervisor {
     try {
       auto& st = recovery_store();
       if (!gr.admitted) {
-        if (st.add(recovery_verdict::parked_key(restart_, round_no_), 0) < generation_.world) {
-          if (clock::now() > gr.deadline)
-            end_round("not every rank reached a snapshot in memory within --rdzv-timeout (does the trainer take snapshots, and "
-                      "answer the error by recovering in place?)");
-          return;
-        }
+        // The ranks leave their iterations at their next snapshot in memory, however far off (no
+        // deadline: giving up could strand a rank that already read the word; the job's end, or a
+        // failure's restart, ends the round).
+        if (st.add(recovery_verdict::parked_key(restart_, round_no_), 0) < generation_.world) return;
         std::vector<int> next = members_;
         next.push_back(gr.node);
         std::sort(next.begin(), next.end());
