@@ -706,6 +706,7 @@ class Supervisor {
       v.next[std::size_t(g)] = at * spec_.nproc_per_node + g % spec_.nproc_per_node;
     }
     grow_round_.reset();
+    round_->timed_from = clock::now();
     if (publish_verdict(v)) renumber(v.next, v.world, round_no_);
   }
 
@@ -954,7 +955,7 @@ class Supervisor {
   // Polled by supervise(): the round is over once every rank joined it; not over in time, the
   // generation ends (the survivors are stopped and, restarts left, every rank starts again).
   void check_round() {
-    if (!round_) return;
+    if (!round_ || grow_round_) return;
     std::int64_t joined = 0;
     try {
       joined = recovery_store().add(recovery_verdict::joined_key(restart_, round_no_), 0);
@@ -963,7 +964,7 @@ class Supervisor {
       return;
     }
     const double s = std::chrono::duration<double>(clock::now() - round_->started).count();
-    if (joined >= generation_.world && !grow_round_) {
+    if (joined >= generation_.world) {
       char took[32];
       std::snprintf(took, sizeof took, "%.2f", s);
       if (round_->grow) {
@@ -974,7 +975,7 @@ class Supervisor {
         ++rounds_healed_;
       }
       round_.reset();
-    } else if (s * 1000 > double(spec_.rdzv_timeout.count())) {
+    } else if (clock::now() - round_->timed_from > spec_.rdzv_timeout) {
       end_round(std::to_string(joined) + " of " + std::to_string(generation_.world) + " ranks joined round " + std::to_string(round_no_) +
                 " within --rdzv-timeout");
     }
@@ -1292,6 +1293,9 @@ class Supervisor {
     clock::time_point started;
     std::string lost;  // who was lost, for messages
     bool grow = false;  // Note [A node joins live]: nobody lost, a node taken in; no restart used
+    // --rdzv-timeout counts from here: the loss; a growing round's word (the ranks' next snapshot
+    // before it may be far off, and check_grow_round keeps its own deadline until then).
+    clock::time_point timed_from = started;
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
   struct LostNodeRound {  // Note [A lost host healed in place]: run here, its word not out yet
