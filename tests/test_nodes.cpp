@@ -805,6 +805,18 @@ std::vector<std::string> on_etcd(const test::EtcdCluster& etcd, const std::strin
   return {"--rdzv-backend", "etcd", "--rdzv-endpoints", etcd::join_endpoints(etcd.endpoints()), "--rdzv-id", id};
 }
 
+// A one-member etcd in `etcd` and its flags appended to `flags`; false (said) where etcd is not installed.
+bool start_etcd(std::optional<test::EtcdCluster>& etcd, const std::string& id, std::vector<std::string>& flags) {
+  if (!test::etcd_installed()) {
+    MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
+    return false;
+  }
+  etcd.emplace(1, "test-nodes");
+  const auto where = on_etcd(*etcd, id);
+  flags.insert(flags.end(), where.begin(), where.end());
+  return true;
+}
+
 }  // namespace
 
 TEST_CASE("2 nodes x 2 ranks with the store on etcd (--rdzv-backend etcd): no launcher serves a store, and the job ends with the "
@@ -872,15 +884,7 @@ TEST_CASE("--nnodes 1:2 --recovery shrink or in-place: a host lost in step 7 (it
   CAPTURE(lost);
   std::optional<test::EtcdCluster> etcd;
   std::vector<std::string> flags{"--recovery", recovery};
-  if (lost == 0) {
-    if (!test::etcd_installed()) {
-      MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
-      return;
-    }
-    etcd.emplace(1, "test-nodes");
-    const auto where = on_etcd(*etcd, "lost-host-in-place");
-    flags.insert(flags.end(), where.begin(), where.end());
-  }
+  if (lost == 0 && !start_etcd(etcd, "lost-host-in-place", flags)) return;
   const std::string one = scratch("lost_host_one_node.safetensors"), two = scratch("lost_host_two_nodes.safetensors");
   const std::string snaps = scratch("lost_host_snapshots");
   std::filesystem::remove_all(snaps);
@@ -1002,15 +1006,7 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
   }
   CAPTURE(lost);
   CAPTURE(memory);
-  if (lost == 0) {
-    if (!test::etcd_installed()) {
-      MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
-      return;
-    }
-    etcd.emplace(1, "test-nodes");
-    const auto where = on_etcd(*etcd, "grow-live");
-    flags.insert(flags.end(), where.begin(), where.end());
-  }
+  if (lost == 0 && !start_etcd(etcd, "grow-live", flags)) return;
   const std::string one = scratch("grow_one_node.safetensors"), two = scratch("grow_two_nodes.safetensors");
   const std::string snaps = scratch("grow_snapshots"), go = scratch("grow_go"), unused = scratch("grow_unused.safetensors");
   std::filesystem::remove_all(snaps);

@@ -663,9 +663,8 @@ class Supervisor {
   void check_grow_round() {
     if (!grow_round_) return;
     auto& gr = *grow_round_;
-    try {
-      auto& st = recovery_store();
-      if (!gr.admitted) {
+    if (!gr.admitted) try {
+        auto& st = recovery_store();
         // The ranks leave their iterations at their next snapshot in memory, however far off (no
         // deadline: giving up could strand a rank that already read the word; the job's end, or a
         // failure's restart, ends the round).
@@ -682,21 +681,11 @@ class Supervisor {
         for (int k : members_)
           if (k != spec_.node_rank) gr.waiting.push_back(k);
         gr.deadline = clock::now() + spec_.rdzv_timeout;
+      } catch (const Error& e) {
+        cannot_tell(e);
+        return;
       }
-      gr.waiting.erase(std::remove_if(gr.waiting.begin(), gr.waiting.end(),
-                                      [&](int k) { return st.check({recovery_verdict::ready_key(restart_, round_no_, k)}); }),
-                       gr.waiting.end());
-    } catch (const Error& e) {
-      cannot_tell(e);
-      return;
-    }
-    if (!gr.waiting.empty() && clock::now() < gr.deadline) return;
-    if (!gr.waiting.empty()) {
-      std::string who;
-      for (int k : gr.waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
-      end_round(who + " did not get the newest snapshot within --rdzv-timeout");
-      return;
-    }
+    if (!all_ready(gr.waiting, gr.deadline, "did not get the newest snapshot")) return;
     // Every rank keeps its node's place in the new order; the newcomer's ranks take theirs.
     recovery_verdict::Verdict v{gr.what + "; taken in", int(members_.size()) * spec_.nproc_per_node,
                                 std::vector<int>(std::size_t(generation_.world))};
@@ -901,25 +890,31 @@ class Supervisor {
   void check_lost_round() {
     if (!lost_round_) return;
     auto& lr = *lost_round_;
-    try {
-      auto& st = recovery_store();
-      lr.waiting.erase(std::remove_if(lr.waiting.begin(), lr.waiting.end(),
-                                      [&](int k) { return st.check({recovery_verdict::ready_key(restart_, round_no_, k)}); }),
-                       lr.waiting.end());
-    } catch (const Error& e) {
-      cannot_tell(e);
-      return;
-    }
-    if (!lr.waiting.empty() && clock::now() < lr.deadline) return;
-    if (!lr.waiting.empty()) {
-      std::string who;
-      for (int k : lr.waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
-      end_round(who + " did not fetch the newest snapshot within --rdzv-timeout");  // lost_round_ goes with it (fail_round)
-      return;
-    }
+    if (!all_ready(lr.waiting, lr.deadline, "did not fetch the newest snapshot")) return;
     const auto verdict = recovery_verdict::Verdict{lr.what + "; going on without it", lr.world, lr.next};
     lost_round_.reset();
     if (publish_verdict(verdict)) renumber(verdict.next, verdict.world, round_no_);
+  }
+
+  // The nodes of this node's round that said they are ready (recovery_verdict::ready_key) leave
+  // `waiting`. True once none is left; false while some are and `deadline` has not passed; past it
+  // the round ends (and with it the struct `waiting` lives in), naming who `missed` it.
+  bool all_ready(std::vector<int>& waiting, clock::time_point deadline, const std::string& missed) {
+    try {
+      auto& st = recovery_store();
+      waiting.erase(std::remove_if(waiting.begin(), waiting.end(),
+                                   [&](int k) { return st.check({recovery_verdict::ready_key(restart_, round_no_, k)}); }),
+                    waiting.end());
+    } catch (const Error& e) {
+      cannot_tell(e);
+      return false;
+    }
+    if (waiting.empty()) return true;
+    if (clock::now() < deadline) return false;
+    std::string who;
+    for (int k : waiting) who += (who.empty() ? "" : ", ") + watch_->label(k);
+    end_round(who + " " + missed + " within --rdzv-timeout");
+    return false;
   }
 
   // The round's word for the surviving ranks (Note [Recovering in place]); false when the store
