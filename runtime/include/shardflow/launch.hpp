@@ -95,7 +95,9 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
 // on, and joins the generation's next round with the rank that replaces the lost one; the new
 // communicator is for Runtime::recover(). A collective: every surviving rank calls it once per
 // loss. CommError naming the launcher's verdict when it restarts every rank instead; UsageError
-// outside `shardflow run --recovery in-place`.
+// outside `shardflow run --recovery in-place`. A node that joins the running job (Note [A node
+// joins live], launcher.cpp) ends an iteration in the same CommError, at a snapshot every rank
+// completed: the same call and recover() go on at the larger world from that step.
 //
 //   try { train_step(); }
 //   catch (const shardflow::CommError&) { step = rt.recover(shardflow::rejoin_process_group(env, opts)); }
