@@ -44,6 +44,18 @@ inline std::string parked_key(int generation, int round) {
 inline std::string members_key(int generation, int round) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/members";
 }
+// Its value: the node ranks, "0 1 3".
+inline std::string format_nodes(const std::vector<int>& nodes) {
+  std::string s;
+  for (int k : nodes) s += (s.empty() ? "" : " ") + std::to_string(k);
+  return s;
+}
+inline std::vector<int> parse_nodes(const std::string& text) {
+  std::vector<int> nodes;
+  std::istringstream in(text);
+  for (int k; in >> k;) nodes.push_back(k);
+  return nodes;
+}
 
 // "in-place: <why>\nworld M\nranks n0 n1 ...": each rank of the round before's number in this
 // round (-1: lost, left out). A launcher that stops every rank instead says "restart: <why>".

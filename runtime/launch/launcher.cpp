@@ -21,7 +21,6 @@
 #include <map>
 #include <optional>
 #include <random>
-#include <sstream>
 
 #include "kernels/cpu/blas.hpp"
 #include "runtime/comm/shm_names.hpp"
@@ -549,7 +548,7 @@ class Supervisor {
             if (grown_in_round_ != j && st.check({recovery_verdict::members_key(restart_, j)})) {
               grown_in_round_ = j;
               ask_regroup(false);
-              take_in(std::stoi(st.get(recovery_verdict::grow_node_key(restart_, j))), parse_nodes(st.get(recovery_verdict::members_key(restart_, j))));
+              take_in(std::stoi(st.get(recovery_verdict::grow_node_key(restart_, j))), recovery_verdict::parse_nodes(st.get(recovery_verdict::members_key(restart_, j))));
               say_ready(j);
             }
             return;
@@ -672,9 +671,7 @@ class Supervisor {
         std::vector<int> next = members_;
         next.push_back(gr.node);
         std::sort(next.begin(), next.end());
-        std::string list;
-        for (int k : next) list += (list.empty() ? "" : " ") + std::to_string(k);
-        st.set(recovery_verdict::members_key(restart_, round_no_), list);
+        st.set(recovery_verdict::members_key(restart_, round_no_), recovery_verdict::format_nodes(next));
         ask_regroup(false);
         take_in(gr.node, next, std::to_string(restart_) + " " + std::to_string(round_no_));
         gr.admitted = true;
@@ -725,13 +722,6 @@ class Supervisor {
     } else {
       std::filesystem::remove(flag, ec);
     }
-  }
-
-  static std::vector<int> parse_nodes(const std::string& list) {
-    std::vector<int> nodes;
-    std::istringstream in(list);
-    for (int k; in >> k;) nodes.push_back(k);
-    return nodes;
   }
 
   void recover_in_place(const std::vector<Rank*>& lost) {

@@ -229,7 +229,7 @@ void NodeWatch::wait_to_rejoin(clock::time_point deadline, const std::function<b
     std::istringstream joined(main_->get(key("joined/" + me)));
     joined >> joined_at_;
     if (joined >> joined_round_)
-      members_ = decided_nodes("restart " + main_->get(recovery_verdict::members_key(joined_at_, joined_round_)));
+      members_ = recovery_verdict::parse_nodes(main_->get(recovery_verdict::members_key(joined_at_, joined_round_)));
     else
       members_ = decided_nodes(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")));
   } catch (const CommError& e) {
@@ -251,13 +251,16 @@ std::vector<int> NodeWatch::asking_to_join() {
   return asking;
 }
 
-void NodeWatch::admit(int node, const std::string& joined) {
+// Note [Rejoining]: the returning launcher learns where it joins; its earlier launcher's exit and
+// copy address are not its own.
+void NodeWatch::tell_joined(int node, const std::string& joined) {
   const std::string kk = std::to_string(node);
-  if (!joined.empty()) {
-    // Its earlier launcher's exit and copy address are not this one's.
-    for (const auto& stale : {"join/", "left/", "exit/", "mirror/", "rejoin-claim/"}) main_->remove(key(stale + kk));
-    main_->set(key("joined/" + kk), joined);
-  }
+  for (const auto& stale : {"join/", "left/", "exit/", "mirror/", "rejoin-claim/"}) main_->remove(key(stale + kk));
+  main_->set(key("joined/" + kk), joined);
+}
+
+void NodeWatch::admit(int node, const std::string& joined) {
+  if (!joined.empty()) tell_joined(node, joined);
   peers_.readmit(node, clock::now());
   std::lock_guard lock(mu_);
   if (!member(node)) {
@@ -559,11 +562,8 @@ std::string NodeWatch::decide(milliseconds limit) {
       return generation_ + 1;
     }();
     for (int k : returning(next)) {
-      const std::string kk = std::to_string(k);
-      // Its earlier launcher's exit and copy address are not this one's.
-      for (const auto& stale : {"join/", "left/", "exit/", "mirror/", "rejoin-claim/"}) main_->remove(key(stale + kk));
       peers_.rejoining(k);  // watched afresh once the decision is taken (decide_restart)
-      main_->set(key("joined/" + kk), std::to_string(next_generation));
+      tell_joined(k, std::to_string(next_generation));
       next.push_back(k);
     }
     std::sort(next.begin(), next.end());

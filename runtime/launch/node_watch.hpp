@@ -168,6 +168,7 @@ class NodeWatch {
                    const std::function<bool()>& interrupted, const std::string& how);
   void check_same_job(const std::vector<std::string>& keys);
   std::vector<int> returning(const std::vector<int>& next);  // node 0: left-out nodes asking to join, alive
+  void tell_joined(int node, const std::string& joined);      // launch/joined/<node>, its stale keys gone
   bool member(int node) const;
   std::string key(const std::string& k) const { return "launch/" + k; }
   std::string generation_key(const std::string& k) const;  // launch/g<generation>/k
