@@ -102,8 +102,15 @@ void prune(const std::string& dir, int keep, spdlog::logger& log) {
   const std::uint64_t oldest_kept = complete[complete.size() - std::size_t(keep)];
   for (const auto& [step, done] : found) {
     if (step >= oldest_kept) break;
+    // Up to three tries: the launcher's mirror may still be marking a file of an old snapshot as
+    // copied, or receiving one into it, while it goes (remove_all then meets "Directory not
+    // empty"); the mirror skips what vanished.
     std::error_code ec;
-    fs::remove_all(snapshot_dir(dir, step), ec);
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      ec.clear();
+      fs::remove_all(snapshot_dir(dir, step), ec);
+      if (!ec) break;
+    }
     if (ec) log.warn("snapshots: could not remove {}: {}", snapshot_dir(dir, step), ec.message());
   }
 }
