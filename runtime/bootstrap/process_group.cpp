@@ -200,7 +200,7 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
 
 namespace {
 
-// Note [A lost host healed in place] (runtime/launch/launcher.cpp): a round that leaves out whole
+// Note [A lost host healed in place] (runtime/launch/lost_node_round.cpp): a round that leaves out whole
 // hosts of the world as launched (numbered host by host) keeps it so, numbered afresh: the hosts
 // left run as many ranks each, and two levels still pair their local ranks up.
 bool whole_hosts_left_out(const LaunchEnv& env, const std::vector<int>& next, int world_before) {

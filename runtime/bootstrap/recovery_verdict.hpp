@@ -1,5 +1,5 @@
 // The launcher's word on a round of in-place recovery (Note [Recovering in place], runtime/launch/
-// launcher.cpp), as it sits in the store under "g<k>/recovery/<round>", and the ranks' count of who
+// rounds.cpp), as it sits in the store under "g<k>/recovery/<round>", and the ranks' count of who
 // joined the round: the surviving ranks read the word in rejoin_process_group, and across nodes the
 // other nodes' launchers read a shrinking round's to learn their ranks' new numbers (Note [Rounds
 // across nodes]). Both sides read the keys and the format from here.
@@ -22,7 +22,7 @@ inline std::string joined_key(int generation, int round) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/joined";
 }
 
-// Note [A lost host healed in place] (runtime/launch/launcher.cpp): the node a lost host's round
+// Note [A lost host healed in place] (runtime/launch/lost_node_round.cpp): the node a lost host's round
 // leaves out, posted by the launcher that runs it; each other node left says it is ready (it holds
 // the newest snapshot whole) before the word goes out.
 inline std::string lost_node_key(int generation, int round) {
@@ -32,7 +32,7 @@ inline std::string ready_key(int generation, int round, int node) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/ready/" + std::to_string(node);
 }
 
-// Note [A node joins live] (runtime/launch/launcher.cpp): the node a growing round takes in; the
+// Note [A node joins live] (runtime/launch/grow_round.cpp): the node a growing round takes in; the
 // ranks that left their iteration for the round (each adds 1 in rejoin_process_group, after its
 // snapshot completed); and the round's nodes in order, posted once every rank is there.
 inline std::string grow_node_key(int generation, int round) {

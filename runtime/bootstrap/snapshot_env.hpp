@@ -17,10 +17,10 @@ constexpr const char* kMirror = "SHARDFLOW_SNAPSHOT_MIRROR";
 constexpr std::string_view kMirroredSuffix = ".mirrored";
 // In the memory directory while the launcher copies nothing, although the ranks were started
 // with kMirror: the job went on without the other host (Note [A lost host healed in place],
-// runtime/launch/launcher.cpp), and a rank waiting for its files' copies would wait in vain.
+// runtime/launch/lost_node_round.cpp), and a rank waiting for its files' copies would wait in vain.
 constexpr const char* kNoCopies = "no-copies";
 // In the memory directory while the launcher takes a node into the running job (Note [A node
-// joins live], runtime/launch/launcher.cpp): rank 0 looks for it at each snapshot into memory, and
+// joins live], runtime/launch/grow_round.cpp): rank 0 looks for it at each snapshot into memory, and
 // when it is there every rank completes that snapshot and goes on in the launcher's next round,
 // at the larger world, from it (Runtime::recover).
 constexpr const char* kRegroup = "regroup";

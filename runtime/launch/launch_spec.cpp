@@ -1,4 +1,4 @@
-#include "runtime/launch/launcher.hpp"
+#include "runtime/launch/launch_spec.hpp"
 
 #include <string>
 

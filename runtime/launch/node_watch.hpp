@@ -50,7 +50,7 @@
 // returning node's memory (Note [Snapshots on the other host]), so that the restart resumes from memory. A job that
 // ends first ends the wait with an error naming it; so does a second launcher for the same node.
 // Under --recovery in-place or shrink the running generation takes it in without a restart, at its
-// ranks' next snapshot in memory (Note [A node joins live], launcher.cpp): launch/joined/<k> then
+// ranks' next snapshot in memory (Note [A node joins live], grow_round.cpp): launch/joined/<k> then
 // says "G R", the generation and the round that took it in.
 #pragma once
 
@@ -139,7 +139,7 @@ class NodeWatch {
   // start), and the nodes of that generation.
   int joined_at() const { return joined_at_; }
   std::vector<int> members() const;
-  // Note [A node joins live] (launcher.cpp): the round of the running generation that took this
+  // Note [A node joins live] (grow_round.cpp): the round of the running generation that took this
   // launcher in (0: a restart did, or it was there from the start).
   int joined_round() const { return joined_round_; }
   // The nodes outside this generation that asked to join (Note [Rejoining]).

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "runtime/bootstrap/net_address.hpp"
-#include "runtime/launch/launcher.hpp"
+#include "runtime/launch/launch_spec.hpp"
 
 namespace shardflow::launch {
 

@@ -96,7 +96,7 @@ std::shared_ptr<Communicator> init_process_group(const LaunchEnv& env, const Pro
 // communicator is for Runtime::recover(). A collective: every surviving rank calls it once per
 // loss. CommError naming the launcher's verdict when it restarts every rank instead; UsageError
 // outside `shardflow run --recovery in-place`. A node that joins the running job (Note [A node
-// joins live], launcher.cpp) ends an iteration in the same CommError, at a snapshot every rank
+// joins live], runtime/launch/grow_round.cpp) ends an iteration in the same CommError, at a snapshot every rank
 // completed: the same call and recover() go on at the larger world from that step.
 //
 //   try { train_step(); }
