@@ -16,14 +16,16 @@ if(SHARDFLOW_SANITIZE)
   message(STATUS "shardflow: sanitizers ${SHARDFLOW_SANITIZE}")
 endif()
 
-# shardflow_sanitize_as_driver(): code that drives the library rather than does its work (the
-# suites, the launcher) builds at -O0 under the sanitizers, called in tests/ and for the launcher.
+# shardflow_sanitize_as_driver(TARGET...): code that drives the library rather than does its work
+# (the suites of tests/, the launcher, mlp_train's and actor_trainer's mains) builds at -O0 under
+# the sanitizers.
 # -O1 nearly doubles a doctest suite's compile time (test_plan.cpp under ASan+UBSan, 2026-11-28:
 # 19.6 s at -O1 -g1, 11.5 s at -O0 -g1), and CI's 45 minutes on 2 cores are mostly compiling
 # (docs/hardening.md); the suites' run time is spent in the library, which keeps -O1.
 function(shardflow_sanitize_as_driver)
   if(SHARDFLOW_SANITIZE)
     foreach(target IN LISTS ARGN)
+      # tests/ passes every target of its folder: custom ones (data files, scripts) compile nothing.
       get_target_property(type ${target} TYPE)
       if(NOT type MATCHES "^(EXECUTABLE|STATIC_LIBRARY|SHARED_LIBRARY|MODULE_LIBRARY|OBJECT_LIBRARY)$")
         continue()
