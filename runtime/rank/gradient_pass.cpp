@@ -102,6 +102,17 @@ bool Runtime::Impl::pass_complete(std::uint64_t target, bool prefetching_wait) {
   return true;
 }
 
+void Runtime::Impl::watch_pass(IterationSignal::Watch& w, std::uint64_t target, bool prefetching_wait) const {
+  const std::uint64_t need = prefetching_wait ? target - 1 : target;
+  if (!signal->all_done(need)) {
+    w.all = w.all ? std::min(w.all, need) : need;
+    return;
+  }
+  if (prefetching_wait)
+    for (auto kind : {ScheduledCollective::unused, ScheduledCollective::buffers})
+      if (const auto i = signal_index(kind); i != ~0u) w.slots.emplace_back(i, target);
+}
+
 void Runtime::Impl::pass_timed_out(std::uint64_t target, const std::string& what) {
   check_outcome(IterationSignal::Outcome::timed_out, target, what);
   throw TimeoutError(what);  // not reached: check_outcome throws

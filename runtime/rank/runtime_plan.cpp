@@ -242,8 +242,8 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
   // Parameters are ready per bucket only where the runtime steps them (a DDP bucket's completion
   // is its reduced gradients, announced with the iteration).
   const std::size_t param_buckets = shard ? plan.buckets.size() : 0;
-  return [poke = rank_actor_poke(client.actor), events = client.subscribers, round = client.subscribers->round(), param_buckets,
-          first_iteration](std::uint32_t b, std::uint64_t count, const BucketFailure& f) {
+  return [poke = rank_actor_poke(client.actor, client.poke_pending), events = client.subscribers, round = client.subscribers->round(), param_buckets,
+          first_iteration](std::uint32_t b, std::uint64_t count, const BucketFailure& f, bool wake) {
     if (f)
       events->failed(make_error(f.kind == BucketFailure::timeout    ? errc::timeout
                                 : f.kind == BucketFailure::mismatch ? errc::mismatch
@@ -253,7 +253,7 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
                      round);
     else if (b < param_buckets)
       events->params_ready(b, first_iteration + count);
-    poke();
+    if (wake) poke();  // Note [Watched completions]
   };
 }
 
