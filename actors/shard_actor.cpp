@@ -2,10 +2,10 @@
 
 #include <caf/all.hpp>
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 
-#include "runtime/plans/run_plan.hpp"  // kStagingInFlight
 
 namespace shardflow {
 namespace {
@@ -66,19 +66,19 @@ bool norm_settled(self_ptr self) {
 // in that order made every bucket wait for the one the next forward needs first, which with
 // forward prefetch is the last one reduced: all B steps then ran after backward, in series with
 // the first sync (measured at link/compute 1: forward's first layer waited 2.6 ms where its reduce
-// + step + sync take 0.9). With pooled staging (stage 2: at most kStagingInFlight buckets between
-// step and synced, so the parameter syncs do not bring back the memory the gradient shards saved)
-// a bucket holds a staging buffer from its step to its sync's end and syncs end in order, so only
-// the first kStagingInFlight unsynced buckets of the order may step: the one the comm stream
-// issues next can always get one.
+// + step + sync take 0.9). With pooled staging (stage 2: at most staging_cap buckets between step
+// and synced, so the parameter syncs do not bring back the memory the gradient shards saved) a
+// bucket holds a staging buffer from its step to its sync's end and syncs end in order, so only
+// the first staging_cap unsynced buckets of the order may step: the one the comm stream issues
+// next can always get one.
 std::optional<std::uint32_t> next_bucket(ShardActorState& s) {
   const std::size_t B = s.reduced.size();
   const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) || s.nreduced == B;
   const bool pooled = s.shard->buffers().pooled();
-  if (!allowed || s.nstepped == B || (pooled && s.staging_in_flight >= kStagingInFlight)) return std::nullopt;
+  if (!allowed || s.nstepped == B || (pooled && s.staging_in_flight >= s.staging_cap)) return std::nullopt;
   auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
   while (s.first_unstepped < B && s.stepped[bucket_at(s.first_unstepped)]) ++s.first_unstepped;
-  const std::size_t end = pooled ? std::min(B, s.nsynced + kStagingInFlight) : B;
+  const std::size_t end = pooled ? std::min(B, s.nsynced + s.staging_cap) : B;
   for (std::size_t i = s.first_unstepped; i < end; ++i)
     if (const auto b = bucket_at(i); s.reduced[b] && !s.stepped[b]) return b;
   return std::nullopt;
@@ -213,6 +213,7 @@ msg::shard_actor_t::behavior_type shard_actor(self_ptr self, ShardActorArgs args
   st.timeline = std::move(args.timeline);
   st.zero_on_done = args.zero_on_done;
   st.order = std::move(args.order);
+  st.staging_cap = std::max<std::size_t>(1, args.staging_cap);
   st.reduced.assign(args.shard->plan().buckets.size(), 0);
   st.stepped.assign(args.shard->plan().buckets.size(), 0);
   st.shard = std::move(args.shard);

@@ -35,6 +35,7 @@ struct ShardActorState {
   ClipCoef clip_coef;
   bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
   std::vector<std::uint32_t> order;  // the syncs' schedule order: a step goes to the reduced bucket first in it
+  std::size_t staging_cap = 0;       // pooled: stepped buckets whose sync has not landed, at most (Note [Staging in flight])
   // Note [Hyper-parameter snapshots]: set_lr between iterations k and k+1 sends a snapshot tagged
   // k+1. With forward prefetch iteration k may still be stepping then, so each iteration takes the
   // newest snapshot whose tag is not beyond its own number when it starts stepping.
@@ -57,6 +58,7 @@ struct ShardActorArgs {
   std::vector<std::uint32_t> order;    // ShardActorState::order
   std::shared_ptr<Timeline> timeline;
   std::shared_ptr<const std::vector<float>> used_counts;  // null without find_unused_parameters
+  std::size_t staging_cap = 0;         // ShardActorState::staging_cap (BucketCaps::staging_in_flight)
 };
 
 // A rank's optimizer shard. Steps the pieces it owns of each reduced bucket as soon as the overlap

@@ -233,6 +233,7 @@ TEST_CASE("stage 2 keeps as many gradient buckets in flight as its budget holds,
   const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
   REQUIRE(plan.caps.pooled);
   CHECK(plan.caps.grads_in_flight == 5);
+  CHECK(plan.caps.staging_in_flight == kStagingInFlight);
   CHECK(pool_buffers(plan.caps.grads_in_flight) * 65536 * 4 <= plan.caps.budget);
   // The user's own limit stands.
   auto s = PlanSettings{};
@@ -246,6 +247,23 @@ TEST_CASE("stage 2 keeps as many gradient buckets in flight as its budget holds,
   CHECK(bucket_caps(layers, order, s).grads_in_flight == 3);
   // A world of 4 saves three quarters: still no more buckets in flight than there are buckets.
   CHECK(plan_of(m, 4, 2, Partition::flat).caps.grads_in_flight <= 16);
+}
+
+TEST_CASE("stage 2's budget beyond the least pool goes a quarter to staging buffers and the rest to gradient buffers: 100 buckets of 10 KiB at world 2 get 13 syncs in flight and 36 gradient buckets, within the budget") {
+  // Note [Staging in flight]: the budget (half of 1000 KiB of gradients) holds 50 buckets; the
+  // least pool is 5 (2 gradient buffers, the overrun, 2 staging), so 45 are spare: 11 more staging.
+  std::vector<ParamSpec> layers;
+  for (int l = 0; l < 100; ++l) layers.push_back({"layers." + std::to_string(l) + ".weight", {2560}});
+  const Model m{"100 x 10 KiB", layers, 10240, 10240, 10240};
+  const RunPlan plan = plan_of(m, 2, 2, Partition::flat);
+  REQUIRE(plan.caps.pooled);
+  CHECK(plan.caps.budget == 100 * 10240 / 2);
+  CHECK(plan.caps.staging_in_flight == 13);
+  CHECK(plan.caps.grads_in_flight == 36);
+  CHECK(pool_buffers(plan.caps.grads_in_flight, plan.caps.staging_in_flight) * 10240 <= plan.caps.budget);
+  // The plan's memory counts the staging buffers, and the runtime holds no more.
+  const Measured got = run(m, 2, 2, Partition::flat);
+  CHECK(got.memory[0].grads <= plan.memory[0].grads);
 }
 
 TEST_CASE("a parameter too large for stage 2's budget: whole buckets reduce-scattered in place, no more than stage 1") {

@@ -118,6 +118,16 @@ std::size_t largest_fitting_cap(const std::vector<ParamSpec>& params, const std:
 // and every further bucket in flight lets backward run ahead of a slow link instead of waiting
 // (measured: stage 2 at link/compute 1 in bench_overlap, 0.73 with two, 0.80 with four;
 // RESULTS.md). The memory stays within the budget either way.
+//
+// Note [Staging in flight]
+// A stepped bucket holds a staging buffer until its sync lands, so the staging buffers are how
+// many syncs may be on their way at once. Two keep a link busy when a sync takes longer than the
+// hops between a step and the next sync's issue (tens of microseconds); small buckets' syncs do
+// not, and with two the syncs went in pairs, each pair waiting for the last one's hops (stage 2
+// at 4x DDP's per-bucket cost on bench_overhead's 100 buckets of 10 KiB, where stage 1, whose
+// buckets are their own staging, was at 2x). So a quarter of what the budget holds beyond the
+// least pool goes to staging and the rest to gradients: a budget of 8 buckets keeps two (bench_
+// overlap's 16 x 0.25 MiB, unchanged), one of 51 gets 13 and 37 gradient buffers.
 void widen_in_flight(BucketCaps& c, const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
   if (s.max_buckets_in_flight != 0) return;
   std::size_t largest_buffer = 0, buckets = 0;
@@ -126,7 +136,10 @@ void widen_in_flight(BucketCaps& c, const std::vector<ParamSpec>& params, const 
     ++buckets;
   }
   const std::size_t fit = largest_buffer ? c.budget / largest_buffer : 0;
-  if (fit > pool_buffers(c.grads_in_flight)) c.grads_in_flight = std::min(fit - (pool_buffers(0)), std::max(buckets, kStage2GradsInFlight));
+  if (fit <= pool_buffers(c.grads_in_flight)) return;
+  const std::size_t spare = fit - pool_buffers(kStage2GradsInFlight);
+  c.staging_in_flight = std::min(kStagingInFlight + spare / 4, std::max(buckets, kStagingInFlight));
+  c.grads_in_flight = std::min(fit - pool_buffers(0, c.staging_in_flight), std::max(buckets, kStage2GradsInFlight));
 }
 
 // Stage 2 holds a bucket's gradients only while it is in flight. The pool (the buckets in flight,
@@ -205,9 +218,9 @@ RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& p
     m.optimizer_state += bs.packed[r] * 4 * (s.state_slots + (masters ? 1 : 0));
     if (bk.dtype == DType::f32 && s.comm_dtype != DType::f32) m.comm_buffers += (bs.padded + bs.slice) * dtype_size(s.comm_dtype);
   }
-  // Pooled (stage 2): at most pool_buffers(grads_in_flight) buffers at once, none larger than the
-  // largest bucket (BucketBuffers drops a free buffer too small to reuse).
-  if (caps.pooled) m.grads += pool_buffers(caps.grads_in_flight) * largest;
+  // Pooled (stage 2): at most pool_buffers(...) buffers at once, none larger than the largest
+  // bucket (BucketBuffers drops a free buffer too small to reuse).
+  if (caps.pooled) m.grads += pool_buffers(caps.grads_in_flight, caps.staging_in_flight) * largest;
   if (s.optimizer) m.comm_buffers += std::size_t(s.world) * 4;  // the norm exchange
   return m;
 }

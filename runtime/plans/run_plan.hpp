@@ -40,16 +40,18 @@
 namespace shardflow {
 
 // Stage 2's buckets in flight by default (Config::zero.max_buckets_in_flight = 0): at least one
-// gradient buffer being written while one is reduced, more where the budget holds them (the
-// bucket caps are sized for this least count, then the count grows into what is left of the
-// budget: bucket_caps), and two staging buffers (a step packs the next bucket while the previous
-// one's sync is on the link).
+// gradient buffer being written while one is reduced, and two staging buffers (a step packs the
+// next bucket while the previous one's sync is on the link); both more where the budget holds
+// them (the bucket caps are sized for these least counts, then the counts grow into what is left
+// of the budget: Note [Staging in flight], run_plan.cpp).
 inline constexpr std::size_t kStage2GradsInFlight = 2;
 inline constexpr std::size_t kStagingInFlight = 2;
 // Buffers stage 2's pool may hold at once: the gradient buffers in flight, one more taken while
 // every held one is still being written (backpressure waits only when a reduction is on its way,
 // so that it never deadlocks: BucketBuffers::grad), and the staging buffers.
-constexpr std::size_t pool_buffers(std::size_t grads_in_flight) { return grads_in_flight + 1 + kStagingInFlight; }
+constexpr std::size_t pool_buffers(std::size_t grads_in_flight, std::size_t staging_in_flight = kStagingInFlight) {
+  return grads_in_flight + 1 + staging_in_flight;
+}
 
 struct PlanSettings {
   int world = 1;
@@ -84,6 +86,7 @@ struct BucketCaps {
   BucketPlan plan(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order) const;
   bool pooled = false;
   std::size_t grads_in_flight = 0;  // gradient buffers held at once (pooled)
+  std::size_t staging_in_flight = kStagingInFlight;  // stepped buckets whose sync has not landed (pooled)
   std::size_t budget = 0;           // stage 2: bytes the buckets in flight may take
   std::string warning;              // stage 2 over its budget: which parameter, and what to do
 };
@@ -96,7 +99,7 @@ struct RankMemory {
 };
 
 // What rank `rank` allocates for this plan: exactly, except stage 2's pooled gradient buffers,
-// which are counted at their bound (grads_in_flight + kStagingInFlight of the largest bucket).
+// which are counted at their bound (pool_buffers of the largest bucket).
 RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& plan, const ShardPlan& shard,
                        const PlanSettings& s, const BucketCaps& caps);
 

@@ -227,7 +227,7 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
     // The syncs' order tells the shard which reduced bucket steps first (Note [Which bucket steps
     // next]).
     shard_actor_h = sys.spawn(shard_actor, ShardActorArgs{shard, cfg.zero.overlap, comm_actor_h, signal, zero_on_done, sync_order(), timeline,
-                                                          used_counts_for_shard()});
+                                                          used_counts_for_shard(), caps.staging_in_flight});
     caf::anon_send(comm_actor_h, msg::set_peer_atom::value, shard_actor_h);
   }
   bucket_actors.clear();
