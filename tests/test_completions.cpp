@@ -1,15 +1,18 @@
 // The completion watcher behind the device backends (Note [Device completions]), driven by fake
-// "events" so that it is checked on every machine, GPU or not.
+// "events" so that it is checked on every machine, GPU or not; and how bucket completions wake the
+// rank actor (Note [Watched completions]).
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <future>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "runtime/comm/completion_queue.hpp"
+#include "runtime/core/iteration_signal.hpp"
 #include "shardflow/errors.hpp"
 
 using namespace shardflow;
@@ -196,4 +199,77 @@ TEST_CASE("device completions: abort fails pending ops promptly with the reason 
   CHECK(std::chrono::steady_clock::now() - start < 1s);
   REQUIRE(r2.count() == 1);
   CHECK(message(r2.errors[0]).find("destroyed with 1 collective(s) pending") != std::string::npos);
+}
+
+namespace {
+
+// A signal of `slots` whose on_done counts the wake-ups it asks for.
+struct Watched {
+  std::atomic<int> wakes{0};
+  IterationSignal signal;
+  explicit Watched(std::size_t slots)
+      : signal(slots, [this](std::uint32_t, std::uint64_t, const BucketFailure&, bool wake) { wakes += wake ? 1 : 0; }) {}
+};
+
+}  // namespace
+
+TEST_CASE("watched completions: a completion wakes the rank actor only when it meets what the actor waits for, or fails — a new signal, and one whose watch was met, wake on every completion") {
+  Watched w(3);
+  w.signal.bucket_done(0, {});
+  CHECK(w.wakes == 1);  // nothing watched yet: every completion wakes
+  // Every slot at 1: slots 1 and 2 are still below.
+  CHECK_FALSE(w.signal.watch({1, {}}));
+  w.signal.bucket_done(1, {});
+  CHECK(w.wakes == 1);
+  w.signal.bucket_done(2, {});
+  CHECK(w.wakes == 2);
+  w.signal.bucket_done(0, {});  // the watch was met: wakes until the next watch
+  CHECK(w.wakes == 3);
+  // Slot 1 at 2 and slot 2 at 3: slot 0's completions and slot 2's second say nothing.
+  CHECK_FALSE(w.signal.watch({0, {{1, 2}, {2, 3}}}));
+  w.signal.bucket_done(0, {});
+  w.signal.bucket_done(2, {});
+  CHECK(w.wakes == 3);
+  w.signal.bucket_done(1, {});
+  CHECK(w.wakes == 4);
+  // Given what is met already, watch() says so (look again), and the next completion wakes.
+  CHECK(w.signal.watch({2, {}}));
+  CHECK(w.signal.watch({0, {{0, 1}}}));
+  CHECK_FALSE(w.signal.watch({5, {}}));
+  w.signal.bucket_done(2, BucketFailure{BucketFailure::comm, "rank 1 lost"});  // a failure always wakes
+  CHECK(w.wakes == 5);
+}
+
+TEST_CASE("watched completions: a waiter that looks, then watches, never misses the completion it needs — 2,000 iterations of 8 buckets completed by another thread") {
+  // The rank actor's loop (rank_actor.cpp, check): look at the signal; if the iteration is not
+  // complete, watch for it; if watch() says it is met already, look again; else sleep until woken.
+  constexpr std::size_t slots = 8;
+  constexpr std::uint64_t iterations = 2000;
+  std::mutex mu;
+  std::condition_variable cv;
+  int pending_wakes = 0;
+  IterationSignal signal(slots, [&](std::uint32_t, std::uint64_t, const BucketFailure&, bool wake) {
+    if (!wake) return;
+    std::lock_guard lock(mu);
+    ++pending_wakes;
+    cv.notify_one();
+  });
+  std::thread completer([&] {
+    for (std::uint64_t it = 1; it <= iterations; ++it)
+      for (std::uint32_t b = 0; b < slots; ++b) signal.bucket_done(b, {});
+  });
+  std::uint64_t missed = 0;
+  for (std::uint64_t it = 1; it <= iterations; ++it) {
+    while (!signal.all_done(it)) {
+      if (signal.watch({it, {}})) continue;
+      std::unique_lock lock(mu);
+      if (!cv.wait_for(lock, 2s, [&] { return pending_wakes > 0; })) {
+        ++missed;
+        break;
+      }
+      pending_wakes = 0;
+    }
+  }
+  completer.join();
+  CHECK(missed == 0);
 }

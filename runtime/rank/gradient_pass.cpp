@@ -102,15 +102,20 @@ bool Runtime::Impl::pass_complete(std::uint64_t target, bool prefetching_wait) {
   return true;
 }
 
-void Runtime::Impl::watch_pass(IterationSignal::Watch& w, std::uint64_t target, bool prefetching_wait) const {
+bool Runtime::Impl::watch_pass(IterationSignal::Watch& w, std::uint64_t target, bool prefetching_wait) const {
   const std::uint64_t need = prefetching_wait ? target - 1 : target;
   if (!signal->all_done(need)) {
     w.all = w.all ? std::min(w.all, need) : need;
-    return;
+    return true;
   }
+  bool left = false;
   if (prefetching_wait)
     for (auto kind : {ScheduledCollective::unused, ScheduledCollective::buffers})
-      if (const auto i = signal_index(kind); i != ~0u) w.slots.emplace_back(i, target);
+      if (const auto i = signal_index(kind); i != ~0u && !signal->done(i, target)) {
+        w.slots.emplace_back(i, target);
+        left = true;
+      }
+  return left;
 }
 
 void Runtime::Impl::pass_timed_out(std::uint64_t target, const std::string& what) {

@@ -162,16 +162,18 @@ void look(self_ptr self) {
 }
 
 // Tells the signal what the waits left need first (Note [Watched completions]); true when a
-// completion met it in the meantime.
+// completion met some of it since look() read the signal: look again. (Sleeping then, with that
+// wait's part left out of the watch, would leave it to its deadline: the run's collective
+// timeout, ten minutes by default.)
 bool watch_waits(self_ptr self) {
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
   IterationSignal::Watch w;
-  if (st.iteration) I.watch_pass(w, I.passes_handed, I.wait_prefetching);
+  bool met = st.iteration && !I.watch_pass(w, I.passes_handed, I.wait_prefetching);
   for (const auto& p : st.params)
     for (const auto b : p.buckets) w.slots.emplace_back(b, p.target);
-  for (const auto& a : st.all) I.watch_pass(w, a.target, false);
-  return I.signal->watch(w);
+  for (const auto& a : st.all) met = !I.watch_pass(w, a.target, false) || met;
+  return met || I.signal->watch(w);
 }
 
 void check(self_ptr self) {
