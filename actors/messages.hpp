@@ -28,7 +28,7 @@
 // actor, or Runtime's blocking calls from a scoped actor, asks the rank actor; it answers waits from
 // IterationSignal's completions:
 //   trainer --iteration / params_ready / grad ...--> rank actor --(Runtime's calls)--> the flow above
-//   IterationSignal --poke (on_done)--> rank actor --step_done / params_ready / error--> trainer
+//   IterationSignal --poke (on_done, Note [Watched completions])--> rank actor --step_done / params_ready / error--> trainer
 //
 // When backward ends, the trainer's own entries (Note [Rank 0's state everywhere], Note [Unused
 // parameters]):
