@@ -127,7 +127,7 @@ std::size_t largest_fitting_cap(const std::vector<ParamSpec>& params, const std:
 // at 4x DDP's per-bucket cost on bench_overhead's 100 buckets of 10 KiB, where stage 1, whose
 // buckets are their own staging, was at 2x). So a quarter of what the budget holds beyond the
 // least pool goes to staging and the rest to gradients: a budget of 8 buckets keeps two (bench_
-// overlap's 16 x 0.25 MiB, unchanged), one of 51 gets 13 and 37 gradient buffers.
+// overlap's 16 x 0.25 MiB, unchanged), one of 50 gets 13 and 36 gradient buffers.
 void widen_in_flight(BucketCaps& c, const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
   if (s.max_buckets_in_flight != 0) return;
   std::size_t largest_buffer = 0, buckets = 0;

@@ -427,12 +427,11 @@ void stop_rank_actor(caf::actor_system& sys, rank_api::actor& h) {
 }
 
 // Note [Coalesced pokes]
-// Every bucket's completion pokes the rank actor, and the rank actor has a thread of its own: one
-// message per bucket woke that thread once per bucket, and the thread then contended for its
-// mailbox's lock with the shard or bucket actor still sending (a third of bench_overhead's context
-// switches at ZeRO-1). A completion now sends a poke only when none is on its way: the actor
-// clears the flag before it reads the signal, so a completion it cannot have seen finds the flag
-// clear and pokes again, and one it skipped is counted in the signal before the flag was read.
+// The rank actor has a thread of its own, so each poke is a wake-up of that thread. Most
+// completions send none (Note [Watched completions]); those that do (no watch set yet, or one
+// just met) send one only when none is on its way. The actor clears the flag before it reads the
+// signal: a completion it cannot have seen finds the flag clear and pokes again, and one that
+// found it set was counted in the signal before the actor read it.
 std::function<void()> rank_actor_poke(const rank_api::actor& h, std::shared_ptr<std::atomic<bool>> pending) {
   return [h = caf::actor_cast<rank_actor_impl>(h), pending = std::move(pending)] {
     if (!pending->exchange(true)) caf::anon_send(h, poke_atom::value);
