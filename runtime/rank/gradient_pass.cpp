@@ -93,13 +93,9 @@ void Runtime::Impl::await_handed(std::uint64_t target) {
 }
 
 bool Runtime::Impl::pass_complete(std::uint64_t target, bool prefetching_wait) {
-  const std::uint64_t need = prefetching_wait ? target - 1 : target;
-  if (signal->failure()) check_outcome(IterationSignal::Outcome::failed, need, "");
-  if (!signal->all_done(need)) return false;  // checked at every bucket's completion: no list built
-  if (prefetching_wait)
-    for (auto kind : {ScheduledCollective::unused, ScheduledCollective::buffers})
-      if (const auto i = signal_index(kind); i != ~0u && !signal->done(i, target)) return false;
-  return true;
+  if (signal->failure()) check_outcome(IterationSignal::Outcome::failed, prefetching_wait ? target - 1 : target, "");
+  IterationSignal::Watch left;
+  return !watch_pass(left, target, prefetching_wait);
 }
 
 bool Runtime::Impl::watch_pass(IterationSignal::Watch& w, std::uint64_t target, bool prefetching_wait) const {

@@ -406,10 +406,7 @@ rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
       [=](checkpoint_atom) { return on_checkpoint(self); },
       [=, &I](subscribe_atom, caf::actor& who, std::uint8_t mask) { I.client.subscribers->subscribe(std::move(who), mask); },
       [=, &I](unsubscribe_atom, caf::actor& who) { I.client.subscribers->unsubscribe(who); },
-      [=, &I](poke_atom) {
-        I.client.poke_pending->store(false);  // before reading the signal: a completion after this pokes again
-        check(self);
-      },
+      [=](poke_atom) { check(self); },
       [=](deadline_atom, std::uint64_t id) { on_deadline(self, id); },
   };
 }
@@ -426,16 +423,8 @@ void stop_rank_actor(caf::actor_system& sys, rank_api::actor& h) {
   h = rank_api::actor{};
 }
 
-// Note [Coalesced pokes]
-// The rank actor has a thread of its own, so each poke is a wake-up of that thread. Most
-// completions send none (Note [Watched completions]); those that do (no watch set yet, or one
-// just met) send one only when none is on its way. The actor clears the flag before it reads the
-// signal: a completion it cannot have seen finds the flag clear and pokes again, and one that
-// found it set was counted in the signal before the actor read it.
-std::function<void()> rank_actor_poke(const rank_api::actor& h, std::shared_ptr<std::atomic<bool>> pending) {
-  return [h = caf::actor_cast<rank_actor_impl>(h), pending = std::move(pending)] {
-    if (!pending->exchange(true)) caf::anon_send(h, poke_atom::value);
-  };
+std::function<void()> rank_actor_poke(const rank_api::actor& h) {
+  return [h = caf::actor_cast<rank_actor_impl>(h)] { caf::anon_send(h, poke_atom::value); };
 }
 
 rank_api::actor rank_actor_of(Runtime& rt) { return RankActorAccess::impl(rt).client.actor; }

@@ -4,9 +4,7 @@
 
 #include <caf/actor_system.hpp>
 
-#include <atomic>
 #include <functional>
-#include <memory>
 
 #include "shardflow/actor.hpp"
 
@@ -16,7 +14,6 @@ rank_api::actor spawn_rank_actor(caf::actor_system& sys, Runtime& rt);
 // Stops it and waits until it is gone: nothing runs on its thread afterwards.
 void stop_rank_actor(caf::actor_system& sys, rank_api::actor& h);
 // Tells it that a bucket (or a handed-over entry) completed: its waiting requests may be answered.
-// A poke already on its way stands for this one too (Note [Coalesced pokes]).
-std::function<void()> rank_actor_poke(const rank_api::actor& h, std::shared_ptr<std::atomic<bool>> pending);
+std::function<void()> rank_actor_poke(const rank_api::actor& h);
 
 }  // namespace shardflow

@@ -26,8 +26,6 @@ class RankClient {
   rank_api::actor actor;  // spawned with the Runtime, stopped first when it goes
   std::shared_ptr<RankEvents> subscribers = std::make_shared<RankEvents>();
   std::atomic<std::thread::id> thread{};  // the rank actor's own thread
-  // Note [Coalesced pokes]: set by the poke that is on its way, cleared by the actor as it reads it.
-  std::shared_ptr<std::atomic<bool>> poke_pending = std::make_shared<std::atomic<bool>>(false);
 
   // A RankCall runs here: the rank's own thread, which may block (never a scheduler thread).
   bool on_rank_thread() const { return std::this_thread::get_id() == thread.load(std::memory_order_relaxed); }

@@ -74,8 +74,8 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // Without blocking: has the signal counted what the pass handed over for `target` needs (the
   // previous iteration and the handed entries when prefetching)? Throws the run's failure.
   bool pass_complete(std::uint64_t target, bool prefetching_wait);
-  // Adds to `w` what pass_complete waits for first (Note [Watched completions]); false when
-  // nothing is left: a completion came since pass_complete looked, so look again.
+  // Adds to `w` what the pass waits for first (Note [Watched completions]); false when nothing
+  // is left: the pass is complete (pass_complete asks this), or became so since the last look.
   bool watch_pass(IterationSignal::Watch& w, std::uint64_t target, bool prefetching_wait) const;
   // A wait's deadline passed: the TimeoutError naming what is still pending.
   [[noreturn]] void pass_timed_out(std::uint64_t target, const std::string& what);

@@ -242,7 +242,7 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
   // Parameters are ready per bucket only where the runtime steps them (a DDP bucket's completion
   // is its reduced gradients, announced with the iteration).
   const std::size_t param_buckets = shard ? plan.buckets.size() : 0;
-  return [poke = rank_actor_poke(client.actor, client.poke_pending), events = client.subscribers, round = client.subscribers->round(), param_buckets,
+  return [poke = rank_actor_poke(client.actor), events = client.subscribers, round = client.subscribers->round(), param_buckets,
           first_iteration](std::uint32_t b, std::uint64_t count, const BucketFailure& f, bool wake) {
     if (f)
       events->failed(make_error(f.kind == BucketFailure::timeout    ? errc::timeout
