@@ -61,8 +61,6 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
 }  // namespace
 
 CommStreamState::~CommStreamState() {
-  for (auto& [op, done] : outbox)
-    done(std::make_exception_ptr(CommError("collective '" + op.tag + "': the runtime stopped before issuing it")));
   for (auto& t : trainer_ops)
     t.done(std::make_exception_ptr(CommError("trainer collective '" + t.op.tag + "': the runtime stopped before issuing it")));
 }
@@ -70,31 +68,6 @@ CommStreamState::~CommStreamState() {
 namespace {
 
 using self_ptr = msg::comm_stream_actor_t::stateful_pointer<CommStreamState>;
-
-// Note [One submission a turn]
-// A backend that runs collectives on a thread of its own (StreamWorker) sleeps when its queue is
-// empty, and each op submitted to a sleeping worker cost a wake-up: a futex call here and a
-// context switch there, twice a bucket at ZeRO (its reduction, then its sync). The ops this actor
-// issues while it works through its mailbox are therefore kept until the mailbox is done (a
-// message to itself, which comes after those already queued) and then handed over back to back,
-// so a burst of ready buckets wakes the worker once. The order is the schedule's, as before; the
-// delay is the rest of this turn, microseconds.
-void post(self_ptr self, CollectiveOp op, CollectiveDone done) {
-  auto& s = self->state;
-  s.outbox.emplace_back(std::move(op), std::move(done));
-  if (!s.flush_sent) {
-    s.flush_sent = true;
-    self->send(self, msg::flush_atom::value);
-  }
-}
-
-void flush(self_ptr self) {
-  auto& s = self->state;
-  s.flush_sent = false;
-  auto ops = std::move(s.outbox);
-  s.outbox.clear();
-  for (auto& [op, done] : ops) s.comm->submit(std::move(op), std::move(done));
-}
 
 // Where each entry of the schedule sits, by bucket and by kind.
 void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entries) {
@@ -180,7 +153,7 @@ void submit(self_ptr self, const ScheduledCollective& e, CollectiveIssue issue) 
     CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
     if (then && k + 1 == ops.size()) done = then_next_phase(self, e, then, std::move(done));
     done = timed(s, e, op, std::move(done));
-    post(self, std::move(op), std::move(done));
+    s.comm->submit(std::move(op), std::move(done));
   }
 }
 
@@ -193,7 +166,7 @@ void release_trainer_ops(self_ptr self) {
   for (auto& t : s.trainer_ops) {
     if (t.before <= s.iteration) {
       s.log->record(t.op);
-      post(self, std::move(t.op), std::move(t.done));
+      s.comm->submit(std::move(t.op), std::move(t.done));
     } else {
       later.push_back(std::move(t));
     }
@@ -299,7 +272,6 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(self_ptr self, std::sh
         self->state.blocked = false;
         pump(self);
       },
-      [=](msg::flush_atom) { flush(self); },
       [=](msg::trainer_op_atom, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) { on_trainer_op(self, before, op, done); },
       [=](msg::handed_over_atom, std::uint8_t kind, CollectiveIssue& issue) {
         const auto k = ScheduledCollective::Kind(kind);

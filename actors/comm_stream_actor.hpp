@@ -44,9 +44,6 @@ struct CommStreamState {
     CollectiveDone done;
   };
   std::vector<TrainerOp> trainer_ops;
-  // Note [One submission a turn]: ops issued in this turn, handed to the backend by `flush`.
-  std::vector<std::pair<CollectiveOp, CollectiveDone>> outbox;
-  bool flush_sent = false;
   ~CommStreamState();
   std::shared_ptr<CollectiveLog> log;
   std::shared_ptr<spdlog::logger> logger;

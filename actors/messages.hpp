@@ -80,7 +80,6 @@ using trainer_op_atom = caf::atom_constant<caf::atom("trainer_op")>;
 // reduction is done and the schedule may go on.
 using hook_phase_atom = caf::atom_constant<caf::atom("hook_phase")>;
 using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard actor to itself
-using flush_atom = caf::atom_constant<caf::atom("flush")>;  // comm stream actor to itself
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
 
@@ -105,6 +104,6 @@ using comm_stream_actor_t = caf::typed_actor<
     caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>,
     caf::reacts_to<handed_over_atom, std::uint8_t, CollectiveIssue>,
     caf::reacts_to<trainer_op_atom, std::uint64_t, CollectiveOp, CollectiveDone>,
-    caf::reacts_to<hook_phase_atom, std::uint8_t, std::uint32_t, bool, CollectiveIssue>, caf::reacts_to<flush_atom>>;
+    caf::reacts_to<hook_phase_atom, std::uint8_t, std::uint32_t, bool, CollectiveIssue>>;
 
 }  // namespace shardflow::msg
