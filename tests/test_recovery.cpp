@@ -13,7 +13,7 @@
 #include <thread>
 #include <tuple>
 
-#include <caf/scoped_actor.hpp>
+#include <caf/all.hpp>
 
 #include "shardflow/actor.hpp"
 #include "shardflow/shardflow.hpp"
@@ -330,4 +330,221 @@ TEST_CASE("the actor API hears a recovery: world 2, lost twice -> each time fail
     CHECK(h.steps == std::vector<std::uint64_t>{3, 5});
   }
   std::filesystem::remove_all(snaps);
+}
+
+// Note [Recovering from actors] (runtime/rank/rank_actor.cpp): a trainer made of actors heals in
+// place without blocking a scheduler thread. Each rank's trainer is one event-based actor that
+// drives its rank actor; when an iteration of round 0 fails it asks its rank actor to recover onto
+// round 1 and goes on with the new rank actor from the step the answer names.
+namespace {
+
+using run_atom = caf::atom_constant<caf::atom("run")>;
+
+struct ActorTrainer {
+  Runtime* rt = nullptr;
+  Model* m = nullptr;
+  Param pa, pb;
+  int rank = 0;
+  std::vector<std::shared_ptr<InProcessWorld>>* rounds = nullptr;
+  int lose_in = -1;  // the step in which round 0 ends under every rank
+  std::optional<rank_api::NextRound> next;  // unset: the next round's communicator
+  struct Heard {
+    std::vector<std::uint64_t> resumed;
+    std::vector<std::pair<int, int>> where;  // rank, world
+    std::string error;
+  };
+  Heard* heard = nullptr;  // written by the actor, read once it answered run
+};
+
+struct ActorTrainerState {
+  caf::response_promise done;
+  rank_api::actor rank;
+  int step = 0;
+  std::size_t round = 0;  // an answer of an earlier round is stale
+  bool recovering = false;
+  std::vector<float> ga = std::vector<float>(kA), gb = std::vector<float>(kB);
+};
+
+void actor_step(caf::stateful_actor<ActorTrainerState>* self, const ActorTrainer* t);
+
+void actor_failed(caf::stateful_actor<ActorTrainerState>* self, const ActorTrainer* t, std::size_t round, const caf::error& e) {
+  auto& st = self->state;
+  if (round != st.round || st.recovering) return;  // one recovery a round, whichever request failed first
+  if (st.round + 1 >= t->rounds->size()) {  // no round left: the error is the run's
+    t->heard->error = what(e);
+    return st.done.deliver(run_atom::value);
+  }
+  st.recovering = true;
+  auto next = t->next ? *t->next : rank_api::NextRound{[t, r = st.round + 1] { return (*t->rounds)[r]->communicator(t->rank); }};
+  self->request(st.rank, caf::infinite, rank_api::recover_atom::value, std::move(next))
+      .then(
+          [=](rank_api::recovered_atom, std::uint64_t step, std::int32_t rank, std::int32_t world) {
+            auto& st = self->state;
+            st.recovering = false;
+            ++st.round;
+            st.rank = rank_actor_of(*t->rt);
+            t->heard->resumed.push_back(step);
+            t->heard->where.emplace_back(rank, world);
+            st.step = int(step);
+            actor_step(self, t);
+          },
+          [=](caf::error& e) {
+            t->heard->error = what(e);
+            self->state.done.deliver(run_atom::value);
+          });
+}
+
+void actor_step(caf::stateful_actor<ActorTrainerState>* self, const ActorTrainer* t) {
+  auto& st = self->state;
+  if (st.step == kSteps) {
+    self->request(st.rank, caf::infinite, rank_api::all_params_atom::value)
+        .then([=](rank_api::all_params_atom) { self->state.done.deliver(run_atom::value); },
+              [=](caf::error& e) { actor_failed(self, t, self->state.round, e); });
+    return;
+  }
+  const auto round = st.round;
+  auto on_error = [=](caf::error& e) { actor_failed(self, t, round, e); };
+  self->send(st.rank, rank_api::zero_grad_atom::value);
+  auto backward = [=] {
+    self->request(self->state.rank, caf::infinite, rank_api::grad_atom::value, std::vector<Param>{t->pa, t->pb})
+        .then(
+            [=](const std::vector<GradSlot>& slots) {
+              auto& st = self->state;
+              if (round != st.round) return;
+              gradients(t->m->a, st.ga, t->rank, st.step);
+              gradients(t->m->b, st.gb, t->rank, st.step);
+              std::copy(st.ga.begin(), st.ga.end(), static_cast<float*>(slots[0].data));
+              std::copy(st.gb.begin(), st.gb.end(), static_cast<float*>(slots[1].data));
+              self->send(st.rank, rank_api::grad_ready_atom::value, std::vector<Param>{t->pa, t->pb});
+              self->request(st.rank, caf::infinite, rank_api::iteration_atom::value)
+                  .then(
+                      [=](rank_api::step_done_atom, std::uint64_t) {
+                        if (round != self->state.round) return;
+                        ++self->state.step;
+                        actor_step(self, t);
+                      },
+                      on_error);
+            },
+            on_error);
+  };
+  if (round != 0 || st.step != t->lose_in) return backward();
+  // Every rank between the same iterations, then round 0 ends under them (as a lost peer ends it).
+  CollectiveOp both;
+  both.kind = CollectiveKind::barrier;
+  both.tag = "the test's barrier";
+  self->request(st.rank, caf::infinite, rank_api::collective_atom::value, both)
+      .then(
+          [=](rank_api::collective_atom, const std::string&) {
+            (*t->rounds)[0]->communicator(t->rank)->abort("the test ends round 0");
+            backward();
+          },
+          on_error);
+}
+
+caf::behavior actor_trainer(caf::stateful_actor<ActorTrainerState>* self, const ActorTrainer* t, std::uint64_t first) {
+  self->state.rank = rank_actor_of(*t->rt);
+  self->state.step = int(first);
+  return {[=](run_atom) {
+    self->state.done = self->make_response_promise();
+    actor_step(self, t);
+    return self->state.done;
+  }};
+}
+
+// One rank of the actor-driven run: set up on this thread (blocking calls before any actor runs),
+// then trained by its actor.
+void run_actor_rank(int r, ActorTrainer t, const std::string& snaps) {
+  Runtime rt(t.rounds->front()->communicator(r), config(snaps, 1));
+  t.pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), t.m->a.data()});
+  t.pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), t.m->b.data()});
+  OptimizerConfig adamw;
+  adamw.kind = OptimizerConfig::Kind::adamw;
+  adamw.lr = 0.01f;
+  rt.configure_optimizer(adamw);
+  t.rt = &rt;
+  t.rank = r;
+  const auto first = rt.resumed_step();
+  auto& sys = actor_system_of(rt);
+  auto trainer = sys.spawn(actor_trainer, &t, first);
+  caf::scoped_actor self{sys};
+  self->request(trainer, std::chrono::seconds(120), run_atom::value)
+      .receive([](run_atom) {}, [&](caf::error& e) { t.heard->error = "the trainer actor: " + caf::to_string(e); });
+  self->send_exit(trainer, caf::exit_reason::user_shutdown);
+  self->wait_for(trainer);  // before the Runtime goes
+}
+
+}  // namespace
+
+TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 and world 1 (the process's only Runtime), round 0 lost in "
+          "the 6th step -> each rank's actor asks recover_atom, is answered with the step, rank and world, goes on with the new rank "
+          "actor, and the run ends bit for bit where an uninterrupted one ends — an empty or failing NextRound is the answer's error, named") {
+  auto reference = [](int N) {
+    std::vector<Model> want{std::size_t(N)};
+    auto world = InProcessWorld::create(N);
+    const auto snaps = scratch("actor_ref");
+    std::vector<std::uint64_t> unused(static_cast<std::size_t>(N));
+    test::require_all_ok(test::run_ranks(N, [&](int r) {
+      train_rank(r, world->communicator(r), snaps, 1, false, want[std::size_t(r)], std::nullopt, nullptr, unused[std::size_t(r)]);
+    }));
+    std::filesystem::remove_all(snaps);
+    return want;
+  };
+  // World 1: the actor system the trainer's actor runs on is held by this one Runtime only, and
+  // must stay up through the recovery that swaps its parts.
+  SUBCASE("healed") {
+    for (const int N : {3, 1}) {
+      CAPTURE(N);
+      const auto want = reference(N);
+      std::vector<Model> got{std::size_t(N)};
+      auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
+      const auto snaps = scratch("actor_heals");
+      std::vector<ActorTrainer::Heard> heard(static_cast<std::size_t>(N));
+      test::require_all_ok(test::run_ranks(N, [&](int r) {
+        ActorTrainer t;
+        t.m = &got[std::size_t(r)];
+        t.rounds = &rounds;
+        t.lose_in = 5;
+        t.heard = &heard[std::size_t(r)];
+        run_actor_rank(r, t, snaps);
+      }));
+      for (int r = 0; r < N; ++r) {
+        CAPTURE(r);
+        const auto& h = heard[std::size_t(r)];
+        CHECK(h.error == "");
+        // A snapshot every step completes at the end of the next: lost in the 6th -> the one after 4.
+        CHECK(h.resumed == std::vector<std::uint64_t>{4});
+        CHECK(h.where == std::vector<std::pair<int, int>>{{r, N}});
+        CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+      }
+      std::filesystem::remove_all(snaps);
+    }
+  }
+  SUBCASE("an empty NextRound, one that makes no communicator, one that throws") {
+    const std::vector<std::pair<rank_api::NextRound, std::string>> cases{
+        {rank_api::NextRound{}, "the NextRound is empty"},
+        {[] { return std::shared_ptr<Communicator>(); }, "recover: communicator is null"},
+        {[]() -> std::shared_ptr<Communicator> { throw TimeoutError("the test's launcher never answers"); }, "the test's launcher never answers"}};
+    constexpr int N = 3;
+    std::vector<Model> got(N);
+    for (const auto& [next, says] : cases) {
+      CAPTURE(says);
+      auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
+      const auto snaps = scratch("actor_bad_next");
+      std::vector<ActorTrainer::Heard> heard(static_cast<std::size_t>(N));
+      test::require_all_ok(test::run_ranks(N, [&](int r) {
+        ActorTrainer t;
+        t.m = &got[std::size_t(r)];
+        t.rounds = &rounds;
+        t.lose_in = 5;
+        t.heard = &heard[std::size_t(r)];
+        t.next = next;
+        run_actor_rank(r, t, snaps);
+      }));
+      for (int r = 0; r < N; ++r) {
+        CAPTURE(r);
+        CHECK(heard[std::size_t(r)].error.find(says) != std::string::npos);
+      }
+      std::filesystem::remove_all(snaps);
+    }
+  }
 }

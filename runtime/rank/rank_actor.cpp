@@ -354,6 +354,37 @@ checkpoint_answer on_checkpoint(self_ptr self) {
   });
 }
 
+// Note [Recovering from actors]
+// recover() stops this very actor (retire) and blocks on the launcher's word and the snapshot's
+// load, so it cannot run here, nor on a scheduler thread: a one-shot detached actor runs it and
+// answers the trainer's request itself (delegated), then quits. The process's actor system, whose
+// scheduler runs the trainer's actors and this helper, stays up through the swap of the Runtime's
+// parts (recover() holds it).
+using recovery_helper = caf::typed_actor<caf::replies_to<rank_api::recover_atom, rank_api::NextRound>::with<
+    rank_api::recovered_atom, std::uint64_t, std::int32_t, std::int32_t>>;
+
+recovery_helper::behavior_type recover_once(recovery_helper::pointer self, Runtime* rt) {
+  return {
+      [=](rank_api::recover_atom, rank_api::NextRound& next) {
+        auto rp = self->make_response_promise<rank_api::recovered_atom, std::uint64_t, std::int32_t, std::int32_t>();
+        try {
+          if (!next) throw UsageError("rank_api::recover_atom: the NextRound is empty (it makes the next round's communicator)");
+          const auto step = rt->recover(next());
+          rp.deliver(rank_api::recovered_atom::value, step, std::int32_t(rt->rank()), std::int32_t(rt->world_size()));
+        } catch (const std::exception& e) {
+          rp.deliver(to_error(e));
+        }
+        self->quit();
+        return rp;
+      },
+  };
+}
+
+caf::delegated<rank_api::recovered_atom, std::uint64_t, std::int32_t, std::int32_t> on_recover(self_ptr self, rank_api::NextRound& next) {
+  auto helper = self->system().spawn<caf::detached>(recover_once, self->state.rt);
+  return self->delegate(helper, rank_api::recover_atom::value, std::move(next));
+}
+
 void on_deadline(self_ptr self, std::uint64_t id) {
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
@@ -404,6 +435,7 @@ rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
         });
       },
       [=](checkpoint_atom) { return on_checkpoint(self); },
+      [=](recover_atom, NextRound& next) { return on_recover(self, next); },
       [=, &I](subscribe_atom, caf::actor& who, std::uint8_t mask) { I.client.subscribers->subscribe(std::move(who), mask); },
       [=, &I](unsubscribe_atom, caf::actor& who) { I.client.subscribers->unsubscribe(who); },
       [=](poke_atom) { check(self); },

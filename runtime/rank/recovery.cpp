@@ -70,6 +70,10 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   void* stream = old.mem->stream;
   old.log->warn("{}: rank {} of {} becomes rank {} of {}; the set-up ({} call(s)) is made again and the newest snapshot reloaded",
                 regrouping ? "a node joins" : "recovering in place", old.rank, old.world, comm->rank(), comm->world_size(), recipe.size());
+  // The process's actor system outlives the swap: the trainer's actors run on it (and, asked
+  // from actors, the helper running this call: Note [Recovering from actors], rank_actor.cpp),
+  // and letting it go here would stop them, or wait for the very thread that waits.
+  const auto actors = old.actors;
   auto next = std::make_unique<Impl>();
   next->cfg = old.cfg;
   next->owner = old.owner;  // the trainer's parameter handles stay valid

@@ -40,6 +40,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::GradSlot)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::vector<shardflow::GradSlot>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(shardflow::CollectiveOp)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::function<void(shardflow::Runtime&)>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::function<std::shared_ptr<shardflow::Communicator>()>)
 
 namespace shardflow {
 
@@ -92,6 +94,7 @@ using all_params_atom = caf::atom_constant<caf::atom("sf_allpar")>;  // every up
 using collective_atom = caf::atom_constant<caf::atom("sf_coll")>;  // the trainer's own collective done
 using save_atom = caf::atom_constant<caf::atom("sf_save")>;        // sharded checkpoint staged
 using checkpoint_atom = caf::atom_constant<caf::atom("sf_ckpt")>;  // -> (checkpoint_done_atom, dir, step)
+using recover_atom = caf::atom_constant<caf::atom("sf_recover")>;  // Runtime::recover, off the scheduler
 // Messages (not answered).
 using grad_ready_atom = caf::atom_constant<caf::atom("sf_gready")>;
 using grads_ready_atom = caf::atom_constant<caf::atom("sf_granges")>;  // flat buffers: offset, count
@@ -111,6 +114,20 @@ using recovered_atom = caf::atom_constant<caf::atom("sf_recov")>;
 // the waits such calls make block it (never a scheduler thread), and the rank's other requests
 // wait for the call.
 using RankCall = std::function<void(Runtime&)>;
+
+// Recovering in place from actors (Note [Recovering in place], runtime/rank/recovery.cpp): after a
+// lost peer (the iteration's error, or a `failed` event) under `shardflow run --recovery
+// in-place | shrink`, request(rank, caf::infinite, recover_atom, next) where `next` makes the
+// communicator of the job's next round (rejoin_process_group(env, options)). Both that and
+// Runtime::recover() block (the launcher's word, the snapshot's load), so they run on a thread of
+// their own, never on a scheduler thread nor the rank actor's (which recover() stops). The answer
+// (recovered_atom, step, rank, world): training goes on after `step` as rank `rank` of `world`
+// (shard the data by them); rank_actor_of(rt) is the rank's new actor (subscribers are told it in
+// the `recovered` event); the old one is gone. Until the answer no actor of the trainer may use
+// the Runtime or the old rank actor: stop the step's work first (the example trainer stops its
+// layer actors and spawns new ones, examples/actor_trainer/rank_trainer.cpp). A failure is the
+// answer's error, as recover() would throw it; a newer round's `next` may be tried again.
+using NextRound = std::function<std::shared_ptr<Communicator>()>;
 
 // Events a subscriber (any actor, subscribe_atom with a mask of these) is sent:
 //   params_ready  (params_ready_atom, std::uint32_t bucket, std::uint64_t iteration): the bucket's
@@ -147,6 +164,8 @@ using actor = caf::typed_actor<
     caf::replies_to<save_atom, std::string>::with<save_atom, std::string>,
     // Runtime::wait_checkpoint(): answered when the pending save is on disk (dir empty: none was).
     caf::replies_to<checkpoint_atom>::with<checkpoint_done_atom, std::string, std::uint64_t>,
+    // Runtime::recover(next()) on a thread of its own (NextRound above).
+    caf::replies_to<recover_atom, NextRound>::with<recovered_atom, std::uint64_t, std::int32_t, std::int32_t>,
     caf::reacts_to<subscribe_atom, caf::actor, std::uint8_t>,
     caf::reacts_to<unsubscribe_atom, caf::actor>>;
 
