@@ -12,6 +12,7 @@
 
 #include "examples/actor_trainer/train.hpp"
 #include "examples/bucket_flags.hpp"
+#include "examples/snapshot_flags.hpp"
 #include "examples/mlp/report.hpp"
 
 int main(int argc, char** argv) {
@@ -23,6 +24,7 @@ int main(int argc, char** argv) {
   std::string backend = "auto", stats_json;
   double timeout_s = 600;
   ::examples::BucketFlags bucket_flags;
+  ::examples::SnapshotFlags snapshot_flags;
   int zero_stage = 0, log_every = 0;
   bool quiet = false;
   app.add_option("--sizes", sizes, "layer widths, input first (comma separated)")->capture_default_str();
@@ -40,6 +42,7 @@ int main(int argc, char** argv) {
   app.add_option("--save", save, "write the final parameters (safetensors)");
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   bucket_flags.add(app);
+  snapshot_flags.add(app, opt.runtime.snapshot);
   app.add_option("--timeout", timeout_s, "seconds any wait on another rank may take")->capture_default_str();
   app.add_option("--zero-stage", zero_stage, "0 (DDP), 1, 2")->capture_default_str();
   app.add_option("--overlap", overlap, "none | after_backward | interleaved")->capture_default_str();
@@ -64,6 +67,7 @@ int main(int argc, char** argv) {
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;
     bucket_flags.apply(opt.runtime.buckets);
+    snapshot_flags.apply(opt.runtime);
     if (timeout_s <= 0) throw UsageError("--timeout must be positive");
     opt.runtime.timeouts.collective = std::chrono::milliseconds(std::int64_t(timeout_s * 1000));
     if (log_every < 0) throw UsageError("--log-every must be >= 0");
@@ -71,7 +75,11 @@ int main(int argc, char** argv) {
     std::shared_ptr<Communicator> comm;
     if (env.launched()) {
       mlp::adopt_launch(env, opt, app.count("--world-size") > 0, backend);
-      comm = init_process_group(env, ProcessGroupOptions{backend, opt.runtime.timeouts.collective});
+      const ProcessGroupOptions group{backend, opt.runtime.timeouts.collective};
+      comm = init_process_group(env, group);
+      // A lost peer is healed in this process: the rank trainer asks its rank actor to recover
+      // onto the job's next round (Note [The actor trainer heals in place]).
+      if (env.recover_in_place) opt.rejoin = [env, group] { return rejoin_process_group(env, group); };
       if (env.rank != 0) quiet = true;  // rank 0 reports for the job
     } else {
       mlp::check_unlaunched_backend("actor_trainer", backend);
@@ -84,8 +92,9 @@ int main(int argc, char** argv) {
       mlp::print_header("actor_trainer", sizes, opt, comm ? std::string(comm->backend_name()) + ", rank actors" : "in-process rank actors",
                         optimizer, overlap, partition);
     auto res = comm ? actor_trainer::train_rank(opt, comm) : actor_trainer::train(opt);
-    if (!report) return 0;
-    mlp::print_summary(res, opt, comm ? comm->rank() : -1, quiet);
+    // The rank 0 at the end reports it (recovering in place by shrinking renumbers the survivors).
+    if (env.launched() ? res.rank_at_end != 0 : !report) return 0;
+    mlp::print_summary(res, opt, comm ? res.rank_at_end : -1, quiet);
     if (!stats_json.empty()) mlp::write_stats_json(res, stats_json);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "actor_trainer: error: %s\n", e.what());

@@ -19,6 +19,7 @@
 #include <set>
 
 #include "examples/bucket_flags.hpp"
+#include "examples/snapshot_flags.hpp"
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/report.hpp"
 #include "examples/mlp/train.hpp"
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   std::string sizes = "784,256,256,10", optimizer = "sgd", init, data, save;
   double timeout_s = 600;
   ::examples::BucketFlags bucket_flags;
+  ::examples::SnapshotFlags snapshot_flags;
   app.add_option("--sizes", sizes, "layer widths, input first (comma separated)")->capture_default_str();
   app.add_option("--steps", opt.steps, "optimizer steps")->capture_default_str();
   app.add_option("--global-batch", opt.global_batch, "rows per step over all ranks")->capture_default_str();
@@ -69,16 +71,7 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume_dir,
                  "start from DIR (its index.json if sharded, else DIR/checkpoint.safetensors) at any --world-size / --zero-stage / "
                  "--partition; --steps counts the steps still to run");
-  app.add_option("--snapshot-dir", opt.runtime.snapshot.dir,
-                 "the runtime's own snapshots (sharded, in the background) go to DIR/step-<N>; a restarted job "
-                 "(shardflow run --max-restarts) resumes from the newest complete one; --steps counts from the start");
-  app.add_option("--snapshot-every", opt.runtime.snapshot.every, "with --snapshot-dir: a snapshot every K steps")->capture_default_str();
-  app.add_option("--snapshot-disk-every", opt.runtime.snapshot.disk_every,
-                 "under shardflow run on one node snapshots go to memory the launcher holds, and every N steps to --snapshot-dir "
-                 "(0: 10 x --snapshot-every)")
-      ->capture_default_str();
-  bool no_snapshot_memory = false;
-  app.add_flag("--no-snapshot-memory", no_snapshot_memory, "every snapshot to --snapshot-dir, none to the launcher's memory");
+  snapshot_flags.add(app, opt.runtime.snapshot);
   app.add_option("--seed", opt.seed, "seed of the init and synthetic data")->capture_default_str();
   bucket_flags.add(app);
   app.add_option("--freeze", opt.freeze, "register these parameters frozen (requires_grad false: never reduced or stepped), e.g. layers.0.weight,layers.0.bias")
@@ -146,7 +139,6 @@ int main(int argc, char** argv) {
   app.add_flag("--plot", plot, "with --trace: draw the trace as a PNG Gantt chart beside it (tools/trace_plot.py, python3-matplotlib)");
   CLI11_PARSE(app, argc, argv);
   if (opt.shard_data) opt.runtime.join.uneven_inputs = true;  // uneven shards: ranks out of batches join
-  opt.runtime.snapshot.memory = !no_snapshot_memory;
 
   try {
     mlp::parse_model_flags(opt, sizes, loss, optimizer, zero_stage);
@@ -168,11 +160,8 @@ int main(int argc, char** argv) {
                                  {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"},
                                  {"buckets.cap_bytes", "--bucket-mb"},
                                  {"buckets.min_buckets", "--min-buckets"},
-                                 {"timeouts.collective", "--timeout"},
-                                 {"snapshot.dir", "--snapshot-dir"},
-                                 {"snapshot.every", "--snapshot-every"},
-                                 {"snapshot.disk_every", "--snapshot-disk-every"},
-                                 {"snapshot.memory", "--no-snapshot-memory"}};
+                                 {"timeouts.collective", "--timeout"}};
+    snapshot_flags.apply(opt.runtime);
     if (!init.empty()) opt.init_path = init;
     if (!data.empty()) opt.data_path = data;
     if (!save.empty()) opt.save_path = save;

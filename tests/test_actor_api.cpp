@@ -262,3 +262,87 @@ TEST_CASE("shardflow run: actor_trainer as one process per rank over gloo, world
     for (std::size_t i = 0; i < x.size(); ++i) CHECK(y[i] == doctest::Approx(x[i]).epsilon(1e-5));  // gloo's ring sums in another order
   }
 }
+
+// Note [The actor trainer heals in place] (examples/actor_trainer/rank_trainer.cpp): a trainer made
+// of actors goes on in its processes after a lost peer, through rank_api::recover_atom, as
+// mlp_train does through Runtime::recover().
+TEST_CASE("shardflow run --recovery in-place and shrink, world 3: actor_trainer's rank 1 (or rank 0) killed in step 7 -> the survivors' "
+          "rank trainers stop their layer actors, recover through their rank actors, and go on in their first processes: bit for bit "
+          "with the uninterrupted job in place over shm, within float rounding of world 3 after shrinking to world 2 over gloo") {
+  auto job = [](const std::string& recovery, const std::string& backend, const std::string& fault, const std::string& out, int stage,
+                const std::vector<std::string>& extra) {
+    const std::string snaps = out + ".snapshots";
+    std::filesystem::remove_all(snaps);
+    std::string cmd = fault.empty() ? "exec" : "if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=" + fault + "; fi; exec";
+    auto args = test::mlp_args(stage);
+    test::set_flag(args, "--steps", "8");
+    args.insert(args.begin(), ACTOR_TRAINER_PATH);
+    for (const auto& a : {std::string("--backend"), backend, std::string("--save"), out, std::string("--snapshot-dir"), snaps,
+                          std::string("--snapshot-every"), std::string("1")})
+      args.push_back(a);
+    args.insert(args.end(), extra.begin(), extra.end());
+    for (const auto& a : args) cmd += " '" + a + "'";
+    return std::vector<std::string>{test::kLauncher, "run",          "--nproc-per-node", "3",           "--max-restarts",
+                                    "1",             "--recovery",   recovery,           "--heartbeat-timeout", "2",
+                                    "--",            "/bin/sh",      "-c",               cmd};
+  };
+  auto run_ok = [](const std::vector<std::string>& argv) {
+    test::Child run(argv, test::no_launch_env());
+    const auto st = run.wait(120s);
+    INFO(run.output());
+    REQUIRE(test::exited_ok(st));
+    return run.output();
+  };
+  // Each survivor recovered in the process it started in: "rank R (pid P)" as the launcher
+  // started it, then "rank R (pid P): recovered in place as rank R' of W, going on after step 5".
+  auto healed_in_place = [](const std::string& log, int rank, int now, int world) {
+    const std::string needle = "rank " + std::to_string(rank) + " (pid ";
+    const auto started = log.find(needle);
+    REQUIRE(started != std::string::npos);
+    const auto from = started + needle.size();
+    const std::string pid = log.substr(from, log.find(')', from) - from);
+    CHECK(log.find(needle + pid + "): recovered in place as rank " + std::to_string(now) + " of " + std::to_string(world) +
+                   ", going on after step 5") != std::string::npos);
+  };
+  SUBCASE("in place over shm: only rank 1's process starts again") {
+    const auto ref = test::scratch("actor_api", "heal_ref.safetensors"), out = test::scratch("actor_api", "healed.safetensors");
+    run_ok(job("in-place", "shm", "", ref, 1, {}));
+    const auto log = run_ok(job("in-place", "shm", "collective:1:kill:13", out, 1, {}));
+    INFO(log);
+    CHECK(log.find("recovered in place: every rank joined round 1") != std::string::npos);
+    CHECK(log.find("restarting every rank") == std::string::npos);
+    for (int r : {0, 2}) healed_in_place(log, r, r, 3);
+    const auto a = load_safetensors(ref), b = load_safetensors(out);
+    REQUIRE(a.size() == b.size());
+    for (const auto& [name, t] : a) {
+      CAPTURE(name);
+      CHECK(t.to_f32(name) == b.at(name).to_f32(name));  // one backend, the same world: bit for bit
+    }
+  }
+  SUBCASE("shrinking over gloo, ZeRO-2 with forward prefetch: no process starts") {
+    for (const int killed : {1, 0}) {
+      CAPTURE(killed);
+      const auto want = test::scratch("actor_api", "shrink_ref.safetensors");
+      const auto out = test::scratch("actor_api", "shrunk" + std::to_string(killed) + ".safetensors");
+      auto args = test::mlp_args(2);
+      test::set_flag(args, "--steps", "8");
+      std::vector<std::string> threads{MLP_TRAIN_PATH, "--world-size", "3", "--save", want, "--forward-prefetch"};
+      threads.insert(threads.end(), args.begin(), args.end());
+      test::Child ref(threads, test::no_launch_env());
+      REQUIRE(test::exited_ok(ref.wait(120s)));
+      const auto log = run_ok(job("shrink", "gloo", "collective:" + std::to_string(killed) + ":kill:13", out, 2, {"--forward-prefetch"}));
+      INFO(log);
+      CHECK(log.find("again in round") == std::string::npos);  // nothing started
+      healed_in_place(log, killed == 0 ? 1 : 0, 0, 2);
+      healed_in_place(log, 2, 1, 2);
+      const auto a = load_safetensors(want), b = load_safetensors(out);
+      REQUIRE(a.size() == b.size());
+      for (const auto& [name, t] : a) {
+        CAPTURE(name);
+        const auto x = t.to_f32(name), y = b.at(name).to_f32(name);
+        REQUIRE(x.size() == y.size());
+        for (std::size_t i = 0; i < x.size(); ++i) CHECK(y[i] == doctest::Approx(x[i]).epsilon(1e-5));  // another world's sums
+      }
+    }
+  }
+}

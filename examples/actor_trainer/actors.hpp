@@ -54,6 +54,13 @@ struct RankTrainerState {
   std::chrono::steady_clock::time_point t0;
   float loss = 0.0f;
   bool have_loss = false, have_backward = false, failed = false;
+  // Recovering in place (Note [The actor trainer heals in place], rank_trainer.cpp): answers of an
+  // earlier round are stale; the workers still to stop.
+  std::uint64_t round = 0;
+  bool recovering = false;
+  std::size_t stopping = 0;
+  int started_as = 0;  // the rank this process started as (its log lines name it)
+  int first = 0;  // the step this round started at (after a snapshot): local_losses[step - first]
   std::vector<float> local_losses;
   // The global losses as mlp_train prints them: a step's report waits for the reduction of its
   // loss (every loss_every steps), the steps between show the last global value.

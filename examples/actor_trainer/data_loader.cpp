@@ -9,8 +9,8 @@ BatchPtr make_batch(const RankContext& ctx, int step) {
   const auto& opt = *ctx.opt;
   auto b = std::make_shared<Batch>();
   b->step = step;
-  b->rows = opt.global_batch / opt.world_size;
-  mlp::local_batch(*ctx.data, step, opt.global_batch, opt.world_size, ctx.rank, b->x, b->y);
+  b->rows = opt.global_batch / ctx.world;
+  mlp::local_batch(*ctx.data, step, opt.global_batch, ctx.world, ctx.rank, b->x, b->y);
   return b;
 }
 }  // namespace

@@ -13,7 +13,7 @@ caf::behavior loss(caf::stateful_actor<LossState>* self, const RankContext* ctx)
         const auto& y = self->state.batch->y;
         const int classes = opt.sizes.back();
         // As mlp::train_steps: the gradient of this rank's mean, counted over the global batch.
-        const double denom = double(opt.global_batch / opt.world_size) * (opt.loss == mlp::Loss::mse ? classes : 1);
+        const double denom = double(opt.global_batch / ctx->world) * (opt.loss == mlp::Loss::mse ? classes : 1);
         auto dy = std::make_shared<std::vector<float>>(out->size());
         float value;
         if (opt.loss == mlp::Loss::cross_entropy) {

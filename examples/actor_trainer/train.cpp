@@ -22,7 +22,6 @@ void check_supported(const mlp::TrainOptions& opt) {
   no(!opt.optimizer_in_runtime, "the trainer's own optimizer");
   no(opt.shard_data, "--shard-data");
   no(opt.checkpoint_dir || opt.resume_dir, "--save-checkpoint / --resume");
-  no(!opt.runtime.snapshot.dir.empty(), "--snapshot-dir");
   no(!opt.freeze.empty(), "--freeze");
   no(!opt.comm_hook.empty(), "--comm-hook");
 }
@@ -49,6 +48,7 @@ std::unique_ptr<Rank> make_rank(const mlp::TrainOptions& opt, const mlp::Prepare
                                                      DType::f32, Device::cpu(), (bias ? l.bias : l.weight).data()}));
   }
   r->ctx.rank = comm->rank();
+  r->ctx.world = comm->world_size();
   r->ctx.opt = &opt;
   r->ctx.data = &prep.data;
   r->ctx.rt = r->rt.get();
@@ -58,24 +58,23 @@ std::unique_ptr<Rank> make_rank(const mlp::TrainOptions& opt, const mlp::Prepare
   return r;
 }
 
-// Spawns every rank's actors, runs them to the end and stops them (before the runtimes go).
+// Spawns every rank's trainer (which spawns the rank's workers), runs them to the end and stops
+// them all (before the runtimes go).
 void run(std::vector<std::unique_ptr<Rank>>& ranks, mlp::TrainResult& result) {
   auto& sys = actor_system_of(*ranks.front()->rt);
-  std::vector<caf::actor> all;
-  for (std::size_t slot = 0; slot < ranks.size(); ++slot) {
-    auto& c = ranks[slot]->ctx;
-    c.loader = sys.spawn(data_loader, &c);
-    c.loss = sys.spawn(loss, &c);
-    for (int i = 0; i + 1 < int(c.opt->sizes.size()); ++i) c.layers.push_back(sys.spawn(layer, &c, i));
-    c.trainer = sys.spawn(rank_trainer, &c, &result, slot);
-    for (const auto& a : {c.loader, c.loss, c.trainer}) all.push_back(a);
-    all.insert(all.end(), c.layers.begin(), c.layers.end());
-  }
+  for (std::size_t slot = 0; slot < ranks.size(); ++slot) ranks[slot]->ctx.trainer = sys.spawn(rank_trainer, &ranks[slot]->ctx, &result, slot);
   caf::scoped_actor self{sys};
   std::vector<caf::error> errors;
   for (auto& r : ranks) self->send(r->ctx.trainer, run_atom::value);
   for (std::size_t n = 0; n < ranks.size(); ++n)
     self->receive([](run_atom) {}, [&](caf::error& e) { errors.push_back(std::move(e)); });
+  // The workers of the trainers' last round (they replace them when recovering in place).
+  std::vector<caf::actor> all;
+  for (auto& r : ranks) {
+    all.push_back(r->ctx.trainer);
+    for (const auto& w : r->ctx.workers())
+      if (w) all.push_back(w);
+  }
   for (const auto& a : all) self->send_exit(a, caf::exit_reason::user_shutdown);
   for (const auto& a : all) self->wait_for(a);
   if (errors.empty()) return;
@@ -122,7 +121,7 @@ mlp::TrainResult train_rank(const mlp::TrainOptions& opt, const std::shared_ptr<
     comm->abort("rank " + std::to_string(comm->rank()) + " failed: " + e.what());  // peers fail at once
     throw;
   }
-  if (opt.save_path && comm->rank() == 0) save_safetensors(*opt.save_path, result.params, {{"format", "pt"}});
+  if (opt.save_path && result.rank_at_end == 0) save_safetensors(*opt.save_path, result.params, {{"format", "pt"}});
   return result;
 }
 
