@@ -65,6 +65,8 @@ void Config::validate() const {
     bad("snapshot.every", "must be > 0 with " + name_of("snapshot.dir") + " set: snapshots are taken every that many iterations");
   if (snapshot.dir.empty() && snapshot.every > 0)
     bad("snapshot.dir", "is not set, but " + name_of("snapshot.every") + " = " + std::to_string(snapshot.every) + " asks for snapshots");
+  if (snapshot.trainer_state && snapshot.dir.empty())
+    bad("snapshot.trainer_state", "is set, but " + name_of("snapshot.dir") + " is not: there are no snapshots to carry the trainer's state");
   if (snapshot.keep < 1) bad("snapshot.keep", "must be >= 1, got " + std::to_string(snapshot.keep));
   if (snapshot.disk_every < 0) bad("snapshot.disk_every", "must be >= 0 (0: every 10 x " + name_of("snapshot.every") + "), got " + std::to_string(snapshot.disk_every));
   if (snapshot.disk_every > 0 && snapshot.every > 0 && snapshot.disk_every % snapshot.every != 0)

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <span>
 #include <utility>
@@ -546,5 +547,104 @@ TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 an
       }
       std::filesystem::remove_all(snaps);
     }
+  }
+}
+
+// Note [The trainer's state in a snapshot] (runtime/checkpoint/snapshots.cpp): each snapshot waits
+// for the trainer's state until the next iteration's start; a node that joins live (Note [A node
+// joins live]) is taken in once that snapshot completes. The launcher's word is the regroup file
+// in the snapshot memory, made here by the test.
+TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each iteration's start -> the index keeps it, and recover() gives it "
+          "back with the step — a node that joins live waits for that snapshot to complete (one iteration later, done again), "
+          "without trainer state it leaves at the snapshot's own iteration — and a wrong step is refused by name") {
+  constexpr int N = 2;
+  struct Env {
+    std::string memory;
+    explicit Env(std::string m) : memory(std::move(m)) {
+      std::filesystem::create_directories(memory);
+      ::setenv("SHARDFLOW_SNAPSHOT_MEMORY", memory.c_str(), 1);
+    }
+    ~Env() {
+      ::unsetenv("SHARDFLOW_SNAPSHOT_MEMORY");
+      std::filesystem::remove_all(memory);
+    }
+  };
+  std::vector<Model> want(N);
+  {
+    auto world = InProcessWorld::create(N);
+    const auto snaps = scratch("state_ref");
+    std::vector<std::uint64_t> unused(N);
+    test::require_all_ok(test::run_ranks(N, [&](int r) {
+      train_rank(r, world->communicator(r), snaps, 1, false, want[std::size_t(r)], std::nullopt, nullptr, unused[std::size_t(r)]);
+    }));
+    std::filesystem::remove_all(snaps);
+  }
+  for (const bool carried : {true, false}) {
+    CAPTURE(carried);
+    const Env env(scratch(carried ? "state_memory" : "no_state_memory"));
+    const auto snaps = scratch(carried ? "state_disk" : "no_state_disk");
+    const std::string regroup = (std::filesystem::path(env.memory) / "regroup").string();
+    auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
+    std::vector<Model> got(N);
+    std::vector<int> left_in(N, -1);
+    std::vector<std::uint64_t> resumed(N, 0);
+    std::vector<std::optional<std::string>> state(N);
+    std::vector<std::string> refused(N);
+    test::require_all_ok(test::run_ranks(N, [&](int r) {
+      auto cfg = config(snaps, 1);
+      cfg.snapshot.trainer_state = carried;
+      Runtime rt(rounds[0]->communicator(r), cfg);
+      auto& m = got[std::size_t(r)];
+      const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
+      const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+      OptimizerConfig adamw;
+      adamw.kind = OptimizerConfig::Kind::adamw;
+      adamw.lr = 0.01f;
+      rt.configure_optimizer(adamw);
+      std::vector<float> ga(kA), gb(kB);
+      std::size_t round = 0;
+      for (int step = int(rt.resumed_step()); step < kSteps; ++step) {
+        try {
+          if (const auto w = rt.trainer_state_wanted()) {
+            if (step == 2) {
+              try {
+                rt.set_trainer_state(w + 1, "wrong");
+              } catch (const UsageError& e) {
+                refused[std::size_t(r)] = e.what();
+              }
+            }
+            rt.set_trainer_state(w, "after step " + std::to_string(w));
+          }
+          if (r == 0 && round == 0 && step == 3) std::ofstream(regroup).put('1');  // the launcher asks at snapshot 4
+          rt.zero_grad();
+          gradients(m.a, ga, r, step);
+          gradients(m.b, gb, r, step);
+          std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
+          rt.grad_ready(pa);
+          std::copy(gb.begin(), gb.end(), rt.grad_f32(pb));
+          rt.grad_ready(pb);
+          rt.wait();
+        } catch (const CommError&) {
+          REQUIRE(round == 0);
+          left_in[std::size_t(r)] = step;
+          if (r == 0) std::filesystem::remove(regroup);  // the launcher's round is under way
+          resumed[std::size_t(r)] = rt.recover(rounds[++round]->communicator(r));
+          state[std::size_t(r)] = rt.trainer_state();
+          step = int(resumed[std::size_t(r)]) - 1;
+        }
+      }
+      rt.wait_all_params();
+    }));
+    for (int r = 0; r < N; ++r) {
+      CAPTURE(r);
+      // Snapshot 4 is staged at the end of the 4th iteration (index 3), where rank 0 finds the word.
+      CHECK(left_in[std::size_t(r)] == (carried ? 4 : 3));
+      CHECK(resumed[std::size_t(r)] == 4);
+      if (carried) CHECK(state[std::size_t(r)] == std::optional<std::string>("after step 4"));
+      else CHECK(!state[std::size_t(r)]);
+      if (carried) CHECK(refused[std::size_t(r)].find("the snapshot waiting for it is step 2") != std::string::npos);
+      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+    }
+    std::filesystem::remove_all(snaps);
   }
 }

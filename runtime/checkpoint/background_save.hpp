@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -23,6 +24,7 @@ struct BackgroundSaveState {
     std::string failure;
     std::size_t slices = 0;
     std::atomic<bool> written{false};  // the writer is done (or had nothing to write): joining will not wait
+    bool awaits_trainer_state = false;  // Note [The trainer's state in a snapshot]: not handed over yet
   };
   std::unique_ptr<Pending> pending;
   // The staging copy's memory, kept from one save to the next while the runtime takes snapshots:
@@ -40,6 +42,10 @@ struct BackgroundSaveState {
   // answer with the save's id (regroup_asked).
   bool next_regroup_check = false;
   bool regroup_asked = false;
+  // For the next save only (a snapshot, Config::snapshot.trainer_state): it waits for the
+  // trainer's state; and rank 0's word on whether a regroup waits for the snapshot to complete.
+  bool next_trainer_state = false;
+  bool regroup_after_completion = false;
   // The runtime ends: a write in flight finishes first. With no wait_checkpoint() its index is
   // never written, so the previous checkpoint stays the one the directory names.
   void finish_writer() {
@@ -69,6 +75,10 @@ struct SnapshotState {
   // Note [A node joins live]: this rank left its iteration for the launcher's next round (not a
   // failure: recover() tells the subscribers so).
   bool regrouping = false;
+  // Note [The trainer's state in a snapshot]: a regroup asked at a snapshot that waits for the
+  // trainer's state happens once it completes; and what the snapshot last loaded carried.
+  bool regroup_at_completion = false;
+  std::optional<std::string> loaded_trainer_state;
 };
 
 // All of the folder's state on a rank. Runtime::Impl holds it through a pointer (`persistence`,

@@ -152,6 +152,27 @@ void Runtime::save_sharded_checkpoint(const std::string& dir) {
 
 namespace {
 
+// The trainer's state is bytes (a pickle, say); the index is JSON, whose strings are UTF-8.
+std::string hex(const std::string& bytes) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (const unsigned char c : bytes) out += digits[c >> 4], out += digits[c & 15];
+  return out;
+}
+
+std::string unhex(const std::string& text, const std::string& where) {
+  auto value = [&](char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw UsageError("checkpoint index '" + where + "': its trainer_state is not hexadecimal");
+  };
+  if (text.size() % 2) throw UsageError("checkpoint index '" + where + "': its trainer_state has an odd number of digits");
+  std::string out(text.size() / 2, '\0');
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = char(value(text[2 * i]) << 4 | value(text[2 * i + 1]));
+  return out;
+}
+
 // The index as of this save, written by wait_checkpoint once every shard is on disk: the step
 // count and the plan are this moment's, whatever training does meanwhile. Every rank knows the
 // plan, so another host's first rank builds the same index for its host's copy.
@@ -257,17 +278,22 @@ void Runtime::save_sharded_checkpoint_async(const std::string& dir) {
   // With it goes rank 0's word on whether the launcher wants the ranks in its next round (Note [A
   // node joins live]): one broadcast, which a snapshot pays anyway.
   const bool regroup_check = std::exchange(I.persistence->saves.next_regroup_check, false);
+  // Rank 0 says too whether a regroup waits for this snapshot's trainer state (Note [The trainer's
+  // state in a snapshot]), so that every rank leaves at the same iteration whatever its own Config.
+  const bool trainer_state = std::exchange(I.persistence->saves.next_trainer_state, false);
   std::uint32_t words[2] = {I.rank == 0 ? std::uint32_t(std::random_device{}()) : 0, 0};
   if (I.rank == 0 && regroup_check) {
     std::error_code ec;
-    words[1] = fs::exists(fs::path(I.persistence->snapshots.memory_dir) / snapshot_env::kRegroup, ec) ? 1 : 0;
+    words[1] = (fs::exists(fs::path(I.persistence->snapshots.memory_dir) / snapshot_env::kRegroup, ec) ? 1 : 0) | (trainer_state ? 2 : 0);
   }
   I.control_collective(CollectiveKind::broadcast, words, 2, "sharded checkpoint: save id");
   const std::uint32_t id = words[0];
-  I.persistence->saves.regroup_asked = regroup_check && words[1] != 0;
+  I.persistence->saves.regroup_asked = regroup_check && (words[1] & 1) != 0;
+  I.persistence->saves.regroup_after_completion = (words[1] & 2) != 0;
   auto pending = std::make_unique<BackgroundSaveState::Pending>();
   pending->dir = dir;
   pending->step = I.persistence->snapshots.base + I.iterations;
+  pending->awaits_trainer_state = trainer_state;
   const bool mirrored = std::exchange(I.persistence->saves.next_mirrored, false), host_index = std::exchange(I.persistence->saves.next_host_index, false);
   if (I.rank == 0 || host_index) pending->index = sharded_index(I, id);
   const auto mine = owned_slices(I.shard.get(), I.registry.params(), I.rank);
@@ -506,6 +532,9 @@ void load_owned_state(const nlohmann::json& j, const std::vector<ParamSpec>& par
 void Runtime::Impl::load_sharded_checkpoint(const std::string& index_path) {  // after load_checkpoint's checkpoint_entry
   const auto j = read_sharded_index(index_path);
   try {
+    auto& carried = persistence->snapshots.loaded_trainer_state;
+    carried.reset();
+    if (j.contains("trainer_state")) carried = unhex(j.at("trainer_state").at("hex").get<std::string>(), index_path);
     const auto by_name = match_index_params(j, registry.params(), index_path);
     ShardFiles files(index_path, j.at("files").get<std::vector<std::string>>());
     const bool has_state = load_param_slices(j, registry.params(), by_name, files, index_path);
@@ -516,6 +545,29 @@ void Runtime::Impl::load_sharded_checkpoint(const std::string& index_path) {  //
   }
   log->info("sharded checkpoint '{}' loaded ({} optimizer step(s))", index_path, shard ? shard->steps() : 0);
 }
+
+// ---- Note [The trainer's state in a snapshot] (snapshots.cpp) -------------------------------------
+std::uint64_t Runtime::trainer_state_wanted() const {
+  const auto& pending = impl_->persistence->saves.pending;
+  return pending && pending->awaits_trainer_state ? pending->step : 0;
+}
+
+void Runtime::set_trainer_state(std::uint64_t step, const std::string& state) {
+  auto& I = *impl_;
+  auto* pending = I.persistence->saves.pending.get();
+  if (!pending || !pending->awaits_trainer_state || pending->step != step)
+    throw UsageError("set_trainer_state(step " + std::to_string(step) + ") on rank " + std::to_string(I.rank) + ": " +
+                     (pending && pending->awaits_trainer_state ? "the snapshot waiting for it is step " + std::to_string(pending->step)
+                                                               : std::string("no snapshot is waiting for the trainer's state")) +
+                     " (trainer_state_wanted() says which)");
+  pending->awaits_trainer_state = false;
+  if (pending->index.empty()) return;  // a rank that writes no index
+  auto j = nlohmann::json::parse(pending->index);
+  j["trainer_state"] = {{"step", step}, {"hex", hex(state)}};
+  pending->index = j.dump(1);
+}
+
+std::optional<std::string> Runtime::trainer_state() const { return impl_->persistence->snapshots.loaded_trainer_state; }
 
 std::optional<std::pair<std::string, std::uint64_t>> Runtime::Impl::pending_checkpoint() const {
   const auto& pending = persistence->saves.pending;

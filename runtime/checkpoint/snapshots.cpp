@@ -33,6 +33,22 @@
 // a copy of every file. A snapshot in memory is loaded only when every host holds it whole (its
 // index and every file it names): with two nodes each host holds every file anyway; with more,
 // the launchers fetch what their host lacks from the others before a restart's ranks start.
+//
+// Note [The trainer's state in a snapshot]
+// A snapshot brings the model and the optimizer back to its step; the trainer's own state must
+// come back with them, or it goes on from where the process left it: an LR scheduler's counter
+// after recover() (the survivors' scheduler stepped past the snapshot), or at 0 in a restarted
+// process (silently another learning rate from there on). With Config::snapshot.trainer_state
+// each snapshot waits for the trainer's state (bytes it encodes) and its index keeps it. The
+// state must be the one that goes with the snapshot's step: after the trainer's code that follows
+// the step (scheduler.step() comes after optimizer.step()), which has not run when the snapshot
+// is staged at the iteration's end. So the trainer hands it over at the next iteration's start
+// (trainer_state_wanted() / set_trainer_state(); shardflow.torch does it at each forward), and
+// the snapshot completes no earlier than the end of that iteration in any case. A snapshot that
+// completes without it (wait_checkpoint() before the next iteration, the run's end) carries none,
+// and the trainer refuses to go on from it rather than guess (shardflow.torch says so, naming
+// the object). A node that joins live (Note [A node joins live]) waits for that completion too:
+// the iteration in between is done again in the next round.
 #include <sys/statvfs.h>
 
 #include <algorithm>
@@ -305,7 +321,11 @@ void Runtime::Impl::snapshot_if_due() {
       I.control_collective(CollectiveKind::allreduce, &written, 1, "snapshot: every rank's files written");
       complete = written == float(I.world);
     }
-    if (due || complete) complete_snapshot();
+    if (due || complete) {
+      const std::uint64_t completed = snaps.started;
+      complete_snapshot();
+      if (std::exchange(snaps.regroup_at_completion, false)) regroup_at(completed);
+    }
   }
   if (step % every != 0) return;
   const bool to_memory = !I.persistence->snapshots.memory_dir.empty() && step % I.persistence->snapshots.disk_every != 0;
@@ -317,6 +337,7 @@ void Runtime::Impl::snapshot_if_due() {
   I.persistence->saves.next_mirrored = to_memory && copies;
   I.persistence->saves.next_host_index = to_memory && copies && I.persistence->snapshots.host_index;
   I.persistence->saves.next_regroup_check = to_memory;
+  I.persistence->saves.next_trainer_state = I.cfg.snapshot.trainer_state;
   facade->save_sharded_checkpoint_async(snapshot_dir(to_memory ? I.persistence->snapshots.memory_dir : I.cfg.snapshot.dir, step));
   I.persistence->snapshots.started = step;
   I.persistence->snapshots.started_in_memory = to_memory;
@@ -324,13 +345,24 @@ void Runtime::Impl::snapshot_if_due() {
   // Note [A node joins live]: the launcher takes a node in. This snapshot completes now, on every
   // rank alike (rank 0's word came with the save's id), and the iteration ends in the error every
   // in-place trainer already answers with recover(rejoin_process_group(...)): the next round's
-  // world reloads this very snapshot, so no step is lost.
+  // world reloads this very snapshot, so no step is lost. A snapshot that waits for the trainer's
+  // state (Note [The trainer's state in a snapshot]) completes as any other, at a later iteration's
+  // end, and the regroup happens then: that iteration is done again in the next round.
+  if (std::exchange(I.persistence->saves.regroup_after_completion, false)) {
+    snaps.regroup_at_completion = true;
+    return;
+  }
   complete_snapshot();
-  snaps.regrouping = true;
+  regroup_at(step);
+}
+
+void Runtime::Impl::regroup_at(std::uint64_t step) {
+  auto& I = *this;
+  I.persistence->snapshots.regrouping = true;
   I.log->info("the launcher takes a node into the job: snapshot of step {} complete, going on in its next round", step);
   throw CommError("rank " + std::to_string(I.rank) + ": the launcher takes a node into the job after step " + std::to_string(step) +
                   " (Note [A node joins live]): recover in place (Runtime::recover(rejoin_process_group(...))) to go on at the larger "
-                  "world from this step's snapshot; no step is lost");
+                  "world from this step's snapshot");
 }
 
 // A snapshot is complete once every rank's files and its index are written.

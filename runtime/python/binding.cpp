@@ -162,6 +162,9 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   o.config.zero.clip_norm_type = float(clip_norm_type);
   o.config.snapshot.dir = snapshot_dir;  // empty: none
   o.config.snapshot.every = snapshot_dir.empty() ? 0 : snapshot_every;
+  // The wrapper hands each snapshot the state of what snapshot_with() names (an LR scheduler) at
+  // the next forward (Note [The trainer's state in a snapshot]).
+  o.config.snapshot.trainer_state = !snapshot_dir.empty();
   o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
                             {"join.uneven_inputs", "uneven_inputs"}, {"buckets.cap_bytes", "bucket_cap_mb"}, {"timeouts.collective", "init(timeout=)"},
                             {"trace.path", "trace"}, {"buckets.find_unused_parameters", "find_unused_parameters"},
@@ -323,6 +326,15 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release nogil;  // the set-up's collectives and the snapshot's load
              return d.recover(next);
            })
+      .def("trainer_state_wanted", [](libtorch::DataParallel& d) { return d.runtime().trainer_state_wanted(); })
+      .def("set_trainer_state", [](libtorch::DataParallel& d, std::uint64_t step, const py::bytes& state) {
+        d.runtime().set_trainer_state(step, std::string(state));
+      })
+      .def("trainer_state", [](libtorch::DataParallel& d) -> py::object {
+        const auto s = d.runtime().trainer_state();
+        if (!s) return py::none();
+        return py::bytes(*s);
+      })
       .def("optimizer_steps", [](libtorch::DataParallel& d) { return d.runtime().optimizer_steps(); })
       .def("last_grad_norm", [](libtorch::DataParallel& d) { return d.runtime().last_grad_norm(); })
       .def("stats_json", [](libtorch::DataParallel& d) { return d.runtime().stats().to_json(); })

@@ -1,9 +1,10 @@
 """shardflow.torch recovering in place (Note [Recovering in place]), as a Python trainer writes it:
 
+    model.snapshot_with(scheduler=scheduler)
     step = model.resumed_step()
     while step < STEPS:
         try:
-            ...forward, loss.backward(), model.step()...; step += 1
+            ...forward, loss.backward(), model.step(), scheduler.step()...; step += 1
         except (sft.CommError, sft.TimeoutError):
             step = model.recover()
 
@@ -13,7 +14,10 @@ collective, in the middle of a step: ranks 0 and 2 keep their processes, only ra
 and the job ends bit for bit where the same job ends uninterrupted (ZeRO-1 and ZeRO-2 at 3 ranks on
 shared memory). With --recovery shrink no process starts: ranks 0 and 2 go on at world 2, each
 taking half of every global batch instead of a third, so the gradient is the same mean and the job
-ends within float rounding of the uninterrupted one. Exit 77 (skipped) without python3-torch."""
+ends within float rounding of the uninterrupted one. An LR scheduler that changes the rate every step
+goes back to the snapshot's step with the model (Note [The trainer's state in a snapshot]): a
+counter left where the survivors were would end elsewhere. And a scheduler the snapshots do not
+carry is refused by name when a run goes on from one. Exit 77 (skipped) without python3-torch."""
 import os
 import shutil
 import subprocess
@@ -36,12 +40,22 @@ def batch(step, rank, world):
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
-def rank_main(out, snapshots, stage):
+def make_model(snapshots, stage):
     import shardflow.torch as sft
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    model = sft.DistributedDataParallel(net, zero_stage=stage, optimizer=("adamw", {"lr": 1e-2}), bucket_cap_mb=0.0005,
-                                        snapshot_dir=snapshots, snapshot_every=1)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model = sft.DistributedDataParallel(net, zero_stage=stage, optimizer=opt, bucket_cap_mb=0.0005, snapshot_dir=snapshots,
+                                        snapshot_every=1)
+    # A rate that changes every step: a counter off by any number of steps ends elsewhere.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
+    return net, model, scheduler
+
+
+def rank_main(out, snapshots, stage):
+    import shardflow.torch as sft
+    net, model, scheduler = make_model(snapshots, stage)
+    model.snapshot_with(scheduler=scheduler)
     if not os.environ.get("SHARDFLOW_RECOVERY"):
         # Outside --recovery in-place there is no next round to go on in: refused, naming the flag.
         try:
@@ -58,6 +72,7 @@ def rank_main(out, snapshots, stage):
             x, y = batch(step, model.rank, model.world_size)
             F.mse_loss(model(x), y).backward()
             model.step()
+            scheduler.step()
             step += 1
         except (sft.CommError, sft.TimeoutError) as e:
             print("rank %d (pid %d): a peer was lost in step %d (%s); recovering" % (model.rank, os.getpid(), step, str(e).splitlines()[0]), flush=True)
@@ -65,6 +80,8 @@ def rank_main(out, snapshots, stage):
             recovered += 1
             print("rank %d (pid %d): recovered, going on from step %d at world %d" % (model.rank, os.getpid(), step, model.world_size), flush=True)
     model.wait_all_params()
+    if scheduler.last_epoch != STEPS:
+        raise SystemExit("rank %d: the scheduler ended at step %d, the model at %d" % (model.rank, scheduler.last_epoch, STEPS))
     if model.rank == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in net.named_parameters()}}, out)
     print("rank %d (pid %d): done, %d recovery(ies)" % (model.rank, os.getpid(), recovered), flush=True)
@@ -92,9 +109,50 @@ def run(cli, workdir, name, stage, recovery=None):
     return torch.load(out), p.stdout
 
 
+def unnamed_scheduler(snapshots):
+    """One process, world 1: 3 steps with snapshots carrying a scheduler; then the same script from
+    the snapshots with the scheduler not named in snapshot_with(): refused by name; named, the
+    scheduler goes on at the snapshot's step."""
+    import shardflow.torch as sft
+    shutil.rmtree(snapshots, ignore_errors=True)
+    _, model, scheduler = make_model(snapshots, 1)
+    model.snapshot_with(scheduler=scheduler)
+    model.resumed_step()
+    for step in range(3):
+        model.zero_grad()
+        x, y = batch(step, 0, 1)
+        F.mse_loss(model(x), y).backward()
+        model.step()
+        scheduler.step()
+    # The runtime goes without wait_checkpoint(): the snapshot of step 3 stays incomplete, and the
+    # one of step 2 (its state handed over at step 3's forward) is the newest.
+    del model, scheduler
+    _, model, scheduler = make_model(snapshots, 1)
+    try:
+        model.resumed_step()
+        raise SystemExit("unnamed scheduler: resumed_step() went on with a scheduler the snapshots do not carry")
+    except ValueError as e:
+        if "model.snapshot_with(scheduler=...)" not in str(e):
+            raise SystemExit("unnamed scheduler: %r does not say how to carry it" % str(e))
+    del model, scheduler
+    _, model, scheduler = make_model(snapshots, 1)
+    model.snapshot_with(scheduler=scheduler)
+    step = model.resumed_step()
+    if step != 2 or scheduler.last_epoch != step:
+        raise SystemExit("named scheduler: resumed at step %d, the scheduler at %d" % (step, scheduler.last_epoch))
+    print("a scheduler the snapshots do not carry: refused by name; carried: back at step %d: ok" % step)
+
+
 def main(cli, workdir):
     os.makedirs(workdir, exist_ok=True)
     failed = 0
+    # Its own process (a world of 1 of its own): the runtimes it makes one after the other.
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "unnamed", os.path.join(workdir, "unnamed_snapshots")],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    print(p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "(no output)")
+    if p.returncode != 0:
+        print(p.stdout)
+        failed += 1
     for stage in (1, 2):
         want, _ = run(cli, workdir, "ref%d" % stage, stage)
         for recovery in ("in-place", "shrink"):
@@ -135,5 +193,7 @@ def main(cli, workdir):
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
         rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "unnamed":
+        unnamed_scheduler(sys.argv[2])
     else:
         sys.exit(main(sys.argv[1], sys.argv[2]))

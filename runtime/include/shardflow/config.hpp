@@ -209,12 +209,16 @@ struct TimeoutConfig {
 // double-buffered (the last complete one and the one being written), and only every `disk_every`
 // iterations to `dir` (0: every 10 x `every`). Without that memory (no launcher, too little room)
 // every snapshot goes to `dir`.
+// With `trainer_state` each snapshot also carries the trainer's own state, which it hands over
+// with Runtime::set_trainer_state() (Note [The trainer's state in a snapshot], snapshots.cpp): an
+// LR scheduler's counter, say, which must go back to the snapshot's step with the model.
 struct SnapshotConfig {
   std::string dir;
   int every = 0;
   int keep = 2;
   bool memory = true;
   int disk_every = 0;
+  bool trainer_state = false;
 };
 
 struct Config {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -181,6 +182,16 @@ class Runtime {
   // replacement's resumed_step() does. Returns the iteration to go on from; rank() and world_size()
   // are the new round's. Parameter handles stay valid. Needs Config::snapshot.dir.
   std::uint64_t recover(std::shared_ptr<Communicator> comm);
+  // The trainer's own state in each snapshot (Config::snapshot.trainer_state; Note [The
+  // trainer's state in a snapshot]): bytes the trainer encodes (an LR scheduler's state_dict), the
+  // same on every rank, as they stand once its code after a step has run, i.e. at the next
+  // iteration's start. trainer_state_wanted() is the step of the snapshot in flight that still
+  // waits for them (0: none); set_trainer_state(step, bytes) hands them to it, and its index keeps
+  // them. trainer_state() is what the snapshot or sharded checkpoint last loaded carried (nullopt:
+  // nothing), for the trainer to restore after resumed_step() or recover().
+  std::uint64_t trainer_state_wanted() const;
+  void set_trainer_state(std::uint64_t step, const std::string& state);
+  std::optional<std::string> trainer_state() const;
   // A consolidated file, a parameters-only state dict or a sharded checkpoint, at any world size,
   // stage and partition; between iterations, after configure_optimizer(). UsageError naming the
   // file and tensor for another model or optimizer, a bad checksum, a missing or cut file.

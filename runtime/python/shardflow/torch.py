@@ -20,6 +20,7 @@ import gc
 import itertools
 import json
 import os
+import pickle
 import weakref
 
 import torch  # noqa: F401  (loads libtorch before the native half)
@@ -257,6 +258,11 @@ class DistributedDataParallel:
         self._ddp.zero_grad()
         _live.add(self)
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
+        self._torch_optimizer = torch_optimizer  # an LR scheduler may wrap its step (_restore_snapshot_with)
+        self._snapshots = snapshot_dir is not None
+        self._snapshot_with = {}  # name -> object whose state each snapshot carries (snapshot_with())
+        # The groups' hyper-parameters by the keys their kind takes ("adamw" or ("adamw", {...}); validated above).
+        self._taken = () if optimizer is None else _optim.TAKEN.get(optimizer if isinstance(optimizer, str) else optimizer[0], ())
         if torch_optimizer is not None:
             _optim.adopt(torch_optimizer, self, optimizer[0])
         self._hooks = []
@@ -363,6 +369,8 @@ class DistributedDataParallel:
 
     def __call__(self, *args, **kwargs):
         self._end_open_pass()
+        if self._snapshots and self._ddp.trainer_state_wanted():
+            self._hand_snapshot_with()
         if self._device.type == "cuda" and torch.cuda.current_stream(self._device).cuda_stream != self._stream:
             self._ddp.set_stream(self._current_stream())  # Note [CUDA modules]: forward and backward run there
         out = self.module(*args, **kwargs)
@@ -479,7 +487,67 @@ class DistributedDataParallel:
         start. Once, before the first forward: the loop goes on from there."""
         step = self._ddp.resumed_step()
         self._refresh_groups()
+        self._restore_snapshot_with(step, "resumed_step")
         return step
+
+    def snapshot_with(self, **objects):
+        """What each snapshot carries besides the model and the optimizer: objects with state_dict()
+        and load_state_dict(), the same on every rank, named: model.snapshot_with(scheduler=sched)
+        for an LR scheduler (torch.optim.lr_scheduler). Each snapshot keeps their state as it stands
+        at the next forward, after the loop's scheduler.step(); resumed_step() and recover() give it
+        back with the model's, so the schedule goes on at the snapshot's step. Call it before
+        resumed_step(). Without it, a scheduler found stepping this model's optimizer makes
+        resumed_step() and recover() refuse to go on from a snapshot, naming it (Note [The trainer's
+        state in a snapshot])."""
+        if not self._snapshots:
+            raise UsageError("shardflow.torch.DistributedDataParallel.snapshot_with: no snapshots are taken (snapshot_dir is not set), "
+                             "so none would carry %s" % ", ".join(sorted(objects)))
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise UsageError("shardflow.torch.DistributedDataParallel.snapshot_with: %s=%s has no state_dict() and "
+                                 "load_state_dict(), so a snapshot could not carry it" % (name, type(obj).__name__))
+        self._snapshot_with.update(objects)
+
+    def _hand_snapshot_with(self):
+        """Note [The trainer's state in a snapshot]: the snapshot in flight gets the state of what
+        snapshot_with() names, as it stands now (the trainer's code after the step has run)."""
+        step = self._ddp.trainer_state_wanted()
+        # The groups' hyper-parameters too, as a scheduler set them after the step: those of the
+        # next step (the snapshot's own are the step's, and recover() starts from the initial ones).
+        groups = [{k: g[k] for k in self._taken} for g in self.param_groups]
+        self._ddp.set_trainer_state(step, pickle.dumps({"objects": {n: o.state_dict() for n, o in self._snapshot_with.items()},
+                                                        "groups": groups}))
+
+    def _restore_snapshot_with(self, step, call):
+        """After a snapshot of `step` was loaded: what snapshot_with() names goes back to it; a
+        scheduler left out would go on from where this process left it, so that is refused."""
+        if step == 0:
+            return
+        where = "shardflow.torch.DistributedDataParallel.%s" % call
+        blob = self._ddp.trainer_state()
+        state = pickle.loads(blob) if blob is not None else None
+        if state is not None:
+            for i, saved in enumerate(state["groups"]):
+                self._ddp.set_hyperparameters(i, saved)
+            self._refresh_groups()
+        if not self._snapshot_with:
+            fn = getattr(self._torch_optimizer, "step", None)
+            if getattr(fn, "_with_counter", False) or getattr(fn, "_wrapped_by_lr_sched", False):
+                raise UsageError("%s: an LR scheduler steps this model's optimizer, but the snapshots do not carry its state: it "
+                                 "would go on from where this process left it while the model goes on after step %d (another "
+                                 "learning rate from here on). Name it before resumed_step(): model.snapshot_with(scheduler=...)"
+                                 % (where, step))
+            return
+        if state is None:
+            raise UsageError("%s: the snapshot of step %d carries no state for %s (it completed before the next forward handed "
+                             "it over: a run's last snapshot, or one another program took); remove it from the snapshot "
+                             "directory to go on from the one before" % (where, step, ", ".join(sorted(self._snapshot_with))))
+        objects = state["objects"]
+        for name, obj in self._snapshot_with.items():
+            if name not in objects:
+                raise UsageError("%s: the snapshot of step %d has no state for %r (it carries %s): name the same objects in "
+                                 "snapshot_with() in every run" % (where, step, name, ", ".join(sorted(objects)) or "none"))
+            obj.load_state_dict(objects[name])
 
     def recover(self):
         """After a lost peer (a CommError or TimeoutError from step() or a collective) under `shardflow
@@ -497,11 +565,15 @@ class DistributedDataParallel:
         step = self._ddp.recover()
         self._clipped_step = False
         self._refresh_groups()
+        self._restore_snapshot_with(step, "recover")
         return step
 
     def _refresh_groups(self):
         for g in self.param_groups:
             dict.update(g, self._ddp.hyperparameters(g._index))
+        # The torch optimizer's view of the same groups (a chained scheduler reads group["lr"]).
+        for i, g in enumerate(getattr(self._torch_optimizer, "param_groups", ())):
+            dict.update(g, {k: self.param_groups[i][k] for k in self._taken})
 
     # ---- what a run looks like ------------------------------------------------------------------
     @property
