@@ -70,11 +70,12 @@ using test::check_params;
 
 // The restart scenarios' trainer: 8 steps over Gloo, saving its parameters, with snapshots every 2
 // steps in `snaps` (a directory every node sees) unless empty.
-std::vector<std::string> eight_steps(const std::string& save, const std::string& snaps) {
+std::vector<std::string> eight_steps(const std::string& save, const std::string& snaps, const std::string& backend = "gloo") {
   std::vector<std::string> extra{"--save", save};
   if (!snaps.empty()) extra.insert(extra.end(), {"--snapshot-dir", snaps, "--snapshot-every", "2"});
   auto args = gloo_trainer(extra);  // a global batch of 12
   test::set_flag(args, "--steps", "8");
+  test::set_flag(args, "--backend", backend);
   return args;
 }
 
@@ -405,14 +406,15 @@ bool says(const std::string& out, const std::string& what) { return out.find(wha
 // processes with faults[k] (empty: none): both nodes must succeed, and the parameters must equal
 // (within `tolerance`; 0: bit for bit) those of the same job uninterrupted on 1 node. Both nodes' output.
 std::array<std::string, 2> heal_across_two_nodes(const std::string& tag, int nproc, const std::vector<std::string>& flags,
-                                                 const std::array<std::string, 2>& faults, double tolerance = 0.0) {
+                                                 const std::array<std::string, 2>& faults, double tolerance = 0.0,
+                                                 const std::string& backend = "gloo") {
   const std::string one = scratch(tag + "_one_node.safetensors"), two = scratch(tag + "_two_nodes.safetensors");
   const std::string snaps = scratch(tag + "_snapshots");
   std::filesystem::remove_all(snaps);
   one_node_of(2 * nproc, one);
   const int port = test::free_port();
   auto prog = [&](int k, const std::string& save) {
-    auto args = eight_steps(save, snaps);
+    auto args = eight_steps(save, snaps, backend);
     return faults[std::size_t(k)].empty() ? args : fault_in_first_process(faults[std::size_t(k)], args);
   };
   Child n0(node_cmd({0, 2, nproc, port, flags}, prog(0, two)), env_info());
@@ -455,12 +457,18 @@ TEST_CASE("2 nodes x 2 ranks, --recovery shrink: a rank killed in step 7 on node
           "three survivors of both nodes go on at world 3 in their own processes, numbered afresh (the other node's launcher "
           "learns its ranks' new numbers), and the job ends within float rounding of 1 node x 4 ranks") {
   int killed = 3;
+  std::string backend = "gloo";
   SUBCASE("rank 3, node 1") {}
   SUBCASE("rank 1, node 0: node 1's ranks 2 and 3 become 1 and 2") { killed = 1; }
+  SUBCASE("rank 3, node 1, --backend auto: two levels, then flat Gloo at world 3, said") { backend = "auto"; }
   CAPTURE(killed);
-  // A global batch of 12: 3 a rank at world 4, 4 at world 3, summed in another order.
-  const std::string fault = "collective:" + std::to_string(killed) + ":kill:13";
-  const auto out = heal_across_two_nodes("shrink_nodes", 2, {"--max-restarts", "1", "--recovery", "shrink"}, {fault, fault}, 1e-5);
+  CAPTURE(backend);
+  // A global batch of 12: 3 a rank at world 4, 4 at world 3, summed in another order. Two levels
+  // count each level's collectives: their 13th is in step 3, before any snapshot completes.
+  const std::string fault = "collective:" + std::to_string(killed) + ":kill:" + (backend == "auto" ? "31" : "13");
+  const auto out = heal_across_two_nodes("shrink_nodes", 2, {"--max-restarts", "1", "--recovery", "shrink"}, {fault, fault}, 1e-5, backend);
+  for (int k : {0, 1})
+    CHECK(says(out[std::size_t(k)], "backend 'auto' reduces over flat Gloo from here on instead of two levels") == (backend == "auto"));
   const std::string& home = out[killed / 2];
   CHECK(says(home, "recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, at world 3 from now on"));
   CHECK(says(home, "recovered in place: every rank joined round 1"));

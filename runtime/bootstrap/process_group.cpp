@@ -10,6 +10,7 @@
 
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/bootstrap/recovery_verdict.hpp"
+#include "runtime/observe/logging.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/gloo.hpp"
 #include "shardflow/hierarchical.hpp"
@@ -270,6 +271,14 @@ std::shared_ptr<Communicator> rejoin_process_group(const LaunchEnv& env, const P
                      " shrinks the world across nodes, which leaves the hosts with different numbers of ranks, and backend '" +
                      o.backend + "' chose two levels, which need as many on every host; use --recovery in-place across nodes, "
                      "or backend gloo");
+  } else if (o.backend == "auto" && choose_backend(placed, o) == "gloo") {
+    LaunchEnv was = env;
+    was.rank = before, was.world_size = world_before;
+    if (choose_backend(was, o) == "hierarchical")
+      // Not silent: the job goes on slower between hosts (every rank's traffic on the flat ring).
+      rank_logger(placed.rank)->warn("round {} shrinks the world to {} across nodes, which leaves the hosts with different numbers "
+                                     "of ranks: backend 'auto' reduces over flat Gloo from here on instead of two levels (the same "
+                                     "mean, summed in another order; slower between hosts)", round, verdict->world);
   }
   return make_group(placed, o, round);
 }
