@@ -474,6 +474,26 @@ void run_actor_rank(int r, ActorTrainer t, const std::string& snaps) {
   self->wait_for(trainer);  // before the Runtime goes
 }
 
+// World N of actor trainers into `got`, round 0 lost in the 6th step, recovering onto round 1 with
+// `next` (unset: round 1's communicator): what each rank's actor heard.
+std::vector<ActorTrainer::Heard> run_actor_world(int N, std::vector<Model>& got, const std::string& tag,
+                                                 const std::optional<rank_api::NextRound>& next = std::nullopt) {
+  auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
+  const auto snaps = scratch(tag);
+  std::vector<ActorTrainer::Heard> heard(static_cast<std::size_t>(N));
+  test::require_all_ok(test::run_ranks(N, [&](int r) {
+    ActorTrainer t;
+    t.m = &got[std::size_t(r)];
+    t.rounds = &rounds;
+    t.lose_in = 5;
+    t.heard = &heard[std::size_t(r)];
+    t.next = next;
+    run_actor_rank(r, t, snaps);
+  }));
+  std::filesystem::remove_all(snaps);
+  return heard;
+}
+
 }  // namespace
 
 TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 and world 1 (the process's only Runtime), round 0 lost in "
@@ -497,17 +517,7 @@ TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 an
       CAPTURE(N);
       const auto want = reference(N);
       std::vector<Model> got{std::size_t(N)};
-      auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
-      const auto snaps = scratch("actor_heals");
-      std::vector<ActorTrainer::Heard> heard(static_cast<std::size_t>(N));
-      test::require_all_ok(test::run_ranks(N, [&](int r) {
-        ActorTrainer t;
-        t.m = &got[std::size_t(r)];
-        t.rounds = &rounds;
-        t.lose_in = 5;
-        t.heard = &heard[std::size_t(r)];
-        run_actor_rank(r, t, snaps);
-      }));
+      const auto heard = run_actor_world(N, got, "actor_heals");
       for (int r = 0; r < N; ++r) {
         CAPTURE(r);
         const auto& h = heard[std::size_t(r)];
@@ -517,7 +527,6 @@ TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 an
         CHECK(h.where == std::vector<std::pair<int, int>>{{r, N}});
         CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
       }
-      std::filesystem::remove_all(snaps);
     }
   }
   SUBCASE("an empty NextRound, one that makes no communicator, one that throws") {
@@ -529,23 +538,11 @@ TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 an
     std::vector<Model> got(N);
     for (const auto& [next, says] : cases) {
       CAPTURE(says);
-      auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
-      const auto snaps = scratch("actor_bad_next");
-      std::vector<ActorTrainer::Heard> heard(static_cast<std::size_t>(N));
-      test::require_all_ok(test::run_ranks(N, [&](int r) {
-        ActorTrainer t;
-        t.m = &got[std::size_t(r)];
-        t.rounds = &rounds;
-        t.lose_in = 5;
-        t.heard = &heard[std::size_t(r)];
-        t.next = next;
-        run_actor_rank(r, t, snaps);
-      }));
+      const auto heard = run_actor_world(N, got, "actor_bad_next", next);
       for (int r = 0; r < N; ++r) {
         CAPTURE(r);
         CHECK(heard[std::size_t(r)].error.find(says) != std::string::npos);
       }
-      std::filesystem::remove_all(snaps);
     }
   }
 }
