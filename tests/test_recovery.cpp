@@ -47,6 +47,18 @@ void gradients(std::span<const float> w, std::vector<float>& g, int rank, int st
   for (std::size_t i = 0; i < w.size(); ++i) g[i] = 0.1f * w[i] + 0.01f * float((i * 7 + std::size_t(rank) * 3 + std::size_t(step)) % 11) - 0.05f;
 }
 
+// One whole iteration: both gradients written and reported, then wait().
+template <class M>
+void step_both(Runtime& rt, M& m, Param pa, Param pb, std::vector<float>& ga, std::vector<float>& gb, int rank, int step) {
+  gradients(m.a, ga, rank, step);
+  gradients(m.b, gb, rank, step);
+  std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
+  rt.grad_ready(pa);
+  std::copy(gb.begin(), gb.end(), rt.grad_f32(pb));
+  rt.grad_ready(pb);
+  rt.wait();
+}
+
 // Both parameters in one buffer, llm.c-style: registered one by one or as one flat buffer.
 struct Model {
   std::vector<float> w = std::vector<float>(kA + kB);
@@ -294,13 +306,7 @@ TEST_CASE("the actor API hears a recovery: world 2, lost twice -> each time fail
           rt.collective(both).get();
           rounds[round]->communicator(r)->abort("the test ends round " + std::to_string(round));
         }
-        gradients(m.a, ga, r, step);
-        gradients(m.b, gb, r, step);
-        std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
-        rt.grad_ready(pa);
-        std::copy(gb.begin(), gb.end(), rt.grad_f32(pb));
-        rt.grad_ready(pb);
-        rt.wait();
+        step_both(rt, m, pa, pb, ga, gb, r, step);
       } catch (const Error&) {
         REQUIRE(round + 1 < rounds.size());
         step = int(rt.recover(rounds[++round]->communicator(r))) - 1;
@@ -614,13 +620,7 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
           }
           if (r == 0 && round == 0 && step == 3) std::ofstream(regroup).put('1');  // the launcher asks at snapshot 4
           rt.zero_grad();
-          gradients(m.a, ga, r, step);
-          gradients(m.b, gb, r, step);
-          std::copy(ga.begin(), ga.end(), rt.grad_f32(pa));
-          rt.grad_ready(pa);
-          std::copy(gb.begin(), gb.end(), rt.grad_f32(pb));
-          rt.grad_ready(pb);
-          rt.wait();
+          step_both(rt, m, pa, pb, ga, gb, r, step);
         } catch (const CommError&) {
           REQUIRE(round == 0);
           left_in[std::size_t(r)] = step;
