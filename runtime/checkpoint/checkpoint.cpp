@@ -425,6 +425,7 @@ void Runtime::load_state_dict(const StateDict& state) {
 void Runtime::load_checkpoint(const std::string& path) {
   auto& I = *impl_;
   checkpoint_entry(I, *this, "load_checkpoint");
+  I.persistence->snapshots.loaded_trainer_state.reset();  // a sharded index's is read below; a file carries none
   auto ends_with = [&](const char* s) { const std::size_t n = std::strlen(s); return path.size() >= n && path.compare(path.size() - n, n, s) == 0; };
   const bool split = ends_with(".safetensors.index.json");
   if (std::filesystem::is_directory(path)) return I.load_sharded_checkpoint(path + "/index.json");

@@ -532,9 +532,8 @@ void load_owned_state(const nlohmann::json& j, const std::vector<ParamSpec>& par
 void Runtime::Impl::load_sharded_checkpoint(const std::string& index_path) {  // after load_checkpoint's checkpoint_entry
   const auto j = read_sharded_index(index_path);
   try {
-    auto& carried = persistence->snapshots.loaded_trainer_state;
-    carried.reset();
-    if (j.contains("trainer_state")) carried = unhex(j.at("trainer_state").at("hex").get<std::string>(), index_path);
+    if (j.contains("trainer_state"))
+      persistence->snapshots.loaded_trainer_state = unhex(j.at("trainer_state").at("hex").get<std::string>(), index_path);
     const auto by_name = match_index_params(j, registry.params(), index_path);
     ShardFiles files(index_path, j.at("files").get<std::vector<std::string>>());
     const bool has_state = load_param_slices(j, registry.params(), by_name, files, index_path);
