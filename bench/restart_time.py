@@ -8,6 +8,9 @@ its N-th collective) to rank 0's first step after the restart, and how many step
       recovering in place (Note [Recovering in place]: only rank 1's process starts again, rank 0 goes
       on in its own), and shrinking (no process starts: rank 0 goes on alone), against restarting every
       rank; runs alternated A B C A B C, medians
+  bench/restart_time.py --build build --data-file --recovery in-place --actor-trainer [--reps 5]
+      the same recovery in mlp_train (Runtime::recover) and in actor_trainer (its rank trainer stops its
+      layer actors and asks the rank actor to recover: Note [The actor trainer heals in place]), alternated
   sudo bench/restart_time.py --build build --two-hosts [--rate 1gbit] [--heartbeat-timeout 10]
       rank 1 on another network-namespace host (scripts/netns_pair.sh), Gloo over a tc-tbf link;
       restarts across nodes: both launchers stop their ranks and agree through the store
@@ -76,9 +79,9 @@ def read_all(procs):
     return codes, sorted(events, key=lambda e: e[0])
 
 
-def one_run(a, snaps, data, recovery="restart"):
+def one_run(a, snaps, data, recovery="restart", program="mlp_train"):
     shutil.rmtree(snaps, ignore_errors=True)
-    trainer = [os.path.join(a.build, "examples", "mlp_train"), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch",
+    trainer = [os.path.join(a.build, "examples", program), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch",
                "8" if a.per_host == 1 else "24",  # 24: divisible at world 4 and, shrunk, at 3
                "--optimizer", "adamw", "--zero-stage", "1", "--overlap", "interleaved", "--backend", a.backend,
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
@@ -144,11 +147,16 @@ def main():
     ap.add_argument("--lose", choices=["rank", "host"], default="rank", help="with --two-hosts: rank 1 killed, or host b lost (see above)")
     ap.add_argument("--recovery", choices=["restart", "in-place", "shrink", "all"], default="restart",
                     help="shardflow run --recovery; all: the three alternated run by run")
+    ap.add_argument("--actor-trainer", action="store_true",
+                    help="with one --recovery mode: mlp_train and actor_trainer (its rank trainer recovering through the rank actor, "
+                         "Note [The actor trainer heals in place]) alternated run by run")
     a = ap.parse_args()
     if not a.two_hosts and a.per_host != 1:
         ap.error("--per-host is for --two-hosts (one host runs world 2)")
     if not a.two_hosts and a.lose != "rank":
         ap.error("--lose host is for --two-hosts (one host cannot lose a host and go on)")
+    if a.actor_trainer and a.recovery == "all":
+        ap.error("--actor-trainer compares the two trainers in one --recovery mode")
     if a.two_hosts:
         a.backend = "gloo"
         two_hosts.sh("up", two_hosts.NAME)
@@ -167,6 +175,17 @@ def measure(a):
         if a.data_file:
             data = os.path.join(tmp, "data.safetensors")
             write_data(a, data)
+        if a.actor_trainer:
+            runs = {p: [] for p in ("mlp_train", "actor_trainer")}
+            for _ in range(a.reps):
+                for p in runs:  # A B A B
+                    runs[p].append(one_run(a, os.path.join(tmp, "snapshots"), data, a.recovery, p))
+            for p in runs:
+                print(f"{p}:")
+                report(a, a.recovery, runs[p])
+            ratio = statistics.median(r[0] for r in runs["actor_trainer"]) / statistics.median(r[0] for r in runs["mlp_train"])
+            print(f"actor_trainer / mlp_train, kill -> rank 0's first step after: {ratio:.2f}")
+            return
         modes = ["restart", "in-place", "shrink"] if a.recovery == "all" else [a.recovery]
         runs = {m: [] for m in modes}
         for _ in range(a.reps):
