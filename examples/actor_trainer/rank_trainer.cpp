@@ -147,7 +147,7 @@ void finish(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t s
       result->collectives = ctx->rt->collective_log();
       result->stats = ctx->rt->stats();
     }
-    result->rank_at_end = ctx->rank;
+    if (slot == 0) result->rank_at_end = ctx->rank;  // one result for ranks as threads: slot 0 writes it, as mlp_train
     st.run.deliver(run_atom::value);
   };
   self->request(ctx->runtime, caf::infinite, rank_api::all_params_atom::value)
