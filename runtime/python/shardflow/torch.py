@@ -369,8 +369,10 @@ class DistributedDataParallel:
 
     def __call__(self, *args, **kwargs):
         self._end_open_pass()
-        if self._snapshots and self._ddp.trainer_state_wanted():
-            self._hand_snapshot_with()
+        if self._snapshots:
+            step = self._ddp.trainer_state_wanted()
+            if step:
+                self._hand_snapshot_with(step)
         if self._device.type == "cuda" and torch.cuda.current_stream(self._device).cuda_stream != self._stream:
             self._ddp.set_stream(self._current_stream())  # Note [CUDA modules]: forward and backward run there
         out = self.module(*args, **kwargs)
@@ -486,7 +488,6 @@ class DistributedDataParallel:
         `shardflow run` the snapshots live in memory) and returns the step it follows, 0 on a fresh
         start. Once, before the first forward: the loop goes on from there."""
         step = self._ddp.resumed_step()
-        self._refresh_groups()
         self._restore_snapshot_with(step, "resumed_step")
         return step
 
@@ -508,10 +509,9 @@ class DistributedDataParallel:
                                  "load_state_dict(), so a snapshot could not carry it" % (name, type(obj).__name__))
         self._snapshot_with.update(objects)
 
-    def _hand_snapshot_with(self):
-        """Note [The trainer's state in a snapshot]: the snapshot in flight gets the state of what
-        snapshot_with() names, as it stands now (the trainer's code after the step has run)."""
-        step = self._ddp.trainer_state_wanted()
+    def _hand_snapshot_with(self, step):
+        """Note [The trainer's state in a snapshot]: the snapshot of `step`, in flight, gets the state
+        of what snapshot_with() names, as it stands now (the trainer's code after the step has run)."""
         # The groups' hyper-parameters too, as a scheduler set them after the step: those of the
         # next step (the snapshot's own are the step's, and recover() starts from the initial ones).
         groups = [{k: g[k] for k in self._taken} for g in self.param_groups]
@@ -519,17 +519,18 @@ class DistributedDataParallel:
                                                         "groups": groups}))
 
     def _restore_snapshot_with(self, step, call):
-        """After a snapshot of `step` was loaded: what snapshot_with() names goes back to it; a
-        scheduler left out would go on from where this process left it, so that is refused."""
-        if step == 0:
-            return
-        where = "shardflow.torch.DistributedDataParallel.%s" % call
-        blob = self._ddp.trainer_state()
+        """After a snapshot of `step` was loaded: the groups' views show the runtime's
+        hyper-parameters, and what snapshot_with() names goes back to the snapshot; a scheduler left
+        out would go on from where this process left it, so that is refused."""
+        blob = self._ddp.trainer_state() if step else None
         state = pickle.loads(blob) if blob is not None else None
         if state is not None:
             for i, saved in enumerate(state["groups"]):
                 self._ddp.set_hyperparameters(i, saved)
-            self._refresh_groups()
+        self._refresh_groups()
+        if step == 0:
+            return
+        where = "shardflow.torch.DistributedDataParallel.%s" % call
         if not self._snapshot_with:
             fn = getattr(self._torch_optimizer, "step", None)
             if getattr(fn, "_with_counter", False) or getattr(fn, "_wrapped_by_lr_sched", False):
@@ -564,7 +565,6 @@ class DistributedDataParallel:
                              % len(_live))
         step = self._ddp.recover()
         self._clipped_step = False
-        self._refresh_groups()
         self._restore_snapshot_with(step, "recover")
         return step
 
