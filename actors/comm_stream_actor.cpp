@@ -2,6 +2,8 @@
 
 #include <caf/all.hpp>
 
+#include <algorithm>
+
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -52,6 +54,10 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
         done(kind, to_failure(x));
       };
     default:
+      if (s.fused && s.fused->fusion.fused(e.bucket))
+        return [shard = s.shard, g = s.fused->fusion.group_of[e.bucket], last](std::exception_ptr x) {
+          if (last || x) caf::anon_send(shard, msg::group_synced_atom::value, g, to_failure(x));
+        };
       return [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
         if (last || x) caf::anon_send(shard, msg::broadcast_done_atom::value, b, to_failure(x));
       };
@@ -187,11 +193,27 @@ std::string entry_name(const ScheduledCollective& e) {
 CollectiveIssue prepare(CommStreamState& s, const ScheduledCollective& e) {
   switch (e.kind) {
     case ScheduledCollective::reduce: return s.collectives[e.bucket]->reduction(s.iteration);
-    case ScheduledCollective::sync: return s.collectives[e.bucket]->sync();
+    case ScheduledCollective::sync:
+      if (s.fused && s.fused->fusion.fused(e.bucket)) {
+        const auto g = s.fused->fusion.group_of[e.bucket];
+        return s.collectives[e.bucket]->group_sync(g, s.last_packed[g]);
+      }
+      return s.collectives[e.bucket]->sync();
     case ScheduledCollective::buffers:
     case ScheduledCollective::unused: return std::move(s.handed[e.kind]);
     default: return std::move(s.norm);
   }
+}
+
+// How many entries entry i stands for: a fused group's first sync stands for its members' (they
+// follow it in the schedule: the grouping was made from it), 0 while one of them is not ready.
+std::uint32_t entries_at(const CommStreamState& s, std::uint32_t i) {
+  const auto& e = s.entries[i];
+  if (e.kind != ScheduledCollective::sync || !s.fused || !s.fused->fusion.fused(e.bucket)) return 1;
+  const auto n = std::uint32_t(s.fused->fusion.groups[s.fused->fusion.group_of[e.bucket]].members.size());
+  for (std::uint32_t k = 1; k < n; ++k)
+    if (!s.ready[i + k]) return 0;
+  return n;
 }
 
 // Issues every ready entry in schedule order. At an iteration's boundary (and once a comm hook's
@@ -200,8 +222,10 @@ void pump(self_ptr self) {
   auto& s = self->state;
   release_trainer_ops(self);
   while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
-    const std::uint32_t i = s.next++;
-    s.ready[i] = 0;
+    const std::uint32_t i = s.next, n = entries_at(s, i);
+    if (n == 0) break;
+    s.next += n;
+    std::fill(s.ready.begin() + i, s.ready.begin() + i + n, 0);
     const auto& e = s.entries[i];
     CollectiveIssue issue;
     try {
@@ -246,9 +270,14 @@ void on_trainer_op(self_ptr self, std::uint64_t before, CollectiveOp& op, Collec
 msg::comm_stream_actor_t::behavior_type comm_stream_actor(self_ptr self, std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries, std::shared_ptr<CollectiveLog> log,
                                                           std::uint64_t first_iteration,
-                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done) {
+                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done,
+                                                          std::shared_ptr<const FusedSyncs> fused) {
   auto& st = self->state;
   st.handed_done = std::move(handed_done);
+  if (fused && !fused->fusion.groups.empty()) {
+    st.last_packed.assign(fused->fusion.groups.size(), 0);
+    st.fused = std::move(fused);
+  }
   st.iteration = first_iteration;
   st.comm = std::move(comm);
   st.logger = rank_logger(st.comm->rank());
@@ -262,7 +291,11 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(self_ptr self, std::sh
         s.collectives[b] = std::move(collectives);
         mark_ready(self, s.reduce_entry[b]);
       },
-      [=](msg::step_done_atom, std::uint32_t b) { mark_ready(self, self->state.sync_entry[b]); },
+      [=](msg::step_done_atom, std::uint32_t b) {
+        auto& s = self->state;
+        if (s.fused && s.fused->fusion.fused(b)) s.last_packed[s.fused->fusion.group_of[b]] = b;
+        mark_ready(self, s.sync_entry[b]);
+      },
       [=](msg::norm_ready_atom, CollectiveIssue& exchange) {
         self->state.norm = std::move(exchange);
         mark_ready(self, self->state.norm_entry);

@@ -12,6 +12,7 @@
 #include "runtime/observe/collective_log.hpp"
 #include "runtime/plans/collective_schedule.hpp"
 #include "runtime/observe/logging.hpp"
+#include "runtime/zero/shard.hpp"
 #include "shardflow/communicator.hpp"
 
 namespace shardflow {
@@ -33,6 +34,10 @@ struct CommStreamState {
   std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
   std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
   msg::shard_actor_t shard;                 // the shard actor, when the runtime runs the optimizer
+  // Note [Fused syncs]: the groups whose members' sync entries go out as one all-gather (null:
+  // none), and per group the member whose step_done came last (its pack event covers the others').
+  std::shared_ptr<const FusedSyncs> fused;
+  std::vector<std::uint32_t> last_packed;
   std::uint32_t next = 0;          // the next entry to issue
   bool blocked = false;            // a comm hook's reduction is between phases (Note [Comm hooks])
   std::uint64_t iteration = 0;     // the runtime's synchronised iteration being issued (timeline)
@@ -57,6 +62,7 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(msg::comm_stream_actor
                                                           std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries,
                                                           std::shared_ptr<CollectiveLog> log, std::uint64_t first_iteration,
-                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done);
+                                                          std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done,
+                                                          std::shared_ptr<const FusedSyncs> fused);
 
 }  // namespace shardflow

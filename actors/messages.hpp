@@ -17,6 +17,8 @@
 //   shard actor --step_done(b)--> comm stream     (stage >= 1: parameters packed for the sync)
 //   comm stream --bucket b's sync collective(s), in schedule order--> Communicator
 //   Communicator --broadcast_done(b)--> shard actor --bucket_done(b)--> IterationSignal
+//   (small buckets whose syncs follow each other: one all-gather for the group, Note [Fused syncs])
+//   Communicator --group_synced(g)--> shard actor --bucket_done(each member)--> IterationSignal
 //   comm stream --all_issued--> shard actor      (the last reduction went out: after_backward)
 //   shard actor --norm_ready(exchange)--> comm stream --norm_done--> shard actor   (clipping)
 //
@@ -66,6 +68,7 @@ using bucket_ready_atom = caf::atom_constant<caf::atom("bkt_ready")>;
 using reduced_atom = caf::atom_constant<caf::atom("reduced")>;
 using step_done_atom = caf::atom_constant<caf::atom("step_done")>;
 using broadcast_done_atom = caf::atom_constant<caf::atom("bcast_done")>;
+using group_synced_atom = caf::atom_constant<caf::atom("grp_synced")>;
 using all_issued_atom = caf::atom_constant<caf::atom("all_issued")>;
 using norm_ready_atom = caf::atom_constant<caf::atom("norm_ready")>;
 using norm_done_atom = caf::atom_constant<caf::atom("norm_done")>;
@@ -91,6 +94,7 @@ using shard_actor_t = caf::typed_actor<
     caf::reacts_to<set_groups_atom, std::uint64_t, std::shared_ptr<const OptimizerGroups>>,
     caf::reacts_to<reduced_atom, std::uint32_t, Failure>, caf::reacts_to<step_next_atom>, caf::reacts_to<all_issued_atom>,
     caf::reacts_to<norm_done_atom, Failure>, caf::reacts_to<broadcast_done_atom, std::uint32_t, Failure>,
+    caf::reacts_to<group_synced_atom, std::uint32_t, Failure>,
     caf::reacts_to<unused_known_atom, Failure>>;
 
 using bucket_actor_t =

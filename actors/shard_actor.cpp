@@ -71,16 +71,25 @@ bool norm_settled(self_ptr self) {
 // bucket holds a staging buffer from its step to its sync's end and syncs end in order, so only
 // the first staging_cap unsynced buckets of the order may step: the one the comm stream issues
 // next can always get one.
+// A fused bucket (Note [Fused syncs]) takes no staging buffer: it may step whatever the staging
+// holds, and only the buckets that sync alone count in the window.
 std::optional<std::uint32_t> next_bucket(ShardActorState& s) {
   const std::size_t B = s.reduced.size();
   const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) || s.nreduced == B;
   const bool pooled = s.shard->buffers().pooled();
-  if (!allowed || s.nstepped == B || (pooled && s.staging_in_flight >= s.staging_cap)) return std::nullopt;
+  if (!allowed || s.nstepped == B) return std::nullopt;
+  const bool staging_full = pooled && s.staging_in_flight >= s.staging_cap;
+  if (staging_full && !s.shard->fused_syncs()) return std::nullopt;
   auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
   while (s.first_unstepped < B && s.stepped[bucket_at(s.first_unstepped)]) ++s.first_unstepped;
-  const std::size_t end = pooled ? std::min(B, s.nsynced + s.staging_cap) : B;
-  for (std::size_t i = s.first_unstepped; i < end; ++i)
-    if (const auto b = bucket_at(i); s.reduced[b] && !s.stepped[b]) return b;
+  for (std::size_t i = s.first_unstepped; i < B; ++i) {
+    const auto b = bucket_at(i);
+    const bool staged = !s.shard->fused(b);
+    // Past the window of staged buckets nothing else may step (a fused one may, being free).
+    const bool in_window = !pooled || s.staged_before[i] < s.staged_before[std::min(s.nsynced, B)] + s.staging_cap;
+    if (staged && pooled && !in_window && !s.shard->fused_syncs()) break;
+    if (s.reduced[b] && !s.stepped[b] && (!staged || (!staging_full && in_window))) return b;
+  }
   return std::nullopt;
 }
 
@@ -111,7 +120,7 @@ std::pair<Timeline::Time, Timeline::Time> step_bucket(self_ptr self, std::uint32
     s.timeline->span("step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1,
                      SpanArgs{std::int64_t(b), -1, nullptr, std::int64_t(sh.steps()) - (s.phase == ShardPhase::stepped ? 1 : 0), -1});
   if (sh.syncs()) {
-    ++s.staging_in_flight;
+    if (!sh.fused(b)) ++s.staging_in_flight;
     self->send(s.comm, msg::step_done_atom::value, b);
   } else {
     if (s.zero_on_done) sh.zero_bucket(b);
@@ -197,7 +206,7 @@ void on_synced(self_ptr self, std::uint32_t b, msg::Failure& failure) {
     } catch (const std::exception& e) {
       failure = shard_failure(s, b, e);
     }
-  --s.staging_in_flight;
+  if (!s.shard->fused(b)) --s.staging_in_flight;
   s.iteration->bucket_done(b, failure);
   if (++s.nsynced == s.reduced.size())
     reset(s);
@@ -217,6 +226,9 @@ msg::shard_actor_t::behavior_type shard_actor(self_ptr self, ShardActorArgs args
   st.reduced.assign(args.shard->plan().buckets.size(), 0);
   st.stepped.assign(args.shard->plan().buckets.size(), 0);
   st.shard = std::move(args.shard);
+  st.staged_before.assign(st.reduced.size() + 1, 0);
+  for (std::size_t i = 0; i < st.reduced.size(); ++i)
+    st.staged_before[i + 1] = st.staged_before[i] + (st.shard->fused(st.order.empty() ? i : st.order[i]) ? 0 : 1);
   st.overlap = args.overlap;
   st.comm = std::move(args.comm);
   st.iteration = std::move(args.iteration);
@@ -244,6 +256,12 @@ msg::shard_actor_t::behavior_type shard_actor(self_ptr self, ShardActorArgs args
         });
       },
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) { on_synced(self, b, failure); },
+      [=](msg::group_synced_atom, std::uint32_t g, msg::Failure& failure) {
+        for (const auto b : self->state.shard->fused_syncs()->fusion.groups[g].members) {
+          auto f = failure;
+          on_synced(self, b, f);
+        }
+      },
   };
 }
 

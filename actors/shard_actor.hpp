@@ -36,6 +36,9 @@ struct ShardActorState {
   bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
   std::vector<std::uint32_t> order;  // the syncs' schedule order: a step goes to the reduced bucket first in it
   std::size_t staging_cap = 0;       // pooled: stepped buckets whose sync has not landed, at most (Note [Staging in flight])
+  // [position in `order`] the buckets before it that sync alone (take a staging buffer); fused
+  // ones pack into their group's buffer (Note [Fused syncs]). Size B + 1.
+  std::vector<std::size_t> staged_before;
   // Note [Hyper-parameter snapshots]: set_lr between iterations k and k+1 sends a snapshot tagged
   // k+1. With forward prefetch iteration k may still be stepping then, so each iteration takes the
   // newest snapshot whose tag is not beyond its own number when it starts stepping.

@@ -46,7 +46,7 @@ double median(std::vector<double> v) {
 
 // Median iteration (ms) of rank 0 after `warmup` iterations.
 double run(int world, int stage, bool optimizer, Overlap overlap, int lag, int params, int per_bucket, int iterations,
-           const std::string& backend) {
+           const std::string& backend, bool fuse) {
   const std::size_t numel = 256;
   auto w = backend == "sim" ? make_sim_world(world, SimLink{0.0, 1e6, 0}) : InProcessWorld::create(world);
   std::vector<std::shared_ptr<Communicator>> comms;
@@ -60,6 +60,7 @@ double run(int world, int stage, bool optimizer, Overlap overlap, int lag, int p
       cfg.zero.interleave_lag = lag;
       cfg.zero.stage = ZeroStage(stage);
       cfg.zero.overlap = overlap;
+      if (!fuse) cfg.zero.fuse_syncs_bytes = 0;  // Note [Fused syncs]: every bucket syncs alone
       cfg.buckets.rebuild = false;
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4 * std::size_t(per_bucket);
       std::vector<float> p(std::size_t(params) * numel, 0.5f);
@@ -105,17 +106,21 @@ int main(int argc, char** argv) {
     Overlap overlap;
     int lag;  // -1: chosen by the runtime (the default)
     std::string backend;
-    int hops;
+    int hops;  // a bucket's, its sync alone
+    bool fuse = true;  // Config::zero.fuse_syncs_bytes at its default, or 0
   };
   // "instant": the runtime alone (the goal's figure); "in-process" / "sim": with the in-process
   // backend's rendezvous between the two rank threads (about 40 us a collective on this machine).
   const std::vector<Row> rows{{"DDP, instant link", 2, 0, false, Overlap::none, -1, "instant", 4},
                               {"ZeRO-0 interleaved, instant link", 2, 0, true, Overlap::interleaved, -1, "instant", 4},
                               {"ZeRO-1 interleaved, instant link", 2, 1, true, Overlap::interleaved, -1, "instant", 7},
+                              {"ZeRO-1 interleaved, instant link, syncs alone", 2, 1, true, Overlap::interleaved, -1, "instant", 7, false},
                               {"ZeRO-1 interleaved lag 0, instant link", 2, 1, true, Overlap::interleaved, 0, "instant", 7},
                               {"ZeRO-1 interleaved lag 1, instant link", 2, 1, true, Overlap::interleaved, 1, "instant", 7},
                               {"ZeRO-1 none, instant link", 2, 1, true, Overlap::none, -1, "instant", 7},
+                              {"ZeRO-1 none, instant link, syncs alone", 2, 1, true, Overlap::none, -1, "instant", 7, false},
                               {"ZeRO-2 interleaved, instant link", 2, 2, true, Overlap::interleaved, -1, "instant", 7},
+                              {"ZeRO-2 interleaved, instant link, syncs alone", 2, 2, true, Overlap::interleaved, -1, "instant", 7, false},
                               {"world 1, DDP, in-process", 1, 0, false, Overlap::none, -1, "in-process", 4},
                               {"world 2, DDP, in-process", 2, 0, false, Overlap::none, -1, "in-process", 4},
                               {"world 2, ZeRO-1 interleaved, in-process", 2, 1, true, Overlap::interleaved, -1, "in-process", 7},
@@ -124,14 +129,15 @@ int main(int argc, char** argv) {
   auto chosen = [&](std::size_t i) { return only.empty() || std::string(rows[i].name).find(only) != std::string::npos; };
   for (int rep = 0; rep < reps; ++rep)
     for (std::size_t i = 0; i < rows.size(); ++i)
-      if (chosen(i)) t[i].push_back(run(rows[i].world, rows[i].stage, rows[i].optimizer, rows[i].overlap, rows[i].lag, params, per_bucket, iterations, rows[i].backend));
+      if (chosen(i)) t[i].push_back(run(rows[i].world, rows[i].stage, rows[i].optimizer, rows[i].overlap, rows[i].lag, params, per_bucket, iterations, rows[i].backend,
+                               rows[i].fuse));
   std::printf("bench_overhead: %d params x 1 KiB in %d buckets, no compute, instant link, %d iterations x %d reps (medians)\n", params,
               buckets, iterations, reps);
-  std::printf("  %-44s %12s %14s %16s\n", "", "ms / iter", "us / bucket", "us / bucket-hop");
+  std::printf("  %-48s %12s %14s %16s\n", "", "ms / iter", "us / bucket", "us / bucket-hop");
   for (std::size_t i = 0; i < rows.size(); ++i) {
     if (!chosen(i)) continue;
     const double m = median(t[i]);
-    std::printf("  %-44s %12.3f %14.2f %16.2f\n", rows[i].name, m, m * 1e3 / buckets, m * 1e3 / buckets / rows[i].hops);
+    std::printf("  %-48s %12.3f %14.2f %16.2f\n", rows[i].name, m, m * 1e3 / buckets, m * 1e3 / buckets / rows[i].hops);
   }
   return 0;
 }

@@ -7,6 +7,7 @@
 
 #include "runtime/plans/collective_schedule.hpp"
 #include "runtime/plans/prefetch_model.hpp"
+#include "runtime/plans/sync_fusion.hpp"
 
 using namespace shardflow;
 
@@ -148,4 +149,82 @@ TEST_CASE("find_unused_parameters: the used counts go right after the last reduc
   CHECK(with_unused(spec(3, false)) == "R0 R1 R2 U");
   CHECK(with_unused(spec(3, true, false, true, 1)) == "R0 R1 R2 U S0 S1 S2");
   CHECK(with_unused(spec(2, true, true, true, 0), true) == "R0 R1 U B N S0 S1");
+}
+
+namespace {
+
+// World 2, flat buckets of `slice` elements a rank each (0: an empty bucket), owned by both ranks.
+ShardPlan flat_shards(const std::vector<std::size_t>& slices) {
+  ShardPlan p;
+  p.world = 2;
+  p.sharded = true;
+  for (const auto n : slices) {
+    BucketShard b;
+    b.flat = true;
+    b.slice = n;
+    b.padded = 2 * n;
+    p.buckets.push_back(b);
+  }
+  return p;
+}
+
+std::string groups_of(const SyncFusion& f) {
+  std::string s;
+  for (const auto& g : f.groups) {
+    s += s.empty() ? "{" : " {";
+    for (std::size_t m = 0; m < g.members.size(); ++m) s += (m ? "," : "") + std::to_string(g.members[m]);
+    s += "}";
+  }
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("fused syncs: only syncs with nothing between them fuse, in schedule order, up to the cap, the same for every rank") {
+  const std::vector<DType> f32(6, DType::f32);
+  const auto shards = flat_shards({100, 100, 100, 100, 100, 100});  // 800 bytes a bucket's all-gather
+  // Every sync after every reduction: one run of six; the cap makes groups of two.
+  auto f = fuse_syncs(collective_order(spec(6, true)), shards, f32, 2000);
+  CHECK(groups_of(f) == "{0,1} {2,3} {4,5}");
+  CHECK(f.groups[0].slice == 200);
+  CHECK(f.groups[0].offset == std::vector<std::size_t>{0, 100});
+  CHECK(f.groups[0].bytes(2) == 1600);
+  CHECK(f.position[3] == 1);
+  CHECK(f.fused_buckets() == 6);
+  CHECK(groups_of(fuse_syncs(collective_order(spec(6, true)), shards, f32, 1 << 20)) == "{0,1,2,3,4,5}");
+  // Interleaved at lag 1: R0 R1 S0 R2 S1 R3 S2 R4 S3 R5 S4 S5: a reduction between two syncs ends
+  // a group, so only the tail's S4 S5 fuse.
+  f = fuse_syncs(collective_order(spec(6, true, false, true, 1)), shards, f32, 1 << 20);
+  CHECK(groups_of(f) == "{4,5}");
+  CHECK(!f.fused(0));
+  // Forward prefetch's order: the tail goes in forward order, and so do its groups.
+  auto s = spec(6, true, false, true, 1);
+  s.sync_order = {5, 4, 3, 2, 1, 0};
+  s.interleaved_syncs = 2;
+  f = fuse_syncs(collective_order(s), shards, f32, 1 << 20);
+  CHECK(spelled(collective_order(s)) == "R0 R1 R2 R3 R4 R5 S5 S4 S3 S2 S1 S0");
+  CHECK(groups_of(f) == "{5,4,3,2,1,0}");
+  CHECK(f.groups[0].offset == std::vector<std::size_t>{0, 100, 200, 300, 400, 500});
+}
+
+TEST_CASE("fused syncs: a bucket over the cap, an empty one, another wire dtype or a non-flat partition syncs alone and ends the group") {
+  const auto order = collective_order(spec(6, true));
+  auto shards = flat_shards({100, 100, 1000, 100, 0, 100});
+  std::vector<DType> wire(6, DType::f32);
+  CHECK(groups_of(fuse_syncs(order, shards, wire, 4000)) == "{0,1}");  // 2's 8000 bytes and 4's none split the rest
+  shards = flat_shards({100, 100, 100, 100, 100, 100});
+  wire[2] = DType::bf16;
+  CHECK(groups_of(fuse_syncs(order, shards, wire, 1 << 20)) == "{0,1} {3,4,5}");  // a group of one is no group
+  wire[2] = DType::f32;
+  shards.buckets[3].flat = false;
+  CHECK(groups_of(fuse_syncs(order, shards, wire, 1 << 20)) == "{0,1,2} {4,5}");
+  CHECK(fuse_syncs(order, shards, wire, 0).groups.empty());  // Config::zero.fuse_syncs_bytes 0: nothing fuses
+  // The groups' buffers hold at most kFusedGroups caps: 12 buckets would make 6 groups of two at
+  // 1600 bytes a cap; the fifth and sixth sync alone.
+  const auto many = collective_order(spec(12, true));
+  const auto f = fuse_syncs(many, flat_shards(std::vector<std::size_t>(12, 100)), std::vector<DType>(12, DType::f32), 1600);
+  CHECK(groups_of(f) == "{0,1} {2,3} {4,5} {6,7}");
+  CHECK(!f.fused(8));
+  shards.sharded = false;
+  CHECK(fuse_syncs(order, shards, wire, 1 << 20).groups.empty());  // stage 0: no syncs to fuse
 }

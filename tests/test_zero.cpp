@@ -242,7 +242,8 @@ struct JitterRun {
   std::vector<std::vector<std::string>> issued;  // [rank]
 };
 
-JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int stage, bool clip, bool prefetch = false) {
+JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int stage, bool clip, bool prefetch = false,
+                     std::size_t fuse_syncs_bytes = Config{}.zero.fuse_syncs_bytes) {
   const int n = 3, P = 14, iters = 6;
   std::vector<int> sizes;
   for (int i = 0; i < P; ++i) sizes.push_back(29 + 53 * i);
@@ -263,6 +264,7 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
     cfg.zero.clip_grad_norm = clip ? 0.5f : 0.0f;
     cfg.zero.max_buckets_in_flight = 2;  // the tightest backpressure (stage 2)
     cfg.zero.forward_prefetch = prefetch;
+    cfg.zero.fuse_syncs_bytes = fuse_syncs_bytes;
     std::shared_ptr<Communicator> comm = world->communicator(r);
     if (seed) comm = std::make_shared<JitterComm>(comm, seed * 31 + unsigned(r));
     Runtime rt(comm, cfg);
@@ -327,6 +329,27 @@ TEST_CASE("under random arrival orders and random delays every rank issues the s
       }
 }
 
+TEST_CASE("small buckets' syncs fused into one all-gather: every rank issues the same, fewer collectives, and every rank's parameters are bit for bit those of syncs alone") {
+  auto count = [](const std::vector<std::string>& log, const std::string& what) {
+    return std::count_if(log.begin(), log.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+  for (int stage : {1, 2})
+    for (auto overlap : {Overlap::none, Overlap::interleaved})
+      for (unsigned seed : {0u, 3u, 5u}) {
+        const bool prefetch = seed == 5;
+        INFO("stage " << stage << " " << std::string(overlap_name(overlap)) << " seed " << seed << (prefetch ? " prefetch" : ""));
+        const auto fused = run_jitter(seed, overlap, Partition::flat, stage, false, prefetch);
+        const auto alone = run_jitter(seed, overlap, Partition::flat, stage, false, prefetch, 0);
+        CHECK(count(fused.issued[0], "(fused)") > 0);
+        CHECK(count(alone.issued[0], "(fused)") == 0);
+        CHECK(count(fused.issued[0], "allgather") < count(alone.issued[0], "allgather"));
+        for (int r = 0; r < 3; ++r) {
+          CHECK(fused.issued[std::size_t(r)] == fused.issued[0]);
+          CHECK(std::memcmp(fused.params[std::size_t(r)].data(), alone.params[std::size_t(r)].data(), alone.params[0].size() * 4) == 0);
+        }
+      }
+}
+
 TEST_CASE("interleaved, 24 buckets' gradients reported at once: each sync trails its reduction by a lag the runtime chose after the first iteration and again on the settled fifth, the same on every rank, and training lands where lag 0 lands") {
   // Note [Choosing the interleave lag]: at lag 0 the next reduction would wait for each bucket's
   // step and its hops, which take longer than the trainer leaves between two buckets here.
@@ -350,6 +373,7 @@ TEST_CASE("interleaved, 24 buckets' gradients reported at once: each sync trails
       cfg.zero.stage = ZeroStage(stage);
       cfg.zero.overlap = Overlap::interleaved;
       cfg.zero.interleave_lag = lag;
+      cfg.zero.fuse_syncs_bytes = 0;  // each sync alone: the log shows where each one trails its reduction
       Runtime rt(world->communicator(r), cfg);
       std::vector<Param> h;
       for (int i = 0; i < P; ++i)

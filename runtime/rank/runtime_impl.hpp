@@ -172,6 +172,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   void await_handed(std::uint64_t target);
 
   void spawn_actors(std::uint64_t first_iteration);
+  std::shared_ptr<const FusedSyncs> fuse_small_syncs(const std::vector<ScheduledCollective>& schedule);
   void stop_actors();
 
   // Hands p's gradient to its bucket actor. In copy mode the gradient goes into the bucket here,

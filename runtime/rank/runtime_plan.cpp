@@ -210,6 +210,24 @@ void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begi
   run_now(op);
 }
 
+// Note [Fused syncs]: the groups of this schedule, each with its buffer from the backend (shared
+// memory for shm, as the buckets'), handed to the shard before its actor starts. A new schedule
+// (a lag or prefetch choice, a new plan) gets new groups.
+std::shared_ptr<const FusedSyncs> Runtime::Impl::fuse_small_syncs(const std::vector<ScheduledCollective>& schedule) {
+  if (!shard || !shard->syncs()) return nullptr;
+  std::vector<DType> wire;
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) wire.push_back(shard->sync_dtype(b));
+  auto f = std::make_shared<FusedSyncs>();
+  f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
+  if (f->fusion.groups.empty()) {
+    shard->set_fused_syncs(nullptr);
+    return nullptr;
+  }
+  for (const auto& g : f->fusion.groups) f->buffers.push_back(allocator()(g.bytes(world)));
+  shard->set_fused_syncs(f);
+  return f;
+}
+
 void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   auto& sys = actors->system();
   // The trainer's entries (used counts, buffers) count in the signal after the buckets.
@@ -218,8 +236,11 @@ void Runtime::Impl::spawn_actors(std::uint64_t first_iteration) {
   passes_handed = 0;
   const std::map<ScheduledCollective::Kind, std::uint32_t> handed{{ScheduledCollective::unused, signal_index(ScheduledCollective::unused)},
                                                                    {ScheduledCollective::buffers, signal_index(ScheduledCollective::buffers)}};
-  comm_actor_h = sys.spawn(comm_stream_actor, comm, build_schedule(), collectives, first_iteration,
-                           [s = signal, handed](ScheduledCollective::Kind k, const msg::Failure& f) { s->bucket_done(handed.at(k), f); });
+  auto schedule = build_schedule();
+  auto fused = fuse_small_syncs(schedule);
+  comm_actor_h = sys.spawn(comm_stream_actor, comm, std::move(schedule), collectives, first_iteration,
+                           [s = signal, handed](ScheduledCollective::Kind k, const msg::Failure& f) { s->bucket_done(handed.at(k), f); },
+                           fused);
   if (shard) {
     // With forward prefetch the trainer's zero_grad() cannot know when a bucket is free again, so
     // the shard zeroes each bucket itself once it is done with it (pooled buckets start zeroed).

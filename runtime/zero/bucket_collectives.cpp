@@ -170,6 +170,25 @@ CollectiveIssue BucketCollectives::sync() const {
   return issue;
 }
 
+CollectiveIssue BucketCollectives::group_sync(std::uint32_t g, std::uint32_t last_packed) const {
+  const auto* fused = shard_->fused_syncs();
+  const auto& group = fused->fusion.groups[g];
+  const auto& buf = fused->buffers[g];
+  const std::size_t es = dtype_size(group.dtype);
+  CollectiveOp op;
+  op.kind = CollectiveKind::allgather;
+  op.dtype = group.dtype;
+  op.count = group.slice;
+  op.send = buf.get() + std::size_t(rank_) * group.slice * es;
+  op.recv = buf.get();
+  op.tag = "sync bucket " + std::to_string(b_) + " and " + std::to_string(group.members.size() - 1) + " more (fused)";
+  op.wait_event = shard_->pack_event(last_packed);
+  op.keep_alive = buf;
+  CollectiveIssue issue;
+  issue.ops.push_back(std::move(op));
+  return issue;
+}
+
 CollectiveIssue norm_exchange(const std::shared_ptr<Shard>& shard) {
   CollectiveIssue issue;
   CollectiveOp op;

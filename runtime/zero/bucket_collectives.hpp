@@ -60,6 +60,10 @@ class BucketCollectives {
   // The updated parameters from their owners: an all-gather of the packed slices (flat partition)
   // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2).
   CollectiveIssue sync() const;
+  // This bucket leads fused group g (Note [Fused syncs]): one all-gather of every member's slices
+  // in the group's buffer, after `last_packed`'s pack (the member packed last: the shard's packs
+  // follow each other on its stream).
+  CollectiveIssue group_sync(std::uint32_t g, std::uint32_t last_packed) const;
 
  private:
   std::uint32_t b_;

@@ -191,13 +191,26 @@ void Shard::take_grad_shard(std::size_t b) {
 
 void Shard::zero_bucket(std::size_t b) { ops_->zero(buffers_->grad(b).get(), buffers_->bytes(b)); }
 
+std::size_t Shard::sync_at(std::size_t b, std::size_t k, const ShardPiece& piece, std::byte*& base) const {
+  const auto& s = shard_.buckets[b];
+  if (fused(b)) {  // k's region of the group buffer, this member's place in it (flat only)
+    const auto g = fused_->fusion.group_of[b];
+    const auto& group = fused_->fusion.groups[g];
+    base = fused_->buffers[g].get();
+    return k * group.slice + group.offset[fused_->fusion.position[b]] + (piece.bucket_off - k * s.slice);
+  }
+  base = buffers_->staging(b).get();
+  return s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;
+}
+
 void Shard::pack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
   const std::size_t es = esize(b);
-  std::byte* st = buffers_->acquire_staging(b).get();
+  if (!fused(b)) buffers_->acquire_staging(b);
   for (const auto& piece : s.pieces[r]) {
-    const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[r] + piece.packed_off;
+    std::byte* st = nullptr;
+    const std::size_t at = sync_at(b, r, piece, st);
     // fp32 storage on a 16-bit wire: the values are already 16-bit exact (step rounded them).
     ops_->cast(sync_dtype(b), st + at * dtype_size(sync_dtype(b)), plan_.buckets[b].dtype,
                param_bytes(piece.param) + piece.param_off * es, piece.len);
@@ -208,15 +221,16 @@ void Shard::pack(std::size_t b) {
 void Shard::unpack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const std::size_t es = esize(b), ws = dtype_size(sync_dtype(b));
-  const std::byte* st = buffers_->staging(b).get();
   for (std::size_t k = 0; k < s.pieces.size(); ++k) {
     if (int(k) == shard_.rank) continue;
     for (const auto& piece : s.pieces[k]) {
-      const std::size_t at = s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;
+      std::byte* st = nullptr;
+      const std::size_t at = sync_at(b, k, piece, st);
       ops_->cast(plan_.buckets[b].dtype, param_bytes(piece.param) + piece.param_off * es, sync_dtype(b), st + at * ws,
                  piece.len);
     }
   }
+  if (fused(b)) return;  // the group buffer is the shard's for the plan's life: nothing goes back
   if (buffers_->pooled()) ops_->fence_compute(actor_fence());  // as in take_grad_shard
   buffers_->release_staging(b);
 }
@@ -258,6 +272,8 @@ std::size_t Shard::comm_bytes() const {
   std::size_t n = std::size_t(shard_.world) * 4;  // the norm exchange; syncs reuse the buckets
   for (std::size_t b = 0; b < wire_.size(); ++b)
     if (wire_[b]) n += (shard_.buckets[b].padded + shard_.buckets[b].slice) * dtype_size(comm_dtype_);
+  if (fused_)  // Note [Fused syncs]: the groups' buffers
+    for (const auto& g : fused_->fusion.groups) n += g.bytes(shard_.world);
   return n;
 }
 

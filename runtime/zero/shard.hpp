@@ -15,6 +15,7 @@
 #include "runtime/core/device_memory.hpp"
 #include "runtime/zero/shard_ops.hpp"
 #include "runtime/plans/shard_plan.hpp"
+#include "runtime/plans/sync_fusion.hpp"
 #include "shardflow/config.hpp"
 #include "shardflow/optimizer.hpp"
 #include "shardflow/types.hpp"
@@ -26,6 +27,13 @@ struct OptimizerGroups {
   std::vector<std::uint32_t> group_of;  // by parameter
   // fp32 words of state per element: Adam 2, SGD with momentum (in any group) 1, plain SGD 0.
   std::size_t state_slots() const;
+};
+
+// The groups of syncs that go out as one all-gather, and each group's buffer: `world` regions of
+// the group's slice, rank by rank (Note [Fused syncs]). Made with the schedule, at every spawn.
+struct FusedSyncs {
+  SyncFusion fusion;
+  std::vector<std::shared_ptr<std::byte>> buffers;  // [group]
 };
 
 class Shard {
@@ -101,6 +109,11 @@ class Shard {
   void pack(std::size_t b);
   cuda::Event pack_event(std::size_t b) const { return ops_->event(slot(pack_slot, b)); }
   void unpack(std::size_t b);  // other ranks' parameters: staging -> the trainer's storage (released)
+  // A fused bucket packs into and unpacks from its group's buffer instead of a staging buffer of
+  // its own. Set between iterations (the actors are being spawned); null: none fused.
+  void set_fused_syncs(std::shared_ptr<const FusedSyncs> f) { fused_ = std::move(f); }
+  const FusedSyncs* fused_syncs() const { return fused_.get(); }
+  bool fused(std::size_t b) const { return fused_ && fused_->fusion.fused(b); }
   void mark_done(std::size_t b);  // bucket b's parameters are final for this iteration
   // The trainer's compute stream waits for the shard's work: all of it (wait()), or what bucket b
   // needs (wait_param with forward prefetch). No-ops on the CPU.
@@ -155,6 +168,9 @@ class Shard {
   std::byte* param_bytes(std::uint32_t p) const { return static_cast<std::byte*>(params_[p].data); }
   std::size_t esize(std::size_t b) const { return dtype_size(plan_.buckets[b].dtype); }
   std::byte* grad_bytes_at(std::size_t b, const ShardPiece& piece) const;
+  // Where rank k's piece of bucket b sits in what the sync moves (its staging, or its group's
+  // buffer), as a wire-dtype element offset from `base`.
+  std::size_t sync_at(std::size_t b, std::size_t k, const ShardPiece& piece, std::byte*& base) const;
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
   std::vector<Floats>& slot_buffers(std::size_t slot) {
     return const_cast<std::vector<Floats>&>(static_cast<const Shard*>(this)->slot_buffers(slot));
@@ -183,6 +199,7 @@ class Shard {
   std::vector<Floats> master_;             // [bucket] fp32 masters (Note [Master weights])
   DType comm_dtype_ = DType::f32;
   std::vector<std::shared_ptr<std::byte>> wire_;
+  std::shared_ptr<const FusedSyncs> fused_;
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
   std::vector<std::int64_t> skipped_;  // per parameter (Note [Unused parameters])

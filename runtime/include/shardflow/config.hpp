@@ -130,6 +130,10 @@ struct ZeroConfig {
   // the ZeRO formula]). Raise it for trainers that write several buckets' gradients at once
   // (threads); the budget then counts this many.
   std::size_t max_buckets_in_flight = 0;
+  // Stages 1 and 2, flat partition: parameter syncs that follow each other in the schedule go out
+  // as one all-gather while together they move at most this many bytes (Note [Fused syncs]): a
+  // small bucket's sync costs its hops, not its bytes. 0: every bucket syncs alone.
+  std::size_t fuse_syncs_bytes = std::size_t(256) << 10;
   // clip_grad_norm over all parameters of all shards (0: off); norm type 2 or infinity.
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;
