@@ -108,6 +108,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-buckets-in-flight", opt.runtime.zero.max_buckets_in_flight,
                  "ZeRO-2: gradient buffers held at once (0: as many as the memory budget holds)")->capture_default_str();
+  app.add_option("--fuse-syncs-bytes", opt.runtime.zero.fuse_syncs_bytes,
+                 "ZeRO 1-2, flat: consecutive parameter syncs go out as one all-gather up to this many bytes (0: each alone)")
+      ->capture_default_str();
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
@@ -155,6 +158,7 @@ int main(int argc, char** argv) {
                                  {"zero.forward_prefetch", "--forward-prefetch"},
                                  {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
                                  {"zero.max_buckets_in_flight", "--max-buckets-in-flight"},
+                                 {"zero.fuse_syncs_bytes", "--fuse-syncs-bytes"},
                                  {"zero.clip_grad_norm", "--clip-grad-norm"},
                                  {"precision.comm_dtype", "--comm-dtype"},
                                  {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"},

@@ -14,6 +14,7 @@
 #include "support/helpers.hpp"
 #include "runtime/plans/param_list.hpp"
 #include "runtime/plans/run_plan.hpp"
+#include "runtime/plans/sync_fusion.hpp"
 #include "shardflow/shm.hpp"
 
 using namespace shardflow;
@@ -204,7 +205,13 @@ TEST_CASE("stage 2 <= stage 1 <= stage 0 in gradient and total memory, on every 
         CHECK(grads[1] <= grads[0] + padding);
         if (partition != Partition::flat) CHECK(padding == 0);
         CHECK(all[2] <= all[1]);
-        CHECK(all[1] < all[0]);
+        // Small buckets' syncs fuse through a buffer of their own (Note [Fused syncs]): on these
+        // small models it can cost what sharding Adam's state saves at world 2; nothing else may.
+        std::size_t fusion = 0;
+        for (const auto& shard : stage1.shards)
+          fusion = std::max(fusion, fusion_buffer_bytes(shard, std::vector<DType>(shard.buckets.size(), DType::f32),
+                                                        ZeroConfig{}.fuse_syncs_bytes));
+        CHECK(all[1] < all[0] + fusion);
       }
 }
 

@@ -85,10 +85,13 @@ TEST_CASE("forward prefetch: an early sync goes after its own bucket's reduction
   std::vector<std::uint32_t> forward{0, 1, 2, 3, 4};
   do {
     for (std::size_t early = 0; early <= forward.size(); ++early)
-      for (std::size_t lag : {0, 1, 2}) {
+      for (std::size_t lag : {0, 1, 2})
+        for (std::size_t fuse : {0, 1600, 2400}) {  // Note [Syncs in batches]: alone, in twos, in threes
         auto p = spec(forward.size(), true, false, true, lag);
         p.sync_order = prefetch_sync_order(forward, early);
         p.interleaved_syncs = early;
+        p.sync_bytes = {800, 800, 800, 0, 800};  // bucket 3 cannot fuse
+        p.fuse_bytes = fuse;
         const auto order = collective_order(p);
         CAPTURE(spelled(order));
         std::vector<std::size_t> reduced_at(forward.size(), order.size());
@@ -225,6 +228,50 @@ TEST_CASE("fused syncs: a bucket over the cap, an empty one, another wire dtype 
   const auto f = fuse_syncs(many, flat_shards(std::vector<std::size_t>(12, 100)), std::vector<DType>(12, DType::f32), 1600);
   CHECK(groups_of(f) == "{0,1} {2,3} {4,5} {6,7}");
   CHECK(!f.fused(8));
+  CHECK(f.groups[3].at == 3 * 1600);
   shards.sharded = false;
   CHECK(fuse_syncs(order, shards, wire, 1 << 20).groups.empty());  // stage 0: no syncs to fuse
+}
+
+TEST_CASE("the fusion buffer: every bucket that could share a group, at most 4 caps, none when no group can form") {
+  const std::vector<DType> f32(6, DType::f32);
+  CHECK(fusion_buffer_bytes(flat_shards({100, 100, 100, 100, 100, 100}), f32, 1600) == 4800);
+  CHECK(fusion_buffer_bytes(flat_shards({100, 100, 100, 100, 100, 100}), f32, 1000) == 0);  // 800 bytes > half the cap: alone
+  CHECK(fusion_buffer_bytes(flat_shards({100, 5000, 5000, 5000, 5000, 5000}), f32, 1600) == 0);  // one could, alone
+  CHECK(fusion_buffer_bytes(flat_shards(std::vector<std::size_t>(20, 100)), std::vector<DType>(20, DType::f32), 1600) == 4 * 1600);
+  // Every group fuse_syncs forms, in any schedule, lies inside it.
+  const auto shards = flat_shards(std::vector<std::size_t>(20, 100));
+  const std::vector<DType> wire(20, DType::f32);
+  for (std::size_t lag : {0, 1, 5}) {
+    auto s = spec(20, true, false, true, lag);
+    s.sync_bytes.assign(20, 800);
+    s.fuse_bytes = 1600;
+    const auto f = fuse_syncs(collective_order(s), shards, wire, 1600);
+    CHECK(!f.groups.empty());
+    for (const auto& g : f.groups) CHECK(g.at + g.bytes(2) <= fusion_buffer_bytes(shards, wire, 1600));
+  }
+}
+
+TEST_CASE("syncs in batches: interleaved small buckets' syncs go together after the reduction their last one waits for, so they fuse") {
+  auto batched = [](std::size_t lag, std::size_t fuse, std::vector<std::size_t> bytes) {
+    auto s = spec(6, true, false, true, lag);
+    s.sync_bytes = std::move(bytes);
+    s.fuse_bytes = fuse;
+    return s;
+  };
+  const std::vector<std::size_t> small(6, 800);
+  CHECK(spelled(collective_order(batched(0, 1600, small))) == "R0 R1 S0 S1 R2 R3 S2 S3 R4 R5 S4 S5");
+  CHECK(spelled(collective_order(batched(1, 1600, small))) == "R0 R1 R2 S0 S1 R3 R4 S2 S3 R5 S4 S5");
+  CHECK(spelled(collective_order(batched(0, 0, small))) == "R0 S0 R1 S1 R2 S2 R3 S3 R4 S4 R5 S5");  // fusing off: alone
+  // A bucket too large to fuse (or 0: not flat) goes alone and ends the batch before it.
+  CHECK(spelled(collective_order(batched(0, 1600, {800, 800, 5000, 800, 0, 800}))) == "R0 R1 S0 S1 R2 S2 R3 S3 R4 S4 R5 S5");
+  // The batches are those fuse_syncs groups: each batch one group, here every sync fused.
+  const auto order = collective_order(batched(1, 1600, small));
+  CHECK(groups_of(fuse_syncs(order, flat_shards({100, 100, 100, 100, 100, 100}), std::vector<DType>(6, DType::f32), 1600)) ==
+        "{0,1} {2,3} {4,5}");
+  // Forward prefetch's early syncs batch the same way, each batch after its members' reductions.
+  auto s = batched(1, 1600, small);
+  s.sync_order = {1, 0, 3, 2, 5, 4};
+  s.interleaved_syncs = 4;
+  CHECK(spelled(collective_order(s)) == "R0 R1 R2 S1 S0 R3 R4 S3 S2 R5 S5 S4");
 }

@@ -17,6 +17,17 @@ void after_last_reduction(const ScheduleSpec& s, std::vector<ScheduledCollective
   if (s.norm) out.push_back({ScheduledCollective::norm, 0});
 }
 
+// Note [Syncs in batches]: the last sync (its index in the sync order, below `limit`) of the batch
+// that starts at the k-th.
+std::size_t batch_end(const ScheduleSpec& s, std::size_t k, std::size_t limit) {
+  if (s.fuse_bytes == 0 || s.sync_bytes.empty()) return k;
+  auto bytes = [&](std::size_t j) { return s.sync_bytes[sync_bucket(s, j)]; };
+  if (bytes(k) == 0 || bytes(k) > s.fuse_bytes) return k;
+  std::size_t total = bytes(k), e = k;
+  while (e + 1 < limit && bytes(e + 1) != 0 && total + bytes(e + 1) <= s.fuse_bytes) total += bytes(++e);
+  return e;
+}
+
 }  // namespace
 
 std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
@@ -38,8 +49,14 @@ std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
     // before R(2) when they were {2, 3, 4}. S(2) waits for bucket 2's step, the step for R(2),
     // and R(2) for S(2) to go out: every rank's comm stream stopped for good (1 run in 100 of a
     // world-3 test, whichever K the timing chose; a schedule test now covers every early set).
-    while (synced < interleaved && std::min<std::size_t>(sync_bucket(s, synced) + s.lag, B - 1) <= b)
-      out.push_back({ScheduledCollective::sync, sync_bucket(s, synced++)});
+    // A batch goes once every member's place is reached (Note [Syncs in batches]).
+    while (synced < interleaved) {
+      const std::size_t last = batch_end(s, synced, interleaved);
+      std::size_t place = 0;
+      for (std::size_t j = synced; j <= last; ++j) place = std::max<std::size_t>(place, std::min<std::size_t>(sync_bucket(s, j) + s.lag, B - 1));
+      if (place > b) break;
+      for (; synced <= last; ++synced) out.push_back({ScheduledCollective::sync, sync_bucket(s, synced)});
+    }
   }
   if (s.syncs)
     for (; synced < B; ++synced) out.push_back({ScheduledCollective::sync, sync_bucket(s, synced)});

@@ -13,6 +13,11 @@
 // The price: R(b+1) queues behind S(b), so when the link is the bottleneck it idles while bucket b
 // steps; lag 1 keeps the next reduction on the link during that step. With clipping every step
 // needs the global norm, which needs every reduction, so the syncs go after N.
+// Note [Syncs in batches]: small buckets' syncs can go out as one all-gather only when they follow
+// each other in the schedule (Note [Fused syncs]), so in the interleaved part the syncs that could
+// fuse go in batches: S(x)..S(y), as many as together fit the fuse cap, all after the reduction the
+// batch's last member waits for (R(y + lag)), e.g. lag 0 with two a batch: R0 R1 S0 S1 R2 R3 S2 S3.
+// A batch holds its first syncs back by a few small buckets' reductions, which is what fusing costs.
 // With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
 // prefetch]) interleave with the reductions, each S(x) after R(x + lag) (Note [An early sync after
 // its own reduction]), the rest follow the last reduction in forward order.
@@ -55,6 +60,10 @@ struct ScheduleSpec {
   // forward needs them in, whose first `interleaved_syncs` interleave with the reductions.
   std::vector<std::uint32_t> sync_order;
   std::size_t interleaved_syncs = ~std::size_t{0};
+  // Note [Syncs in batches]: with Config::zero.fuse_syncs_bytes (`fuse_bytes`), the bytes each
+  // bucket's sync moves (0: it cannot fuse). Empty or 0: every sync placed alone.
+  std::vector<std::size_t> sync_bytes;
+  std::size_t fuse_bytes = 0;
 };
 
 std::vector<ScheduledCollective> collective_order(const ScheduleSpec& spec);

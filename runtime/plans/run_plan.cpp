@@ -1,4 +1,5 @@
 #include "runtime/plans/run_plan.hpp"
+#include "runtime/plans/sync_fusion.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -36,6 +37,7 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   s.comm_dtype = cfg.precision.comm_dtype;
   s.optimizer = optimizer;
   s.reduce_scatter = cfg.zero.reduce_scatter;
+  s.fuse_syncs_bytes = cfg.zero.fuse_syncs_bytes;
   return s;
 }
 
@@ -222,6 +224,11 @@ RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& p
   // bucket (BucketBuffers drops a free buffer too small to reuse).
   if (caps.pooled) m.grads += pool_buffers(caps.grads_in_flight, caps.staging_in_flight) * largest;
   if (s.optimizer) m.comm_buffers += std::size_t(s.world) * 4;  // the norm exchange
+  if (s.optimizer) {  // Note [Fused syncs]: the plan's fusion buffer
+    std::vector<DType> wire;
+    for (const auto& bk : plan.buckets) wire.push_back(bk.dtype == DType::f32 ? s.comm_dtype : bk.dtype);
+    m.comm_buffers += fusion_buffer_bytes(shard, wire, s.fuse_syncs_bytes);
+  }
   return m;
 }
 

@@ -66,6 +66,7 @@ struct PlanSettings {
   DType comm_dtype = DType::f32;
   bool optimizer = true;  // the runtime steps (configure_optimizer); off: plain DDP, no shard
   bool reduce_scatter = true;  // Config::zero.reduce_scatter
+  std::size_t fuse_syncs_bytes = ZeroConfig{}.fuse_syncs_bytes;  // Note [Fused syncs]
   // Hosts the world spans (ranks in consecutive blocks per host), and whether collectives go in two
   // levels (the hierarchical backend) or the flat ring: what crosses the network (NetworkPlan).
   int hosts = 1;

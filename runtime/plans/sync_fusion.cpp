@@ -1,11 +1,29 @@
 #include "runtime/plans/sync_fusion.hpp"
 
+#include <algorithm>
+
 namespace shardflow {
 
 std::size_t SyncFusion::fused_buckets() const {
   std::size_t n = 0;
   for (const auto& g : groups) n += g.members.size();
   return n;
+}
+
+std::size_t fusable_bytes(const ShardPlan& shard, std::size_t b, DType wire, std::size_t max_bytes) {
+  const auto& bs = shard.buckets[b];
+  if (max_bytes == 0 || !shard.sharded || shard.world < 2 || !bs.flat || bs.slice == 0) return 0;
+  // At most half the cap, so that any two can share a group: a bucket that could only sync alone
+  // takes no room in the fusion buffer (bench_overlap's 16 x 256 KiB: none).
+  const std::size_t bytes = std::size_t(shard.world) * bs.slice * dtype_size(wire);
+  return bytes <= max_bytes / 2 ? bytes : 0;
+}
+
+std::size_t fusion_buffer_bytes(const ShardPlan& shard, const std::vector<DType>& wire, std::size_t max_bytes) {
+  std::size_t total = 0, n = 0;
+  for (std::size_t b = 0; b < shard.buckets.size(); ++b)
+    if (const auto bytes = fusable_bytes(shard, b, wire[b], max_bytes)) total += bytes, ++n;
+  return n < 2 ? 0 : std::min(total, kFusedGroups * max_bytes);
 }
 
 SyncFusion fuse_syncs(const std::vector<ScheduledCollective>& order, const ShardPlan& shard, const std::vector<DType>& wire,
@@ -18,6 +36,7 @@ SyncFusion fuse_syncs(const std::vector<ScheduledCollective>& order, const Shard
   std::size_t held = 0;  // the groups' buffers so far
   auto close = [&] {
     if (open.members.size() >= 2 && held + open.bytes(shard.world) <= kFusedGroups * max_bytes) {
+      open.at = held;
       held += open.bytes(shard.world);
       for (std::size_t m = 0; m < open.members.size(); ++m) {
         out.group_of[open.members[m]] = std::uint32_t(out.groups.size());
@@ -34,8 +53,8 @@ SyncFusion fuse_syncs(const std::vector<ScheduledCollective>& order, const Shard
     }
     const auto& bs = shard.buckets[e.bucket];
     const DType dt = wire[e.bucket];
-    const std::size_t bytes = std::size_t(shard.world) * bs.slice * dtype_size(dt);
-    if (!bs.flat || bs.slice == 0 || bytes > max_bytes) {  // syncs alone, and ends the run
+    const std::size_t bytes = fusable_bytes(shard, e.bucket, dt, max_bytes);
+    if (bytes == 0) {  // syncs alone, and ends the run
       close();
       continue;
     }

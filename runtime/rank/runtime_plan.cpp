@@ -210,20 +210,29 @@ void Runtime::Impl::state_window(Shard& from, std::size_t slot, std::size_t begi
   run_now(op);
 }
 
-// Note [Fused syncs]: the groups of this schedule, each with its buffer from the backend (shared
-// memory for shm, as the buckets'), handed to the shard before its actor starts. A new schedule
-// (a lag or prefetch choice, a new plan) gets new groups.
+// Note [Fused syncs]: the groups of this schedule, each in its place in the plan's fusion buffer
+// (from the backend: shared memory for shm, as the buckets'; made at the plan's first spawn, the
+// size `shardflow plan` says), handed to the shard before its actor starts. A new schedule (a lag
+// or prefetch choice) gets new groups in the same buffer.
 std::shared_ptr<const FusedSyncs> Runtime::Impl::fuse_small_syncs(const std::vector<ScheduledCollective>& schedule) {
   if (!shard || !shard->syncs()) return nullptr;
   std::vector<DType> wire;
   for (std::size_t b = 0; b < plan.buckets.size(); ++b) wire.push_back(shard->sync_dtype(b));
+  const std::size_t bytes = fusion_buffer_bytes(shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
+  if (bytes && !shard->fusion_buffer()) shard->set_fusion_buffer(allocator()(bytes), bytes);
   auto f = std::make_shared<FusedSyncs>();
   f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
   if (f->fusion.groups.empty()) {
     shard->set_fused_syncs(nullptr);
     return nullptr;
   }
-  for (const auto& g : f->fusion.groups) f->buffers.push_back(allocator()(g.bytes(world)));
+  const auto& buf = shard->fusion_buffer();
+  for (const auto& g : f->fusion.groups) {
+    if (g.at + g.bytes(world) > bytes)  // fuse_syncs keeps within kFusedGroups caps and the fusable buckets
+      throw CommError("rank " + std::to_string(rank) + ": fused sync group of bucket " + std::to_string(g.members.front()) +
+                      " does not fit the fusion buffer (" + std::to_string(bytes) + " bytes)");
+    f->buffers.emplace_back(buf, buf.get() + g.at);
+  }
   shard->set_fused_syncs(f);
   return f;
 }

@@ -272,9 +272,7 @@ std::size_t Shard::comm_bytes() const {
   std::size_t n = std::size_t(shard_.world) * 4;  // the norm exchange; syncs reuse the buckets
   for (std::size_t b = 0; b < wire_.size(); ++b)
     if (wire_[b]) n += (shard_.buckets[b].padded + shard_.buckets[b].slice) * dtype_size(comm_dtype_);
-  if (fused_)  // Note [Fused syncs]: the groups' buffers
-    for (const auto& g : fused_->fusion.groups) n += g.bytes(shard_.world);
-  return n;
+  return n + fusion_buffer_bytes_;  // Note [Fused syncs]
 }
 
 const std::vector<Shard::Floats>& Shard::slot_buffers(std::size_t slot) const {

@@ -33,7 +33,7 @@ struct OptimizerGroups {
 // the group's slice, rank by rank (Note [Fused syncs]). Made with the schedule, at every spawn.
 struct FusedSyncs {
   SyncFusion fusion;
-  std::vector<std::shared_ptr<std::byte>> buffers;  // [group]
+  std::vector<std::shared_ptr<std::byte>> buffers;  // [group]: into the plan's fusion buffer
 };
 
 class Shard {
@@ -114,6 +114,9 @@ class Shard {
   void set_fused_syncs(std::shared_ptr<const FusedSyncs> f) { fused_ = std::move(f); }
   const FusedSyncs* fused_syncs() const { return fused_.get(); }
   bool fused(std::size_t b) const { return fused_ && fused_->fusion.fused(b); }
+  // The plan's fusion buffer (fusion_buffer_bytes), made at the first spawn, kept for the plan's life.
+  const std::shared_ptr<std::byte>& fusion_buffer() const { return fusion_buffer_; }
+  void set_fusion_buffer(std::shared_ptr<std::byte> buf, std::size_t bytes) { fusion_buffer_ = std::move(buf), fusion_buffer_bytes_ = bytes; }
   void mark_done(std::size_t b);  // bucket b's parameters are final for this iteration
   // The trainer's compute stream waits for the shard's work: all of it (wait()), or what bucket b
   // needs (wait_param with forward prefetch). No-ops on the CPU.
@@ -200,6 +203,8 @@ class Shard {
   DType comm_dtype_ = DType::f32;
   std::vector<std::shared_ptr<std::byte>> wire_;
   std::shared_ptr<const FusedSyncs> fused_;
+  std::shared_ptr<std::byte> fusion_buffer_;
+  std::size_t fusion_buffer_bytes_ = 0;
   std::shared_ptr<float> norm_;
   std::int64_t steps_ = 0;
   std::vector<std::int64_t> skipped_;  // per parameter (Note [Unused parameters])
