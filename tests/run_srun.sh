@@ -16,14 +16,24 @@ pids=()
 # (a CI run once timed out here with nothing to go on).
 diagnose() {
   echo "run_srun: failed; Slurm's view (logs in $dir/log):" >&2
-  squeue -a -o '%i %T %r' >&2 2> /dev/null || true
-  sinfo -N -o '%N %t %E' >&2 2> /dev/null || true
+  timeout 10 squeue -a -o '%i %T %r' >&2 2> /dev/null || true
+  timeout 10 sinfo -N -o '%N %t %E' >&2 2> /dev/null || true
   for f in "$dir"/log/*; do echo "--- $f" >&2; tail -n 15 "$f" >&2; done
 }
+# The daemons get 5 s to stop, then SIGKILL: a slurmd stuck with a job step's processes must not
+# hold the test until ctest's timeout, which would hide the diagnosis above (two local runs on
+# 2026-11-28 ended in ctest's bare "Timeout" here; the job itself has 120 s).
 cleanup() {
   local rc=$?
   [ $rc = 0 ] || [ $rc = 77 ] || diagnose
   for p in "${pids[@]}"; do kill "$p" 2> /dev/null || true; done
+  for _ in $(seq 50); do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2> /dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -9 "$p" 2> /dev/null || true; done
   wait 2> /dev/null || true
 }
 trap cleanup EXIT

@@ -55,6 +55,7 @@ RunPlan make_plan(const PlanArgs& a) {
   if (a.last_cap_mb) s.last_cap_bytes = *a.last_cap_mb == 0.0 ? 0 : mb_to_bytes(*a.last_cap_mb, "--last-bucket-cap-mb");
   s.min_buckets = a.min_buckets;
   s.max_buckets_in_flight = a.in_flight;
+  s.fuse_syncs_bytes = a.fuse_syncs_bytes;
   s.comm_dtype = parse_dtype(a.comm_dtype);
   if (a.hosts < 1 || a.world % a.hosts != 0)
     throw UsageError("--hosts " + std::to_string(a.hosts) + " must divide --world-size " + std::to_string(a.world) +
@@ -99,6 +100,10 @@ void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {
   cmd.add_option("--momentum", args.momentum, "SGD momentum (non-zero: one state word per element)")->capture_default_str();
   cmd.add_option("--comm-dtype", args.comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients travel as")->capture_default_str();
   cmd.add_option("--max-buckets-in-flight", args.in_flight, "stage 2's gradient buckets in flight (0: the memory budget's)")
+      ->capture_default_str();
+  cmd.add_option("--fuse-syncs-bytes", args.fuse_syncs_bytes,
+                 "stages 1-2, flat: consecutive parameter syncs fused into one all-gather up to this many bytes, their buffer in the "
+                 "comm buffers (0: none)")
       ->capture_default_str();
   cmd.add_option("--hosts", args.hosts, "hosts the ranks span (as many ranks each): shows what crosses the network per step")
       ->capture_default_str();

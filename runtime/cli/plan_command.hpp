@@ -28,6 +28,7 @@ struct PlanArgs {
   float momentum = 0.0f;
   std::string comm_dtype = "fp32";
   std::size_t in_flight = 0;
+  std::size_t fuse_syncs_bytes = PlanSettings{}.fuse_syncs_bytes;  // Note [Fused syncs]
   int hosts = 1;
   std::string backend = "auto";
 };

@@ -3,6 +3,7 @@
 // with forward prefetch, the sync order and how many syncs go inside backward.
 #include "runtime/rank/runtime_impl.hpp"
 #include "runtime/overlap/overlap_state.hpp"
+#include "runtime/plans/sync_fusion.hpp"
 
 namespace shardflow {
 
@@ -22,13 +23,12 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   spec.lag = in_forward_order ? std::max<std::size_t>(1, overlap->lag.lag) : overlap->lag.lag;
   spec.sync_order = overlap->prefetch.sync_order;
   spec.interleaved_syncs = in_forward_order ? overlap->prefetch.early : spec.buckets;
-  // Note [Syncs in batches]: what each sync would move, where it could fuse (flat slices).
+  // Note [Syncs in batches]: what each sync would move where it could fuse (the buckets
+  // fuse_syncs may group), 0 where it syncs alone.
   if (spec.syncs && cfg.zero.fuse_syncs_bytes > 0) {
     spec.fuse_bytes = cfg.zero.fuse_syncs_bytes;
-    for (std::size_t b = 0; b < spec.buckets; ++b) {
-      const auto& bs = shard->shard_plan().buckets[b];
-      spec.sync_bytes.push_back(bs.flat ? std::size_t(world) * bs.slice * dtype_size(shard->sync_dtype(b)) : 0);
-    }
+    for (std::size_t b = 0; b < spec.buckets; ++b)
+      spec.sync_bytes.push_back(fusable_bytes(shard->shard_plan(), b, shard->sync_dtype(b), spec.fuse_bytes));
   }
   return collective_order(spec);
 }

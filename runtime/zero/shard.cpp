@@ -199,17 +199,16 @@ std::size_t Shard::sync_at(std::size_t b, std::size_t k, const ShardPiece& piece
     base = fused_->buffers[g].get();
     return k * group.slice + group.offset[fused_->fusion.position[b]] + (piece.bucket_off - k * s.slice);
   }
-  base = buffers_->staging(b).get();
-  return s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;
+  return s.flat ? piece.bucket_off : s.packed_start[k] + piece.packed_off;  // base: the bucket's staging
 }
 
 void Shard::pack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
   const std::size_t es = esize(b);
-  if (!fused(b)) buffers_->acquire_staging(b);
+  std::byte* const staging = fused(b) ? nullptr : buffers_->acquire_staging(b).get();
   for (const auto& piece : s.pieces[r]) {
-    std::byte* st = nullptr;
+    std::byte* st = staging;
     const std::size_t at = sync_at(b, r, piece, st);
     // fp32 storage on a 16-bit wire: the values are already 16-bit exact (step rounded them).
     ops_->cast(sync_dtype(b), st + at * dtype_size(sync_dtype(b)), plan_.buckets[b].dtype,
@@ -221,10 +220,11 @@ void Shard::pack(std::size_t b) {
 void Shard::unpack(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const std::size_t es = esize(b), ws = dtype_size(sync_dtype(b));
+  std::byte* const staging = fused(b) ? nullptr : buffers_->staging(b).get();
   for (std::size_t k = 0; k < s.pieces.size(); ++k) {
     if (int(k) == shard_.rank) continue;
     for (const auto& piece : s.pieces[k]) {
-      std::byte* st = nullptr;
+      std::byte* st = staging;
       const std::size_t at = sync_at(b, k, piece, st);
       ops_->cast(plan_.buckets[b].dtype, param_bytes(piece.param) + piece.param_off * es, sync_dtype(b), st + at * ws,
                  piece.len);

@@ -171,8 +171,8 @@ class Shard {
   std::byte* param_bytes(std::uint32_t p) const { return static_cast<std::byte*>(params_[p].data); }
   std::size_t esize(std::size_t b) const { return dtype_size(plan_.buckets[b].dtype); }
   std::byte* grad_bytes_at(std::size_t b, const ShardPiece& piece) const;
-  // Where rank k's piece of bucket b sits in what the sync moves (its staging, or its group's
-  // buffer), as a wire-dtype element offset from `base`.
+  // Where rank k's piece of bucket b sits in what the sync moves, as a wire-dtype element offset
+  // from `base`: the bucket's staging (the caller's), or its group's buffer (set here).
   std::size_t sync_at(std::size_t b, std::size_t k, const ShardPiece& piece, std::byte*& base) const;
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
   std::vector<Floats>& slot_buffers(std::size_t slot) {
