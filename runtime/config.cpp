@@ -45,6 +45,12 @@ void Config::validate() const {
     bad("zero.reduce_scatter", "= false does not work with ZeRO-2's flat partition, which keeps only the rank's shard of the "
                                "reduced gradients; use ZeRO-1 for all-reduced gradients");
   if (int(zero.overlap) < 0 || int(zero.overlap) > 2) bad("zero.overlap", "must be none, after_backward or interleaved");
+  // Note [Fused syncs]: only the flat partition's all-gathers fuse, and only stages 1 and 2 sync.
+  // A cap set for a run that has nothing to fuse would do nothing (0, turning it off, is honoured).
+  if (zero.fuse_syncs_bytes != 0 && zero.fuse_syncs_bytes != ZeroConfig{}.fuse_syncs_bytes &&
+      (zero.stage == ZeroStage::ddp || zero.partition != Partition::flat))
+    bad("zero.fuse_syncs_bytes", "= " + std::to_string(zero.fuse_syncs_bytes) + " has no syncs to fuse: only ZeRO stages 1 and 2 with " +
+                                     name_of("zero.partition") + " flat sync by all-gather (0 turns fusing off)");
   if (precision.dynamic_loss_scale) {
     if (!(precision.init_scale > 0.0f) || !std::isfinite(precision.init_scale)) bad("precision.init_scale", "must be a finite number > 0");
     if (!(precision.growth_factor > 1.0f)) bad("precision.growth_factor", "must be > 1");

@@ -227,6 +227,10 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"buckets.first_cap_bytes", [](Config& c) { c.buckets.first_cap_bytes = 0; }},
       {"zero.prefetch_syncs_in_backward", [](Config& c) { c.zero.prefetch_syncs_in_backward = -2; }},
       {"zero.interleave_lag", [](Config& c) { c.zero.interleave_lag = 65; }},
+      {"zero.fuse_syncs_bytes", [](Config& c) { c.zero.fuse_syncs_bytes = 1 << 20; }},  // stage 0: no syncs
+      {"zero.fuse_syncs_bytes", [](Config& c) {
+         c.zero.stage = ZeroStage::optimizer_state, c.zero.partition = Partition::param, c.zero.fuse_syncs_bytes = 1 << 20;
+       }},
       {"timeouts.collective", [](Config& c) { c.timeouts.collective = 0ms; }},
       {"join.uneven_inputs", [](Config& c) { c.join.uneven_inputs = c.zero.forward_prefetch = true; }},
       {"trace.path", [](Config& c) { c.trace.path = "/nonexistent/dir/trace.json"; }},
