@@ -78,16 +78,17 @@ std::optional<std::uint32_t> next_bucket(ShardActorState& s) {
   const bool allowed = s.overlap == Overlap::interleaved || (s.overlap == Overlap::after_backward && s.all_issued) || s.nreduced == B;
   const bool pooled = s.shard->buffers().pooled();
   if (!allowed || s.nstepped == B) return std::nullopt;
+  // Fused buckets from position i on (they may step past the staged window).
+  auto fused_from = [&](std::size_t i) { return (B - i) - (s.staged_before[B] - s.staged_before[i]); };
   const bool staging_full = pooled && s.staging_in_flight >= s.staging_cap;
-  if (staging_full && !s.shard->fused_syncs()) return std::nullopt;
   auto bucket_at = [&](std::size_t i) { return s.order.empty() ? std::uint32_t(i) : s.order[i]; };
   while (s.first_unstepped < B && s.stepped[bucket_at(s.first_unstepped)]) ++s.first_unstepped;
+  if (staging_full && fused_from(s.first_unstepped) == 0) return std::nullopt;
   for (std::size_t i = s.first_unstepped; i < B; ++i) {
     const auto b = bucket_at(i);
     const bool staged = !s.shard->fused(b);
-    // Past the window of staged buckets nothing else may step (a fused one may, being free).
     const bool in_window = !pooled || s.staged_before[i] < s.staged_before[std::min(s.nsynced, B)] + s.staging_cap;
-    if (staged && pooled && !in_window && !s.shard->fused_syncs()) break;
+    if (staged && !in_window && fused_from(i) == 0) break;  // nothing further may step
     if (s.reduced[b] && !s.stepped[b] && (!staged || (!staging_full && in_window))) return b;
   }
   return std::nullopt;
