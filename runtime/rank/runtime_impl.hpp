@@ -126,8 +126,10 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   BucketPlan make_plan(const std::vector<std::uint32_t>& order);
 
   // Allocates the buckets of `next`, moves the current gradients into them (a rebuild happens
-  // after a reduction, whose results the trainer is about to use) and starts its actors.
-  void install_plan(BucketPlan next, std::uint64_t first_iteration);
+  // after a reduction, whose results the trainer is about to use) and starts its actors. The
+  // optimizer state moves to the new shard too, unless `state` says a load is about to replace it.
+  enum class StateOnRebuild { migrate, loaded_next };
+  void install_plan(BucketPlan next, std::uint64_t first_iteration, StateOnRebuild state = StateOnRebuild::migrate);
 
   // Where p's gradient lives now: inside its bucket's buffer (taking one from the pool when the
   // bucket has none this iteration), or the trainer's own storage without the bucket view.
@@ -195,7 +197,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // Where a bucket's elements lie decides the order in which a ring adds them up: at world 3 and
   // more over Gloo a layout that differs for one iteration already changes the last bits.
   // Between iterations; false (nothing changed) when `order` is not one of this run's trainable
-  // parameters, each once.
+  // parameters, each once. Only before a load (resumed_step): the state is not moved over.
   bool adopt_bucket_order(const std::vector<std::uint32_t>& order);
 
   // =============================================================================================
