@@ -33,6 +33,7 @@ struct Api {
   void (*set_threads)(int) = nullptr;
   void (*dynamic_init)() = nullptr;
   void (*dynamic_quit)() = nullptr;
+  int (*thread_shutdown)() = nullptr;  // the pthread build's: joins its worker threads
   void (*sgemm)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int) = nullptr;
 };
 
@@ -48,6 +49,7 @@ Api resolve(void* lib) {
   a.set_threads = reinterpret_cast<void (*)(int)>(sym("openblas_set_num_threads"));
   a.dynamic_init = reinterpret_cast<void (*)()>(sym("gotoblas_dynamic_init"));
   a.dynamic_quit = reinterpret_cast<void (*)()>(sym("gotoblas_dynamic_quit"));
+  a.thread_shutdown = reinterpret_cast<int (*)()>(sym("blas_thread_shutdown_"));
   a.sgemm = reinterpret_cast<decltype(a.sgemm)>(sym("cblas_sgemm"));
   if (!a.corename || !a.config || !a.get_threads || !a.set_threads || !a.sgemm) return Api{};
   return a;
@@ -86,6 +88,13 @@ std::mutex choice_mu;
 // gotoblas_dynamic_init reads OPENBLAS_CORETYPE once gotoblas_dynamic_quit has forgotten the
 // first choice; both only swap the table of kernels and block sizes (the buffers are sized for any
 // kernel), so before the process's first GEMM this is what setting the variable would have done.
+// But not while OpenBLAS's worker threads start: the pthread build starts them as it loads, and
+// each one's first act is to take its buffer, which runs gotoblas_dynamic_init itself when it
+// finds no table; one that starts between our quit and init makes a second, concurrent init, and
+// the process dies in it (SIGSEGV in gotoblas_dynamic_init, 7 of 300 `shardflow doctor` runs with
+// other tests beside them; any process that links libshardflow took the same path at load). So
+// the pool is stopped first (blas_thread_shutdown_, what OpenBLAS's own fork handler calls: it
+// joins the workers), and OpenBLAS starts it again at the first GEMM that wants threads.
 void choose(const Api& a) {
   std::lock_guard<std::mutex> lock(choice_mu);
   if (!a.dynamic_init || !a.dynamic_quit) return;  // not a DYNAMIC_ARCH build: one kernel only
@@ -94,6 +103,7 @@ void choose(const Api& a) {
   const std::string picked = a.corename();
   const std::string best = best_for_cpu();
   if (!pre_avx(picked) || pre_avx(best)) return;
+  if (a.thread_shutdown) a.thread_shutdown();  // absent in the OpenMP build, whose threads start at its first call
   ::setenv("OPENBLAS_CORETYPE", best.c_str(), 1);
   a.dynamic_quit();
   a.dynamic_init();
