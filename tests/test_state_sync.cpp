@@ -3,7 +3,11 @@
 // PyTorch's DDP does at construction and with broadcast_buffers.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <vector>
 
 #include "support/helpers.hpp"
@@ -21,6 +25,8 @@ constexpr std::size_t kBuffer = 8;  // floats of "bn.running_mean"
 // each iteration next to the value its own forward computed before the broadcast.
 struct Ranks {
   std::vector<std::vector<float>> after_finalize, params, buffer_after_finalize;
+  std::vector<std::vector<std::string>> start_up;  // each rank's collectives up to its first iteration
+  std::uint64_t resumed = 0;                       // resumed_step(), with Config::snapshot.dir
   std::vector<std::vector<std::vector<float>>> buffer_each_iteration, own_buffer_each_iteration;
 };
 
@@ -37,6 +43,7 @@ Ranks train_apart(int world, Config cfg, int iterations, bool runtime_optimizer)
   out.buffer_after_finalize.resize(std::size_t(world));
   out.buffer_each_iteration.resize(std::size_t(world));
   out.own_buffer_each_iteration.resize(std::size_t(world));
+  out.start_up.resize(std::size_t(world));
   test::require_all_ok(test::run_ranks(world, [&](int r) {
     const auto R = std::size_t(r);
     std::vector<float> flat(kParams * kNumel), buffer(kBuffer);
@@ -52,6 +59,8 @@ Ranks train_apart(int world, Config cfg, int iterations, bool runtime_optimizer)
       rt.configure_optimizer(oc);
     }
     rt.finalize();
+    if (!cfg.snapshot.dir.empty()) out.resumed = rt.resumed_step();  // the same on every rank
+    out.start_up[R] = rt.collective_log();
     out.after_finalize[R] = flat;
     out.buffer_after_finalize[R] = buffer;
     for (int it = 0; it < iterations; ++it) {
@@ -100,6 +109,46 @@ TEST_CASE("world 3, every rank initialised apart: after registration every param
     }
     CHECK(run.buffer_after_finalize[0][0] == 10.0f);  // rank 0's own value, not another rank's
   }
+}
+
+TEST_CASE("with snapshots the broadcast waits for resumed_step(): a fresh start gets rank 0's parameters, buffer and fp32 masters there "
+          "(ends bit for bit where a run without snapshots ends), and a resumed one takes the snapshot's parameters without broadcasting them") {
+  const auto dir = (std::filesystem::temp_directory_path() / ("shardflow_state_sync_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  // bf16 on the wire: the owners step fp32 masters (Note [Master weights]), made at
+  // configure_optimizer from each rank's own parameters, so they must be made again after the sync.
+  Config plain = at_stage(1);
+  plain.precision.comm_dtype = DType::bf16;
+  Config snapshots = plain;
+  snapshots.snapshot.dir = dir;
+  snapshots.snapshot.every = 2;
+  const auto want = train_apart(3, plain, 4, true);
+  const auto fresh = train_apart(3, snapshots, 4, true);
+  CHECK(fresh.resumed == 0);
+  const auto broadcasts = [](const std::vector<std::string>& log) {
+    return std::count_if(log.begin(), log.end(), [](const std::string& c) { return c.find("initial sync: parameter") != std::string::npos; });
+  };
+  for (std::size_t r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(fresh.after_finalize[r] == want.after_finalize[0]);
+    CHECK(fresh.buffer_after_finalize[r] == want.buffer_after_finalize[0]);
+    CHECK(fresh.params[r] == want.params[r]);
+    CHECK(broadcasts(fresh.start_up[r]) == kParams);
+  }
+  // Again from the newest complete snapshot, the ranks' own values apart as before: the same
+  // parameters on every rank (the snapshot's, not rank 0's start), and only the buffer broadcast.
+  const auto resumed = train_apart(3, snapshots, 0, true);
+  CHECK(resumed.resumed >= 2);
+  for (std::size_t r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(resumed.after_finalize[r] == resumed.after_finalize[0]);
+    CHECK(resumed.after_finalize[r] != want.after_finalize[0]);
+    CHECK(resumed.buffer_after_finalize[r] == want.buffer_after_finalize[0]);
+    CHECK(broadcasts(resumed.start_up[r]) == 0);
+    CHECK(std::count_if(resumed.start_up[r].begin(), resumed.start_up[r].end(),
+                        [](const std::string& c) { return c.find("initial sync: buffer") != std::string::npos; }) == 1);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("Config::sync.initial off: the ranks keep what they built, and at stage 0 they train apart (what the default prevents)") {

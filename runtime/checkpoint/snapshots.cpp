@@ -215,9 +215,11 @@ std::uint64_t Runtime::resumed_step() {
   I.throw_if_failed();
   if (I.in_pass() || I.iterations > 0)
     throw UsageError("resumed_step() on rank " + std::to_string(I.rank) + " after training started: call it once before the first forward");
-  I.persistence->snapshots.resumed = true;
   const auto& dir = I.cfg.snapshot.dir;
-  if (dir.empty()) return 0;
+  if (dir.empty()) {
+    I.persistence->snapshots.resumed = true;
+    return 0;
+  }
   if (!I.groups)
     throw UsageError("resumed_step() on rank " + std::to_string(I.rank) + ": " + I.cfg.name_of("snapshot.dir") +
                      " snapshots the runtime's optimizer state, and this Runtime has no optimizer yet: call configure_optimizer "
@@ -225,6 +227,9 @@ std::uint64_t Runtime::resumed_step() {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw UsageError(I.cfg.name_of("snapshot.dir") + " '" + dir + "' cannot be created on rank " + std::to_string(I.rank) + ": " + ec.message());
+  // Only now: a call refused above leaves the first backward refused too (check_resumed), so the
+  // start-up broadcast left to this call (Note [Rank 0's state everywhere]) is never skipped.
+  I.persistence->snapshots.resumed = true;
   // The ranks decide together (Note [Snapshots in memory]): rank 0 names the newest complete
   // snapshot on disk and the newest whole one in its host's memory; every rank says whether its
   // host has room for memory snapshots and holds that one whole; the memory is used only if every
@@ -271,10 +276,14 @@ std::uint64_t Runtime::resumed_step() {
                 "resuming from the disk's newest instead", in_memory, int(missing[1]));
   const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
   const std::uint64_t step = from_memory ? in_memory : on_disk;
-  if (step == 0) return 0;
+  if (step == 0) {
+    I.finish_initial_sync(false);
+    return 0;
+  }
   const std::string from = snapshot_dir(from_memory ? I.persistence->snapshots.memory_dir : dir, step);
   I.adopt_saved_buckets(from);
   load_checkpoint(from);
+  I.finish_initial_sync(true);
   I.persistence->snapshots.base = step;
   I.log->info("resumed from the snapshot of step {} {} ({})", step, from_memory ? "in memory" : "on disk", from);
   return step;

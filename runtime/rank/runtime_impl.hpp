@@ -218,6 +218,10 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // The start-up broadcast of parameters and buffers (in finalize, before the buckets exist), and
   // the buffers' broadcast each iteration.
   void sync_initial_state();
+  // resumed_step(), with the ranks' choice made: what finalize() left (nothing when it left
+  // nothing). `loaded`: the parameters came from a snapshot, the same on every rank.
+  void finish_initial_sync(bool loaded);
+  void sync_initial_buffers();
   void broadcast_params(int root, const char* what);  // every parameter from `root`, on this thread
   bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)

@@ -78,6 +78,7 @@ struct CommHookState {
 // stream when backward ends so that their broadcast reads what backward left.
 struct StateSyncState {
   std::shared_ptr<void> buffers_event;
+  bool initial_deferred = false;  // finalize() left the start-up broadcast to resumed_step()
 };
 
 // All of the folder's state. Runtime::Impl holds it through a pointer (`semantics`, made by

@@ -5,6 +5,15 @@
 // every parameter and registered buffer from rank 0 before the buckets are built (the fp32 masters
 // and the optimizer state are made from the synced values). Config::sync.initial turns it off for
 // trainers that guarantee equal starts themselves.
+// With snapshots (Config::snapshot.dir) the broadcast waits for resumed_step(), which such a
+// trainer must call before its first backward (or it is refused, naming it): a run that resumes
+// gets its parameters from the snapshot, the same files on every rank, so broadcasting them first
+// was wasted time, and on the link: every restart, every in-place recovery and every node that
+// joins paid it (0.56 s of a join's pause at 64 MiB of parameters over 1 Gbit/s, bench/RESULTS.md
+// "A node joins live"). A fresh start (step 0) broadcasts there instead, and the shard's fp32
+// masters, made from this rank's own parameters at configure_optimizer(), are made again from the
+// synced ones. Buffers, which snapshots do not hold, are broadcast either way. So between
+// finalize() and resumed_step() each rank's parameters are still its own.
 // Buffers (running statistics, counters) get no gradient, but forward updates them on each rank
 // from its own batch. With Config::sync.buffers every synchronised iteration broadcasts them from
 // rank 0, as DDP's broadcast_buffers does before each forward: here it is an entry of the
@@ -51,7 +60,24 @@ void Runtime::Impl::broadcast_params(int root, const char* what) {
 
 void Runtime::Impl::sync_initial_state() {
   if (world == 1 || !cfg.sync.initial) return;
+  if (!cfg.snapshot.dir.empty()) {
+    semantics->state_sync.initial_deferred = true;
+    return;
+  }
   broadcast_params(0, "initial sync");
+  sync_initial_buffers();
+}
+
+void Runtime::Impl::finish_initial_sync(bool loaded) {
+  if (!std::exchange(semantics->state_sync.initial_deferred, false)) return;
+  if (!loaded) {
+    broadcast_params(0, "initial sync");
+    if (shard) shard->masters_from_params();
+  }
+  sync_initial_buffers();
+}
+
+void Runtime::Impl::sync_initial_buffers() {
   for (const auto& b : registry.buffers()) {
     if (b.bytes == 0) continue;
     auto op = buffer_broadcast(b);

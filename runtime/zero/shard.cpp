@@ -51,11 +51,8 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     wire_.push_back(plan_.buckets[b].dtype == DType::f32 && comm_dtype_ != DType::f32
                         ? ops_->alloc((s.padded + s.slice) * dtype_size(comm_dtype_))
                         : nullptr);
-    if (!master_.back().empty() && !migrating)
-      for (const auto& piece : s.pieces[r])
-        ops_->cast(DType::f32, master_.back().data() + piece.packed_off, plan_.buckets[b].dtype,
-                   param_bytes(piece.param) + piece.param_off * esize(b), piece.len);
   }
+  if (!migrating) masters_from_params();
   if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
     throw UsageError("optimizer: step rule '" + groups_->groups.front().rule->name() + "' runs on the host; device shards step with SGD or Adam(W)");
   if (cfg.precision.dynamic_loss_scale) {
@@ -66,6 +63,15 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
   }
   auto norm = ops_->alloc(std::size_t(shard_.world) * sizeof(float));
   norm_ = std::shared_ptr<float>(norm, reinterpret_cast<float*>(norm.get()));
+}
+
+void Shard::masters_from_params() {
+  const std::size_t r = std::size_t(shard_.rank);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+    if (!master_[b].empty())
+      for (const auto& piece : shard_.buckets[b].pieces[r])
+        ops_->cast(DType::f32, master_[b].data() + piece.packed_off, plan_.buckets[b].dtype,
+                   param_bytes(piece.param) + piece.param_off * esize(b), piece.len);
 }
 
 Shard::Floats Shard::floats(std::size_t n) { return Floats{n ? ops_->alloc(n * sizeof(float)) : nullptr, n}; }

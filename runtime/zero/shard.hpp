@@ -135,6 +135,9 @@ class Shard {
   // which a new partition imports its pieces (Note [State migration] in runtime.cpp).
   std::size_t state_slots() const;      // 0 (plain SGD), 1 (momentum), 2 (Adam)
   std::size_t migrate_slots() const;    // state slots, plus the fp32 master weights of 16-bit params
+  // The owned fp32 masters made from the parameters as they are now (a new shard's are; again
+  // after the start-up broadcast, when resumed_step() made it: Note [Rank 0's state everywhere]).
+  void masters_from_params();
   // Elements [begin, begin + out.size()) of slot `slot` in parameter coordinates (a window, so a
   // migration needs no full-size copy of the state).
   void export_state(std::size_t slot, std::size_t begin, std::vector<float>& out) const { export_state(slot, begin, out.data(), out.size()); }

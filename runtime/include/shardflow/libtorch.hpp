@@ -78,7 +78,8 @@ class DataParallel {
  public:
   // Registers `module`'s parameters (named_parameters order: registration order, the forward order
   // of the usual Module) and buffers, broadcasts rank 0's values of both to every rank
-  // (Config::sync.initial) and builds the buckets: a collective, every rank constructs one. CPU or
+  // (Config::sync.initial; with snapshots, the parameters at resumed_step() instead: a resumed run
+  // takes them from the snapshot) and builds the buckets: a collective, every rank constructs one. CPU or
   // CUDA tensors, all on one device (Note [CUDA modules]), contiguous, float32 / float16 /
   // bfloat16; anything else is a UsageError naming the parameter. `module` must outlive this object.
   DataParallel(torch::nn::Module& module, std::shared_ptr<Communicator> comm, Options options = {})

@@ -79,6 +79,8 @@ class Runtime {
   void configure_optimizer(const OptimizerConfig& all) { configure_optimizer({ParamGroup{{}, all}}); }
   // Ends registration: every rank registered the same parameters and buffers (MismatchError naming
   // the first difference), rank 0's values everywhere (Config::sync.initial), the buckets built.
+  // With Config::snapshot.dir the parameters' broadcast waits for resumed_step(): a run that
+  // resumes takes them from the snapshot (Note [Rank 0's state everywhere]).
   // A collective; zero_grad(), grad() and grad_ready() call it when needed.
   void finalize();
 
