@@ -216,20 +216,19 @@ std::uint64_t Runtime::resumed_step() {
   if (I.in_pass() || I.iterations > 0)
     throw UsageError("resumed_step() on rank " + std::to_string(I.rank) + " after training started: call it once before the first forward");
   const auto& dir = I.cfg.snapshot.dir;
-  if (dir.empty()) {
-    I.persistence->snapshots.resumed = true;
-    return 0;
+  if (!dir.empty()) {
+    if (!I.groups)
+      throw UsageError("resumed_step() on rank " + std::to_string(I.rank) + ": " + I.cfg.name_of("snapshot.dir") +
+                       " snapshots the runtime's optimizer state, and this Runtime has no optimizer yet: call configure_optimizer "
+                       "first (a trainer that steps its own optimizer keeps its own checkpoints)");
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw UsageError(I.cfg.name_of("snapshot.dir") + " '" + dir + "' cannot be created on rank " + std::to_string(I.rank) + ": " + ec.message());
   }
-  if (!I.groups)
-    throw UsageError("resumed_step() on rank " + std::to_string(I.rank) + ": " + I.cfg.name_of("snapshot.dir") +
-                     " snapshots the runtime's optimizer state, and this Runtime has no optimizer yet: call configure_optimizer "
-                     "first (a trainer that steps its own optimizer keeps its own checkpoints)");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw UsageError(I.cfg.name_of("snapshot.dir") + " '" + dir + "' cannot be created on rank " + std::to_string(I.rank) + ": " + ec.message());
-  // Only now: a call refused above leaves the first backward refused too (check_resumed), so the
-  // start-up broadcast left to this call (Note [Rank 0's state everywhere]) is never skipped.
+  // Only past the refusals: a refused call leaves the first backward refused too (check_resumed),
+  // so the start-up broadcast left to this call (Note [Rank 0's state everywhere]) is never skipped.
   I.persistence->snapshots.resumed = true;
+  if (dir.empty()) return 0;
   // The ranks decide together (Note [Snapshots in memory]): rank 0 names the newest complete
   // snapshot on disk and the newest whole one in its host's memory; every rank says whether its
   // host has room for memory snapshots and holds that one whole; the memory is used only if every

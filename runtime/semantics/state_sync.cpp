@@ -60,12 +60,8 @@ void Runtime::Impl::broadcast_params(int root, const char* what) {
 
 void Runtime::Impl::sync_initial_state() {
   if (world == 1 || !cfg.sync.initial) return;
-  if (!cfg.snapshot.dir.empty()) {
-    semantics->state_sync.initial_deferred = true;
-    return;
-  }
-  broadcast_params(0, "initial sync");
-  sync_initial_buffers();
+  semantics->state_sync.initial_deferred = true;
+  if (cfg.snapshot.dir.empty()) finish_initial_sync(false);  // no resumed_step() to wait for
 }
 
 void Runtime::Impl::finish_initial_sync(bool loaded) {
