@@ -26,7 +26,7 @@ constexpr std::size_t kBuffer = 8;  // floats of "bn.running_mean"
 struct Ranks {
   std::vector<std::vector<float>> after_finalize, params, buffer_after_finalize;
   std::vector<std::vector<std::string>> start_up;  // each rank's collectives up to its first iteration
-  std::uint64_t resumed = 0;                       // resumed_step(), with Config::snapshot.dir
+  std::vector<std::uint64_t> resumed;              // each rank's resumed_step(), with Config::snapshot.dir
   std::vector<std::vector<std::vector<float>>> buffer_each_iteration, own_buffer_each_iteration;
 };
 
@@ -44,6 +44,7 @@ Ranks train_apart(int world, Config cfg, int iterations, bool runtime_optimizer)
   out.buffer_each_iteration.resize(std::size_t(world));
   out.own_buffer_each_iteration.resize(std::size_t(world));
   out.start_up.resize(std::size_t(world));
+  out.resumed.resize(std::size_t(world));
   test::require_all_ok(test::run_ranks(world, [&](int r) {
     const auto R = std::size_t(r);
     std::vector<float> flat(kParams * kNumel), buffer(kBuffer);
@@ -59,7 +60,7 @@ Ranks train_apart(int world, Config cfg, int iterations, bool runtime_optimizer)
       rt.configure_optimizer(oc);
     }
     rt.finalize();
-    if (!cfg.snapshot.dir.empty()) out.resumed = rt.resumed_step();  // the same on every rank
+    if (!cfg.snapshot.dir.empty()) out.resumed[R] = rt.resumed_step();
     out.start_up[R] = rt.collective_log();
     out.after_finalize[R] = flat;
     out.buffer_after_finalize[R] = buffer;
@@ -124,7 +125,7 @@ TEST_CASE("with snapshots the broadcast waits for resumed_step(): a fresh start 
   snapshots.snapshot.every = 2;
   const auto want = train_apart(3, plain, 4, true);
   const auto fresh = train_apart(3, snapshots, 4, true);
-  CHECK(fresh.resumed == 0);
+  CHECK(fresh.resumed == std::vector<std::uint64_t>(3, 0));
   const auto broadcasts = [](const std::vector<std::string>& log) {
     return std::count_if(log.begin(), log.end(), [](const std::string& c) { return c.find("initial sync: parameter") != std::string::npos; });
   };
@@ -138,9 +139,10 @@ TEST_CASE("with snapshots the broadcast waits for resumed_step(): a fresh start 
   // Again from the newest complete snapshot, the ranks' own values apart as before: the same
   // parameters on every rank (the snapshot's, not rank 0's start), and only the buffer broadcast.
   const auto resumed = train_apart(3, snapshots, 0, true);
-  CHECK(resumed.resumed >= 2);
+  CHECK(resumed.resumed[0] >= 2);
   for (std::size_t r = 0; r < 3; ++r) {
     CAPTURE(r);
+    CHECK(resumed.resumed[r] == resumed.resumed[0]);
     CHECK(resumed.after_finalize[r] == resumed.after_finalize[0]);
     CHECK(resumed.after_finalize[r] != want.after_finalize[0]);
     CHECK(resumed.buffer_after_finalize[r] == want.buffer_after_finalize[0]);
