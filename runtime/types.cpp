@@ -48,6 +48,7 @@ const char* collective_name(CollectiveKind k) {
     case CollectiveKind::allgather: return "allgather";
     case CollectiveKind::broadcast: return "broadcast";
     case CollectiveKind::barrier: return "barrier";
+    case CollectiveKind::shift: return "shift";
   }
   return "?";
 }

@@ -161,6 +161,61 @@ TEST_CASE("broadcast: every rank receives the root's buffer, for every root") {
   }
 }
 
+// Note [Shift]: what a mirrored shard's twin takes from its owner.
+TEST_CASE("shift: rank r receives rank (r - distance) mod world's block, for every distance (negative, zero, past the world) at worlds 1-5") {
+  for (int n = 1; n <= 5; ++n) {
+    auto world = InProcessWorld::create(n, 30s);
+    for (int distance = -n - 1; distance <= n + 1; ++distance) {
+      CAPTURE(n);
+      CAPTURE(distance);
+      const std::size_t count = 999;
+      std::vector<std::vector<float>> in(static_cast<std::size_t>(n), std::vector<float>(count));
+      std::vector<std::vector<float>> out(static_cast<std::size_t>(n), std::vector<float>(count, -1.0f));
+      test::require_all_ok(test::run_ranks(n, [&](int r) {
+        for (std::size_t i = 0; i < count; ++i) in[std::size_t(r)][i] = value(r, i);
+        auto op = make(CollectiveKind::shift, in[std::size_t(r)].data(), out[std::size_t(r)].data(), count);
+        op.distance = distance;
+        world->communicator(r)->run(op, 30s);
+      }));
+      std::size_t bad = 0;
+      for (int r = 0; r < n; ++r) {
+        const int from = ((r - distance) % n + n) % n;
+        for (std::size_t i = 0; i < count; ++i) bad += out[std::size_t(r)][i] != value(from, i);
+      }
+      CHECK(bad == 0);
+    }
+  }
+}
+
+TEST_CASE("shift: one buffer as send and recv is refused on every rank, naming the op, and ranks shifting by different distances fail with a MismatchError naming both") {
+  const int n = 3;
+  {
+    auto world = InProcessWorld::create(n, 30s);
+    std::vector<std::vector<float>> bufs(n, std::vector<float>(10));
+    auto errors = test::run_ranks(n, [&](int r) {
+      auto op = make(CollectiveKind::shift, bufs[std::size_t(r)].data(), bufs[std::size_t(r)].data(), 10);
+      op.distance = 1;
+      op.tag = "mirror bucket 4";
+      world->communicator(r)->run(op, 30s);
+    });
+    // The rank that refused first names the op; the others fail at once with its reason, not at the timeout.
+    for (int r = 0; r < n; ++r) CHECK(test::message_of(errors[std::size_t(r)]).find("shift 'mirror bucket 4' has one buffer as its send and its recv") != std::string::npos);
+  }
+  auto world = InProcessWorld::create(n, 30s);
+  std::vector<std::vector<float>> in(n, std::vector<float>(10)), out(n, std::vector<float>(10));
+  auto errors = test::run_ranks(n, [&](int r) {
+    auto op = make(CollectiveKind::shift, in[std::size_t(r)].data(), out[std::size_t(r)].data(), 10);
+    op.distance = r == 2 ? 2 : 1;
+    world->communicator(r)->run(op, 30s);
+  });
+  for (int r = 0; r < n; ++r) {
+    REQUIRE(test::is<MismatchError>(errors[std::size_t(r)]));
+    const std::string msg = test::message_of(errors[std::size_t(r)]);
+    CHECK(msg.find("shift of 10 fp32 by 1 rank(s)") != std::string::npos);
+    CHECK(msg.find("rank 2 issued shift of 10 fp32 by 2 rank(s)") != std::string::npos);
+  }
+}
+
 TEST_CASE("bf16 and fp16 allreduce accumulate in fp32 and round once") {
   using namespace shardflow::kernels;
   const int n = 4;

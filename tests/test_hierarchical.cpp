@@ -79,7 +79,7 @@ mlp::TrainOptions small_mlp(int stage, Overlap overlap, int steps) {
 
 }  // namespace
 
-TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or not: every collective gives what the flat world gives (exact sums of small integers)") {
+TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or not: every collective gives what the flat world gives (exact sums of small integers), a shift moves by whole hosts") {
   for (auto [hosts, local] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}})
   for (bool lanes : {true, false}) {
     CAPTURE(hosts);
@@ -113,6 +113,24 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or
       comm.run(make(CollectiveKind::broadcast, from.data(), to.data(), 5, 1.0f, W - 1), 20s);
       for (float v : to) b += v != float(W - 1);
       comm.run(make(CollectiveKind::barrier, nullptr, nullptr, 0), 20s);
+      // shift by one host (Note [Shift]): rank r's block from the same local index a host back,
+      // and by two hosts the other way; a shift by less than a host is refused by name
+      for (const int hops : {1, -2}) {
+        std::vector<float> in(4, float(r)), out(4, -1.0f);
+        auto op = make(CollectiveKind::shift, in.data(), out.data(), 4);
+        op.distance = hops * local;
+        comm.run(op, 20s);
+        for (float v : out) b += v != float(((r - hops * local) % W + W) % W);
+      }
+      std::vector<float> in(4), out(4);
+      auto op = make(CollectiveKind::shift, in.data(), out.data(), 4);
+      op.distance = 1;
+      try {
+        comm.run(op, 20s);
+        ++b;
+      } catch (const UsageError& e) {
+        b += std::string(e.what()).find("a shift moves by whole hosts, a multiple of " + std::to_string(local)) == std::string::npos;
+      }
     }, lanes);
     for (int r = 0; r < W; ++r) CHECK(bad[std::size_t(r)] == 0);
   }

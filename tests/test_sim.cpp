@@ -29,7 +29,7 @@ double process_cpu_ms() {
 
 }  // namespace
 
-TEST_CASE("the alpha-beta model: ring all-reduce, reduce-scatter, all-gather, pipelined broadcast") {
+TEST_CASE("the alpha-beta model: ring all-reduce, reduce-scatter, all-gather, pipelined broadcast, shift") {
   SimLink link{10.0, 2.0, 0};  // 10 us, 2 GB/s
   const std::size_t MB = 1000000;
   // 2(N-1)(alpha + bytes/(N beta)) at N = 4: 6 * (10 us + 250000 B / 2 B/ns) = 6 * 135 us
@@ -38,6 +38,7 @@ TEST_CASE("the alpha-beta model: ring all-reduce, reduce-scatter, all-gather, pi
   CHECK(link.cost(CollectiveKind::allgather, MB, 4) == nanoseconds(3 * 135000));
   CHECK(link.cost(CollectiveKind::broadcast, MB, 4) == nanoseconds(3 * 10000 + 500000));
   CHECK(link.cost(CollectiveKind::barrier, 0, 4) == nanoseconds(6 * 10000));
+  CHECK(link.cost(CollectiveKind::shift, MB, 4) == nanoseconds(10000 + 500000));  // each rank's block once, side by side
   CHECK(link.cost(CollectiveKind::allreduce, MB, 1) == nanoseconds(0));  // nobody to talk to
   link.sim_world = 64;  // projection: the real world is ignored
   CHECK(link.cost(CollectiveKind::allreduce, 64 * MB, 2) == nanoseconds(std::int64_t(2 * 63 * (10000 + 500000))));

@@ -11,12 +11,23 @@ std::size_t collective_bytes(const CollectiveOp& op, int world) {
   return op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::allgather ? b * std::size_t(world) : b;
 }
 
+int shift_source(int rank, int world, int distance) {
+  const int d = distance % world;
+  return ((rank - d) % world + world) % world;
+}
+
+void check_shift(const CollectiveOp& op, const std::string& who) {
+  if (op.kind == CollectiveKind::shift && op.count && op.send == op.recv)
+    throw UsageError(who + ": shift '" + op.tag + "' has one buffer as its send and its recv; a shift is not in place (Note [Shift])");
+}
+
 std::size_t wire_bytes(const CollectiveOp& op, int world) {
   const auto W = std::size_t(world);
   const std::size_t full = collective_bytes(op, world);
   switch (op.kind) {
     case CollectiveKind::allreduce: return 2 * full * (W - 1) / W;
     case CollectiveKind::barrier: return 0;
+    case CollectiveKind::shift: return op.distance % world == 0 ? 0 : full;
     default: return full * (W - 1) / W;
   }
 }

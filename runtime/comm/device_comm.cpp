@@ -114,6 +114,7 @@ void DeviceComm::run_one(CollectiveOp& op, CollectiveDone& done) {
   if (op.kind == CollectiveKind::broadcast && (op.root < 0 || op.root >= world_))
     throw UsageError(who() + ": " + what + ": broadcast root " + std::to_string(op.root) + " is not a rank of world " +
                      std::to_string(world_));
+  check_shift(op, who());
   if (op.wait_event) cuda::stream_wait_event(stream_, op.wait_event);
 
   // Host buffers (set-up checks, the rebuild order) go through device scratch: in through the

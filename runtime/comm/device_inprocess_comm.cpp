@@ -122,6 +122,9 @@ class DeviceWorld {
         if (rank != op.root) cuda::memcpy_async(op.recv, peer_op(op.root).send, op.count * es, stream);
         else if (op.recv != op.send) cuda::memcpy_async(op.recv, op.send, op.count * es, stream);
         break;
+      case CollectiveKind::shift:
+        if (op.count) cuda::memcpy_async(op.recv, peer_op(shift_source(rank, n_, op.distance)).send, op.count * es, stream);
+        break;
     }
     cuda::event_record(mine.out, stream);
     sync();

@@ -145,6 +145,10 @@ class GlooComm final : public Communicator {
         case CollectiveKind::allgather:
           ring_->allgather(op.send, op.recv, op.count, op.dtype, tag);
           return;
+        case CollectiveKind::shift:
+          check_shift(op, "gloo rank " + std::to_string(rank_));
+          ring_->shift(op.send, op.recv, op.count, op.dtype, op.distance, tag);
+          return;
         case CollectiveKind::broadcast: {
           if (op.count == 0) return;
           gloo::BroadcastOptions o(context_);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/cpu/elementwise.hpp"
+#include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -17,6 +18,7 @@ namespace {
 // of them, so a reduce-scatter and a Gloo collective with the same tag never match each other.
 constexpr std::uint8_t kReduceScatterSlotPrefix = 0x40;
 constexpr std::uint8_t kRingAllgatherSlotPrefix = 0x41;
+constexpr std::uint8_t kShiftSlotPrefix = 0x42;
 
 // A block cut into segments of GlooRing::kSegmentBytes (the last one shorter).
 struct Segments {
@@ -36,16 +38,15 @@ std::size_t ring_block(int k, int world) { return std::size_t(((k % world) + wor
 GlooRing::GlooRing(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout)
     : context_(std::move(context)), timeout_(timeout), rank_(context_->rank), world_(context_->size) {}
 
-void GlooRing::wait_recv(gloo::transport::UnboundBuffer& b, const char* op, const char* what) {
+void GlooRing::wait_recv(gloo::transport::UnboundBuffer& b, const char* op, const char* what, int from) {
   if (!b.waitRecv(timeout_))
     throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": receiving " + what + " from rank " +
-                    std::to_string((rank_ + world_ - 1) % world_) + " was aborted");
+                    std::to_string(from) + " was aborted");
 }
 
-void GlooRing::wait_send(gloo::transport::UnboundBuffer& b, const char* op) {
+void GlooRing::wait_send(gloo::transport::UnboundBuffer& b, const char* op, int to) {
   if (!b.waitSend(timeout_))
-    throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": a send to rank " + std::to_string((rank_ + 1) % world_) +
-                    " was aborted");
+    throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": a send to rank " + std::to_string(to) + " was aborted");
 }
 
 void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag) {
@@ -80,7 +81,7 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
     const bool last = s == steps - 1;
     const std::byte* mine = local + ring_block(rank_ - 2 - s, world_) * block;  // the last step: block rank
     for (std::size_t k = 0; k < seg.count; ++k) {
-      wait_recv(*partial, "reduce-scatter", "a partial sum");
+      wait_recv(*partial, "reduce-scatter", "a partial sum", left);
       const std::size_t off = seg.offset(k), n = seg.bytes(k) / es;
       const void* srcs[2] = {base + off, mine + off};
       if (last) {
@@ -92,8 +93,8 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
       }
     }
   }
-  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*in, "reduce-scatter");
-  for (; sent > 0; --sent) wait_send(*partial, "reduce-scatter");
+  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*in, "reduce-scatter", right);
+  for (; sent > 0; --sent) wait_send(*partial, "reduce-scatter", right);
 }
 
 void GlooRing::allgather(const void* send, void* recv, std::size_t count, DType dtype, std::uint32_t tag) {
@@ -115,13 +116,33 @@ void GlooRing::allgather(const void* send, void* recv, std::size_t count, DType 
   for (std::size_t k = 0; k < seg.count; ++k, ++sent) buf->send(right, slot, std::size_t(rank_) * block + seg.offset(k), seg.bytes(k));
   for (int s = 0; s < world_ - 1; ++s)
     for (std::size_t k = 0; k < seg.count; ++k) {
-      wait_recv(*buf, "all-gather", "a block");
+      wait_recv(*buf, "all-gather", "a block", left);
       if (s + 1 < world_ - 1) {  // pass it on as it arrives
         buf->send(right, slot, ring_block(rank_ - 1 - s, world_) * block + seg.offset(k), seg.bytes(k));
         ++sent;
       }
     }
-  for (; sent > 0; --sent) wait_send(*buf, "all-gather");
+  for (; sent > 0; --sent) wait_send(*buf, "all-gather", right);
+}
+
+void GlooRing::shift(const void* send, void* recv, std::size_t count, DType dtype, int distance, std::uint32_t tag) {
+  const std::size_t bytes = count * dtype_size(dtype);
+  const int to = (rank_ + distance % world_ + world_) % world_, from = shift_source(rank_, world_, distance);
+  if (count == 0) return;
+  if (to == rank_) {
+    std::memcpy(recv, send, bytes);
+    return;
+  }
+  const auto slot = gloo::Slot::build(kShiftSlotPrefix, tag);
+  // The receive posted before the send, for the reason reduce_scatter's are; one buffer each, so
+  // that the send and the receive never share memory Gloo's threads touch.
+  auto in = context_->createUnboundBuffer(recv, bytes);
+  auto out = context_->createUnboundBuffer(const_cast<void*>(send), bytes);
+  const Segments seg(count, dtype_size(dtype));
+  for (std::size_t k = 0; k < seg.count; ++k) in->recv(from, slot, seg.offset(k), seg.bytes(k));
+  for (std::size_t k = 0; k < seg.count; ++k) out->send(to, slot, seg.offset(k), seg.bytes(k));
+  for (std::size_t k = 0; k < seg.count; ++k) wait_recv(*in, "shift", "a block", from);
+  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*out, "shift", to);
 }
 
 }  // namespace shardflow

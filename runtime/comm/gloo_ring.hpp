@@ -39,14 +39,16 @@ class GlooRing {
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag);
   // Block rank of recv (world blocks of count) from every rank's send (in place when send is that block).
   void allgather(const void* send, void* recv, std::size_t count, DType dtype, std::uint32_t tag);
+  // Note [Shift]: send to rank + distance, recv from rank - distance, both in segments.
+  void shift(const void* send, void* recv, std::size_t count, DType dtype, int distance, std::uint32_t tag);
 
   // Bytes per segment: large enough that a segment's latency is small next to its transfer, small
   // enough that a step's first segment goes on before its block has arrived whole.
   static constexpr std::size_t kSegmentBytes = std::size_t{256} << 10;
 
  private:
-  void wait_recv(gloo::transport::UnboundBuffer& b, const char* op, const char* what);
-  void wait_send(gloo::transport::UnboundBuffer& b, const char* op);
+  void wait_recv(gloo::transport::UnboundBuffer& b, const char* op, const char* what, int from);
+  void wait_send(gloo::transport::UnboundBuffer& b, const char* op, int to);
 
   std::shared_ptr<gloo::Context> context_;
   std::chrono::milliseconds timeout_;

@@ -275,6 +275,18 @@ class HierarchicalComm final : public Communicator {
         st.back().op.root = root_host;
         return;
       }
+      case CollectiveKind::shift: {
+        // Rank (h, l)'s block to (h + distance / L, l): one shift of the hosts on lane l. A
+        // distance L does not divide would carry some ranks' blocks one host further than
+        // others', which no uniform stage of either level moves.
+        check_shift(op, "hierarchical rank " + std::to_string(rank()));
+        if (op.distance % L_ != 0)
+          throw UsageError("shift '" + op.tag + "' by " + std::to_string(op.distance) + " rank(s): over two levels (" +
+                           std::to_string(L_) + " ranks a host) a shift moves by whole hosts, a multiple of " + std::to_string(L_));
+        st.push_back({between_hosts, sub(job, CollectiveKind::shift, op.send, op.recv, op.count, 1.0f, "between hosts"), {}});
+        st.back().op.distance = op.distance / L_;
+        return;
+      }
       case CollectiveKind::barrier:
         for (Lane l : {in_host, between_hosts, out_host})
           st.push_back({l, sub(job, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, l == between_hosts ? "between hosts" : "inside the host"), {}});

@@ -56,6 +56,7 @@ class World {
       // Counted from before the entry barrier: a peer past it reads every slot at once, and a rank
       // that failed must not go on to write its slot of a later op under that read.
       const Reading reading(readers_);
+      check_shift(op, what());  // before the entry barrier: the catch below fails the peers at once
       sync();
       slots_.check_matching(parity, barrier_);
       run(rank, op, parity, sync);
@@ -105,6 +106,9 @@ class World {
         break;
       case CollectiveKind::broadcast:
         peer::copy(op.recv, send[std::size_t(op.root)], op.count * es);
+        break;
+      case CollectiveKind::shift:
+        peer::copy(op.recv, send[std::size_t(shift_source(rank, n_, op.distance))], op.count * es);
         break;
     }
     sync();  // Note [In-process op protocol] step 4

@@ -127,6 +127,23 @@ class NcclComm final : public DeviceComm {
       case CollectiveKind::broadcast:
         settle(ncclBroadcast(op.send, op.recv, op.count, type, op.root, comm_, stream), what);
         return;
+      case CollectiveKind::shift: {
+        // Note [Shift]: a send and a receive in one group, so that neither waits for the other.
+        const int to = (rank() + op.distance % world_size() + world_size()) % world_size();
+        const int from = shift_source(rank(), world_size(), op.distance);
+        if (to == rank()) {
+          cuda::memcpy_async(op.recv, op.send, op.count * dtype_size(op.dtype), s);
+          return;
+        }
+        settle(ncclGroupStart(), what);
+        const auto sent = ncclSend(op.send, op.count, type, to, comm_, stream);
+        const auto received = ncclRecv(op.recv, op.count, type, from, comm_, stream);
+        const auto ended = ncclGroupEnd();
+        settle(sent, what + " (its send to rank " + std::to_string(to) + ")");
+        settle(received, what + " (its receive from rank " + std::to_string(from) + ")");
+        settle(ended, what);
+        return;
+      }
     }
   }
 

@@ -16,7 +16,7 @@ OpSig OpSig::of(const CollectiveOp& op, std::uint64_t seq) {
   s.kind = op.kind;
   s.dtype = op.dtype;
   s.count = op.count;
-  s.root = op.root;
+  s.root = op.kind == CollectiveKind::shift ? op.distance : op.root;
   s.seq = seq;
   std::strncpy(s.tag, op.tag.c_str(), sizeof(s.tag) - 1);
   return s;
@@ -24,7 +24,8 @@ OpSig OpSig::of(const CollectiveOp& op, std::uint64_t seq) {
 
 std::string OpSig::describe() const {
   return std::string(collective_name(kind)) + " of " + std::to_string(count) + " " + dtype_name(dtype) +
-         (kind == CollectiveKind::broadcast ? " from root " + std::to_string(root) : "") + " ('" + tag + "')";
+         (kind == CollectiveKind::broadcast ? " from root " + std::to_string(root) : "") +
+         (kind == CollectiveKind::shift ? " by " + std::to_string(root) + " rank(s)" : "") + " ('" + tag + "')";
 }
 
 std::optional<std::string> mismatch(const OpSig* sigs, int n) {

@@ -26,7 +26,7 @@ struct OpSig {
   CollectiveKind kind = CollectiveKind::barrier;
   DType dtype = DType::f32;
   std::uint64_t count = 0;
-  std::int32_t root = 0;
+  std::int32_t root = 0;  // a shift's distance
   std::uint64_t seq = 0;
   char tag[56] = {};  // truncated; only for messages
 

@@ -300,6 +300,12 @@ class ShmComm final : public Communicator {
              op.tag + "')";
     };
     const peer::Sync sync = [&] { this->sync(what); };
+    try {
+      check_shift(op, what());
+    } catch (const UsageError& e) {
+      abort_world(e.what());  // the peers fail now rather than at their timeout
+      throw;
+    }
     // Elements of one piece: an all-reduce or all-gather piece fills a staging area; a
     // reduce-scatter piece holds one block per rank.
     const std::size_t cap = op.kind == CollectiveKind::reduce_scatter ? staging_bytes_ / es / std::size_t(n_) : staging_bytes_ / es;
@@ -343,6 +349,9 @@ class ShmComm final : public Communicator {
           break;
         case CollectiveKind::broadcast:
           peer::copy(out + off * es, send[std::size_t(op.root)], len * es);
+          break;
+        case CollectiveKind::shift:
+          peer::copy(out + off * es, send[std::size_t(shift_source(rank_, n_, op.distance))], len * es);
           break;
         case CollectiveKind::barrier:
           break;

@@ -39,6 +39,7 @@ std::chrono::nanoseconds SimLink::cost(CollectiveKind kind, std::size_t bytes, i
     case CollectiveKind::allgather: ns = (N - 1) * (alpha + B / N * per_byte); break;
     case CollectiveKind::broadcast: ns = (N - 1) * alpha + B * per_byte; break;
     case CollectiveKind::barrier: ns = 2 * (N - 1) * alpha; break;
+    case CollectiveKind::shift: ns = alpha + B * per_byte; break;  // each rank's block once, all at the same time
   }
   return std::chrono::nanoseconds(std::int64_t(ns));
 }

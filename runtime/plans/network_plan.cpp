@@ -22,6 +22,8 @@ std::size_t network_bytes(CollectiveKind kind, std::size_t bytes, int hosts, int
       return (H - 1) * bytes;
     case CollectiveKind::barrier:
       return 0;
+    case CollectiveKind::shift:  // by whole hosts (Note [Shift]): every rank's block crosses once
+      return W * bytes;
   }
   return 0;
 }

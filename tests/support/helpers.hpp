@@ -119,26 +119,34 @@ inline std::size_t wrong_elements(const std::vector<std::shared_ptr<Communicator
     }
   };
   const auto N = static_cast<std::size_t>(n);
-  std::vector<float*> ar(N), rs_in(N), rs_out(N), ag_in(N), ag_out(N), bc(N);
+  std::vector<float*> ar(N), rs_in(N), rs_out(N), ag_in(N), ag_out(N), bc(N), sh_in(N), sh_next(N), sh_back(N);
   std::vector<Buffers> bufs(N);
-  std::vector<std::vector<float>> heap(N * 6);
+  std::vector<std::vector<float>> heap(N * 9);
   require_all_ok(run_ranks(n, [&](int r) {
     const auto R = std::size_t(r);
     auto& c = *comms[R];
     const bool reg = registered && registered(r);
-    ar[R] = bufs[R].get(c, reg, count, heap[6 * R]);
-    bc[R] = bufs[R].get(c, reg, count, heap[6 * R + 1]);
-    ag_in[R] = bufs[R].get(c, reg, count, heap[6 * R + 2]);
-    ag_out[R] = bufs[R].get(c, reg, count * N, heap[6 * R + 3]);
-    rs_in[R] = bufs[R].get(c, reg, count * N, heap[6 * R + 4]);
-    rs_out[R] = bufs[R].get(c, reg, count, heap[6 * R + 5]);
-    for (std::size_t i = 0; i < count; ++i) ar[R][i] = bc[R][i] = ag_in[R][i] = value(r, i);
+    ar[R] = bufs[R].get(c, reg, count, heap[9 * R]);
+    bc[R] = bufs[R].get(c, reg, count, heap[9 * R + 1]);
+    ag_in[R] = bufs[R].get(c, reg, count, heap[9 * R + 2]);
+    ag_out[R] = bufs[R].get(c, reg, count * N, heap[9 * R + 3]);
+    rs_in[R] = bufs[R].get(c, reg, count * N, heap[9 * R + 4]);
+    rs_out[R] = bufs[R].get(c, reg, count, heap[9 * R + 5]);
+    sh_in[R] = bufs[R].get(c, reg, count, heap[9 * R + 6]);
+    sh_next[R] = bufs[R].get(c, reg, count, heap[9 * R + 7]);
+    sh_back[R] = bufs[R].get(c, reg, count, heap[9 * R + 8]);
+    for (std::size_t i = 0; i < count; ++i) ar[R][i] = bc[R][i] = ag_in[R][i] = sh_in[R][i] = value(r, i);
     for (std::size_t i = 0; i < count * N; ++i) rs_in[R][i] = value(r, i);
     c.run(make(CollectiveKind::allreduce, ar[R], ar[R], count, 0.5f), std::chrono::seconds(30));
     c.run(make(CollectiveKind::reduce_scatter, rs_in[R], rs_out[R], count), std::chrono::seconds(30));
     c.run(make(CollectiveKind::allgather, ag_in[R], ag_out[R], count), std::chrono::seconds(30));
     c.run(make(CollectiveKind::broadcast, bc[R], bc[R], count, 1.0f, n - 1), std::chrono::seconds(30));
     c.run(make(CollectiveKind::barrier, nullptr, nullptr, 0), std::chrono::seconds(30));
+    for (const int distance : {1, -1}) {  // Note [Shift]: from rank r - 1, then from rank r + 1
+      auto op = make(CollectiveKind::shift, sh_in[R], distance == 1 ? sh_next[R] : sh_back[R], count);
+      op.distance = distance;
+      c.run(op, std::chrono::seconds(30));
+    }
   }));
   std::size_t bad = 0;
   for (int r = 0; r < n; ++r) {
@@ -153,6 +161,9 @@ inline std::size_t wrong_elements(const std::vector<std::shared_ptr<Communicator
       bad += rs_out[R][i] != rs;
       bad += bc[R][i] != value(n - 1, i);
       for (int k = 0; k < n; ++k) bad += ag_out[R][std::size_t(k) * count + i] != value(k, i);
+      bad += sh_next[R][i] != value((r + n - 1) % n, i);
+      bad += sh_back[R][i] != value((r + 1) % n, i);
+      bad += sh_in[R][i] != value(r, i);  // a shift's send is left alone
     }
   }
   return bad;

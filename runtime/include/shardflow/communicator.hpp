@@ -29,6 +29,8 @@ struct CollectiveOp {
   // reduce_scatter: send holds world*count elements, recv receives this rank's `count`.
   // allgather: send holds count elements, recv receives world*count (rank-major).
   // broadcast: count elements from `root`'s send into everyone's recv (send == recv allowed).
+  // shift: count elements from rank (rank - distance) mod world's send into this rank's recv, so
+  //   this rank's send goes to rank (rank + distance) mod world (Note [Shift]); send != recv.
   const void* send = nullptr;
   void* recv = nullptr;
   std::size_t count = 0;
@@ -45,14 +47,29 @@ struct CollectiveOp {
   // before the collective runs: the host never synchronises. CPU backends ignore it (there the
   // host has already finished writing). Only needs to stay valid until submit() returns.
   void* wait_event = nullptr;
+  int distance = 0;  // shift: how many ranks on each rank's data moves (any integer, taken mod world)
 };
+
+// Note [Shift]
+// A cyclic shift of one block per rank (MPI's Sendrecv along a ring of stride `distance`, XLA's
+// collective permute of a rotation): what a rank hands to one peer and takes from another at the
+// same time, one block each way per rank on the wire: what a mirrored shard needs (its reduced
+// gradient slice handed to its twin `distance` ranks on, on another host). Every rank's data moves by
+// the same distance, so every rank issues the same op and the collectives stay ordered
+// (Note [Ordered asynchronous collectives]). Not in place: a rank's send is read by its
+// successor while the rank's recv is written from its predecessor.
+// The source of `rank`'s block in a shift by `distance` over `world` ranks.
+int shift_source(int rank, int world, int distance);
+// A shift whose send is its recv: UsageError naming `who` and the op (every backend checks it).
+void check_shift(const CollectiveOp& op, const std::string& who);
 
 // The bytes a collective moves as a whole: the buffer (all-reduce, broadcast), the full unscattered
 // or gathered buffer (reduce-scatter, all-gather: world * count elements).
 std::size_t collective_bytes(const CollectiveOp& op, int world);
 // The bytes one rank puts on the link for the collective under bandwidth-optimal (ring)
 // algorithms, averaged over the ranks: 2 (world - 1) / world of an all-reduce's buffer, (world - 1)
-// / world of a reduce-scatter's, all-gather's or broadcast's full buffer. What a slow link charges
+// / world of a reduce-scatter's, all-gather's or broadcast's full buffer, a shift's block once (none
+// when it moves by a multiple of the world: a local copy). What a slow link charges
 // for: a ZeRO stage that reduce-scatters and all-gathers moves what an all-reduce moves.
 std::size_t wire_bytes(const CollectiveOp& op, int world);
 

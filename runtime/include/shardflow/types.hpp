@@ -57,7 +57,7 @@ struct BufferSpec {
 };
 
 // The collectives the backends run (communicator.hpp) and the plans count (`shardflow plan`).
-enum class CollectiveKind : std::uint8_t { allreduce, reduce_scatter, allgather, broadcast, barrier };
+enum class CollectiveKind : std::uint8_t { allreduce, reduce_scatter, allgather, broadcast, barrier, shift };
 const char* collective_name(CollectiveKind k);
 
 // A registered parameter. Cheap to copy; only valid with the Runtime that returned it.
