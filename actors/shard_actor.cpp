@@ -188,6 +188,8 @@ void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
   guarded(self, b, [&] {
     auto& s = self->state;
     s.shard->take_grad_shard(b);  // stage 2: keep only this rank's shard of it and give the buffer back
+    // Note [Mirrored shards]: the twin takes the slice before this bucket's step can end the step.
+    s.shard->mirror_arrived(b);
     s.reduced[b] = 1;
     ++s.nreduced;
     try_step(self);

@@ -8,6 +8,9 @@ its N-th collective) to rank 0's first step after the restart, and how many step
       recovering in place (Note [Recovering in place]: only rank 1's process starts again, rank 0 goes
       on in its own), and shrinking (no process starts: rank 0 goes on alone), against restarting every
       rank; runs alternated A B C A B C, medians
+  bench/restart_time.py --build build --data-file --recovery in-place --redundancy both [--reps 5]
+      the same with and without mlp_train's --redundancy 2 (Note [Going on from the twins]: the lost
+      rank's shard from its twin, no step lost), alternated
   bench/restart_time.py --build build --data-file --recovery in-place --actor-trainer [--reps 5]
       the same recovery in mlp_train (Runtime::recover) and in actor_trainer (its rank trainer stops its
       layer actors and asks the rank actor to recover: Note [The actor trainer heals in place]), alternated
@@ -79,7 +82,7 @@ def read_all(procs):
     return codes, sorted(events, key=lambda e: e[0])
 
 
-def one_run(a, snaps, data, recovery="restart", program="mlp_train"):
+def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=1):
     shutil.rmtree(snaps, ignore_errors=True)
     trainer = [os.path.join(a.build, "examples", program), "--sizes", a.sizes, "--steps", str(a.steps), "--global-batch",
                "8" if a.per_host == 1 else "24",  # 24: divisible at world 4 and, shrunk, at 3
@@ -87,6 +90,8 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train"):
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
     if data:
         trainer += ["--data", data]
+    if redundancy == 2:
+        trainer += ["--redundancy", "2"]
     victim = 2 * a.per_host - 1 if a.lose == "host" else 1  # host b's last rank, or rank 1
     script = ('if [ "$SHARDFLOW_RESTART_COUNT" = 0 ] && [ "${SHARDFLOW_RECOVERY_ROUND:-0}" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:%d:%s:%d; fi; exec %s'
               % (victim, "host" if a.lose == "host" else "kill", a.kill_at, " ".join("'%s'" % t for t in trainer)))
@@ -147,6 +152,8 @@ def main():
     ap.add_argument("--lose", choices=["rank", "host"], default="rank", help="with --two-hosts: rank 1 killed, or host b lost (see above)")
     ap.add_argument("--recovery", choices=["restart", "in-place", "shrink", "all"], default="restart",
                     help="shardflow run --recovery; all: the three alternated run by run")
+    ap.add_argument("--redundancy", choices=["1", "2", "both"], default="1",
+                    help="mlp_train's --redundancy (Note [Going on from the twins]); both: 1 and 2 alternated run by run in one --recovery mode")
     ap.add_argument("--actor-trainer", action="store_true",
                     help="with one --recovery mode: mlp_train and actor_trainer (its rank trainer recovering through the rank actor, "
                          "Note [The actor trainer heals in place]) alternated run by run")
@@ -155,6 +162,8 @@ def main():
         ap.error("--per-host is for --two-hosts (one host runs world 2)")
     if not a.two_hosts and a.lose != "rank":
         ap.error("--lose host is for --two-hosts (one host cannot lose a host and go on)")
+    if a.redundancy == "both" and (a.recovery == "all" or a.actor_trainer):
+        ap.error("--redundancy both compares the two in one --recovery mode, with mlp_train")
     if a.actor_trainer and a.recovery == "all":
         ap.error("--actor-trainer compares the two trainers in one --recovery mode")
     if a.two_hosts:
@@ -175,6 +184,17 @@ def measure(a):
         if a.data_file:
             data = os.path.join(tmp, "data.safetensors")
             write_data(a, data)
+        if a.redundancy == "both":
+            runs = {r: [] for r in (1, 2)}
+            for _ in range(a.reps):
+                for r in runs:  # A B A B
+                    runs[r].append(one_run(a, os.path.join(tmp, "snapshots"), data, a.recovery, redundancy=r))
+            for r in runs:
+                print(f"--redundancy {r}:")
+                report(a, a.recovery, runs[r])
+            ratio = statistics.median(r[0] for r in runs[2]) / statistics.median(r[0] for r in runs[1])
+            print(f"redundancy 2 / 1, kill -> rank 0's first step after: {ratio:.2f}")
+            return
         if a.actor_trainer:
             runs = {p: [] for p in ("mlp_train", "actor_trainer")}
             for _ in range(a.reps):
@@ -190,7 +210,7 @@ def measure(a):
         runs = {m: [] for m in modes}
         for _ in range(a.reps):
             for m in modes:  # A B A B: the machine's drift spread over both
-                runs[m].append(one_run(a, os.path.join(tmp, "snapshots"), data, m))
+                runs[m].append(one_run(a, os.path.join(tmp, "snapshots"), data, m, redundancy=int(a.redundancy)))
     for m in modes:
         report(a, m, runs[m])
     for m in modes[1:]:

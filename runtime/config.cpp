@@ -45,6 +45,21 @@ void Config::validate() const {
     bad("zero.reduce_scatter", "= false does not work with ZeRO-2's flat partition, which keeps only the rank's shard of the "
                                "reduced gradients; use ZeRO-1 for all-reduced gradients");
   if (int(zero.overlap) < 0 || int(zero.overlap) > 2) bad("zero.overlap", "must be none, after_backward or interleaved");
+  if (zero.redundancy != 1 && zero.redundancy != 2) bad("zero.redundancy", "must be 1 or 2 (a twin of each shard), got " + std::to_string(zero.redundancy));
+  if (zero.twin_distance < 0) bad("zero.twin_distance", "must be >= 0 (0: the ranks of one node), got " + std::to_string(zero.twin_distance));
+  if (zero.twin_distance > 0 && zero.redundancy == 1)
+    bad("zero.twin_distance", "= " + std::to_string(zero.twin_distance) + " places twins, but " + name_of("zero.redundancy") + " = 1 keeps none");
+  if (zero.redundancy == 2) {
+    // A twin takes its source's reduce-scatter slice (Note [Mirrored shards]).
+    if (zero.stage == ZeroStage::ddp)
+      bad("zero.redundancy", "= 2 keeps twins of ZeRO shards; at stage 0 every rank holds the whole optimizer state already");
+    if (zero.partition != Partition::flat || !zero.reduce_scatter)
+      bad("zero.redundancy", "= 2 needs each bucket reduce-scattered into equal slices: " + name_of("zero.partition") + " flat and " +
+                                 name_of("zero.reduce_scatter") + " on");
+    if (snapshot.dir.empty())
+      bad("zero.redundancy", "= 2 heals a lost rank from memory, and falls back to the newest snapshot when a rank and its twin's "
+                             "holder are lost together: set " + name_of("snapshot.dir") + " (and " + name_of("snapshot.every") + ")");
+  }
   // Note [Fused syncs]: only the flat partition's all-gathers fuse, and only stages 1 and 2 sync.
   // A cap set for a run that has nothing to fuse would do nothing (0, turning it off, is honoured).
   if (zero.fuse_syncs_bytes != 0 && zero.fuse_syncs_bytes != ZeroConfig{}.fuse_syncs_bytes &&

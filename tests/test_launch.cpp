@@ -606,6 +606,64 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
   }
 }
 
+// Note [Going on from the twins]
+TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 3 (shm and gloo): rank 1 killed in step 7 -> its "
+          "replacement gets its shard from its twin on rank 2 and the parameters from the survivors' memory, every rank goes on "
+          "after the last finished step (snapshots alone would give step 4), and the job ends bit for bit where it ends "
+          "uninterrupted, and under --recovery shrink the survivors go on at world 2 from there, within float rounding") {
+  auto job_for = [](const std::string& backend, const std::string& out, const std::string& snaps, bool fault, const char* recovery) {
+    std::string cmd = fault ? "if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:13; fi; exec"
+                            : "exec";
+    auto args = mlp_args(1);
+    args.insert(args.begin(), kTrainer);
+    test::set_flag(args, "--steps", "8");
+    for (auto a : {"--backend", backend.c_str(), "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "2",
+                   "--redundancy", "2"})
+      args.push_back(a);
+    for (const auto& a : args) cmd += " '" + a + "'";
+    auto argv = launch(3, {"/bin/sh", "-c", cmd});
+    argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", recovery});
+    return argv;
+  };
+  auto run_ok = [](const std::vector<std::string>& argv) {
+    Child job(argv, no_launch_env());
+    const auto st = job.wait(120s);
+    INFO(job.output());
+    REQUIRE(test::exited_ok(st));
+    return job.output();
+  };
+  // The step every rank goes on after, from the survivors' lines.
+  auto going_on_after = [](const std::string& log) {
+    const std::string needle = ", going on after step ";
+    const auto at = log.find(needle);
+    return at == std::string::npos ? -1 : std::stoi(log.substr(at + needle.size()));
+  };
+  for (const std::string backend : {"shm", "gloo"}) {
+    CAPTURE(backend);
+    const std::string ref = scratch("twins_ref_" + backend + ".safetensors"), ref_snaps = scratch("twins_ref_snaps_" + backend);
+    std::filesystem::remove_all(ref_snaps);
+    run_ok(job_for(backend, ref, ref_snaps, false, "in-place"));
+    const std::string out = scratch("twins_" + backend + ".safetensors"), snaps = scratch("twins_snaps_" + backend);
+    std::filesystem::remove_all(snaps);
+    const std::string log = run_ok(job_for(backend, out, snaps, true, "in-place"));
+    INFO(log);
+    CHECK(log.find("recovering in place (round 1, 1 of 1 restarts)") != std::string::npos);
+    CHECK(log.find("twins: resumed after step") != std::string::npos);
+    CHECK(log.find("1 of the old round's 3 shard(s) from their twins") != std::string::npos);
+    CHECK(going_on_after(log) >= 5);  // the step in flight discarded, none before it
+    check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
+  }
+  const TensorMap want = in_process(3, 1, 8);
+  const std::string out = scratch("twins_shrink.safetensors"), snaps = scratch("twins_shrink_snaps");
+  std::filesystem::remove_all(snaps);
+  const std::string log = run_ok(job_for("shm", out, snaps, true, "shrink"));
+  INFO(log);
+  CHECK(log.find("recovered in place as rank 1 of 2, going on after step") != std::string::npos);
+  CHECK(log.find("twins: resumed after step") != std::string::npos);
+  CHECK(going_on_after(log) >= 5);
+  check_params(out, want, "gloo");  // another world's sums: equal to float rounding
+}
+
 // Note [Recovering in place]: nothing to go back to
 TEST_CASE("shardflow run --recovery in-place, world 3, no snapshot complete yet: rank 1 killed in step 3 -> the survivors' "
           "recover() refuses by name (their parameters moved, the replacement's are the initial ones), they start again "

@@ -54,6 +54,15 @@ struct BackgroundSaveState {
 };
 
 // Note [Snapshots] (snapshots.cpp): where the runtime's own snapshots stand.
+class Shard;
+
+// Note [Going on from the twins]: what a recovering rank kept of the old round (no shard: nothing).
+struct TwinSalvage {
+  std::shared_ptr<Shard> shard;  // stopped, its buckets gone
+  int rank = -1;                 // in the old round
+  std::int64_t offset = 0;       // iteration = optimizer steps + offset there
+};
+
 struct SnapshotState {
   bool resumed = false;       // resumed_step() ran (it must, before the first backward, with snapshots)
   std::uint64_t base = 0;     // the step resumed at: snapshot N is taken after base + iterations = N
@@ -79,6 +88,12 @@ struct SnapshotState {
   // trainer's state happens once it completes; and what the snapshot last loaded carried.
   bool regroup_at_completion = false;
   std::optional<std::string> loaded_trainer_state;
+  // Note [Going on from the twins]: the iteration a step count of the shard is (set by
+  // resumed_step), what recover() kept for the next resumed_step(), and whether that one restored
+  // from the twins.
+  std::int64_t step_offset = 0;
+  TwinSalvage salvage;
+  bool from_twins = false;
 };
 
 // All of the folder's state on a rank. Runtime::Impl holds it through a pointer (`persistence`,

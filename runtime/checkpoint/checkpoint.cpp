@@ -377,6 +377,7 @@ void import_consolidated(RuntimeImpl& I, const SafetensorsIndex& file, const std
     I.shard->set_steps(std::stoll(it->second));
     restore_counters(*I.shard, params, I.cfg, was_frozen, field, label);
   }
+  I.shard->loaded();
 }
 
 }  // namespace

@@ -490,6 +490,9 @@ void load_owned_state(const nlohmann::json& j, const std::vector<ParamSpec>& par
   std::vector<std::pair<std::size_t, std::size_t>> owned;  // [begin, end)
   for (const auto& sl : owned_slices(&shard, params, shard.shard_plan().sharded ? rank : 0))
     owned.emplace_back(at.base[sl.param] + sl.offset, at.base[sl.param] + sl.offset + sl.length);
+  if (const auto* mirror = shard.mirror())  // Note [Mirrored shards]: the twin's source's pieces too
+    for (const auto& sl : owned_slices(&shard, params, mirror->source()))
+      owned.emplace_back(at.base[sl.param] + sl.offset, at.base[sl.param] + sl.offset + sl.length);
   auto overlaps = [&](std::size_t b, std::size_t e) {
     for (const auto& [ob, oe] : owned)
       if (ob < e && b < oe) return true;
@@ -525,6 +528,7 @@ void load_owned_state(const nlohmann::json& j, const std::vector<ParamSpec>& par
     shard.set_steps(j.at("steps").get<std::int64_t>());
     restore_counters(shard, params, cfg, was_frozen, field, "checkpoint '" + index_path + "'");
   }
+  shard.loaded();
 }
 
 }  // namespace

@@ -275,8 +275,10 @@ std::uint64_t Runtime::resumed_step() {
                 "resuming from the disk's newest instead", in_memory, int(missing[1]));
   const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
   const std::uint64_t step = from_memory ? in_memory : on_disk;
+  if (const auto twins = I.restore_from_twins(step)) return *twins;
   if (step == 0) {
     I.finish_initial_sync(false);
+    I.persistence->snapshots.step_offset = 0 - (I.shard ? I.shard->steps() : 0);
     return 0;
   }
   const std::string from = snapshot_dir(from_memory ? I.persistence->snapshots.memory_dir : dir, step);
@@ -284,6 +286,7 @@ std::uint64_t Runtime::resumed_step() {
   load_checkpoint(from);
   I.finish_initial_sync(true);
   I.persistence->snapshots.base = step;
+  I.persistence->snapshots.step_offset = std::int64_t(step) - (I.shard ? I.shard->steps() : 0);
   I.log->info("resumed from the snapshot of step {} {} ({})", step, from_memory ? "in memory" : "on disk", from);
   return step;
 }

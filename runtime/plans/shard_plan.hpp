@@ -8,6 +8,7 @@
 // syncing and state migration all work on pieces.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -42,6 +43,19 @@ struct ShardPlan {
   std::vector<BucketShard> buckets;
   std::size_t owned_elements(int rank) const;  // optimizer-state elements rank keeps
 };
+
+// Each of `rank`'s pieces of bucket b that overlaps the window [begin, begin + n) of parameter
+// coordinates (`param_base`: where each parameter starts there), as (element in the rank's packed
+// bucket buffer, element in the window, length).
+template <class Fn>
+void for_window(const ShardPlan& sp, const std::vector<std::size_t>& param_base, int rank, std::size_t b, std::size_t begin,
+                std::size_t n, Fn fn) {
+  for (const auto& piece : sp.buckets[b].pieces[std::size_t(rank)]) {
+    const std::size_t at = param_base[piece.param] + piece.param_off;
+    const std::size_t lo = std::max(at, begin), hi = std::min(at + piece.len, begin + n);
+    if (lo < hi) fn(piece.packed_off + (lo - at), lo - begin, hi - lo);
+  }
+}
 
 ShardPlan make_shard_plan(const BucketPlan& plan, const std::vector<ParamSpec>& params, Partition partition,
                           int world, int rank, bool sharded);

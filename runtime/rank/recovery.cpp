@@ -32,10 +32,12 @@
 // refresh_trainable() or add_param_group() after training started (the replacement would not have
 // them), and recovery without Config::snapshot.dir (there would be nothing consistent to go back to).
 #include <caf/actor_cast.hpp>
+#include <caf/scoped_actor.hpp>
 
 #include "runtime/checkpoint/background_save.hpp"
 #include "runtime/rank/rank_actor.hpp"
 #include "runtime/rank/runtime_impl.hpp"
+#include "runtime/zero/shard.hpp"
 #include "shardflow/actor.hpp"
 
 namespace shardflow {
@@ -74,20 +76,33 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   // from actors, the helper running this call: Note [Recovering from actors], rank_actor.cpp),
   // and letting it go here would stop them, or wait for the very thread that waits.
   const auto actors = old.actors;
+  // Note [Going on from the twins]: with mirrored shards the old shard is kept (stopped first, so
+  // that no step of its actor runs under what the next resumed_step() reads of it).
+  TwinSalvage salvage;
+  if (old.shard && old.shard->mirror() && old.persistence) {
+    if (old.shard_actor_h) {
+      caf::scoped_actor self{old.actors->system()};
+      self->send_exit(old.shard_actor_h, caf::exit_reason::user_shutdown);
+      self->wait_for(old.shard_actor_h);
+    }
+    salvage = TwinSalvage{old.shard, old.rank, old.persistence->snapshots.step_offset};
+  }
   auto next = std::make_unique<Impl>();
   next->cfg = old.cfg;
   next->owner = old.owner;  // the trainer's parameter handles stay valid
   next->client.subscribers = std::move(subscribers);
   old.retire();
+  if (salvage.shard) salvage.shard->drop_buckets();
   if (!same_rank) old.timeline->close();
   impl_.reset();  // its buffers (in the old communicator's memory) go before the new ones come
   impl_ = std::move(next);
   impl_->begin(*this, std::move(comm), std::move(kept));
   impl_->mem->stream = stream;
+  impl_->persistence->snapshots.salvage = std::move(salvage);
   try {
     for (const auto& call : recipe) call(*this);
     const std::uint64_t step = resumed_step();
-    if (step == 0 && moved > 0)
+    if (step == 0 && moved > 0 && !impl_->persistence->snapshots.from_twins)
       throw Error(who + ": no complete snapshot to go back to yet, and this rank's parameters moved through " + std::to_string(moved) +
                   " iteration(s) since the start: going on would redo those steps from moved parameters (and mix them with a "
                   "replacement's, which are the initial ones). Every rank must start again instead (the launcher restarts them when this rank exits); snapshot "

@@ -306,6 +306,11 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   void check_resumed() const;
   // Before loading a snapshot: its saved run's buckets, through adopt_bucket_order.
   void adopt_saved_buckets(const std::string& snapshot);
+  // ---- checkpoint/twin_restore.cpp: Note [Going on from the twins] -----------------------------
+  // With mirrored shards: the step every rank goes on from, restored from what the survivors and
+  // the twins kept, if that is newer than `snapshot_step` and every lost shard has a twin left;
+  // nullopt otherwise (the same answer on every rank), and the snapshot is loaded instead.
+  std::optional<std::uint64_t> restore_from_twins(std::uint64_t snapshot_step);
 };
 
 }  // namespace shardflow

@@ -146,6 +146,7 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
   to.set_steps(from.steps());
   to.set_skipped(from.skipped());
   to.set_loss_scale(from.loss_scale(), from.growth_tracker());
+  to.loaded();
   // Masters the old shard did not keep (parameters it did not train, or no masters slot at all)
   // start from the parameters, as a new shard's do (Note [Changing the trainable set]).
   if (to.migrate_slots() > to.state_slots()) {

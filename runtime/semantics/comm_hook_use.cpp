@@ -22,6 +22,9 @@ void Runtime::register_comm_hook(std::shared_ptr<CommHook> hook) {
   if (!hook) throw UsageError("register_comm_hook: null hook");
   if (I.finalized.load()) throw UsageError("register_comm_hook('" + hook->name() + "'): register it before training starts (finalize)");
   if (I.semantics->hook.hook) throw UsageError("register_comm_hook('" + hook->name() + "'): '" + I.semantics->hook.hook->name() + "' is registered already (one hook per Runtime)");
+  if (I.cfg.zero.redundancy == 2)
+    throw UsageError("register_comm_hook('" + hook->name() + "'): " + I.cfg.name_of("zero.redundancy") +
+                     " = 2 feeds each twin its source's reduce-scatter slice, which a hook's own all-reduces do not produce");
   I.semantics->hook.hook = std::move(hook);
   I.remember([h = I.semantics->hook.hook](Runtime& rt) { rt.register_comm_hook(h); });
 }

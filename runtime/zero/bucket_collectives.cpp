@@ -130,7 +130,20 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
   op.send = send.get();
   op.kind = rs ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce;
   op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(send, recv);
+  auto* mirror = sh ? sh->mirror() : nullptr;
+  CollectiveOp shift;
+  if (mirror && rs) {  // Note [Mirrored shards]: the reduced slice, as it landed, to the twin `distance` ranks on
+    shift.kind = CollectiveKind::shift;
+    shift.dtype = wire;
+    shift.send = op.recv;
+    shift.recv = mirror->landing(b).get();
+    shift.count = count;
+    shift.distance = mirror->distance();
+    shift.tag = "mirror bucket " + std::to_string(b);
+    shift.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(recv, mirror->landing(b));
+  }
   issue.ops.push_back(std::move(op));
+  if (shift.kind == CollectiveKind::shift) issue.ops.push_back(std::move(shift));
   return issue;
 }
 

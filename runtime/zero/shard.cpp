@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -52,6 +53,23 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
                         ? ops_->alloc((s.padded + s.slice) * dtype_size(comm_dtype_))
                         : nullptr);
   }
+  if (const int distance = twin_distance(cfg, shard_.world); cfg.zero.redundancy == 2 && shard_.sharded && shard_.world > 1) {
+    if (ops_->on_gpu()) throw UsageError(cfg.name_of("zero.redundancy") + " = 2: device shards do not keep a twin yet");
+    if (!reduce_scatters())
+      throw UsageError(cfg.name_of("zero.redundancy") + " = 2: a twin takes its source's reduce-scatter slice; this plan's buckets are "
+                       "all-reduced (the flat partition and " + cfg.name_of("zero.reduce_scatter") + " at stage 1, or stage 2, are needed)");
+    std::vector<DType> wire;
+    for (std::size_t b = 0; b < B; ++b) wire.push_back(sync_dtype(b));
+    mirror_ = std::make_unique<MirrorShard>(distance, shift_source(shard_.rank, shard_.world, distance), plan_, shard_, params_,
+                                            param_base_, std::move(wire), slots, *ops_);
+    for (std::size_t b = 0; b < B; ++b) {
+      const std::size_t n = shard_.buckets[b].packed[r];
+      undo_values_.push_back(floats(n));
+      undo_a_.push_back(floats(slots >= 1 ? n : 0));
+      undo_b_.push_back(floats(slots >= 2 ? n : 0));
+    }
+    undo_step_.assign(B, -1);
+  }
   if (!migrating) masters_from_params();
   if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
     throw UsageError("optimizer: step rule '" + groups_->groups.front().rule->name() + "' runs on the host; device shards step with SGD or Adam(W)");
@@ -66,6 +84,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
 }
 
 void Shard::masters_from_params() {
+  if (mirror_) mirror_->masters_from_params();
   const std::size_t r = std::size_t(shard_.rank);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
     if (!master_[b].empty())
@@ -129,8 +148,21 @@ ClipCoef Shard::finish_norm() {
 }
 
 void Shard::step(std::size_t b, ClipCoef clip) {
+  step_clip_ = clip.host;
   const DType dt = plan_.buckets[b].dtype;
   const bool master = !master_[b].empty();
+  if (mirror_) {  // Note [Going on from the twins]: the pieces as they were before this step
+    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
+      const std::size_t at = piece.packed_off, n = piece.len;
+      if (master)
+        ops_->copy(undo_values_[b].data() + at, master_[b].data() + at, n * 4);
+      else
+        ops_->cast(DType::f32, undo_values_[b].data() + at, dt, param_bytes(piece.param) + piece.param_off * esize(b), n);
+      if (!state_a_[b].empty()) ops_->copy(undo_a_[b].data() + at, state_a_[b].data() + at, n * 4);
+      if (!state_b_[b].empty()) ops_->copy(undo_b_[b].data() + at, state_b_[b].data() + at, n * 4);
+    }
+    undo_step_[b] = steps_;
+  }
   for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
     if (piece.len == 0 || skip_[piece.param] || fixed_skip_[piece.param]) continue;
     ShardOps::Update u;
@@ -163,6 +195,18 @@ void Shard::set_fixed_skip(const std::vector<float>& used) {
 }
 
 void Shard::end_step() {
+  if (mirror_) {  // what the twins of this shard, on other ranks, take the same from theirs
+    MirrorShard::StepInputs in;
+    in.groups = groups_;
+    in.clip = step_clip_;
+    in.skipped = skipping_;
+    in.steps = steps_;
+    in.sat_out = skipped_;
+    in.unused.resize(params_.size());
+    for (std::size_t p = 0; p < params_.size(); ++p) in.unused[p] = skip_[p] || fixed_skip_[p];
+    mirror_->stepped(std::move(in));
+    before_ = Before{skipped_, scaler_.scale, scaler_.tracker};
+  }
   ++steps_;
   for (std::size_t p = 0; p < params_.size(); ++p) {
     skipped_[p] += skip_[p] || fixed_skip_[p] || skipping_;  // a skipped step counts for no parameter (GradScaler skips optimizer.step)
@@ -179,6 +223,7 @@ void Shard::end_step() {
     }
   }
   skipping_ = false;
+  if (mirror_) observe_mirror_for_tests(*this);
 }
 
 void Shard::take_grad_shard(std::size_t b) {
@@ -296,24 +341,12 @@ void Shard::release_slot(std::size_t slot) {
   for (auto& f : slot_buffers(slot)) f.mem.reset();
 }
 
-// Each owned piece's overlap with the window [begin, begin + n) of parameter coordinates, as
-// (element in the packed bucket buffer, element in the window, length).
-template <class Fn>
-void for_window(const ShardPlan& sp, const std::vector<std::size_t>& param_base, std::size_t b, std::size_t begin, std::size_t n,
-                Fn fn) {
-  for (const auto& piece : sp.buckets[b].pieces[std::size_t(sp.rank)]) {
-    const std::size_t at = param_base[piece.param] + piece.param_off;
-    const std::size_t lo = std::max(at, begin), hi = std::min(at + piece.len, begin + n);
-    if (lo < hi) fn(piece.packed_off + (lo - at), lo - begin, hi - lo);
-  }
-}
-
 void Shard::export_state(std::size_t slot, std::size_t begin, float* out, std::size_t n) const {
   std::fill(out, out + n, 0.0f);
   const auto& src = slot_buffers(slot);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     if (src[b].empty()) continue;
-    for_window(shard_, param_base_, b, begin, n, [&](std::size_t packed, std::size_t window, std::size_t len) {
+    for_window(shard_, param_base_, shard_.rank, b, begin, n, [&](std::size_t packed, std::size_t window, std::size_t len) {
       ops_->download(out + window, src[b].data() + packed, len * sizeof(float));
     });
   }
@@ -323,17 +356,54 @@ void Shard::discard_state(std::size_t slot, std::size_t begin, std::size_t n) {
   const auto& src = slot_buffers(slot);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     if (src[b].empty()) continue;
-    for_window(shard_, param_base_, b, begin, n, [&](std::size_t packed, std::size_t, std::size_t len) {
+    for_window(shard_, param_base_, shard_.rank, b, begin, n, [&](std::size_t packed, std::size_t, std::size_t len) {
       ops_->discard(src[b].data() + packed, len * sizeof(float));
     });
   }
 }
 
+void Shard::loaded() {
+  if (!mirror_) return;
+  if (migrate_slots() == state_slots()) mirror_->masters_from_params();
+  mirror_->standing_at(steps_);
+  std::fill(undo_step_.begin(), undo_step_.end(), -1);
+}
+
+bool Shard::export_at(std::int64_t steps, std::size_t slot, std::size_t begin, float* out, std::size_t n) const {
+  if (!mirror_ || (steps != steps_ && steps != steps_ - 1)) return false;
+  std::fill(out, out + n, 0.0f);
+  const bool values = slot == state_slots();
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    // Stepped in the step after `steps` (this one's undo holds the pieces before it), or not yet.
+    const bool undo = undo_step_[b] == steps;
+    // Stepped since, and nothing kept from before (unless that step was skipped: nothing moved).
+    if (!undo && steps != steps_ && !skipped_last_) return false;
+    const bool master = !master_[b].empty();
+    const Floats& from = undo ? (values ? undo_values_[b] : slot == 0 ? undo_a_[b] : undo_b_[b])
+                              : (values ? master_[b] : slot == 0 ? state_a_[b] : state_b_[b]);
+    for_window(shard_, param_base_, shard_.rank, b, begin, n, [&](std::size_t packed, std::size_t window, std::size_t len) {
+      if (values && !undo && !master) {  // stepped in place: the parameters are the values
+        const auto& piece_of = [&]() -> const ShardPiece& {
+          for (const auto& p : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
+            if (packed >= p.packed_off && packed < p.packed_off + p.len) return p;
+          throw Error("export_at: no piece holds element " + std::to_string(packed) + " of bucket " + std::to_string(b));
+        }();
+        ops_->cast(DType::f32, out + window, plan_.buckets[b].dtype,
+                   param_bytes(piece_of.param) + (piece_of.param_off + packed - piece_of.packed_off) * esize(b), len);
+      } else if (!from.empty()) {
+        ops_->download(out + window, from.data() + packed, len * sizeof(float));
+      }
+    });
+  }
+  return true;
+}
+
 void Shard::import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in) {
+  if (mirror_ && slot <= mirror_->state_slots()) mirror_->import_state(slot, begin, in);
   const auto& dst = slot_buffers(slot);
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     if (dst[b].empty()) continue;
-    for_window(shard_, param_base_, b, begin, in.size(), [&](std::size_t packed, std::size_t window, std::size_t len) {
+    for_window(shard_, param_base_, shard_.rank, b, begin, in.size(), [&](std::size_t packed, std::size_t window, std::size_t len) {
       ops_->upload(dst[b].data() + packed, in.data() + window, len * sizeof(float));
     });
   }

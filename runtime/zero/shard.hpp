@@ -13,6 +13,7 @@
 #include "runtime/core/bucket_buffers.hpp"
 #include "runtime/plans/bucket_plan.hpp"
 #include "runtime/core/device_memory.hpp"
+#include "runtime/zero/mirror_shard.hpp"
 #include "runtime/zero/shard_ops.hpp"
 #include "runtime/plans/shard_plan.hpp"
 #include "runtime/plans/sync_fusion.hpp"
@@ -96,6 +97,28 @@ class Shard {
   float last_norm() const { return ops_->last_norm(); }
 
   void step(std::size_t b, ClipCoef clip);  // updates the owned pieces of bucket b in place
+  // Note [Mirrored shards]: the twin this rank keeps of another rank's shard (null: none), and
+  // bucket b's reduction (with the shift that brought the source's slice) has landed.
+  MirrorShard* mirror() const { return mirror_.get(); }
+  void mirror_arrived(std::size_t b) {
+    if (mirror_) mirror_->arrived(b, steps_);
+  }
+  // The state was replaced (loaded, or migrated from the shard this one replaces): a twin that
+  // keeps values the source steps in place takes them from the parameters just loaded.
+  void loaded();
+  // Note [Going on from the twins]: with a twin, the owner keeps each bucket's pieces as they
+  // were before the step in flight, so that a failed step can be discarded here too. What this
+  // shard held after `steps` optimizer steps (steps() or steps() - 1), slot by slot as
+  // export_state has them, the values (slot migrate... state_slots()) whatever the masters: false
+  // if that is no longer here.
+  bool export_at(std::int64_t steps, std::size_t slot, std::size_t begin, float* out, std::size_t n) const;
+  // The per-parameter sat-out counts and the loss scale after `steps` steps (as export_at).
+  std::vector<std::int64_t> skipped_at(std::int64_t steps) const { return steps == steps_ ? skipped_ : before_.skipped; }
+  std::pair<float, int> loss_scale_at(std::int64_t steps) const {
+    return steps == steps_ ? std::pair{scaler_.scale, scaler_.tracker} : std::pair{before_.scale, before_.tracker};
+  }
+  // The buckets' memory (the communicator's, for some backends) goes; what export_at reads stays.
+  void drop_buckets() { buffers_.reset(); }
   // Note [Unused parameters]: `used[p]` is how many ranks reported p's gradient this iteration;
   // the parameters no rank did are not stepped (no weight decay, no momentum), and their own step
   // count stays where it was, as torch.optim skips a parameter whose grad is None.
@@ -213,6 +236,17 @@ class Shard {
   std::vector<std::int64_t> skipped_;  // per parameter (Note [Unused parameters])
   std::vector<char> skip_;             // this iteration's parameters no rank used
   std::vector<char> fixed_skip_;       // static_graph: the parameters no rank uses, ever
+  float step_clip_ = 1.0f;             // this iteration's clip coefficient (the twin's step input)
+  // With a twin (Note [Going on from the twins]): [bucket] the owned values and state before the
+  // step `undo_step_` (-1: none kept), and the counters before the last end_step.
+  std::vector<Floats> undo_values_, undo_a_, undo_b_;
+  std::vector<std::int64_t> undo_step_;
+  struct Before {
+    std::vector<std::int64_t> skipped;
+    float scale = 1.0f;
+    int tracker = 0;
+  } before_;
+  std::unique_ptr<MirrorShard> mirror_;  // last: it refers to the members above
 };
 
 }  // namespace shardflow

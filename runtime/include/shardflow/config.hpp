@@ -137,6 +137,22 @@ struct ZeroConfig {
   // clip_grad_norm over all parameters of all shards (0: off); norm type 2 or infinity.
   float clip_grad_norm = 0.0f;
   float clip_norm_type = 2.0f;
+  // Mirrored shards (Note [Mirrored shards], Note [Going on from the twins]). 1: each rank's
+  // optimizer shard exists once, and a lost rank sends every rank back to the newest snapshot.
+  // 2: each rank also keeps a twin of the shard of the rank twin_distance ranks back, fed by a
+  // shift of each bucket's reduced slice (one slice per rank more on the wire, in comm_dtype) and
+  // stepped as its owner steps it, one step behind; the owner keeps its pieces as they were before
+  // the step in flight. recover() (and a replacement's resumed_step()) then go on after the last
+  // step every survivor finished, from memory: no completed step is rolled back, nothing is read
+  // from disk, as long as no rank and its twin's holder are lost together. Costs two state shards
+  // more a rank (the twin and the owner's copy) and the twin's step on the rank's cores. Needs
+  // stage 1 or 2 with the flat partition's reduce-scatter, the runtime's optimizer on host shards,
+  // no comm hook, and Config::snapshot.dir (what recovery falls back to).
+  int redundancy = 1;
+  // Where the twin of a rank's shard lives: that many ranks on (its source that many back). 0
+  // (default): LOCAL_WORLD_SIZE, the ranks of one node under `shardflow run` or torchrun, when
+  // there are several nodes (so that a lost host's shards have their twins on another), else 1.
+  int twin_distance = 0;
 };
 
 struct PrecisionConfig {

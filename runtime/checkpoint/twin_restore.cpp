@@ -1,0 +1,214 @@
+// Note [Going on from the twins]
+// With mirrored shards (Note [Mirrored shards]) a lost rank's optimizer state still exists at the
+// step the job stopped in: its twin holds it one step behind, with the slice of the step in
+// flight. resumed_step() then restores from memory, the survivors' and the twins', instead of
+// going back to the newest snapshot: no completed step is lost, and no file is read.
+// - What each rank kept: recover() hands the old round's shard (stopped, its buckets gone) to the
+//   new Runtime. A process started afresh (a replacement) kept nothing.
+// - The census: every rank says its old rank, its old shard's step count, the old world, whose
+//   shard its twin mirrors and how its step count maps to iterations. The step to go on from is
+//   the smallest step count among the survivors (a survivor that finished the failed step on its
+//   side but not on every rank's undoes it: the owner keeps its pieces as they were before the
+//   step in flight). Every old rank's shard needs a provider: itself if it survived, else the
+//   survivor whose twin mirrors it; if some shard has neither (a rank and its twin both lost), or
+//   a provider cannot reach that step, every rank goes back to the snapshot instead (the same
+//   answer everywhere, from the same census).
+// - The old round's buckets are adopted, as a snapshot's are (Note [No state moved before a load]).
+// - The state then moves as a rebuild moves it (Note [State migration]): in windows of parameter
+//   coordinates, each provider writes its pieces, zeros elsewhere, an all-reduce sums them, and
+//   the new shard takes its own pieces (and its twin's). The values slot gives every rank all
+//   parameters at once, written as the owners' step writes them (rounded to a 16-bit storage or
+//   wire), so no parameter sync follows; frozen parameters come from the first survivor.
+// - The sums are of one value and zeros: exact, so the restored state is the old one bit for bit.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "kernels/cpu/elementwise.hpp"
+#include "runtime/checkpoint/background_save.hpp"
+#include "runtime/rank/runtime_impl.hpp"
+#include "runtime/zero/shard.hpp"
+#include "shardflow/errors.hpp"
+
+namespace shardflow {
+
+namespace {
+
+// What one rank says in the census.
+struct Said {
+  int old_rank = -1;   // -1: a process that kept nothing
+  std::int64_t steps = 0;
+  int old_world = 0;
+  int twin_of = -1;    // the old rank whose shard its twin mirrors
+  std::int64_t offset = 0;  // iteration = steps + offset
+};
+constexpr std::size_t kWords = 5;
+
+}  // namespace
+
+std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t snapshot_step) {
+  auto& snap = persistence->snapshots;
+  const auto kept = std::move(snap.salvage);
+  snap.salvage = {};
+  if (!shard || !shard->mirror() || world == 1) return std::nullopt;
+  const Shard* old = kept.shard.get();
+  std::vector<float> words(kWords * std::size_t(world), 0.0f);
+  {
+    float* w = words.data() + kWords * std::size_t(rank);
+    w[0] = old ? float(kept.rank) : -1.0f;
+    w[1] = old ? float(old->steps()) : 0.0f;
+    w[2] = old ? float(old->shard_plan().world) : 0.0f;
+    w[3] = old && old->mirror() ? float(old->mirror()->source()) : -1.0f;
+    w[4] = old ? float(kept.offset) : 0.0f;
+    CollectiveOp op;
+    op.kind = CollectiveKind::allgather;
+    op.send = w;
+    op.recv = words.data();
+    op.count = kWords;
+    op.tag = "twins: what each rank kept";
+    run_now(op);
+  }
+  std::vector<Said> said(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const float* w = words.data() + kWords * std::size_t(r);
+    said[std::size_t(r)] = Said{int(w[0]), std::int64_t(w[1]), int(w[2]), int(w[3]), std::int64_t(w[4])};
+  }
+  // The same decision on every rank, from the same words.
+  int old_world = 0, first_survivor = -1;
+  std::int64_t steps = -1, offset = 0;
+  for (int r = 0; r < world; ++r) {
+    const auto& s = said[std::size_t(r)];
+    if (s.old_rank < 0) continue;
+    if (first_survivor < 0) first_survivor = r, old_world = s.old_world, offset = s.offset;
+    if (s.old_world != old_world || s.offset != offset) return std::nullopt;  // not one old round
+    steps = steps < 0 ? s.steps : std::min(steps, s.steps);
+  }
+  if (first_survivor < 0) return std::nullopt;  // a start: nothing kept anywhere
+  const std::uint64_t step = std::uint64_t(steps + offset);
+  if (step < snapshot_step) return std::nullopt;  // a newer snapshot (not expected: the twins are never behind it)
+  std::vector<int> provider(static_cast<std::size_t>(old_world), -1);  // [old rank] the new rank that gives its shard
+  for (int r = 0; r < world; ++r)
+    if (said[std::size_t(r)].old_rank >= 0) provider[std::size_t(said[std::size_t(r)].old_rank)] = r;
+  std::vector<int> twin_gives;  // the lost old ranks whose shard this rank's twin gives
+  for (int x = 0; x < old_world; ++x) {
+    if (provider[std::size_t(x)] >= 0) continue;
+    for (int r = 0; r < world; ++r)
+      if (said[std::size_t(r)].old_rank >= 0 && said[std::size_t(r)].twin_of == x) provider[std::size_t(x)] = r;
+    if (provider[std::size_t(x)] < 0) {
+      if (rank == 0)
+        log->warn("twins: rank {} of the old round was lost with its twin; going back to the snapshot of step {}", x, snapshot_step);
+      return std::nullopt;
+    }
+    if (provider[std::size_t(x)] == rank) twin_gives.push_back(x);
+  }
+  // Can each provider give its shards at `steps`? (A twin brought there applies its held slice.)
+  float cannot = 0.0f;
+  if (old) {
+    std::vector<float> probe(1);
+    cannot = old->export_at(steps, 0, 0, probe.data(), 0) ? 0.0f : 1.0f;
+    if (!twin_gives.empty() && !old->mirror()->reach(steps)) cannot = 1.0f;
+  }
+  control_collective(CollectiveKind::allreduce, &cannot, 1, "twins: every provider reaches the step");
+  if (cannot > 0.0f) {
+    if (rank == 0)
+      log->warn("twins: {} rank(s) cannot give their shards as they were after step {}; going back to the snapshot of step {}",
+                int(cannot), step, snapshot_step);
+    return std::nullopt;
+  }
+
+  // The old round's buckets first (rank 0's order, as the first survivor kept it), for the reason
+  // a snapshot's are adopted (Note [No state moved before a load]): the next sums are then taken
+  // over the same slices, in the same order, as the uninterrupted run's.
+  {
+    std::vector<float> order(registry.trainable(), 0.0f);
+    if (rank == first_survivor) {
+      std::size_t i = 0;
+      for (const auto& bk : old->plan().buckets)
+        for (const auto& e : bk.entries)
+          if (i < order.size()) order[i++] = float(e.param);
+    }
+    control_collective(CollectiveKind::broadcast, order.data(), order.size(), "twins: the old round's buckets", first_survivor);
+    std::vector<std::uint32_t> params_in_order(order.begin(), order.end());
+    if (!adopt_bucket_order(params_in_order))
+      log->warn("twins: the old round's buckets hold other parameters than this run trains; they are rebuilt after the first iteration");
+  }
+  // The state and the values, window by window (Note [State migration]).
+  const std::size_t total = shard->total_elements(), values = shard->state_slots();
+  const auto& params = registry.params();
+  std::vector<float> window, part;
+  for (std::size_t slot = 0; slot <= values; ++slot) {
+    for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
+      const std::size_t n = std::min(kStateWindow, total - begin);
+      window.assign(n, 0.0f);
+      part.resize(n);
+      if (old) {
+        old->export_at(steps, slot, begin, window.data(), n);
+        if (!twin_gives.empty()) {
+          old->mirror()->export_state(slot, begin, part.data(), n);
+          for (std::size_t i = 0; i < n; ++i) window[i] += part[i];  // disjoint pieces: one of the two is zero
+        }
+      }
+      CollectiveOp op;
+      op.kind = CollectiveKind::allreduce;
+      op.send = op.recv = window.data();
+      op.count = n;
+      op.tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
+      run_now(op);
+      if (slot < values || shard->migrate_slots() > values) shard->import_state(slot, begin, window);
+      if (slot < values) continue;
+      // Every parameter in the window, as the owner's step leaves the trainer's storage.
+      std::size_t at = 0;
+      for (std::uint32_t p = 0; p < params.size(); ++p) {
+        const std::size_t len = std::size_t(numel(params[p].shape));
+        const std::size_t lo = std::max(at, begin), hi = std::min(at + len, begin + n);
+        const auto bucket = plan.where[p].bucket;
+        if (lo < hi && params[p].requires_grad && bucket != ~0u) {
+          const float* v = window.data() + (lo - begin);
+          auto* dst = static_cast<std::byte*>(params[p].data) + (lo - at) * dtype_size(params[p].dtype);
+          if (params[p].dtype != DType::f32)
+            kernels::convert_from_f32(params[p].dtype, dst, v, hi - lo);
+          else
+            kernels::round_to(shard->sync_dtype(bucket), reinterpret_cast<float*>(dst), v, hi - lo);
+        }
+        at += len;
+      }
+    }
+  }
+  // Frozen parameters and the counters every rank shares, from the first survivor.
+  for (const auto& p : params)
+    if (!p.requires_grad && numel(p.shape) > 0) {
+      CollectiveOp op;
+      op.kind = CollectiveKind::broadcast;
+      op.dtype = p.dtype;
+      op.send = op.recv = p.data;
+      op.count = std::size_t(numel(p.shape));
+      op.root = first_survivor;
+      op.tag = "twins: frozen parameter '" + p.name + "'";
+      run_now(op);
+    }
+  std::vector<float> counters(2 + params.size(), 0.0f);
+  if (rank == first_survivor) {
+    const auto [scale, tracker] = old->loss_scale_at(steps);
+    counters[0] = scale, counters[1] = float(tracker);
+    const auto sat_out = old->skipped_at(steps);
+    for (std::size_t p = 0; p < params.size(); ++p) counters[2 + p] = float(sat_out[p]);
+  }
+  control_collective(CollectiveKind::broadcast, counters.data(), counters.size(), "twins: step counters", first_survivor);
+  shard->set_steps(steps);
+  std::vector<std::int64_t> sat_out(params.size());
+  for (std::size_t p = 0; p < params.size(); ++p) sat_out[p] = std::int64_t(counters[2 + p]);
+  shard->set_skipped(std::move(sat_out));
+  shard->set_loss_scale(counters[0], int(counters[1]));
+  shard->loaded();
+  finish_initial_sync(true);
+  snap.base = step;
+  snap.step_offset = offset;
+  snap.from_twins = true;
+  int lost = 0;
+  for (int x = 0; x < old_world; ++x) lost += said[std::size_t(provider[std::size_t(x)])].old_rank != x;
+  log->warn("twins: resumed after step {} from memory ({} of the old round's {} shard(s) from their twins), no step rolled back", step,
+            lost, old_world);
+  return step;
+}
+
+}  // namespace shardflow

@@ -1,0 +1,177 @@
+#include "runtime/zero/mirror_shard.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "runtime/zero/shard.hpp"
+#include "shardflow/errors.hpp"
+
+namespace shardflow {
+
+MirrorShard::MirrorShard(int distance, int source, const BucketPlan& plan, const ShardPlan& shard, const std::vector<ParamSpec>& params,
+                         const std::vector<std::size_t>& param_base, std::vector<DType> wire, std::size_t state_slots, ShardOps& ops)
+    : distance_(distance), source_(source), plan_(plan), shard_(shard), params_(params), param_base_(param_base), wire_(std::move(wire)), slots_(state_slots), ops_(ops) {
+  const auto src = std::size_t(source_);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    const std::size_t n = shard_.buckets[b].packed[src];
+    auto floats = [&](bool keep) { return Floats{keep && n ? ops_.alloc(n * sizeof(float)) : nullptr}; };
+    master_.push_back(floats(true));
+    state_a_.push_back(floats(slots_ >= 1));
+    state_b_.push_back(floats(slots_ >= 2));
+    const std::size_t slice = n * dtype_size(wire_[b]);
+    landing_.push_back(slice ? ops_.alloc(slice) : nullptr);
+    held_slice_.push_back(slice ? ops_.alloc(slice) : nullptr);
+  }
+  held_.assign(plan_.buckets.size(), -1);
+  masters_from_params();
+}
+
+void MirrorShard::masters_from_params() {
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(source_)])
+      ops_.cast(DType::f32, master_[b].data() + piece.packed_off, plan_.buckets[b].dtype,
+                static_cast<const std::byte*>(params_[piece.param].data) + piece.param_off * dtype_size(plan_.buckets[b].dtype), piece.len);
+}
+
+void MirrorShard::arrived(std::size_t b, std::int64_t step) {
+  if (held_[b] >= 0) {
+    if (held_[b] >= step)
+      throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + "'s slice of step " +
+                  std::to_string(step) + " arrived while step " + std::to_string(held_[b]) + "'s is held");
+    const auto in = inputs_.find(held_[b]);
+    if (in == inputs_.end())
+      throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + " holds step " +
+                  std::to_string(held_[b]) + ", whose inputs this rank's shard never handed over");
+    apply(b, in->second);
+  }
+  std::swap(landing_[b], held_slice_[b]);  // the next shift lands in the buffer just applied
+  held_[b] = step;
+  // Inputs of steps older than every held slice go.
+  std::int64_t oldest = step;
+  for (const auto h : held_)
+    if (h >= 0) oldest = std::min(oldest, h);
+  inputs_.erase(inputs_.begin(), inputs_.lower_bound(oldest));
+}
+
+void MirrorShard::stepped(StepInputs in) {
+  const std::int64_t step = in.steps;
+  inputs_.insert_or_assign(step, std::move(in));
+}
+
+bool MirrorShard::reach(std::int64_t steps) {
+  for (std::size_t b = 0; b < held_.size(); ++b) {
+    const std::int64_t at = held_[b] >= 0 ? held_[b] : standing_;  // a held slice's step is not applied yet
+    if (at == steps) continue;
+    if (at + 1 != steps || held_[b] < 0) return false;
+    const auto in = inputs_.find(held_[b]);
+    if (in == inputs_.end()) return false;
+    apply(b, in->second);
+    held_[b] = -1;
+  }
+  standing_ = steps;
+  return true;
+}
+
+// The source's Shard::step on the held slice, with the step's inputs as they were on the source.
+void MirrorShard::apply(std::size_t b, const StepInputs& in) {
+  if (in.skipped) return;
+  const DType dt = plan_.buckets[b].dtype;
+  const auto& pieces = shard_.buckets[b].pieces[std::size_t(source_)];
+  const std::byte* slice = held_slice_[b].get();
+  DType grad_dtype = dt;
+  if (wire_[b] != dt) {  // an fp32 bucket on a 16-bit wire: the source stepped the slice cast back
+    const std::size_t n = shard_.buckets[b].packed[std::size_t(source_)];
+    if (scratch_.size() < n) scratch_.resize(n);
+    ops_.cast(DType::f32, scratch_.data(), wire_[b], slice, n);
+    slice = reinterpret_cast<const std::byte*>(scratch_.data());
+    grad_dtype = DType::f32;
+  }
+  for (const auto& piece : pieces) {
+    if (piece.len == 0 || in.unused[piece.param]) continue;
+    ShardOps::Update u;
+    u.master = master_[b].data() + piece.packed_off;
+    u.param_dtype = dt;
+    u.round_as = wire_[b];
+    u.grad = const_cast<std::byte*>(slice) + piece.packed_off * dtype_size(grad_dtype);
+    u.grad_dtype = grad_dtype;
+    u.clip = ClipCoef{in.clip, nullptr};
+    u.state_a = state_a_[b].mem ? state_a_[b].data() + piece.packed_off : nullptr;
+    u.state_b = state_b_[b].mem ? state_b_[b].data() + piece.packed_off : nullptr;
+    u.n = piece.len;
+    const std::int64_t own = in.steps - in.sat_out[piece.param];
+    u.first = own == 0;
+    u.step = own + 1;
+    u.param_name = &params_[piece.param].name;
+    u.offset = piece.param_off;
+    ops_.update(in.groups->groups[in.groups->group_of[piece.param]], u);
+  }
+}
+
+void MirrorShard::export_state(std::size_t s, std::size_t begin, float* out, std::size_t n) const {
+  std::fill(out, out + n, 0.0f);
+  const auto& from = slot(s);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (!from[b].mem) continue;
+    for_window(shard_, param_base_, source_, b, begin, n, [&](std::size_t packed, std::size_t window, std::size_t len) {
+      ops_.download(out + window, from[b].data() + packed, len * sizeof(float));
+    });
+  }
+}
+
+void MirrorShard::import_state(std::size_t s, std::size_t begin, const std::vector<float>& in) {
+  auto& to = slot(s);
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    if (!to[b].mem) continue;
+    for_window(shard_, param_base_, source_, b, begin, in.size(), [&](std::size_t packed, std::size_t window, std::size_t len) {
+      ops_.upload(to[b].data() + packed, in.data() + window, len * sizeof(float));
+    });
+  }
+  std::fill(held_.begin(), held_.end(), -1);  // a loaded state: nothing held belongs to it (Shard::loaded says where it stands)
+  inputs_.clear();
+}
+
+std::size_t MirrorShard::bytes() const {
+  std::size_t n = 0;
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    const std::size_t packed = shard_.buckets[b].packed[std::size_t(source_)];
+    n += packed * sizeof(float) * (1 + std::min<std::size_t>(slots_, 2)) + 2 * packed * dtype_size(wire_[b]);
+  }
+  return n;
+}
+
+int twin_distance(const Config& cfg, int world) {
+  int d = cfg.zero.twin_distance;
+  if (d == 0) {
+    // Under a launcher the node's ranks are consecutive: the next node's same local rank is L on.
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    const int L = local ? std::atoi(local) : 0;
+    d = L > 0 && L < world && world % L == 0 ? L : 1;
+  }
+  if (world > 1 && d % world == 0)
+    throw UsageError(cfg.name_of("zero.twin_distance") + " = " + std::to_string(d) + " at world " + std::to_string(world) +
+                     " brings each rank's slices back to itself: its twin would be lost with it");
+  return d;
+}
+
+namespace {
+std::mutex observer_mu;
+std::function<void(const Shard&)> observer;
+}  // namespace
+
+void set_mirror_observer_for_tests(std::function<void(const Shard&)> observe) {
+  std::lock_guard lock(observer_mu);
+  observer = std::move(observe);
+}
+
+void observe_mirror_for_tests(const Shard& shard) {
+  std::function<void(const Shard&)> f;
+  {
+    std::lock_guard lock(observer_mu);
+    f = observer;
+  }
+  if (f) f(shard);
+}
+
+}  // namespace shardflow

@@ -1,0 +1,418 @@
+// Mirrored shards (Note [Mirrored shards]): each rank keeps a twin of another rank's optimizer
+// shard, fed by a shift of the reduced slices, one step behind it and equal to it bit for bit.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <thread>
+#include <utility>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "support/helpers.hpp"
+#include "shardflow/comm_hook.hpp"
+#include "runtime/zero/mirror_shard.hpp"
+#include "runtime/zero/shard.hpp"
+
+using namespace shardflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int kParams = 4;
+constexpr std::int64_t kNumel = 300;
+
+// One rank's shard at the end of one step: its state and values (the slots of Shard::export_state,
+// the values last) and its twin's, in parameter coordinates.
+struct Seen {
+  std::vector<std::vector<float>> own, twin;
+  int source = -1;
+};
+
+std::vector<std::vector<float>> own_slots(const Shard& s) {
+  const std::size_t total = s.total_elements();
+  std::vector<std::vector<float>> out;
+  for (std::size_t k = 0; k < s.state_slots(); ++k) {
+    out.emplace_back(total);
+    s.export_state(k, 0, out.back());
+  }
+  if (s.migrate_slots() > s.state_slots()) {  // fp32 masters
+    out.emplace_back(total);
+    s.export_state(s.state_slots(), 0, out.back());
+  } else {  // the parameters, stepped in place: this rank's pieces of them
+    out.emplace_back(total, 0.0f);
+    std::vector<std::size_t> base;
+    std::size_t at = 0;
+    for (const auto& p : s.params()) base.push_back(at), at += std::size_t(numel(p.shape));
+    for (const auto& bk : s.shard_plan().buckets)
+      for (const auto& piece : bk.pieces[std::size_t(s.shard_plan().rank)])
+        for (std::size_t i = 0; i < piece.len; ++i)
+          out.back()[base[piece.param] + piece.param_off + i] = static_cast<const float*>(s.params()[piece.param].data)[piece.param_off + i];
+  }
+  return out;
+}
+
+struct Run {
+  std::map<std::pair<int, std::int64_t>, Seen> seen;  // (rank, steps after the step)
+  std::vector<std::vector<float>> params;
+  std::vector<std::vector<std::string>> log;
+};
+
+// `world` ranks as threads, AdamW with weight decay and clipping that bites, `iterations` steps.
+Run train(int world, Config cfg, int iterations, int mirror_distance) {
+  Run run;
+  std::mutex mu;
+  const auto snaps = std::filesystem::temp_directory_path() / ("shardflow_twins_steady_" + std::to_string(::getpid()));
+  cfg.snapshot.dir = snaps.string();  // what recovery falls back to; none is taken in these few steps
+  cfg.snapshot.every = 1000;
+  cfg.zero.redundancy = mirror_distance ? 2 : 1;
+  cfg.zero.twin_distance = mirror_distance;
+  set_mirror_observer_for_tests([&](const Shard& s) {
+    Seen seen;
+    seen.own = own_slots(s);
+    const auto* m = s.mirror();
+    seen.source = m->source();
+    for (std::size_t k = 0; k <= m->state_slots(); ++k) {
+      seen.twin.emplace_back(s.total_elements());
+      m->export_state(k, 0, seen.twin.back().data(), seen.twin.back().size());
+    }
+    std::lock_guard lock(mu);
+    run.seen[{s.shard_plan().rank, s.steps()}] = std::move(seen);
+  });
+  auto w = InProcessWorld::create(world, 30s);
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 2 * kNumel * 4;  // two parameters a bucket
+  cfg.zero.clip_grad_norm = 0.5f;
+  run.params.resize(std::size_t(world));
+  run.log.resize(std::size_t(world));
+  const auto errors = test::run_ranks(world, [&](int r) {
+    std::vector<float> flat(kParams * kNumel);
+    for (std::size_t i = 0; i < flat.size(); ++i) flat[i] = 0.01f * float((i * 7) % 29) - 0.1f;
+    Runtime rt(w->communicator(r), cfg);
+    const auto h = test::register_flat(rt, flat.data(), kParams, kNumel);
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::adamw;
+    oc.lr = 0.01f;
+    oc.weight_decay = 0.1f;
+    rt.configure_optimizer(oc);
+    rt.finalize();
+    rt.resumed_step();
+    for (int it = 0; it < iterations; ++it) {
+      for (const auto& p : h) rt.wait_param(p);
+      rt.zero_grad();
+      for (int k = kParams; k-- > 0;) {
+        float* g = rt.grad_f32(h[std::size_t(k)]);
+        for (std::int64_t e = 0; e < kNumel; ++e)
+          g[e] = flat[std::size_t(k * kNumel + e)] * float(r + 1) - 0.03f * float((e + it) % 7);
+        rt.grad_ready(h[std::size_t(k)]);
+      }
+      rt.wait();
+    }
+    rt.wait_all_params();
+    run.params[std::size_t(r)] = flat;
+    run.log[std::size_t(r)] = rt.collective_log();
+  });
+  set_mirror_observer_for_tests({});
+  std::filesystem::remove_all(snaps);
+  test::require_all_ok(errors);
+  return run;
+}
+
+Config zero(int stage, DType wire, bool prefetch = false) {
+  Config cfg;
+  cfg.zero.stage = ZeroStage(stage);
+  cfg.zero.overlap = Overlap::interleaved;
+  cfg.zero.forward_prefetch = prefetch;
+  cfg.precision.comm_dtype = wire;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch or not: every rank's twin holds the shard of the rank before it as that rank had it one step earlier, bit for bit, and training ends where it ends without twins") {
+  for (int stage : {1, 2})
+    for (DType wire : {DType::f32, DType::bf16})
+    for (bool prefetch : {false, true}) {
+      CAPTURE(stage);
+      CAPTURE(dtype_name(wire));
+      CAPTURE(prefetch);
+      const int W = 3, steps = 5;
+      const auto mirrored = train(W, zero(stage, wire, prefetch), steps, 1);
+      const auto plain = train(W, zero(stage, wire, prefetch), steps, 0);
+      for (int r = 0; r < W; ++r) {
+        CAPTURE(r);
+        CHECK(mirrored.params[std::size_t(r)] == plain.params[std::size_t(r)]);
+        const auto shifts = std::count_if(mirrored.log[std::size_t(r)].begin(), mirrored.log[std::size_t(r)].end(),
+                                          [](const std::string& c) { return c.find("mirror bucket") != std::string::npos; });
+        CHECK(shifts == 2 * steps);  // one a bucket a step
+        for (std::int64_t k = 2; k <= steps; ++k) {
+          CAPTURE(k);
+          const auto& twin = mirrored.seen.at({r, k});
+          CHECK(twin.source == (r + W - 1) % W);
+          const auto& source_before = mirrored.seen.at({twin.source, k - 1}).own;
+          REQUIRE(twin.twin.size() == source_before.size());
+          for (std::size_t slot = 0; slot < twin.twin.size(); ++slot) {
+            CAPTURE(slot);
+            CHECK(twin.twin[slot] == source_before[slot]);
+          }
+          CHECK(twin.twin != mirrored.seen.at({twin.source, k}).own);  // behind, not level
+        }
+      }
+    }
+}
+
+TEST_CASE("Config::zero.redundancy = 2 refuses by name what it cannot follow: all-reduced buckets, stage 0, no snapshot directory, "
+          "a comm hook, a twin distance that comes back to the rank itself") {
+  auto refusal = [](Config cfg, bool hook = false) {
+    auto w = InProcessWorld::create(2, 10s);
+    const auto errors = test::run_ranks(2, [&](int r) {
+      std::vector<float> flat(kParams * kNumel, 0.5f);
+      Runtime rt(w->communicator(r), cfg);
+      test::register_flat(rt, flat.data(), kParams, kNumel);
+      if (hook) rt.register_comm_hook(allreduce_hook());
+      OptimizerConfig oc;
+      oc.kind = OptimizerConfig::Kind::adamw;
+      rt.configure_optimizer(oc);
+      rt.finalize();
+    });
+    return test::message_of(errors[0]);
+  };
+  Config ok = zero(1, DType::f32);
+  ok.zero.redundancy = 2;
+  ok.snapshot.dir = (std::filesystem::temp_directory_path() / ("shardflow_twins_refusals_" + std::to_string(::getpid()))).string();
+  ok.snapshot.every = 10;
+  Config all_reduced = ok;
+  all_reduced.zero.reduce_scatter = false;
+  CHECK(refusal(all_reduced).find("zero.redundancy = 2 needs each bucket reduce-scattered into equal slices") != std::string::npos);
+  Config ddp = ok;
+  ddp.zero.stage = ZeroStage::ddp;
+  CHECK(refusal(ddp).find("zero.redundancy = 2 keeps twins of ZeRO shards") != std::string::npos);
+  Config no_dir = ok;
+  no_dir.snapshot.dir.clear();
+  no_dir.snapshot.every = 0;
+  CHECK(refusal(no_dir).find("zero.redundancy = 2 heals a lost rank from memory") != std::string::npos);
+  CHECK(refusal(ok, true).find("feeds each twin its source's reduce-scatter slice, which a hook's own all-reduces do not produce") != std::string::npos);
+  Config back = ok;
+  back.zero.twin_distance = 2;
+  CHECK(refusal(back).find("zero.twin_distance = 2 at world 2 brings each rank's slices back to itself") != std::string::npos);
+  Config none = zero(1, DType::f32);
+  none.zero.twin_distance = 1;
+  CHECK(refusal(none).find("zero.twin_distance = 1 places twins, but") != std::string::npos);
+  std::filesystem::remove_all(ok.snapshot.dir);
+}
+
+// ---- Going on from the twins (Note [Going on from the twins]) -------------------------------
+
+namespace {
+
+constexpr int kSteps = 10;
+constexpr std::size_t kA = 300, kB = 37;  // several buckets with the caps below
+
+Config recovering(const std::string& snapshots, int stage) {
+  Config cfg;
+  cfg.zero.stage = ZeroStage(stage);
+  cfg.zero.overlap = Overlap::interleaved;
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 512;
+  cfg.snapshot.dir = snapshots;
+  cfg.snapshot.every = 2;
+  cfg.timeouts.collective = std::chrono::seconds(20);
+  cfg.zero.redundancy = 2;
+  cfg.zero.twin_distance = 1;
+  return cfg;
+}
+
+// A rank's gradients depend on the parameters, the rank and the step only.
+void gradients(const float* w, std::size_t n, float* g, int rank, int step) {
+  for (std::size_t i = 0; i < n; ++i) g[i] = 0.1f * w[i] + 0.01f * float((i * 7 + std::size_t(rank) * 3 + std::size_t(step)) % 11) - 0.05f;
+}
+
+struct Model {
+  std::vector<float> w = std::vector<float>(kA + kB);
+  Model() {
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] = 0.01f * float(i % 13) - 0.06f;
+  }
+};
+
+struct Plan {
+  int from = 0, to = kSteps;                   // steps to run (from: a checkpoint's, when `load`)
+  std::string load, save_at_end;               // a checkpoint to start from / to write after `to`
+  std::optional<int> lose_at;                  // this step is abandoned after parameter a is reported
+  bool dies = false;                           // ... by this rank's end (its Runtime goes)
+  std::shared_ptr<Communicator> next;          // the round to recover onto
+};
+
+struct Outcome {
+  std::uint64_t resumed = 0;
+  std::vector<float> after_recovery;
+  std::vector<std::string> log;
+};
+
+Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg, Model& m, Plan plan) {
+  Outcome out;
+  Runtime rt(std::move(comm), cfg);
+  const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.w.data()});
+  const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.w.data() + kA});
+  OptimizerConfig adamw;
+  adamw.kind = OptimizerConfig::Kind::adamw;
+  adamw.lr = 0.01f;
+  rt.configure_optimizer(adamw);
+  int step = int(rt.resumed_step());
+  if (!plan.load.empty()) rt.load_checkpoint(plan.load), step = plan.from;
+  for (; step < plan.to; ++step) {
+    try {
+      rt.zero_grad();
+      gradients(m.w.data(), kA, rt.grad_f32(pa), rank, step);
+      rt.grad_ready(pa);
+      if (plan.lose_at && step == *plan.lose_at) {
+        plan.lose_at.reset();
+        // Parameter a's bucket reduces and steps meanwhile on every rank: the step in flight is
+        // half applied when the round is abandoned, and must be undone (Note [Going on from the twins]).
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+        if (plan.dies) return out;  // the Runtime goes with the rank: the others' collectives fail
+        throw CommError("rank " + std::to_string(rank) + ": the test loses a peer in step " + std::to_string(step));
+      }
+      gradients(m.w.data() + kA, kB, rt.grad_f32(pb), rank, step);
+      rt.grad_ready(pb);
+      rt.wait();
+    } catch (const Error&) {
+      if (!plan.next) throw;
+      out.resumed = rt.recover(std::exchange(plan.next, nullptr));
+      out.after_recovery = m.w;
+      out.log = rt.collective_log();
+      step = int(out.resumed) - 1;
+    }
+  }
+  rt.wait_all_params();
+  if (!plan.save_at_end.empty()) rt.save_checkpoint(plan.save_at_end);
+  return out;
+}
+
+std::string scratch(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardflow_twins_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+// Runs `n` ranks as threads, rank r with plans[r]; rethrows the first failure.
+std::vector<Outcome> run_world(int n, const std::function<std::shared_ptr<Communicator>(int)>& comm, const Config& cfg,
+                               std::vector<Model>& models, const std::vector<Plan>& plans) {
+  std::vector<Outcome> out(static_cast<std::size_t>(n));
+  test::require_all_ok(test::run_ranks(n, [&](int r) { out[std::size_t(r)] = run_rank(r, comm(r), cfg, models[std::size_t(r)], plans[std::size_t(r)]); }));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("twins, world 3, stages 1 and 2: every rank abandons step 8 half reported and recovers onto a new round -> it goes on after step 7 "
+          "(the half step discarded, no completed step rolled back, no snapshot read, where snapshots alone would give step 6), and ends bit for "
+          "bit where an uninterrupted run ends") {
+  constexpr int N = 3;
+  for (int stage : {1, 2}) {
+    CAPTURE(stage);
+    std::vector<Model> want(N), got(N);
+    {
+      auto world = InProcessWorld::create(N);
+      const auto snaps = scratch("ref");
+      run_world(N, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), want, std::vector<Plan>(N));
+      std::filesystem::remove_all(snaps);
+    }
+    auto first = InProcessWorld::create(N), second = InProcessWorld::create(N);
+    const auto snaps = scratch("rec");
+    std::vector<Plan> plans(N);
+    for (int r = 0; r < N; ++r) plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = second->communicator(r);
+    const auto out = run_world(N, [&](int r) { return first->communicator(r); }, recovering(snaps, stage), got, plans);
+    for (int r = 0; r < N; ++r) {
+      CAPTURE(r);
+      CHECK(out[std::size_t(r)].resumed == 7);
+      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+      const auto& log = out[std::size_t(r)].log;
+      CHECK(std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("twins: restore state") != std::string::npos; }));
+    }
+    std::filesystem::remove_all(snaps);
+  }
+}
+
+TEST_CASE("twins, world 3 -> 2, stages 1 and 2: rank 2 is lost in step 8 (its Runtime gone) -> ranks 0 and 1 go on at world 2 after step 7, "
+          "rank 2's shard from its twin on rank 0: the parameters bit for bit those after step 7, and the run ends bit for bit where 7 steps "
+          "at world 3, a checkpoint and the rest at world 2 end") {
+  for (int stage : {1, 2}) {
+    CAPTURE(stage);
+    // The reference: 7 steps at world 3, a checkpoint, the rest at world 2 from it.
+    const auto ckpt = scratch("ckpt") + ".safetensors";
+    std::vector<Model> at7(3), want(2);
+    {
+      auto world = InProcessWorld::create(3);
+      std::vector<Plan> plans(3);
+      for (auto& p : plans) p.to = 7, p.save_at_end = ckpt;
+      const auto snaps = scratch("ref3");
+      run_world(3, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), at7, plans);
+      std::filesystem::remove_all(snaps);
+    }
+    {
+      auto world = InProcessWorld::create(2);
+      std::vector<Plan> plans(2);
+      for (auto& p : plans) p.from = 7, p.load = ckpt;
+      const auto snaps = scratch("ref2");
+      run_world(2, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), want, plans);
+      std::filesystem::remove_all(snaps);
+    }
+    std::filesystem::remove(ckpt);
+    auto first = InProcessWorld::create(3), second = InProcessWorld::create(2);
+    const auto snaps = scratch("lost");
+    std::vector<Plan> plans(3);
+    for (auto& p : plans) p.lose_at = 7;
+    plans[2].dies = true;
+    plans[0].next = second->communicator(0);
+    plans[1].next = second->communicator(1);
+    std::vector<Model> got(3);
+    const auto out = run_world(3, [&](int r) { return first->communicator(r); }, recovering(snaps, stage), got, plans);
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CHECK(out[std::size_t(r)].resumed == 7);
+      CHECK(out[std::size_t(r)].after_recovery == at7[0].w);
+      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+    }
+    std::filesystem::remove_all(snaps);
+  }
+}
+
+TEST_CASE("twins, world 3, stage 1: rank 2 is lost in step 8 and a fresh process takes its place in the next round -> it gets its shard "
+          "and the parameters from the survivors' memory (rank 2's from its twin), nothing from disk, and all three end bit for bit where "
+          "an uninterrupted run ends") {
+  std::vector<Model> want(3), got(4);
+  {
+    auto world = InProcessWorld::create(3);
+    const auto snaps = scratch("ref");
+    run_world(3, [&](int r) { return world->communicator(r); }, recovering(snaps, 1), want, std::vector<Plan>(3));
+    std::filesystem::remove_all(snaps);
+  }
+  auto first = InProcessWorld::create(3), second = InProcessWorld::create(3);
+  const auto snaps = scratch("replaced");
+  std::vector<Plan> plans(4);
+  for (int r = 0; r < 3; ++r) plans[std::size_t(r)].lose_at = 7;
+  plans[2].dies = true;
+  plans[0].next = second->communicator(0);
+  plans[1].next = second->communicator(1);
+  // Thread 3 is the replacement: rank 2 of the second round, started once rank 2 is gone.
+  std::vector<Outcome> out(4);
+  test::require_all_ok(test::run_ranks(4, [&](int t) {
+    if (t < 3) {
+      out[std::size_t(t)] = run_rank(t, first->communicator(t), recovering(snaps, 1), got[std::size_t(t)], plans[std::size_t(t)]);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    out[3] = run_rank(2, second->communicator(2), recovering(snaps, 1), got[3], Plan{});
+  }));
+  for (int r : {0, 1}) {
+    CAPTURE(r);
+    CHECK(out[std::size_t(r)].resumed == 7);
+    CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+  }
+  CHECK(got[3].w == want[2].w);  // the replacement, as rank 2
+  std::filesystem::remove_all(snaps);
+}
