@@ -110,7 +110,7 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in cmds]
     codes, events = read_all(procs)
     started = first_step = killed_at = restarted = first_after = last_step_at = None
-    last_step_before = resumed_first = None
+    last_step_before = resumed_first = caught_up = None
     for now, line in events:
         m = re.match(r"\[rank 0\] step +(\d+)/", line)
         if started is None and line.startswith("shardflow run: started"):
@@ -129,9 +129,12 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=
             last_step_before, last_step_at = int(m.group(1)), now
         elif m and restarted is not None and first_after is None:
             first_after, resumed_first = now, int(m.group(1))
+        if m and first_after is not None and caught_up is None and int(m.group(1)) > last_step_before:
+            caught_up = now  # past the last step done before the loss: the progress is back
     if any(codes[:1] if a.lose == "host" else codes) or None in (killed_at, first_after):  # host b's launcher was killed
         sys.exit("restart_time: the job failed or did not restart:\n" + "".join(l for _, l in events[-40:]) + "\nexit codes: " + str(codes))
-    return first_after - killed_at, restarted - killed_at, last_step_before - (resumed_first - 1), first_step - started
+    return (first_after - killed_at, restarted - killed_at, max(0, last_step_before - (resumed_first - 1)), first_step - started,
+            (caught_up or first_after) - killed_at)
 
 
 def main():
@@ -194,6 +197,8 @@ def measure(a):
                 report(a, a.recovery, runs[r])
             ratio = statistics.median(r[0] for r in runs[2]) / statistics.median(r[0] for r in runs[1])
             print(f"redundancy 2 / 1, kill -> rank 0's first step after: {ratio:.2f}")
+            ratio = statistics.median(r[4] for r in runs[2]) / statistics.median(r[4] for r in runs[1])
+            print(f"redundancy 2 / 1, kill -> rank 0 past its last step before: {ratio:.2f}")
             return
         if a.actor_trainer:
             runs = {p: [] for p in ("mlp_train", "actor_trainer")}
@@ -219,7 +224,7 @@ def measure(a):
 
 
 def report(a, mode, runs):
-    total, stop, lost, fresh = zip(*runs)
+    total, stop, lost, fresh, back = zip(*runs)
     where = f"2 hosts x {a.per_host} rank(s), link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
     loss = f"host b lost at rank {2 * a.per_host - 1}'s" if a.lose == "host" else "rank 1 killed at"
     world = 2 * a.per_host if a.two_hosts else 2
@@ -232,6 +237,8 @@ def report(a, mode, runs):
     print(f"  of which kill -> the launcher's decision (restart, in-place: the new process started): median {statistics.median(stop):.2f} s")
     print(f"  for comparison, the first start -> its first step: median {statistics.median(fresh):.2f} s")
     print(f"  steps lost (done before the kill, done again): {', '.join(str(n) for n in lost)}")
+    print(f"  {since} -> rank 0 past the last step it had done before: median {statistics.median(back):.2f} s "
+          f"(runs: {', '.join(f'{t:.2f}' for t in back)})")
 
 
 if __name__ == "__main__":

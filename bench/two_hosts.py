@@ -146,6 +146,14 @@ SHARDFLOW_ROWS = {
     "shardflow ZeRO-1 interleaved + prefetch, all-reduced grads": ["--zero-stage", "1", "--overlap", "interleaved",
                                                                    "--forward-prefetch", "--no-reduce-scatter"],
     "shardflow ZeRO-2 interleaved + prefetch": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
+    # Note [Mirrored shards]: a twin of each shard on the other host (the snapshot directory is the
+    # fallback it needs; no snapshot is taken in the table's steps).
+    "shardflow ZeRO-1 interleaved + prefetch, redundancy 2": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch",
+                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_bench",
+                                                              "--snapshot-every", "1000"],
+    "shardflow ZeRO-2 interleaved + prefetch, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
+                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_bench",
+                                                              "--snapshot-every", "1000"],
 }
 TABLE_STEPS = 40
 
@@ -215,6 +223,8 @@ def table(args, build):
     models = args.models.split(",")
     torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
     rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(SHARDFLOW_ROWS)
+    if args.only:
+        rows = [r for r in rows if any(o in r for o in args.only.split(","))]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o777)
@@ -444,7 +454,7 @@ def main():
     ap.add_argument("--png")
     ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/peers/torch_gpt.py (4.)")
     ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
-    ap.add_argument("--only", help="with --gpt: only the rows whose names contain one of these (comma-separated)")
+    ap.add_argument("--only", help="with --gpt or --table: only the rows whose names contain one of these (comma-separated)")
     ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")
     args = ap.parse_args()
     if os.geteuid() != 0:

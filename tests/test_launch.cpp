@@ -547,6 +547,17 @@ TEST_CASE("world 3 over Gloo: rank 2 killed in step 7 -> resumed from step 5's s
   check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
 }
 
+namespace {
+// Runs a launcher job that must succeed; its output.
+std::string run_ok(const std::vector<std::string>& argv) {
+  Child job(argv, no_launch_env());
+  const auto st = job.wait(120s);
+  INFO(job.output());
+  REQUIRE(test::exited_ok(st));
+  return job.output();
+}
+}  // namespace
+
 // Note [Recovering in place]
 TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) or stopped (SIGSTOP) in step 7 -> only its "
           "process starts again — ranks 0 and 2 keep theirs, reload step 5's snapshot with it, and the job ends bit for bit "
@@ -565,13 +576,6 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
     auto argv = launch(3, {"/bin/sh", "-c", cmd});
     argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", "in-place", "--heartbeat-timeout", "2"});
     return argv;
-  };
-  auto run_ok = [](const std::vector<std::string>& argv) {
-    Child job(argv, no_launch_env());
-    const auto st = job.wait(120s);
-    INFO(job.output());
-    REQUIRE(test::exited_ok(st));
-    return job.output();
   };
   for (const std::string backend : {"shm", "gloo"}) {
     CAPTURE(backend);
@@ -624,13 +628,6 @@ TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 3 (shm a
     auto argv = launch(3, {"/bin/sh", "-c", cmd});
     argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", recovery});
     return argv;
-  };
-  auto run_ok = [](const std::vector<std::string>& argv) {
-    Child job(argv, no_launch_env());
-    const auto st = job.wait(120s);
-    INFO(job.output());
-    REQUIRE(test::exited_ok(st));
-    return job.output();
   };
   // The step every rank goes on after, from the survivors' lines.
   auto going_on_after = [](const std::string& log) {

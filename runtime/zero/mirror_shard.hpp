@@ -39,7 +39,7 @@ struct OptimizerGroups;
 // place, or its fp32 masters): made from the parameters as the source's are, when both are the
 // same on every rank. Costs: the twin's state (one state shard more, masters included), two
 // slices a bucket in the wire dtype (the one landing and the one held), and the source's step
-// again on this rank's cores.
+// again on this rank's cores; beside it the owner's copy from before the step (Shard).
 class MirrorShard {
  public:
   // What one step of the source took besides its reduced slices.

@@ -309,6 +309,9 @@ std::size_t Shard::migrate_slots() const {
 std::size_t Shard::state_bytes() const {
   std::size_t n = 0;
   for (std::size_t b = 0; b < state_a_.size(); ++b) n += (state_a_[b].n + state_b_[b].n + master_[b].n) * 4;
+  // Note [Mirrored shards]: the twin (its state, values and slices) and the owner's copy from before the step.
+  for (std::size_t b = 0; b < undo_values_.size(); ++b) n += (undo_values_[b].n + undo_a_[b].n + undo_b_[b].n) * 4;
+  if (mirror_) n += mirror_->bytes();
   return n;
 }
 

@@ -144,8 +144,11 @@ struct ZeroConfig {
   // stepped as its owner steps it, one step behind; the owner keeps its pieces as they were before
   // the step in flight. recover() (and a replacement's resumed_step()) then go on after the last
   // step every survivor finished, from memory: no completed step is rolled back, nothing is read
-  // from disk, as long as no rank and its twin's holder are lost together. Costs two state shards
-  // more a rank (the twin and the owner's copy) and the twin's step on the rank's cores. Needs
+  // from disk, as long as no rank and its twin's holder are lost together. Costs, per element a
+  // rank owns, with Adam: 8 fp32 words of memory more (the twin's values and moments, its two
+  // slices in comm_dtype, the owner's values and moments from before the step) beside the 2 of
+  // the state itself; a slice per bucket on the wire (at 2 hosts half again the bytes ZeRO moves
+  // between them); and the twin's step on the rank's cores. Needs
   // stage 1 or 2 with the flat partition's reduce-scatter, the runtime's optimizer on host shards,
   // no comm hook, and Config::snapshot.dir (what recovery falls back to).
   int redundancy = 1;
