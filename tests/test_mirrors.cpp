@@ -167,7 +167,7 @@ TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
 }
 
 TEST_CASE("Config::zero.redundancy = 2 refuses by name what it cannot follow: all-reduced buckets, stage 0, no snapshot directory, "
-          "a comm hook, a twin distance that comes back to the rank itself") {
+          "a comm hook, the trainer's state in snapshots, a twin distance that comes back to the rank itself") {
   auto refusal = [](Config cfg, bool hook = false) {
     auto w = InProcessWorld::create(2, 10s);
     const auto errors = test::run_ranks(2, [&](int r) {
@@ -197,6 +197,9 @@ TEST_CASE("Config::zero.redundancy = 2 refuses by name what it cannot follow: al
   no_dir.snapshot.every = 0;
   CHECK(refusal(no_dir).find("zero.redundancy = 2 heals a lost rank from memory") != std::string::npos);
   CHECK(refusal(ok, true).find("feeds each twin its source's reduce-scatter slice, which a hook's own all-reduces do not produce") != std::string::npos);
+  Config scheduler = ok;
+  scheduler.snapshot.trainer_state = true;
+  CHECK(refusal(scheduler).find("the trainer's own state") != std::string::npos);
   Config back = ok;
   back.zero.twin_distance = 2;
   CHECK(refusal(back).find("zero.twin_distance = 2 at world 2 brings each rank's slices back to itself") != std::string::npos);
