@@ -80,7 +80,12 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     const auto& s = said[std::size_t(r)];
     if (s.old_rank < 0) continue;
     if (first_survivor < 0) first_survivor = r, old_world = s.old_world, offset = s.offset;
-    if (s.old_world != old_world || s.offset != offset) return std::nullopt;  // not one old round
+    if (s.old_world != old_world || s.offset != offset || s.old_rank >= old_world) return std::nullopt;  // not one old round
+    // The census travels as fp32 words: exact up to 2^24 steps; past that, the snapshot.
+    if (s.steps >= (std::int64_t(1) << 24) || s.offset >= (std::int64_t(1) << 24) || -s.offset >= (std::int64_t(1) << 24)) {
+      if (rank == 0) log->warn("twins: a step count past 2^24 does not travel in the census; going back to the snapshot of step {}", snapshot_step);
+      return std::nullopt;
+    }
     steps = steps < 0 ? s.steps : std::min(steps, s.steps);
   }
   if (first_survivor < 0) return std::nullopt;  // a start: nothing kept anywhere

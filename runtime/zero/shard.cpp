@@ -53,7 +53,8 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
                         ? ops_->alloc((s.padded + s.slice) * dtype_size(comm_dtype_))
                         : nullptr);
   }
-  if (const int distance = twin_distance(cfg, shard_.world); cfg.zero.redundancy == 2 && shard_.sharded && shard_.world > 1) {
+  if (cfg.zero.redundancy == 2 && shard_.sharded && shard_.world > 1) {
+    const int distance = twin_distance(cfg, shard_.world);
     if (ops_->on_gpu()) throw UsageError(cfg.name_of("zero.redundancy") + " = 2: device shards do not keep a twin yet");
     if (!reduce_scatters())
       throw UsageError(cfg.name_of("zero.redundancy") + " = 2: a twin takes its source's reduce-scatter slice; this plan's buckets are "
