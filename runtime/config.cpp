@@ -56,9 +56,6 @@ void Config::validate() const {
     if (zero.partition != Partition::flat || !zero.reduce_scatter)
       bad("zero.redundancy", "= 2 needs each bucket reduce-scattered into equal slices: " + name_of("zero.partition") + " flat and " +
                                  name_of("zero.reduce_scatter") + " on");
-    if (snapshot.trainer_state)
-      bad("zero.redundancy", "= 2 goes on from a step no snapshot may hold, and the trainer's own state (" + name_of("snapshot.trainer_state") +
-                             ", an LR scheduler's) is kept only in snapshots: the two do not work together yet");
     if (snapshot.dir.empty())
       bad("zero.redundancy", "= 2 heals a lost rank from memory, and falls back to the newest snapshot when a rank and its twin's "
                              "holder are lost together: set " + name_of("snapshot.dir") + " (and " + name_of("snapshot.every") + ")");

@@ -167,7 +167,7 @@ TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
 }
 
 TEST_CASE("Config::zero.redundancy = 2 refuses by name what it cannot follow: all-reduced buckets, stage 0, no snapshot directory, "
-          "a comm hook, the trainer's state in snapshots, a twin distance that comes back to the rank itself") {
+          "a comm hook, a twin distance that comes back to the rank itself") {
   auto refusal = [](Config cfg, bool hook = false) {
     auto w = InProcessWorld::create(2, 10s);
     const auto errors = test::run_ranks(2, [&](int r) {
@@ -197,9 +197,6 @@ TEST_CASE("Config::zero.redundancy = 2 refuses by name what it cannot follow: al
   no_dir.snapshot.every = 0;
   CHECK(refusal(no_dir).find("zero.redundancy = 2 heals a lost rank from memory") != std::string::npos);
   CHECK(refusal(ok, true).find("feeds each twin its source's reduce-scatter slice, which a hook's own all-reduces do not produce") != std::string::npos);
-  Config scheduler = ok;
-  scheduler.snapshot.trainer_state = true;
-  CHECK(refusal(scheduler).find("the trainer's own state") != std::string::npos);
   Config back = ok;
   back.zero.twin_distance = 2;
   CHECK(refusal(back).find("zero.twin_distance = 2 at world 2 brings each rank's slices back to itself") != std::string::npos);
@@ -216,7 +213,9 @@ namespace {
 constexpr int kSteps = 10;
 constexpr std::size_t kA = 300, kB = 37;  // several buckets with the caps below
 
-Config recovering(const std::string& snapshots, int stage) {
+// trainer_state: the trainer hands its own state over at each iteration's start (Note [The
+// trainer's state with the twins]).
+Config recovering(const std::string& snapshots, int stage, bool trainer_state = false) {
   Config cfg;
   cfg.zero.stage = ZeroStage(stage);
   cfg.zero.overlap = Overlap::interleaved;
@@ -226,6 +225,7 @@ Config recovering(const std::string& snapshots, int stage) {
   cfg.timeouts.collective = std::chrono::seconds(20);
   cfg.zero.redundancy = 2;
   cfg.zero.twin_distance = 1;
+  cfg.snapshot.trainer_state = trainer_state;
   return cfg;
 }
 
@@ -247,10 +247,15 @@ struct Plan {
   std::optional<int> lose_at;                  // this step is abandoned after parameter a is reported
   bool dies = false;                           // ... by this rank's end (its Runtime goes)
   std::shared_ptr<Communicator> next;          // the round to recover onto
+  bool hands_state = true;                     // with Config::snapshot.trainer_state: hands it over
 };
+
+// What a scheduler's state would be after `step`: the trainer's state the tests hand over.
+std::string schedule_after(std::uint64_t step) { return "schedule after step " + std::to_string(step); }
 
 struct Outcome {
   std::uint64_t resumed = 0;
+  std::optional<std::string> trainer_state;  // what resumed_step() or recover() gave back
   std::vector<float> after_recovery;
   std::vector<std::string> log;
 };
@@ -265,9 +270,12 @@ Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg
   adamw.lr = 0.01f;
   rt.configure_optimizer(adamw);
   int step = int(rt.resumed_step());
+  if (step > 0) out.resumed = std::uint64_t(step), out.trainer_state = rt.trainer_state();
   if (!plan.load.empty()) rt.load_checkpoint(plan.load), step = plan.from;
   for (; step < plan.to; ++step) {
     try {
+      if (cfg.snapshot.trainer_state && plan.hands_state)
+        if (const auto w = rt.trainer_state_wanted()) rt.set_trainer_state(w, schedule_after(w));
       rt.zero_grad();
       gradients(m.w.data(), kA, rt.grad_f32(pa), rank, step);
       rt.grad_ready(pa);
@@ -285,6 +293,7 @@ Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg
     } catch (const Error&) {
       if (!plan.next) throw;
       out.resumed = rt.recover(std::exchange(plan.next, nullptr));
+      out.trainer_state = rt.trainer_state();
       out.after_recovery = m.w;
       out.log = rt.collective_log();
       step = int(out.resumed) - 1;
@@ -373,10 +382,11 @@ TEST_CASE("twins, world 3 -> 2, stages 1 and 2: rank 2 is lost in step 8 (its Ru
     plans[0].next = second->communicator(0);
     plans[1].next = second->communicator(1);
     std::vector<Model> got(3);
-    const auto out = run_world(3, [&](int r) { return first->communicator(r); }, recovering(snaps, stage), got, plans);
+    const auto out = run_world(3, [&](int r) { return first->communicator(r); }, recovering(snaps, stage, true), got, plans);
     for (int r = 0; r < 2; ++r) {
       CAPTURE(r);
       CHECK(out[std::size_t(r)].resumed == 7);
+      CHECK(out[std::size_t(r)].trainer_state == schedule_after(7));  // with the model, not the snapshot's (step 6)
       CHECK(out[std::size_t(r)].after_recovery == at7[0].w);
       CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
     }
@@ -405,11 +415,11 @@ TEST_CASE("twins, world 3, stage 1: rank 2 is lost in step 8 and a fresh process
   std::vector<Outcome> out(4);
   test::require_all_ok(test::run_ranks(4, [&](int t) {
     if (t < 3) {
-      out[std::size_t(t)] = run_rank(t, first->communicator(t), recovering(snaps, 1), got[std::size_t(t)], plans[std::size_t(t)]);
+      out[std::size_t(t)] = run_rank(t, first->communicator(t), recovering(snaps, 1, true), got[std::size_t(t)], plans[std::size_t(t)]);
       return;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    out[3] = run_rank(2, second->communicator(2), recovering(snaps, 1), got[3], Plan{});
+    out[3] = run_rank(2, second->communicator(2), recovering(snaps, 1, true), got[3], Plan{});
   }));
   for (int r : {0, 1}) {
     CAPTURE(r);
@@ -417,5 +427,43 @@ TEST_CASE("twins, world 3, stage 1: rank 2 is lost in step 8 and a fresh process
     CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
   }
   CHECK(got[3].w == want[2].w);  // the replacement, as rank 2
+  // The trainer's state too, from a survivor's memory: the replacement kept none.
+  CHECK(out[3].resumed == 7);
+  for (int t : {0, 1, 3}) {
+    CAPTURE(t);
+    CHECK(out[std::size_t(t)].trainer_state == schedule_after(7));
+  }
   std::filesystem::remove_all(snaps);
+}
+
+TEST_CASE("twins with the trainer's state (Config::snapshot.trainer_state), world 3, stage 1: every rank abandons step 8 -> recover() gives "
+          "back the state the trainer handed over after step 7 with the model after step 7, and a trainer that never hands it over -> no "
+          "survivor holds it, so every rank goes back to the snapshot of step 6 rather than pair the model of one step with the schedule of "
+          "another") {
+  constexpr int N = 3;
+  for (bool hands : {true, false}) {
+    CAPTURE(hands);
+    std::vector<Model> want(N), got(N);
+    {
+      auto world = InProcessWorld::create(N);
+      const auto snaps = scratch("ref");
+      run_world(N, [&](int r) { return world->communicator(r); }, recovering(snaps, 1), want, std::vector<Plan>(N));
+      std::filesystem::remove_all(snaps);
+    }
+    auto first = InProcessWorld::create(N), second = InProcessWorld::create(N);
+    const auto snaps = scratch("state");
+    std::vector<Plan> plans(N);
+    for (int r = 0; r < N; ++r) {
+      plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = second->communicator(r);
+      plans[std::size_t(r)].hands_state = hands;
+    }
+    const auto out = run_world(N, [&](int r) { return first->communicator(r); }, recovering(snaps, 1, true), got, plans);
+    for (int r = 0; r < N; ++r) {
+      CAPTURE(r);
+      CHECK(out[std::size_t(r)].resumed == (hands ? 7u : 4u));
+      CHECK(out[std::size_t(r)].trainer_state == (hands ? std::optional<std::string>(schedule_after(7)) : std::nullopt));
+      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+    }
+    std::filesystem::remove_all(snaps);
+  }
 }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,6 +62,7 @@ struct TwinSalvage {
   std::shared_ptr<Shard> shard;  // stopped, its buckets gone
   int rank = -1;                 // in the old round
   std::int64_t offset = 0;       // iteration = optimizer steps + offset there
+  std::map<std::uint64_t, std::string> trainer_states;  // by step, as SnapshotState's
 };
 
 struct SnapshotState {
@@ -94,6 +96,9 @@ struct SnapshotState {
   std::int64_t step_offset = 0;
   TwinSalvage salvage;
   bool from_twins = false;
+  // With Config::snapshot.trainer_state too: the trainer's state after the last two steps, handed
+  // over at each iteration's start (Note [The trainer's state with the twins], twin_restore.cpp).
+  std::map<std::uint64_t, std::string> trainer_states;
 };
 
 // All of the folder's state on a rank. Runtime::Impl holds it through a pointer (`persistence`,

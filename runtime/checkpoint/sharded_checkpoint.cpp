@@ -552,17 +552,21 @@ void Runtime::Impl::load_sharded_checkpoint(const std::string& index_path) {  //
 // ---- Note [The trainer's state in a snapshot] (snapshots.cpp) -------------------------------------
 std::uint64_t Runtime::trainer_state_wanted() const {
   const auto& pending = impl_->persistence->saves.pending;
-  return pending && pending->awaits_trainer_state ? pending->step : 0;
+  if (pending && pending->awaits_trainer_state) return pending->step;
+  return impl_->twin_trainer_state_wanted();  // Note [The trainer's state with the twins]
 }
 
 void Runtime::set_trainer_state(std::uint64_t step, const std::string& state) {
   auto& I = *impl_;
+  const bool held = I.hold_trainer_state(step, state);
   auto* pending = I.persistence->saves.pending.get();
-  if (!pending || !pending->awaits_trainer_state || pending->step != step)
+  if (!pending || !pending->awaits_trainer_state || pending->step != step) {
+    if (held) return;
     throw UsageError("set_trainer_state(step " + std::to_string(step) + ") on rank " + std::to_string(I.rank) + ": " +
                      (pending && pending->awaits_trainer_state ? "the snapshot waiting for it is step " + std::to_string(pending->step)
                                                                : std::string("no snapshot is waiting for the trainer's state")) +
                      " (trainer_state_wanted() says which)");
+  }
   pending->awaits_trainer_state = false;
   if (pending->index.empty()) return;  // a rank that writes no index
   auto j = nlohmann::json::parse(pending->index);

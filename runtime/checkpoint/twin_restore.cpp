@@ -20,6 +20,20 @@
 //   parameters at once, written as the owners' step writes them (rounded to a 16-bit storage or
 //   wire), so no parameter sync follows; frozen parameters come from the first survivor.
 // - The sums are of one value and zeros: exact, so the restored state is the old one bit for bit.
+//
+// Note [The trainer's state with the twins]
+// With Config::snapshot.trainer_state the trainer's own state (an LR scheduler's counter) must go
+// back to the step the model goes on from (Note [The trainer's state in a snapshot]); the twins go
+// on from a step no snapshot may hold. So each rank also keeps that state in memory, for the last
+// two steps: trainer_state_wanted() asks for it at every iteration's start (the state after the
+// step just done, once the trainer's code after the step has run), not only for a snapshot. The
+// census says which steps each rank holds. A failure can leave survivors one iteration apart (with
+// forward prefetch one rank may have begun the next iteration, and handed over its state, while
+// another failed in the wait of the last), so the state comes from any survivor that holds the
+// step gone on from, broadcast to every rank (a replacement included), and trainer_state() then
+// says it, as after a snapshot's load. If no survivor holds it (the trainer did not hand it over),
+// every rank goes back to the snapshot, which carries its own: never a model at one step and a
+// schedule at another.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -41,8 +55,10 @@ struct Said {
   int old_world = 0;
   int twin_of = -1;    // the old rank whose shard its twin mirrors
   std::int64_t offset = 0;  // iteration = steps + offset
+  std::int64_t held[2] = {-1, -1};  // the steps whose trainer state it holds (-1: none)
 };
-constexpr std::size_t kWords = 5;
+constexpr std::size_t kWords = 7;
+constexpr std::int64_t kExact = std::int64_t(1) << 24;  // integers an fp32 word carries exactly
 
 }  // namespace
 
@@ -60,6 +76,10 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     w[2] = old ? float(old->shard_plan().world) : 0.0f;
     w[3] = old && old->mirror() ? float(old->mirror()->source()) : -1.0f;
     w[4] = old ? float(kept.offset) : 0.0f;
+    w[5] = w[6] = -1.0f;
+    std::size_t k = 0;
+    for (auto it = kept.trainer_states.rbegin(); it != kept.trainer_states.rend() && k < 2; ++it)
+      w[5 + k++] = it->first < std::uint64_t(kExact) ? float(it->first) : -1.0f;
     CollectiveOp op;
     op.kind = CollectiveKind::allgather;
     op.send = w;
@@ -71,7 +91,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   std::vector<Said> said(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
     const float* w = words.data() + kWords * std::size_t(r);
-    said[std::size_t(r)] = Said{int(w[0]), std::int64_t(w[1]), int(w[2]), int(w[3]), std::int64_t(w[4])};
+    said[std::size_t(r)] = Said{int(w[0]), std::int64_t(w[1]), int(w[2]), int(w[3]), std::int64_t(w[4]), {std::int64_t(w[5]), std::int64_t(w[6])}};
   }
   // The same decision on every rank, from the same words.
   int old_world = 0, first_survivor = -1;
@@ -82,7 +102,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     if (first_survivor < 0) first_survivor = r, old_world = s.old_world, offset = s.offset;
     if (s.old_world != old_world || s.offset != offset || s.old_rank >= old_world) return std::nullopt;  // not one old round
     // The census travels as fp32 words: exact up to 2^24 steps; past that, the snapshot.
-    if (s.steps >= (std::int64_t(1) << 24) || s.offset >= (std::int64_t(1) << 24) || -s.offset >= (std::int64_t(1) << 24)) {
+    if (s.steps >= kExact || s.offset >= kExact || -s.offset >= kExact) {
       if (rank == 0) log->warn("twins: a step count past 2^24 does not travel in the census; going back to the snapshot of step {}", snapshot_step);
       return std::nullopt;
     }
@@ -105,6 +125,19 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       return std::nullopt;
     }
     if (provider[std::size_t(x)] == rank) twin_gives.push_back(x);
+  }
+  // Note [The trainer's state with the twins]: a survivor that holds it for that step.
+  int state_from = -1;
+  if (cfg.snapshot.trainer_state && step > 0) {
+    for (int r = 0; r < world && state_from < 0; ++r)
+      for (const auto h : said[std::size_t(r)].held)
+        if (said[std::size_t(r)].old_rank >= 0 && h == std::int64_t(step)) state_from = r;
+    if (state_from < 0) {
+      if (rank == 0)
+        log->warn("twins: no survivor holds the trainer's state of step {} (set_trainer_state at the iteration's start); going back "
+                  "to the snapshot of step {}, which carries its own", step, snapshot_step);
+      return std::nullopt;
+    }
   }
   // Can each provider give its shards at `steps`? (A twin brought there applies its held slice.)
   float cannot = 0.0f;
@@ -180,17 +213,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     }
   }
   // Frozen parameters and the counters every rank shares, from the first survivor.
-  for (const auto& p : params)
-    if (!p.requires_grad && numel(p.shape) > 0) {
-      CollectiveOp op;
-      op.kind = CollectiveKind::broadcast;
-      op.dtype = p.dtype;
-      op.send = op.recv = p.data;
-      op.count = std::size_t(numel(p.shape));
-      op.root = first_survivor;
-      op.tag = "twins: frozen parameter '" + p.name + "'";
-      run_now(op);
-    }
+  broadcast_params(first_survivor, "twins: frozen", /*frozen_only=*/true);
   std::vector<float> counters(2 + params.size(), 0.0f);
   if (rank == first_survivor) {
     const auto [scale, tracker] = old->loss_scale_at(steps);
@@ -199,6 +222,18 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     for (std::size_t p = 0; p < params.size(); ++p) counters[2 + p] = float(sat_out[p]);
   }
   control_collective(CollectiveKind::broadcast, counters.data(), counters.size(), "twins: step counters", first_survivor);
+  if (state_from >= 0) {
+    std::string blob;
+    if (rank == state_from) blob = kept.trainer_states.at(step);
+    std::uint32_t size = std::uint32_t(blob.size());
+    control_collective(CollectiveKind::broadcast, &size, 1, "twins: the trainer's state, its size", state_from);
+    std::vector<std::uint32_t> words((std::size_t(size) + 3) / 4, 0u);
+    std::memcpy(words.data(), blob.data(), blob.size());
+    if (!words.empty()) control_collective(CollectiveKind::broadcast, words.data(), words.size(), "twins: the trainer's state", state_from);
+    blob.assign(reinterpret_cast<const char*>(words.data()), size);
+    snap.trainer_states[step] = blob;  // held again here, should this round fail before the next hand-over
+    snap.loaded_trainer_state = std::move(blob);
+  }
   shard->set_steps(steps);
   std::vector<std::int64_t> sat_out(params.size());
   for (std::size_t p = 0; p < params.size(); ++p) sat_out[p] = std::int64_t(counters[2 + p]);
@@ -214,6 +249,22 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   log->warn("twins: resumed after step {} from memory ({} of the old round's {} shard(s) from their twins), no step rolled back", step,
             lost, old_world);
   return step;
+}
+
+std::uint64_t Runtime::Impl::twin_trainer_state_wanted() const {
+  if (!cfg.snapshot.trainer_state || !shard || !shard->mirror()) return 0;
+  const auto& snap = persistence->snapshots;
+  const std::uint64_t step = snap.base + iterations;
+  return step > 0 && !snap.trainer_states.count(step) ? step : 0;
+}
+
+bool Runtime::Impl::hold_trainer_state(std::uint64_t step, const std::string& state) {
+  if (!cfg.snapshot.trainer_state || !shard || !shard->mirror()) return false;
+  auto& snap = persistence->snapshots;
+  if (step == 0 || step != snap.base + iterations) return false;
+  snap.trainer_states[step] = state;
+  while (snap.trainer_states.size() > 2) snap.trainer_states.erase(snap.trainer_states.begin());
+  return true;
 }
 
 }  // namespace shardflow

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "runtime/plans/bucket_plan.hpp"
@@ -46,14 +47,18 @@ struct ShardPlan {
 
 // Each of `rank`'s pieces of bucket b that overlaps the window [begin, begin + n) of parameter
 // coordinates (`param_base`: where each parameter starts there), as (element in the rank's packed
-// bucket buffer, element in the window, length).
+// bucket buffer, element in the window, length), and the piece itself where `fn` takes it.
 template <class Fn>
 void for_window(const ShardPlan& sp, const std::vector<std::size_t>& param_base, int rank, std::size_t b, std::size_t begin,
                 std::size_t n, Fn fn) {
   for (const auto& piece : sp.buckets[b].pieces[std::size_t(rank)]) {
     const std::size_t at = param_base[piece.param] + piece.param_off;
     const std::size_t lo = std::max(at, begin), hi = std::min(at + piece.len, begin + n);
-    if (lo < hi) fn(piece.packed_off + (lo - at), lo - begin, hi - lo);
+    if (lo >= hi) continue;
+    if constexpr (std::is_invocable_v<Fn, std::size_t, std::size_t, std::size_t, const ShardPiece&>)
+      fn(piece.packed_off + (lo - at), lo - begin, hi - lo, piece);
+    else
+      fn(piece.packed_off + (lo - at), lo - begin, hi - lo);
   }
 }
 

@@ -137,7 +137,8 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
                                                  bool forward_prefetch, bool uneven_inputs, bool find_unused_parameters, bool static_graph,
                                                  bool broadcast_buffers, double bucket_cap_mb, double timeout_s, const std::string& trace,
                                                  const std::vector<Group>& groups, double clip_grad_norm, double clip_norm_type,
-                                                 std::uintptr_t cuda_stream, const std::string& snapshot_dir, int snapshot_every) {
+                                                 std::uintptr_t cuda_stream, const std::string& snapshot_dir, int snapshot_every,
+                                                 int redundancy, int twin_distance) {
   libtorch::Options o;
   o.cuda_stream = reinterpret_cast<void*>(cuda_stream);
   if (zero_stage < 0 || zero_stage > 2) throw UsageError("shardflow.torch: zero_stage must be 0, 1 or 2, got " + std::to_string(zero_stage));
@@ -165,12 +166,17 @@ std::unique_ptr<libtorch::DataParallel> make_ddp(const Named& params, const Name
   // The wrapper hands each snapshot the state of what snapshot_with() names (an LR scheduler) at
   // the next forward (Note [The trainer's state in a snapshot]).
   o.config.snapshot.trainer_state = !snapshot_dir.empty();
+  // Note [Mirrored shards]; with the twins the wrapper's state is kept at every step too (Note
+  // [The trainer's state with the twins]).
+  o.config.zero.redundancy = redundancy;
+  o.config.zero.twin_distance = twin_distance;
   o.config.setting_names = {{"zero.stage", "zero_stage"},   {"zero.overlap", "overlap"},         {"zero.forward_prefetch", "forward_prefetch"},
                             {"join.uneven_inputs", "uneven_inputs"}, {"buckets.cap_bytes", "bucket_cap_mb"}, {"timeouts.collective", "init(timeout=)"},
                             {"trace.path", "trace"}, {"buckets.find_unused_parameters", "find_unused_parameters"},
                             {"buckets.static_graph", "static_graph"}, {"sync.buffers", "broadcast_buffers"},
                             {"zero.clip_grad_norm", "clip_grad_norm"}, {"zero.clip_norm_type", "clip_norm_type"},
-                            {"snapshot.dir", "snapshot_dir"}, {"snapshot.every", "snapshot_every"}};
+                            {"snapshot.dir", "snapshot_dir"}, {"snapshot.every", "snapshot_every"},
+                            {"zero.redundancy", "redundancy"}, {"zero.twin_distance", "twin_distance"}};
   Device device = Device::cpu();
   if (!params.empty() && params.front().second.is_cuda()) device = Device::cuda(params.front().second.device().index());
   auto c = comm_for(device);

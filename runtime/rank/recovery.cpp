@@ -85,7 +85,7 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
       self->send_exit(old.shard_actor_h, caf::exit_reason::user_shutdown);
       self->wait_for(old.shard_actor_h);
     }
-    salvage = TwinSalvage{old.shard, old.rank, old.persistence->snapshots.step_offset};
+    salvage = TwinSalvage{old.shard, old.rank, old.persistence->snapshots.step_offset, old.persistence->snapshots.trainer_states};
   }
   auto next = std::make_unique<Impl>();
   next->cfg = old.cfg;

@@ -222,7 +222,8 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // nothing). `loaded`: the parameters came from a snapshot, the same on every rank.
   void finish_initial_sync(bool loaded);
   void sync_initial_buffers();
-  void broadcast_params(int root, const char* what);  // every parameter from `root`, on this thread
+  // Every parameter from `root` (or only the frozen ones: those no shard's step writes), on this thread.
+  void broadcast_params(int root, const char* what, bool frozen_only = false);
   bool syncs_buffers() const;  // Config::sync.buffers, buffers registered, more than one rank
   void send_buffers();         // this iteration's broadcasts to the comm stream (finish_backward)
 
@@ -311,6 +312,11 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // the twins kept, if that is newer than `snapshot_step` and every lost shard has a twin left;
   // nullopt otherwise (the same answer on every rank), and the snapshot is loaded instead.
   std::optional<std::uint64_t> restore_from_twins(std::uint64_t snapshot_step);
+  // With mirrored shards and Config::snapshot.trainer_state, the trainer's state after each step
+  // is kept in memory too (the last two): the step whose state is still wanted (0: none), and
+  // whether set_trainer_state's state was that one (taken).
+  std::uint64_t twin_trainer_state_wanted() const;
+  bool hold_trainer_state(std::uint64_t step, const std::string& state);
 };
 
 }  // namespace shardflow

@@ -42,10 +42,11 @@ CollectiveOp buffer_broadcast(const BufferSpec& b) {
 
 }  // namespace
 
-void Runtime::Impl::broadcast_params(int root, const char* what) {
+void Runtime::Impl::broadcast_params(int root, const char* what, bool frozen_only) {
   // The trainer may have written device parameters asynchronously on its compute stream.
   if (mem->on_gpu()) cuda::stream_sync(mem->stream);
   for (const auto& p : registry.params()) {
+    if (frozen_only && p.requires_grad) continue;
     CollectiveOp op;
     op.kind = CollectiveKind::broadcast;
     op.dtype = p.dtype;

@@ -385,15 +385,11 @@ bool Shard::export_at(std::int64_t steps, std::size_t slot, std::size_t begin, f
     const bool master = !master_[b].empty();
     const Floats& from = undo ? (values ? undo_values_[b] : slot == 0 ? undo_a_[b] : undo_b_[b])
                               : (values ? master_[b] : slot == 0 ? state_a_[b] : state_b_[b]);
-    for_window(shard_, param_base_, shard_.rank, b, begin, n, [&](std::size_t packed, std::size_t window, std::size_t len) {
+    for_window(shard_, param_base_, shard_.rank, b, begin, n,
+               [&](std::size_t packed, std::size_t window, std::size_t len, const ShardPiece& piece) {
       if (values && !undo && !master) {  // stepped in place: the parameters are the values
-        const auto& piece_of = [&]() -> const ShardPiece& {
-          for (const auto& p : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
-            if (packed >= p.packed_off && packed < p.packed_off + p.len) return p;
-          throw Error("export_at: no piece holds element " + std::to_string(packed) + " of bucket " + std::to_string(b));
-        }();
         ops_->cast(DType::f32, out + window, plan_.buckets[b].dtype,
-                   param_bytes(piece_of.param) + (piece_of.param_off + packed - piece_of.packed_off) * esize(b), len);
+                   param_bytes(piece.param) + (piece.param_off + packed - piece.packed_off) * esize(b), len);
       } else if (!from.empty()) {
         ops_->download(out + window, from.data() + packed, len * sizeof(float));
       }

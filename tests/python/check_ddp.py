@@ -276,7 +276,10 @@ def main():
                       (dict(zero_stage=1, optimizer=("adamw", {"lr": "fast"})), "'lr' must be a number"),
                       (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": [torch.zeros(2)]}])), "group 0 holds a tensor"),
                       (dict(zero_stage=1, optimizer=("adamw", {}, [{"params": ["nope.weight"]}])), "nope.weight"),
-                      (dict(snapshot_every=5), "without snapshot_dir"), (dict(snapshot_dir="snaps", snapshot_every=0), "snapshot_every must be")):
+                      (dict(snapshot_every=5), "without snapshot_dir"), (dict(snapshot_dir="snaps", snapshot_every=0), "snapshot_every must be"),
+                      (dict(zero_stage=1, optimizer=adamw, redundancy=2), "redundancy = 2 heals a lost rank from memory"),
+                      (dict(zero_stage=1, optimizer=adamw, redundancy=3), "redundancy must be 1 or 2"),
+                      (dict(zero_stage=1, optimizer=adamw, twin_distance=1), "twin_distance = 1 places twins, but redundancy = 1")):
         failed += refused(lambda: sft.DistributedDataParallel(model(0), **bad), ValueError, want, bad)  # UsageError is a ValueError
     failed += refused(lambda: joined(zero_stage=1, optimizer=adamw), ValueError, "uneven_inputs=True", "join() without uneven_inputs")
     # DDP's loop forgets nothing but the step: a forward after an unended synchronised backward

@@ -17,7 +17,10 @@ taking half of every global batch instead of a third, so the gradient is the sam
 ends within float rounding of the uninterrupted one. An LR scheduler that changes the rate every step
 goes back to the snapshot's step with the model (Note [The trainer's state in a snapshot]): a
 counter left where the survivors were would end elsewhere. And a scheduler the snapshots do not
-carry is refused by name when a run goes on from one. Exit 77 (skipped) without python3-torch."""
+carry is refused by name when a run goes on from one. With redundancy=2 (mirrored shards, Note
+[Mirrored shards]) and a snapshot only every 5 steps, the survivors go on from the very step they
+were in (nothing rolled back: rank 1's shard comes from its twin, the scheduler's state from a
+survivor's memory) and the job still ends bit for bit. Exit 77 (skipped) without python3-torch."""
 import os
 import shutil
 import subprocess
@@ -40,21 +43,22 @@ def batch(step, rank, world):
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
-def make_model(snapshots, stage):
+def make_model(snapshots, stage, redundancy=1):
     import shardflow.torch as sft
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    # With twins the snapshots are only the fallback: seldom, so that one taken would show.
     model = sft.DistributedDataParallel(net, zero_stage=stage, optimizer=opt, bucket_cap_mb=0.0005, snapshot_dir=snapshots,
-                                        snapshot_every=1)
+                                        snapshot_every=1 if redundancy == 1 else 5, redundancy=redundancy)
     # A rate that changes every step: a counter off by any number of steps ends elsewhere.
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
     return net, model, scheduler
 
 
-def rank_main(out, snapshots, stage):
+def rank_main(out, snapshots, stage, redundancy):
     import shardflow.torch as sft
-    net, model, scheduler = make_model(snapshots, stage)
+    net, model, scheduler = make_model(snapshots, stage, redundancy)
     model.snapshot_with(scheduler=scheduler)
     if not os.environ.get("SHARDFLOW_RECOVERY"):
         # Outside --recovery in-place there is no next round to go on in: refused, naming the flag.
@@ -87,14 +91,14 @@ def rank_main(out, snapshots, stage):
     print("rank %d (pid %d): done, %d recovery(ies)" % (model.rank, os.getpid(), recovered), flush=True)
 
 
-def run(cli, workdir, name, stage, recovery=None):
+def run(cli, workdir, name, stage, recovery=None, redundancy=1):
     out, snaps = os.path.join(workdir, name + ".pt"), os.path.join(workdir, name + "_snapshots")
     # A snapshot left by an earlier run would be resumed from, past the fault.
     shutil.rmtree(snaps, ignore_errors=True)
     if os.path.exists(out):
         os.remove(out)
     script = os.path.abspath(__file__)
-    inner = "exec /usr/bin/python3 '%s' rank '%s' '%s' %d" % (script, out, snaps, stage)
+    inner = "exec /usr/bin/python3 '%s' rank '%s' '%s' %d %d" % (script, out, snaps, stage, redundancy)
     if recovery:
         # The fault only in round 0's processes: rank 1's replacement starts in round 1.
         inner = 'if [ "$SHARDFLOW_RECOVERY_ROUND" = 0 ]; then export SHARDFLOW_TEST_FAULT=collective:1:kill:13; fi; ' + inner
@@ -187,12 +191,30 @@ def main(cli, workdir):
             if problems:
                 print(log)
                 failed += 1
+    # Mirrored shards: rank 1 killed in the middle of a step, the survivors go on from that very step.
+    want, _ = run(cli, workdir, "ref1", 1)
+    got, log = run(cli, workdir, "twins1", 1, "in-place", redundancy=2)
+    problems = []
+    if "no step rolled back" not in log:
+        problems.append("the survivors did not go on from the twins")
+    for r in (0, 2):
+        lost = log.split("rank %d (pid " % r, 1)[1].split("a peer was lost in step ", 1) if "rank %d (pid " % r in log else []
+        lost_in = lost[1].split(" ", 1)[0] if len(lost) > 1 else "?"
+        if "rank %d (pid" % r not in log or ("): recovered, going on from step %s at world 3" % lost_in) not in log:
+            problems.append("rank %d did not go on from step %s, the one it lost a peer in" % (r, lost_in))
+    for k, v in want["params"].items():
+        if not torch.equal(got["params"][k], v):
+            problems.append("parameter %s differs from the uninterrupted run's (max %g)" % (k, (got["params"][k] - v).abs().max().item()))
+    print("stage 1, --recovery in-place, redundancy=2: %s" % ("ok" if not problems else "FAILED: " + "; ".join(problems)))
+    if problems:
+        print(log)
+        failed += 1
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
-        rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif sys.argv[1] == "unnamed":
         unnamed_scheduler(sys.argv[2])
     else:

@@ -150,8 +150,9 @@ struct ZeroConfig {
   // the state itself; a slice per bucket on the wire (at 2 hosts half again the bytes ZeRO moves
   // between them); and the twin's step on the rank's cores. Needs
   // stage 1 or 2 with the flat partition's reduce-scatter, the runtime's optimizer on host shards,
-  // no comm hook, and Config::snapshot.dir (what recovery falls back to); not yet with
-  // snapshot.trainer_state (kept only in snapshots), so not yet from Python.
+  // no comm hook, and Config::snapshot.dir (what recovery falls back to). With
+  // snapshot.trainer_state the trainer's state is kept at every step too (Note [The trainer's
+  // state with the twins]); from Python: DistributedDataParallel(redundancy=2).
   int redundancy = 1;
   // Where the twin of a rank's shard lives: that many ranks on (its source that many back). 0
   // (default): LOCAL_WORLD_SIZE, the ranks of one node under `shardflow run` or torchrun, when

@@ -188,7 +188,9 @@ class Runtime {
   // trainer's state in a snapshot]): bytes the trainer encodes (an LR scheduler's state_dict), the
   // same on every rank, as they stand once its code after a step has run, i.e. at the next
   // iteration's start. trainer_state_wanted() is the step of the snapshot in flight that still
-  // waits for them (0: none); set_trainer_state(step, bytes) hands them to it, and its index keeps
+  // waits for them (0: none), and with mirrored shards (Config::zero.redundancy = 2) the step just
+  // done at every iteration's start, whose state the twins may go on from (Note [The trainer's
+  // state with the twins]); set_trainer_state(step, bytes) hands them to it, and its index keeps
   // them. trainer_state() is what the snapshot or sharded checkpoint last loaded carried (nullopt:
   // nothing), for the trainer to restore after resumed_step() or recover().
   std::uint64_t trainer_state_wanted() const;

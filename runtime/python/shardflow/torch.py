@@ -98,6 +98,13 @@ def init(timeout=300.0, backend="auto"):
 _timeout = 300.0
 
 
+def _whole(name, value):
+    """A whole-number argument as the runtime takes it; its range is the runtime's to check, by this name."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError("shardflow.torch.DistributedDataParallel: %s must be a whole number, got %r" % (name, value))
+    return value
+
+
 def _module_device(module):
     """The one device a module's parameters and buffers live on (CPU or one GPU), or UsageError."""
     devices = {t.device for t in itertools.chain(module.parameters(), module.buffers())}
@@ -207,11 +214,17 @@ class DistributedDataParallel:
     snapshot_dir, snapshot_every: every `snapshot_every` steps each rank snapshots its shard of the
     model and optimizer state in the background (under `shardflow run` into memory that outlives
     the ranks, now and then into snapshot_dir); resumed_step() goes on from the newest after a
-    restart, recover() after a lost peer without restarting this process."""
+    restart, recover() after a lost peer without restarting this process. redundancy=2 (zero_stage
+    1 or 2, snapshot_dir set) keeps a twin of each rank's optimizer shard on another rank
+    (twin_distance ranks on; 0: a node's worth when there are several nodes, else 1), so that
+    recover() goes on after the last step every survivor finished, from memory, with no step
+    rolled back (Note [Mirrored shards]); it costs a shard's state again per rank, a slice per
+    bucket on the link and the twin's step. What snapshot_with() names is then kept at every step."""
 
     def __init__(self, module, zero_stage=0, overlap=None, forward_prefetch=False, bucket_cap_mb=None, optimizer=None,
                  uneven_inputs=False, find_unused_parameters=False, static_graph=False, broadcast_buffers=True, trace=None,
-                 clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None, snapshot_dir=None, snapshot_every=1):
+                 clip_grad_norm=None, clip_norm_type=2.0, device_ids=None, output_device=None, snapshot_dir=None, snapshot_every=1,
+                 redundancy=1, twin_distance=0):
         if not isinstance(module, torch.nn.Module):
             raise UsageError("shardflow.torch.DistributedDataParallel: module must be a torch.nn.Module, got %s" % type(module).__name__)
         device = _module_device(module)
@@ -254,7 +267,8 @@ class DistributedDataParallel:
                                     self._prefetch, self._uneven, bool(find_unused_parameters), bool(static_graph), bool(broadcast_buffers),
                                     0.0 if bucket_cap_mb is None else float(bucket_cap_mb), _timeout, trace or "", groups,
                                     0.0 if clip_grad_norm is None else float(clip_grad_norm), float(clip_norm_type),
-                                    self._current_stream(), "" if snapshot_dir is None else os.fspath(snapshot_dir), int(snapshot_every))
+                                    self._current_stream(), "" if snapshot_dir is None else os.fspath(snapshot_dir), int(snapshot_every),
+                                    _whole("redundancy", redundancy), _whole("twin_distance", twin_distance))
         self._ddp.zero_grad()
         _live.add(self)
         self.param_groups = [ParamGroup(self._ddp, i) for i in range(len(groups))]
