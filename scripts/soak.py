@@ -41,6 +41,10 @@ restart resumed from.
       the same faults healed in place (Note [Recovering in place]): only the lost rank's process starts
       again, or none and the survivors go on at the smaller world (within SHRINK_TOLERANCE of the
       uninterrupted run); a loss in the set-up's collectives (registration) restarts every rank instead
+  scripts/soak.py BUILD_DIR --heal --recovery in-place,shrink --redundancy 1,2 [--worlds 3,4,5,6]
+      with mirrored shards too (mlp_train --redundancy 2, Note [Mirrored shards]): a lost rank's
+      survivors go on from memory after the last step every survivor finished, its shard from its
+      twin; a run passes when it went on from the twins (nothing rolled back) and ends as above
   sudo scripts/soak.py BUILD_DIR --heal --two-hosts [--worlds 2,4]
   sudo scripts/soak.py BUILD_DIR --heal --two-hosts --recovery in-place,shrink
       across the hosts healed in place (Note [Rounds across nodes]): the lost rank's process starts again
@@ -205,16 +209,20 @@ HEAL_PHASES = "registration,backward,collective,sync"
 HEAL_AT = {"registration": 1, "backward": 60, "collective": 13, "sync": 13}
 
 
-def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1, recovery="restart"):
+def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1, recovery="restart", redundancy=1):
     """A self-healing job: its launcher command(s), its environment, where its final parameters go.
     hosts 2: one launcher on each network-namespace host (bench/two_hosts.py's pair), world / 2
     ranks each, Gloo between them."""
     out_path = os.path.join(work, f"params_{soak_id}.safetensors")
     snaps = os.path.join(work, f"snaps_{soak_id}")
-    trainer = [os.path.join(build, "examples", "mlp_train"), "--sizes", SIZES, "--steps", "24", "--global-batch", "24",
+    # Every rank an equal share, at this world and at the world one rank or one node smaller.
+    batch = 24 if all(24 % w == 0 for w in (world, world - 1, max(1, world // 2))) else 60
+    trainer = [os.path.join(build, "examples", "mlp_train"), "--sizes", SIZES, "--steps", "24", "--global-batch", str(batch),
                "--optimizer", "adamw", "--lr", "1e-3", "--zero-stage", "1", "--overlap", "interleaved", "--backend", backend,
                "--timeout", str(timeout_s), "--snapshot-dir", snaps, "--snapshot-every", "2", "--snapshot-disk-every", "4",
                "--save", out_path, "--log-every", "1"]
+    if redundancy == 2:
+        trainer += ["--redundancy", "2"]
     script = "exec " + " ".join(f"'{t}'" for t in trainer)
     if fault:  # generation 0's first processes only: the restarted job (or a replacement) must run clean
         script = (f'if [ "$SHARDFLOW_RESTART_COUNT" = 0 ] && [ "${{SHARDFLOW_RECOVERY_ROUND:-0}}" = 0 ]; then '
@@ -258,10 +266,10 @@ def heal_reference(build, backend, world, timeout_s, work, hosts):
     return out_path
 
 
-def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts, recovery="restart"):
+def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts, recovery="restart", redundancy=1):
     soak_id = uuid.uuid4().hex[:12]
     cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, soak_id,
-                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts, recovery)
+                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts, recovery, redundancy)
     shm_before = shm_segments()
     start = time.monotonic()
     rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120)
@@ -290,13 +298,18 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
         problems.append("node 0 did not go on without node 1")
     elif shrink and in_place and f"at world {world // 2} from now on, without it" not in out:
         problems.append("node 0's ranks did not go on in place without node 1")
+    elif redundancy == 2 and in_place and not shrink and "no step rolled back" not in out:
+        problems.append("the survivors did not go on from the twins")
     elif not same_params(out_path, want, SHRINK_TOLERANCE if smaller else 0.0):
         problems.append("its parameters differ from the uninterrupted run's" + (f" by more than {SHRINK_TOLERANCE}" if smaller else ""))
     problems += leftovers(soak_id, out, shm_before, re.findall(r"^LAUNCHER (\d+)$", out, re.M)[1:] if shrink else ())
     resumed = re.search(r"resumed from the snapshot of step (\d+) (in memory|on disk)", out)
+    twins = re.search(r"twins: resumed after step (\d+) from memory", out)
     shutil.rmtree(snaps, ignore_errors=True)
     if os.path.exists(out_path):
         os.remove(out_path)
+    if twins:
+        return problems, took, out, f"step {twins.group(1)} from the twins"
     return problems, took, out, (f"step {resumed.group(1)} {resumed.group(2)}" if resumed else "the start")
 
 
@@ -308,7 +321,9 @@ def heal_matrix(a, work):
     wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work, hosts)
              for b in a.backends.split(",") for w in map(int, a.worlds.split(",")) if not (b == "auto" and w // hosts < 2)}
     for rep in range(a.reps):
-      for recovery in a.recovery.split(","):
+      for recovery, redundancy in [(r, int(d)) for r in a.recovery.split(",") for d in a.redundancy.split(",")]:
+        if redundancy == 2 and recovery == "restart":
+            continue  # every process starts again: nothing of the twins is left to go on from
         for (backend, world), want in wants.items():
             for phase in a.phases.split(","):
                 for action in a.actions.split(","):
@@ -319,25 +334,25 @@ def heal_matrix(a, work):
                     victims = range(world // 2, world) if action == "host" else range(world)
                     for victim in victims:
                         problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want,
-                                                                hosts, recovery)
-                        s = stats.setdefault((recovery, backend, world, phase, action),
+                                                                hosts, recovery, redundancy)
+                        s = stats.setdefault((recovery, redundancy, backend, world, phase, action),
                                              {"runs": 0, "passes": 0, "worst": 0.0, "memory": 0})
                         s["runs"] += 1
-                        s["memory"] += resumed.endswith("in memory")
+                        s["memory"] += resumed.endswith("in memory") or resumed.endswith("from the twins")
                         s["passes"] += not problems
                         s["worst"] = max(s["worst"], took)
-                        print(f"{'ok  ' if not problems else 'FAIL'} rep {rep + 1} {recovery:8} {backend:4} world {world} {phase:12} {action:4} rank {victim}: "
+                        print(f"{'ok  ' if not problems else 'FAIL'} rep {rep + 1} {recovery:8} r{redundancy} {backend:4} world {world} {phase:12} {action:4} rank {victim}: "
                               f"{took:5.2f} s, resumed from {resumed}" + ("" if not problems else " -- " + "; ".join(problems)), flush=True)
                         if problems:
                             failures += 1
                             print("     " + out[-1500:].replace("\n", "\n     "), flush=True)
     print(f"\n{'2 network-namespace hosts, world / 2 ranks each' if a.two_hosts else 'one host'}:")
-    print("\n| recovery | backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) | resumed from memory "
-          "| worst job time (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (recovery, backend, world, phase, action), s in stats.items():
+    print("\n| recovery | redundancy | backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) "
+          "| resumed from memory (a snapshot or the twins) | worst job time (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (recovery, redundancy, backend, world, phase, action), s in stats.items():
         fault = {"kill": "kill -9", "stop": "SIGSTOP", "host": "node 1 lost (shrink, within %g)" % SHRINK_TOLERANCE}[action]
-        print(f"| {recovery} | {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['memory']} | {s['worst']:.2f} |")
+        print(f"| {recovery} | {redundancy} | {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['memory']} | {s['worst']:.2f} |")
     print(f"\n{sum(s['runs'] for s in stats.values())} runs, {failures} failed (trainer --timeout {a.timeout} s)")
     return failures
 
@@ -353,6 +368,7 @@ def main():
     ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root)")
     ap.add_argument("--recovery", default="restart",
                     help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink")
+    ap.add_argument("--redundancy", default="1", help="with --heal: mlp_train --redundancy, 1, 2 or 1,2 (2 only with in-place or shrink)")
     ap.add_argument("--actions", default=None, help="default kill,stop (--heal --two-hosts: kill,stop,host)")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")

@@ -66,8 +66,14 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   auto& snap = persistence->snapshots;
   const auto kept = std::move(snap.salvage);
   snap.salvage = {};
-  if (!shard || !shard->mirror() || world == 1) return std::nullopt;
   const Shard* old = kept.shard.get();
+  // A survivor left alone (world 1: a lost host of two) keeps no twin from now on, but the one it
+  // kept holds the lost shard: it goes on from that, as any round does (its collectives are the
+  // identity there).
+  if (!shard || !(shard->mirror() || (world == 1 && old && old->mirror()))) return std::nullopt;
+  const auto run_or_alone = [&](const CollectiveOp& op) {
+    if (world > 1) run_now(op);
+  };
   std::vector<float> words(kWords * std::size_t(world), 0.0f);
   {
     float* w = words.data() + kWords * std::size_t(rank);
@@ -86,7 +92,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     op.recv = words.data();
     op.count = kWords;
     op.tag = "twins: what each rank kept";
-    run_now(op);
+    run_or_alone(op);
   }
   std::vector<Said> said(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
@@ -191,7 +197,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       op.send = op.recv = window.data();
       op.count = n;
       op.tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
-      run_now(op);
+      run_or_alone(op);
       if (slot < values || shard->migrate_slots() > values) shard->import_state(slot, begin, window);
       if (slot < values) continue;
       // Every parameter in the window, as the owner's step leaves the trainer's storage.
@@ -213,7 +219,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     }
   }
   // Frozen parameters and the counters every rank shares, from the first survivor.
-  broadcast_params(first_survivor, "twins: frozen", /*frozen_only=*/true);
+  if (world > 1) broadcast_params(first_survivor, "twins: frozen", /*frozen_only=*/true);
   std::vector<float> counters(2 + params.size(), 0.0f);
   if (rank == first_survivor) {
     const auto [scale, tracker] = old->loss_scale_at(steps);
