@@ -569,7 +569,8 @@ class DistributedDataParallel:
         run --max-restarts N --recovery in-place`: this process goes on in the job's next round while
         the lost rank's process starts again (--recovery shrink: the survivors go on at the smaller
         world). Every rank discards the failed step and reloads the newest complete snapshot, the
-        same one; returns the step to go on from. rank and world_size are the new round's (shard the
+        same one (with redundancy=2: goes on after the last step every survivor finished, from the
+        twins' memory); returns the step to go on from. rank and world_size are the new round's (shard the
         data by them). Needs snapshot_dir; one model per process."""
         if len(_live) > 1:
             gc.collect()  # wrappers no longer referenced, but held in a cycle until the collector runs
