@@ -287,6 +287,13 @@ GPT_ROWS_SHARDFLOW = {
                                                                       "--last-bucket-mb", "0"],
     "shardflow ZeRO-2 interleaved + prefetch, no small last bucket": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
                                                                       "--last-bucket-mb", "0"],
+    # Note [Mirrored shards]: a twin of each shard on the other host (issue 48's steady-state cost).
+    "shardflow ZeRO-1 interleaved + prefetch, redundancy 2": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch",
+                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_gpt",
+                                                              "--snapshot-every", "1000"],
+    "shardflow ZeRO-2 interleaved + prefetch, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
+                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_gpt",
+                                                              "--snapshot-every", "1000"],
     # Several ranks a host (issue 34): the two levels, shm inside a host and Gloo between hosts.
     "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",

@@ -39,6 +39,7 @@
 #include "shardflow/launch.hpp"
 #include "shardflow/libtorch.hpp"
 #include "shardflow/safetensors.hpp"
+#include "snapshot_flags.hpp"
 #include "torch_params.hpp"
 
 namespace {
@@ -54,6 +55,9 @@ struct Args {
   float lr = 1e-3f, weight_decay = 0.1f, clip = 0.0f, temperature = 0.8f;
   double timeout_s = 300;
   ::examples::BucketFlags buckets;
+  ::examples::SnapshotFlags snapshot_flags;
+  SnapshotConfig snapshot;
+  int redundancy = 1, twin_distance = 0;
   std::uint64_t seed = 1;
   int syncs_in_backward = -1;
   bool prefetch = false, quiet = false;
@@ -135,6 +139,10 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
                        {"zero.partition", "--partition"},      {"zero.forward_prefetch", "--forward-prefetch"}, {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
                        {"zero.clip_grad_norm", "--clip-grad-norm"}, {"buckets.cap_bytes", "--bucket-mb"},
                        {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"}, {"buckets.min_buckets", "--min-buckets"}, {"timeouts.collective", "--timeout"}};
+  cfg.snapshot = a.snapshot;
+  cfg.zero.redundancy = a.redundancy;
+  cfg.zero.twin_distance = a.twin_distance;
+  a.snapshot_flags.apply(cfg);
   libtorch::DataParallel ddp(*net, comm, opts);  // rank 0's weights on every rank from here
   Runtime& rt = ddp.runtime();
   // Two AdamW groups: weight decay on matrices and embeddings (the tied head with them), none on
@@ -152,6 +160,12 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
 
   if (!a.save_init.empty() && rank == 0) examples::save_params(*net, a.save_init);
   int first = 0;
+  // The runtime's own snapshots: a restarted job (shardflow run --max-restarts) goes on from the
+  // newest; the schedule and the data position follow the step alone.
+  if (!cfg.snapshot.dir.empty()) {
+    if (!a.resume.empty()) throw UsageError("--resume and --snapshot-dir: give one place to go on from");
+    first = int(rt.resumed_step());
+  }
   if (!a.resume.empty()) {
     rt.load_checkpoint((std::filesystem::path(a.resume) / "checkpoint.safetensors").string());
     first = int(rt.optimizer_steps());
@@ -265,6 +279,8 @@ int main(int argc, char** argv) {
                  "with --forward-prefetch: parameter syncs sent during backward (-1: chosen from the second step)")
       ->capture_default_str();
   a.buckets.add(app);
+  a.snapshot_flags.add(app, a.snapshot);
+  a.snapshot_flags.add_twins(app, a.redundancy, a.twin_distance);
   app.add_option("--backend", a.backend,
                  "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
                  "gloo | hierarchical")

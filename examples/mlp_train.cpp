@@ -111,13 +111,7 @@ int main(int argc, char** argv) {
   app.add_option("--fuse-syncs-bytes", opt.runtime.zero.fuse_syncs_bytes,
                  "ZeRO 1-2, flat: consecutive parameter syncs go out as one all-gather up to this many bytes (0: each alone)")
       ->capture_default_str();
-  app.add_option("--redundancy", opt.runtime.zero.redundancy,
-                 "ZeRO 1-2: 2 keeps a twin of each rank's optimizer shard on another rank (another node's, under a launcher), so "
-                 "that a lost rank's survivors go on from memory after the last finished step (needs --snapshot-dir)")
-      ->capture_default_str();
-  app.add_option("--twin-distance", opt.runtime.zero.twin_distance,
-                 "--redundancy 2: a shard's twin lives this many ranks on (0: the ranks of one node when there are several nodes, else 1)")
-      ->capture_default_str();
+  snapshot_flags.add_twins(app, opt.runtime.zero.redundancy, opt.runtime.zero.twin_distance);
   std::string param_dtype = "fp32", comm_dtype = "fp32";
   app.add_option("--comm-dtype", comm_dtype, "fp32 | bf16 | fp16: what fp32 gradients and parameter syncs travel as")->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "fp32 | bf16 | fp16 (16-bit: fp32 masters and optimizer state in the shard)")->capture_default_str();
@@ -167,8 +161,6 @@ int main(int argc, char** argv) {
                                  {"zero.max_buckets_in_flight", "--max-buckets-in-flight"},
                                  {"zero.fuse_syncs_bytes", "--fuse-syncs-bytes"},
                                  {"zero.clip_grad_norm", "--clip-grad-norm"},
-                                 {"zero.redundancy", "--redundancy"},
-                                 {"zero.twin_distance", "--twin-distance"},
                                  {"precision.comm_dtype", "--comm-dtype"},
                                  {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"},
                                  {"buckets.cap_bytes", "--bucket-mb"},

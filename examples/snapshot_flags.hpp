@@ -25,9 +25,22 @@ struct SnapshotFlags {
     app.add_flag("--no-snapshot-memory", no_memory, "every snapshot to --snapshot-dir, none to the launcher's memory");
   }
 
+  // Mirrored shards (Note [Mirrored shards]): recovery from memory with no step rolled back.
+  void add_twins(CLI::App& app, int& redundancy, int& twin_distance) {
+    app.add_option("--redundancy", redundancy,
+                   "ZeRO 1-2: 2 keeps a twin of each rank's optimizer shard on another rank (another node's, under a launcher), so "
+                   "that a lost rank's survivors go on from memory after the last finished step (needs --snapshot-dir)")
+        ->capture_default_str();
+    app.add_option("--twin-distance", twin_distance,
+                   "--redundancy 2: a shard's twin lives this many ranks on (0: the ranks of one node when there are several nodes, else 1)")
+        ->capture_default_str();
+  }
+
   // After parsing.
   void apply(shardflow::Config& cfg) const {
     cfg.snapshot.memory = !no_memory;
+    cfg.setting_names["zero.redundancy"] = "--redundancy";
+    cfg.setting_names["zero.twin_distance"] = "--twin-distance";
     for (const auto& [setting, flag] : {std::pair{"snapshot.dir", "--snapshot-dir"}, std::pair{"snapshot.every", "--snapshot-every"},
                                         std::pair{"snapshot.disk_every", "--snapshot-disk-every"},
                                         std::pair{"snapshot.memory", "--no-snapshot-memory"}})

@@ -15,6 +15,7 @@
       (shardflow.torch) ends under `shardflow run` and under torchrun (measured: bit for bit).
 """
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -107,6 +108,11 @@ def main():
         loss = gpt(exe, data, p("w2_threads.safetensors"), ["--world-size", "2"])
         ok &= compare(p("w2_threads.safetensors"), p("w1.safetensors"), "world 2 (threads, ZeRO-1 interleaved) vs world 1", 1e-5)
         ok &= close_loss(loss, base, "world 2 (threads)")
+        # Mirrored shards (Note [Mirrored shards]) change nothing a step computes: the same bits.
+        shutil.rmtree(p("twin_snaps"), ignore_errors=True)  # a snapshot left there would be resumed from
+        gpt(exe, data, p("w2_twins.safetensors"), ["--world-size", "2", "--redundancy", "2", "--snapshot-dir", p("twin_snaps"),
+                                                   "--snapshot-every", "5"])
+        ok &= compare(p("w2_twins.safetensors"), p("w2_threads.safetensors"), "world 2 (threads) with twins (--redundancy 2) vs without", 0.0)
         for tag, extra in [("zero2_prefetch", ["--zero-stage", "2", "--forward-prefetch"]),
                            ("ddp_none", ["--zero-stage", "0", "--overlap", "none"])]:
             out = p(f"w2_{tag}.safetensors")
