@@ -224,7 +224,7 @@ def table(args, build):
     torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
     rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(SHARDFLOW_ROWS)
     if args.only:
-        rows = [r for r in rows if any(o in r for o in args.only.split(","))]
+        rows = [r for r in rows if any(picks(o, r) for o in args.only.split(","))]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o777)
@@ -294,6 +294,11 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow ZeRO-2 interleaved + prefetch, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
                                                               "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_gpt",
                                                               "--snapshot-every", "1000"],
+    # The twin on the same host (the next rank): no bytes between the hosts, but a lost host takes
+    # a shard and its twin together (with 2 ranks a host; at 1 it is the other host again).
+    "shardflow ZeRO-2 interleaved + prefetch, redundancy 2, twin on the same host": [
+        "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch", "--redundancy", "2", "--twin-distance", "1",
+        "--snapshot-dir", "/var/tmp/shardflow_twins_gpt", "--snapshot-every", "1000"],
     # Several ranks a host (issue 34): the two levels, shm inside a host and Gloo between hosts.
     "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
@@ -305,6 +310,13 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow.torch (Python) ZeRO-2 interleaved + prefetch, two levels": ["--python", "--zero-stage", "2", "--overlap", "interleaved",
                                                                            "--forward-prefetch", "--backend", "hierarchical"],
 }
+
+
+def picks(only, row):
+    """--only's test: a name part, or with a trailing $ the row's whole name (shardflow's prefix may be left out)."""
+    if only.endswith("$"):
+        return row in (only[:-1], "shardflow " + only[:-1])
+    return only in row
 
 
 def gpt_rows_for(per_host):
@@ -382,7 +394,7 @@ def gpt_table(args, build):
             sh("rate", NAME, rate)
             for per_host in [int(x) for x in args.ranks_per_host.split(",")]:
                 key = "GPT, 2 hosts x %d rank%s, link %s" % (per_host, "s" if per_host > 1 else "", "unshaped" if rate == "off" else rate)
-                rows = [r for r in torch_rows + gpt_rows_for(per_host) if not args.only or any(o in r for o in args.only.split(","))]
+                rows = [r for r in torch_rows + gpt_rows_for(per_host) if not args.only or any(picks(o, r) for o in args.only.split(","))]
                 runs = {r: [] for r in rows}
                 runs["compute alone (world 1)"] = []
                 links = []
@@ -461,7 +473,8 @@ def main():
     ap.add_argument("--png")
     ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/peers/torch_gpt.py (4.)")
     ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
-    ap.add_argument("--only", help="with --gpt or --table: only the rows whose names contain one of these (comma-separated)")
+    ap.add_argument("--only", help="with --gpt or --table: only the rows whose names contain one of these (comma-separated; "
+                                   "NAME$: that row alone)")
     ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")
     args = ap.parse_args()
     if os.geteuid() != 0:
