@@ -224,7 +224,7 @@ def table(args, build):
     torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
     rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(SHARDFLOW_ROWS)
     if args.only:
-        rows = [r for r in rows if any(picks(o, r) for o in args.only.split(","))]
+        rows = [r for r in rows if any(picks(o, r) for o in only_names(args.only))]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o777)
@@ -303,6 +303,9 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
                                                             "--backend", "hierarchical"],
+    "shardflow ZeRO-2 interleaved + prefetch, two levels, redundancy 2": [
+        "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch", "--backend", "hierarchical", "--redundancy", "2",
+        "--snapshot-dir", "/var/tmp/shardflow_twins_gpt", "--snapshot-every", "1000"],
     # The Python front end (issue 35): examples/python/gpt.py through shardflow.torch, the same flags.
     "shardflow.torch (Python) ZeRO-0 (DDP)": ["--python", "--zero-stage", "0"],
     "shardflow.torch (Python) ZeRO-2 interleaved + prefetch": ["--python", "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
@@ -310,6 +313,12 @@ GPT_ROWS_SHARDFLOW = {
     "shardflow.torch (Python) ZeRO-2 interleaved + prefetch, two levels": ["--python", "--zero-stage", "2", "--overlap", "interleaved",
                                                                            "--forward-prefetch", "--backend", "hierarchical"],
 }
+
+
+def only_names(only):
+    """--only's entries: split at commas not followed by a space (row names have ", " in them)."""
+    import re
+    return re.split(r",(?! )", only)
 
 
 def picks(only, row):
@@ -394,7 +403,7 @@ def gpt_table(args, build):
             sh("rate", NAME, rate)
             for per_host in [int(x) for x in args.ranks_per_host.split(",")]:
                 key = "GPT, 2 hosts x %d rank%s, link %s" % (per_host, "s" if per_host > 1 else "", "unshaped" if rate == "off" else rate)
-                rows = [r for r in torch_rows + gpt_rows_for(per_host) if not args.only or any(picks(o, r) for o in args.only.split(","))]
+                rows = [r for r in torch_rows + gpt_rows_for(per_host) if not args.only or any(picks(o, r) for o in only_names(args.only))]
                 runs = {r: [] for r in rows}
                 runs["compute alone (world 1)"] = []
                 links = []
@@ -474,7 +483,7 @@ def main():
     ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/peers/torch_gpt.py (4.)")
     ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
     ap.add_argument("--only", help="with --gpt or --table: only the rows whose names contain one of these (comma-separated; "
-                                   "NAME$: that row alone)")
+                                   "NAME$: that row alone; commas followed by a space belong to a name)")
     ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")
     args = ap.parse_args()
     if os.geteuid() != 0:
