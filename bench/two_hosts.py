@@ -137,6 +137,9 @@ def detection_s(build, how, hb_timeout):
 
 # --table: what each row runs. shardflow rows are mlp_train flags; the stages' best modes as a user
 # would set them (interleaved + forward prefetch), and stage 1's modes one by one.
+# Note [Mirrored shards]: the twin rows' flags (the snapshot directory is the fallback twins need;
+# no snapshot is taken in these few steps).
+TWINS = ["--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_bench", "--snapshot-every", "1000"]
 SHARDFLOW_ROWS = {
     "shardflow ZeRO-0 (DDP)": ["--zero-stage", "0"],
     "shardflow ZeRO-1 none": ["--zero-stage", "1", "--overlap", "none"],
@@ -149,11 +152,9 @@ SHARDFLOW_ROWS = {
     # Note [Mirrored shards]: a twin of each shard on the other host (the snapshot directory is the
     # fallback it needs; no snapshot is taken in the table's steps).
     "shardflow ZeRO-1 interleaved + prefetch, redundancy 2": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch",
-                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_bench",
-                                                              "--snapshot-every", "1000"],
+                                                              *TWINS],
     "shardflow ZeRO-2 interleaved + prefetch, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
-                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_bench",
-                                                              "--snapshot-every", "1000"],
+                                                              *TWINS],
 }
 TABLE_STEPS = 40
 
@@ -289,23 +290,19 @@ GPT_ROWS_SHARDFLOW = {
                                                                       "--last-bucket-mb", "0"],
     # Note [Mirrored shards]: a twin of each shard on the other host (issue 48's steady-state cost).
     "shardflow ZeRO-1 interleaved + prefetch, redundancy 2": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch",
-                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_gpt",
-                                                              "--snapshot-every", "1000"],
+                                                              *TWINS],
     "shardflow ZeRO-2 interleaved + prefetch, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
-                                                              "--redundancy", "2", "--snapshot-dir", "/var/tmp/shardflow_twins_gpt",
-                                                              "--snapshot-every", "1000"],
+                                                              *TWINS],
     # The twin on the same host (the next rank): no bytes between the hosts, but a lost host takes
     # a shard and its twin together (with 2 ranks a host; at 1 it is the other host again).
     "shardflow ZeRO-2 interleaved + prefetch, redundancy 2, twin on the same host": [
-        "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch", "--redundancy", "2", "--twin-distance", "1",
-        "--snapshot-dir", "/var/tmp/shardflow_twins_gpt", "--snapshot-every", "1000"],
+        "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch", "--twin-distance", "1", *TWINS],
     # Several ranks a host (issue 34): the two levels, shm inside a host and Gloo between hosts.
     "shardflow ZeRO-0 (DDP), two levels": ["--zero-stage", "0", "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
                                                             "--backend", "hierarchical"],
     "shardflow ZeRO-2 interleaved + prefetch, two levels, redundancy 2": [
-        "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch", "--backend", "hierarchical", "--redundancy", "2",
-        "--snapshot-dir", "/var/tmp/shardflow_twins_gpt", "--snapshot-every", "1000"],
+        "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch", "--backend", "hierarchical", *TWINS],
     # The Python front end (issue 35): examples/python/gpt.py through shardflow.torch, the same flags.
     "shardflow.torch (Python) ZeRO-0 (DDP)": ["--python", "--zero-stage", "0"],
     "shardflow.torch (Python) ZeRO-2 interleaved + prefetch": ["--python", "--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch"],
