@@ -107,8 +107,14 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=
     else:
         cmds = [[os.path.join(a.build, "bin", "shardflow"), "run", "--nproc-per-node", "2", "--max-restarts", "1", "--kill-grace", "2",
                  "--recovery", recovery, "--"] + prog]
+    if a.log:
+        env["SHARDFLOW_LOG_LEVEL"] = "info"  # the runtime's own lines: where the time between the kill and the next step goes
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in cmds]
     codes, events = read_all(procs)
+    if a.log:
+        with open(a.log, "a") as f:
+            f.write(f"--- recovery {recovery}, redundancy {redundancy}\n")
+            f.writelines(f"{t - events[0][0]:9.3f} {line}" for t, line in events)
     started = first_step = killed_at = restarted = first_after = last_step_at = None
     last_step_before = resumed_first = caught_up = None
     for now, line in events:
@@ -157,6 +163,7 @@ def main():
                     help="shardflow run --recovery; all: the three alternated run by run")
     ap.add_argument("--redundancy", choices=["1", "2", "both"], default="1",
                     help="mlp_train's --redundancy (Note [Going on from the twins]); both: 1 and 2 alternated run by run in one --recovery mode")
+    ap.add_argument("--log", help="append every run's output to this file, each line with its time (s) from the run's first")
     ap.add_argument("--actor-trainer", action="store_true",
                     help="with one --recovery mode: mlp_train and actor_trainer (its rank trainer recovering through the rank actor, "
                          "Note [The actor trainer heals in place]) alternated run by run")
