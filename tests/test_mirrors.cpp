@@ -349,31 +349,42 @@ TEST_CASE("twins, world 3, stages 1 and 2: every rank abandons step 8 half repor
   }
 }
 
+namespace {
+
+// The reference for a world that loses its last rank in step 8: 7 steps at world `from`, a
+// checkpoint, the rest at world from - 1 from it. Returns (the models after step 7, at the end).
+std::pair<std::vector<Model>, std::vector<Model>> through_checkpoint(int from, int stage) {
+  std::string tag = "ckpt";
+  tag += std::to_string(from);
+  const auto ckpt = scratch(tag) + ".safetensors";
+  std::vector<Model> at7(static_cast<std::size_t>(from)), end(static_cast<std::size_t>(from - 1));
+  for (const int w : {from, from - 1}) {
+    auto world = InProcessWorld::create(w);
+    std::vector<Plan> plans(static_cast<std::size_t>(w));
+    for (auto& p : plans) {
+      if (w == from)
+        p.to = 7, p.save_at_end = ckpt;
+      else
+        p.from = 7, p.load = ckpt;
+    }
+    std::string ref = "ref";
+    ref += std::to_string(w);
+    const auto snaps = scratch(ref);
+    run_world(w, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), w == from ? at7 : end, plans);
+    std::filesystem::remove_all(snaps);
+  }
+  std::filesystem::remove(ckpt);
+  return {std::move(at7), std::move(end)};
+}
+
+}  // namespace
+
 TEST_CASE("twins, world 3 -> 2, stages 1 and 2: rank 2 is lost in step 8 (its Runtime gone) -> ranks 0 and 1 go on at world 2 after step 7, "
           "rank 2's shard from its twin on rank 0: the parameters bit for bit those after step 7, and the run ends bit for bit where 7 steps "
           "at world 3, a checkpoint and the rest at world 2 end") {
   for (int stage : {1, 2}) {
     CAPTURE(stage);
-    // The reference: 7 steps at world 3, a checkpoint, the rest at world 2 from it.
-    const auto ckpt = scratch("ckpt") + ".safetensors";
-    std::vector<Model> at7(3), want(2);
-    {
-      auto world = InProcessWorld::create(3);
-      std::vector<Plan> plans(3);
-      for (auto& p : plans) p.to = 7, p.save_at_end = ckpt;
-      const auto snaps = scratch("ref3");
-      run_world(3, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), at7, plans);
-      std::filesystem::remove_all(snaps);
-    }
-    {
-      auto world = InProcessWorld::create(2);
-      std::vector<Plan> plans(2);
-      for (auto& p : plans) p.from = 7, p.load = ckpt;
-      const auto snaps = scratch("ref2");
-      run_world(2, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), want, plans);
-      std::filesystem::remove_all(snaps);
-    }
-    std::filesystem::remove(ckpt);
+    const auto [at7, want] = through_checkpoint(3, stage);
     auto first = InProcessWorld::create(3), second = InProcessWorld::create(2);
     const auto snaps = scratch("lost");
     std::vector<Plan> plans(3);
@@ -397,25 +408,7 @@ TEST_CASE("twins, world 3 -> 2, stages 1 and 2: rank 2 is lost in step 8 (its Ru
 TEST_CASE("twins, world 2 -> 1, stage 1: rank 1 is lost in step 8 -> rank 0 goes on alone after step 7 with rank 1's shard from the twin it "
           "kept (no twin kept from then on), the parameters bit for bit those after step 7, and the run ends bit for bit where 7 steps at "
           "world 2, a checkpoint and the rest at world 1 end") {
-  const auto ckpt = scratch("ckpt1") + ".safetensors";
-  std::vector<Model> at7(2), want(1);
-  {
-    auto world = InProcessWorld::create(2);
-    std::vector<Plan> plans(2);
-    for (auto& p : plans) p.to = 7, p.save_at_end = ckpt;
-    const auto snaps = scratch("ref2");
-    run_world(2, [&](int r) { return world->communicator(r); }, recovering(snaps, 1), at7, plans);
-    std::filesystem::remove_all(snaps);
-  }
-  {
-    auto world = InProcessWorld::create(1);
-    std::vector<Plan> plans(1);
-    plans[0].from = 7, plans[0].load = ckpt;
-    const auto snaps = scratch("ref1");
-    run_world(1, [&](int r) { return world->communicator(r); }, recovering(snaps, 1), want, plans);
-    std::filesystem::remove_all(snaps);
-  }
-  std::filesystem::remove(ckpt);
+  const auto [at7, want] = through_checkpoint(2, 1);
   auto first = InProcessWorld::create(2), alone = InProcessWorld::create(1);
   const auto snaps = scratch("alone");
   std::vector<Plan> plans(2);

@@ -257,15 +257,20 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   return step;
 }
 
+namespace {
+// Note [The trainer's state with the twins]: kept at every step only where a twin is kept.
+bool twins_keep_trainer_state(const Config& cfg, const Shard* shard) { return cfg.snapshot.trainer_state && shard && shard->mirror(); }
+}  // namespace
+
 std::uint64_t Runtime::Impl::twin_trainer_state_wanted() const {
-  if (!cfg.snapshot.trainer_state || !shard || !shard->mirror()) return 0;
+  if (!twins_keep_trainer_state(cfg, shard.get())) return 0;
   const auto& snap = persistence->snapshots;
   const std::uint64_t step = snap.base + iterations;
   return step > 0 && !snap.trainer_states.count(step) ? step : 0;
 }
 
 bool Runtime::Impl::hold_trainer_state(std::uint64_t step, const std::string& state) {
-  if (!cfg.snapshot.trainer_state || !shard || !shard->mirror()) return false;
+  if (!twins_keep_trainer_state(cfg, shard.get())) return false;
   auto& snap = persistence->snapshots;
   if (step == 0 || step != snap.base + iterations) return false;
   snap.trainer_states[step] = state;

@@ -22,16 +22,17 @@ struct OptimizerGroups;
 // Under ZeRO a rank's optimizer state exists once: lose the rank and its shard is gone, so every
 // rank rolls back to the newest snapshot. A mirror keeps a twin of the shard of the rank
 // `distance` ranks back (its source; by default a host's ranks when there are several hosts, so
-// that the twin lives on another host: twin_distance below): after each bucket's reduce-scatter the comm stream shifts every rank's reduced slice
-// `distance` ranks on (Note [Shift]; one slice per rank on the wire, in the wire dtype), and the
-// twin runs the source's update on it: the same bytes through the same code, so the twin's state
-// is the source's bit for bit.
+// that the twin lives on another host: twin_distance below): after each bucket's reduce-scatter
+// the comm stream shifts every rank's reduced slice `distance` ranks on (Note [Shift]; one slice
+// per rank on the wire, in the wire dtype), and the twin runs the source's update on it: the same
+// bytes through the same code, so the twin's state is the source's bit for bit.
 // The twin runs one step behind. A rank that fails in step k may leave the others half-way
 // through it (some buckets stepped, some not), and step k must then be discarded everywhere; a
 // twin that had applied k could not give the source's state at k - 1 back. So a slice that
 // arrives is held, and applied when the next step's slice for the same bucket arrives (or when
 // the survivors of a lost rank bring it to the step they go on from: reach). What a twin holds
-// is then the source's state after step k - 1 and the reduced slice of step k: both ends of the failed step.
+// is then the source's state after step k - 1 and the reduced slice of step k: both ends of the
+// failed step.
 // Each step's inputs besides the slice (hyper-parameters, the clip coefficient, which parameters
 // sat the step out, the step counts) are the same on every rank; the owner hands them over at
 // its end_step, and the twin keeps them until it has applied that step everywhere.
