@@ -116,7 +116,8 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=
             f.write(f"--- recovery {recovery}, redundancy {redundancy}\n")
             f.writelines(f"{t - events[0][0]:9.3f} {line}" for t, line in events)
     started = first_step = killed_at = restarted = first_after = last_step_at = None
-    last_step_before = resumed_first = caught_up = None
+    last_step_before = resumed_first = caught_up = caught_step = None
+    before = []  # (step, time) of rank 0's lines before the loss: the steady pace
     for now, line in events:
         m = re.match(r"\[rank 0\] step +(\d+)/", line)
         if started is None and line.startswith("shardflow run: started"):
@@ -133,14 +134,20 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=
             restarted = now
         elif m and killed_at is None:
             last_step_before, last_step_at = int(m.group(1)), now
+            before.append((last_step_before, now))
         elif m and restarted is not None and first_after is None:
             first_after, resumed_first = now, int(m.group(1))
         if m and first_after is not None and caught_up is None and int(m.group(1)) > last_step_before:
-            caught_up = now  # past the last step done before the loss: the progress is back
+            caught_up, caught_step = now, int(m.group(1))  # past the last step done before the loss: the progress is back
     if any(codes[:1] if a.lose == "host" else codes) or None in (killed_at, first_after):  # host b's launcher was killed
         sys.exit("restart_time: the job failed or did not restart:\n" + "".join(l for _, l in events[-40:]) + "\nexit codes: " + str(codes))
+    # The wall time the loss cost: when rank 0's line past the last step before came, against when
+    # the steady pace before the loss would have brought it (the lines are rank 0's reports, which
+    # may trail their step by one; both ends trail alike).
+    pace = statistics.median((t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(before[2:], before[3:])) if len(before) > 4 else 0.0
+    lost_wall = (caught_up - (last_step_at + (caught_step - last_step_before) * pace)) if caught_up and pace else float("nan")
     return (first_after - killed_at, restarted - killed_at, max(0, last_step_before - (resumed_first - 1)), first_step - started,
-            (caught_up or first_after) - killed_at)
+            (caught_up or first_after) - killed_at, lost_wall, pace)
 
 
 def main():
@@ -231,7 +238,7 @@ def measure(a):
 
 
 def report(a, mode, runs):
-    total, stop, lost, fresh, back = zip(*runs)
+    total, stop, lost, fresh, back, lost_wall, pace = zip(*runs)
     where = f"2 hosts x {a.per_host} rank(s), link {a.rate}, heartbeat timeout {a.heartbeat_timeout} s" if a.two_hosts else "1 host"
     loss = f"host b lost at rank {2 * a.per_host - 1}'s" if a.lose == "host" else "rank 1 killed at"
     world = 2 * a.per_host if a.two_hosts else 2
@@ -246,6 +253,8 @@ def report(a, mode, runs):
     print(f"  steps lost (done before the kill, done again): {', '.join(str(n) for n in lost)}")
     print(f"  {since} -> rank 0 past the last step it had done before: median {statistics.median(back):.2f} s "
           f"(runs: {', '.join(f'{t:.2f}' for t in back)})")
+    print(f"  wall time lost (that line against where the steady pace before the loss puts it): median "
+          f"{statistics.median(lost_wall):.2f} s (runs: {', '.join(f'{t:.2f}' for t in lost_wall)}), a steady step {statistics.median(pace):.2f} s")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,43 @@ TEST_CASE("gloo: the ring reduce-scatter and all-gather at world 4, in place, bf
   }
 }
 
+// Note [Pieces to their new owners]: each rank's pack as long as it is, none padded.
+TEST_CASE("gloo: a shift with unequal counts at world 4, by 1 and 3: rank r sends r x 70000 + 5 elements (rank 0: none) "
+          "and each rank receives exactly its source's, several segments long, and the in-process backend refuses such a shift by name") {
+  TcpStoreServer server(store_opts());
+  const int n = 4;
+  auto comms = gloo_world(server, n, "unequal/");
+  REQUIRE(comms[0]->shifts_unequal());
+  const auto count = [](int r) { return r == 0 ? std::size_t{0} : std::size_t(r) * 70000 + 5; };
+  const auto value = [](int r, std::size_t i) { return float(r * 1000 + int(i % 997)); };
+  std::vector<std::size_t> bad(n, 0);
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    for (const int d : {1, 3}) {
+      const int from = (r - d + n) % n;
+      std::vector<float> out(count(r)), in(count(from), -1.0f);
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = value(r, i);
+      auto op = make(CollectiveKind::shift, out.data(), in.data(), out.size());
+      op.recv_count = in.size();
+      op.distance = d;
+      comms[std::size_t(r)]->run(op, 30s);
+      for (std::size_t i = 0; i < in.size(); ++i) bad[std::size_t(r)] += in[i] != value(from, i);
+    }
+  }));
+  for (int r = 0; r < n; ++r) CHECK(bad[std::size_t(r)] == 0);
+  auto world = InProcessWorld::create(2, 10s);
+  CHECK_FALSE(world->communicator(0)->shifts_unequal());
+  const auto errors = test::run_ranks(2, [&](int r) {
+    std::vector<float> out(4), in(5);
+    auto op = make(CollectiveKind::shift, out.data(), in.data(), out.size());
+    op.recv_count = in.size();
+    op.distance = 1;
+    op.tag = "pieces";
+    world->communicator(r)->run(op, 10s);
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK(test::message_of(errors[std::size_t(r)]).find("shift 'pieces' sends 4 element(s) and receives 5") != std::string::npos);
+}
+
 TEST_CASE("gloo: ZeRO-1 training over Gloo ends with the parameters of the in-process backend") {
   const int n = 2, P = 8, numel = 300;
   auto train = [&](std::vector<std::shared_ptr<Communicator>> comms) {

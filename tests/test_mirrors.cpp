@@ -17,6 +17,7 @@
 
 #include "support/helpers.hpp"
 #include "shardflow/comm_hook.hpp"
+#include "runtime/checkpoint/piece_exchange.hpp"
 #include "runtime/zero/mirror_shard.hpp"
 #include "runtime/zero/shard.hpp"
 
@@ -499,5 +500,73 @@ TEST_CASE("twins with the trainer's state (Config::snapshot.trainer_state), worl
       CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
     }
     std::filesystem::remove_all(snaps);
+  }
+}
+
+// Note [Pieces to their new owners]: what a restore from the twins moves.
+TEST_CASE("the restore's exchange, world 4, windows of 100 over 1000 elements: each rank holds a random quarter and needs a random "
+          "half -> each gets every element it needs, from the shifts' padded packs only (none summed), and an element nobody "
+          "holds stops every rank before any shift, naming the rank that needs it") {
+  constexpr int W = 4;
+  constexpr std::size_t total = 1000, window = 100;
+  std::uint32_t seed = 7;
+  const auto draw = [&] { return seed = seed * 1664525u + 1013904223u, seed >> 8; };
+  PieceExchange x{0, W, std::vector<Spans>(W), std::vector<Spans>(W)};
+  for (std::size_t e = 0; e < total; ++e) {  // runs of 1-16 elements, each with one holder
+    const std::size_t len = std::min<std::size_t>(1 + draw() % 16, total - e);
+    const auto h = std::size_t(draw() % W);
+    x.holds[h] = unite(x.holds[h], Spans{{e, e + len}});
+    for (int t = 0; t < W; ++t)
+      if (draw() % 2) x.needs[std::size_t(t)] = unite(x.needs[std::size_t(t)], Spans{{e, e + len}});
+    e += len - 1;
+  }
+  std::size_t held = 0;
+  for (const auto& h : x.holds) held += length(h);
+  REQUIRE(held == total);
+  const auto value = [](std::size_t e) { return 0.5f + float(e); };
+  std::vector<std::size_t> moved;
+  const auto run_exchange = [&](const PieceExchange& shape, std::vector<std::vector<float>>& got) {
+    auto world = InProcessWorld::create(W, 10s);
+    got.assign(W, std::vector<float>(total, -1.0f));
+    moved.assign(W, 0);
+    const auto errors = test::run_ranks(W, [&](int r) {
+      auto me = shape;
+      me.rank = r;
+      auto comm = world->communicator(r);
+      for (std::size_t begin = 0; begin < total; begin += window) {
+        std::vector<float> w(window, -1.0f);
+        for (const auto& s : clip(me.holds[std::size_t(r)], begin, begin + window))
+          for (std::size_t e = s.lo; e < s.hi; ++e) w[e - begin] = value(e);
+        exchange_window(me, begin, w, [&](const CollectiveOp& op) {
+          CHECK(op.kind == CollectiveKind::shift);
+          moved[std::size_t(r)] += op.count;
+          comm->run(op, 10s);
+        }, "test exchange");
+        std::copy(w.begin(), w.end(), got[std::size_t(r)].begin() + std::ptrdiff_t(begin));
+      }
+    });
+    return errors;
+  };
+  std::vector<std::vector<float>> got;
+  test::require_all_ok(run_exchange(x, got));
+  for (int r = 0; r < W; ++r) CHECK(moved[std::size_t(r)] == exchange_elements(x, total, window));
+  for (int t = 0; t < W; ++t) {
+    std::size_t wrong = 0;
+    for (const auto& s : x.needs[std::size_t(t)])
+      for (std::size_t e = s.lo; e < s.hi; ++e) wrong += got[std::size_t(t)][e] != value(e);
+    CHECK_MESSAGE(wrong == 0, "rank ", t);
+  }
+  // What crossed: at most what an all-reduce of the windows would put on each link, 2 (W - 1) / W.
+  CHECK(exchange_elements(x, total, window) < 2 * (W - 1) * total / W);
+  // Rank 1's first run held by nobody, and needed by rank 2.
+  auto missing = x;
+  const Span gone = missing.holds[1].front();
+  missing.holds[1].erase(missing.holds[1].begin());
+  missing.needs[2] = unite(missing.needs[2], Spans{gone});
+  const auto errors = run_exchange(missing, got);
+  for (int r = 0; r < W; ++r) {
+    CHECK(moved[std::size_t(r)] == 0);
+    REQUIRE(errors[std::size_t(r)]);
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(errors[std::size_t(r)]), doctest::Contains("rank 2 needs"), Error);
   }
 }

@@ -33,6 +33,8 @@ class GroupComm final : public Communicator {
   int world_size() const override { return inner_->world_size(); }
   std::string backend_name() const override { return inner_->backend_name(); }
   bool supports(Device d) const override { return inner_->supports(d); }
+  bool shifts_by(int distance) const override { return inner_->shifts_by(distance); }
+  bool shifts_unequal() const override { return inner_->shifts_unequal(); }
   std::shared_ptr<std::byte> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
   void submit(CollectiveOp op, CollectiveDone done) override { inner_->submit(std::move(op), std::move(done)); }
   void abort(const std::string& reason) override { inner_->abort(reason); }

@@ -14,12 +14,15 @@
 //   a provider cannot reach that step, every rank goes back to the snapshot instead (the same
 //   answer everywhere, from the same census).
 // - The old round's buckets are adopted, as a snapshot's are (Note [No state moved before a load]).
-// - The state then moves as a rebuild moves it (Note [State migration]): in windows of parameter
-//   coordinates, each provider writes its pieces, zeros elsewhere, an all-reduce sums them, and
-//   the new shard takes its own pieces (and its twin's). The values slot gives every rank all
-//   parameters at once, written as the owners' step writes them (rounded to a 16-bit storage or
-//   wire), so no parameter sync follows; frozen parameters come from the first survivor.
-// - The sums are of one value and zeros: exact, so the restored state is the old one bit for bit.
+// - The state then moves in windows of parameter coordinates: each provider writes its pieces
+//   into the window, and each piece goes once to the ranks that need it (Note [Pieces to their
+//   new owners]): the moments to the new owner and its twin, the values to every rank. The new
+//   shard takes its own pieces (and its twin's), and every rank writes all parameters from the
+//   values as the owners' step writes them (rounded to a 16-bit storage or wire), so no parameter
+//   sync follows; frozen parameters come from the first survivor. Over two levels, which shift
+//   only whole hosts, the windows are summed instead, as a rebuild sums them (Note [State
+//   migration]): each element one value and zeros, so exact too.
+// - Either way each element arrives as it left: the restored state is the old one bit for bit.
 //
 // Note [The trainer's state with the twins]
 // With Config::snapshot.trainer_state the trainer's own state (an LR scheduler's counter) must go
@@ -36,10 +39,12 @@
 // schedule at another.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <string>
 
 #include "kernels/cpu/elementwise.hpp"
 #include "runtime/checkpoint/background_save.hpp"
+#include "runtime/checkpoint/piece_exchange.hpp"
 #include "runtime/rank/runtime_impl.hpp"
 #include "runtime/zero/shard.hpp"
 #include "shardflow/errors.hpp"
@@ -60,7 +65,62 @@ struct Said {
 constexpr std::size_t kWords = 7;
 constexpr std::int64_t kExact = std::int64_t(1) << 24;  // integers an fp32 word carries exactly
 
+// Every rank's spans, from each rank's own (Note [Pieces to their new owners]): the number of
+// spans, then the spans as 32-bit halves of their ends, padded to the most any rank has. The
+// words travel as an all-gather's copies, never summed, so any bit pattern arrives as it left.
+std::vector<Spans> gather_spans(const Spans& mine, int rank, int world, const std::function<void(const CollectiveOp&)>& run) {
+  const auto gather = [&](std::vector<std::uint32_t>& send, std::size_t count, const char* what) {
+    std::vector<std::uint32_t> all(count * std::size_t(world));
+    CollectiveOp op;
+    op.kind = CollectiveKind::allgather;
+    op.send = send.data();
+    op.recv = all.data();
+    op.count = count;
+    op.tag = what;
+    run(op);
+    return all;
+  };
+  std::vector<std::uint32_t> n{std::uint32_t(mine.size())};
+  const auto counts = gather(n, 1, "twins: how many spans each rank holds");
+  const std::size_t most = *std::max_element(counts.begin(), counts.end());
+  std::vector<std::uint32_t> words(4 * most, 0u);
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    const std::uint64_t ends[2] = {mine[i].lo, mine[i].hi};
+    for (int k = 0; k < 2; ++k) words[4 * i + 2 * k] = std::uint32_t(ends[k]), words[4 * i + 2 * k + 1] = std::uint32_t(ends[k] >> 32);
+  }
+  const auto all = most ? gather(words, 4 * most, "twins: the spans each rank holds") : std::vector<std::uint32_t>{};
+  std::vector<Spans> out(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r)
+    for (std::size_t i = 0; i < counts[std::size_t(r)]; ++i) {
+      const std::uint32_t* w = all.data() + 4 * (most * std::size_t(r) + i);
+      out[std::size_t(r)].push_back({std::size_t(w[0] | std::uint64_t(w[1]) << 32), std::size_t(w[2] | std::uint64_t(w[3]) << 32)});
+    }
+  return out;
+}
+
 }  // namespace
+
+// Who holds what before the restore, and who needs what after it: the moments (the new owner and
+// the new owner's twin) and the values (every rank writes every parameter from them).
+std::pair<PieceExchange, PieceExchange> Runtime::Impl::twin_exchanges(const Shard* old, int old_rank, const std::vector<int>& twin_gives) {
+  Spans mine;
+  if (old) {
+    mine = owned_spans(old->shard_plan(), old->param_base(), old_rank);
+    for (const int x : twin_gives) mine = unite(mine, owned_spans(old->shard_plan(), old->param_base(), x));
+  }
+  PieceExchange state{rank, world, gather_spans(mine, rank, world, [&](const CollectiveOp& op) { run_now(op); }), {}, comm->shifts_unequal()};
+  const auto& sp = shard->shard_plan();
+  const auto& base = shard->param_base();
+  Spans every;
+  for (int t = 0; t < world; ++t) {
+    Spans need = owned_spans(sp, base, t);
+    every = unite(every, need);
+    if (const auto* twin = shard->mirror()) need = unite(need, owned_spans(sp, base, shift_source(t, world, twin->distance())));
+    state.needs.push_back(std::move(need));
+  }
+  PieceExchange values{rank, world, state.holds, std::vector<Spans>(std::size_t(world), every), state.unequal};
+  return {std::move(state), std::move(values)};
+}
 
 std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t snapshot_step) {
   auto& snap = persistence->snapshots;
@@ -176,9 +236,21 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     if (!adopt_bucket_order(params_in_order))
       log->warn("twins: the old round's buckets hold other parameters than this run trains; they are rebuilt after the first iteration");
   }
-  // The state and the values, window by window (Note [State migration]).
+  // The state and the values, window by window: each element once, to where it is needed (Note
+  // [Pieces to their new owners]), or summed as a rebuild sums them (Note [State migration]) where
+  // the backend cannot shift by every distance (two levels move whole hosts).
   const std::size_t total = shard->total_elements(), values = shard->state_slots();
   const auto& params = registry.params();
+  bool shifts = world > 1;
+  for (int d = 1; d < world && shifts; ++d) shifts = comm->shifts_by(d);
+  const auto moves = shifts ? twin_exchanges(old, kept.rank, twin_gives) : std::pair<PieceExchange, PieceExchange>{};
+  if (shifts) {
+    const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
+    const auto sent = values * exchange_elements(moves.first, total, kStateWindow) + exchange_elements(moves.second, total, kStateWindow);
+    log->info("twins: the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", mib(double(sent)),
+              moves.first.unequal ? "" : " (the shifts padded to their longest pack)",
+              mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
+  }
   std::vector<float> window, part;
   for (std::size_t slot = 0; slot <= values; ++slot) {
     for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
@@ -192,12 +264,17 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
           for (std::size_t i = 0; i < n; ++i) window[i] += part[i];  // disjoint pieces: one of the two is zero
         }
       }
-      CollectiveOp op;
-      op.kind = CollectiveKind::allreduce;
-      op.send = op.recv = window.data();
-      op.count = n;
-      op.tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
-      run_or_alone(op);
+      const std::string tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
+      if (shifts) {
+        exchange_window(slot < values ? moves.first : moves.second, begin, window, [&](const CollectiveOp& op) { run_now(op); }, tag);
+      } else {
+        CollectiveOp op;
+        op.kind = CollectiveKind::allreduce;
+        op.send = op.recv = window.data();
+        op.count = n;
+        op.tag = tag;
+        run_or_alone(op);
+      }
       if (slot < values || shard->migrate_slots() > values) shard->import_state(slot, begin, window);
       if (slot < values) continue;
       // Every parameter in the window, as the owner's step leaves the trainer's storage.

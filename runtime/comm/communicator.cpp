@@ -16,9 +16,13 @@ int shift_source(int rank, int world, int distance) {
   return ((rank - d) % world + world) % world;
 }
 
-void check_shift(const CollectiveOp& op, const std::string& who) {
-  if (op.kind == CollectiveKind::shift && op.count && op.send == op.recv)
+void check_shift(const CollectiveOp& op, const std::string& who, bool unequal) {
+  if (op.kind != CollectiveKind::shift) return;
+  if ((op.count || shift_recv_count(op)) && op.send == op.recv)
     throw UsageError(who + ": shift '" + op.tag + "' has one buffer as its send and its recv; a shift is not in place (Note [Shift])");
+  if (!unequal && shift_recv_count(op) != op.count)
+    throw UsageError(who + ": shift '" + op.tag + "' sends " + std::to_string(op.count) + " element(s) and receives " +
+                     std::to_string(op.recv_count) + ": this backend shifts equal counts only (Communicator::shifts_unequal)");
 }
 
 std::size_t wire_bytes(const CollectiveOp& op, int world) {

@@ -96,6 +96,7 @@ class GlooComm final : public Communicator {
   int world_size() const override { return world_; }
   std::string backend_name() const override { return "gloo"; }
   bool supports(Device d) const override { return d.kind == Device::Kind::cpu; }
+  bool shifts_unequal() const override { return true; }  // GlooRing::shift posts each side's own count
   void submit(CollectiveOp op, CollectiveDone done) override { stream_.push(std::move(op), std::move(done)); }
   // Gloo cannot interrupt a collective in progress; later ones fail at once. Peers learn of a dead
   // process from its closed connections, so an abort closes this rank's connections too: a peer
@@ -146,8 +147,8 @@ class GlooComm final : public Communicator {
           ring_->allgather(op.send, op.recv, op.count, op.dtype, tag);
           return;
         case CollectiveKind::shift:
-          check_shift(op, "gloo rank " + std::to_string(rank_));
-          ring_->shift(op.send, op.recv, op.count, op.dtype, op.distance, tag);
+          check_shift(op, "gloo rank " + std::to_string(rank_), /*unequal=*/true);
+          ring_->shift(op.send, op.count, op.recv, shift_recv_count(op), op.dtype, op.distance, tag);
           return;
         case CollectiveKind::broadcast: {
           if (op.count == 0) return;

@@ -125,24 +125,32 @@ void GlooRing::allgather(const void* send, void* recv, std::size_t count, DType 
   for (; sent > 0; --sent) wait_send(*buf, "all-gather", right);
 }
 
-void GlooRing::shift(const void* send, void* recv, std::size_t count, DType dtype, int distance, std::uint32_t tag) {
-  const std::size_t bytes = count * dtype_size(dtype);
+void GlooRing::shift(const void* send, std::size_t count, void* recv, std::size_t recv_count, DType dtype, int distance,
+                     std::uint32_t tag) {
+  const std::size_t es = dtype_size(dtype);
   const int to = (rank_ + distance % world_ + world_) % world_, from = shift_source(rank_, world_, distance);
-  if (count == 0) return;
   if (to == rank_) {
-    std::memcpy(recv, send, bytes);
+    std::memcpy(recv, send, count * es);
     return;
   }
   const auto slot = gloo::Slot::build(kShiftSlotPrefix, tag);
   // The receive posted before the send, for the reason reduce_scatter's are; one buffer each, so
-  // that the send and the receive never share memory Gloo's threads touch.
-  auto in = context_->createUnboundBuffer(recv, bytes);
-  auto out = context_->createUnboundBuffer(const_cast<void*>(send), bytes);
-  const Segments seg(count, dtype_size(dtype));
-  for (std::size_t k = 0; k < seg.count; ++k) in->recv(from, slot, seg.offset(k), seg.bytes(k));
-  for (std::size_t k = 0; k < seg.count; ++k) out->send(to, slot, seg.offset(k), seg.bytes(k));
-  for (std::size_t k = 0; k < seg.count; ++k) wait_recv(*in, "shift", "a block", from);
-  for (std::size_t k = 0; k < seg.count; ++k) wait_send(*out, "shift", to);
+  // that the send and the receive never share memory Gloo's threads touch. Either may be empty
+  // (CollectiveOp::recv_count: the source sends nothing this time, or this rank does).
+  std::unique_ptr<gloo::transport::UnboundBuffer> in, out;
+  const Segments in_seg(recv_count, es), out_seg(count, es);
+  if (recv_count) {
+    in = context_->createUnboundBuffer(recv, recv_count * es);
+    for (std::size_t k = 0; k < in_seg.count; ++k) in->recv(from, slot, in_seg.offset(k), in_seg.bytes(k));
+  }
+  if (count) {
+    out = context_->createUnboundBuffer(const_cast<void*>(send), count * es);
+    for (std::size_t k = 0; k < out_seg.count; ++k) out->send(to, slot, out_seg.offset(k), out_seg.bytes(k));
+  }
+  if (in)
+    for (std::size_t k = 0; k < in_seg.count; ++k) wait_recv(*in, "shift", "a block", from);
+  if (out)
+    for (std::size_t k = 0; k < out_seg.count; ++k) wait_send(*out, "shift", to);
 }
 
 }  // namespace shardflow

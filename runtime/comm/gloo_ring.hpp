@@ -39,8 +39,8 @@ class GlooRing {
   void reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag);
   // Block rank of recv (world blocks of count) from every rank's send (in place when send is that block).
   void allgather(const void* send, void* recv, std::size_t count, DType dtype, std::uint32_t tag);
-  // Note [Shift]: send to rank + distance, recv from rank - distance, both in segments.
-  void shift(const void* send, void* recv, std::size_t count, DType dtype, int distance, std::uint32_t tag);
+  // Note [Shift]: `count` to rank + distance, `recv_count` from rank - distance, both in segments.
+  void shift(const void* send, std::size_t count, void* recv, std::size_t recv_count, DType dtype, int distance, std::uint32_t tag);
 
   // Bytes per segment: large enough that a segment's latency is small next to its transfer, small
   // enough that a step's first segment goes on before its block has arrived whole.

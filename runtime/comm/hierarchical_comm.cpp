@@ -76,6 +76,7 @@ class HierarchicalComm final : public Communicator {
     return "hierarchical (" + comms_[in_host]->backend_name() + " inside a host, " + comms_[between_hosts]->backend_name() +
            " between hosts)";
   }
+  bool shifts_by(int distance) const override { return distance % L_ == 0; }  // Note [Shift]: by whole hosts
   bool supports(Device d) const override {
     return d.kind == Device::Kind::cpu && comms_[in_host]->supports(d) && comms_[between_hosts]->supports(d);
   }

@@ -40,6 +40,7 @@ namespace shardflow {
 struct SemanticsState;
 struct OverlapState;
 struct PersistenceState;
+struct PieceExchange;
 
 struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   RankClient client{*this};
@@ -312,6 +313,9 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // the twins kept, if that is newer than `snapshot_step` and every lost shard has a twin left;
   // nullopt otherwise (the same answer on every rank), and the snapshot is loaded instead.
   std::optional<std::uint64_t> restore_from_twins(std::uint64_t snapshot_step);
+  // Who holds which pieces before a restore from the twins, who needs them after (the moments,
+  // then the values): Note [Pieces to their new owners].
+  std::pair<PieceExchange, PieceExchange> twin_exchanges(const Shard* old, int old_rank, const std::vector<int>& twin_gives);
   // With mirrored shards and Config::snapshot.trainer_state, the trainer's state after each step
   // is kept in memory too (the last two): the step whose state is still wanted (0: none), and
   // whether set_trainer_state's state was that one (taken).

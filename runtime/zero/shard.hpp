@@ -169,6 +169,7 @@ class Shard {
   void discard_state(std::size_t slot, std::size_t begin, std::size_t n);
   void import_state(std::size_t slot, std::size_t begin, const std::vector<float>& in);
   std::size_t total_elements() const { return total_elements_; }
+  const std::vector<std::size_t>& param_base() const { return param_base_; }  // where each parameter starts in those coordinates
   void allocate_slot(std::size_t slot);  // zeroed (a migrating shard's state)
   void release_slot(std::size_t slot);   // migrated away: its memory goes now
   std::int64_t steps() const { return steps_; }

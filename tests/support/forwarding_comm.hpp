@@ -16,6 +16,8 @@ class ForwardingComm : public Communicator {
   int world_size() const override { return inner_->world_size(); }
   std::string backend_name() const override { return inner_->backend_name(); }
   bool supports(Device d) const override { return inner_->supports(d); }
+  bool shifts_by(int distance) const override { return inner_->shifts_by(distance); }
+  bool shifts_unequal() const override { return inner_->shifts_unequal(); }
   void abort(const std::string& reason) override { inner_->abort(reason); }
 
  protected:

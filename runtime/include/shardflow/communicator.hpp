@@ -48,6 +48,10 @@ struct CollectiveOp {
   // host has already finished writing). Only needs to stay valid until submit() returns.
   void* wait_event = nullptr;
   int distance = 0;  // shift: how many ranks on each rank's data moves (any integer, taken mod world)
+  // shift, on a backend that shifts_unequal(): the elements this rank receives when they differ
+  // from the `count` it sends (the source's `count` must be this). kSameCount: `count`.
+  static constexpr std::size_t kSameCount = ~std::size_t{0};
+  std::size_t recv_count = kSameCount;
 };
 
 // Note [Shift]
@@ -60,8 +64,11 @@ struct CollectiveOp {
 // successor while the rank's recv is written from its predecessor.
 // The source of `rank`'s block in a shift by `distance` over `world` ranks.
 int shift_source(int rank, int world, int distance);
-// A shift whose send is its recv: UsageError naming `who` and the op (every backend checks it).
-void check_shift(const CollectiveOp& op, const std::string& who);
+// A shift whose send is its recv, or one that receives another count than it sends on a backend
+// that cannot (`unequal`: it can): UsageError naming `who` and the op (every backend checks it).
+void check_shift(const CollectiveOp& op, const std::string& who, bool unequal = false);
+// The elements a shift receives on this rank.
+inline std::size_t shift_recv_count(const CollectiveOp& op) { return op.recv_count == CollectiveOp::kSameCount ? op.count : op.recv_count; }
 
 // The bytes a collective moves as a whole: the buffer (all-reduce, broadcast), the full unscattered
 // or gathered buffer (reduce-scatter, all-gather: world * count elements).
@@ -90,6 +97,15 @@ class Communicator {
   // The runtime allocates its bucket buffers here. Default: ordinary memory.
   virtual std::shared_ptr<std::byte> allocate(std::size_t bytes);
   virtual void submit(CollectiveOp op, CollectiveDone done) = 0;
+  // Whether a shift by `distance` ranks runs here (Note [Shift]). Two levels move only whole
+  // hosts; every other backend moves any distance. Ask before submitting one that may not.
+  virtual bool shifts_by(int distance) const {
+    (void)distance;
+    return true;
+  }
+  // Whether a shift may receive another count than it sends (CollectiveOp::recv_count): the
+  // backends that move bytes over a link (Gloo, NCCL) can, so that nothing is padded there.
+  virtual bool shifts_unequal() const { return false; }
   // This rank gives up (a usage error, a failed peer): pending and future collectives of every
   // rank fail promptly with `reason` instead of waiting for the timeout.
   virtual void abort(const std::string& reason) = 0;

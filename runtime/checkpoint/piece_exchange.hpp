@@ -1,0 +1,57 @@
+// Moving state in parameter coordinates to the ranks that need it, each element once
+// (Note [Pieces to their new owners]).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "runtime/plans/shard_plan.hpp"
+#include "shardflow/communicator.hpp"
+
+namespace shardflow {
+
+// Half-open ranges [lo, hi) of parameter coordinates, sorted and disjoint.
+struct Span {
+  std::size_t lo = 0, hi = 0;
+  bool operator==(const Span&) const = default;
+};
+using Spans = std::vector<Span>;
+
+// Every piece `rank` owns in the plan, over all buckets, as spans (adjacent ones merged).
+Spans owned_spans(const ShardPlan& sp, const std::vector<std::size_t>& param_base, int rank);
+Spans unite(const Spans& a, const Spans& b);
+Spans intersect(const Spans& a, const Spans& b);
+Spans clip(const Spans& a, std::size_t lo, std::size_t hi);
+std::size_t length(const Spans& a);
+
+// Note [Pieces to their new owners]
+// A rebuild or a restore from the twins has every element of the state on one rank (its holder)
+// and wants it on others (its new owner and the owner's twin; the parameters' values on every
+// rank). Summing windows in which each element is one rank's value and zeros elsewhere gets it
+// there (Note [State migration]), but an all-reduce puts 2 (W - 1) / W of the whole window on
+// each rank's link, wherever the element has to go. Here each element crosses once, and only to a
+// rank that needs it and does not hold it: for each distance d = 1 .. W - 1 every rank packs what
+// it holds and rank + d needs, and one shift by d moves the packs (Note [Shift]: every rank
+// issues the same ops in the same order, so the collectives stay ordered). Where the backend
+// shifts unequal counts (Gloo: CollectiveOp::recv_count) each pack goes as it is; elsewhere a
+// shift moves one count per rank, so each is padded to the longest pack at its distance (a copy
+// in memory there, not a link): every rank computes the counts from the same spans. What a rank holds is written where it is; what arrives is written
+// into the same window at coordinates the rank does not hold, so the packs still to go are not
+// overwritten. A needed element that no rank holds is an error, never a zero taken for state.
+struct PieceExchange {
+  int rank = 0, world = 1;
+  std::vector<Spans> holds;  // [rank] what its window holds before the exchange (disjoint across ranks)
+  std::vector<Spans> needs;  // [rank] what its window must hold after it
+  bool unequal = false;      // the backend shifts unequal counts (Communicator::shifts_unequal): no padding
+};
+// `window` holds this rank's `holds` in [begin, begin + window.size()); afterwards it also holds
+// its `needs` there. `run` issues one collective and waits for it; `tag` names the ops.
+void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<float>& window,
+                     const std::function<void(const CollectiveOp&)>& run, const std::string& tag);
+// What exchange_window sends from this rank for the whole coordinate range, in elements (its packs,
+// or the padded shifts; windows of `window` elements): for logs and tests.
+std::size_t exchange_elements(const PieceExchange& x, std::size_t total, std::size_t window);
+
+}  // namespace shardflow
