@@ -16,7 +16,8 @@
 // - The old round's buckets are adopted, as a snapshot's are (Note [No state moved before a load]).
 // - The state then moves in windows of parameter coordinates: each provider writes its pieces
 //   into the window, and each piece goes once to the ranks that need it (Note [Pieces to their
-//   new owners]): the moments to the new owner and its twin, the values to every rank. The new
+//   new owners]): the moments to the new owner and its twin, the values to every rank whose
+//   parameters do not already hold them (Note [Values the ranks hold already]). The new
 //   shard takes its own pieces (and its twin's), and every rank writes all parameters from the
 //   values as the owners' step writes them (rounded to a 16-bit storage or wire), so no parameter
 //   sync follows; frozen parameters come from the first survivor. Over two levels, which shift
@@ -241,29 +242,42 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   // the backend cannot shift by every distance (two levels move whole hosts).
   const std::size_t total = shard->total_elements(), values = shard->state_slots();
   const auto& params = registry.params();
+  std::vector<float> window, part;
   bool shifts = world > 1;
   for (int d = 1; d < world && shifts; ++d) shifts = comm->shifts_by(d);
-  const auto moves = shifts ? twin_exchanges(old, kept.rank, twin_gives) : std::pair<PieceExchange, PieceExchange>{};
+  const auto provide = [&](std::size_t slot, std::size_t begin, std::vector<float>& into) {  // what this rank holds, zeros elsewhere
+    if (!old) return;
+    old->export_at(steps, slot, begin, into.data(), into.size());
+    if (twin_gives.empty()) return;
+    part.resize(into.size());
+    old->mirror()->export_state(slot, begin, part.data(), part.size());
+    for (std::size_t i = 0; i < into.size(); ++i) into[i] += part[i];  // disjoint pieces: one of the two is zero
+  };
+  auto moves = shifts ? twin_exchanges(old, kept.rank, twin_gives) : std::pair<PieceExchange, PieceExchange>{};
+  Spans from_params;  // values this rank gives from its parameters (Note [Values the ranks hold already])
   if (shifts) {
+    // Note [Values the ranks hold already]: the values only where a rank's parameters differ; the
+    // fp32 masters of 16-bit parameters to their new owner and its twin whatever they hold.
+    const bool masters = shard->migrate_slots() > values;
+    auto held = values_to_take(moves.second, [&](std::size_t begin, std::vector<float>& w) { provide(values, begin, w); }, !masters);
+    moves.second.holds = std::move(held.holds);
+    moves.second.needs = std::move(held.needs);
+    from_params = std::move(held.from_params);
+    if (masters)
+      for (int t = 0; t < world; ++t)
+        moves.second.needs[std::size_t(t)] = unite(moves.second.needs[std::size_t(t)], moves.first.needs[std::size_t(t)]);
     const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
     const auto sent = values * exchange_elements(moves.first, total, kStateWindow) + exchange_elements(moves.second, total, kStateWindow);
     log->info("twins: the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", mib(double(sent)),
               moves.first.unequal ? "" : " (the shifts padded to their longest pack)",
               mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
   }
-  std::vector<float> window, part;
   for (std::size_t slot = 0; slot <= values; ++slot) {
     for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
       const std::size_t n = std::min(kStateWindow, total - begin);
       window.assign(n, 0.0f);
-      part.resize(n);
-      if (old) {
-        old->export_at(steps, slot, begin, window.data(), n);
-        if (!twin_gives.empty()) {
-          old->mirror()->export_state(slot, begin, part.data(), n);
-          for (std::size_t i = 0; i < n; ++i) window[i] += part[i];  // disjoint pieces: one of the two is zero
-        }
-      }
+      provide(slot, begin, window);
+      if (slot == values) values_from_params(begin, window, from_params);
       const std::string tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
       if (shifts) {
         exchange_window(slot < values ? moves.first : moves.second, begin, window, [&](const CollectiveOp& op) { run_now(op); }, tag);
@@ -277,22 +291,9 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       }
       if (slot < values || shard->migrate_slots() > values) shard->import_state(slot, begin, window);
       if (slot < values) continue;
-      // Every parameter in the window, as the owner's step leaves the trainer's storage.
-      std::size_t at = 0;
-      for (std::uint32_t p = 0; p < params.size(); ++p) {
-        const std::size_t len = std::size_t(numel(params[p].shape));
-        const std::size_t lo = std::max(at, begin), hi = std::min(at + len, begin + n);
-        const auto bucket = plan.where[p].bucket;
-        if (lo < hi && params[p].requires_grad && bucket != ~0u) {
-          const float* v = window.data() + (lo - begin);
-          auto* dst = static_cast<std::byte*>(params[p].data) + (lo - at) * dtype_size(params[p].dtype);
-          if (params[p].dtype != DType::f32)
-            kernels::convert_from_f32(params[p].dtype, dst, v, hi - lo);
-          else
-            kernels::round_to(shard->sync_dtype(bucket), reinterpret_cast<float*>(dst), v, hi - lo);
-        }
-        at += len;
-      }
+      // The parameters in the window, as the owner's step leaves the trainer's storage: those this
+      // rank took, or all of them after a sum.
+      write_values(begin, window, shifts ? moves.second.needs[std::size_t(rank)] : Spans{{0, total}});
     }
   }
   // Frozen parameters and the counters every rank shares, from the first survivor.

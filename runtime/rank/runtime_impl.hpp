@@ -41,6 +41,8 @@ struct SemanticsState;
 struct OverlapState;
 struct PersistenceState;
 struct PieceExchange;
+struct Span;
+using Spans = std::vector<Span>;
 
 struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   RankClient client{*this};
@@ -316,6 +318,23 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // Who holds which pieces before a restore from the twins, who needs them after (the moments,
   // then the values): Note [Pieces to their new owners].
   std::pair<PieceExchange, PieceExchange> twin_exchanges(const Shard* old, int old_rank, const std::vector<int>& twin_gives);
+  // Note [Values the ranks hold already] (held_values.cpp): for every rank, the blocks of what
+  // `values` holds that its parameters do not already hold as the restore writes them, from each
+  // holder's window of values (`provide`); and that writing, the owners' step's way, of `where`.
+  struct HeldValues {
+    std::vector<Spans> holds, needs;  // [rank] who gives which values, who takes which
+    Spans from_params;                // what this rank gives from its own parameters, not its window
+  };
+  HeldValues values_to_take(const PieceExchange& values, const std::function<void(std::size_t begin, std::vector<float>& window)>& provide,
+                            bool from_params_ok);
+  void values_from_params(std::size_t begin, std::vector<float>& window, const Spans& where) const;
+  int ranks_per_host() const;  // 0: not known (the ranks are taken as one host)
+  void write_values(std::size_t begin, const std::vector<float>& window, const Spans& where);
+  void write_values(std::uint32_t p, const float* v, std::size_t n, std::byte* dst) const;
+  // fn(p, offset in p, offset from lo, count) for each trainable parameter in a bucket that
+  // overlaps [lo, hi) of parameter coordinates.
+  template <class Fn>
+  void for_trainable(std::size_t lo, std::size_t hi, Fn fn) const;
   // With mirrored shards and Config::snapshot.trainer_state, the trainer's state after each step
   // is kept in memory too (the last two): the step whose state is still wanted (0: none), and
   // whether set_trainer_state's state was that one (taken).
