@@ -128,6 +128,16 @@ TEST_CASE("gloo: a shift with unequal counts at world 4, by 1 and 3: rank r send
   });
   for (int r = 0; r < 2; ++r)
     CHECK(test::message_of(errors[std::size_t(r)]).find("shift 'pieces' sends 4 element(s) and receives 5") != std::string::npos);
+  // A receive count belongs to a shift alone: on another op it is refused, not ignored.
+  const auto misplaced = test::run_ranks(n, [&](int r) {
+    std::vector<float> buf(8, 1.0f);
+    auto op = make(CollectiveKind::allreduce, buf.data(), buf.data(), buf.size());
+    op.recv_count = 4;
+    op.tag = "loss";
+    comms[std::size_t(r)]->run(op, 30s);
+  });
+  for (int r = 0; r < n; ++r)
+    CHECK(test::message_of(misplaced[std::size_t(r)]).find("allreduce 'loss' sets recv_count, which only a shift takes") != std::string::npos);
 }
 
 TEST_CASE("gloo: ZeRO-1 training over Gloo ends with the parameters of the in-process backend") {

@@ -20,7 +20,6 @@
 #include <isa-l/crc64.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "kernels/cpu/elementwise.hpp"
@@ -163,7 +162,7 @@ Runtime::Impl::HeldValues Runtime::Impl::values_to_take(const PieceExchange& x, 
   // values then, as the restore writes them), a rank whose parameters hold it already and that is
   // nearer the ranks taking it (on their host), else less loaded: a replacement takes its values
   // from a survivor beside it rather than across the link from the twin's host.
-  const int L = ranks_per_host();
+  const int L = ranks_per_host(world);  // 0: not known, the ranks taken as one host
   const auto host = [&](int r) { return L > 0 ? r / L : 0; };
   std::vector<std::size_t> load(static_cast<std::size_t>(world), 0);
   for (int r = 0, k = 0; r < world; ++r)
@@ -192,13 +191,6 @@ Runtime::Impl::HeldValues Runtime::Impl::values_to_take(const PieceExchange& x, 
   }
   out.from_params = unite(out.from_params, {});
   return out;
-}
-
-int Runtime::Impl::ranks_per_host() const {
-  // Under a launcher a node's ranks are consecutive (as twin_distance takes them); else unknown: one host.
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const int L = local ? std::atoi(local) : 0;
-  return L > 0 && world % L == 0 ? L : 0;
 }
 
 void Runtime::Impl::values_from_params(std::size_t begin, std::vector<float>& window, const Spans& where) const {

@@ -101,9 +101,9 @@ std::vector<Spans> gather_spans(const Spans& mine, int rank, int world, const st
 
 }  // namespace
 
-// Who holds what before the restore, and who needs what after it: the moments (the new owner and
-// the new owner's twin) and the values (every rank writes every parameter from them).
-std::pair<PieceExchange, PieceExchange> Runtime::Impl::twin_exchanges(const Shard* old, int old_rank, const std::vector<int>& twin_gives) {
+// Who holds what before the restore, and who needs which moments after it: the new owner and the
+// new owner's twin. (The values: values_to_take, from the same holders.)
+PieceExchange Runtime::Impl::twin_exchange(const Shard* old, int old_rank, const std::vector<int>& twin_gives) {
   Spans mine;
   if (old) {
     mine = owned_spans(old->shard_plan(), old->param_base(), old_rank);
@@ -112,15 +112,12 @@ std::pair<PieceExchange, PieceExchange> Runtime::Impl::twin_exchanges(const Shar
   PieceExchange state{rank, world, gather_spans(mine, rank, world, [&](const CollectiveOp& op) { run_now(op); }), {}, comm->shifts_unequal()};
   const auto& sp = shard->shard_plan();
   const auto& base = shard->param_base();
-  Spans every;
   for (int t = 0; t < world; ++t) {
     Spans need = owned_spans(sp, base, t);
-    every = unite(every, need);
     if (const auto* twin = shard->mirror()) need = unite(need, owned_spans(sp, base, shift_source(t, world, twin->distance())));
     state.needs.push_back(std::move(need));
   }
-  PieceExchange values{rank, world, state.holds, std::vector<Spans>(std::size_t(world), every), state.unequal};
-  return {std::move(state), std::move(values)};
+  return state;
 }
 
 std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t snapshot_step) {
@@ -253,23 +250,23 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     old->mirror()->export_state(slot, begin, part.data(), part.size());
     for (std::size_t i = 0; i < into.size(); ++i) into[i] += part[i];  // disjoint pieces: one of the two is zero
   };
-  auto moves = shifts ? twin_exchanges(old, kept.rank, twin_gives) : std::pair<PieceExchange, PieceExchange>{};
-  Spans from_params;  // values this rank gives from its parameters (Note [Values the ranks hold already])
+  PieceExchange moments, values_moved;  // Note [Pieces to their new owners]
+  Spans from_params;                     // values this rank gives from its parameters (Note [Values the ranks hold already])
   if (shifts) {
+    moments = twin_exchange(old, kept.rank, twin_gives);
     // Note [Values the ranks hold already]: the values only where a rank's parameters differ; the
     // fp32 masters of 16-bit parameters to their new owner and its twin whatever they hold.
     const bool masters = shard->migrate_slots() > values;
-    auto held = values_to_take(moves.second, [&](std::size_t begin, std::vector<float>& w) { provide(values, begin, w); }, !masters);
-    moves.second.holds = std::move(held.holds);
-    moves.second.needs = std::move(held.needs);
+    auto held = values_to_take(moments, [&](std::size_t begin, std::vector<float>& w) { provide(values, begin, w); }, !masters);
+    values_moved = PieceExchange{rank, world, std::move(held.holds), std::move(held.needs), moments.unequal};
     from_params = std::move(held.from_params);
     if (masters)
       for (int t = 0; t < world; ++t)
-        moves.second.needs[std::size_t(t)] = unite(moves.second.needs[std::size_t(t)], moves.first.needs[std::size_t(t)]);
+        values_moved.needs[std::size_t(t)] = unite(values_moved.needs[std::size_t(t)], moments.needs[std::size_t(t)]);
     const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
-    const auto sent = values * exchange_elements(moves.first, total, kStateWindow) + exchange_elements(moves.second, total, kStateWindow);
+    const auto sent = values * exchange_elements(moments, total, kStateWindow) + exchange_elements(values_moved, total, kStateWindow);
     log->info("twins: the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", mib(double(sent)),
-              moves.first.unequal ? "" : " (the shifts padded to their longest pack)",
+              moments.unequal ? "" : " (the shifts padded to their longest pack)",
               mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
   }
   for (std::size_t slot = 0; slot <= values; ++slot) {
@@ -280,7 +277,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       if (slot == values) values_from_params(begin, window, from_params);
       const std::string tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
       if (shifts) {
-        exchange_window(slot < values ? moves.first : moves.second, begin, window, [&](const CollectiveOp& op) { run_now(op); }, tag);
+        exchange_window(slot < values ? moments : values_moved, begin, window, [&](const CollectiveOp& op) { run_now(op); }, tag);
       } else {
         CollectiveOp op;
         op.kind = CollectiveKind::allreduce;
@@ -293,7 +290,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       if (slot < values) continue;
       // The parameters in the window, as the owner's step leaves the trainer's storage: those this
       // rank took, or all of them after a sum.
-      write_values(begin, window, shifts ? moves.second.needs[std::size_t(rank)] : Spans{{0, total}});
+      write_values(begin, window, shifts ? values_moved.needs[std::size_t(rank)] : Spans{{0, total}});
     }
   }
   // Frozen parameters and the counters every rank shares, from the first survivor.

@@ -17,7 +17,11 @@ int shift_source(int rank, int world, int distance) {
 }
 
 void check_shift(const CollectiveOp& op, const std::string& who, bool unequal) {
-  if (op.kind != CollectiveKind::shift) return;
+  if (op.kind != CollectiveKind::shift) {
+    if (op.recv_count != CollectiveOp::kSameCount)
+      throw UsageError(who + ": " + collective_name(op.kind) + " '" + op.tag + "' sets recv_count, which only a shift takes");
+    return;
+  }
   if ((op.count || shift_recv_count(op)) && op.send == op.recv)
     throw UsageError(who + ": shift '" + op.tag + "' has one buffer as its send and its recv; a shift is not in place (Note [Shift])");
   if (!unequal && shift_recv_count(op) != op.count)

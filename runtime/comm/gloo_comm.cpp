@@ -122,6 +122,7 @@ class GlooComm final : public Communicator {
       std::lock_guard lock(abort_mu_);
       if (aborted_) throw CommError("gloo rank " + std::to_string(rank_) + ": " + op.tag + ": aborted: " + abort_reason_);
     }
+    check_shift(op, "gloo rank " + std::to_string(rank_), /*unequal=*/true);
     const std::size_t es = dtype_size(op.dtype);
     const auto tag = std::uint32_t(seq_++);
     try {
@@ -147,7 +148,6 @@ class GlooComm final : public Communicator {
           ring_->allgather(op.send, op.recv, op.count, op.dtype, tag);
           return;
         case CollectiveKind::shift:
-          check_shift(op, "gloo rank " + std::to_string(rank_), /*unequal=*/true);
           ring_->shift(op.send, op.count, op.recv, shift_recv_count(op), op.dtype, op.distance, tag);
           return;
         case CollectiveKind::broadcast: {

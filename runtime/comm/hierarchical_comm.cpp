@@ -220,6 +220,7 @@ class HierarchicalComm final : public Communicator {
     const auto& op = job.op;
     const std::size_t es = dtype_size(op.dtype), H = std::size_t(H_), L = std::size_t(L_);
     auto& st = job.stages;
+    check_shift(op, "hierarchical rank " + std::to_string(rank()));
     switch (op.kind) {
       case CollectiveKind::allreduce: {
         const std::size_t n = op.count, c = (n + L - 1) / L;
@@ -280,7 +281,6 @@ class HierarchicalComm final : public Communicator {
         // Rank (h, l)'s block to (h + distance / L, l): one shift of the hosts on lane l. A
         // distance L does not divide would carry some ranks' blocks one host further than
         // others', which no uniform stage of either level moves.
-        check_shift(op, "hierarchical rank " + std::to_string(rank()));
         if (op.distance % L_ != 0)
           throw UsageError("shift '" + op.tag + "' by " + std::to_string(op.distance) + " rank(s): over two levels (" +
                            std::to_string(L_) + " ranks a host) a shift moves by whole hosts, a multiple of " + std::to_string(L_));

@@ -315,9 +315,9 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // the twins kept, if that is newer than `snapshot_step` and every lost shard has a twin left;
   // nullopt otherwise (the same answer on every rank), and the snapshot is loaded instead.
   std::optional<std::uint64_t> restore_from_twins(std::uint64_t snapshot_step);
-  // Who holds which pieces before a restore from the twins, who needs them after (the moments,
-  // then the values): Note [Pieces to their new owners].
-  std::pair<PieceExchange, PieceExchange> twin_exchanges(const Shard* old, int old_rank, const std::vector<int>& twin_gives);
+  // Who holds which pieces before a restore from the twins, who needs which moments after it:
+  // Note [Pieces to their new owners].
+  PieceExchange twin_exchange(const Shard* old, int old_rank, const std::vector<int>& twin_gives);
   // Note [Values the ranks hold already] (held_values.cpp): for every rank, the blocks of what
   // `values` holds that its parameters do not already hold as the restore writes them, from each
   // holder's window of values (`provide`); and that writing, the owners' step's way, of `where`.
@@ -328,7 +328,6 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   HeldValues values_to_take(const PieceExchange& values, const std::function<void(std::size_t begin, std::vector<float>& window)>& provide,
                             bool from_params_ok);
   void values_from_params(std::size_t begin, std::vector<float>& window, const Spans& where) const;
-  int ranks_per_host() const;  // 0: not known (the ranks are taken as one host)
   void write_values(std::size_t begin, const std::vector<float>& window, const Spans& where);
   void write_values(std::uint32_t p, const float* v, std::size_t n, std::byte* dst) const;
   // fn(p, offset in p, offset from lo, count) for each trainable parameter in a bucket that

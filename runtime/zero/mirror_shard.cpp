@@ -141,13 +141,18 @@ std::size_t MirrorShard::bytes() const {
   return n;
 }
 
+int ranks_per_host(int world) {
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int L = local ? std::atoi(local) : 0;
+  return L > 0 && world % L == 0 ? L : 0;
+}
+
 int twin_distance(const Config& cfg, int world) {
   int d = cfg.zero.twin_distance;
   if (d == 0) {
     // Under a launcher the node's ranks are consecutive: the next node's same local rank is L on.
-    const char* local = std::getenv("LOCAL_WORLD_SIZE");
-    const int L = local ? std::atoi(local) : 0;
-    d = L > 0 && L < world && world % L == 0 ? L : 1;
+    const int L = ranks_per_host(world);
+    d = L > 0 && L < world ? L : 1;
   }
   if (world > 1 && d % world == 0)
     throw UsageError(cfg.name_of("zero.twin_distance") + " = " + std::to_string(d) + " at world " + std::to_string(world) +

@@ -107,6 +107,9 @@ class MirrorShard {
   std::vector<float> scratch_;                         // a 16-bit wire's slice in fp32
 };
 
+// The ranks a host runs under a launcher (LOCAL_WORLD_SIZE; a node's ranks are consecutive), if
+// that divides `world`; 0: not known.
+int ranks_per_host(int world);
 // Config::zero.twin_distance as it applies at `world` ranks (Note [Mirrored shards]): UsageError
 // for a distance that brings a rank's slices back to itself.
 int twin_distance(const Config& cfg, int world);

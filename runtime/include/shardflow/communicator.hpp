@@ -65,7 +65,8 @@ struct CollectiveOp {
 // The source of `rank`'s block in a shift by `distance` over `world` ranks.
 int shift_source(int rank, int world, int distance);
 // A shift whose send is its recv, or one that receives another count than it sends on a backend
-// that cannot (`unequal`: it can): UsageError naming `who` and the op (every backend checks it).
+// that cannot (`unequal`: it can), or a recv_count on another kind of op: UsageError naming `who`
+// and the op (every backend checks every op).
 void check_shift(const CollectiveOp& op, const std::string& who, bool unequal = false);
 // The elements a shift receives on this rank.
 inline std::size_t shift_recv_count(const CollectiveOp& op) { return op.recv_count == CollectiveOp::kSameCount ? op.count : op.recv_count; }
@@ -103,8 +104,9 @@ class Communicator {
     (void)distance;
     return true;
   }
-  // Whether a shift may receive another count than it sends (CollectiveOp::recv_count): the
-  // backends that move bytes over a link (Gloo, NCCL) can, so that nothing is padded there.
+  // Whether a shift may receive another count than it sends (CollectiveOp::recv_count): Gloo can,
+  // so that nothing is padded on its link; the others pad (a copy in memory for the in-process
+  // and shm backends).
   virtual bool shifts_unequal() const { return false; }
   // This rank gives up (a usage error, a failed peer): pending and future collectives of every
   // rank fail promptly with `reason` instead of waiting for the timeout.
