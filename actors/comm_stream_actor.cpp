@@ -148,10 +148,9 @@ void submit(self_ptr self, const ScheduledCollective& e, CollectiveIssue issue) 
     then = std::make_shared<std::function<bool(CollectiveIssue&)>>(std::move(issue.then));
     s.blocked = true;
   }
-  if (ops.empty() && e.kind == ScheduledCollective::sync)  // a bucket of empty parameters: nothing to move
-    self->send(s.shard, msg::broadcast_done_atom::value, e.bucket, msg::Failure{});
-  if (ops.empty() && (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused))
-    completion_for(s, e, true, nullptr)(nullptr);
+  // Nothing to move: a bucket of empty parameters, a sync the twin gave (Note [Syncs from the
+  // twin]), a handed-over exchange with nothing in it. Done at once, a fused group as a group.
+  if (ops.empty() && e.kind != ScheduledCollective::reduce && e.kind != ScheduledCollective::norm) completion_for(s, e, true, nullptr)(nullptr);
   for (std::size_t k = 0; k < ops.size(); ++k) {
     auto& op = ops[k];
     s.log->record(op);

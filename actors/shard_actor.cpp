@@ -113,6 +113,7 @@ std::pair<Timeline::Time, Timeline::Time> step_bucket(self_ptr self, std::uint32
   ++s.nstepped;
   const auto t0 = Timeline::now();
   if (!sh.skipping()) sh.step(b, s.clip_coef);  // Note [Loss scaling]: an inf somewhere: no rank steps
+  if (sh.syncs_from_twin()) sh.twin_to_sync(b);   // this step's inputs: before end_step moves on
   end_step_once(s);
   if (sh.syncs()) sh.pack(b);
   const auto t1 = Timeline::now();

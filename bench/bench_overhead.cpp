@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   app.add_option("--iterations", iterations)->capture_default_str();
   app.add_option("--reps", reps, "repetitions of the whole table (A B A B), medians")->capture_default_str();
   std::string only;
-  app.add_option("--only", only, "run only the rows whose name contains this text (for profiling one configuration)");
+  app.add_option("--only", only, "run only the rows whose name contains this text (a trailing $: ends with it), for profiling one configuration");
   CLI11_PARSE(app, argc, argv);
   const int buckets = (params + per_bucket - 1) / per_bucket;
   struct Row {
@@ -127,7 +127,13 @@ int main(int argc, char** argv) {
                               {"world 2, ZeRO-1 interleaved, in-process, syncs alone", 2, 1, true, Overlap::interleaved, -1, "in-process", 7, false},
                               {"world 2, ZeRO-1 interleaved, sim (instant)", 2, 1, true, Overlap::interleaved, -1, "sim", 7}};
   std::vector<std::vector<double>> t(rows.size());
-  auto chosen = [&](std::size_t i) { return only.empty() || std::string(rows[i].name).find(only) != std::string::npos; };
+  // A trailing '$' anchors the text at the end of the name ("... instant link$": not its "syncs alone" row).
+  auto chosen = [&](std::size_t i) {
+    const std::string name = rows[i].name;
+    if (!only.empty() && only.back() == '$')
+      return name.size() >= only.size() - 1 && name.compare(name.size() - (only.size() - 1), only.size() - 1, only, 0, only.size() - 1) == 0;
+    return only.empty() || name.find(only) != std::string::npos;
+  };
   for (int rep = 0; rep < reps; ++rep)
     for (std::size_t i = 0; i < rows.size(); ++i)
       if (chosen(i)) t[i].push_back(run(rows[i].world, rows[i].stage, rows[i].optimizer, rows[i].overlap, rows[i].lag, params, per_bucket, iterations, rows[i].backend,

@@ -167,6 +167,36 @@ TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
     }
 }
 
+TEST_CASE("world 2, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch or not: the twin gives the syncs (the link carries only "
+          "reductions and shifts), training ends bit for bit where it ends without twins, and the twin stays one step behind") {
+  for (int stage : {1, 2})
+    for (DType wire : {DType::f32, DType::bf16})
+      for (bool prefetch : {false, true}) {
+        CAPTURE(stage);
+        CAPTURE(dtype_name(wire));
+        CAPTURE(prefetch);
+        const int W = 2, steps = 5;
+        const auto mirrored = train(W, zero(stage, wire, prefetch), steps, 1);
+        const auto plain = train(W, zero(stage, wire, prefetch), steps, 0);
+        auto count = [](const std::vector<std::string>& log, const char* what) {
+          return std::count_if(log.begin(), log.end(), [&](const std::string& c) { return c.find(what) != std::string::npos; });
+        };
+        for (int r = 0; r < W; ++r) {
+          CAPTURE(r);
+          CHECK(mirrored.params[std::size_t(r)] == plain.params[std::size_t(r)]);
+          CHECK(count(plain.log[std::size_t(r)], "sync bucket") > 0);
+          CHECK(count(mirrored.log[std::size_t(r)], "sync bucket") == 0);
+          CHECK(count(mirrored.log[std::size_t(r)], "mirror bucket") == 2 * steps);
+          for (std::int64_t k = 2; k <= steps; ++k) {
+            CAPTURE(k);
+            const auto& twin = mirrored.seen.at({r, k});
+            const auto& source_before = mirrored.seen.at({twin.source, k - 1}).own;
+            CHECK(twin.twin == source_before);
+          }
+        }
+      }
+}
+
 TEST_CASE("Config::zero.redundancy = 2 refuses by name what it cannot follow: all-reduced buckets, stage 0, no snapshot directory, "
           "a comm hook, a twin distance that comes back to the rank itself") {
   auto refusal = [](Config cfg, bool hook = false) {

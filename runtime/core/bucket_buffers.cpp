@@ -76,6 +76,11 @@ std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit,
   return grad_[b];
 }
 
+std::shared_ptr<std::byte> BucketBuffers::held_grad(std::size_t b) const {
+  std::lock_guard lock(mu_);
+  return grad_[b];
+}
+
 void BucketBuffers::release_grad(std::size_t b) {
   if (!pooled_) return;
   std::lock_guard lock(mu_);

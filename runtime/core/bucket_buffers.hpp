@@ -41,6 +41,8 @@ class BucketBuffers {
   // arrive in an order unrelated to the buckets never deadlock. TimeoutError after `timeout`.
   std::shared_ptr<std::byte> grad(std::size_t b, std::size_t limit = 0,
                                   std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+  // Bucket b's gradient buffer if it holds one now, else null; never takes one or waits.
+  std::shared_ptr<std::byte> held_grad(std::size_t b) const;
   void release_grad(std::size_t b);  // pooled only; no-op otherwise
   // b's reduction will be issued with no further trainer action (b and every earlier bucket are
   // complete): its release is on its way, so waiting for a buffer is safe.

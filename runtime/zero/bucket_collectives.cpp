@@ -148,6 +148,7 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
 }
 
 CollectiveIssue BucketCollectives::sync() const {
+  if (shard_->syncs_from_twin()) return {};  // Note [Syncs from the twin]: the values are in the staging already
   const auto b = b_;
   const auto& bs = shard_->shard_plan().buckets[b];
   const DType dtype = shard_->sync_dtype(b);
@@ -184,6 +185,7 @@ CollectiveIssue BucketCollectives::sync() const {
 }
 
 CollectiveIssue BucketCollectives::group_sync(std::uint32_t g, std::uint32_t last_packed) const {
+  if (shard_->syncs_from_twin()) return {};  // Note [Syncs from the twin]
   const auto* fused = shard_->fused_syncs();
   const auto& group = fused->fusion.groups[g];
   const auto& buf = fused->buffers[g];

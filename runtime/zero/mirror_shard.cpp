@@ -109,6 +109,57 @@ void MirrorShard::apply(std::size_t b, const StepInputs& in) {
   }
 }
 
+// Note [Syncs from the twin]
+// At world 2 a rank's twin mirrors the only other rank, so the twin, stepped one step further,
+// gives every value the parameter sync would bring: the all-gather can stay off the wire. Its
+// slices already came by the shift, so the link then carries a reduce-scatter and a shift a
+// bucket, as many bytes as the reduce-scatter and all-gather without twins, where the twins used
+// to cost half again (1.50x the step on a link-bound job across two hosts). The twin must stay
+// one step behind (Note [Mirrored shards]), so the step is run on copies of the bucket's values,
+// state and slice, piece by piece, and only the values are kept; the source's step inputs are
+// this rank's own for the same step (the clip coefficient, the skipped and unused parameters and
+// the counts are the same on every rank). The same code on the same bytes as the source's
+// Shard::step, so the values are the source's bit for bit.
+void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::function<void(const ShardPiece&, const float*)>& put) {
+  if (held_[b] != in.steps)
+    throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + "'s values after step " +
+                std::to_string(in.steps) + " were asked for while it holds the slice of step " + std::to_string(held_[b]));
+  const DType dt = plan_.buckets[b].dtype;
+  const std::size_t ws = dtype_size(wire_[b]);
+  for (const auto& piece : shard_.buckets[b].pieces[std::size_t(source_)]) {
+    const std::size_t n = piece.len, at = piece.packed_off;
+    if (n == 0) continue;
+    if (ahead_.size() < 4 * n) ahead_.resize(4 * n);
+    float* values = ahead_.data();
+    ops_.copy(values, master_[b].data() + at, n * sizeof(float));
+    if (!in.skipped && !in.unused[piece.param]) {
+      float* a = state_a_[b].mem ? values + n : nullptr;
+      float* s = state_b_[b].mem ? values + 2 * n : nullptr;
+      float* grad = values + 3 * n;  // a copy: the step scales its gradient in place, and the held slice is applied later
+      if (a) ops_.copy(a, state_a_[b].data() + at, n * sizeof(float));
+      if (s) ops_.copy(s, state_b_[b].data() + at, n * sizeof(float));
+      ops_.cast(DType::f32, grad, wire_[b], held_slice_[b].get() + at * ws, n);
+      ShardOps::Update u;
+      u.master = values;
+      u.param_dtype = dt;
+      u.round_as = wire_[b];
+      u.grad = grad;
+      u.grad_dtype = DType::f32;
+      u.clip = ClipCoef{in.clip, nullptr};
+      u.state_a = a;
+      u.state_b = s;
+      u.n = n;
+      const std::int64_t own = in.steps - in.sat_out[piece.param];
+      u.first = own == 0;
+      u.step = own + 1;
+      u.param_name = &params_[piece.param].name;
+      u.offset = piece.param_off;
+      ops_.update(in.groups->groups[in.groups->group_of[piece.param]], u);
+    }
+    put(piece, values);
+  }
+}
+
 void MirrorShard::export_state(std::size_t s, std::size_t begin, float* out, std::size_t n) const {
   std::fill(out, out + n, 0.0f);
   const auto& from = slot(s);

@@ -73,6 +73,10 @@ class MirrorShard {
   // The step whose slice bucket b holds (the source's count before it; -1: none): the twin's
   // state there is the source's before that step.
   std::int64_t held_step(std::size_t b) const { return held_[b]; }
+  // Note [Syncs from the twin]: the source's fp32 values of bucket b after the step whose slice b
+  // holds (`in` are that step's inputs), piece by piece to `put`, computed on copies: the twin
+  // itself stays one step behind. Error if b holds no slice of step in.steps.
+  void values_after(std::size_t b, const StepInputs& in, const std::function<void(const ShardPiece&, const float*)>& put);
 
   // The source's values (slot state_slots) and state (slots below), as Shard::export_state has
   // its own: parameter coordinates, zeros outside the source's pieces.
@@ -105,6 +109,7 @@ class MirrorShard {
   std::int64_t standing_ = 0;                          // where a bucket without a held slice stands
   std::map<std::int64_t, StepInputs> inputs_;          // by step, until every bucket applied it
   std::vector<float> scratch_;                         // a 16-bit wire's slice in fp32
+  std::vector<float> ahead_;                           // values_after's copies: values, state, gradient
 };
 
 // The ranks a host runs under a launcher (LOCAL_WORLD_SIZE; a node's ranks are consecutive), if

@@ -197,15 +197,7 @@ void Shard::set_fixed_skip(const std::vector<float>& used) {
 
 void Shard::end_step() {
   if (mirror_) {  // what the twins of this shard, on other ranks, take the same from theirs
-    MirrorShard::StepInputs in;
-    in.groups = groups_;
-    in.clip = step_clip_;
-    in.skipped = skipping_;
-    in.steps = steps_;
-    in.sat_out = skipped_;
-    in.unused.resize(params_.size());
-    for (std::size_t p = 0; p < params_.size(); ++p) in.unused[p] = skip_[p] || fixed_skip_[p];
-    mirror_->stepped(std::move(in));
+    mirror_->stepped(step_inputs());
     before_ = Before{skipped_, scaler_.scale, scaler_.tracker};
   }
   ++steps_;
@@ -225,6 +217,30 @@ void Shard::end_step() {
   }
   skipping_ = false;
   if (mirror_) observe_mirror_for_tests(*this);
+}
+
+MirrorShard::StepInputs Shard::step_inputs() const {
+  MirrorShard::StepInputs in;
+  in.groups = groups_;
+  in.clip = step_clip_;
+  in.skipped = skipping_;
+  in.steps = steps_;
+  in.sat_out = skipped_;
+  in.unused.resize(params_.size());
+  for (std::size_t p = 0; p < params_.size(); ++p) in.unused[p] = skip_[p] || fixed_skip_[p];
+  return in;
+}
+
+void Shard::twin_to_sync(std::size_t b) {
+  const std::size_t source = std::size_t(mirror_->source());
+  const DType wire = sync_dtype(b);
+  std::byte* const staging = fused(b) ? nullptr : buffers_->acquire_staging(b).get();
+  // The cast to the wire's dtype rounds as the source's step rounded its parameters for the wire.
+  mirror_->values_after(b, step_inputs(), [&](const ShardPiece& piece, const float* values) {
+    std::byte* st = staging;
+    const std::size_t at = sync_at(b, source, piece, st);
+    ops_->cast(wire, st + at * dtype_size(wire), DType::f32, values, piece.len);
+  });
 }
 
 void Shard::take_grad_shard(std::size_t b) {

@@ -103,6 +103,11 @@ class Shard {
   void mirror_arrived(std::size_t b) {
     if (mirror_) mirror_->arrived(b, steps_);
   }
+  // Note [Syncs from the twin]: at world 2 the twin gives the other rank's updated parameters,
+  // so bucket syncs move nothing: twin_to_sync(b), after the step and before end_step, writes
+  // them where the sync would have put them.
+  bool syncs_from_twin() const { return mirror_ && shard_.world == 2; }
+  void twin_to_sync(std::size_t b);
   // The state was replaced (loaded, or migrated from the shard this one replaces): a twin that
   // keeps values the source steps in place takes them from the parameters just loaded.
   void loaded();
@@ -201,6 +206,7 @@ class Shard {
   // Where rank k's piece of bucket b sits in what the sync moves, as a wire-dtype element offset
   // from `base`: the bucket's staging (the caller's), or its group's buffer (set here).
   std::size_t sync_at(std::size_t b, std::size_t k, const ShardPiece& piece, std::byte*& base) const;
+  MirrorShard::StepInputs step_inputs() const;  // this step's, as every twin of this shard takes them
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
   std::vector<Floats>& slot_buffers(std::size_t slot) {
     return const_cast<std::vector<Floats>&>(static_cast<const Shard*>(this)->slot_buffers(slot));
