@@ -113,9 +113,8 @@ std::pair<Timeline::Time, Timeline::Time> step_bucket(self_ptr self, std::uint32
   ++s.nstepped;
   const auto t0 = Timeline::now();
   if (!sh.skipping()) sh.step(b, s.clip_coef);  // Note [Loss scaling]: an inf somewhere: no rank steps
-  if (sh.syncs_from_twin()) sh.twin_to_sync(b);   // this step's inputs: before end_step moves on
   end_step_once(s);
-  if (sh.syncs()) sh.pack(b);
+  if (sh.syncs() && !sh.syncs_from_twin()) sh.pack(b);  // Note [Syncs from the twin]: nothing to send
   const auto t1 = Timeline::now();
   s.timeline->stats().optimizer(t0, t1);
   if (s.timeline->tracing())
@@ -189,8 +188,9 @@ void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
   guarded(self, b, [&] {
     auto& s = self->state;
     s.shard->take_grad_shard(b);  // stage 2: keep only this rank's shard of it and give the buffer back
-    // Note [Mirrored shards]: the twin takes the slice before this bucket's step can end the step.
-    s.shard->mirror_arrived(b);
+    // Note [Mirrored shards]: the twin takes the slice before this bucket's step can end the step
+    // (Note [Syncs from the twin]: it comes with the sync instead).
+    if (!s.shard->syncs_from_twin()) s.shard->mirror_arrived(b);
     s.reduced[b] = 1;
     ++s.nreduced;
     try_step(self);
@@ -202,7 +202,10 @@ void on_synced(self_ptr self, std::uint32_t b, msg::Failure& failure) {
   auto& s = self->state;
   if (!failure) try {
       const auto t0 = Timeline::now();
-      s.shard->unpack(b);
+      if (s.shard->syncs_from_twin())  // the step this sync belongs to: end_step may have counted it already
+        s.shard->twin_synced(b, s.shard->steps() - (s.phase == ShardPhase::stepped ? 1 : 0));
+      else
+        s.shard->unpack(b);
       if (s.timeline->tracing())
         s.timeline->span("unpack bucket " + std::to_string(b), "sync", Lane::optimizer, t0, Timeline::now(), SpanArgs{std::int64_t(b), -1, nullptr, -1, -1});
       if (s.zero_on_done) s.shard->zero_bucket(b);

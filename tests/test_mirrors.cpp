@@ -140,7 +140,7 @@ TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
     for (DType wire : {DType::f32, DType::bf16})
     for (bool prefetch : {false, true}) {
       CAPTURE(stage);
-      CAPTURE(dtype_name(wire));
+      CAPTURE(std::string(dtype_name(wire)));
       CAPTURE(prefetch);
       const int W = 3, steps = 5;
       const auto mirrored = train(W, zero(stage, wire, prefetch), steps, 1);
@@ -168,12 +168,12 @@ TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
 }
 
 TEST_CASE("world 2, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch or not: the twin gives the syncs (the link carries only "
-          "reductions and shifts), training ends bit for bit where it ends without twins, and the twin stays one step behind") {
+          "reductions and shifts), training ends bit for bit where it ends without twins, and the twin stays behind the source") {
   for (int stage : {1, 2})
     for (DType wire : {DType::f32, DType::bf16})
       for (bool prefetch : {false, true}) {
         CAPTURE(stage);
-        CAPTURE(dtype_name(wire));
+        CAPTURE(std::string(dtype_name(wire)));
         CAPTURE(prefetch);
         const int W = 2, steps = 5;
         const auto mirrored = train(W, zero(stage, wire, prefetch), steps, 1);
@@ -187,11 +187,20 @@ TEST_CASE("world 2, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
           CHECK(count(plain.log[std::size_t(r)], "sync bucket") > 0);
           CHECK(count(mirrored.log[std::size_t(r)], "sync bucket") == 0);
           CHECK(count(mirrored.log[std::size_t(r)], "mirror bucket") == 2 * steps);
-          for (std::int64_t k = 2; k <= steps; ++k) {
+          // At the end of step k a bucket's twin has taken step k - 1's slice if that bucket's
+          // sync (the shift) landed before the last bucket stepped, else not yet: it stands
+          // where the source stood one or two steps before, never level.
+          for (std::int64_t k = 3; k <= steps; ++k) {
             CAPTURE(k);
             const auto& twin = mirrored.seen.at({r, k});
-            const auto& source_before = mirrored.seen.at({twin.source, k - 1}).own;
-            CHECK(twin.twin == source_before);
+            const auto& one = mirrored.seen.at({twin.source, k - 1}).own;
+            const auto& two = mirrored.seen.at({twin.source, k - 2}).own;
+            REQUIRE(twin.twin.size() == one.size());
+            std::size_t off = 0;
+            for (std::size_t slot = 0; slot < twin.twin.size(); ++slot)
+              for (std::size_t i = 0; i < twin.twin[slot].size(); ++i)
+                off += twin.twin[slot][i] != one[slot][i] && twin.twin[slot][i] != two[slot][i];
+            CHECK(off == 0);
           }
         }
       }
@@ -256,6 +265,7 @@ Config recovering(const std::string& snapshots, int stage, bool trainer_state = 
   cfg.timeouts.collective = std::chrono::seconds(20);
   cfg.zero.redundancy = 2;
   cfg.zero.twin_distance = 1;
+  cfg.zero.clip_grad_norm = 0.05f;  // bites: a twin fed after the source's step gets its slices clipped (Note [Syncs from the twin])
   cfg.snapshot.trainer_state = trainer_state;
   return cfg;
 }

@@ -230,7 +230,8 @@ std::shared_ptr<const FusedSyncs> Runtime::Impl::fuse_small_syncs(const std::vec
   const std::size_t bytes = fusion_buffer_bytes(shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
   if (bytes && !shard->fusion_buffer()) shard->set_fusion_buffer(allocator()(bytes), bytes);
   auto f = std::make_shared<FusedSyncs>();
-  f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
+  // Note [Syncs from the twin]: each bucket's sync is then its own shift; nothing is gathered.
+  if (!shard->syncs_from_twin()) f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
   if (f->fusion.groups.empty()) {
     shard->set_fused_syncs(nullptr);
     return nullptr;

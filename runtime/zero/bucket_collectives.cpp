@@ -132,23 +132,51 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
   op.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(send, recv);
   auto* mirror = sh ? sh->mirror() : nullptr;
   CollectiveOp shift;
-  if (mirror && rs) {  // Note [Mirrored shards]: the reduced slice, as it landed, to the twin `distance` ranks on
-    shift.kind = CollectiveKind::shift;
-    shift.dtype = wire;
-    shift.send = op.recv;
-    shift.recv = mirror->landing(b).get();
-    shift.count = count;
-    shift.distance = mirror->distance();
-    shift.tag = "mirror bucket " + std::to_string(b);
-    shift.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(recv, mirror->landing(b));
-  }
+  // Note [Mirrored shards]: the reduced slice, as it landed, to the twin `distance` ranks on (Note
+  // [Syncs from the twin]: in the sync's place instead).
+  if (mirror && rs && !sh->syncs_from_twin()) shift = twin_shift(recv, static_cast<std::byte*>(op.recv));
   issue.ops.push_back(std::move(op));
   if (shift.kind == CollectiveKind::shift) issue.ops.push_back(std::move(shift));
   return issue;
 }
 
+CollectiveOp BucketCollectives::twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice) const {
+  auto* mirror = shard_->mirror();
+  CollectiveOp shift;
+  shift.kind = CollectiveKind::shift;
+  shift.dtype = shard_->sync_dtype(b_);
+  shift.send = slice;
+  shift.recv = mirror->landing(b_).get();
+  shift.count = shard_->shard_plan().buckets[b_].slice;
+  shift.distance = mirror->distance();
+  shift.tag = "mirror bucket " + std::to_string(b_);
+  shift.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(std::move(slice_owner), mirror->landing(b_));
+  return shift;
+}
+
+// Note [Syncs from the twin]: the reduced slice where the reduction left it, untouched since: the
+// owner's step read it and packed nothing, and the next reduction of this bucket comes after
+// forward took its parameters, so after this shift landed.
+CollectiveIssue BucketCollectives::sync_from_twin() const {
+  const auto& bs = shard_->shard_plan().buckets[b_];
+  std::shared_ptr<std::byte> owner;
+  std::byte* slice = nullptr;
+  if (shard_->sync_dtype(b_) != dtype_) {  // after the padded bucket in its wire buffer
+    owner = shard_->wire_buffer(b_);
+    slice = owner.get() + bs.padded * dtype_size(shard_->sync_dtype(b_));
+  } else if ((owner = shard_->grad_shard(b_))) {
+    slice = owner.get();
+  } else {
+    owner = bufs_->grad(b_);
+    slice = owner.get() + std::size_t(rank_) * bs.slice * dtype_size(dtype_);
+  }
+  CollectiveIssue issue;
+  issue.ops.push_back(twin_shift(std::move(owner), slice));
+  return issue;
+}
+
 CollectiveIssue BucketCollectives::sync() const {
-  if (shard_->syncs_from_twin()) return {};  // Note [Syncs from the twin]: the values are in the staging already
+  if (shard_->syncs_from_twin()) return sync_from_twin();
   const auto b = b_;
   const auto& bs = shard_->shard_plan().buckets[b];
   const DType dtype = shard_->sync_dtype(b);
@@ -185,7 +213,6 @@ CollectiveIssue BucketCollectives::sync() const {
 }
 
 CollectiveIssue BucketCollectives::group_sync(std::uint32_t g, std::uint32_t last_packed) const {
-  if (shard_->syncs_from_twin()) return {};  // Note [Syncs from the twin]
   const auto* fused = shard_->fused_syncs();
   const auto& group = fused->fusion.groups[g];
   const auto& buf = fused->buffers[g];

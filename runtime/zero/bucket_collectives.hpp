@@ -58,7 +58,8 @@ class BucketCollectives {
   // synchronised iteration being issued.
   CollectiveIssue reduction(std::uint64_t iteration) const;
   // The updated parameters from their owners: an all-gather of the packed slices (flat partition)
-  // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2).
+  // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2). At world 2
+  // with twins, the shift of the reduced slice to the twin instead (Note [Syncs from the twin]).
   CollectiveIssue sync() const;
   // This bucket leads fused group g (Note [Fused syncs]): one all-gather of every member's slices
   // in the group's buffer, after `last_packed`'s pack (the member packed last: the shard's packs
@@ -66,6 +67,10 @@ class BucketCollectives {
   CollectiveIssue group_sync(std::uint32_t g, std::uint32_t last_packed) const;
 
  private:
+  // Note [Mirrored shards]: the shift of this bucket's reduced slice (`slice`, kept alive by its
+  // owner) to the twin; sync_from_twin: that shift as the bucket's sync (Note [Syncs from the twin]).
+  CollectiveOp twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice) const;
+  CollectiveIssue sync_from_twin() const;
   std::uint32_t b_;
   std::size_t numel_;
   DType dtype_;

@@ -25,6 +25,7 @@ MirrorShard::MirrorShard(int distance, int source, const BucketPlan& plan, const
     held_slice_.push_back(slice ? ops_.alloc(slice) : nullptr);
   }
   held_.assign(plan_.buckets.size(), -1);
+  clipped_.assign(plan_.buckets.size(), 0);
   masters_from_params();
 }
 
@@ -58,6 +59,20 @@ void MirrorShard::arrived(std::size_t b, std::int64_t step) {
 void MirrorShard::stepped(StepInputs in) {
   const std::int64_t step = in.steps;
   inputs_.insert_or_assign(step, std::move(in));
+}
+
+void MirrorShard::slices_after_step() {
+  // The step scales in place what it steps from: the reduced fp32 slice itself, not a 16-bit
+  // wire's slice (cast to fp32 first) nor a 16-bit gradient (stepped from an fp32 copy).
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) clipped_[b] = wire_[b] == DType::f32 && plan_.buckets[b].dtype == DType::f32;
+}
+
+const MirrorShard::StepInputs& MirrorShard::inputs_of(std::int64_t step) const {
+  const auto in = inputs_.find(step);
+  if (in == inputs_.end())
+    throw Error("mirror of rank " + std::to_string(source_) + "'s shard: the inputs of step " + std::to_string(step) +
+                " were asked for, and this rank's shard holds none for it");
+  return in->second;
 }
 
 bool MirrorShard::reach(std::int64_t steps) {
@@ -96,7 +111,7 @@ void MirrorShard::apply(std::size_t b, const StepInputs& in) {
     u.round_as = wire_[b];
     u.grad = const_cast<std::byte*>(slice) + piece.packed_off * dtype_size(grad_dtype);
     u.grad_dtype = grad_dtype;
-    u.clip = ClipCoef{in.clip, nullptr};
+    u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
     u.state_a = state_a_[b].mem ? state_a_[b].data() + piece.packed_off : nullptr;
     u.state_b = state_b_[b].mem ? state_b_[b].data() + piece.packed_off : nullptr;
     u.n = piece.len;
@@ -111,15 +126,19 @@ void MirrorShard::apply(std::size_t b, const StepInputs& in) {
 
 // Note [Syncs from the twin]
 // At world 2 a rank's twin mirrors the only other rank, so the twin, stepped one step further,
-// gives every value the parameter sync would bring: the all-gather can stay off the wire. Its
-// slices already came by the shift, so the link then carries a reduce-scatter and a shift a
-// bucket, as many bytes as the reduce-scatter and all-gather without twins, where the twins used
-// to cost half again (1.50x the step on a link-bound job across two hosts). The twin must stay
-// one step behind (Note [Mirrored shards]), so the step is run on copies of the bucket's values,
-// state and slice, piece by piece, and only the values are kept; the source's step inputs are
-// this rank's own for the same step (the clip coefficient, the skipped and unused parameters and
-// the counts are the same on every rank). The same code on the same bytes as the source's
-// Shard::step, so the values are the source's bit for bit.
+// gives every value the parameter sync would bring: the all-gather stays off the wire, and the
+// shift that feeds the twin goes in the sync's place in the schedule instead of right after the
+// reduce-scatter (the bucket's owner steps without it; forward with prefetch waits for it as it
+// waited for the sync, and the shifts of the buckets forward needs later go while it computes).
+// The link then carries a reduce-scatter and a shift a bucket: as many bytes as the reduce-
+// scatter and the all-gather without twins, where the twins used to cost half again (1.50x the
+// step on a link-bound job across two hosts). The twin must stay one step behind (Note
+// [Mirrored shards]), so the step is run on copies of the bucket's values, state and slice,
+// piece by piece, and only the values are kept. The source's step inputs are this rank's own for
+// the same step (the clip coefficient, the skipped and unused parameters and the counts are the
+// same on every rank). The same code on the same bytes as the source's Shard::step, so the
+// values are the source's bit for bit; they reach the parameters rounded as the sync would have
+// rounded them (Shard::twin_synced).
 void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::function<void(const ShardPiece&, const float*)>& put) {
   if (held_[b] != in.steps)
     throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + "'s values after step " +
@@ -145,7 +164,7 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
       u.round_as = wire_[b];
       u.grad = grad;
       u.grad_dtype = DType::f32;
-      u.clip = ClipCoef{in.clip, nullptr};
+      u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
       u.state_a = a;
       u.state_b = s;
       u.n = n;

@@ -64,6 +64,11 @@ class MirrorShard {
   // (its step's inputs must have been handed over), this one is held.
   void arrived(std::size_t b, std::int64_t step);
   void stepped(StepInputs in);  // the owner's end_step: step in.steps is over on this rank
+  const StepInputs& inputs_of(std::int64_t step) const;  // handed over by stepped(); Error if not (any more)
+  // Note [Syncs from the twin]: the slices are shifted after the source's step, which scaled an
+  // fp32 bucket's reduced gradient in place by the step's clip coefficient (ShardOps::update):
+  // those arrive clipped and are stepped without clipping again.
+  void slices_after_step();
   // Note [Going on from the twins]: the state was made or loaded as it stood after `steps` steps
   // (what a bucket without a held slice stands at); and brings every bucket to where the source
   // stood after `steps` steps, applying a held slice where that is one step on: false if a
@@ -106,6 +111,7 @@ class MirrorShard {
   std::vector<Floats> master_, state_a_, state_b_;     // [bucket] the source's packed pieces
   std::vector<std::shared_ptr<std::byte>> landing_, held_slice_;  // [bucket]
   std::vector<std::int64_t> held_;                     // [bucket] the step of the held slice (-1: none)
+  std::vector<char> clipped_;                          // [bucket] its slices arrive clipped (slices_after_step)
   std::int64_t standing_ = 0;                          // where a bucket without a held slice stands
   std::map<std::int64_t, StepInputs> inputs_;          // by step, until every bucket applied it
   std::vector<float> scratch_;                         // a 16-bit wire's slice in fp32

@@ -70,6 +70,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
       undo_b_.push_back(floats(slots >= 2 ? n : 0));
     }
     undo_step_.assign(B, -1);
+    if (syncs_from_twin()) mirror_->slices_after_step();
   }
   if (!migrating) masters_from_params();
   if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
@@ -231,15 +232,19 @@ MirrorShard::StepInputs Shard::step_inputs() const {
   return in;
 }
 
-void Shard::twin_to_sync(std::size_t b) {
-  const std::size_t source = std::size_t(mirror_->source());
-  const DType wire = sync_dtype(b);
-  std::byte* const staging = fused(b) ? nullptr : buffers_->acquire_staging(b).get();
-  // The cast to the wire's dtype rounds as the source's step rounded its parameters for the wire.
-  mirror_->values_after(b, step_inputs(), [&](const ShardPiece& piece, const float* values) {
-    std::byte* st = staging;
-    const std::size_t at = sync_at(b, source, piece, st);
-    ops_->cast(wire, st + at * dtype_size(wire), DType::f32, values, piece.len);
+void Shard::twin_synced(std::size_t b, std::int64_t step) {
+  mirror_->arrived(b, step);
+  // Before end_step the inputs are this shard's own as they stand; after it, what it handed over.
+  const auto in = step == steps_ ? step_inputs() : mirror_->inputs_of(step);
+  const DType dt = plan_.buckets[b].dtype, wire = sync_dtype(b);
+  mirror_->values_after(b, in, [&](const ShardPiece& piece, const float* values) {
+    std::byte* param = param_bytes(piece.param) + piece.param_off * esize(b);
+    if (wire == dt) return ops_->cast(dt, param, DType::f32, values, piece.len);
+    // fp32 storage on a 16-bit wire: the value the sync would have brought, as the source's
+    // step rounded it (Note [Master weights]).
+    if (twin_wire_.size() < piece.len * dtype_size(wire)) twin_wire_.resize(piece.len * dtype_size(wire));
+    ops_->cast(wire, twin_wire_.data(), DType::f32, values, piece.len);
+    ops_->cast(dt, param, wire, twin_wire_.data(), piece.len);
   });
 }
 

@@ -103,11 +103,11 @@ class Shard {
   void mirror_arrived(std::size_t b) {
     if (mirror_) mirror_->arrived(b, steps_);
   }
-  // Note [Syncs from the twin]: at world 2 the twin gives the other rank's updated parameters,
-  // so bucket syncs move nothing: twin_to_sync(b), after the step and before end_step, writes
-  // them where the sync would have put them.
+  // Note [Syncs from the twin]: at world 2 the twin gives the other rank's updated parameters:
+  // bucket b's sync is the shift of its reduced slice, and once it landed (step `step`'s)
+  // twin_synced takes it and writes the source's values of that step into the parameters.
   bool syncs_from_twin() const { return mirror_ && shard_.world == 2; }
-  void twin_to_sync(std::size_t b);
+  void twin_synced(std::size_t b, std::int64_t step);
   // The state was replaced (loaded, or migrated from the shard this one replaces): a twin that
   // keeps values the source steps in place takes them from the parameters just loaded.
   void loaded();
@@ -253,6 +253,7 @@ class Shard {
     float scale = 1.0f;
     int tracker = 0;
   } before_;
+  std::vector<std::byte> twin_wire_;     // twin_synced's values in the wire dtype (host shards only)
   std::unique_ptr<MirrorShard> mirror_;  // last: it refers to the members above
 };
 
