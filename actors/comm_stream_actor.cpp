@@ -127,6 +127,8 @@ CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, con
   what.kind = op.kind;
   what.dtype = op.dtype;
   what.count = op.count;
+  what.distance = op.distance;  // a shift's: one by a multiple of the world puts nothing on the link (wire_bytes)
+  what.recv_count = op.recv_count;
   if (s.log->tracing()) what.tag = op.tag;
   const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
   const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;

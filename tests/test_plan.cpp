@@ -62,8 +62,9 @@ struct Measured {
 
 // World n as threads: every rank registers the model, configures Adam and trains 3 iterations,
 // reporting gradients in reverse registration order (as backward does).
-Measured run(const Model& m, int n, int stage, Partition partition) {
+Measured run(const Model& m, int n, int stage, Partition partition, int redundancy = 1) {
   auto world = InProcessWorld::create(n, 60s);
+  const auto snaps = std::filesystem::temp_directory_path() / ("sf_plan_twins_" + std::to_string(::getpid()));
   Measured out;
   out.owned.resize(std::size_t(n));
   out.memory.resize(std::size_t(n));
@@ -75,6 +76,8 @@ Measured run(const Model& m, int n, int stage, Partition partition) {
     cfg.zero.stage = ZeroStage(stage);
     cfg.zero.partition = partition;
     cfg.zero.overlap = Overlap::interleaved;
+    cfg.zero.redundancy = redundancy;  // Note [Mirrored shards]: twins need a snapshot directory to fall back to
+    if (redundancy == 2) cfg.snapshot.dir = snaps.string(), cfg.snapshot.every = 1000;
     Runtime rt(world->communicator(r), cfg);
     std::vector<std::vector<float>> storage;
     std::vector<Param> h;
@@ -88,6 +91,7 @@ Measured run(const Model& m, int n, int stage, Partition partition) {
     adam.kind = OptimizerConfig::Kind::adam;
     adam.lr = 1e-3f;
     rt.configure_optimizer(adam);
+    if (redundancy == 2) rt.resumed_step();
     for (int it = 0; it < 3; ++it) {
       rt.zero_grad();
       for (std::size_t i = h.size(); i-- > 0;) {
@@ -101,11 +105,13 @@ Measured run(const Model& m, int n, int stage, Partition partition) {
     out.memory[std::size_t(r)] = rt.memory_report();
     if (r == 0) out.buckets = rt.buckets();
   }));
+  std::filesystem::remove_all(snaps);
   return out;
 }
 
-RunPlan plan_of(const Model& m, int n, int stage, Partition partition) {
+RunPlan plan_of(const Model& m, int n, int stage, Partition partition, int redundancy = 1) {
   PlanSettings s;
+  s.redundancy = redundancy;
   s.world = n;
   s.stage = ZeroStage(stage);
   s.partition = partition;
@@ -180,6 +186,58 @@ TEST_CASE("plan = what the runtime builds: buckets, owners and memory, every mod
             }
           }
         }
+}
+
+TEST_CASE("twins (redundancy 2) in the plan = what the runtime keeps: every rank's optimizer state with its twin and the owner's copy, "
+          "world 2-4 x stage 1-2, and `shardflow plan --redundancy 2` says what crosses the hosts: at world 2 the shift in place of the "
+          "all-gather (ZeRO's own bytes), at world 4 on 2 hosts a slice a rank more") {
+  const auto m = models().front();
+  for (int n : {2, 3, 4})
+    for (int stage : {1, 2}) {
+      INFO("world " << n << ", stage " << stage);
+      const RunPlan plan = plan_of(m, n, stage, Partition::flat, 2), alone = plan_of(m, n, stage, Partition::flat);
+      const Measured got = run(m, n, stage, Partition::flat, 2);
+      CHECK(plan.twin_distance == 1);
+      CHECK(plan.syncs_from_twin == (n == 2));
+      for (int r = 0; r < n; ++r) {
+        INFO("rank " << r);
+        CHECK(got.memory[std::size_t(r)].optimizer_state == plan.memory[std::size_t(r)].optimizer_state);
+        CHECK(got.memory[std::size_t(r)].comm_buffers == plan.memory[std::size_t(r)].comm_buffers);
+        CHECK(plan.memory[std::size_t(r)].optimizer_state > alone.memory[std::size_t(r)].optimizer_state);
+      }
+    }
+  const auto dir = std::filesystem::temp_directory_path() / ("sf_plan_twins_cli_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "m.json") << R"([{"name": "w", "shape": [64, 32]}, {"name": "b", "shape": [64]}])";
+  const std::string model = "--params " + (dir / "m.json").string();
+  const std::size_t B = (64 * 32 + 64) * 4;
+  std::string out;
+  auto network = [&](const std::string& args) {
+    REQUIRE(run_cli(model + args + " --json", out) == 0);
+    return nlohmann::json::parse(out);
+  };
+  // World 2 on 2 hosts: reduce-scatter + shift, the bytes of reduce-scatter + all-gather.
+  const auto two = network(" --world-size 2 --zero-stage 1 --hosts 2 --redundancy 2");
+  CHECK(two["twins"]["syncs_from_twin"] == true);
+  CHECK(two["twins"]["shift_bytes_per_rank_per_step"] == B / 2);
+  CHECK(two["network"]["buckets"][0]["collectives"][1]["kind"] == "shift");
+  CHECK(two["network"]["buckets"][0]["collectives"].size() == 2);
+  CHECK(two["network"]["bytes_per_step"] == network(" --world-size 2 --zero-stage 1 --hosts 2")["network"]["bytes_per_step"]);
+  REQUIRE(run_cli(model + " --world-size 2 --zero-stage 1 --hosts 2 --redundancy 2", out) == 0);
+  CHECK(out.find("in place of the parameters' all-gather") != std::string::npos);
+  // World 4 on 2 hosts, the twin a host away (the default distance): every rank's slice crosses.
+  const auto four = network(" --world-size 4 --zero-stage 1 --hosts 2 --redundancy 2");
+  CHECK(four["twins"]["distance"] == 2);
+  CHECK(four["twins"]["syncs_from_twin"] == false);
+  CHECK(four["network"]["bytes_per_step"] == network(" --world-size 4 --zero-stage 1 --hosts 2")["network"]["bytes_per_step"].get<std::size_t>() + B);
+  // What the runtime refuses, refused by name.
+  CHECK(run_cli(model + " --world-size 2 --zero-stage 0 --redundancy 2", out) == 2);
+  CHECK(out.find("--redundancy 2 needs") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 2 --zero-stage 1 --redundancy 2 --twin-distance 2", out) == 2);
+  CHECK(out.find("--twin-distance 2") != std::string::npos);
+  CHECK(run_cli(model + " --world-size 2 --zero-stage 1 --redundancy 3", out) == 2);
+  CHECK(out.find("--redundancy must be 1 or 2") != std::string::npos);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("stage 2 <= stage 1 <= stage 0 in gradient and total memory, on every model x world 2-4 x partition") {

@@ -63,7 +63,9 @@ RunPlan make_plan(const PlanArgs& a) {
   if (a.backend != "auto" && a.backend != "gloo" && a.backend != "hierarchical")
     throw UsageError("--backend must be auto, gloo or hierarchical, got '" + a.backend + "'");
   s.hosts = a.hosts;
-  s.two_levels = a.backend != "gloo";  // auto: two levels on several hosts of several ranks, as init_process_group picks
+  s.two_levels = a.backend != "gloo";
+  s.redundancy = a.redundancy;
+  s.twin_distance = a.twin_distance;  // auto: two levels on several hosts of several ranks, as init_process_group picks
   if (a.optimizer == "sgd")
     s.state_slots = a.momentum != 0.0f ? 1 : 0;
   else if (a.optimizer == "adam" || a.optimizer == "adamw")
@@ -108,6 +110,11 @@ void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {
   cmd.add_option("--hosts", args.hosts, "hosts the ranks span (as many ranks each): shows what crosses the network per step")
       ->capture_default_str();
   cmd.add_option("--backend", args.backend, "auto | gloo | hierarchical: between hosts, the flat ring or two levels (auto: two levels)")
+      ->capture_default_str();
+  cmd.add_option("--redundancy", args.redundancy,
+                 "2: each rank keeps a twin of another rank's shard (Config::zero.redundancy): what it costs in memory and bytes")
+      ->capture_default_str();
+  cmd.add_option("--twin-distance", args.twin_distance, "the twin's rank distance (0: a host's ranks with --hosts > 1, else 1)")
       ->capture_default_str();
 }
 

@@ -31,6 +31,8 @@ struct PlanArgs {
   std::size_t fuse_syncs_bytes = PlanSettings{}.fuse_syncs_bytes;  // Note [Fused syncs]
   int hosts = 1;
   std::string backend = "auto";
+  int redundancy = 1;     // Note [Mirrored shards]
+  int twin_distance = 0;
 };
 
 // The model and run flags (--params, --world-size, the caps, ...) on `cmd`; `required`: whether

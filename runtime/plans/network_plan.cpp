@@ -29,7 +29,7 @@ std::size_t network_bytes(CollectiveKind kind, std::size_t bytes, int hosts, int
 }
 
 NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, int world, int hosts, bool two_levels, DType comm_dtype,
-                              bool sharded, bool stage2, bool reduce_scatter) {
+                              bool sharded, bool stage2, bool reduce_scatter, int twin_distance) {
   if (hosts < 1 || world % hosts != 0)
     throw UsageError("--hosts " + std::to_string(hosts) + " does not divide the world of " + std::to_string(world) +
                      " ranks into hosts of as many ranks each");
@@ -46,6 +46,15 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
     out.push_back(c);
   };
   if (np.two_levels) np.second_segment = ShmOptions{}.staging_bytes;
+  // A shift's blocks leave a host only from the ranks whose twin lives on another host.
+  std::size_t crossing = 0;
+  for (int r = 0; twin_distance && r < world; ++r) crossing += r / np.per_host != ((r + twin_distance) % world) / np.per_host;
+  auto shift = [&](std::vector<NetworkCollective>& out, std::size_t slice) {
+    const std::size_t leaving = hosts > 1 ? crossing * slice : 0;
+    np.per_step += leaving;
+    np.flat_ring_per_step += leaving;
+    out.push_back(NetworkCollective{CollectiveKind::shift, slice * std::size_t(world), leaving, leaving});
+  };
   for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
     const auto& bk = plan.buckets[b];
     const auto& bs = shard.buckets[b];
@@ -60,6 +69,8 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
       add(out, CollectiveKind::reduce_scatter, bs.padded * es);
     else
       add(out, CollectiveKind::allreduce, bk.numel * es);
+    if (twin_distance) shift(out, bs.slice * es);
+    if (twin_distance && world == 2) continue;  // Note [Syncs from the twin]: the shift is the sync
     if (bs.flat)
       add(out, CollectiveKind::allgather, bs.padded * es);
     else

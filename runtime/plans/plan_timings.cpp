@@ -83,6 +83,13 @@ IterationTimes plan_iteration_times(const RunPlan& plan, const PlanTimings& timi
     const auto ms = [&](CollectiveKind kind, std::size_t bytes) { return double(link.cost(kind, bytes, s.world).count()) / 1e6; };
     t.reduce_ms.push_back(ms(sharded ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce, comm_bytes));
     t.sync_ms.push_back(sharded ? ms(CollectiveKind::allgather, buckets[b].bytes()) : 0.0);
+    if (plan.twin_distance) {  // Note [Mirrored shards]: each rank's reduced slice to its twin
+      const double shift = ms(CollectiveKind::shift, plan.shards.front().buckets[b].slice * (comm_bytes / std::max<std::size_t>(1, buckets[b].numel)));
+      if (plan.syncs_from_twin)  // Note [Syncs from the twin]: the shift is the sync
+        t.sync_ms.back() = shift;
+      else  // right after the reduce-scatter, on the link before the step
+        t.reduce_ms.back() += shift;
+    }
     const double updated_mib = double(buckets[b].numel) * 4 / (sharded ? double(s.world) : 1.0) / 1048576.0;
     t.step_ms.push_back(updated_mib * timings.step_ms_per_mib);
   }

@@ -38,7 +38,23 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   s.optimizer = optimizer;
   s.reduce_scatter = cfg.zero.reduce_scatter;
   s.fuse_syncs_bytes = cfg.zero.fuse_syncs_bytes;
+  s.redundancy = cfg.zero.redundancy;
+  s.twin_distance = cfg.zero.twin_distance;
   return s;
+}
+
+int plan_twin_distance(const PlanSettings& s) {
+  if (s.redundancy != 1 && s.redundancy != 2) throw UsageError("--redundancy must be 1 or 2, got " + std::to_string(s.redundancy));
+  if (s.redundancy == 1 || s.world == 1) return 0;  // world 1: no other rank to keep it (the runtime keeps none)
+  if (!sharded(s) || s.partition != Partition::flat || !(s.stage == ZeroStage::gradients || s.reduce_scatter))
+    throw UsageError("--redundancy 2 needs the runtime's optimizer at ZeRO stage 1 or 2 with the flat partition's reduce-scatter: a twin "
+                     "takes its source's reduce-scatter slice");
+  const int per_host = s.world / std::max(1, s.hosts);
+  const int d = s.twin_distance ? s.twin_distance : (s.hosts > 1 && per_host < s.world ? per_host : 1);
+  if (d < 0 || d % s.world == 0)
+    throw UsageError("--twin-distance " + std::to_string(d) + " at world " + std::to_string(s.world) +
+                     " brings each rank's slices back to itself: its twin would be lost with it");
+  return d;
 }
 
 namespace {
@@ -199,6 +215,25 @@ BucketPlan BucketCaps::plan(const std::vector<ParamSpec>& params, const std::vec
   return make_bucket_plan(params, order, first, cap, last);
 }
 
+namespace {
+
+// Note [Mirrored shards]: what rank shard.rank keeps for its twin, as Shard::state_bytes counts it:
+// the owner's copy from before the step, the twin's values and state, and its two slices.
+std::size_t twin_state_bytes(const BucketPlan& plan, const ShardPlan& shard, const PlanSettings& s, int distance) {
+  // The twin's source, as shift_source has it (the plans library links no communicator).
+  const auto r = std::size_t(shard.rank), src = std::size_t(((shard.rank - distance % s.world) % s.world + s.world) % s.world);
+  const std::size_t words = 1 + std::min<std::size_t>(s.state_slots, 2);  // the values, then the state
+  std::size_t n = 0;
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+    const auto& bs = shard.buckets[b];
+    const DType wire = plan.buckets[b].dtype == DType::f32 ? s.comm_dtype : plan.buckets[b].dtype;
+    n += (bs.packed[r] + bs.packed[src]) * 4 * words + 2 * bs.packed[src] * dtype_size(wire);
+  }
+  return n;
+}
+
+}  // namespace
+
 RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& plan, const ShardPlan& shard,
                        const PlanSettings& s, const BucketCaps& caps) {
   RankMemory m;
@@ -224,6 +259,7 @@ RankMemory plan_memory(const std::vector<ParamSpec>& params, const BucketPlan& p
   // bucket (BucketBuffers drops a free buffer too small to reuse).
   if (caps.pooled) m.grads += pool_buffers(caps.grads_in_flight, caps.staging_in_flight) * largest;
   if (s.optimizer) m.comm_buffers += std::size_t(s.world) * 4;  // the norm exchange
+  if (const int d = plan_twin_distance(s)) m.optimizer_state += twin_state_bytes(plan, shard, s, d);
   if (s.optimizer) {  // Note [Fused syncs]: the plan's fusion buffer
     std::vector<DType> wire;
     for (const auto& bk : plan.buckets) wire.push_back(bk.dtype == DType::f32 ? s.comm_dtype : bk.dtype);
@@ -255,8 +291,18 @@ RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
   rp.formula.params = p_bytes;
   rp.formula.grads = s.optimizer && s.stage == ZeroStage::gradients ? p_bytes / N : p_bytes;
   rp.formula.optimizer_state = s.optimizer ? (psi * 4 * s.state_slots + masters) / N : 0;
+  rp.twin_distance = plan_twin_distance(s);
   rp.network = make_network_plan(rp.buckets, rp.shards.front(), s.world, s.hosts, s.two_levels,
-                                 s.optimizer ? s.comm_dtype : DType::f32, sharded(s), s.stage == ZeroStage::gradients, s.reduce_scatter);
+                                 s.optimizer ? s.comm_dtype : DType::f32, sharded(s), s.stage == ZeroStage::gradients, s.reduce_scatter,
+                                 rp.twin_distance);
+  if (rp.twin_distance) {
+    rp.twin_state_bytes = twin_state_bytes(rp.buckets, rp.shards.front(), s, rp.twin_distance);
+    for (std::size_t b = 0; b < rp.buckets.buckets.size(); ++b) {
+      const auto& bk = rp.buckets.buckets[b];
+      rp.twin_shift_bytes += rp.shards.front().buckets[b].slice * dtype_size(bk.dtype == DType::f32 ? s.comm_dtype : bk.dtype);
+    }
+    rp.syncs_from_twin = s.world == 2;  // Note [Syncs from the twin]
+  }
   rp.params = std::move(params);
   return rp;
 }
@@ -333,6 +379,9 @@ std::string RunPlan::to_json() const {
     ranks.push_back({{"rank", r}, {"params", owned_json(*this, r)}, {"bytes", memory_json(memory[std::size_t(r)])}});
   j["ranks"] = ranks;
   j["formula"] = memory_json(formula);
+  if (twin_distance)
+    j["twins"] = {{"distance", twin_distance}, {"state_bytes_per_rank", twin_state_bytes}, {"shift_bytes_per_rank_per_step", twin_shift_bytes},
+                  {"syncs_from_twin", syncs_from_twin}};
   if (network.hosts > 1) j["network"] = network_json(network);
   return j.dump(2) + "\n";
 }
@@ -363,6 +412,13 @@ std::string RunPlan::describe() const {
   s += "\nmemory per rank:\n";
   for (int r = 0; r < settings.world; ++r) s += "  rank " + std::to_string(r) + ": " + memory_line(memory[std::size_t(r)]) + "\n";
   s += "  formula: " + memory_line(formula) + "\n";
+  if (twin_distance) {
+    s += "\ntwins (redundancy 2; Note [Mirrored shards]): each rank keeps a twin of the shard of the rank " + std::to_string(twin_distance) +
+         " back: " + mib(twin_state_bytes) + " more per rank (rank 0; in its optimizer state above), and shifts " + mib(twin_shift_bytes) +
+         " of reduced slices to it per step, ";
+    s += syncs_from_twin ? "in place of the parameters' all-gather (at world 2 the twin gives them: Note [Syncs from the twin]), so no bytes more\n"
+                         : "beside the reduce-scatter and the all-gather\n";
+  }
   if (network.hosts > 1) {
     s += "\nleaving the hosts per step, " + network_title(network) + " (Note [Bytes on the network]):\n";
     for (std::size_t b = 0; b < network.buckets.size(); ++b) {

@@ -71,6 +71,10 @@ struct PlanSettings {
   // levels (the hierarchical backend) or the flat ring: what crosses the network (NetworkPlan).
   int hosts = 1;
   bool two_levels = true;
+  // Note [Mirrored shards]: Config::zero.redundancy (2: each rank keeps a twin of the shard of the
+  // rank twin_distance back) and twin_distance (0: a host's ranks with several hosts, else 1).
+  int redundancy = 1;
+  int twin_distance = 0;
 
   static PlanSettings from(const Config& cfg, int world, std::size_t state_slots, bool optimizer);
 };
@@ -91,6 +95,11 @@ struct BucketCaps {
   std::size_t budget = 0;           // stage 2: bytes the buckets in flight may take
   std::string warning;              // stage 2 over its budget: which parameter, and what to do
 };
+// The twin distance these settings give (twin_distance as the runtime resolves it under a launcher
+// that runs the hosts' ranks), 0 when no rank keeps a twin (redundancy 1, world 1, no sharded
+// optimizer); UsageError for redundancy 2 where the runtime refuses it, naming why.
+int plan_twin_distance(const PlanSettings& s);
+
 // `order`: the gradient order the buckets will be made in (make_bucket_plan's).
 BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s);
 
@@ -114,6 +123,12 @@ struct RunPlan {
   // The ZeRO formula for these parameters (stage, N, state slots, 16-bit masters), per rank.
   RankMemory formula;
   NetworkPlan network;  // per step, between hosts (one host: nothing)
+  // Note [Mirrored shards]: the twin distance (0: none), and what the twins cost each rank: the
+  // state (in `memory` already) and the bytes each rank shifts per step (syncs_from_twin: at world
+  // 2, in place of the all-gather, Note [Syncs from the twin]).
+  int twin_distance = 0;
+  std::size_t twin_state_bytes = 0, twin_shift_bytes = 0;
+  bool syncs_from_twin = false;
 
   std::string describe() const;  // for people: buckets, owners, memory per rank
   std::string to_json() const;   // {"buckets": [...], "ranks": [...]}
