@@ -661,6 +661,38 @@ TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 3 (shm a
   check_params(out, want, "gloo");  // another world's sums: equal to float rounding
 }
 
+// Note [Syncs from the twin]: at world 2 each bucket's sync is its shift to the twin
+TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 2 (shm): rank 1 killed as a sync starts (the shift to "
+          "its twin) -> its replacement gets its shard from its twin on rank 0, every rank goes on after the last finished step, "
+          "and the job ends bit for bit where it ends uninterrupted") {
+  auto job_for = [](const std::string& out, const std::string& snaps, bool fault) {
+    std::string cmd = fault ? "if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=sync:1:kill:13; fi; exec" : "exec";
+    auto args = mlp_args(1);
+    args.insert(args.begin(), kTrainer);
+    test::set_flag(args, "--steps", "8");
+    for (auto a : {"--backend", "shm", "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "2", "--redundancy", "2"})
+      args.push_back(a);
+    for (const auto& a : args) cmd += " '" + a + "'";
+    auto argv = launch(2, {"/bin/sh", "-c", cmd});
+    argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", "in-place"});
+    return argv;
+  };
+  const std::string ref = scratch("twin_syncs_ref.safetensors"), ref_snaps = scratch("twin_syncs_ref_snaps");
+  std::filesystem::remove_all(ref_snaps);
+  run_ok(job_for(ref, ref_snaps, false));
+  const std::string out = scratch("twin_syncs.safetensors"), snaps = scratch("twin_syncs_snaps");
+  std::filesystem::remove_all(snaps);
+  const std::string log = run_ok(job_for(out, snaps, true));
+  INFO(log);
+  CHECK(log.find("recovering in place (round 1, 1 of 1 restarts)") != std::string::npos);
+  CHECK(log.find("1 of the old round's 2 shard(s) from their twins") != std::string::npos);
+  const std::string needle = ", going on after step ";
+  const auto at = log.find(needle);
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stoi(log.substr(at + needle.size())) >= 5);  // the step in flight discarded, none before it (snapshots: 4)
+  check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
+}
+
 // Note [Recovering in place]: nothing to go back to
 TEST_CASE("shardflow run --recovery in-place, world 3, no snapshot complete yet: rank 1 killed in step 3 -> the survivors' "
           "recover() refuses by name (their parameters moved, the replacement's are the initial ones), they start again "

@@ -173,8 +173,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     steps = steps < 0 ? s.steps : std::min(steps, s.steps);
   }
   if (first_survivor < 0) return std::nullopt;  // a start: nothing kept anywhere
-  const std::uint64_t step = std::uint64_t(steps + offset);
-  if (step < snapshot_step) return std::nullopt;  // a newer snapshot (not expected: the twins are never behind it)
+  if (std::uint64_t(steps + offset) < snapshot_step) return std::nullopt;  // a newer snapshot (not expected: the twins are never behind it)
   std::vector<int> provider(static_cast<std::size_t>(old_world), -1);  // [old rank] the new rank that gives its shard
   for (int r = 0; r < world; ++r)
     if (said[std::size_t(r)].old_rank >= 0) provider[std::size_t(said[std::size_t(r)].old_rank)] = r;
@@ -190,6 +189,35 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     }
     if (provider[std::size_t(x)] == rank) twin_gives.push_back(x);
   }
+  // Can each provider give its shards at `at`? (A twin brought there applies its held slice.) The
+  // number of ranks that cannot, the same on every rank.
+  const auto cannot_reach = [&](std::int64_t at) {
+    float cannot = 0.0f;
+    if (old) {
+      std::vector<float> probe(1);
+      cannot = old->export_at(at, 0, 0, probe.data(), 0) ? 0.0f : 1.0f;
+      if (!twin_gives.empty() && !old->mirror()->reachable(at)) cannot = 1.0f;
+    }
+    control_collective(CollectiveKind::allreduce, &cannot, 1, "twins: every provider reaches the step");
+    return cannot;
+  };
+  float cannot = cannot_reach(steps);
+  // Note [Syncs from the twin]: a twin fed by the syncs lacks the slice of a step whose syncs were
+  // cut off, which its source's owner may have finished on every survivor. That step is then
+  // discarded everywhere, as a step some rank had not finished is (the owners kept their pieces
+  // from before it).
+  if (cannot > 0.0f && steps > 0 && std::uint64_t(steps - 1 + offset) >= snapshot_step && cannot_reach(steps - 1) == 0.0f) {
+    if (rank == 0) log->info("twins: step {} stepped on every survivor, but its syncs to the twins were cut off; it is done again", steps + offset);
+    --steps;
+    cannot = 0.0f;
+  }
+  const std::uint64_t step = std::uint64_t(steps + offset);
+  if (cannot > 0.0f) {
+    if (rank == 0)
+      log->warn("twins: {} rank(s) cannot give their shards as they were after step {}; going back to the snapshot of step {}",
+                int(cannot), step, snapshot_step);
+    return std::nullopt;
+  }
   // Note [The trainer's state with the twins]: a survivor that holds it for that step.
   int state_from = -1;
   if (cfg.snapshot.trainer_state && step > 0) {
@@ -203,20 +231,8 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       return std::nullopt;
     }
   }
-  // Can each provider give its shards at `steps`? (A twin brought there applies its held slice.)
-  float cannot = 0.0f;
-  if (old) {
-    std::vector<float> probe(1);
-    cannot = old->export_at(steps, 0, 0, probe.data(), 0) ? 0.0f : 1.0f;
-    if (!twin_gives.empty() && !old->mirror()->reach(steps)) cannot = 1.0f;
-  }
-  control_collective(CollectiveKind::allreduce, &cannot, 1, "twins: every provider reaches the step");
-  if (cannot > 0.0f) {
-    if (rank == 0)
-      log->warn("twins: {} rank(s) cannot give their shards as they were after step {}; going back to the snapshot of step {}",
-                int(cannot), step, snapshot_step);
-    return std::nullopt;
-  }
+  if (!twin_gives.empty() && !old->mirror()->reach(steps))  // reachable said it would
+    throw Error("twins: rank " + std::to_string(rank) + "'s twin cannot be brought to step " + std::to_string(step) + " after all");
 
   // The old round's buckets first (rank 0's order, as the first survivor kept it), for the reason
   // a snapshot's are adopted (Note [No state moved before a load]): the next sums are then taken

@@ -172,6 +172,8 @@ CollectiveIssue BucketCollectives::sync_from_twin() const {
   }
   CollectiveIssue issue;
   issue.ops.push_back(twin_shift(std::move(owner), slice));
+  // It is the bucket's sync (the collective log, the fault injection's "sync" phase say so).
+  issue.ops.back().tag = "sync bucket " + std::to_string(b_) + " (the shift to the twin)";
   return issue;
 }
 

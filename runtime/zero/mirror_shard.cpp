@@ -75,7 +75,17 @@ const MirrorShard::StepInputs& MirrorShard::inputs_of(std::int64_t step) const {
   return in->second;
 }
 
+bool MirrorShard::reachable(std::int64_t steps) const {
+  for (std::size_t b = 0; b < held_.size(); ++b) {
+    const std::int64_t at = held_[b] >= 0 ? held_[b] : standing_;
+    if (at == steps) continue;
+    if (at + 1 != steps || held_[b] < 0 || inputs_.count(held_[b]) == 0) return false;
+  }
+  return true;
+}
+
 bool MirrorShard::reach(std::int64_t steps) {
+  if (!reachable(steps)) return false;  // all or nothing: a twin half brought to a step could go to no other
   for (std::size_t b = 0; b < held_.size(); ++b) {
     const std::int64_t at = held_[b] >= 0 ? held_[b] : standing_;  // a held slice's step is not applied yet
     if (at == steps) continue;

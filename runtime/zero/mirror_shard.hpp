@@ -75,6 +75,7 @@ class MirrorShard {
   // bucket cannot get there (it applied that step already, or holds an older one).
   void standing_at(std::int64_t steps) { standing_ = steps; }
   bool reach(std::int64_t steps);
+  bool reachable(std::int64_t steps) const;  // whether reach(steps) would succeed; changes nothing
   // The step whose slice bucket b holds (the source's count before it; -1: none): the twin's
   // state there is the source's before that step.
   std::int64_t held_step(std::size_t b) const { return held_[b]; }
