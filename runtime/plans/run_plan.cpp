@@ -218,7 +218,8 @@ BucketPlan BucketCaps::plan(const std::vector<ParamSpec>& params, const std::vec
 namespace {
 
 // Note [Mirrored shards]: what rank shard.rank keeps for its twin, as Shard::state_bytes counts it:
-// the owner's copy from before the step, the twin's values and state, and its two slices.
+// the owner's copy from before the step, the twin's values and state, and its two slices (at world
+// 2 its values and state one step on as well).
 std::size_t twin_state_bytes(const BucketPlan& plan, const ShardPlan& shard, const PlanSettings& s, int distance) {
   // The twin's source, as shift_source has it (the plans library links no communicator).
   const auto r = std::size_t(shard.rank), src = std::size_t(((shard.rank - distance % s.world) % s.world + s.world) % s.world);
@@ -228,6 +229,7 @@ std::size_t twin_state_bytes(const BucketPlan& plan, const ShardPlan& shard, con
     const auto& bs = shard.buckets[b];
     const DType wire = plan.buckets[b].dtype == DType::f32 ? s.comm_dtype : plan.buckets[b].dtype;
     n += (bs.packed[r] + bs.packed[src]) * 4 * words + 2 * bs.packed[src] * dtype_size(wire);
+    if (s.world == 2) n += bs.packed[src] * 4 * words;  // Note [Syncs from the twin]: the step computed ahead, kept
   }
   return n;
 }

@@ -30,6 +30,7 @@ MirrorShard::MirrorShard(int distance, int source, const BucketPlan& plan, const
 }
 
 void MirrorShard::masters_from_params() {
+  std::fill(ahead_step_.begin(), ahead_step_.end(), -1);  // computed from other values
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(source_)])
       ops_.cast(DType::f32, master_[b].data() + piece.packed_off, plan_.buckets[b].dtype,
@@ -61,10 +62,18 @@ void MirrorShard::stepped(StepInputs in) {
   inputs_.insert_or_assign(step, std::move(in));
 }
 
-void MirrorShard::slices_after_step() {
+void MirrorShard::feeds_syncs() {
   // The step scales in place what it steps from: the reduced fp32 slice itself, not a 16-bit
   // wire's slice (cast to fp32 first) nor a 16-bit gradient (stepped from an fp32 copy).
-  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) clipped_[b] = wire_[b] == DType::f32 && plan_.buckets[b].dtype == DType::f32;
+  for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+    clipped_[b] = wire_[b] == DType::f32 && plan_.buckets[b].dtype == DType::f32;
+    const std::size_t n = shard_.buckets[b].packed[std::size_t(source_)];
+    auto floats = [&](bool keep) { return Floats{keep && n ? ops_.alloc(n * sizeof(float)) : nullptr}; };
+    ahead_values_.push_back(floats(true));
+    ahead_a_.push_back(floats(slots_ >= 1));
+    ahead_b_.push_back(floats(slots_ >= 2));
+  }
+  ahead_step_.assign(plan_.buckets.size(), -1);
 }
 
 const MirrorShard::StepInputs& MirrorShard::inputs_of(std::int64_t step) const {
@@ -101,6 +110,18 @@ bool MirrorShard::reach(std::int64_t steps) {
 
 // The source's Shard::step on the held slice, with the step's inputs as they were on the source.
 void MirrorShard::apply(std::size_t b, const StepInputs& in) {
+  if (!ahead_step_.empty()) {
+    // Note [Syncs from the twin]: values_after ran this very step (the same state, slice and
+    // inputs) and kept the result: it becomes the state, and the buffers left go to the next one.
+    const bool ahead = ahead_step_[b] == in.steps;
+    ahead_step_[b] = -1;
+    if (ahead) {
+      std::swap(master_[b], ahead_values_[b]);
+      std::swap(state_a_[b], ahead_a_[b]);
+      std::swap(state_b_[b], ahead_b_[b]);
+      return;
+    }
+  }
   if (in.skipped) return;
   const DType dt = plan_.buckets[b].dtype;
   const auto& pieces = shard_.buckets[b].pieces[std::size_t(source_)];
@@ -153,30 +174,33 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
   if (held_[b] != in.steps)
     throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + "'s values after step " +
                 std::to_string(in.steps) + " were asked for while it holds the slice of step " + std::to_string(held_[b]));
+  if (ahead_step_.empty()) throw Error("mirror of rank " + std::to_string(source_) + "'s shard: values_after without feeds_syncs");
   const DType dt = plan_.buckets[b].dtype;
-  const std::size_t ws = dtype_size(wire_[b]);
+  const std::size_t ws = dtype_size(wire_[b]), all = shard_.buckets[b].packed[std::size_t(source_)];
+  float* const values = ahead_values_[b].data();
+  float* const a = ahead_a_[b].mem ? ahead_a_[b].data() : nullptr;
+  float* const s = ahead_b_[b].mem ? ahead_b_[b].data() : nullptr;
+  if (all) {
+    ops_.copy(values, master_[b].data(), all * sizeof(float));
+    if (a) ops_.copy(a, state_a_[b].data(), all * sizeof(float));
+    if (s) ops_.copy(s, state_b_[b].data(), all * sizeof(float));
+  }
   for (const auto& piece : shard_.buckets[b].pieces[std::size_t(source_)]) {
     const std::size_t n = piece.len, at = piece.packed_off;
     if (n == 0) continue;
-    if (ahead_.size() < 4 * n) ahead_.resize(4 * n);
-    float* values = ahead_.data();
-    ops_.copy(values, master_[b].data() + at, n * sizeof(float));
     if (!in.skipped && !in.unused[piece.param]) {
-      float* a = state_a_[b].mem ? values + n : nullptr;
-      float* s = state_b_[b].mem ? values + 2 * n : nullptr;
-      float* grad = values + 3 * n;  // a copy: the step scales its gradient in place, and the held slice is applied later
-      if (a) ops_.copy(a, state_a_[b].data() + at, n * sizeof(float));
-      if (s) ops_.copy(s, state_b_[b].data() + at, n * sizeof(float));
+      if (grad_copy_.size() < n) grad_copy_.resize(n);
+      float* grad = grad_copy_.data();  // a copy: the step scales its gradient in place, and the held slice stays as it landed
       ops_.cast(DType::f32, grad, wire_[b], held_slice_[b].get() + at * ws, n);
       ShardOps::Update u;
-      u.master = values;
+      u.master = values + at;
       u.param_dtype = dt;
       u.round_as = wire_[b];
       u.grad = grad;
       u.grad_dtype = DType::f32;
       u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
-      u.state_a = a;
-      u.state_b = s;
+      u.state_a = a ? a + at : nullptr;
+      u.state_b = s ? s + at : nullptr;
       u.n = n;
       const std::int64_t own = in.steps - in.sat_out[piece.param];
       u.first = own == 0;
@@ -185,8 +209,9 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
       u.offset = piece.param_off;
       ops_.update(in.groups->groups[in.groups->group_of[piece.param]], u);
     }
-    put(piece, values);
+    put(piece, values + at);
   }
+  ahead_step_[b] = in.steps;
 }
 
 void MirrorShard::export_state(std::size_t s, std::size_t begin, float* out, std::size_t n) const {
@@ -209,6 +234,7 @@ void MirrorShard::import_state(std::size_t s, std::size_t begin, const std::vect
     });
   }
   std::fill(held_.begin(), held_.end(), -1);  // a loaded state: nothing held belongs to it (Shard::loaded says where it stands)
+  std::fill(ahead_step_.begin(), ahead_step_.end(), -1);
   inputs_.clear();
 }
 
@@ -216,7 +242,7 @@ std::size_t MirrorShard::bytes() const {
   std::size_t n = 0;
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     const std::size_t packed = shard_.buckets[b].packed[std::size_t(source_)];
-    n += packed * sizeof(float) * (1 + std::min<std::size_t>(slots_, 2)) + 2 * packed * dtype_size(wire_[b]);
+    n += packed * sizeof(float) * (1 + std::min<std::size_t>(slots_, 2)) * (ahead_step_.empty() ? 1 : 2) + 2 * packed * dtype_size(wire_[b]);
   }
   return n;
 }

@@ -65,10 +65,11 @@ class MirrorShard {
   void arrived(std::size_t b, std::int64_t step);
   void stepped(StepInputs in);  // the owner's end_step: step in.steps is over on this rank
   const StepInputs& inputs_of(std::int64_t step) const;  // handed over by stepped(); Error if not (any more)
-  // Note [Syncs from the twin]: the slices are shifted after the source's step, which scaled an
-  // fp32 bucket's reduced gradient in place by the step's clip coefficient (ShardOps::update):
-  // those arrive clipped and are stepped without clipping again.
-  void slices_after_step();
+  // Note [Syncs from the twin]: this twin gives the syncs. Its slices are shifted after the
+  // source's step, which scaled an fp32 bucket's reduced gradient in place by the step's clip
+  // coefficient (ShardOps::update): those arrive clipped and are stepped without clipping again.
+  // What values_after computes is kept (one state shard more), and the apply a step later takes it.
+  void feeds_syncs();
   // Note [Going on from the twins]: the state was made or loaded as it stood after `steps` steps
   // (what a bucket without a held slice stands at); and brings every bucket to where the source
   // stood after `steps` steps, applying a held slice where that is one step on: false if a
@@ -80,8 +81,9 @@ class MirrorShard {
   // state there is the source's before that step.
   std::int64_t held_step(std::size_t b) const { return held_[b]; }
   // Note [Syncs from the twin]: the source's fp32 values of bucket b after the step whose slice b
-  // holds (`in` are that step's inputs), piece by piece to `put`, computed on copies: the twin
-  // itself stays one step behind. Error if b holds no slice of step in.steps.
+  // holds (`in` are that step's inputs), piece by piece to `put`, computed beside the state (kept
+  // for that step's apply): the twin itself stays one step behind. Error if b holds no slice of
+  // step in.steps.
   void values_after(std::size_t b, const StepInputs& in, const std::function<void(const ShardPiece&, const float*)>& put);
 
   // The source's values (slot state_slots) and state (slots below), as Shard::export_state has
@@ -112,11 +114,15 @@ class MirrorShard {
   std::vector<Floats> master_, state_a_, state_b_;     // [bucket] the source's packed pieces
   std::vector<std::shared_ptr<std::byte>> landing_, held_slice_;  // [bucket]
   std::vector<std::int64_t> held_;                     // [bucket] the step of the held slice (-1: none)
-  std::vector<char> clipped_;                          // [bucket] its slices arrive clipped (slices_after_step)
+  std::vector<char> clipped_;                          // [bucket] its slices arrive clipped (feeds_syncs)
+  // feeds_syncs: [bucket] values_after's values and state, and the held step they are the result
+  // of (-1: none); the apply of that step swaps them in.
+  std::vector<Floats> ahead_values_, ahead_a_, ahead_b_;
+  std::vector<std::int64_t> ahead_step_;
   std::int64_t standing_ = 0;                          // where a bucket without a held slice stands
   std::map<std::int64_t, StepInputs> inputs_;          // by step, until every bucket applied it
   std::vector<float> scratch_;                         // a 16-bit wire's slice in fp32
-  std::vector<float> ahead_;                           // values_after's copies: values, state, gradient
+  std::vector<float> grad_copy_;                       // values_after's copy of a piece's slice
 };
 
 // The ranks a host runs under a launcher (LOCAL_WORLD_SIZE; a node's ranks are consecutive), if

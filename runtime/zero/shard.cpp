@@ -70,7 +70,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
       undo_b_.push_back(floats(slots >= 2 ? n : 0));
     }
     undo_step_.assign(B, -1);
-    if (syncs_from_twin()) mirror_->slices_after_step();
+    if (syncs_from_twin()) mirror_->feeds_syncs();
   }
   if (!migrating) masters_from_params();
   if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
