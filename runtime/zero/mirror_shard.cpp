@@ -137,22 +137,32 @@ void MirrorShard::apply(std::size_t b, const StepInputs& in) {
   for (const auto& piece : pieces) {
     if (piece.len == 0 || in.unused[piece.param]) continue;
     ShardOps::Update u;
-    u.master = master_[b].data() + piece.packed_off;
-    u.param_dtype = dt;
-    u.round_as = wire_[b];
-    u.grad = const_cast<std::byte*>(slice) + piece.packed_off * dtype_size(grad_dtype);
-    u.grad_dtype = grad_dtype;
-    u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
-    u.state_a = state_a_[b].mem ? state_a_[b].data() + piece.packed_off : nullptr;
-    u.state_b = state_b_[b].mem ? state_b_[b].data() + piece.packed_off : nullptr;
-    u.n = piece.len;
-    const std::int64_t own = in.steps - in.sat_out[piece.param];
-    u.first = own == 0;
-    u.step = own + 1;
-    u.param_name = &params_[piece.param].name;
-    u.offset = piece.param_off;
-    ops_.update(in.groups->groups[in.groups->group_of[piece.param]], u);
+    const auto at = piece.packed_off;
+    update_piece(b, piece, in, master_[b].data() + at, state_a_[b].mem ? state_a_[b].data() + at : nullptr,
+                 state_b_[b].mem ? state_b_[b].data() + at : nullptr, const_cast<std::byte*>(slice) + at * dtype_size(grad_dtype), grad_dtype);
   }
+}
+
+// The source's Shard::step of one piece: `values` and the state (null: none) at the piece's place,
+// from its reduced gradient `grad`, with the step's inputs as they were on the source.
+void MirrorShard::update_piece(std::size_t b, const ShardPiece& piece, const StepInputs& in, float* values, float* a, float* s, void* grad,
+                               DType grad_dtype) {
+  ShardOps::Update u;
+  u.master = values;
+  u.param_dtype = plan_.buckets[b].dtype;
+  u.round_as = wire_[b];
+  u.grad = grad;
+  u.grad_dtype = grad_dtype;
+  u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
+  u.state_a = a;
+  u.state_b = s;
+  u.n = piece.len;
+  const std::int64_t own = in.steps - in.sat_out[piece.param];
+  u.first = own == 0;
+  u.step = own + 1;
+  u.param_name = &params_[piece.param].name;
+  u.offset = piece.param_off;
+  ops_.update(in.groups->groups[in.groups->group_of[piece.param]], u);
 }
 
 // Note [Syncs from the twin]
@@ -175,7 +185,6 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
     throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + "'s values after step " +
                 std::to_string(in.steps) + " were asked for while it holds the slice of step " + std::to_string(held_[b]));
   if (ahead_step_.empty()) throw Error("mirror of rank " + std::to_string(source_) + "'s shard: values_after without feeds_syncs");
-  const DType dt = plan_.buckets[b].dtype;
   const std::size_t ws = dtype_size(wire_[b]), all = shard_.buckets[b].packed[std::size_t(source_)];
   float* const values = ahead_values_[b].data();
   float* const a = ahead_a_[b].mem ? ahead_a_[b].data() : nullptr;
@@ -192,22 +201,7 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
       if (grad_copy_.size() < n) grad_copy_.resize(n);
       float* grad = grad_copy_.data();  // a copy: the step scales its gradient in place, and the held slice stays as it landed
       ops_.cast(DType::f32, grad, wire_[b], held_slice_[b].get() + at * ws, n);
-      ShardOps::Update u;
-      u.master = values + at;
-      u.param_dtype = dt;
-      u.round_as = wire_[b];
-      u.grad = grad;
-      u.grad_dtype = DType::f32;
-      u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
-      u.state_a = a ? a + at : nullptr;
-      u.state_b = s ? s + at : nullptr;
-      u.n = n;
-      const std::int64_t own = in.steps - in.sat_out[piece.param];
-      u.first = own == 0;
-      u.step = own + 1;
-      u.param_name = &params_[piece.param].name;
-      u.offset = piece.param_off;
-      ops_.update(in.groups->groups[in.groups->group_of[piece.param]], u);
+      update_piece(b, piece, in, values + at, a ? a + at : nullptr, s ? s + at : nullptr, grad, DType::f32);
     }
     put(piece, values + at);
   }

@@ -102,6 +102,8 @@ class MirrorShard {
   std::vector<Floats>& slot(std::size_t s) { return s == slots_ ? master_ : s == 0 ? state_a_ : state_b_; }
   const std::vector<Floats>& slot(std::size_t s) const { return const_cast<MirrorShard*>(this)->slot(s); }
   void apply(std::size_t b, const StepInputs& in);
+  void update_piece(std::size_t b, const ShardPiece& piece, const StepInputs& in, float* values, float* a, float* s, void* grad,
+                    DType grad_dtype);
 
   const int distance_, source_;
   const BucketPlan& plan_;
