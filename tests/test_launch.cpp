@@ -662,11 +662,13 @@ TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 3 (shm a
 }
 
 // Note [Syncs from the twin]: at world 2 each bucket's sync is its shift to the twin
-TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 2 (shm): rank 1 killed as a sync starts (the shift to "
+TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 2 (shm, each rank a host of its own): rank 1 killed as a sync starts (the shift to "
           "its twin) -> its replacement gets its shard from its twin on rank 0, every rank goes on after the last finished step, "
           "and the job ends bit for bit where it ends uninterrupted") {
   auto job_for = [](const std::string& out, const std::string& snaps, bool fault) {
-    std::string cmd = fault ? "if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=sync:1:kill:13; fi; exec" : "exec";
+    // Each rank as a host of its own (LOCAL_WORLD_SIZE 1, LOCAL_RANK 0), where the twins give the syncs.
+    std::string cmd = fault ? "export LOCAL_WORLD_SIZE=1 LOCAL_RANK=0; if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=sync:1:kill:13; fi; exec"
+                            : "export LOCAL_WORLD_SIZE=1 LOCAL_RANK=0; exec";
     auto args = mlp_args(1);
     args.insert(args.begin(), kTrainer);
     test::set_flag(args, "--steps", "8");

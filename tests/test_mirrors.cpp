@@ -124,6 +124,13 @@ Run train(int world, Config cfg, int iterations, int mirror_distance) {
   return run;
 }
 
+// Note [Syncs from the twin]: the twins give the syncs where two ranks sit on two hosts; threads
+// in one process say so through LOCAL_WORLD_SIZE, as a launcher on each host would (one rank each).
+struct TwoHostsOfOneRank {
+  TwoHostsOfOneRank() { ::setenv("LOCAL_WORLD_SIZE", "1", 1); }
+  ~TwoHostsOfOneRank() { ::unsetenv("LOCAL_WORLD_SIZE"); }
+};
+
 Config zero(int stage, DType wire, bool prefetch = false) {
   Config cfg;
   cfg.zero.stage = ZeroStage(stage);
@@ -167,7 +174,7 @@ TEST_CASE("world 3, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
     }
 }
 
-TEST_CASE("world 2, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch or not: the twin gives the syncs (the link carries only "
+TEST_CASE("world 2 on two hosts of one rank, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch or not: the twin gives the syncs (the link carries only "
           "reductions and shifts), training ends bit for bit where it ends without twins, and the twin stays behind the source") {
   for (int stage : {1, 2})
     for (DType wire : {DType::f32, DType::bf16})
@@ -176,6 +183,7 @@ TEST_CASE("world 2, stages 1 and 2, fp32 and bf16 on the wire, forward prefetch 
         CAPTURE(std::string(dtype_name(wire)));
         CAPTURE(prefetch);
         const int W = 2, steps = 5;
+        const TwoHostsOfOneRank hosts;
         const auto mirrored = train(W, zero(stage, wire, prefetch), steps, 1);
         const auto plain = train(W, zero(stage, wire, prefetch), steps, 0);
         auto count = [](const std::vector<std::string>& log, const char* what) {
@@ -452,6 +460,7 @@ TEST_CASE("twins, world 3 -> 2, stages 1 and 2: rank 2 is lost in step 8 (its Ru
 TEST_CASE("twins, world 2 -> 1, stage 1: rank 1 is lost in step 8 -> rank 0 goes on alone after step 7 with rank 1's shard from the twin it "
           "kept (no twin kept from then on), the parameters bit for bit those after step 7, and the run ends bit for bit where 7 steps at "
           "world 2, a checkpoint and the rest at world 1 end") {
+  const TwoHostsOfOneRank hosts;  // the twin gives the syncs before the loss (Note [Syncs from the twin])
   const auto [at7, want] = through_checkpoint(2, 1);
   auto first = InProcessWorld::create(2), alone = InProcessWorld::create(1);
   const auto snaps = scratch("alone");

@@ -70,7 +70,7 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
     else
       add(out, CollectiveKind::allreduce, bk.numel * es);
     if (twin_distance) shift(out, bs.slice * es);
-    if (twin_distance && world == 2) continue;  // Note [Syncs from the twin]: the shift is the sync
+    if (twin_distance && world == 2 && hosts == 2) continue;  // Note [Syncs from the twin]: the shift is the sync
     if (bs.flat)
       add(out, CollectiveKind::allgather, bs.padded * es);
     else

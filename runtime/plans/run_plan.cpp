@@ -219,7 +219,7 @@ namespace {
 
 // Note [Mirrored shards]: what rank shard.rank keeps for its twin, as Shard::state_bytes counts it:
 // the owner's copy from before the step, the twin's values and state, and its two slices (at world
-// 2 its values and state one step on as well).
+// 2 across two hosts its values and state one step on as well).
 std::size_t twin_state_bytes(const BucketPlan& plan, const ShardPlan& shard, const PlanSettings& s, int distance) {
   // The twin's source, as shift_source has it (the plans library links no communicator).
   const auto r = std::size_t(shard.rank), src = std::size_t(((shard.rank - distance % s.world) % s.world + s.world) % s.world);
@@ -229,7 +229,7 @@ std::size_t twin_state_bytes(const BucketPlan& plan, const ShardPlan& shard, con
     const auto& bs = shard.buckets[b];
     const DType wire = plan.buckets[b].dtype == DType::f32 ? s.comm_dtype : plan.buckets[b].dtype;
     n += (bs.packed[r] + bs.packed[src]) * 4 * words + 2 * bs.packed[src] * dtype_size(wire);
-    if (s.world == 2) n += bs.packed[src] * 4 * words;  // Note [Syncs from the twin]: the step computed ahead, kept
+    if (s.world == 2 && s.hosts == 2) n += bs.packed[src] * 4 * words;  // Note [Syncs from the twin]: the step computed ahead, kept
   }
   return n;
 }
@@ -303,7 +303,7 @@ RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
       const auto& bk = rp.buckets.buckets[b];
       rp.twin_shift_bytes += rp.shards.front().buckets[b].slice * dtype_size(bk.dtype == DType::f32 ? s.comm_dtype : bk.dtype);
     }
-    rp.syncs_from_twin = s.world == 2;  // Note [Syncs from the twin]
+    rp.syncs_from_twin = s.world == 2 && s.hosts == 2;  // Note [Syncs from the twin]: across two hosts
   }
   rp.params = std::move(params);
   return rp;
@@ -418,7 +418,7 @@ std::string RunPlan::describe() const {
     s += "\ntwins (redundancy 2; Note [Mirrored shards]): each rank keeps a twin of the shard of the rank " + std::to_string(twin_distance) +
          " back: " + mib(twin_state_bytes) + " more per rank (rank 0; in its optimizer state above), and shifts " + mib(twin_shift_bytes) +
          " of reduced slices to it per step, ";
-    s += syncs_from_twin ? "in place of the parameters' all-gather (at world 2 the twin gives them: Note [Syncs from the twin]), so no bytes more\n"
+    s += syncs_from_twin ? "in place of the parameters' all-gather (at world 2 across two hosts the twin gives them: Note [Syncs from the twin]), so no bytes more\n"
                          : "beside the reduce-scatter and the all-gather\n";
   }
   if (network.hosts > 1) {

@@ -130,6 +130,10 @@ class MirrorShard {
 // The ranks a host runs under a launcher (LOCAL_WORLD_SIZE; a node's ranks are consecutive), if
 // that divides `world`; 0: not known.
 int ranks_per_host(int world);
+// Note [Syncs from the twin]: whether the twins give the syncs at `world` ranks: at world 2 when
+// the two ranks sit on two hosts (LOCAL_WORLD_SIZE 1), where the all-gather crosses the network.
+// On one host the all-gather is a copy in memory, cheaper than the twin's step ahead.
+bool twins_give_syncs(int world);
 // Config::zero.twin_distance as it applies at `world` ranks (Note [Mirrored shards]): UsageError
 // for a distance that brings a rank's slices back to itself.
 int twin_distance(const Config& cfg, int world);

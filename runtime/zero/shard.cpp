@@ -70,6 +70,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
       undo_b_.push_back(floats(slots >= 2 ? n : 0));
     }
     undo_step_.assign(B, -1);
+    syncs_from_twin_ = twins_give_syncs(shard_.world);
     if (syncs_from_twin()) mirror_->feeds_syncs();
   }
   if (!migrating) masters_from_params();
