@@ -29,7 +29,7 @@ std::size_t network_bytes(CollectiveKind kind, std::size_t bytes, int hosts, int
 }
 
 NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, int world, int hosts, bool two_levels, DType comm_dtype,
-                              bool sharded, bool stage2, bool reduce_scatter, int twin_distance) {
+                              bool sharded, bool stage2, bool reduce_scatter, int twin_distance, bool twin_syncs) {
   if (hosts < 1 || world % hosts != 0)
     throw UsageError("--hosts " + std::to_string(hosts) + " does not divide the world of " + std::to_string(world) +
                      " ranks into hosts of as many ranks each");
@@ -70,7 +70,7 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
     else
       add(out, CollectiveKind::allreduce, bk.numel * es);
     if (twin_distance) shift(out, bs.slice * es);
-    if (twin_distance && world == 2 && hosts == 2) continue;  // Note [Syncs from the twin]: the shift is the sync
+    if (twin_syncs) continue;  // Note [Syncs from the twin]: the shift is the sync
     if (bs.flat)
       add(out, CollectiveKind::allgather, bs.padded * es);
     else

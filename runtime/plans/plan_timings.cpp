@@ -84,7 +84,8 @@ IterationTimes plan_iteration_times(const RunPlan& plan, const PlanTimings& timi
     t.reduce_ms.push_back(ms(sharded ? CollectiveKind::reduce_scatter : CollectiveKind::allreduce, comm_bytes));
     t.sync_ms.push_back(sharded ? ms(CollectiveKind::allgather, buckets[b].bytes()) : 0.0);
     if (plan.twin_distance) {  // Note [Mirrored shards]: each rank's reduced slice to its twin
-      const double shift = ms(CollectiveKind::shift, plan.shards.front().buckets[b].slice * (comm_bytes / std::max<std::size_t>(1, buckets[b].numel)));
+      const DType wire = s.comm_dtype == DType::f32 ? buckets[b].dtype : s.comm_dtype;  // as comm_bytes has it
+      const double shift = ms(CollectiveKind::shift, plan.shards.front().buckets[b].slice * dtype_size(wire));
       if (plan.syncs_from_twin)  // Note [Syncs from the twin]: the shift is the sync
         t.sync_ms.back() = shift;
       else  // right after the reduce-scatter, on the link before the step

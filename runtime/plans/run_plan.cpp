@@ -43,6 +43,8 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   return s;
 }
 
+bool plan_syncs_from_twin(const PlanSettings& s) { return s.world == 2 && s.hosts == 2 && plan_twin_distance(s) != 0; }
+
 int plan_twin_distance(const PlanSettings& s) {
   if (s.redundancy != 1 && s.redundancy != 2) throw UsageError("--redundancy must be 1 or 2, got " + std::to_string(s.redundancy));
   if (s.redundancy == 1 || s.world == 1) return 0;  // world 1: no other rank to keep it (the runtime keeps none)
@@ -229,7 +231,7 @@ std::size_t twin_state_bytes(const BucketPlan& plan, const ShardPlan& shard, con
     const auto& bs = shard.buckets[b];
     const DType wire = plan.buckets[b].dtype == DType::f32 ? s.comm_dtype : plan.buckets[b].dtype;
     n += (bs.packed[r] + bs.packed[src]) * 4 * words + 2 * bs.packed[src] * dtype_size(wire);
-    if (s.world == 2 && s.hosts == 2) n += bs.packed[src] * 4 * words;  // Note [Syncs from the twin]: the step computed ahead, kept
+    if (plan_syncs_from_twin(s)) n += bs.packed[src] * 4 * words;  // Note [Syncs from the twin]: the step computed ahead, kept
   }
   return n;
 }
@@ -296,14 +298,14 @@ RunPlan make_run_plan(std::vector<ParamSpec> params, const PlanSettings& s) {
   rp.twin_distance = plan_twin_distance(s);
   rp.network = make_network_plan(rp.buckets, rp.shards.front(), s.world, s.hosts, s.two_levels,
                                  s.optimizer ? s.comm_dtype : DType::f32, sharded(s), s.stage == ZeroStage::gradients, s.reduce_scatter,
-                                 rp.twin_distance);
+                                 rp.twin_distance, plan_syncs_from_twin(s));
   if (rp.twin_distance) {
     rp.twin_state_bytes = twin_state_bytes(rp.buckets, rp.shards.front(), s, rp.twin_distance);
     for (std::size_t b = 0; b < rp.buckets.buckets.size(); ++b) {
       const auto& bk = rp.buckets.buckets[b];
       rp.twin_shift_bytes += rp.shards.front().buckets[b].slice * dtype_size(bk.dtype == DType::f32 ? s.comm_dtype : bk.dtype);
     }
-    rp.syncs_from_twin = s.world == 2 && s.hosts == 2;  // Note [Syncs from the twin]: across two hosts
+    rp.syncs_from_twin = plan_syncs_from_twin(s);
   }
   rp.params = std::move(params);
   return rp;

@@ -99,6 +99,9 @@ struct BucketCaps {
 // that runs the hosts' ranks), 0 when no rank keeps a twin (redundancy 1, world 1, no sharded
 // optimizer); UsageError for redundancy 2 where the runtime refuses it, naming why.
 int plan_twin_distance(const PlanSettings& s);
+// Note [Syncs from the twin]: whether the twins give the syncs under these settings (world 2 on
+// two hosts, as twins_give_syncs decides in the runtime).
+bool plan_syncs_from_twin(const PlanSettings& s);
 
 // `order`: the gradient order the buckets will be made in (make_bucket_plan's).
 BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s);

@@ -134,13 +134,13 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
   CollectiveOp shift;
   // Note [Mirrored shards]: the reduced slice, as it landed, to the twin `distance` ranks on (Note
   // [Syncs from the twin]: in the sync's place instead).
-  if (mirror && rs && !sh->syncs_from_twin()) shift = twin_shift(recv, static_cast<std::byte*>(op.recv));
+  if (mirror && rs && !sh->syncs_from_twin()) shift = twin_shift(recv, static_cast<std::byte*>(op.recv), "mirror bucket " + std::to_string(b));
   issue.ops.push_back(std::move(op));
   if (shift.kind == CollectiveKind::shift) issue.ops.push_back(std::move(shift));
   return issue;
 }
 
-CollectiveOp BucketCollectives::twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice) const {
+CollectiveOp BucketCollectives::twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice, std::string tag) const {
   auto* mirror = shard_->mirror();
   CollectiveOp shift;
   shift.kind = CollectiveKind::shift;
@@ -149,7 +149,7 @@ CollectiveOp BucketCollectives::twin_shift(std::shared_ptr<std::byte> slice_owne
   shift.recv = mirror->landing(b_).get();
   shift.count = shard_->shard_plan().buckets[b_].slice;
   shift.distance = mirror->distance();
-  shift.tag = "mirror bucket " + std::to_string(b_);
+  shift.tag = std::move(tag);
   shift.keep_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<std::byte>>>(std::move(slice_owner), mirror->landing(b_));
   return shift;
 }
@@ -171,9 +171,8 @@ CollectiveIssue BucketCollectives::sync_from_twin() const {
     slice = owner.get() + std::size_t(rank_) * bs.slice * dtype_size(dtype_);
   }
   CollectiveIssue issue;
-  issue.ops.push_back(twin_shift(std::move(owner), slice));
   // It is the bucket's sync (the collective log, the fault injection's "sync" phase say so).
-  issue.ops.back().tag = "sync bucket " + std::to_string(b_) + " (the shift to the twin)";
+  issue.ops.push_back(twin_shift(std::move(owner), slice, "sync bucket " + std::to_string(b_) + " (the shift to the twin)"));
   return issue;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "shardflow/comm_hook.hpp"
@@ -69,7 +70,7 @@ class BucketCollectives {
  private:
   // Note [Mirrored shards]: the shift of this bucket's reduced slice (`slice`, kept alive by its
   // owner) to the twin; sync_from_twin: that shift as the bucket's sync (Note [Syncs from the twin]).
-  CollectiveOp twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice) const;
+  CollectiveOp twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice, std::string tag) const;
   CollectiveIssue sync_from_twin() const;
   std::uint32_t b_;
   std::size_t numel_;

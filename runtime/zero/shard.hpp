@@ -106,7 +106,7 @@ class Shard {
   // Note [Syncs from the twin]: at world 2 the twin gives the other rank's updated parameters:
   // bucket b's sync is the shift of its reduced slice, and once it landed (step `step`'s)
   // twin_synced takes it and writes the source's values of that step into the parameters.
-  bool syncs_from_twin() const { return mirror_ && syncs_from_twin_; }
+  bool syncs_from_twin() const { return syncs_from_twin_; }
   void twin_synced(std::size_t b, std::int64_t step);
   // The state was replaced (loaded, or migrated from the shard this one replaces): a twin that
   // keeps values the source steps in place takes them from the parameters just loaded.
