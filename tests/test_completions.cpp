@@ -147,6 +147,22 @@ TEST_CASE("device completions: the timeout runs from when an op became the oldes
   CHECK(!r.errors[1]);
 }
 
+TEST_CASE("device completions: an idle queue longer than the timeout (an evaluation between steps) does not count against the next op") {
+  CompletionQueue q(options(100ms));
+  Recorder r;
+  FakeEvent first, after_idle;
+  first.state = 1;
+  q.push("allreduce 'bucket 0'", first.poll(), r.done("bucket 0"));
+  REQUIRE(r.wait_for(1));
+  std::this_thread::sleep_for(250ms);  // nothing queued: the completion thread idles
+  q.push("allreduce 'bucket 0'", after_idle.poll(), r.done("bucket 0, next step"));
+  std::this_thread::sleep_for(20ms);
+  after_idle.state = 1;
+  REQUIRE(r.wait_for(2));
+  CHECK(!r.errors[0]);
+  CHECK(!r.errors[1]);
+}
+
 TEST_CASE("device completions: a backend error (a peer died) fails every pending op with the backend's reason") {
   auto o = options();
   std::atomic<bool> broken{false};

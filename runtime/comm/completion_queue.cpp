@@ -76,7 +76,12 @@ void CompletionQueue::loop() {
   }
   using clock = std::chrono::steady_clock;
   std::unique_lock lock(mu_);
-  auto head_since = clock::now();  // when the current oldest op became the oldest
+  // When the current oldest op became the oldest. Taken when an op is first seen at the head, not
+  // when the last one completed: after an idle queue (an evaluation, a checkpoint between steps)
+  // the idle time must not count against the next op's timeout.
+  auto head_since = clock::now();
+  std::uint64_t head_id = 0;
+  bool head_known = false;
   auto interval = std::chrono::microseconds(2);
   for (;;) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
@@ -85,6 +90,12 @@ void CompletionQueue::loop() {
     Poll poll = queue_.front().poll;
     const std::string what = queue_.front().what;
     const std::uint64_t id = queue_.front().id;
+    if (!head_known || head_id != id) {
+      head_id = id;
+      head_known = true;
+      head_since = clock::now();
+      interval = std::chrono::microseconds(2);
+    }
     lock.unlock();
     std::string error;
     State state = State::failed;
@@ -100,8 +111,6 @@ void CompletionQueue::loop() {
     if (state == State::done) {
       Entry entry = std::move(queue_.front());
       queue_.pop_front();
-      head_since = clock::now();
-      interval = std::chrono::microseconds(2);
       lock.unlock();
       if (entry.done) entry.done(nullptr);
       entry = Entry{};  // keep_alive released after done, outside the lock
