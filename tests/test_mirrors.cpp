@@ -372,6 +372,48 @@ std::vector<Outcome> run_world(int n, const std::function<std::shared_ptr<Commun
 
 }  // namespace
 
+TEST_CASE("the twin's host under every launcher: shardflow run and torchrun (LOCAL_WORLD_SIZE), srun (SLURM_TASKS_PER_NODE) and "
+          "mpirun (OMPI_COMM_WORLD_LOCAL_SIZE) -> the ranks a host, so the default twin sits a host away") {
+  auto per_host = [](int world, std::map<std::string, std::string> vars) {
+    return ranks_per_host(world, [vars](const char* k) -> const char* {
+      auto it = vars.find(k);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    });
+  };
+  CHECK(per_host(4, {}) == 0);  // no launcher: not known
+  CHECK(per_host(4, {{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}}) == 2);
+  CHECK(per_host(4, {{"RANK", "1"}, {"WORLD_SIZE", "4"}}) == 0);  // torchrun without it: not known, as before
+  const std::map<std::string, std::string> srun{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
+                                                {"SLURM_NNODES", "2"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}, {"MASTER_ADDR", "node01"}};
+  CHECK(per_host(4, srun) == 2);
+  CHECK(per_host(3, srun) == 0);  // after a shrink to 3 the hosts no longer divide the world evenly
+  CHECK(per_host(2, {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_NNODES", "2"}, {"SLURM_TASKS_PER_NODE", "1(x2)"}, {"MASTER_ADDR", "node01"}}) == 1);
+  CHECK(per_host(4, {{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                     {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MASTER_ADDR", "node01"}}) == 2);
+  // The process's own environment decides the default distance: srun's 2 nodes x 2 tasks -> 2.
+  struct Srun {
+    std::optional<std::string> master = std::getenv("MASTER_ADDR") ? std::optional<std::string>(std::getenv("MASTER_ADDR")) : std::nullopt;
+    Srun() {
+      ::setenv("SLURM_PROCID", "1", 1);
+      ::setenv("SLURM_NTASKS", "4", 1);
+      ::setenv("SLURM_LOCALID", "1", 1);
+      ::setenv("SLURM_NNODES", "2", 1);
+      ::setenv("SLURM_TASKS_PER_NODE", "2(x2)", 1);
+      ::setenv("MASTER_ADDR", "node01", 1);
+    }
+    ~Srun() {
+      for (const char* k : {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_TASKS_PER_NODE", "MASTER_ADDR"}) ::unsetenv(k);
+      if (master) ::setenv("MASTER_ADDR", master->c_str(), 1);
+    }
+  };
+  Config cfg;
+  CHECK(twin_distance(cfg, 4) == 1);
+  {
+    const Srun under_srun;
+    CHECK(twin_distance(cfg, 4) == 2);
+  }
+}
+
 TEST_CASE("twins, world 3, stages 1 and 2: every rank abandons step 8 half reported and recovers onto a new round -> it goes on after step 7 "
           "(the half step discarded, no completed step rolled back, no snapshot read, where snapshots alone would give step 6), and ends bit for "
           "bit where an uninterrupted run ends") {

@@ -7,6 +7,7 @@
 
 #include "runtime/zero/shard.hpp"
 #include "shardflow/errors.hpp"
+#include "shardflow/launch.hpp"
 
 namespace shardflow {
 
@@ -245,9 +246,18 @@ std::size_t MirrorShard::bytes() const {
   return n;
 }
 
-int ranks_per_host(int world) {
-  const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const int L = local ? std::atoi(local) : 0;
+int ranks_per_host(int world, const std::function<const char*(const char*)>& getenv) {
+  const char* local = getenv ? getenv("LOCAL_WORLD_SIZE") : std::getenv("LOCAL_WORLD_SIZE");
+  int L = 0;
+  if (local && *local) {
+    L = std::atoi(local);
+  } else {
+    // srun and mpirun say it in variables of their own (SLURM_TASKS_PER_NODE, OMPI_COMM_WORLD_LOCAL_SIZE).
+    // Reading only LOCAL_WORLD_SIZE put a twin on its own rank's host under them (distance 1),
+    // where the loss of that host takes both.
+    const auto env = LaunchEnv::detect(getenv);
+    if (env.source == "slurm" || env.source == "openmpi") L = env.local_world_size;
+  }
   return L > 0 && world % L == 0 ? L : 0;
 }
 

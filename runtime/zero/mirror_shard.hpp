@@ -127,9 +127,10 @@ class MirrorShard {
   std::vector<float> grad_copy_;                       // values_after's copy of a piece's slice
 };
 
-// The ranks a host runs under a launcher (LOCAL_WORLD_SIZE; a node's ranks are consecutive), if
-// that divides `world`; 0: not known.
-int ranks_per_host(int world);
+// The ranks a host runs under a launcher (LOCAL_WORLD_SIZE, else srun's or mpirun's own variables,
+// as LaunchEnv reads them; a node's ranks are consecutive), if that divides `world`; 0: not known.
+// `getenv` for tests; empty: the process's environment.
+int ranks_per_host(int world, const std::function<const char*(const char*)>& getenv = {});
 // Note [Syncs from the twin]: whether the twins give the syncs at `world` ranks: at world 2 when
 // the two ranks sit on two hosts (LOCAL_WORLD_SIZE 1), where the all-gather crosses the network.
 // On one host the all-gather is a copy in memory, cheaper than the twin's step ahead.

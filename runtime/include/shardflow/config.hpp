@@ -147,16 +147,19 @@ struct ZeroConfig {
   // from disk, as long as no rank and its twin's holder are lost together. Costs, per element a
   // rank owns, with Adam: 8 fp32 words of memory more (the twin's values and moments, its two
   // slices in comm_dtype, the owner's values and moments from before the step) beside the 2 of
-  // the state itself; a slice per bucket on the wire (at 2 hosts half again the bytes ZeRO moves
-  // between them); and the twin's step on the rank's cores. Needs
+  // the state itself (11 at world 2 across two hosts, where the twin also keeps the step it
+  // computed ahead); a slice per bucket on the wire (at 2 hosts half again the bytes ZeRO moves
+  // between them; none more at world 2 across two hosts, where the twin's shift replaces the
+  // parameters' all-gather: Note [Syncs from the twin]); and the twin's step on the rank's cores. Needs
   // stage 1 or 2 with the flat partition's reduce-scatter, the runtime's optimizer on host shards,
   // no comm hook, and Config::snapshot.dir (what recovery falls back to). With
   // snapshot.trainer_state the trainer's state is kept at every step too (Note [The trainer's
   // state with the twins]); from Python: DistributedDataParallel(redundancy=2).
   int redundancy = 1;
   // Where the twin of a rank's shard lives: that many ranks on (its source that many back). 0
-  // (default): LOCAL_WORLD_SIZE, the ranks of one node under `shardflow run` or torchrun, when
-  // there are several nodes (so that a lost host's shards have their twins on another), else 1.
+  // (default): the ranks of one node (LOCAL_WORLD_SIZE under `shardflow run` or torchrun,
+  // SLURM_TASKS_PER_NODE under srun, OMPI_COMM_WORLD_LOCAL_SIZE under mpirun), when there are
+  // several nodes (so that a lost host's shards have their twins on another), else 1.
   int twin_distance = 0;
 };
 
