@@ -155,6 +155,16 @@ SHARDFLOW_ROWS = {
                                                               *TWINS],
     "shardflow ZeRO-2 interleaved + prefetch, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
                                                               *TWINS],
+    # --ranks-per-host 2: the two levels (shm inside a host, Gloo between), with and without twins a
+    # host away (Note [Syncs from the twin, two levels]).
+    "shardflow ZeRO-1 interleaved + prefetch, two levels": ["--zero-stage", "1", "--overlap", "interleaved", "--forward-prefetch",
+                                                            "--backend", "hierarchical"],
+    "shardflow ZeRO-1 interleaved + prefetch, two levels, redundancy 2": ["--zero-stage", "1", "--overlap", "interleaved",
+                                                                          "--forward-prefetch", "--backend", "hierarchical", *TWINS],
+    "shardflow ZeRO-2 interleaved + prefetch, two levels": ["--zero-stage", "2", "--overlap", "interleaved", "--forward-prefetch",
+                                                            "--backend", "hierarchical"],
+    "shardflow ZeRO-2 interleaved + prefetch, two levels, redundancy 2": ["--zero-stage", "2", "--overlap", "interleaved",
+                                                                          "--forward-prefetch", "--backend", "hierarchical", *TWINS],
 }
 TABLE_STEPS = 40
 
@@ -173,10 +183,11 @@ def run_both(argvs, what):
     return outs
 
 
-def shardflow_row(build, sizes, flags, tmp):
+def shardflow_row(build, sizes, flags, tmp, per_host=1):
     stats = os.path.join(tmp, "stats.json")
-    prog = mlp_cmd(build, sizes, TABLE_STEPS, 2, ["--backend", "gloo", *flags], stats)
-    run_both([launcher(build, h, n, 2, 1, prog) for h, n in (("a", 0), ("b", 1))], "shardflow " + " ".join(flags))
+    backend = [] if "--backend" in flags else ["--backend", "gloo"]
+    prog = mlp_cmd(build, sizes, TABLE_STEPS, 2 * per_host, [*backend, *flags], stats)
+    run_both([launcher(build, h, n, 2, per_host, prog) for h, n in (("a", 0), ("b", 1))], "shardflow " + " ".join(flags))
     with open(stats) as f:
         m = json.load(f)["median"]
     return m["iteration_ms"], m.get("wire_bytes", 0)
@@ -223,7 +234,9 @@ def table(args, build):
     rates = args.rates.split(",")
     models = args.models.split(",")
     torch_ok = subprocess.run(["/usr/bin/python3", "-c", "import torch"], stderr=subprocess.DEVNULL).returncode == 0
-    rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok else []) + list(SHARDFLOW_ROWS)
+    per_host = int(args.ranks_per_host)  # the table takes one
+    rows = (["PyTorch DDP", "PyTorch DDP + ZeroRedundancyOptimizer"] if torch_ok and per_host == 1 else []) + \
+        [r for r in SHARDFLOW_ROWS if per_host > 1 or "hierarchical" not in SHARDFLOW_ROWS[r]]
     if args.only:
         rows = [r for r in rows if any(picks(o, r) for o in only_names(args.only))]
     out = {}
@@ -233,19 +246,19 @@ def table(args, build):
             sh("rate", NAME, rate)
             for model in models:
                 sizes = MODELS[model]
-                key = "%s, link %s" % (model, "unshaped" if rate == "off" else rate)
+                key = "%s%s, link %s" % (model, ", 2 hosts x %d ranks" % per_host if per_host > 1 else "", "unshaped" if rate == "off" else rate)
                 runs = {r: [] for r in rows}
                 wire = {}
                 runs["compute alone (world 1)"] = []
                 links = []
                 for rep in range(args.reps):  # A B A B: every row once per round
-                    links.append(link_rows(build, sizes))
+                    links.append(link_rows(build, sizes, per_host=per_host))
                     runs["compute alone (world 1)"].append(world1_row(build, sizes, tmp))
                     for r in rows:
                         if r.startswith("PyTorch"):
                             runs[r].append(torch_row(sizes, "zero" if "Zero" in r else "ddp", tmp))
                         else:
-                            ms, wire[r] = shardflow_row(build, sizes, SHARDFLOW_ROWS[r], tmp)
+                            ms, wire[r] = shardflow_row(build, sizes, SHARDFLOW_ROWS[r], tmp, per_host)
                             runs[r].append(ms)
                     print("  %s round %d done" % (key, rep + 1), flush=True)
                 med = {r: statistics.median(v) for r, v in runs.items()}
@@ -478,7 +491,7 @@ def main():
     ap.add_argument("--models", default="512x8,1024x8")
     ap.add_argument("--png")
     ap.add_argument("--gpt", action="store_true", help="the table for examples/gpt_train against bench/peers/torch_gpt.py (4.)")
-    ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2")
+    ap.add_argument("--ranks-per-host", default="1", help="with --gpt: 1, 2 or 1,2; with --table: 1 or 2 (2: the two-level rows too)")
     ap.add_argument("--only", help="with --gpt or --table: only the rows whose names contain one of these (comma-separated; "
                                    "NAME$: that row alone; commas followed by a space belong to a name)")
     ap.add_argument("--trace-dir", help="with --gpt: trace the best shardflow row of each table and draw it here")

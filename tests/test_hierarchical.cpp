@@ -2,6 +2,7 @@
 // several ranks, shared memory inside a host and the network between hosts, played here by
 // in-process worlds: one per host and one per local index.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -9,6 +10,8 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -30,7 +33,8 @@ class CountingComm final : public test::ForwardingComm {
  public:
   CountingComm(std::shared_ptr<Communicator> inner, std::atomic<std::size_t>& bytes) : ForwardingComm(std::move(inner)), bytes_(bytes) {}
   void submit(CollectiveOp op, CollectiveDone done) override {
-    if (op.tag.rfind("bucket ", 0) == 0 || op.tag.rfind("sync bucket ", 0) == 0) bytes_ += wire_bytes(op, world_size());
+    if (op.tag.rfind("bucket ", 0) == 0 || op.tag.rfind("sync bucket ", 0) == 0 || op.tag.rfind("mirror bucket ", 0) == 0)
+      bytes_ += wire_bytes(op, world_size());
     inner_->submit(std::move(op), std::move(done));
   }
 
@@ -235,6 +239,70 @@ TEST_CASE("shardflow plan's bytes between hosts are what the two levels put on t
     CHECK(crossed.load() == std::size_t(opt.steps) * plan.network.per_step);
     CHECK(3 * plan.network.per_step == 2 * plan.network.flat_ring_per_step);
   }
+}
+
+TEST_CASE("2 hosts x 2 ranks, twins a host away (redundancy 2), stages 1 and 2, fp32 and bf16 on the wire, forward prefetch or not: the twin "
+          "gives the other host's block and the sync gathers inside the host -> the parameters bit for bit those without twins, and "
+          "between the hosts the bytes without twins, as the plan says") {
+  const auto dir = std::filesystem::temp_directory_path() / ("shardflow_twins_two_levels_" + std::to_string(::getpid()));
+  for (int stage : {1, 2})
+    for (DType wire : {DType::f32, DType::bf16})
+      for (bool prefetch : {false, true}) {
+        CAPTURE(stage);
+        CAPTURE(dtype_name(wire));
+        CAPTURE(prefetch);
+        auto opt = small_mlp(stage, Overlap::interleaved, 5);
+        opt.optimizer.lr = 0.01f;
+        opt.runtime.buckets.rebuild = false;  // the plan's buckets from the first step on
+        opt.runtime.zero.forward_prefetch = prefetch;
+        opt.runtime.zero.clip_grad_norm = 0.05f;  // a coefficient that bites: the twin clips as its source does
+        opt.runtime.precision.comm_dtype = wire;
+        auto run = [&](int redundancy, std::atomic<std::size_t>& crossed) {
+          auto o = opt;
+          o.runtime.zero.redundancy = redundancy;
+          o.runtime.zero.twin_distance = redundancy == 2 ? 2 : 0;  // a host away, as a launcher's LOCAL_WORLD_SIZE would make it
+          o.runtime.snapshot.dir = dir.string();
+          o.runtime.snapshot.every = 1000;
+          mlp::TrainResult out;
+          on_hosts(2, 2, [&](Communicator& comm, int r) {
+            auto shared = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
+            auto res = mlp::train_rank(o, shared);
+            if (r == 0) out = std::move(res);
+          }, true, &crossed);
+          return out;
+        };
+        std::atomic<std::size_t> plain_bytes{0}, twin_bytes{0};
+        const auto plain = run(1, plain_bytes);
+        const auto twins = run(2, twin_bytes);
+        REQUIRE(twins.params.size() == plain.params.size());
+        for (const auto& [name, t] : plain.params) {
+          CAPTURE(name);
+          const auto a = t.to_f32(name), b = twins.params.at(name).to_f32(name);
+          REQUIRE(a.size() == b.size());
+          std::size_t differ = 0;
+          for (std::size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+          CHECK(differ == 0);
+        }
+        CHECK(twin_bytes.load() == plain_bytes.load());
+        // The plan says the same: no bytes more between the hosts.
+        std::vector<ParamSpec> params;
+        for (std::size_t i = 0; i + 1 < opt.sizes.size(); ++i) {
+          params.push_back({"layers." + std::to_string(i) + ".weight", {opt.sizes[i + 1], opt.sizes[i]}});
+          params.push_back({"layers." + std::to_string(i) + ".bias", {opt.sizes[i + 1]}});
+        }
+        auto settings = PlanSettings::from(opt.runtime, 4, 2, true);
+        settings.hosts = 2;
+        settings.redundancy = 2;
+        settings.twin_distance = 2;
+        const auto with_twins = make_run_plan(params, settings);
+        settings.redundancy = 1;
+        settings.twin_distance = 0;
+        const auto without = make_run_plan(params, settings);
+        CHECK(with_twins.syncs_from_twin);
+        CHECK(with_twins.network.per_step == without.network.per_step);
+        CHECK(twin_bytes.load() == std::size_t(opt.steps) * with_twins.network.per_step);
+      }
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("2 hosts x 2 ranks, rank 3 never joins: the other ranks' all-reduce fails with a TimeoutError naming the level and the ranks in the world's numbering, the reduce-scatter behind it fails too, within the timeout, and the communicators close") {

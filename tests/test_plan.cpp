@@ -190,7 +190,7 @@ TEST_CASE("plan = what the runtime builds: buckets, owners and memory, every mod
 
 TEST_CASE("twins (redundancy 2) in the plan = what the runtime keeps: every rank's optimizer state with its twin and the owner's copy, "
           "world 2-4 x stage 1-2, and `shardflow plan --redundancy 2` says what crosses the hosts: at world 2 the shift in place of the "
-          "all-gather (ZeRO's own bytes), at world 4 on 2 hosts a slice a rank more") {
+          "all-gather (ZeRO's own bytes), at world 4 on 2 hosts a slice a rank more over the flat ring, ZeRO's own over two levels") {
   const auto m = models().front();
   for (int n : {2, 3, 4})
     for (int stage : {1, 2}) {
@@ -225,11 +225,20 @@ TEST_CASE("twins (redundancy 2) in the plan = what the runtime keeps: every rank
   CHECK(two["network"]["bytes_per_step"] == network(" --world-size 2 --zero-stage 1 --hosts 2")["network"]["bytes_per_step"]);
   REQUIRE(run_cli(model + " --world-size 2 --zero-stage 1 --hosts 2 --redundancy 2", out) == 0);
   CHECK(out.find("in place of the parameters' all-gather") != std::string::npos);
-  // World 4 on 2 hosts, the twin a host away (the default distance): every rank's slice crosses.
-  const auto four = network(" --world-size 4 --zero-stage 1 --hosts 2 --redundancy 2");
+  // World 4 on 2 hosts, the twin a host away (the default distance): over the flat ring every
+  // rank's slice crosses beside ZeRO's bytes; over two levels (the default) the twin gives the
+  // all-gather's stage between the hosts, so the bytes there are ZeRO's own.
+  const auto four = network(" --world-size 4 --zero-stage 1 --hosts 2 --redundancy 2 --backend gloo");
   CHECK(four["twins"]["distance"] == 2);
   CHECK(four["twins"]["syncs_from_twin"] == false);
-  CHECK(four["network"]["bytes_per_step"] == network(" --world-size 4 --zero-stage 1 --hosts 2")["network"]["bytes_per_step"].get<std::size_t>() + B);
+  CHECK(four["network"]["bytes_per_step"] ==
+        network(" --world-size 4 --zero-stage 1 --hosts 2 --backend gloo")["network"]["bytes_per_step"].get<std::size_t>() + B);
+  const auto levels = network(" --world-size 4 --zero-stage 1 --hosts 2 --redundancy 2");
+  CHECK(levels["twins"]["distance"] == 2);
+  CHECK(levels["twins"]["syncs_from_twin"] == true);
+  CHECK(levels["network"]["bytes_per_step"] == network(" --world-size 4 --zero-stage 1 --hosts 2")["network"]["bytes_per_step"]);
+  REQUIRE(run_cli(model + " --world-size 4 --zero-stage 1 --hosts 2 --redundancy 2", out) == 0);
+  CHECK(out.find("in place of the all-gather's stage between the hosts") != std::string::npos);
   // What the runtime refuses, refused by name.
   CHECK(run_cli(model + " --world-size 2 --zero-stage 0 --redundancy 2", out) == 2);
   CHECK(out.find("--redundancy 2 needs") != std::string::npos);

@@ -77,6 +77,7 @@ class HierarchicalComm final : public Communicator {
            " between hosts)";
   }
   bool shifts_by(int distance) const override { return distance % L_ == 0; }  // Note [Shift]: by whole hosts
+  int gathers_in_host() const override { return L_; }
   bool supports(Device d) const override {
     return d.kind == Device::Kind::cpu && comms_[in_host]->supports(d) && comms_[between_hosts]->supports(d);
   }
@@ -257,8 +258,14 @@ class HierarchicalComm final : public Communicator {
         // The reverse: the cross all-gather puts host g's block of index l in b[g], and a local
         // all-gather of each b[g] writes host g's L blocks where rank order has them.
         const std::size_t c = op.count * es;
-        job.b.resize(H * c);
         auto* out = static_cast<std::byte*>(op.recv);
+        if (op.in_host) {  // each host's block of this local index is in place already: in place inside the hosts
+          const std::size_t l = std::size_t(comms_[in_host]->rank());
+          for (std::size_t g = 0; g < H; ++g)
+            st.push_back({out_host, sub(job, CollectiveKind::allgather, out + (g * L + l) * c, out + g * L * c, op.count, 1.0f, "inside the host"), {}});
+          return;
+        }
+        job.b.resize(H * c);
         st.push_back({between_hosts, sub(job, CollectiveKind::allgather, op.send, job.b.data(), op.count, 1.0f, "between hosts"), {}});
         for (std::size_t g = 0; g < H; ++g)
           st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data() + g * c, out + g * L * c, op.count, 1.0f, "inside the host"), {}});

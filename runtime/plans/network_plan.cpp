@@ -70,8 +70,12 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
     else
       add(out, CollectiveKind::allreduce, bk.numel * es);
     if (twin_distance) shift(out, bs.slice * es);
-    if (twin_syncs) continue;  // Note [Syncs from the twin]: the shift is the sync
-    if (bs.flat)
+    if (twin_syncs && !np.two_levels) continue;  // Note [Syncs from the twin]: at world 2 the shift is the sync
+    if (bs.flat && twin_syncs) {  // Note [Syncs from the twin, two levels]: gathered inside the hosts alone
+      const std::size_t flat = network_bytes(CollectiveKind::allgather, bs.padded * es, hosts, np.per_host, false);
+      np.flat_ring_per_step += flat;
+      out.push_back(NetworkCollective{CollectiveKind::allgather, bs.padded * es, 0, flat});
+    } else if (bs.flat)
       add(out, CollectiveKind::allgather, bs.padded * es);
     else
       for (std::size_t k = 0; k < bs.packed.size(); ++k)

@@ -53,7 +53,8 @@ struct NetworkPlan {
 // `reduce_scatter`: Config::zero.reduce_scatter; `sharded`: the optimizer's state is split (stage
 // 1 or 2 with an optimizer, world > 1); `twin_distance` (0: none): each bucket's reduced slices
 // shift that many ranks on (Note [Mirrored shards]), with `twin_syncs` in place of the all-gather
-// (Note [Syncs from the twin]). UsageError when hosts does not divide the world.
+// (Note [Syncs from the twin]; over two levels, of its stage between the hosts: Note [Syncs from
+// the twin, two levels]). UsageError when hosts does not divide the world.
 NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, int world, int hosts, bool two_levels, DType comm_dtype,
                               bool sharded, bool stage2, bool reduce_scatter, int twin_distance = 0, bool twin_syncs = false);
 

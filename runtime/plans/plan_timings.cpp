@@ -86,10 +86,12 @@ IterationTimes plan_iteration_times(const RunPlan& plan, const PlanTimings& timi
     if (plan.twin_distance) {  // Note [Mirrored shards]: each rank's reduced slice to its twin
       const DType wire = s.comm_dtype == DType::f32 ? buckets[b].dtype : s.comm_dtype;  // as comm_bytes has it
       const double shift = ms(CollectiveKind::shift, plan.shards.front().buckets[b].slice * dtype_size(wire));
-      if (plan.syncs_from_twin)  // Note [Syncs from the twin]: the shift is the sync
+      if (plan.syncs_from_twin && s.world == 2) {  // Note [Syncs from the twin]: the shift is the sync
         t.sync_ms.back() = shift;
-      else  // right after the reduce-scatter, on the link before the step
+      } else {  // right after the reduce-scatter, on the link before the step
         t.reduce_ms.back() += shift;
+        if (plan.syncs_from_twin) t.sync_ms.back() = 0.0;  // Note [Syncs from the twin, two levels]: gathered inside the hosts, off the link
+      }
     }
     const double updated_mib = double(buckets[b].numel) * 4 / (sharded ? double(s.world) : 1.0) / 1048576.0;
     t.step_ms.push_back(updated_mib * timings.step_ms_per_mib);

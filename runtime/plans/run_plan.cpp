@@ -43,7 +43,14 @@ PlanSettings PlanSettings::from(const Config& cfg, int world, std::size_t state_
   return s;
 }
 
-bool plan_syncs_from_twin(const PlanSettings& s) { return s.world == 2 && s.hosts == 2 && plan_twin_distance(s) != 0; }
+bool plan_syncs_from_twin(const PlanSettings& s) {
+  const int d = plan_twin_distance(s);
+  if (d == 0 || s.hosts != 2) return false;
+  // World 2 (Note [Syncs from the twin]), or two levels with the twin a host away (Note [Syncs
+  // from the twin, two levels]), as Shard decides it.
+  const int L = s.world / 2;
+  return s.world == 2 || (s.two_levels && L >= 2 && d % s.world == L);
+}
 
 int plan_twin_distance(const PlanSettings& s) {
   if (s.redundancy != 1 && s.redundancy != 2) throw UsageError("--redundancy must be 1 or 2, got " + std::to_string(s.redundancy));
@@ -420,8 +427,11 @@ std::string RunPlan::describe() const {
     s += "\ntwins (redundancy 2; Note [Mirrored shards]): each rank keeps a twin of the shard of the rank " + std::to_string(twin_distance) +
          " back: " + mib(twin_state_bytes) + " more per rank (rank 0; in its optimizer state above), and shifts " + mib(twin_shift_bytes) +
          " of reduced slices to it per step, ";
-    s += syncs_from_twin ? "in place of the parameters' all-gather (at world 2 across two hosts the twin gives them: Note [Syncs from the twin]), so no bytes more\n"
-                         : "beside the reduce-scatter and the all-gather\n";
+    s += !syncs_from_twin ? "beside the reduce-scatter and the all-gather\n"
+         : settings.world == 2
+             ? "in place of the parameters' all-gather (at world 2 across two hosts the twin gives them: Note [Syncs from the twin]), so no bytes more\n"
+             : "in place of the all-gather's stage between the hosts (over two levels at two hosts the twin gives the other host's block, and the "
+               "sync gathers inside each host: Note [Syncs from the twin, two levels]), so no bytes more between the hosts\n";
   }
   if (network.hosts > 1) {
     s += "\nleaving the hosts per step, " + network_title(network) + " (Note [Bytes on the network]):\n";

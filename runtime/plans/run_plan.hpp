@@ -100,7 +100,8 @@ struct BucketCaps {
 // optimizer); UsageError for redundancy 2 where the runtime refuses it, naming why.
 int plan_twin_distance(const PlanSettings& s);
 // Note [Syncs from the twin]: whether the twins give the syncs under these settings (world 2 on
-// two hosts, as twins_give_syncs decides in the runtime).
+// two hosts, as twins_give_syncs decides in the runtime; or two levels at two hosts with the twin a
+// host away, as Shard decides it: Note [Syncs from the twin, two levels]).
 bool plan_syncs_from_twin(const PlanSettings& s);
 
 // `order`: the gradient order the buckets will be made in (make_bucket_plan's).
@@ -128,7 +129,8 @@ struct RunPlan {
   NetworkPlan network;  // per step, between hosts (one host: nothing)
   // Note [Mirrored shards]: the twin distance (0: none), and what the twins cost each rank: the
   // state (in `memory` already) and the bytes each rank shifts per step (syncs_from_twin: at world
-  // 2, in place of the all-gather, Note [Syncs from the twin]).
+  // 2, in place of the all-gather, Note [Syncs from the twin]; over two levels, of its stage
+  // between the hosts).
   int twin_distance = 0;
   std::size_t twin_state_bytes = 0, twin_shift_bytes = 0;
   bool syncs_from_twin = false;

@@ -96,7 +96,7 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration,
       bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
     next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), caps.pooled, allocator(), zeroer());
     next_shard = std::make_shared<Shard>(int(cfg.zero.stage), cfg, registry.params(), next, std::move(shard_plan), groups,
-                                         next_bufs, mem, /*migrating=*/migrate);
+                                         next_bufs, mem, /*migrating=*/migrate, comm->gathers_in_host());
   } else {
     std::vector<std::size_t> bytes;
     for (const auto& b : next.buckets) bytes.push_back(b.bytes());
@@ -231,7 +231,7 @@ std::shared_ptr<const FusedSyncs> Runtime::Impl::fuse_small_syncs(const std::vec
   if (bytes && !shard->fusion_buffer()) shard->set_fusion_buffer(allocator()(bytes), bytes);
   auto f = std::make_shared<FusedSyncs>();
   // Note [Syncs from the twin]: each bucket's sync is then its own shift; nothing is gathered.
-  if (!shard->syncs_from_twin()) f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
+  if (!shard->syncs_from_twin() && !shard->twin_in_host()) f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
   if (f->fusion.groups.empty()) {
     shard->set_fused_syncs(nullptr);
     return nullptr;

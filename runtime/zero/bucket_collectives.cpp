@@ -199,6 +199,7 @@ CollectiveIssue BucketCollectives::sync() const {
     auto op = op_for(CollectiveKind::allgather, bs.slice, "sync bucket " + std::to_string(b));
     op.send = staging + std::size_t(rank_) * bs.slice * es;
     op.recv = staging;
+    op.in_host = shard_->twin_in_host();  // Note [Syncs from the twin, two levels]
     issue.ops.push_back(std::move(op));
     return issue;
   }

@@ -63,11 +63,11 @@ void MirrorShard::stepped(StepInputs in) {
   inputs_.insert_or_assign(step, std::move(in));
 }
 
-void MirrorShard::feeds_syncs() {
+void MirrorShard::feeds_syncs(bool after_step) {
   // The step scales in place what it steps from: the reduced fp32 slice itself, not a 16-bit
   // wire's slice (cast to fp32 first) nor a 16-bit gradient (stepped from an fp32 copy).
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-    clipped_[b] = wire_[b] == DType::f32 && plan_.buckets[b].dtype == DType::f32;
+    clipped_[b] = after_step && wire_[b] == DType::f32 && plan_.buckets[b].dtype == DType::f32;
     const std::size_t n = shard_.buckets[b].packed[std::size_t(source_)];
     auto floats = [&](bool keep) { return Floats{keep && n ? ops_.alloc(n * sizeof(float)) : nullptr}; };
     ahead_values_.push_back(floats(true));

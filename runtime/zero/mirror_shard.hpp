@@ -65,11 +65,13 @@ class MirrorShard {
   void arrived(std::size_t b, std::int64_t step);
   void stepped(StepInputs in);  // the owner's end_step: step in.steps is over on this rank
   const StepInputs& inputs_of(std::int64_t step) const;  // handed over by stepped(); Error if not (any more)
-  // Note [Syncs from the twin]: this twin gives the syncs. Its slices are shifted after the
-  // source's step, which scaled an fp32 bucket's reduced gradient in place by the step's clip
-  // coefficient (ShardOps::update): those arrive clipped and are stepped without clipping again.
-  // What values_after computes is kept (one state shard more), and the apply a step later takes it.
-  void feeds_syncs();
+  // Note [Syncs from the twin]: this twin gives the syncs. At world 2 its slices are shifted after
+  // the source's step (`after_step`), which scaled an fp32 bucket's reduced gradient in place by
+  // the step's clip coefficient (ShardOps::update): those arrive clipped and are stepped without
+  // clipping again; over two levels (Note [Syncs from the twin, two levels]) they come with the
+  // reduction, before it. What values_after computes is kept (one state shard more), and the
+  // apply a step later takes it.
+  void feeds_syncs(bool after_step);
   // Note [Going on from the twins]: the state was made or loaded as it stood after `steps` steps
   // (what a bucket without a held slice stands at); and brings every bucket to where the source
   // stood after `steps` steps, applying a held slice where that is one step on: false if a

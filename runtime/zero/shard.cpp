@@ -12,7 +12,7 @@ namespace shardflow {
 
 Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
              std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
-             std::shared_ptr<const MemoryOps> mem, bool migrating)
+             std::shared_ptr<const MemoryOps> mem, bool migrating, int gathers_in_host)
     : stage_(stage),
       clip_max_(cfg.zero.clip_grad_norm),
       clip_type_(cfg.zero.clip_norm_type),
@@ -71,7 +71,9 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     }
     undo_step_.assign(B, -1);
     syncs_from_twin_ = twins_give_syncs(shard_.world);
-    if (syncs_from_twin()) mirror_->feeds_syncs();
+    const int W = shard_.world;
+    twin_in_host_ = !syncs_from_twin_ && gathers_in_host >= 2 && W == 2 * gathers_in_host && ((distance % W) + W) % W == gathers_in_host;
+    if (syncs_from_twin_ || twin_in_host_) mirror_->feeds_syncs(/*after_step=*/syncs_from_twin_);
   }
   if (!migrating) masters_from_params();
   if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
@@ -288,7 +290,32 @@ void Shard::pack(std::size_t b) {
     ops_->cast(sync_dtype(b), st + at * dtype_size(sync_dtype(b)), plan_.buckets[b].dtype,
                param_bytes(piece.param) + piece.param_off * es, piece.len);
   }
+  if (twin_in_host_) pack_twin(b, staging);
   ops_->record(slot(pack_slot, b));
+}
+
+// Note [Syncs from the twin, two levels]
+// Over two levels at two hosts of L ranks, with the twin a host away (distance L, the default
+// under a launcher), rank (h, l)'s twin mirrors (1 - h, l): the one rank whose block the
+// all-gather's stage between the hosts would bring it. The twin's slice already came with the
+// reduction (Note [Mirrored shards]), so when the owner steps, the twin steps once more on
+// copies (MirrorShard::values_after, as at world 2) and its values go into the staging where the
+// source's block goes, rounded as the source's pack rounds them. The sync is then the all-gather
+// inside each host alone (CollectiveOp::in_host): the network carries the reduce-scatter and the
+// shift, ZeRO's own bytes between the hosts, where the twins used to add the shift to them (1.11x
+// the GPT's step at 2 x 2 over 1 Gbit/s). Unlike world 2 the shift stays with the reduction: the
+// sync inside a host must follow the twin's step, which follows the shift, in the same order on
+// every rank, and the comm stream issues a bucket's collectives as one.
+void Shard::pack_twin(std::size_t b, std::byte* staging) {
+  const std::int64_t step = mirror_->held_step(b);
+  const auto in = step == steps_ ? step_inputs() : mirror_->inputs_of(step);
+  const DType wire = sync_dtype(b);
+  const auto source = std::size_t(mirror_->source());
+  mirror_->values_after(b, in, [&](const ShardPiece& piece, const float* values) {
+    std::byte* st = staging;
+    const std::size_t at = sync_at(b, source, piece, st);
+    ops_->cast(wire, st + at * dtype_size(wire), DType::f32, values, piece.len);
+  });
 }
 
 void Shard::unpack(std::size_t b) {

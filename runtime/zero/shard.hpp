@@ -44,7 +44,7 @@ class Shard {
   // (allocate_slot + import_state), so that both shards' state never exists in full at once.
   Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
         std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
-        std::shared_ptr<const MemoryOps> mem, bool migrating = false);
+        std::shared_ptr<const MemoryOps> mem, bool migrating = false, int gathers_in_host = 0);
 
   const BucketPlan& plan() const { return plan_; }
   const ShardPlan& shard_plan() const { return shard_; }
@@ -108,6 +108,10 @@ class Shard {
   // twin_synced takes it and writes the source's values of that step into the parameters.
   bool syncs_from_twin() const { return syncs_from_twin_; }
   void twin_synced(std::size_t b, std::int64_t step);
+  void pack_twin(std::size_t b, std::byte* staging);
+  // Note [Syncs from the twin, two levels]: over two levels at two hosts the twin's values go into
+  // the bucket's staging beside the rank's own (pack), and the sync gathers inside the host only.
+  bool twin_in_host() const { return twin_in_host_; }
   // The state was replaced (loaded, or migrated from the shard this one replaces): a twin that
   // keeps values the source steps in place takes them from the parameters just loaded.
   void loaded();
@@ -255,6 +259,7 @@ class Shard {
   } before_;
   std::vector<std::byte> twin_wire_;     // twin_synced's values in the wire dtype (host shards only)
   bool syncs_from_twin_ = false;         // twins_give_syncs at this world, decided once
+  bool twin_in_host_ = false;            // Note [Syncs from the twin, two levels], decided once
   std::unique_ptr<MirrorShard> mirror_;  // last: it refers to the members above
 };
 

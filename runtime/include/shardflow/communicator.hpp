@@ -52,6 +52,11 @@ struct CollectiveOp {
   // from the `count` it sends (the source's `count` must be this). kSameCount: `count`.
   static constexpr std::size_t kSameCount = ~std::size_t{0};
   std::size_t recv_count = kSameCount;
+  // allgather, on a backend whose gathers_in_host() is nonzero: every rank's recv already holds
+  // the block of its own local index from every host, and only the gathers inside each host run
+  // (Note [Syncs from the twin, two levels]). Elsewhere it is ignored: the whole all-gather runs
+  // from `send`, which gives the same bytes.
+  bool in_host = false;
 };
 
 // Note [Shift]
@@ -108,6 +113,9 @@ class Communicator {
   // so that nothing is padded on its link; the others pad (a copy in memory for the in-process
   // and shm backends).
   virtual bool shifts_unequal() const { return false; }
+  // The ranks a host when an all-gather can run inside the hosts alone (CollectiveOp::in_host):
+  // two levels. 0: every all-gather is the whole world's.
+  virtual int gathers_in_host() const { return 0; }
   // This rank gives up (a usage error, a failed peer): pending and future collectives of every
   // rank fail promptly with `reason` instead of waiting for the timeout.
   virtual void abort(const std::string& reason) = 0;

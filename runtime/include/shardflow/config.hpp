@@ -147,10 +147,12 @@ struct ZeroConfig {
   // from disk, as long as no rank and its twin's holder are lost together. Costs, per element a
   // rank owns, with Adam: 8 fp32 words of memory more (the twin's values and moments, its two
   // slices in comm_dtype, the owner's values and moments from before the step) beside the 2 of
-  // the state itself (11 at world 2 across two hosts, where the twin also keeps the step it
+  // the state itself (11 where the twin gives the syncs, below: it also keeps the step it
   // computed ahead); a slice per bucket on the wire (at 2 hosts half again the bytes ZeRO moves
   // between them; none more at world 2 across two hosts, where the twin's shift replaces the
-  // parameters' all-gather: Note [Syncs from the twin]); and the twin's step on the rank's cores. Needs
+  // parameters' all-gather: Note [Syncs from the twin], nor over two levels at two hosts with the
+  // twin a host away, where the sync gathers inside the hosts alone: Note [Syncs from the twin,
+  // two levels]); and the twin's step on the rank's cores. Needs
   // stage 1 or 2 with the flat partition's reduce-scatter, the runtime's optimizer on host shards,
   // no comm hook, and Config::snapshot.dir (what recovery falls back to). With
   // snapshot.trainer_state the trainer's state is kept at every step too (Note [The trainer's
