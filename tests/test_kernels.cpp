@@ -2,7 +2,10 @@
 // against finite differences, 16-bit rounding, the reduction kernel's aliasing, safetensors files.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <vector>
 #include <fstream>
 
 #include "examples/mlp/model.hpp"
@@ -56,6 +59,35 @@ TEST_CASE("Adam with a constant gradient moves lr per step (bias correction), Ad
   w.decoupled_weight_decay = true;
   adam_step(&q, &g, &m2, &v2, 1, w, 1);
   CHECK(q == doctest::Approx(1.0 * (1 - 0.1 * 0.1) - 0.1).epsilon(1e-6));
+}
+
+TEST_CASE("Adam from kept buffers into others = Adam in place, bit for bit, in each weight-decay mode, and the kept buffers untouched") {
+  const std::size_t n = 1037;  // not a multiple of any vector width
+  std::vector<float> p(n), g(n), m(n), v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    p[i] = std::sin(float(i)) * 3.0f;
+    g[i] = std::cos(float(i) * 0.7f) * 0.01f;
+    m[i] = g[i] * 0.5f;
+    v[i] = g[i] * g[i] * 2.0f;
+  }
+  for (int mode = 0; mode < 3; ++mode) {
+    CAPTURE(mode);
+    AdamHyper h;
+    h.lr = 0.01f;
+    h.weight_decay = mode == 0 ? 0.0f : 0.1f;
+    h.decoupled_weight_decay = mode == 2;
+    auto p1 = p, m1 = m, v1 = v;
+    adam_step(p1.data(), g.data(), m1.data(), v1.data(), n, h, 7);
+    std::vector<float> p2(n, -1.0f), m2(n, -1.0f), v2(n, -1.0f);
+    const auto p0 = p, m0 = m, v0 = v;
+    adam_step(p2.data(), g.data(), m2.data(), v2.data(), n, h, 7, p.data(), m.data(), v.data());
+    CHECK(std::memcmp(p1.data(), p2.data(), n * 4) == 0);
+    CHECK(std::memcmp(m1.data(), m2.data(), n * 4) == 0);
+    CHECK(std::memcmp(v1.data(), v2.data(), n * 4) == 0);
+    CHECK(std::memcmp(p.data(), p0.data(), n * 4) == 0);
+    CHECK(std::memcmp(m.data(), m0.data(), n * 4) == 0);
+    CHECK(std::memcmp(v.data(), v0.data(), n * 4) == 0);
+  }
 }
 
 TEST_CASE("Optimizer defaults are torch's: AdamW decays by 0.01, Adam and SGD do not") {

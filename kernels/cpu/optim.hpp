@@ -29,8 +29,12 @@ struct AdamHyper {
   bool decoupled_weight_decay = false;  // AdamW
 };
 
-// `step` counts from 1 (bias correction).
+// `step` counts from 1 (bias correction). `param_in`, `exp_avg_in`, `exp_avg_sq_in`: what the
+// step reads, when not the buffers it writes (all three, or null: in place), and overlapping none
+// of them; the same arithmetic either way, so a step that keeps what it stepped from costs no
+// copies beside it.
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::size_t n,
-               const AdamHyper& h, std::int64_t step);
+               const AdamHyper& h, std::int64_t step, const float* param_in = nullptr, const float* exp_avg_in = nullptr,
+               const float* exp_avg_sq_in = nullptr);
 
 }  // namespace shardflow::kernels

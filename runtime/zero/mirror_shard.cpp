@@ -147,7 +147,7 @@ void MirrorShard::apply(std::size_t b, const StepInputs& in) {
 // The source's Shard::step of one piece: `values` and the state (null: none) at the piece's place,
 // from its reduced gradient `grad`, with the step's inputs as they were on the source.
 void MirrorShard::update_piece(std::size_t b, const ShardPiece& piece, const StepInputs& in, float* values, float* a, float* s, void* grad,
-                               DType grad_dtype) {
+                               DType grad_dtype, const float* from_values, const float* from_a, const float* from_s) {
   ShardOps::Update u;
   u.master = values;
   u.param_dtype = plan_.buckets[b].dtype;
@@ -157,6 +157,9 @@ void MirrorShard::update_piece(std::size_t b, const ShardPiece& piece, const Ste
   u.clip = ClipCoef{clipped_[b] ? 1.0f : in.clip, nullptr};
   u.state_a = a;
   u.state_b = s;
+  u.from_master = from_values;
+  u.from_a = from_a;
+  u.from_b = from_s;
   u.n = piece.len;
   const std::int64_t own = in.steps - in.sat_out[piece.param];
   u.first = own == 0;
@@ -190,15 +193,14 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
     throw Error("mirror of rank " + std::to_string(source_) + "'s shard: bucket " + std::to_string(b) + "'s values after step " +
                 std::to_string(in.steps) + " were asked for while it holds the slice of step " + std::to_string(held_[b]));
   if (ahead_step_.empty()) throw Error("mirror of rank " + std::to_string(source_) + "'s shard: values_after without feeds_syncs");
-  const std::size_t ws = dtype_size(wire_[b]), all = shard_.buckets[b].packed[std::size_t(source_)];
+  const std::size_t ws = dtype_size(wire_[b]);
   float* const values = ahead_values_[b].data();
   float* const a = ahead_a_[b].mem ? ahead_a_[b].data() : nullptr;
   float* const s = ahead_b_[b].mem ? ahead_b_[b].data() : nullptr;
-  if (all) {
-    ops_.copy(values, master_[b].data(), all * sizeof(float));
-    if (a) ops_.copy(a, state_a_[b].data(), all * sizeof(float));
-    if (s) ops_.copy(s, state_b_[b].data(), all * sizeof(float));
-  }
+  const float* const from_a = state_a_[b].mem ? state_a_[b].data() : nullptr;
+  const float* const from_s = state_b_[b].mem ? state_b_[b].data() : nullptr;
+  // The pieces tile the source's packed range: each is stepped from the twin's values and state
+  // into the buffers kept ahead, or (not stepped) copied there as it stands.
   for (const auto& piece : shard_.buckets[b].pieces[std::size_t(source_)]) {
     const std::size_t n = piece.len, at = piece.packed_off;
     if (n == 0) continue;
@@ -206,7 +208,12 @@ void MirrorShard::values_after(std::size_t b, const StepInputs& in, const std::f
       if (grad_copy_.size() < n) grad_copy_.resize(n);
       float* grad = grad_copy_.data();  // a copy: the step scales its gradient in place, and the held slice stays as it landed
       ops_.cast(DType::f32, grad, wire_[b], held_slice_[b].get() + at * ws, n);
-      update_piece(b, piece, in, values + at, a ? a + at : nullptr, s ? s + at : nullptr, grad, DType::f32);
+      update_piece(b, piece, in, values + at, a ? a + at : nullptr, s ? s + at : nullptr, grad, DType::f32, master_[b].data() + at,
+                   from_a ? from_a + at : nullptr, from_s ? from_s + at : nullptr);
+    } else {
+      ops_.copy(values + at, master_[b].data() + at, n * sizeof(float));
+      if (a) ops_.copy(a + at, from_a + at, n * sizeof(float));
+      if (s) ops_.copy(s + at, from_s + at, n * sizeof(float));
     }
     put(piece, values + at);
   }

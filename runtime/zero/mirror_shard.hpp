@@ -104,8 +104,9 @@ class MirrorShard {
   std::vector<Floats>& slot(std::size_t s) { return s == slots_ ? master_ : s == 0 ? state_a_ : state_b_; }
   const std::vector<Floats>& slot(std::size_t s) const { return const_cast<MirrorShard*>(this)->slot(s); }
   void apply(std::size_t b, const StepInputs& in);
+  // `from_*`: what the step reads, when not where it writes (null: in place).
   void update_piece(std::size_t b, const ShardPiece& piece, const StepInputs& in, float* values, float* a, float* s, void* grad,
-                    DType grad_dtype);
+                    DType grad_dtype, const float* from_values = nullptr, const float* from_a = nullptr, const float* from_s = nullptr);
 
   const int distance_, source_;
   const BucketPlan& plan_;

@@ -156,31 +156,51 @@ void Shard::step(std::size_t b, ClipCoef clip) {
   step_clip_ = clip.host;
   const DType dt = plan_.buckets[b].dtype;
   const bool master = !master_[b].empty();
-  if (mirror_) {  // Note [Going on from the twins]: the pieces as they were before this step
-    for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
+  const auto& pieces = shard_.buckets[b].pieces[std::size_t(shard_.rank)];
+  const auto stepped = [&](const ShardPiece& piece) { return piece.len != 0 && !skip_[piece.param] && !fixed_skip_[piece.param]; };
+  // Note [Going on from the twins]: the pieces as they were before this step are kept. The step
+  // reads them and writes the new ones into the other buffer of each pair, which then swap: no
+  // copy of the state beside the step (it took more of a step's time than the update itself).
+  // Parameters stepped where they are (no master) are copied, and the step reads that copy.
+  const bool keep = mirror_ != nullptr;
+  if (keep) {
+    for (const auto& piece : pieces) {
       const std::size_t at = piece.packed_off, n = piece.len;
-      if (master)
-        ops_->copy(undo_values_[b].data() + at, master_[b].data() + at, n * 4);
-      else
+      if (!master)
         ops_->cast(DType::f32, undo_values_[b].data() + at, dt, param_bytes(piece.param) + piece.param_off * esize(b), n);
+      if (stepped(piece)) continue;
+      if (master) ops_->copy(undo_values_[b].data() + at, master_[b].data() + at, n * 4);  // not stepped: as it stands
       if (!state_a_[b].empty()) ops_->copy(undo_a_[b].data() + at, state_a_[b].data() + at, n * 4);
       if (!state_b_[b].empty()) ops_->copy(undo_b_[b].data() + at, state_b_[b].data() + at, n * 4);
     }
     undo_step_[b] = steps_;
   }
-  for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)]) {
-    if (piece.len == 0 || skip_[piece.param] || fixed_skip_[piece.param]) continue;
+  for (const auto& piece : pieces) {
+    if (!stepped(piece)) continue;
     ShardOps::Update u;
+    const std::size_t at = piece.packed_off;
     std::byte* param = param_bytes(piece.param) + piece.param_off * esize(b);
-    u.master = master ? master_[b].data() + piece.packed_off : reinterpret_cast<float*>(param);
-    if (master) u.param = param;  // refreshed from the master: 16-bit storage, or a 16-bit wire
+    if (master) {
+      u.master = (keep ? undo_values_[b] : master_[b]).data() + at;
+      if (keep) u.from_master = master_[b].data() + at;
+      u.param = param;  // refreshed from the master: 16-bit storage, or a 16-bit wire
+    } else {
+      u.master = reinterpret_cast<float*>(param);
+      if (keep) u.from_master = undo_values_[b].data() + at;
+    }
     u.param_dtype = dt;
     u.round_as = sync_dtype(b);
     u.grad = grad_bytes_at(b, piece);
     u.grad_dtype = dt;
     u.clip = clip;
-    u.state_a = state_a_[b].empty() ? nullptr : state_a_[b].data() + piece.packed_off;
-    u.state_b = state_b_[b].empty() ? nullptr : state_b_[b].data() + piece.packed_off;
+    if (!state_a_[b].empty()) {
+      u.state_a = (keep ? undo_a_[b] : state_a_[b]).data() + at;
+      if (keep) u.from_a = state_a_[b].data() + at;
+    }
+    if (!state_b_[b].empty()) {
+      u.state_b = (keep ? undo_b_[b] : state_b_[b]).data() + at;
+      if (keep) u.from_b = state_b_[b].data() + at;
+    }
     u.n = piece.len;
     const std::int64_t own = steps_ - skipped_[piece.param];  // the parameter's own count, as torch.optim keeps it
     u.first = own == 0;
@@ -188,6 +208,11 @@ void Shard::step(std::size_t b, ClipCoef clip) {
     u.param_name = &params_[piece.param].name;
     u.offset = piece.param_off;
     ops_->update(groups_->groups[groups_->group_of[piece.param]], u);
+  }
+  if (keep) {  // the new pieces become the state, the old ones what is kept
+    if (master) std::swap(master_[b], undo_values_[b]);
+    std::swap(state_a_[b], undo_a_[b]);
+    std::swap(state_b_[b], undo_b_[b]);
   }
 }
 

@@ -69,6 +69,11 @@ class ShardOps {
     ClipCoef clip;
     float* state_a = nullptr;
     float* state_b = nullptr;
+    // What the step reads when it is not where it writes (null: in place): the twin's step ahead
+    // keeps the values and state it stepped from (Note [Syncs from the twin]). Host shards only.
+    const float* from_master = nullptr;
+    const float* from_a = nullptr;
+    const float* from_b = nullptr;
     std::size_t n = 0;
     bool first = false;
     std::int64_t step = 1;

@@ -65,6 +65,7 @@ class CudaShardOps final : public ShardOps {
   }
 
   void update(const OptimizerConfig& h, const Update& u) override {
+    if (u.from_master) throw Error("device shard: a step from other buffers than it writes (a twin's) runs on host shards only");
     cuda::set_device(device_);
     cuda::ShardBuffers b;
     b.master = u.master;
