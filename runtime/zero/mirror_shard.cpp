@@ -178,8 +178,9 @@ void MirrorShard::update_piece(std::size_t b, const ShardPiece& piece, const Ste
 // The link then carries a reduce-scatter and a shift a bucket: as many bytes as the reduce-
 // scatter and the all-gather without twins, where the twins used to cost half again (1.50x the
 // step on a link-bound job across two hosts). The twin must stay one step behind (Note
-// [Mirrored shards]), so the step is run on copies of the bucket's values, state and slice,
-// piece by piece, and only the values are kept. The source's step inputs are this rank's own for
+// [Mirrored shards]), so the step reads the twin's values and state and writes buffers kept
+// beside them (no copies: kernels::adam_step's *_in), from a copy of the slice, piece by piece;
+// the apply a step later takes those buffers as the state. The source's step inputs are this rank's own for
 // the same step (the clip coefficient, the skipped and unused parameters and the counts are the
 // same on every rank). The same code on the same bytes as the source's Shard::step, so the
 // values are the source's bit for bit; they reach the parameters rounded as the sync would have

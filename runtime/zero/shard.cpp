@@ -323,12 +323,13 @@ void Shard::pack(std::size_t b) {
 // Over two levels at two hosts of L ranks, with the twin a host away (distance L, the default
 // under a launcher), rank (h, l)'s twin mirrors (1 - h, l): the one rank whose block the
 // all-gather's stage between the hosts would bring it. The twin's slice already came with the
-// reduction (Note [Mirrored shards]), so when the owner steps, the twin steps once more on
-// copies (MirrorShard::values_after, as at world 2) and its values go into the staging where the
-// source's block goes, rounded as the source's pack rounds them. The sync is then the all-gather
-// inside each host alone (CollectiveOp::in_host): the network carries the reduce-scatter and the
-// shift, ZeRO's own bytes between the hosts, where the twins used to add the shift to them (1.11x
-// the GPT's step at 2 x 2 over 1 Gbit/s). Unlike world 2 the shift stays with the reduction: the
+// reduction (Note [Mirrored shards]), so when the owner steps, the twin steps once more into
+// the buffers it keeps ahead (MirrorShard::values_after, as at world 2) and its values go into
+// the staging where the source's block goes, rounded as the source's pack rounds them. The sync
+// is then the all-gather inside each host alone (CollectiveOp::in_host): the network carries the
+// reduce-scatter and the shift, ZeRO's own bytes between the hosts, where the twins used to add
+// the shift to them (the 1024x8 MLP at 2 x 2 over 1 Gbit/s: 1.12-1.23x the step without twins,
+// from 1.45-1.47x; bench/RESULTS.md). Unlike world 2 the shift stays with the reduction: the
 // sync inside a host must follow the twin's step, which follows the shift, in the same order on
 // every rank, and the comm stream issues a bucket's collectives as one.
 void Shard::pack_twin(std::size_t b, std::byte* staging) {

@@ -108,7 +108,6 @@ class Shard {
   // twin_synced takes it and writes the source's values of that step into the parameters.
   bool syncs_from_twin() const { return syncs_from_twin_; }
   void twin_synced(std::size_t b, std::int64_t step);
-  void pack_twin(std::size_t b, std::byte* staging);
   // Note [Syncs from the twin, two levels]: over two levels at two hosts the twin's values go into
   // the bucket's staging beside the rank's own (pack), and the sync gathers inside the host only.
   bool twin_in_host() const { return twin_in_host_; }
@@ -211,6 +210,7 @@ class Shard {
   // from `base`: the bucket's staging (the caller's), or its group's buffer (set here).
   std::size_t sync_at(std::size_t b, std::size_t k, const ShardPiece& piece, std::byte*& base) const;
   MirrorShard::StepInputs step_inputs() const;  // this step's, as every twin of this shard takes them
+  void pack_twin(std::size_t b, std::byte* staging);  // Note [Syncs from the twin, two levels]
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
   std::vector<Floats>& slot_buffers(std::size_t slot) {
     return const_cast<std::vector<Floats>&>(static_cast<const Shard*>(this)->slot_buffers(slot));
