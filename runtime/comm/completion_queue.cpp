@@ -2,6 +2,7 @@
 #include "runtime/process/thread_priority.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "shardflow/errors.hpp"
@@ -80,8 +81,7 @@ void CompletionQueue::loop() {
   // when the last one completed: after an idle queue (an evaluation, a checkpoint between steps)
   // the idle time must not count against the next op's timeout.
   auto head_since = clock::now();
-  std::uint64_t head_id = 0;
-  bool head_known = false;
+  std::optional<std::uint64_t> head;  // the op head_since is for
   auto interval = std::chrono::microseconds(2);
   for (;;) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
@@ -90,9 +90,8 @@ void CompletionQueue::loop() {
     Poll poll = queue_.front().poll;
     const std::string what = queue_.front().what;
     const std::uint64_t id = queue_.front().id;
-    if (!head_known || head_id != id) {
-      head_id = id;
-      head_known = true;
+    if (head != id) {
+      head = id;
       head_since = clock::now();
       interval = std::chrono::microseconds(2);
     }

@@ -37,12 +37,15 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
   np.hosts = hosts;
   np.per_host = world / hosts;
   np.two_levels = two_levels && hosts > 1 && np.per_host > 1;
-  auto add = [&](std::vector<NetworkCollective>& out, CollectiveKind kind, std::size_t bytes) {
-    NetworkCollective c{kind, bytes, network_bytes(kind, bytes, hosts, np.per_host, np.two_levels),
+  // `in_host`: only the stages inside the hosts run (CollectiveOp::in_host): nothing leaves them,
+  // and no scratch between the levels.
+  auto add = [&](std::vector<NetworkCollective>& out, CollectiveKind kind, std::size_t bytes, bool in_host = false) {
+    NetworkCollective c{kind, bytes, in_host ? 0 : network_bytes(kind, bytes, hosts, np.per_host, np.two_levels),
                         network_bytes(kind, bytes, hosts, np.per_host, false)};
     np.per_step += c.network;
     np.flat_ring_per_step += c.flat_ring;
-    if (np.two_levels) np.scratch_largest = std::max(np.scratch_largest, (bytes + std::size_t(np.per_host) - 1) / std::size_t(np.per_host));
+    if (np.two_levels && !in_host)
+      np.scratch_largest = std::max(np.scratch_largest, (bytes + std::size_t(np.per_host) - 1) / std::size_t(np.per_host));
     out.push_back(c);
   };
   if (np.two_levels) np.second_segment = ShmOptions{}.staging_bytes;
@@ -71,12 +74,8 @@ NetworkPlan make_network_plan(const BucketPlan& plan, const ShardPlan& shard, in
       add(out, CollectiveKind::allreduce, bk.numel * es);
     if (twin_distance) shift(out, bs.slice * es);
     if (twin_syncs && !np.two_levels) continue;  // Note [Syncs from the twin]: at world 2 the shift is the sync
-    if (bs.flat && twin_syncs) {  // Note [Syncs from the twin, two levels]: gathered inside the hosts alone
-      const std::size_t flat = network_bytes(CollectiveKind::allgather, bs.padded * es, hosts, np.per_host, false);
-      np.flat_ring_per_step += flat;
-      out.push_back(NetworkCollective{CollectiveKind::allgather, bs.padded * es, 0, flat});
-    } else if (bs.flat)
-      add(out, CollectiveKind::allgather, bs.padded * es);
+    if (bs.flat)  // Note [Syncs from the twin, two levels]: with twin_syncs, gathered inside the hosts alone
+      add(out, CollectiveKind::allgather, bs.padded * es, twin_syncs);
     else
       for (std::size_t k = 0; k < bs.packed.size(); ++k)
         if (bs.packed[k]) add(out, CollectiveKind::broadcast, bs.packed[k] * es);

@@ -1,6 +1,7 @@
 #include "shardflow/optimizer.hpp"
 
 #include <cmath>
+#include <cstring>
 
 #include "kernels/cpu/optim.hpp"
 #include "runtime/zero/optimizer_hyper.hpp"
@@ -59,7 +60,15 @@ kernels::AdamHyper adam_hyper(const OptimizerConfig& h) {
 }
 
 void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
-                  std::size_t n, bool first, std::int64_t step, const std::string& param_name, std::size_t offset) {
+                  std::size_t n, bool first, std::int64_t step, const std::string& param_name, std::size_t offset, const UpdateFrom& from) {
+  const bool adam = h.kind != OptimizerConfig::Kind::custom && h.kind != OptimizerConfig::Kind::sgd;
+  if (from.param && adam)  // reads the kept buffers and writes the new ones: no copies beside it
+    return kernels::adam_step(param, grad, state0, state1, n, adam_hyper(h), step, from.param, from.state0, from.state1);
+  if (from.param) {  // the other rules step in place: on copies of what they read
+    std::memcpy(param, from.param, n * sizeof(float));
+    if (state0 && from.state0) std::memcpy(state0, from.state0, n * sizeof(float));
+    if (state1 && from.state1) std::memcpy(state1, from.state1, n * sizeof(float));
+  }
   if (h.kind == OptimizerConfig::Kind::custom)
     h.rule->update(StepArgs{param, grad, {state0, state1}, n, step, h, param_name, offset});
   else if (h.kind == OptimizerConfig::Kind::sgd)

@@ -260,12 +260,17 @@ MirrorShard::StepInputs Shard::step_inputs() const {
   return in;
 }
 
+void Shard::twin_values(std::size_t b, const std::function<void(const ShardPiece&, const float*)>& put) {
+  // The step of the slice the twin holds. Before end_step its inputs are this shard's own as they
+  // stand; after it, what it handed over.
+  const std::int64_t step = mirror_->held_step(b);
+  mirror_->values_after(b, step == steps_ ? step_inputs() : mirror_->inputs_of(step), put);
+}
+
 void Shard::twin_synced(std::size_t b, std::int64_t step) {
   mirror_->arrived(b, step);
-  // Before end_step the inputs are this shard's own as they stand; after it, what it handed over.
-  const auto in = step == steps_ ? step_inputs() : mirror_->inputs_of(step);
   const DType dt = plan_.buckets[b].dtype, wire = sync_dtype(b);
-  mirror_->values_after(b, in, [&](const ShardPiece& piece, const float* values) {
+  twin_values(b, [&](const ShardPiece& piece, const float* values) {
     std::byte* param = param_bytes(piece.param) + piece.param_off * esize(b);
     if (wire == dt) return ops_->cast(dt, param, DType::f32, values, piece.len);
     // fp32 storage on a 16-bit wire: the value the sync would have brought, as the source's
@@ -333,11 +338,9 @@ void Shard::pack(std::size_t b) {
 // sync inside a host must follow the twin's step, which follows the shift, in the same order on
 // every rank, and the comm stream issues a bucket's collectives as one.
 void Shard::pack_twin(std::size_t b, std::byte* staging) {
-  const std::int64_t step = mirror_->held_step(b);
-  const auto in = step == steps_ ? step_inputs() : mirror_->inputs_of(step);
   const DType wire = sync_dtype(b);
   const auto source = std::size_t(mirror_->source());
-  mirror_->values_after(b, in, [&](const ShardPiece& piece, const float* values) {
+  twin_values(b, [&](const ShardPiece& piece, const float* values) {
     std::byte* st = staging;
     const std::size_t at = sync_at(b, source, piece, st);
     ops_->cast(wire, st + at * dtype_size(wire), DType::f32, values, piece.len);

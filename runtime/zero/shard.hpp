@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -210,6 +211,9 @@ class Shard {
   // from `base`: the bucket's staging (the caller's), or its group's buffer (set here).
   std::size_t sync_at(std::size_t b, std::size_t k, const ShardPiece& piece, std::byte*& base) const;
   MirrorShard::StepInputs step_inputs() const;  // this step's, as every twin of this shard takes them
+  // Note [Syncs from the twin]: the source's values after the step of the slice the twin holds of
+  // bucket b, piece by piece; pack_twin puts them where the source's block goes in the staging.
+  void twin_values(std::size_t b, const std::function<void(const ShardPiece&, const float*)>& put);
   void pack_twin(std::size_t b, std::byte* staging);  // Note [Syncs from the twin, two levels]
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
   std::vector<Floats>& slot_buffers(std::size_t slot) {

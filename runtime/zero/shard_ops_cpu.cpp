@@ -10,7 +10,6 @@
 
 #include "kernels/cpu/elementwise.hpp"
 #include "runtime/core/bucket_buffers.hpp"
-#include "runtime/zero/optimizer_hyper.hpp"
 #include "runtime/zero/shard_ops.hpp"
 
 namespace shardflow {
@@ -56,17 +55,8 @@ class CpuShardOps final : public ShardOps {
     }
     // In place, as torch.nn.utils.clip_grad_norm_ leaves the gradients it clipped.
     if (u.clip.host < 1.0f) kernels::scale(DType::f32, g, u.n, u.clip.host);
-    if (u.from_master && h.kind != OptimizerConfig::Kind::sgd && h.kind != OptimizerConfig::Kind::custom) {
-      // Adam(W) reads the kept values and state and writes the new ones: no copies beside it.
-      kernels::adam_step(u.master, g, u.state_a, u.state_b, u.n, adam_hyper(h), u.step, u.from_master, u.from_a, u.from_b);
-    } else {
-      if (u.from_master) {  // the other rules step in place: on copies of what they read
-        std::memcpy(u.master, u.from_master, u.n * sizeof(float));
-        if (u.state_a && u.from_a) std::memcpy(u.state_a, u.from_a, u.n * sizeof(float));
-        if (u.state_b && u.from_b) std::memcpy(u.state_b, u.from_b, u.n * sizeof(float));
-      }
-      apply_update(h, u.master, g, u.state_a, u.state_b, u.n, u.first, u.step, u.param_name ? *u.param_name : std::string(), u.offset);
-    }
+    apply_update(h, u.master, g, u.state_a, u.state_b, u.n, u.first, u.step, u.param_name ? *u.param_name : std::string(), u.offset,
+                 UpdateFrom{u.from_master, u.from_a, u.from_b});
     if (!u.param) return;
     if (u.param_dtype != DType::f32)  // the trainer's 16-bit storage gets the master, rounded once
       kernels::convert_from_f32(u.param_dtype, u.param, u.master, u.n);

@@ -65,9 +65,17 @@ struct OptimizerConfig {
 // One update of n elements by `h`'s rule: the mapping onto the kernels that the trainer-side
 // Optimizer and the ZeRO shard share. state0: momentum buffer (SGD, may be null without momentum)
 // or exp_avg; state1: exp_avg_sq (Adam). `first`: torch seeds the momentum buffer with the first
-// gradient; `step`: Adam's bias-correction step, counting from 1.
+// gradient; `step`: Adam's bias-correction step, counting from 1. `from`: what the update reads
+// when it is not where it writes (all null: in place), overlapping none of what it writes: Adam
+// reads it directly, the other rules step a copy of it.
+struct UpdateFrom {
+  const float* param = nullptr;
+  const float* state0 = nullptr;
+  const float* state1 = nullptr;
+};
 void apply_update(const OptimizerConfig& h, float* param, const float* grad, float* state0, float* state1,
-                  std::size_t n, bool first, std::int64_t step, const std::string& param_name = "", std::size_t offset = 0);
+                  std::size_t n, bool first, std::int64_t step, const std::string& param_name = "", std::size_t offset = 0,
+                  const UpdateFrom& from = {});
 
 class Optimizer {
  public:
