@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "runtime/process/fault_injection.hpp"
 #include "shardflow/errors.hpp"
 
 namespace shardflow {
@@ -160,6 +161,7 @@ void submit(self_ptr self, const ScheduledCollective& e, CollectiveIssue issue) 
     CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
     if (then && k + 1 == ops.size()) done = then_next_phase(self, e, then, std::move(done));
     done = timed(s, e, op, std::move(done));
+    test_fault::issuing(op.tag);
     s.comm->submit(std::move(op), std::move(done));
   }
 }

@@ -41,7 +41,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR = os.path.join(HERE, "..", "scripts", "netns_pair.sh")
 NAME = "sfbench%d" % (os.getpid() % 100000)
-HOST_A, HOST_B = "10.213.0.1", "10.213.0.2"
+PREFIX = "10.213.0"
+HOST_A, HOST_B = PREFIX + ".1", PREFIX + ".2"
+TOKEN = "bench-two-hosts"  # every launcher's --token; etcd's password for user "shardflow" (etcd_up)
+
+
+def host_addr(host):
+    """Host "a", "b", "c", ...'s address (scripts/netns_pair.sh up NAME PREFIX HOSTS)."""
+    return "%s.%d" % (PREFIX, "abcdef".index(host) + 1)
 MODELS = {"256x4": [256] * 5, "1024x8": [1024] * 9, "512x8": [512] * 9}
 BATCH = 32  # per rank
 
@@ -50,10 +57,60 @@ def sh(*args):
     subprocess.run([PAIR, *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+class Etcd:
+    """A real etcd cluster (Debian's etcd-server), one member inside each network-namespace host on
+    its address, with authentication as docs/launching.md tells a user to set it up: the launchers'
+    token is the password of user "shardflow", which may read and write /shardflow/. A host cut off
+    takes its member with it; a majority of the others keeps the store."""
+
+    def __init__(self, hosts, workdir):
+        self.hosts, self.dir, self.procs = hosts, workdir, []
+        peers = ",".join("m%s=http://%s:2380" % (h, host_addr(h)) for h in hosts)
+        for h in hosts:
+            a = host_addr(h)
+            log = open(os.path.join(workdir, "etcd-%s.log" % h), "w")
+            # Elections in 0.5 s rather than 1 s: a lost host's member is replaced by a vote.
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", "%s-%s" % (NAME, h), "/usr/bin/etcd", "--name", "m" + h, "--data-dir",
+                 os.path.join(workdir, "etcd-" + h), "--listen-client-urls", "http://%s:2379" % a, "--advertise-client-urls",
+                 "http://%s:2379" % a, "--listen-peer-urls", "http://%s:2380" % a, "--initial-advertise-peer-urls",
+                 "http://%s:2380" % a, "--initial-cluster", peers, "--initial-cluster-state", "new", "--initial-cluster-token",
+                 NAME, "--heartbeat-interval", "50", "--election-timeout", "500"], stdout=log, stderr=subprocess.STDOUT))
+        self.wait_healthy(30, auth=False)
+        for c in ("user add root:root-password", "user grant-role root root", "role add shardflow-job",
+                  "role grant-permission shardflow-job --prefix=true readwrite /shardflow/", "user add shardflow:" + TOKEN,
+                  "user grant-role shardflow shardflow-job", "auth enable"):
+            if self.ctl(c.split(), auth=False).returncode != 0:
+                self.stop()
+                sys.exit("etcdctl %s failed" % c)
+
+    def endpoints(self):
+        return ",".join("%s:2379" % host_addr(h) for h in self.hosts)
+
+    def ctl(self, args, auth=True):
+        return subprocess.run(["ip", "netns", "exec", "%s-%s" % (NAME, self.hosts[0]), "/usr/bin/etcdctl", "--dial-timeout", "2s",
+                               "--endpoints", self.endpoints()] + (["--user", "root:root-password"] if auth else []) + args,
+                              env=dict(os.environ, ETCDCTL_API="3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_healthy(self, limit_s, auth=True):
+        """Every member answering (after a host's link came back: its member caught up)."""
+        end = time.monotonic() + limit_s
+        while self.ctl(["endpoint", "health"], auth).returncode != 0:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.2)
+        return True
+
+    def stop(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 def launcher(build, host, node, nnodes, nproc, prog, hb_timeout=10, port=29533):
     return ["ip", "netns", "exec", "%s-%s" % (NAME, host), os.path.join(build, "bin/shardflow"), "run",
             "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc),
-            "--master-addr", HOST_A, "--master-port", str(port), "--token", "bench-two-hosts",
+            "--master-addr", HOST_A, "--master-port", str(port), "--token", TOKEN,
             "--heartbeat-timeout", str(hb_timeout), "--kill-grace", "2", "--"] + prog
 
 

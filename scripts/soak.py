@@ -121,20 +121,25 @@ def leftovers(soak_id, out, shm_before, killed_launchers=()):
     return problems
 
 
-def run_job(cmds, env, limit_s):
+def run_job(cmds, env, limit_s, on_fault=None):
     """Runs a job's launchers (one command, or one per node), their output read as it comes; (the
-    first non-zero exit code, 0, or None when it hung; the output; when the fault was reached)."""
+    first non-zero exit code, 0, or None when it hung; the output; when the fault was reached).
+    `on_fault` runs on the fault's line, as it comes (a host cut off there)."""
     if isinstance(cmds[0], str):
         cmds = [cmds]
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
     lines, fault_at, lock = [f"LAUNCHER {p.pid}\n" for p in procs], [None], threading.Lock()
+    t0, stamped = time.monotonic(), []  # --logs: each line with its time since the start
 
     def reader(p):
         for line in p.stdout:
             with lock:
                 lines.append(line)
+                stamped.append(f"{time.monotonic() - t0:8.3f} {line}")
                 if fault_at[0] is None and "shardflow test fault:" in line:
                     fault_at[0] = time.monotonic()
+                    if on_fault:
+                        on_fault()
 
     threads = [threading.Thread(target=reader, args=(p,)) for p in procs]
     for t in threads:
@@ -152,6 +157,7 @@ def run_job(cmds, env, limit_s):
         t.join(5)
     rc = None if None in codes else next((c for c in codes if c != 0), 0)
     run_job.codes = codes  # each launcher's, for the cases that expect one to die
+    run_job.stamped = "".join(stamped) + "".join(f"{time.monotonic() - t0:8.3f} launcher {n} exited {c}\n" for n, c in enumerate(codes))
     return rc, "".join(lines), fault_at[0]
 
 
@@ -209,14 +215,14 @@ HEAL_PHASES = "registration,backward,collective,sync"
 HEAL_AT = {"registration": 1, "backward": 60, "collective": 13, "sync": 13}
 
 
-def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1, recovery="restart", redundancy=1):
+def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=1, recovery="restart", redundancy=1, etcd=None):
     """A self-healing job: its launcher command(s), its environment, where its final parameters go.
-    hosts 2: one launcher on each network-namespace host (bench/two_hosts.py's pair), world / 2
-    ranks each, Gloo between them."""
+    hosts 2 or more: one launcher on each network-namespace host (bench/two_hosts.py's), world /
+    hosts ranks each, Gloo between them; the store on `etcd` (a two_hosts.Etcd) or node 0's."""
     out_path = os.path.join(work, f"params_{soak_id}.safetensors")
     snaps = os.path.join(work, f"snaps_{soak_id}")
     # Every rank an equal share, at this world and at the world one rank or one node smaller.
-    batch = 24 if all(24 % w == 0 for w in (world, world - 1, max(1, world // 2))) else 60
+    batch = 24 if all(24 % w == 0 for w in (world, world - 1, max(1, world - world // hosts))) else 60
     trainer = [os.path.join(build, "examples", "mlp_train"), "--sizes", SIZES, "--steps", "24", "--global-batch", str(batch),
                "--optimizer", "adamw", "--lr", "1e-3", "--zero-stage", "1", "--overlap", "interleaved", "--backend", backend,
                "--timeout", str(timeout_s), "--snapshot-dir", snaps, "--snapshot-every", "2", "--snapshot-disk-every", "4",
@@ -229,13 +235,14 @@ def heal_job(build, backend, world, timeout_s, work, soak_id, fault=None, hosts=
                   f'export SHARDFLOW_TEST_FAULT={fault}; fi; ' + script)
     cmd = [os.path.join(build, "bin", "shardflow"), "run", "--nproc-per-node", str(world), "--max-restarts", "1", "--kill-grace", "1",
            "--recovery", recovery, "--heartbeat-timeout", "2", "--", "/bin/sh", "-c", script]
-    if hosts == 2:
+    if hosts >= 2:
         import two_hosts
         cmd = []
-        for h, n in (("a", 0), ("b", 1)):
-            c = two_hosts.launcher(build, h, n, 2, world // 2, [], 3)[:-1]
-            c[c.index("--nnodes") + 1] = "1:2"  # elastic: a lost node 1 leaves node 0 going on alone
-            cmd.append(c + ["--max-restarts", "1", "--rejoin-timeout", "1", "--recovery", recovery, "--", "/bin/sh", "-c", script])
+        store = ["--rdzv-backend", "etcd", "--rdzv-endpoints", etcd.endpoints(), "--rdzv-id", "soak-" + soak_id] if etcd else []
+        for n in range(hosts):
+            c = two_hosts.launcher(build, "abcdef"[n], n, hosts, world // hosts, [], 3)[:-1]
+            c[c.index("--nnodes") + 1] = f"1:{hosts}"  # elastic: the other nodes go on without a lost one
+            cmd.append(c + store + ["--max-restarts", "1", "--rejoin-timeout", "1", "--recovery", recovery, "--", "/bin/sh", "-c", script])
     # info: the runtime's "resumed from the snapshot of step N in memory" line
     return cmd, dict(os.environ, SOAK_ID=soak_id, SHARDFLOW_LOG_LEVEL="info"), out_path, snaps
 
@@ -256,9 +263,9 @@ def same_params(a, b, tolerance=0.0):
 SHRINK_TOLERANCE = 1e-5  # the same global batch at half the world: sums in another order
 
 
-def heal_reference(build, backend, world, timeout_s, work, hosts):
+def heal_reference(build, backend, world, timeout_s, work, hosts, etcd=None):
     """The uninterrupted run's final parameters."""
-    cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, f"ref_{backend}_{world}_{hosts}", hosts=hosts)
+    cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, f"ref_{backend}_{world}_{hosts}", hosts=hosts, etcd=etcd)
     rc, out, _ = run_job(cmd, env, 300)
     shutil.rmtree(snaps, ignore_errors=True)
     if rc != 0:
@@ -266,23 +273,40 @@ def heal_reference(build, backend, world, timeout_s, work, hosts):
     return out_path
 
 
-def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts, recovery="restart", redundancy=1):
+def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want, hosts, recovery="restart", redundancy=1, etcd=None):
     soak_id = uuid.uuid4().hex[:12]
+    per_host = world // hosts
+    lost = victim // per_host  # the node whose host is lost or cut off
     cmd, env, out_path, snaps = heal_job(build, backend, world, timeout_s, work, soak_id,
-                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts, recovery, redundancy)
+                                         f"{phase}:{victim}:{action}:{HEAL_AT[phase]}", hosts, recovery, redundancy, etcd)
     shm_before = shm_segments()
     start = time.monotonic()
-    rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120)
-    took = time.monotonic() - start
+    if action == "cut":
+        import two_hosts
+        cut = lambda state: two_hosts.sh("link", two_hosts.NAME, state, "abcdef"[lost])
+        rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120, on_fault=lambda: cut("down"))
+        took = time.monotonic() - start
+        cut("up")
+        healed = time.monotonic()
+        if etcd and not etcd.wait_healthy(60):
+            sys.exit("soak: the cut host's etcd member did not catch up within 60 s")
+        print(f"     (the cut host's etcd member answered {time.monotonic() - healed:.1f} s after its link came back)", flush=True)
+    else:
+        rc, out, fault_at = run_job(cmd, env, 4 * timeout_s + 120)
+        took = time.monotonic() - start
     problems = []
-    shrink = action == "host"  # node 1 lost: node 0 goes on alone (Note [Shrinking the world])
+    # A node lost (its launcher and ranks killed) or cut off (its link down, its processes left to
+    # find out): the others go on without it (Note [Shrinking the world]).
+    shrink = action in ("host", "cut")
     # Healed in place, except a loss in the set-up's collectives (that restarts every rank). A lost
     # host too: node 0's ranks go on without it in their processes (Note [A lost host healed in place]).
     in_place = recovery != "restart" and phase != "registration"
     smaller = shrink or (in_place and recovery == "shrink")  # another world's sums: within the tolerance
-    if shrink and rc is not None and run_job.codes[1:] and run_job.codes[1] != 0:
-        rc = run_job.codes[0]
-    if fault_at is None and not shrink:  # a lost host takes its launcher, which relays the line, with it
+    if shrink and rc is not None:  # the lost node's launcher exits non-zero (or is killed); the others 0
+        if action == "cut" and run_job.codes[lost] == 0:
+            problems.append(f"node {lost}, cut off, exited 0")
+        rc = next((c for n, c in enumerate(run_job.codes) if n != lost and c != 0), 0)
+    if fault_at is None and action != "host":  # a lost host takes its launcher, which relays the line, with it
         problems.append("the fault was not reached")
     if rc is None:
         problems.append("the job hung")
@@ -294,15 +318,15 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
         problems.append("every rank restarted")
     elif not in_place and "restarting every rank (1 of 1 restarts)" not in out:
         problems.append("no restart")
-    elif shrink and not in_place and "going on without node 1" not in out:
-        problems.append("node 0 did not go on without node 1")
-    elif shrink and in_place and f"at world {world // 2} from now on, without it" not in out:
-        problems.append("node 0's ranks did not go on in place without node 1")
+    elif shrink and not in_place and f"going on without node {lost}" not in out:
+        problems.append(f"the others did not go on without node {lost}")
+    elif shrink and in_place and f"at world {world - per_host} from now on, without it" not in out:
+        problems.append(f"the others' ranks did not go on in place without node {lost}")
     elif redundancy == 2 and in_place and not shrink and "no step rolled back" not in out:
         problems.append("the survivors did not go on from the twins")
     elif not same_params(out_path, want, SHRINK_TOLERANCE if smaller else 0.0):
         problems.append("its parameters differ from the uninterrupted run's" + (f" by more than {SHRINK_TOLERANCE}" if smaller else ""))
-    problems += leftovers(soak_id, out, shm_before, re.findall(r"^LAUNCHER (\d+)$", out, re.M)[1:] if shrink else ())
+    problems += leftovers(soak_id, out, shm_before, re.findall(r"^LAUNCHER (\d+)$", out, re.M)[lost:lost + 1] if shrink else ())
     resumed = re.search(r"resumed from the snapshot of step (\d+) (in memory|on disk)", out)
     twins = re.search(r"twins: resumed after step (\d+) from memory", out)
     shutil.rmtree(snaps, ignore_errors=True)
@@ -316,9 +340,9 @@ def heal_run(build, backend, world, phase, victim, action, timeout_s, work, want
 def heal_matrix(a, work):
     stats = collections.OrderedDict()
     failures = 0
-    hosts = 2 if a.two_hosts else 1
+    hosts = a.hosts
     # auto with one rank a host is the flat ring again: run it once, as gloo
-    wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work, hosts)
+    wants = {(b, w): heal_reference(a.build, b, w, a.timeout, work, hosts, a.etcd)
              for b in a.backends.split(",") for w in map(int, a.worlds.split(",")) if not (b == "auto" and w // hosts < 2)}
     for rep in range(a.reps):
       for recovery, redundancy in [(r, int(d)) for r in a.recovery.split(",") for d in a.redundancy.split(",")]:
@@ -327,14 +351,14 @@ def heal_matrix(a, work):
         for (backend, world), want in wants.items():
             for phase in a.phases.split(","):
                 for action in a.actions.split(","):
-                    if action == "host" and hosts == 1:
+                    if action in ("host", "cut") and hosts == 1:
                         continue  # a lost host is a case across hosts
-                    # Node 0 serves the store: a lost node 0 ends the job by design, so the host's
-                    # loss is node 1's (its ranks are the upper half).
-                    victims = range(world // 2, world) if action == "host" else range(world)
+                    # With the TCP store node 0 serves it: a lost node 0 ends the job by design, so
+                    # the lost hosts are the others. On etcd no node is special: every node in turn.
+                    victims = range(0 if a.etcd else world // hosts, world) if action in ("host", "cut") else range(world)
                     for victim in victims:
                         problems, took, out, resumed = heal_run(a.build, backend, world, phase, victim, action, a.timeout, work, want,
-                                                                hosts, recovery, redundancy)
+                                                                hosts, recovery, redundancy, a.etcd)
                         s = stats.setdefault((recovery, redundancy, backend, world, phase, action),
                                              {"runs": 0, "passes": 0, "worst": 0.0, "memory": 0})
                         s["runs"] += 1
@@ -346,12 +370,19 @@ def heal_matrix(a, work):
                         if problems:
                             failures += 1
                             print("     " + out[-1500:].replace("\n", "\n     "), flush=True)
-    print(f"\n{'2 network-namespace hosts, world / 2 ranks each' if a.two_hosts else 'one host'}:")
+                        if a.logs and (problems or a.logs_all):
+                            os.makedirs(a.logs, exist_ok=True)
+                            name = f"{recovery}_r{redundancy}_{backend}_w{world}_{phase}_{action}_rank{victim}_rep{rep + 1}.log"
+                            with open(os.path.join(a.logs, name), "w") as f:
+                                f.write(run_job.stamped)
+    print(f"\n{f'{hosts} network-namespace hosts, world / {hosts} ranks each' if hosts > 1 else 'one host'}"
+          f"{', the store on etcd (a member on each host)' if a.etcd else ''}:")
     print("\n| recovery | redundancy | backend | world | phase | fault | runs | passed (bit for bit; a shrink within its tolerance) "
           "| resumed from memory (a snapshot or the twins) | worst job time (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (recovery, redundancy, backend, world, phase, action), s in stats.items():
-        fault = {"kill": "kill -9", "stop": "SIGSTOP", "host": "node 1 lost (shrink, within %g)" % SHRINK_TOLERANCE}[action]
+        fault = {"kill": "kill -9", "stop": "SIGSTOP", "host": "a node lost: its launcher and ranks killed (shrink, within %g)" % SHRINK_TOLERANCE,
+                 "cut": "a host cut off: its link down (shrink, within %g)" % SHRINK_TOLERANCE}[action]
         print(f"| {recovery} | {redundancy} | {backend} | {world} | {phase} | {fault} | {s['runs']} | {s['passes']} | {s['memory']} | {s['worst']:.2f} |")
     print(f"\n{sum(s['runs'] for s in stats.values())} runs, {failures} failed (trainer --timeout {a.timeout} s)")
     return failures
@@ -365,34 +396,49 @@ def main():
     ap.add_argument("--phases", default=None, help="default: every phase (--heal: " + HEAL_PHASES + ")")
     ap.add_argument("--heal", action="store_true", help="the faults in a job that heals itself (see above)")
     ap.add_argument("--worlds", default=None, help="with --heal (default 2,3; with --two-hosts 2,4)")
-    ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root)")
+    ap.add_argument("--two-hosts", action="store_true", help="with --heal: the jobs across two network-namespace hosts (root); --hosts 2")
+    ap.add_argument("--hosts", type=int, default=1, help="with --heal: the jobs across this many network-namespace hosts, 2 to 6 (root)")
+    ap.add_argument("--store", choices=("tcp", "etcd"), default=None,
+                    help="with --hosts: node 0's TCP store, or etcd with a member on each host (default: tcp at 2 hosts, etcd at 3 or more)")
     ap.add_argument("--recovery", default="restart",
                     help="with --heal: shardflow run --recovery, one or several of restart,in-place,shrink")
     ap.add_argument("--redundancy", default="1", help="with --heal: mlp_train --redundancy, 1, 2 or 1,2 (2 only with in-place or shrink)")
-    ap.add_argument("--actions", default=None, help="default kill,stop (--heal --two-hosts: kill,stop,host)")
+    ap.add_argument("--actions", default=None, help="default kill,stop (--heal --hosts N: kill,stop,host,cut)")
     ap.add_argument("--timeout", type=float, default=3.0, help="the trainer's --timeout (every wait on a peer)")
+    ap.add_argument("--logs", default=None, help="with --heal: write each failed run's whole output (every launcher's) into this folder")
+    ap.add_argument("--logs-all", action="store_true", help="with --logs: every run's, not only the failed ones'")
     ap.add_argument("--minutes", type=float, default=0, help="start no repetition after this long (0: no limit); the table counts what ran")
     a = ap.parse_args()
+    if a.two_hosts:
+        a.hosts = max(a.hosts, 2)
+    a.two_hosts = a.hosts > 1
+    if a.store is None:
+        a.store = "etcd" if a.hosts >= 3 else "tcp"
+    a.etcd = None
     if a.phases is None:
         a.phases = HEAL_PHASES if a.heal else ",".join(PHASES)
     if a.backends is None and not (a.heal and a.two_hosts):
         a.backends = "shm,gloo"
     if a.actions is None:
-        a.actions = "kill,stop,host" if a.heal and a.two_hosts else "kill,stop"
+        a.actions = "kill,stop,host,cut" if a.heal and a.two_hosts else "kill,stop"
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="shardflow_soak_")
     if a.heal:
         if a.worlds is None:
-            a.worlds = "2,4" if a.two_hosts else "2,3"
+            a.worlds = f"{a.hosts},{2 * a.hosts}" if a.two_hosts else "2,3"
         if a.two_hosts:
             # shm does not cross hosts; auto is the two levels at 2 ranks a host (hierarchical)
             a.backends = a.backends or "gloo,auto"
             sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
             import two_hosts
-            two_hosts.sh("up", two_hosts.NAME)
+            two_hosts.sh("up", two_hosts.NAME, two_hosts.PREFIX, str(a.hosts))
         try:
+            if a.two_hosts and a.store == "etcd":
+                a.etcd = two_hosts.Etcd("abcdef"[:a.hosts], work)
             sys.exit(1 if heal_matrix(a, work) else 0)
         finally:
+            if a.etcd:
+                a.etcd.stop()
             shutil.rmtree(work, ignore_errors=True)
             if a.two_hosts:
                 two_hosts.sh("down", two_hosts.NAME)

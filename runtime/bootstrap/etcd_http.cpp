@@ -108,7 +108,10 @@ struct Connection::Impl {
 
   void connect(Clock::time_point deadline) {
     if (socket.is_open()) return;
-    run("connect", deadline, [&](auto done) { socket.async_connect(target, done); });
+    // A member that answers accepts within a round trip; one whose host is cut off drops the SYN,
+    // and waiting for it would spend the whole request's time where the next member answers at
+    // once. A lost SYN costs a failover to the next member, nothing more.
+    run("connect", std::min(deadline, Clock::now() + std::chrono::seconds(1)), [&](auto done) { socket.async_connect(target, done); });
     boost::system::error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
   }

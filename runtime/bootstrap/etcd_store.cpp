@@ -1,7 +1,9 @@
 // The Store on etcd's v3 JSON gateway (Note [A store no node owns], shardflow/etcd_store.hpp).
 #include "shardflow/etcd_store.hpp"
 
+#include <atomic>
 #include <map>
+#include <type_traits>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -63,6 +65,13 @@ TokenCache& tokens() {
   return cache;
 }
 
+// The member that answered last, in this process: a store made later (a round's, a rank's
+// rendezvous) asks it first instead of the first endpoint, which may be the one that is gone.
+std::atomic<std::size_t>& answered_last() {
+  static std::atomic<std::size_t> member{0};
+  return member;
+}
+
 }  // namespace
 
 struct EtcdStore::Impl {
@@ -79,9 +88,15 @@ struct EtcdStore::Impl {
   std::string key(const std::string& k) const { return etcd::base64(o.root + k); }
   Clock::time_point deadline() const { return Clock::now() + o.timeout; }
   // One request's deadline: etcd answers in milliseconds, also during an election (~0.5-1 s), so
-  // a member that has not answered in 5 s is taken as gone (SIGSTOPped, cut off) and the next one
-  // is asked, while the call's own deadline bounds the retries.
-  Clock::time_point request_deadline() const { return Clock::now() + std::min<std::chrono::milliseconds>(o.timeout, std::chrono::seconds(5)); }
+  // a member that has not answered in its share of the call's time (at most 5 s) is taken as gone
+  // (SIGSTOPped, cut off) and the next one is asked, while the call's own deadline bounds the
+  // retries. The share, not the whole: a member whose host is cut off drops the packets, and a
+  // call that gave it all its time would fail with the quorum still answering on the others
+  // (scripts/soak.py --hosts 3, node 0's host cut off, found it).
+  Clock::time_point request_deadline() const {
+    const auto share = o.timeout / std::max<std::size_t>(1, members.size());
+    return Clock::now() + std::min<std::chrono::milliseconds>(share, std::chrono::seconds(5));
+  }
 
   // etcd's answer to a call that it refused: the job's mistakes are UsageErrors naming the fix.
   [[noreturn]] void refused(const char* what, const etcd::Reply& r) {
@@ -124,7 +139,15 @@ struct EtcdStore::Impl {
       auto& c = *members[current];
       try {
         if (token.empty()) login(c);
-        return f(c);
+        if constexpr (std::is_void_v<decltype(f(c))>) {
+          f(c);
+          if (attempt > 0) answered_last() = current;
+          return;
+        } else {
+          auto result = f(c);
+          if (attempt > 0) answered_last() = current;
+          return result;
+        }
       } catch (const etcd::TransportError& e) {
         last = e.what();
         tokens().drop(who(c), token);  // a watch refused for an expired token ends here too
@@ -211,6 +234,7 @@ EtcdStore::EtcdStore(EtcdOptions options) : impl_(std::make_unique<Impl>()) {
     I.members.push_back(std::make_unique<etcd::Connection>(e));
     I.where += (I.where.empty() ? "etcd at " : ",") + I.members.back()->endpoint();
   }
+  I.current = answered_last() % I.members.size();
   I.on_member("login", I.deadline(), [&](etcd::Connection&) { return 0; });
 }
 

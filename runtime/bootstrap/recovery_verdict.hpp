@@ -28,6 +28,11 @@ inline std::string joined_key(int generation, int round) {
 inline std::string lost_node_key(int generation, int round) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/lost-node";
 }
+// Note [Copies gathered before the word] (runtime/launch/rounds.cpp): a lost rank's round across
+// three or more nodes asks every node to hold the newest snapshot whole before its word goes out.
+inline std::string gather_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/gather";
+}
 inline std::string ready_key(int generation, int round, int node) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/ready/" + std::to_string(node);
 }

@@ -1,6 +1,5 @@
 #include "runtime/comm/stream_worker.hpp"
 
-#include "runtime/process/fault_injection.hpp"
 #include "runtime/process/thread_priority.hpp"
 
 namespace shardflow {
@@ -43,10 +42,6 @@ void StreamWorker::loop() {
       running_op_ = true;
     }
     std::exception_ptr error;
-    if (test_fault::armed()) {
-      if (item.first.tag.rfind("bucket ", 0) == 0) test_fault::reached("collective");
-      if (item.first.tag.rfind("sync bucket", 0) == 0) test_fault::reached("sync");
-    }
     try {
       if (enqueue_)
         enqueue_(item.first, item.second);  // takes item.second over unless it throws

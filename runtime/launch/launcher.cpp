@@ -236,7 +236,20 @@ void Supervisor::offer_mirrored_memory(const std::string& address, const std::st
 void Supervisor::point_mirror(const std::vector<int>& before, bool fetch) {
   mirror_label_.clear();
   if (!mirror_) return;
-  std::map<int, std::string> address;  // the other nodes' copy ports
+  const auto address = mirror_addresses();
+  const auto me = std::find(members_.begin(), members_.end(), spec_.node_rank);
+  const int next = members_.size() >= 2 ? *(std::next(me) == members_.end() ? members_.begin() : std::next(me)) : -1;
+  if (address.count(next)) mirror_label_ = watch_->label(next);
+  if (fetch) gather_newest(address);
+  const bool returned = next >= 0 && std::find(before.begin(), before.end(), next) == before.end();
+  mirror_->send_to(mirror_label_.empty() ? "" : address.at(next), mirror_label_, returned);
+  say_copies(!mirror_label_.empty());
+  if (returned && !mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
+    say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
+}
+
+std::map<int, std::string> Supervisor::mirror_addresses() {
+  std::map<int, std::string> address;
   for (int k : members_) {
     if (k == spec_.node_rank) continue;
     try {
@@ -245,19 +258,16 @@ void Supervisor::point_mirror(const std::vector<int>& before, bool fetch) {
       say("snapshot copies: " + watch_->label(k) + " posted no address (" + e.what() + ")");
     }
   }
-  const auto me = std::find(members_.begin(), members_.end(), spec_.node_rank);
-  const int next = members_.size() >= 2 ? *(std::next(me) == members_.end() ? members_.begin() : std::next(me)) : -1;
-  if (address.count(next)) mirror_label_ = watch_->label(next);
-  if (fetch && !address.empty()) {  // with two from the start a no-op: each host holds every file
-    std::vector<std::string> peers;
-    for (const auto& [k, a] : address) peers.push_back(a);
-    mirror_->assemble(peers);
-  }
-  const bool returned = next >= 0 && std::find(before.begin(), before.end(), next) == before.end();
-  mirror_->send_to(mirror_label_.empty() ? "" : address[next], mirror_label_, returned);
-  say_copies(!mirror_label_.empty());
-  if (returned && !mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
-    say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");
+  return address;
+}
+
+// This host's newest snapshot whole: what it lacks, fetched from the others. With two nodes from
+// the start a no-op: each host holds every file.
+void Supervisor::gather_newest(const std::map<int, std::string>& address) {
+  if (!mirror_ || address.empty()) return;
+  std::vector<std::string> peers;
+  for (const auto& [k, a] : address) peers.push_back(a);
+  mirror_->assemble(peers);
 }
 
 // MASTER_PORT for the ranks, chosen once: on one node a port the kernel says is free now (the
@@ -343,7 +353,7 @@ void Supervisor::next_generation() {
   learned_round_ = 0;
   left_out_in_round_ = 0;
   round_.reset();
-  lost_round_.reset();
+  held_word_.reset();
   grow_round_.reset();
   grown_in_round_ = grow_flag_round_ = 0;
   ask_regroup(false);  // a growing round another node ran, and failed before this node heard the end of it

@@ -60,11 +60,12 @@ void Supervisor::recover_lost_node(int node, const std::string& what) {
   learned_round_ = claimed;
   round_ = RecoveryRound{clock::now(), what};
   const int index = int(std::find(members_.begin(), members_.end(), node) - members_.begin());
-  LostNodeRound lr{what, std::vector<int>(std::size_t(generation_.world)), 0, {}, clock::now() + spec_.rdzv_timeout};
-  for (int g = 0; g < generation_.world; ++g) lr.next[std::size_t(g)] = g / spec_.nproc_per_node == index ? -1 : lr.world++;
+  HeldWord held{{what + "; going on without it", 0, std::vector<int>(std::size_t(generation_.world))}, {}, clock::now() + spec_.rdzv_timeout, {}};
+  auto& v = held.verdict;
+  for (int g = 0; g < generation_.world; ++g) v.next[std::size_t(g)] = g / spec_.nproc_per_node == index ? -1 : v.world++;
   say(what + "; recovering in place (round " + std::to_string(round_no_) + ", " + std::to_string(restart_ + recoveries()) + " of " +
       std::to_string(spec_.max_restarts) + " restarts): the ranks of the node(s) left keep running, at world " +
-      std::to_string(lr.world) + " from now on, without it");
+      std::to_string(v.world) + " from now on, without it");
   try {
     recovery_store().set(recovery_verdict::lost_node_key(restart_, round_no_), std::to_string(node));
   } catch (const Error& e) {
@@ -72,10 +73,7 @@ void Supervisor::recover_lost_node(int node, const std::string& what) {
     return;
   }
   leave_out(node);
-  for (int k : members_)
-    if (k != spec_.node_rank) lr.waiting.push_back(k);
-  lost_round_ = std::move(lr);
-  check_lost_round();
+  hold_word(std::move(held));
 }
 
 // Note [A lost host healed in place], step 2 on any node left: the ring of copies without the
@@ -85,17 +83,6 @@ void Supervisor::leave_out(int node) {
   members_.erase(std::remove(members_.begin(), members_.end(), node), members_.end());
   watch_->drop_member(node);
   point_mirror(before, true);
-}
-
-// Step 3, polled by supervise() on the node that runs the round: the word goes out once every
-// node left fetched the newest snapshot (or the round fails, naming who did not).
-void Supervisor::check_lost_round() {
-  if (!lost_round_) return;
-  auto& lr = *lost_round_;
-  if (!all_ready(lr.waiting, lr.deadline, "did not fetch the newest snapshot")) return;
-  const auto verdict = recovery_verdict::Verdict{lr.what + "; going on without it", lr.world, lr.next};
-  lost_round_.reset();
-  if (publish_verdict(verdict)) renumber(verdict.next, verdict.world, round_no_);
 }
 
 }  // namespace shardflow::launch

@@ -336,9 +336,11 @@ void NodeWatch::heartbeat_loop() {
       lock.unlock();
       // Node 0 serves the TCP store itself: a failing call there is no other node's fault. An etcd
       // this node cannot reach leaves it cut off: it stops its ranks (the others go on, if elastic).
-      if (on_etcd() && !done)
+      if (on_etcd() && !done) {
+        cut_off_ = true;
         peer_failed(label(o_.node_rank) + " cannot reach " + store_name() + " (" + e.what() + "): it stops its ranks", false, nullptr,
                     false);
+      }
       else if (o_.node_rank != 0 && !done)
         peer_failed(label(0) + " is unreachable: its store at " + store_where_ + " failed (" + e.what() +
                         "); its launcher was killed, or its host or the link is down",
@@ -453,6 +455,7 @@ std::string NodeWatch::finish(int exit_code, milliseconds limit) {
     } catch (const std::exception&) {
     }
   };
+  if (cut_off_) return "";  // the heartbeat's word said it; the store cannot be asked (cut_off_)
   if (o_.node_rank != 0) collect_failures();
   try {
     main_->set(key("exit/" + std::to_string(o_.node_rank)), std::to_string(exit_code));
@@ -576,6 +579,10 @@ std::string NodeWatch::decide(milliseconds limit) {
 std::optional<std::vector<int>> NodeWatch::decide_restart(bool want, milliseconds limit, std::string& why_not) {
   const auto wait_limit = limit + (o_.min_nnodes ? o_.rejoin_timeout : milliseconds(0)) + std::chrono::seconds(5);
   std::string decision;
+  if (cut_off_) {
+    why_not = store_name() + " is unreachable from this node (cut off)";
+    return std::nullopt;
+  }
   try {
     main_->set(generation_key("next/" + std::to_string(o_.node_rank)), want ? "restart" : "stop");
     const auto deadline = clock::now() + wait_limit;

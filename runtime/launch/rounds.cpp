@@ -95,6 +95,8 @@ int Supervisor::claim_round(std::string& why_not) {
 }
 
 Store& Supervisor::recovery_store() {
+  // Cut off from etcd, every call would spend its whole timeout (10 s) before failing as this.
+  if (watch_ && watch_->cut_off()) throw CommError("the store is unreachable from this node (cut off)");
   if (!recovery_store_) {
     StoreRendezvous where;
     where.store_host = store_at_;
@@ -177,6 +179,12 @@ void Supervisor::learn_rounds() {
           leave_out(node);
           st.set(recovery_verdict::ready_key(restart_, j, spec_.node_rank), "1");
         }
+        // Note [Copies gathered before the word]: another node's lost rank.
+        if (gathered_in_round_ != j && st.check({recovery_verdict::gather_key(restart_, j)})) {
+          gathered_in_round_ = j;
+          gather_newest(mirror_addresses());
+          st.set(recovery_verdict::ready_key(restart_, j, spec_.node_rank), "1");
+        }
         return;
       }
       const auto v = recovery_verdict::parse(st.get(key));
@@ -247,18 +255,70 @@ void Supervisor::recover_in_place(const std::vector<Rank*>& lost) {
     dead.push_back(r->pid);
   }
   shm::remove_segments_of(dead);
-  if (!publish_verdict({who + (shrink ? "; going on without it" : "; started again"), world, next})) return;
-  if (shrink) {
-    renumber(next, world, round_no_);
+  HeldWord held{{who + (shrink ? "; going on without it" : "; started again"), world, next}, {}, clock::now() + spec_.rdzv_timeout, {}};
+  if (!shrink)
+    for (const Rank* r : lost) held.again.emplace_back(r->global, r->local);
+  if (gathers_copies()) {  // Note [Copies gathered before the word]
+    try {
+      recovery_store().set(recovery_verdict::gather_key(restart_, round_no_), "1");
+    } catch (const Error& e) {
+      cannot_tell(e);
+      return;
+    }
+    gather_newest(mirror_addresses());
+    hold_word(std::move(held));
     return;
   }
-  for (const Rank* r : lost) {
-    auto& again = ranks_.emplace_back();
-    again.global = r->global;
-    again.local = r->local;
-    spawn(again, generation_.node, generation_.world, generation_.port, generation_.token, generation_.mask);
-    say("started rank " + std::to_string(again.global) + " (pid " + std::to_string(again.pid) + ") again in round " +
-        std::to_string(round_no_));
+  if (!publish_verdict(held.verdict)) return;
+  renumber(held.verdict.next, held.verdict.world, round_no_);
+  start_again(held.again);
+}
+
+// ---- Note [Copies gathered before the word] ------------------------------------------------------
+// With three or more nodes a host's memory holds its own snapshot files and its predecessor's
+// (Note [Snapshots on the other host]), not the newest snapshot whole, and the ranks load one from
+// memory only when every host holds it whole (Note [Snapshots in memory]). A restart and a lost
+// host's round gather it first; a lost rank's round did not, so at three nodes its survivors went
+// back to the newest snapshot on disk (scripts/soak.py --hosts 3 found it: steps done again that
+// memory held). Now the node that runs the round posts recovery_verdict::gather_key, fetches what
+// its host lacks, and holds the word until every other node did the same and said it is ready
+// (learn_rounds). The survivors are waiting for the word in rejoin_process_group meanwhile, so no
+// newer snapshot can begin. With two nodes each host holds every file already, and ranks that keep no
+// snapshots in memory (snapshot_env::kInUse) have nothing to gather: nothing is held then.
+bool Supervisor::gathers_copies() const {
+  std::error_code ec;
+  return mirror_ && spec_.nnodes > 1 && members_.size() >= 3 && snapshot_memory_ && !snapshot_memory_->path().empty() &&
+         std::filesystem::exists(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kInUse, ec);
+}
+
+// The word of a round run here goes out once every other node says it holds the newest snapshot
+// whole (polled by supervise() through check_held_word; past --rdzv-timeout the round fails,
+// naming who did not).
+void Supervisor::hold_word(HeldWord held) {
+  for (int k : members_)
+    if (k != spec_.node_rank) held.waiting.push_back(k);
+  held_word_ = std::move(held);
+  check_held_word();
+}
+
+void Supervisor::check_held_word() {
+  if (!held_word_) return;
+  if (!all_ready(held_word_->waiting, held_word_->deadline, "did not fetch the newest snapshot")) return;
+  const HeldWord held = std::move(*held_word_);
+  held_word_.reset();
+  if (!publish_verdict(held.verdict)) return;
+  renumber(held.verdict.next, held.verdict.world, round_no_);
+  start_again(held.again);
+}
+
+// A replacing round's lost ranks of this node, started again once its word is out.
+void Supervisor::start_again(const std::vector<std::pair<int, int>>& again) {
+  for (const auto& [global, local] : again) {
+    auto& r = ranks_.emplace_back();
+    r.global = global;
+    r.local = local;
+    spawn(r, generation_.node, generation_.world, generation_.port, generation_.token, generation_.mask);
+    say("started rank " + std::to_string(r.global) + " (pid " + std::to_string(r.pid) + ") again in round " + std::to_string(round_no_));
   }
 }
 
@@ -357,7 +417,7 @@ void Supervisor::end_round(const std::string& why) {
 // (so that --max-restarts 1 still restarts every rank when, say, a trainer does not call recover).
 void Supervisor::fail_round() {
   round_.reset();
-  lost_round_.reset();
+  held_word_.reset();
   grow_round_.reset();
   ask_regroup(false);
 }

@@ -178,7 +178,9 @@ void Supervisor::supervise() {
           pipes.emplace_back(fd, relay);
         }
     }
-    const bool running = any_running();
+    // A held word with ranks of this node to start again once it is out (Note [Copies gathered
+    // before the word]): their node has none running meanwhile, and must not end.
+    const bool running = any_running() || (held_word_ && !held_word_->again.empty());
     if (!running && pipes.empty()) {
       learn_rounds();  // a round its ranks went through in the last 200 ms: said all the same
       return;
@@ -198,7 +200,7 @@ void Supervisor::supervise() {
     const int n = ::poll(fds.data(), fds.size(), wait_ms);
     if (n < 0 && errno != EINTR) throw Error("poll: " + std::string(std::strerror(errno)));
     check_round();
-    check_lost_round();
+    check_held_word();
     check_grow_round();
     kill_long_stopped();
     if (clock::now() - learned_at_ > std::chrono::milliseconds(200)) {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -59,6 +60,8 @@ class Supervisor {
   net::SocketChoice socket_choice() const;
   void offer_mirrored_memory(const std::string& address, const std::string& token);
   void point_mirror(const std::vector<int>& before, bool fetch);
+  std::map<int, std::string> mirror_addresses();  // the other members' copy ports
+  void gather_newest(const std::map<int, std::string>& address);
   int torch_port(int store_port);
   bool restart_wanted();
   void next_generation();
@@ -100,6 +103,9 @@ class Supervisor {
   bool publish_verdict(const recovery_verdict::Verdict& v);
   void cannot_tell(const Error& e);
   void say_copies(bool on);
+  bool gathers_copies() const;
+  void check_held_word();
+  void start_again(const std::vector<std::pair<int, int>>& again);
   void check_round();
   void end_round(const std::string& why);
   void fail_round();
@@ -107,7 +113,6 @@ class Supervisor {
   // ---- lost_node_round.cpp: a whole node lost and healed in place (Note [A lost host healed in place])
   void recover_lost_node(int node, const std::string& what);
   void leave_out(int node);
-  void check_lost_round();
 
   // ---- grow_round.cpp: a node taken into a running generation (Note [A node joins live])
   void look_for_joiners();
@@ -142,14 +147,17 @@ class Supervisor {
     clock::time_point timed_from = started;
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
-  struct LostNodeRound {  // Note [A lost host healed in place]: run here, its word not out yet
-    std::string what;
-    std::vector<int> next;  // the word's numbers
-    int world;
-    std::vector<int> waiting;  // the nodes left not ready yet
+  // A round run here whose word waits until every other node holds the newest snapshot whole:
+  // a lost host's (Note [A lost host healed in place]), or a lost rank's across three or more
+  // nodes (Note [Copies gathered before the word]).
+  struct HeldWord {
+    recovery_verdict::Verdict verdict;
+    std::vector<int> waiting;  // the nodes not ready yet
     clock::time_point deadline;
+    std::vector<std::pair<int, int>> again;  // ranks (global, local) of this node to start once the word is out
   };
-  std::optional<LostNodeRound> lost_round_;
+  std::optional<HeldWord> held_word_;
+  void hold_word(HeldWord held);
   struct GrowRound {  // Note [A node joins live]: run here, its word not out yet
     int node;
     std::string what;
@@ -164,6 +172,7 @@ class Supervisor {
   std::vector<int> refused_joins_;  // nodes told once that they cannot join live
   bool joined_live_ = false;      // this launcher was taken into a running generation
   int left_out_in_round_ = 0;  // the newest round whose lost node this node took out (a learner)
+  int gathered_in_round_ = 0;  // the newest lost rank's round for which this node gathered the newest snapshot (a learner)
   bool left_out_ = false;      // this node was the one found lost: the others went on without it
   int round_no_ = 0;           // the round this node ran last in this generation (Note [Rounds across nodes])
   int learned_round_ = 0;      // the generation's rounds whose renumbering this node applied (Note [Rounds across nodes])
