@@ -70,16 +70,19 @@ sanitize-thread: deps
 # worlds 2 and 4, and node 1's host lost: a shrink; healed by restarting every rank and in place
 # (Note [Rounds across nodes]); then with mirrored shards (--redundancy 2, Note [Mirrored shards]):
 # worlds 3 to 6 on one host, in place and shrinking, and across the two hosts, each run going on
-# from the twins with nothing rolled back (one pass of each: ~10 and ~15 min, 2026-11-29).
+# from the twins with nothing rolled back (one pass of each: ~10 and ~15 min, 2026-11-29); then
+# across three hosts with the store on etcd (a member on each), worlds 3 and 6, every node's host
+# lost or cut off in turn, node 0's included, with and without twins (one pass).
 SOAK_REPS ?= 20
 HEAL_REPS ?= 5
 soak: build
 	/usr/bin/python3 scripts/soak.py $(BUILD) --reps $(SOAK_REPS)
 	/usr/bin/python3 scripts/soak.py $(BUILD) --heal --recovery restart,in-place,shrink --reps $(HEAL_REPS)
 	/usr/bin/python3 scripts/soak.py $(BUILD) --heal --recovery in-place,shrink --redundancy 2 --worlds 3,4,5,6 --backends shm,gloo --reps 1
-	@if [ "$$(id -u)" = 0 ]; then /usr/bin/python3 scripts/soak.py $(BUILD) --heal --two-hosts --recovery restart,in-place --reps $(HEAL_REPS) && \
-	  /usr/bin/python3 scripts/soak.py $(BUILD) --heal --two-hosts --recovery in-place,shrink --redundancy 2 --reps 1; \
-	else echo "soak: the two-host cases need root (network namespaces): skipped"; fi
+	@if [ "$$(id -u)" = 0 ]; then /usr/bin/python3 scripts/soak.py $(BUILD) --heal --two-hosts --recovery restart,in-place --actions kill,stop,host --reps $(HEAL_REPS) && \
+	  /usr/bin/python3 scripts/soak.py $(BUILD) --heal --two-hosts --recovery in-place,shrink --redundancy 2 --reps 1 && \
+	  /usr/bin/python3 scripts/soak.py $(BUILD) --heal --hosts 3 --recovery in-place,shrink --redundancy 1,2 --phases collective,sync --reps 1; \
+	else echo "soak: the cases across hosts need root (network namespaces): skipped"; fi
 
 bench: build
 	$(BUILD)/bench/bench_collectives

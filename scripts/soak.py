@@ -50,6 +50,13 @@ restart resumed from.
       across the hosts healed in place (Note [Rounds across nodes]): the lost rank's process starts again
       on its host, or none and the survivors of both hosts go on at the smaller world; every other rank
       keeps its own process; a lost host still ends in node 0 going on alone
+  sudo scripts/soak.py BUILD_DIR --heal --hosts 3 [--store etcd|tcp] --recovery in-place,shrink --redundancy 1,2
+      across three hosts on a bridge (scripts/netns_pair.sh up NAME PREFIX 3), worlds 3 and 6 by default,
+      the store on etcd with a member on each host (two_hosts.Etcd): no node is special, so every node's
+      host in turn is lost ("host") or cut off ("cut": the rank says so and pauses, this driver takes its
+      host's link down and leaves its processes, etcd member included, to find out). The cut node must
+      exit non-zero by itself and the others go on without it; the cut member must answer again within
+      60 s of its link coming back. With the TCP store node 0's host is left out (it serves the store).
 """
 import argparse
 import collections
