@@ -104,7 +104,10 @@ Store& Supervisor::recovery_store() {
     where.token = generation_.token;
     where.etcd_endpoints = spec_.etcd_endpoints;
     where.etcd_root = etcd::root_for(spec_.rdzv_id);
-    where.timeout = std::chrono::seconds(10);
+    // Polled from the supervising loop (learn_rounds, every 200 ms): a call must not hold that
+    // loop past what a heartbeat may take, or a node cut off from etcd hears of its own heartbeat's
+    // failure only after it (the soak's cut host: 10 s). Enough for an etcd election either way.
+    where.timeout = std::clamp<std::chrono::milliseconds>(spec_.heartbeat_timeout, std::chrono::seconds(2), std::chrono::seconds(10));
     recovery_store_ = connect_store(where);
   }
   return *recovery_store_;
