@@ -698,8 +698,13 @@ TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 2 (shm, 
 // Note [Recovering in place]: nothing to go back to
 TEST_CASE("shardflow run --recovery in-place, world 3, no snapshot complete yet: rank 1 killed in step 3 -> the survivors' "
           "recover() refuses by name (their parameters moved, the replacement's are the initial ones), they start again "
-          "(a second round, or every rank), and the job ends bit for bit where it ends uninterrupted") {
-  auto job_for = [](const std::string& out, bool fault) {
+          "(a second round, or every rank), and the job ends bit for bit where it ends uninterrupted — with --max-restarts 1 "
+          "too: the refused round counts as no restart, so every rank restarts once") {
+  std::string restarts = "2";
+  SUBCASE("--max-restarts 2") {}
+  // Note [A round that did not heal]: the round counted, no restart was left and the job failed.
+  SUBCASE("--max-restarts 1") { restarts = "1"; }
+  auto job_for = [&restarts](const std::string& out, bool fault) {
     std::string cmd = fault ? "if [ \"$SHARDFLOW_RESTART_COUNT\" = 0 ] && [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export "
                               "SHARDFLOW_TEST_FAULT=collective:1:kill:5; fi; exec"
                             : "exec";
@@ -712,7 +717,7 @@ TEST_CASE("shardflow run --recovery in-place, world 3, no snapshot complete yet:
       args.push_back(a);
     for (const auto& a : args) cmd += " '" + a + "'";
     auto argv = launch(3, {"/bin/sh", "-c", cmd});
-    argv.insert(argv.begin() + 2, {"--max-restarts", "2", "--recovery", "in-place"});
+    argv.insert(argv.begin() + 2, {"--max-restarts", restarts, "--recovery", "in-place"});
     return argv;
   };
   const std::string ref = scratch("in_place_early_ref.safetensors"), out = scratch("in_place_early.safetensors");
@@ -730,6 +735,10 @@ TEST_CASE("shardflow run --recovery in-place, world 3, no snapshot complete yet:
   // The refusing survivors exit: the launcher starts them again, in a second round (where rank 1's
   // replacement has not moved yet) or with every rank.
   CHECK((job.says("restarting every rank") || job.says("recovering in place (round 2, 2 of 2 restarts)")));
+  if (restarts == "1") {
+    CHECK(job.says("so that round counts as no restart"));
+    CHECK(job.says("restarting every rank (1 of 1 restarts)"));
+  }
   check_params(out, load_safetensors(ref), "shm");  // "shm": bit for bit
 }
 

@@ -407,7 +407,7 @@ bool says(const std::string& out, const std::string& what) { return out.find(wha
 // (within `tolerance`; 0: bit for bit) those of the same job uninterrupted on 1 node. Both nodes' output.
 std::array<std::string, 2> heal_across_two_nodes(const std::string& tag, int nproc, const std::vector<std::string>& flags,
                                                  const std::array<std::string, 2>& faults, double tolerance = 0.0,
-                                                 const std::string& backend = "gloo") {
+                                                 const std::string& backend = "gloo", const std::string& snapshot_every = "2") {
   const std::string one = scratch(tag + "_one_node.safetensors"), two = scratch(tag + "_two_nodes.safetensors");
   const std::string snaps = scratch(tag + "_snapshots");
   std::filesystem::remove_all(snaps);
@@ -415,6 +415,7 @@ std::array<std::string, 2> heal_across_two_nodes(const std::string& tag, int npr
   const int port = test::free_port();
   auto prog = [&](int k, const std::string& save) {
     auto args = eight_steps(save, snaps, backend);
+    test::set_flag(args, "--snapshot-every", snapshot_every);
     return faults[std::size_t(k)].empty() ? args : fault_in_first_process(faults[std::size_t(k)], args);
   };
   Child n0(node_cmd({0, 2, nproc, port, flags}, prog(0, two)), env_info());
@@ -450,6 +451,19 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on no
   }
   for (int r = 0; r < 4; ++r)
     if (r != killed) check_kept_process(out[r / 2], r, 4);
+}
+
+// Note [A round that did not heal]
+TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 1: rank 3 (node 1) killed in step 3, before any snapshot -> the "
+          "survivors of both nodes refuse to go on from round 1, which then counts as no restart on either node: every rank "
+          "restarts once, and the job ends where 1 node x 4 ranks ends uninterrupted, bit for bit") {
+  // Two collectives a step at ZeRO-1: the 5th is in step 3, with no snapshot before step 100's.
+  const std::string fault = "collective:3:kill:5";
+  const auto out = heal_across_two_nodes("refused_round", 2, {"--max-restarts", "1", "--recovery", "in-place"}, {fault, fault}, 0.0,
+                                         "gloo", "100");
+  CHECK(says(out[1], "recovering in place (round 1, 1 of 1 restarts)"));
+  CHECK((says(out[0], "so that round counts as no restart") || says(out[1], "so that round counts as no restart")));
+  CHECK((says(out[0], "restarting every rank (1 of 1 restarts)") || says(out[1], "restarting every rank (1 of 1 restarts)")));
 }
 
 // Note [Rounds across nodes], shrinking

@@ -33,6 +33,11 @@ inline std::string lost_node_key(int generation, int round) {
 inline std::string gather_key(int generation, int round) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/gather";
 }
+// Note [A round that did not heal] (runtime/launch/rounds.cpp): round j's survivors refused to go
+// on from it; every node's count of restarts leaves it out.
+inline std::string refused_key(int generation, int round) {
+  return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/refused";
+}
 inline std::string ready_key(int generation, int round, int node) {
   return "g" + std::to_string(generation) + "/r" + std::to_string(round) + "/ready/" + std::to_string(node);
 }

@@ -28,6 +28,10 @@ constexpr const char* kRegroup = "regroup";
 // then can the launcher take a node in live (a trainer without snapshots, or with them on disk
 // only, never reaches a snapshot in memory to leave its iteration at).
 constexpr const char* kInUse = "snapshots-kept-here";
+// Written there by a rank whose recover() refused to go on in place (Note [A round that did not
+// heal], runtime/launch/rounds.cpp): the round it joined healed nothing, so it does not count as
+// a restart, and every rank starts again instead of another round.
+constexpr const char* kRefused = "recovery-refused";
 
 // A rank's file in a snapshot: what the launcher copies (ckpt-<id>-rank<r>-of-<w>.safetensors).
 inline bool is_shard_file(std::string_view name) {

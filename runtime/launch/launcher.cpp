@@ -15,11 +15,13 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <random>
 
 #include "kernels/cpu/blas.hpp"
 #include "runtime/bootstrap/etcd_names.hpp"
+#include "runtime/bootstrap/snapshot_env.hpp"
 #include "runtime/comm/shm_names.hpp"
 #include "runtime/launch/rank_process.hpp"
 #include "runtime/launch/supervisor.hpp"
@@ -338,6 +340,11 @@ bool Supervisor::restart_wanted() {
 void Supervisor::next_generation() {
   recoveries_before_ = recoveries_seen_;  // restart_wanted() counted them; this generation's keys are left behind
   rounds_healed_ = 0;
+  refused_round_ = 0;
+  if (snapshot_memory_ && !snapshot_memory_->path().empty()) {  // a refusal of the generation before (Note [A round that did not heal])
+    std::error_code ec;
+    std::filesystem::remove(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kRefused, ec);
+  }
   say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + recoveries_seen_ + 1) + " of " +
       std::to_string(spec_.max_restarts) + " restarts)");
   remove_shared_memory();

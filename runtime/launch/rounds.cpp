@@ -60,7 +60,8 @@ int Supervisor::recoveries() {
       const int claimed = int(st.add(round_key("rounds"), 0));
       int over = 0;
       for (int j = 1; j <= claimed; ++j)
-        over += (healing && j == round_no_) || (!(round_ && j == round_no_) && !grew(st, j) && round_over(st, j));
+        over += (healing && j == round_no_) ||
+                (!(round_ && j == round_no_) && !grew(st, j) && round_over(st, j) && !st.check({recovery_verdict::refused_key(restart_, j)}));
       in_generation = over;
     } catch (const Error&) {
     }
@@ -275,6 +276,45 @@ void Supervisor::recover_in_place(const std::vector<Rank*>& lost) {
   if (!publish_verdict(held.verdict)) return;
   renumber(held.verdict.next, held.verdict.world, round_no_);
   start_again(held.again);
+}
+
+// ---- Note [A round that did not heal] ------------------------------------------------------------
+// A round is over once every rank joined it, and then counts as one restart. But a survivor may
+// refuse to go on from it after joining: recover() finds no snapshot to go back to while its
+// parameters moved since the start (Runtime::recover). Every survivor then exits, and with that
+// round counted, --max-restarts 1 left no restart for them: the job failed where one restart of
+// every rank would have carried it (scripts/soak.py found it, a host lost before the first
+// snapshot). The refusing rank leaves snapshot_env::kRefused in its host's memory; its launcher,
+// seeing a rank fail with it there, posts recovery_verdict::refused_key for the newest round
+// (every node's count leaves that round out) and ends the generation instead of running another
+// round, which would be refused alike: every rank restarts once, from a snapshot or the start.
+bool Supervisor::round_refused() {
+  if (!snapshot_memory_ || snapshot_memory_->path().empty()) return false;
+  std::error_code ec;
+  if (!std::filesystem::remove(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kRefused, ec)) return false;
+  // The round its survivors joined: the newest claimed. Another node's round may not be learned
+  // here yet (learn_rounds polls every 200 ms, and a refusal comes at once).
+  int round = learned_round_;
+  if (spec_.nnodes > 1) {
+    try {
+      round = std::max(round, int(recovery_store().add(round_key("rounds"), 0)));
+    } catch (const Error&) {
+    }
+  }
+  if (round == 0) return false;
+  if (refused_round_ == round) return true;  // another survivor of the same round
+  refused_round_ = round;
+  // Counted here once it was over (check_round); a round still open is not counted, and ends as
+  // any failure inside it does (rank_failed: fail_round).
+  if (!round_ && rounds_healed_ > 0) --rounds_healed_;
+  if (spec_.nnodes > 1) {
+    try {
+      recovery_store().set(recovery_verdict::refused_key(restart_, refused_round_), "1");
+    } catch (const Error&) {
+      // The store unreachable: the generation ends anyway, and the restart cannot reach it either.
+    }
+  }
+  return true;
 }
 
 // ---- Note [Copies gathered before the word] ------------------------------------------------------

@@ -79,11 +79,15 @@ void Supervisor::reap() {
       r.signal_ours = WIFSIGNALED(status) && stop_deadline_ &&
                       (WTERMSIG(status) == SIGTERM || (WTERMSIG(status) == SIGKILL && killed_));
       const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-      if (failed && can_recover_in_place()) {
+      const bool refused = failed && round_refused();
+      if (failed && !refused && can_recover_in_place()) {
         lost.push_back(&r);
         continue;
       }
-      if (failed) rank_failed(r, "");
+      if (failed)
+        rank_failed(r, refused ? "; it refused to go on from round " + std::to_string(refused_round_) +
+                                     " (nothing to go back to: see its message), so that round counts as no restart"
+                               : "");
       // The rank's group may still hold children of its own; they go with it.
       if (stop_deadline_) ::kill(-pid, SIGKILL);
     }

@@ -104,6 +104,7 @@ class Supervisor {
   void cannot_tell(const Error& e);
   void say_copies(bool on);
   bool gathers_copies() const;
+  bool round_refused();
   void check_held_word();
   void start_again(const std::vector<std::pair<int, int>>& again);
   void check_round();
@@ -179,6 +180,7 @@ class Supervisor {
   clock::time_point learned_at_{};
   bool store_silent_ = false;  // learn_rounds() met an unreachable store: it asks no more
   int rounds_healed_ = 0;      // of them, over: this generation's count where the store cannot say
+  int refused_round_ = 0;      // the newest round whose survivors refused to go on (Note [A round that did not heal])
   int recoveries_before_ = 0;  // in-place recoveries of the generations before, every node's
   int recoveries_seen_ = 0;    // recoveries() when last counted, for messages once the store may be gone
   std::unique_ptr<Store> recovery_store_;

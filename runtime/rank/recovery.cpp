@@ -31,9 +31,13 @@
 // Changes a replay cannot make alike are refused by name rather than half replayed: a
 // refresh_trainable() or add_param_group() after training started (the replacement would not have
 // them), and recovery without Config::snapshot.dir (there would be nothing consistent to go back to).
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <caf/actor_cast.hpp>
 #include <caf/scoped_actor.hpp>
 
+#include "runtime/bootstrap/snapshot_env.hpp"
 #include "runtime/checkpoint/background_save.hpp"
 #include "runtime/rank/rank_actor.hpp"
 #include "runtime/rank/runtime_impl.hpp"
@@ -102,11 +106,15 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   try {
     for (const auto& call : recipe) call(*this);
     const std::uint64_t step = resumed_step();
-    if (step == 0 && moved > 0 && !impl_->persistence->snapshots.from_twins)
+    if (step == 0 && moved > 0 && !impl_->persistence->snapshots.from_twins) {
+      // Note [A round that did not heal]: the launcher counts the round as no restart.
+      if (const char* memory = std::getenv(snapshot_env::kMemory); memory && *memory)
+        std::ofstream(std::filesystem::path(memory) / snapshot_env::kRefused) << who << "\n";
       throw Error(who + ": no complete snapshot to go back to yet, and this rank's parameters moved through " + std::to_string(moved) +
                   " iteration(s) since the start: going on would redo those steps from moved parameters (and mix them with a "
                   "replacement's, which are the initial ones). Every rank must start again instead (the launcher restarts them when this rank exits); snapshot "
                   "earlier (" + impl_->cfg.name_of("snapshot.every") + ") to recover in place from the first steps on");
+    }
     impl_->client.subscribers->recovered(caf::actor_cast<caf::actor>(impl_->client.actor), step, impl_->rank, impl_->world);
     return step;
   } catch (...) {
