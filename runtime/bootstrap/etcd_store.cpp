@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <map>
-#include <type_traits>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -139,15 +138,9 @@ struct EtcdStore::Impl {
       auto& c = *members[current];
       try {
         if (token.empty()) login(c);
-        if constexpr (std::is_void_v<decltype(f(c))>) {
-          f(c);
-          if (attempt > 0) answered_last() = current;
-          return;
-        } else {
-          auto result = f(c);
-          if (attempt > 0) answered_last() = current;
-          return result;
-        }
+        auto result = f(c);  // every call returns what it read or did
+        if (attempt > 0) answered_last() = current;
+        return result;
       } catch (const etcd::TransportError& e) {
         last = e.what();
         tokens().drop(who(c), token);  // a watch refused for an expired token ends here too

@@ -45,9 +45,7 @@ void Supervisor::look_for_joiners() {
   }
   for (int k : asking) {
     std::string why_not;
-    std::error_code ec;
-    if (!snapshot_memory_ || snapshot_memory_->path().empty() ||
-        !std::filesystem::exists(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kInUse, ec))
+    if (!keeps_snapshots_in_memory())
       why_not = "the ranks keep no snapshots in memory (none, or on disk only), so there is no step the job can go on from at once";
     else if (generation_.world != int(members_.size()) * spec_.nproc_per_node)
       why_not = "an earlier round of this generation shrank the world by ranks, not by whole nodes";

@@ -341,9 +341,9 @@ void Supervisor::next_generation() {
   recoveries_before_ = recoveries_seen_;  // restart_wanted() counted them; this generation's keys are left behind
   rounds_healed_ = 0;
   refused_round_ = 0;
-  if (snapshot_memory_ && !snapshot_memory_->path().empty()) {  // a refusal of the generation before (Note [A round that did not heal])
+  if (const auto refused = memory_file(snapshot_env::kRefused); !refused.empty()) {  // the generation before's (Note [A round that did not heal])
     std::error_code ec;
-    std::filesystem::remove(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kRefused, ec);
+    std::filesystem::remove(refused, ec);
   }
   say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + recoveries_seen_ + 1) + " of " +
       std::to_string(spec_.max_restarts) + " restarts)");

@@ -289,9 +289,9 @@ void Supervisor::recover_in_place(const std::vector<Rank*>& lost) {
 // (every node's count leaves that round out) and ends the generation instead of running another
 // round, which would be refused alike: every rank restarts once, from a snapshot or the start.
 bool Supervisor::round_refused() {
-  if (!snapshot_memory_ || snapshot_memory_->path().empty()) return false;
+  const auto marker = memory_file(snapshot_env::kRefused);
   std::error_code ec;
-  if (!std::filesystem::remove(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kRefused, ec)) return false;
+  if (marker.empty() || !std::filesystem::remove(marker, ec)) return false;
   // The round its survivors joined: the newest claimed. Another node's round may not be learned
   // here yet (learn_rounds polls every 200 ms, and a refusal comes at once).
   int round = learned_round_;
@@ -329,9 +329,18 @@ bool Supervisor::round_refused() {
 // newer snapshot can begin. With two nodes each host holds every file already, and ranks that keep no
 // snapshots in memory (snapshot_env::kInUse) have nothing to gather: nothing is held then.
 bool Supervisor::gathers_copies() const {
+  return mirror_ && spec_.nnodes > 1 && members_.size() >= 3 && keeps_snapshots_in_memory();
+}
+
+std::filesystem::path Supervisor::memory_file(const char* name) const {
+  if (!snapshot_memory_ || snapshot_memory_->path().empty()) return {};
+  return std::filesystem::path(snapshot_memory_->path()) / name;
+}
+
+bool Supervisor::keeps_snapshots_in_memory() const {
   std::error_code ec;
-  return mirror_ && spec_.nnodes > 1 && members_.size() >= 3 && snapshot_memory_ && !snapshot_memory_->path().empty() &&
-         std::filesystem::exists(std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kInUse, ec);
+  const auto in_use = memory_file(snapshot_env::kInUse);
+  return !in_use.empty() && std::filesystem::exists(in_use, ec);
 }
 
 // The word of a round run here goes out once every other node says it holds the newest snapshot
@@ -406,8 +415,8 @@ void Supervisor::cannot_tell(const Error& e) {
 // Whether this host's launcher copies its snapshot files now, for ranks started with a copy to
 // wait for (snapshot_env::kNoCopies).
 void Supervisor::say_copies(bool on) {
-  if (!snapshot_memory_ || snapshot_memory_->path().empty()) return;
-  const auto flag = std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kNoCopies;
+  const auto flag = memory_file(snapshot_env::kNoCopies);
+  if (flag.empty()) return;
   std::error_code ec;
   if (on) {
     std::filesystem::remove(flag, ec);

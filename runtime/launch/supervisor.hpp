@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -103,6 +104,9 @@ class Supervisor {
   bool publish_verdict(const recovery_verdict::Verdict& v);
   void cannot_tell(const Error& e);
   void say_copies(bool on);
+  // A file of the launcher's snapshot memory (snapshot_env's names); empty without that memory.
+  std::filesystem::path memory_file(const char* name) const;
+  bool keeps_snapshots_in_memory() const;  // the ranks said so (snapshot_env::kInUse)
   bool gathers_copies() const;
   bool round_refused();
   void check_held_word();
