@@ -419,6 +419,14 @@ def main():
     if a.two_hosts:
         a.hosts = max(a.hosts, 2)
     a.two_hosts = a.hosts > 1
+    if not 1 <= a.hosts <= 6:
+        ap.error(f"--hosts {a.hosts}: 1 to 6 (scripts/netns_pair.sh makes at most 6)")
+    if a.store is not None and not (a.heal and a.two_hosts):
+        ap.error("--store applies to --heal across hosts (--hosts 2 or more) only")
+    if a.logs_all and not a.logs:
+        ap.error("--logs-all needs --logs DIR")
+    if a.logs and not a.heal:
+        ap.error("--logs applies to --heal only")
     if a.store is None:
         a.store = "etcd" if a.hosts >= 3 else "tcp"
     a.etcd = None
