@@ -1069,6 +1069,7 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
   Child n0(cmd_for(0, lost == 0 ? unused : two), held);
   Child n1(cmd_for(1, lost == 1 ? unused : two), held);
   Child& survivor = lost == 1 ? n0 : n1;
+  INFO("the survivor's output:\n" << survivor.output());  // lazily: what it said when a check fails
   REQUIRE(survivor.read_until("recovered in place: every rank joined round 1", 90s));
   CHECK(test::failed((lost == 1 ? n1 : n0).wait(60s)));  // its launcher went with its host
   Child back(cmd_for(lost, two), held);

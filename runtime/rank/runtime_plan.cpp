@@ -15,6 +15,8 @@
 #include "actors/comm_stream_actor.hpp"
 #include "actors/shard_actor.hpp"
 
+#include <caf/scoped_actor.hpp>
+
 namespace shardflow {
 
 namespace {
@@ -297,10 +299,34 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
   };
 }
 
+// Note [Old actors gone before the next]: the plan's actors share the shard (and, without a new
+// plan, its buckets) with the next set, and the next set's spawn writes into the shard (its fused
+// syncs). An actor's behaviour is made on a worker thread when the actor first runs, so an actor
+// spawned just before (a lag choice and a prefetch choice made in the same wait()) may still be
+// reading the shard when the next spawn writes it: ThreadSanitizer saw exactly that in CI. So the
+// old actors are gone before this returns: monitored, told to exit, their down messages awaited.
+// They never block, so this is a message round each; the bound is only there so that a defect
+// here shows as a warning rather than a hang.
 void Runtime::Impl::stop_actors() {
-  for (auto& a : bucket_actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-  if (comm_actor_h) caf::anon_send_exit(comm_actor_h, caf::exit_reason::user_shutdown);
-  if (shard_actor_h) caf::anon_send_exit(shard_actor_h, caf::exit_reason::user_shutdown);
+  std::vector<caf::actor> old;
+  for (auto& a : bucket_actors) old.push_back(caf::actor_cast<caf::actor>(a));
+  if (comm_actor_h) old.push_back(caf::actor_cast<caf::actor>(comm_actor_h));
+  if (shard_actor_h) old.push_back(caf::actor_cast<caf::actor>(shard_actor_h));
+  if (!old.empty()) {
+    caf::scoped_actor self{actors->system()};
+    for (auto& a : old) {
+      self->monitor(a);
+      self->send_exit(a, caf::exit_reason::user_shutdown);
+    }
+    std::size_t left = old.size();
+    bool late = false;
+    while (left > 0 && !late)
+      self->receive([&](const caf::down_msg&) { --left; },
+                    caf::after(cfg.timeouts.collective) >> [&] { late = true; });
+    if (late)
+      log->warn("rank {}: {} of {} actors of the old plan did not stop within {} ms; going on", rank, left, old.size(),
+                std::chrono::duration_cast<std::chrono::milliseconds>(cfg.timeouts.collective).count());
+  }
   shard_actor_h = msg::shard_actor_t{};
   bucket_actors.clear();
   comm_actor_h = msg::comm_stream_actor_t{};
