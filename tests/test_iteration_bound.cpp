@@ -5,6 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <random>
 #include <stdexcept>
 
@@ -28,6 +32,18 @@ IterationTimes layers(std::size_t L, double forward_ms, double backward_ms, doub
     t.step_ms.push_back(step_ms);
   }
   return t;
+}
+
+// iteration_bound(t), or the test process ends with a failure if it has not returned in 10 s: a
+// spinning bound must fail here, not hang the suite until ctest's timeout.
+IterationBound bound_or_fail(const IterationTimes& t) {
+  auto run = std::async(std::launch::async, [t] { return iteration_bound(t); });
+  if (run.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    FAIL_CHECK("iteration_bound did not return within 10 s: it spins");
+    std::fflush(nullptr);
+    std::_Exit(1);  // the spinning thread cannot be joined
+  }
+  return run.get();
 }
 
 PrefetchTimes as_replay(const IterationTimes& t) {
@@ -91,6 +107,46 @@ TEST_CASE("random plans: the bound never lies above the runtime's own schedules,
     for (std::size_t k = 0; k <= B; ++k) {
       CAPTURE(k);
       CHECK(bound.iteration_ms <= steady_iteration_ms(replay, k) + 1e-6);
+    }
+  }
+}
+
+// Note [Progress in floating point] (iteration_bound.cpp)
+TEST_CASE("a sync that spanned a trainer held between steps (58.5 s among milliseconds): the bound still comes back, and scales "
+          "with the times") {
+  IterationTimes t;
+  t.gradient_ms = {15.799, 17.785, 32.036, 35.155, 37.423};
+  t.reduce_ms = {0.487, 0.68, 1.085, 4.827, 2.181};
+  t.sync_ms = {3.133, 1.505, 2.536, 1.929, 58507.411};
+  t.step_ms.assign(5, 0.0);
+  t.forward_order = {4, 3, 2, 1, 0};
+  t.forward_ms = {1.094739524838013, 2.422882937365011, 0.544609071274298, 0.34132181425485963, 0.24444665226781853};
+  const auto b = bound_or_fail(t);  // spun for good before the fix
+  CHECK(b.chain_ms >= b.link_ms);
+  CHECK(b.iteration_ms < b.compute_ms + b.link_ms + 1e-6);
+  // Every time k-fold, the bound k-fold, at scales from microseconds to hours.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> ms(0.0, 3.0);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t B = 2 + rng() % 10;
+    IterationTimes u;
+    double g = 0;
+    for (std::size_t i = 0; i < B; ++i) {
+      u.forward_order.push_back(std::uint32_t(B - 1 - i));
+      u.forward_ms.push_back(ms(rng));
+      u.gradient_ms.push_back(g += ms(rng));
+      u.reduce_ms.push_back(ms(rng));
+      u.sync_ms.push_back(rng() % 4 == 0 ? 1e4 * ms(rng) : ms(rng));  // now and then one held for seconds
+      u.step_ms.push_back(ms(rng) / 10);
+    }
+    const double one = bound_or_fail(u).iteration_ms;
+    for (const double k : {1e-3, 1e3, 1e6}) {
+      CAPTURE(trial);
+      CAPTURE(k);
+      auto scaled = u;
+      for (auto* v : {&scaled.forward_ms, &scaled.gradient_ms, &scaled.reduce_ms, &scaled.sync_ms, &scaled.step_ms})
+        for (auto& x : *v) x *= k;
+      CHECK(bound_or_fail(scaled).iteration_ms == doctest::Approx(one * k).epsilon(1e-9));
     }
   }
 }

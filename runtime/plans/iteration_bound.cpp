@@ -49,14 +49,21 @@ double jackson_bound(std::vector<LinkJob> jobs) {
     LinkJob job = ready.top();
     ready.pop();
     // Runs until it ends or the next release, whichever comes first; a longer-tailed arrival
-    // takes over then.
-    const double until = next < jobs.size() ? std::min(now + job.work, jobs[next].release) : now + job.work;
-    job.work -= until - now;
-    now = until;
-    if (job.work <= 1e-12)
-      worst = std::max(worst, now + job.tail);
-    else
+    // takes over then. Note [Progress in floating point]: what is left of a preempted job is
+    // end - release, never work - (release - now): at times of tens of seconds (a sync that
+    // spanned a trainer held between steps) the latter can leave a rest below half an ulp of
+    // `now`, which then never advances it, and the loop spun for good (CI's ThreadSanitizer run,
+    // a rank that never finished its iteration). Each pass either ends a job or admits the next
+    // release (release > now), so the loop ends after at most twice the jobs.
+    const double end = now + job.work;
+    if (next < jobs.size() && jobs[next].release < end) {
+      now = jobs[next].release;
+      job.work = end - now;
       ready.push(job);
+    } else {
+      now = end;
+      worst = std::max(worst, now + job.tail);
+    }
   }
   return worst;
 }
