@@ -77,7 +77,7 @@ void Runtime::Impl::retire() {
     I.comm->abort("rank " + std::to_string(I.rank) + "'s Runtime was destroyed in the middle of iteration " +
                   std::to_string(I.iterations));
   }
-  I.stop_actors();
+  I.stop_actors(/*await_exit=*/false);
 }
 
 int Runtime::rank() const { return impl_->rank; }

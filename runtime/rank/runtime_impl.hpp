@@ -178,7 +178,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
 
   void spawn_actors(std::uint64_t first_iteration);
   std::shared_ptr<const FusedSyncs> fuse_small_syncs(const std::vector<ScheduledCollective>& schedule);
-  void stop_actors();
+  void stop_actors(bool await_exit = true);  // Note [Old actors gone before the next]
 
   // Hands p's gradient to its bucket actor. In copy mode the gradient goes into the bucket here,
   // on the caller's (backward) thread, not on a scheduler thread.

@@ -302,17 +302,21 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
 // Note [Old actors gone before the next]: the plan's actors share the shard (and, without a new
 // plan, its buckets) with the next set, and the next set's spawn writes into the shard (its fused
 // syncs). An actor's behaviour is made on a worker thread when the actor first runs, so an actor
-// spawned just before (a lag choice and a prefetch choice made in the same wait()) may still be
-// reading the shard when the next spawn writes it: ThreadSanitizer saw exactly that in CI. So the
-// old actors are gone before this returns: monitored, told to exit, their down messages awaited.
-// They never block, so this is a message round each; the bound is only there so that a defect
-// here shows as a warning rather than a hang.
-void Runtime::Impl::stop_actors() {
+// spawned just before (a lag choice and a prefetch choice or a rebuild made in the same wait())
+// may still be reading the shard when the next spawn writes it: ThreadSanitizer saw exactly that
+// in CI. So before a respawn the old actors are gone: monitored, told to exit, their down
+// messages awaited. Between iterations nothing is in flight and they never block, so that is a
+// message round each; the bound only makes a defect a warning rather than a hang. A Runtime that
+// retires (destroyed, or replaced by recovery) does not wait: its actors may be finishing a failed
+// collective, nothing is spawned beside them, and they hold what they use.
+void Runtime::Impl::stop_actors(bool await_exit) {
   std::vector<caf::actor> old;
   for (auto& a : bucket_actors) old.push_back(caf::actor_cast<caf::actor>(a));
   if (comm_actor_h) old.push_back(caf::actor_cast<caf::actor>(comm_actor_h));
   if (shard_actor_h) old.push_back(caf::actor_cast<caf::actor>(shard_actor_h));
-  if (!old.empty()) {
+  if (!await_exit) {
+    for (auto& a : old) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+  } else if (!old.empty()) {
     caf::scoped_actor self{actors->system()};
     for (auto& a : old) {
       self->monitor(a);
