@@ -57,3 +57,27 @@ TEST_CASE("peer table: 8 nodes, the heartbeat thread beats, loses and readmits t
   CHECK(t.beat(2, 5, t0 + 1s) == 0ms);  // its first beat counts as movement
   CHECK_THROWS(t.lost(nodes));          // no such node: an error, not a read past the end
 }
+
+// Note [A stall is nobody's silence] (runtime/launch/node_watch.cpp)
+TEST_CASE("peer table: a store stall this node's own beats went through is nobody's silence — a live peer is not lost for it, a "
+          "dead one still is, that much later") {
+  PeerTable t;
+  const auto t0 = PeerTable::clock::now();
+  t.reset(3, t0);
+  CHECK(t.beat(1, 10, t0) == 0ms);  // node 1 alive, node 2 dead from the start
+  CHECK(t.beat(2, 20, t0) == 0ms);
+  // Every write held up 2.5 s (an election): at 3.4 s neither count has moved.
+  t.excuse(2500ms, t0 + 3400ms);
+  CHECK(t.beat(1, 10, t0 + 3400ms) == 900ms);  // 3.4 s less the stall: below a 3 s timeout
+  CHECK(t.beat(2, 20, t0 + 3400ms) == 900ms);
+  CHECK(t.beat(1, 11, t0 + 4400ms) == 0ms);    // node 1's beats land again
+  CHECK(t.beat(2, 20, t0 + 5600ms) == 3100ms);  // node 2 is lost after all, 2.5 s later than without the stall
+  // Never into the future, and a lost or exited node is left as it is.
+  t.mark_lost(2);
+  t.excuse(1h, t0 + 6s);
+  CHECK(t.beat(1, 11, t0 + 6s) == 0ms);
+  t.readmit(2, t0 + 6s);
+  CHECK(t.beat(2, 21, t0 + 6s) == 0ms);
+  t.excuse(-1s, t0 + 7s);  // no stall: nothing changes
+  CHECK(t.beat(2, 21, t0 + 7s) == 1000ms);
+}

@@ -46,6 +46,10 @@ struct NodeInfo {
 
 // A posted failure says what kind it is: a rank failed on a node still there, or a node was lost.
 constexpr std::string_view kRankFailed = "rank|", kNodeLost = "lost|";
+// What a heartbeat pass's own calls may take on a store that answers (a few per node, each a
+// millisecond or so on etcd): beyond it, the gap between two beats is a stall (Note [A stall is
+// nobody's silence]).
+constexpr std::chrono::milliseconds kUsualPass{250};
 
 // The nodes of the next generation in node 0's decision, "restart 0 2 3".
 std::vector<int> decided_nodes(const std::string& decision) {
@@ -317,14 +321,28 @@ std::optional<std::string> NodeWatch::peer_failure() const {
   return failure_;
 }
 
+// Note [A stall is nobody's silence]
+// A peer is lost when its heartbeat count has not moved for the heartbeat timeout. But that
+// silence is measured by this node, through the store: when the store holds every write up (an
+// etcd election after its leader's host was cut off, a member that does not answer, this host's
+// heartbeat thread not scheduled), the peers' beats stall exactly as this node's own do, and a
+// healthy peer looked lost (the three-host soak: one run in 480, "no heartbeat for 3.4 s" at a 3 s
+// timeout while that node ran). So the time this node's own beats were held up beyond their
+// interval does not count against anyone: a truly lost peer is found that much later, never not.
 void NodeWatch::heartbeat_loop() {
   const std::string me = std::to_string(o_.node_rank);
   std::unique_lock lock(mu_);
+  std::optional<clock::time_point> landed;  // when this node's last beat landed
   while (!stopping_) {
     const bool known = failure_ || reported_;
     lock.unlock();
     try {
       beat_->add(key("hb/" + me), 1);
+      // Note [A stall is nobody's silence]: beyond the interval and a pass's usual calls, the time
+      // between two of this node's beats is time the store (or this host) held it up.
+      const auto now = clock::now();
+      if (landed) peers_.excuse(now - *landed - o_.heartbeat_interval - kUsualPass, now);
+      landed = now;
       if (!known && beat_->add(generation_key("failures"), 0) > 0) {
         const auto [what, lost] = parse_failure(beat_->get(generation_key("failure/1")));
         peer_failed(what, false, nullptr, lost);

@@ -1,5 +1,6 @@
 #include "runtime/launch/peer_table.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -57,6 +58,13 @@ std::chrono::milliseconds PeerTable::beat(int node, std::int64_t beats, clock::t
     p.seen = now;
   }
   return std::chrono::duration_cast<std::chrono::milliseconds>(now - p.seen);
+}
+
+void PeerTable::excuse(clock::duration stalled, clock::time_point now) {
+  if (stalled <= clock::duration::zero()) return;
+  std::lock_guard lock(mu_);
+  for (auto& p : peers_)
+    if (!p.exited && !p.lost) p.seen = std::min(now, p.seen + stalled);
 }
 
 void PeerTable::rejoining(int node) {

@@ -35,6 +35,11 @@ class PeerTable {
   // A heartbeat count read from the store: how long the count has not moved (zero when it just
   // moved).
   std::chrono::milliseconds beat(int node, std::int64_t beats, clock::time_point now);
+  // Note [A stall is nobody's silence]: this node's own store calls were held up for `stalled`
+  // (its heartbeat landed that much later than its interval allows). Every watched peer's silence
+  // is shortened by it: their beats could not land either, or could not be read, and a peer is
+  // lost only after the heartbeat timeout of time in which the store took this node's writes.
+  void excuse(clock::duration stalled, clock::time_point now);
   // A node asking to come back (Note [Rejoining]): not exited, lost until the decision lets it in.
   void rejoining(int node);
   // A node in the next generation that was lost: watched afresh from `now`.
