@@ -46,6 +46,24 @@ IterationBound bound_or_fail(const IterationTimes& t) {
   return run.get();
 }
 
+// B buckets of times from 0 to 3 ms, forward needing them last bucket first. `held`: each sync
+// takes seconds instead with chance 1 in `held` (one that spanned a trainer held between steps;
+// 0: none); `steps`: each bucket's step up to 0.3 ms (else free).
+IterationTimes random_times(std::mt19937& rng, std::size_t B, unsigned held, bool steps) {
+  std::uniform_real_distribution<double> ms(0.0, 3.0);
+  IterationTimes t;
+  double g = 0;
+  for (std::size_t b = 0; b < B; ++b) {
+    t.forward_order.push_back(std::uint32_t(B - 1 - b));
+    t.forward_ms.push_back(ms(rng));
+    t.gradient_ms.push_back(g += ms(rng));
+    t.reduce_ms.push_back(ms(rng));
+    t.sync_ms.push_back(held && rng() % held == 0 ? 1e4 * ms(rng) : ms(rng));
+    t.step_ms.push_back(steps ? ms(rng) / 10 : 0.0);
+  }
+  return t;
+}
+
 PrefetchTimes as_replay(const IterationTimes& t) {
   PrefetchTimes p;
   static_cast<IterationTimes&>(p) = t;
@@ -85,20 +103,10 @@ TEST_CASE("DDP (no syncs): the last reduction and the step after it bound the it
 
 TEST_CASE("random plans: the bound never lies above the runtime's own schedules, whatever the syncs in backward, nor below compute or the link's work") {
   std::mt19937 rng(7);
-  std::uniform_real_distribution<double> ms(0.0, 3.0);
   for (int trial = 0; trial < 300; ++trial) {
     CAPTURE(trial);
     const std::size_t B = 1 + rng() % 12;
-    IterationTimes t;
-    double g = 0;
-    for (std::size_t b = 0; b < B; ++b) {
-      t.forward_order.push_back(std::uint32_t(B - 1 - b));
-      t.forward_ms.push_back(ms(rng));
-      t.gradient_ms.push_back(g += ms(rng));
-      t.reduce_ms.push_back(ms(rng));
-      t.sync_ms.push_back(ms(rng));
-      t.step_ms.push_back(0);
-    }
+    IterationTimes t = random_times(rng, B, 0, false);
     std::shuffle(t.forward_order.begin(), t.forward_order.end(), rng);  // forward's order need not mirror backward's
     const auto bound = iteration_bound(t);
     CHECK(bound.iteration_ms >= bound.compute_ms - 1e-9);
@@ -126,19 +134,8 @@ TEST_CASE("a sync that spanned a trainer held between steps (58.5 s among millis
   CHECK(b.iteration_ms < b.compute_ms + b.link_ms + 1e-6);
   // Every time k-fold, the bound k-fold, at scales from microseconds to hours.
   std::mt19937 rng(11);
-  std::uniform_real_distribution<double> ms(0.0, 3.0);
   for (int trial = 0; trial < 200; ++trial) {
-    const std::size_t B = 2 + rng() % 10;
-    IterationTimes u;
-    double g = 0;
-    for (std::size_t i = 0; i < B; ++i) {
-      u.forward_order.push_back(std::uint32_t(B - 1 - i));
-      u.forward_ms.push_back(ms(rng));
-      u.gradient_ms.push_back(g += ms(rng));
-      u.reduce_ms.push_back(ms(rng));
-      u.sync_ms.push_back(rng() % 4 == 0 ? 1e4 * ms(rng) : ms(rng));  // now and then one held for seconds
-      u.step_ms.push_back(ms(rng) / 10);
-    }
+    const IterationTimes u = random_times(rng, 2 + rng() % 10, 4, true);  // a sync in four held for seconds
     const double one = bound_or_fail(u).iteration_ms;
     for (const double k : {1e-3, 1e3, 1e6}) {
       CAPTURE(trial);
