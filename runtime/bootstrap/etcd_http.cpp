@@ -90,7 +90,7 @@ struct Connection::Impl {
       close();
       io.restart();
       io.run();
-      throw TransportError("etcd at " + where + ": " + what + " got no answer in time");
+      throw NoAnswer("etcd at " + where + ": " + what + " got no answer in time");
     }
     if (result) {
       close();

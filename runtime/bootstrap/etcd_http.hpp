@@ -19,6 +19,11 @@ using Clock = std::chrono::steady_clock;
 struct TransportError : CommError {
   using CommError::CommError;
 };
+// A member that did not answer within a request's time at all (SIGSTOPped, its host cut off), as
+// opposed to one that answered with an error or refused the connection.
+struct NoAnswer : TransportError {
+  using TransportError::TransportError;
+};
 
 std::string base64(const std::string& bytes);
 std::string unbase64(const std::string& text);  // CommError on malformed input

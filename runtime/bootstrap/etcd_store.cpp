@@ -64,11 +64,49 @@ TokenCache& tokens() {
   return cache;
 }
 
-// The member that answered last, in this process: a store made later (a round's, a rank's
-// rendezvous) asks it first instead of the first endpoint, which may be the one that is gone.
-std::atomic<std::size_t>& answered_last() {
-  static std::atomic<std::size_t> member{0};
-  return member;
+// Note [Members that answer, members that do not]: what this process knows of the members, for
+// every store it makes (the launcher's, its heartbeat's, a round's, a rank's rendezvous), by
+// endpoint, so stores listing the members in another order agree.
+// - The member that answered last is asked first by a store made later, instead of the first
+//   endpoint, which may be the one that is gone.
+// - A member that gave no answer at all within a request's share (its host cut off, SIGSTOPped)
+//   is passed over for kQuietFor while another member may answer: a store moving on after quick
+//   errors from the others (an election's "leader changed") went back to it, and waited its
+//   share there again each time round (a second each at the soak's 3 s calls: a node's heartbeat
+//   could stall past the timeout that way). Once every other member is quiet too, it is asked
+//   again, and an answer clears it.
+constexpr std::chrono::seconds kQuietFor{10};
+
+class MemberMemory {
+ public:
+  std::string answered_last() const {
+    std::lock_guard lock(mu_);
+    return answered_;
+  }
+  void answered(const std::string& endpoint) {
+    std::lock_guard lock(mu_);
+    answered_ = endpoint;
+    quiet_until_.erase(endpoint);
+  }
+  void no_answer(const std::string& endpoint, Clock::time_point now) {
+    std::lock_guard lock(mu_);
+    quiet_until_[endpoint] = now + kQuietFor;
+  }
+  bool quiet(const std::string& endpoint, Clock::time_point now) const {
+    std::lock_guard lock(mu_);
+    const auto it = quiet_until_.find(endpoint);
+    return it != quiet_until_.end() && now < it->second;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string answered_;
+  std::map<std::string, Clock::time_point> quiet_until_;
+};
+
+MemberMemory& members_known() {
+  static MemberMemory memory;
+  return memory;
 }
 
 }  // namespace
@@ -139,18 +177,30 @@ struct EtcdStore::Impl {
       try {
         if (token.empty()) login(c);
         auto result = f(c);  // every call returns what it read or did
-        if (attempt > 0) answered_last() = current;
+        if (attempt > 0) members_known().answered(c.endpoint());
         return result;
       } catch (const etcd::TransportError& e) {
         last = e.what();
         tokens().drop(who(c), token);  // a watch refused for an expired token ends here too
         token.clear();
-        current = (current + 1) % members.size();
+        if (dynamic_cast<const etcd::NoAnswer*>(&e)) members_known().no_answer(c.endpoint(), Clock::now());
+        const std::size_t was = current;
+        current = next_member();
         if (Clock::now() >= until)
           throw TimeoutError(where + ": " + what + " did not complete within " + ms(o.timeout) + " (last: " + last + ")");
-        if (current == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // every member tried: a breath
+        if (current <= was) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // every member tried: a breath
       }
     }
+  }
+
+  // The member after the current one that is not quiet (Note [Members that answer, members that
+  // do not]); the very next when every other one is.
+  std::size_t next_member() const {
+    const std::size_t n = members.size();
+    const auto now = Clock::now();
+    for (std::size_t k = 1; k < n; ++k)
+      if (const std::size_t m = (current + k) % n; !members_known().quiet(members[m]->endpoint(), now)) return m;
+    return (current + 1) % n;
   }
 
   // One unary call: its reply's body when etcd took it.
@@ -227,7 +277,9 @@ EtcdStore::EtcdStore(EtcdOptions options) : impl_(std::make_unique<Impl>()) {
     I.members.push_back(std::make_unique<etcd::Connection>(e));
     I.where += (I.where.empty() ? "etcd at " : ",") + I.members.back()->endpoint();
   }
-  I.current = answered_last() % I.members.size();
+  const std::string first = members_known().answered_last();
+  for (std::size_t m = 0; m < I.members.size(); ++m)
+    if (I.members[m]->endpoint() == first) I.current = m;
   I.on_member("login", I.deadline(), [&](etcd::Connection&) { return 0; });
 }
 
