@@ -1,7 +1,6 @@
 // The Store on etcd's v3 JSON gateway (Note [A store no node owns], shardflow/etcd_store.hpp).
 #include "shardflow/etcd_store.hpp"
 
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <random>

@@ -326,9 +326,10 @@ std::optional<std::string> NodeWatch::peer_failure() const {
 // silence is measured by this node, through the store: when the store holds every write up (an
 // etcd election after its leader's host was cut off, a member that does not answer, this host's
 // heartbeat thread not scheduled), the peers' beats stall exactly as this node's own do, and a
-// healthy peer looked lost (the three-host soak: one run in 480, "no heartbeat for 3.4 s" at a 3 s
-// timeout while that node ran). So the time this node's own beats were held up beyond their
-// interval does not count against anyone: a truly lost peer is found that much later, never not.
+// healthy peer may look lost (one way to the three-host soak's one failure in 480: "no heartbeat
+// for 3.4 s" at a 3 s timeout while that node ran). So the time this node's own beats were held
+// up beyond their interval does not count against anyone: a truly lost peer is found that much
+// later, never not.
 void NodeWatch::heartbeat_loop() {
   const std::string me = std::to_string(o_.node_rank);
   std::unique_lock lock(mu_);
