@@ -524,6 +524,8 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node
   // and at least 4 more after resuming from step 6's or 4's snapshot: its 15th comes after round 1.
   const auto out = heal_across_two_nodes("in_place_twice", 2, {"--max-restarts", "2", "--recovery", "in-place"},
                                          {"collective:1:kill:15", "collective:3:kill:13"});
+  INFO("node 0's output:\n" << out[0]);  // lazily, when a check below fails
+  INFO("node 1's output:\n" << out[1]);
   CHECK(says(out[1], "recovering in place (round 1, 1 of 2 restarts): the other ranks keep running, rank(s) 3 start again"));
   CHECK(says(out[1], "recovered in place: every rank joined round 1"));
   CHECK(says(out[0], "recovering in place (round 2, 2 of 2 restarts): the other ranks keep running, rank(s) 1 start again"));
