@@ -142,14 +142,12 @@ void Supervisor::say_ready(int round) {
 
 // Step 1: whether the ranks of this host leave their iteration at their next snapshot in memory.
 void Supervisor::ask_regroup(bool on) {
-  if (!snapshot_memory_ || snapshot_memory_->path().empty()) return;
-  const auto flag = std::filesystem::path(snapshot_memory_->path()) / snapshot_env::kRegroup;
-  std::error_code ec;
-  if (on) {
+  const auto flag = memory_file(snapshot_env::kRegroup);
+  if (flag.empty()) return;
+  if (on)
     std::ofstream(flag) << "the launcher takes a node into the job: go on in its next round\n";
-  } else {
-    std::filesystem::remove(flag, ec);
-  }
+  else
+    take_memory_file(snapshot_env::kRegroup);
 }
 
 }  // namespace shardflow::launch

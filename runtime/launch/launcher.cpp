@@ -15,7 +15,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <random>
 
@@ -341,10 +340,7 @@ void Supervisor::next_generation() {
   recoveries_before_ = recoveries_seen_;  // restart_wanted() counted them; this generation's keys are left behind
   rounds_healed_ = 0;
   refused_round_ = 0;
-  if (const auto refused = memory_file(snapshot_env::kRefused); !refused.empty()) {  // the generation before's (Note [A round that did not heal])
-    std::error_code ec;
-    std::filesystem::remove(refused, ec);
-  }
+  take_memory_file(snapshot_env::kRefused);  // the generation before's (Note [A round that did not heal])
   say((first_failure_ ? blame() : *peer_failure_) + "; restarting every rank (" + std::to_string(restart_ + recoveries_seen_ + 1) + " of " +
       std::to_string(spec_.max_restarts) + " restarts)");
   remove_shared_memory();

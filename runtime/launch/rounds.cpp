@@ -289,9 +289,7 @@ void Supervisor::recover_in_place(const std::vector<Rank*>& lost) {
 // (every node's count leaves that round out) and ends the generation instead of running another
 // round, which would be refused alike: every rank restarts once, from a snapshot or the start.
 bool Supervisor::round_refused() {
-  const auto marker = memory_file(snapshot_env::kRefused);
-  std::error_code ec;
-  if (marker.empty() || !std::filesystem::remove(marker, ec)) return false;
+  if (!take_memory_file(snapshot_env::kRefused)) return false;
   // The round its survivors joined: the newest claimed. Another node's round may not be learned
   // here yet (learn_rounds polls every 200 ms, and a refusal comes at once).
   int round = learned_round_;
@@ -335,6 +333,12 @@ bool Supervisor::gathers_copies() const {
 std::filesystem::path Supervisor::memory_file(const char* name) const {
   if (!snapshot_memory_ || snapshot_memory_->path().empty()) return {};
   return std::filesystem::path(snapshot_memory_->path()) / name;
+}
+
+bool Supervisor::take_memory_file(const char* name) const {
+  const auto file = memory_file(name);
+  std::error_code ec;
+  return !file.empty() && std::filesystem::remove(file, ec);
 }
 
 bool Supervisor::keeps_snapshots_in_memory() const {
@@ -417,9 +421,8 @@ void Supervisor::cannot_tell(const Error& e) {
 void Supervisor::say_copies(bool on) {
   const auto flag = memory_file(snapshot_env::kNoCopies);
   if (flag.empty()) return;
-  std::error_code ec;
   if (on) {
-    std::filesystem::remove(flag, ec);
+    take_memory_file(snapshot_env::kNoCopies);
   } else {
     std::ofstream(flag) << "the other host was lost: this launcher copies no snapshot files\n";
   }

@@ -106,6 +106,7 @@ class Supervisor {
   void say_copies(bool on);
   // A file of the launcher's snapshot memory (snapshot_env's names); empty without that memory.
   std::filesystem::path memory_file(const char* name) const;
+  bool take_memory_file(const char* name) const;  // removes it: whether it was there
   bool keeps_snapshots_in_memory() const;  // the ranks said so (snapshot_env::kInUse)
   bool gathers_copies() const;
   bool round_refused();
