@@ -256,6 +256,26 @@ TEST_CASE("watched completions: a completion wakes the rank actor only when it m
   CHECK(w.wakes == 5);
 }
 
+TEST_CASE("watched completions: with no wait left the rank actor watches nothing — completions between two waits wake nobody, a failure still does, the next watch works as before") {
+  // Note [Idle between waits] (rank_actor.cpp): the empty watch the actor sets once it answered its last wait.
+  Watched w(2);
+  CHECK_FALSE(w.signal.watch({}));
+  for (int i = 0; i < 5; ++i) {
+    w.signal.bucket_done(0, {});
+    w.signal.bucket_done(1, {});
+  }
+  CHECK(w.wakes == 0);
+  CHECK(w.signal.all_done(5));  // counted all the same: the next request reads them when it looks
+  CHECK_FALSE(w.signal.watch({6, {}}));
+  w.signal.bucket_done(0, {});
+  CHECK(w.wakes == 0);
+  w.signal.bucket_done(1, {});
+  CHECK(w.wakes == 1);
+  CHECK_FALSE(w.signal.watch({}));
+  w.signal.bucket_done(1, BucketFailure{BucketFailure::comm, "rank 1 lost"});
+  CHECK(w.wakes == 2);
+}
+
 TEST_CASE("watched completions: a waiter that looks, then watches, never misses the completion it needs — 2,000 iterations of 8 buckets completed by another thread") {
   // The rank actor's loop (rank_actor.cpp, check): look at the signal; if the iteration is not
   // complete, watch for it; if watch() says it is met already, look again; else sleep until woken.

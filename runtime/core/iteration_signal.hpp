@@ -16,7 +16,9 @@
 // `wake`) only when it meets that, or fails. A new signal, and one whose watch was just met, wakes
 // on every completion until the actor watches again: nobody misses a completion it was not told
 // about. watch() answers true when what it is given is met already (a completion came between
-// the actor's look and its watch): the actor then looks again instead of sleeping.
+// the actor's look and its watch): the actor then looks again instead of sleeping. With no wait
+// left the actor watches nothing (an empty Watch): only a failure wakes it then (Note [Idle
+// between waits], rank_actor.cpp).
 #pragma once
 
 #include <chrono>

@@ -176,12 +176,24 @@ bool watch_waits(self_ptr self) {
   return met || I.signal->watch(w);
 }
 
+// Note [Idle between waits]
+// Once the last wait is answered nobody needs a wake-up until the next request, which looks at the
+// signal itself when it comes (check(), then its watch): so the signal is told to watch nothing,
+// and completions stop waking the rank actor's thread for no one (a failure still wakes it). Left
+// unwatched, every completion between two waits woke it: at stage 2, where backward waits for
+// buffers and the buckets' syncs land before the trainer's wait(), that was a wake-up of the rank
+// actor's thread for most buckets (bench_overhead, 100 buckets). The signal is the one read while
+// a wait held the trainer: once that wait is answered the trainer may re-plan and replace it.
 void check(self_ptr self) {
-  // Between iterations the trainer may be re-planning (a new signal): nothing to read then. Once
-  // the last wait is answered the signal wakes on every completion again until the next one.
+  // Between iterations the trainer may be re-planning (a new signal): nothing to read then.
   while (self->state.waiting()) {
+    const auto signal = RankActorAccess::impl(*self->state.rt).signal;
     look(self);
-    if (!self->state.waiting() || !watch_waits(self)) return;
+    if (!self->state.waiting()) {
+      if (signal) signal->watch({});
+      return;
+    }
+    if (!watch_waits(self)) return;
   }
 }
 
