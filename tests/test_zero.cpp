@@ -586,6 +586,56 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
   CHECK(test::rel_error(stage2, run(1)) <= 1e-6);
 }
 
+// Note [A failure ends the wait for a buffer]
+TEST_CASE("stage 2 backpressure: a trainer held for a gradient buffer when its peer is lost hears of the failure at once, naming "
+          "it, not at the collective timeout — every buffer in flight, their reductions never complete") {
+  // 24 parameters: enough that sharding the gradients saves room for pooled buckets (stage 2's
+  // budget), so that backpressure holds the trainer at 2 buffers in flight.
+  const int n = 2, P = 24, numel = 1000;
+  auto world = InProcessWorld::create(n, 30s);
+  std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(P) * numel, 1.0f));
+  std::string heard;
+  std::chrono::steady_clock::duration held_for{};
+  int buffers_taken = 0;
+  test::run_ranks(n, [&](int r) {
+    Config cfg;
+    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;  // a bucket per parameter
+    cfg.buckets.last_cap_bytes = 0;
+    cfg.zero.stage = ZeroStage::gradients;
+    cfg.zero.overlap = Overlap::interleaved;
+    cfg.zero.max_buckets_in_flight = 2;
+    cfg.timeouts.collective = 30s;
+    Runtime rt(world->communicator(r), cfg);
+    const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
+    OptimizerConfig adam;
+    adam.kind = OptimizerConfig::Kind::adam;
+    rt.configure_optimizer(adam);
+    rt.zero_grad();
+    if (r == 1) {  // rank 1 never reports a gradient: rank 0's reductions wait for it, then it is lost
+      std::this_thread::sleep_for(300ms);
+      world->communicator(1)->abort("the test loses rank 1");
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      for (int i = P - 1; i >= 0; --i) {  // backward's order: the last parameter first
+        float* g = rt.grad_f32(h[std::size_t(i)]);
+        ++buffers_taken;
+        for (int e = 0; e < numel; ++e) g[e] = 0.5f;
+        rt.grad_ready(h[std::size_t(i)]);
+      }
+      rt.wait();
+    } catch (const Error& e) {
+      heard = e.what();
+    }
+    held_for = std::chrono::steady_clock::now() - t0;
+  });
+  CAPTURE(heard);
+  CHECK(buffers_taken < P);  // held by backpressure: the failure came while it waited for a buffer
+  CHECK(heard.find("the test loses rank 1") != std::string::npos);
+  CHECK(held_for < 10s);  // 30 s (the collective timeout) before the fix
+}
+
 namespace {
 
 // 16-bit training at worlds 2 and 3, for bf16 and fp16 (`make16` puts the type into the options):

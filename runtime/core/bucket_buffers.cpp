@@ -63,12 +63,14 @@ void BucketBuffers::give_back(std::shared_ptr<std::byte> buf, std::size_t capaci
 std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit, std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   if (grad_[b]) return grad_[b];
-  if (pooled_ && limit > 0 &&
-      !released_.wait_for(lock, timeout, [&] { return held_grads_ < limit || grad_[b] || reducing_ == 0; }))
+  const auto may_take = [&] { return held_grads_ < limit || grad_[b] || reducing_ == 0; };
+  if (pooled_ && limit > 0 && !may_take() && interrupted_) return nullptr;
+  if (pooled_ && limit > 0 && !released_.wait_for(lock, timeout, [&] { return may_take() || interrupted_; }))
     throw TimeoutError("no gradient bucket was freed within " + std::to_string(timeout.count()) + " ms while " +
                        std::to_string(held_grads_) + " bucket(s) were in flight (Config::zero.max_buckets_in_flight = " +
                        std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
                        "or raise max_buckets_in_flight.");
+  if (!grad_[b] && pooled_ && limit > 0 && !may_take()) return nullptr;  // interrupted
   if (!grad_[b]) {
     grad_[b] = take(b, grad_cap_[b], true);
     ++held_grads_;
@@ -104,6 +106,23 @@ void BucketBuffers::mark_reducing(std::size_t b) {
   }
 }
 
+// Note [A failure ends the wait for a buffer]
+// Backpressure waits for a reduction in flight to release its buffer. When the iteration fails (a
+// peer lost, an abort), those reductions fail instead and release nothing, so the wait lasted the
+// whole collective timeout and then blamed the trainer: "no gradient bucket was freed ... Report
+// each gradient with grad_ready() as soon as it is written, or raise max_buckets_in_flight"
+// (test_zero: 30 s at a 30 s timeout, with the peer lost 0.3 s in). A survivor recovering in place
+// reached the next round that much later, after the others' rendezvous had given up on it. The
+// signal's first failure interrupts the wait (Runtime::Impl::signal_listener), and the trainer's
+// call throws that failure instead.
+void BucketBuffers::interrupt() {
+  {
+    std::lock_guard lock(mu_);
+    interrupted_ = true;
+  }
+  released_.notify_all();
+}
+
 std::shared_ptr<std::byte> BucketBuffers::acquire_staging(std::size_t b) {
   std::lock_guard lock(mu_);
   // Not zeroed: the pack writes every element a sync reads. (On a GPU the zeroing would go on the
@@ -132,6 +151,7 @@ void BucketBuffers::zero_held() {
 
 void BucketBuffers::release_all() {
   std::lock_guard lock(mu_);
+  interrupted_ = false;
   for (auto& g : grad_) g.reset();
   for (auto& st : staging_) st.reset();
   free_.clear();

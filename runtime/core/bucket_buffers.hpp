@@ -38,7 +38,8 @@ class BucketBuffers {
   // marked reducing (backpressure: gradient memory stays near "buckets in flight + 1/N" however far
   // backward runs ahead of the reductions). When every held bucket is still being written, no
   // release can come, so it takes a buffer beyond the limit instead of waiting: gradients that
-  // arrive in an order unrelated to the buckets never deadlock. TimeoutError after `timeout`.
+  // arrive in an order unrelated to the buckets never deadlock. TimeoutError after `timeout`; null,
+  // at once, for a wait the iteration's failure cut short (interrupt()).
   std::shared_ptr<std::byte> grad(std::size_t b, std::size_t limit = 0,
                                   std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
   // Bucket b's gradient buffer if it holds one now, else null; never takes one or waits.
@@ -47,6 +48,10 @@ class BucketBuffers {
   // b's reduction will be issued with no further trainer action (b and every earlier bucket are
   // complete): its release is on its way, so waiting for a buffer is safe.
   void mark_reducing(std::size_t b);
+  // The iteration failed (Note [A failure ends the wait for a buffer]): the reductions in flight
+  // will never release their buffers, so every caller waiting in grad() returns null now, and so
+  // does any later one that would wait, until release_all().
+  void interrupt();
 
   // Sync staging: pooled, a separate buffer taken at the step; otherwise the bucket itself.
   std::shared_ptr<std::byte> acquire_staging(std::size_t b);
@@ -79,6 +84,7 @@ class BucketBuffers {
   std::size_t allocated_ = 0, peak_ = 0;
   std::size_t held_grads_ = 0, reducing_ = 0;
   std::vector<char> is_reducing_;
+  bool interrupted_ = false;
   std::condition_variable released_;
 };
 

@@ -285,16 +285,19 @@ IterationSignal::OnDone Runtime::Impl::signal_listener(std::uint64_t first_itera
   // is its reduced gradients, announced with the iteration).
   const std::size_t param_buckets = shard ? plan.buckets.size() : 0;
   return [poke = rank_actor_poke(client.actor), events = client.subscribers, round = client.subscribers->round(), param_buckets,
-          first_iteration](std::uint32_t b, std::uint64_t count, const BucketFailure& f, bool wake) {
-    if (f)
+          first_iteration, buffers = std::weak_ptr<BucketBuffers>(bufs)](std::uint32_t b, std::uint64_t count, const BucketFailure& f,
+                                                                        bool wake) {
+    if (f) {
+      if (const auto held = buffers.lock()) held->interrupt();  // Note [A failure ends the wait for a buffer]
       events->failed(make_error(f.kind == BucketFailure::timeout    ? errc::timeout
                                 : f.kind == BucketFailure::mismatch ? errc::mismatch
                                 : f.kind == BucketFailure::usage    ? errc::usage
                                                                     : errc::comm,
                                 f.what),
                      round);
-    else if (b < param_buckets)
+    } else if (b < param_buckets) {
       events->params_ready(b, first_iteration + count);
+    }
     if (wake) poke();  // Note [Watched completions]
   };
 }
