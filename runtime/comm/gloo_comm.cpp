@@ -104,6 +104,19 @@ class GlooComm final : public Communicator {
   // in place (Note [Recovering in place]): a survivor that abandons the old round must not leave
   // another survivor waiting on it for the whole collective timeout while the new round's
   // rendezvous times out without it (seen at world 3: rank 0 waited on rank 2, which had moved on).
+  //
+  // Note [A failed op closes this rank's connections]
+  // The abort also comes at once from the op that failed, on the stream's thread, not only when
+  // the runtime hears of the failure (record_failure, at the trainer's next wait or request).
+  // recover() aborts the old communicator only after the next round's one is made, so a survivor
+  // that reached the next round's rendezvous before its runtime recorded the failure left its old
+  // connections open, and a peer blocked on it in the old round waited the whole timeout. Seen in
+  // test_actor_api's shrinking case over Gloo, world 3, rank 0 killed (2 runs in 32 with both
+  // cores busy; 0 in 80 after): rank 1 held 20 s (the run's timeout) in reduce_scatter #56, rank 0
+  // being dead, so on rank 2, while rank 2 waited 20 s in the new round for rank 1's key. Rank 2
+  // printed no "this round ended" of its own, so how it heard of the loss is not known. After a
+  // failed op the Gloo context is not usable anyway: a pair's state after an error or a timeout
+  // is unknown.
   void abort(const std::string& reason) override {
     {
       std::lock_guard lock(abort_mu_);
@@ -165,12 +178,14 @@ class GlooComm final : public Communicator {
           return;
         }
       }
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      abort(e.what());  // Note [A failed op closes this rank's connections]
       throw;
     } catch (const std::exception& e) {
       const std::string what = e.what();
       const std::string msg = "gloo rank " + std::to_string(rank_) + ": " + collective_name(op.kind) + " #" +
                               std::to_string(tag) + " ('" + op.tag + "') failed: " + what;
+      abort(msg);  // Note [A failed op closes this rank's connections]
       if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) {
         // Gloo does not say which peer it waited for; with two ranks there is only one.
         const std::string peer = world_ == 2 ? "rank " + std::to_string(1 - rank_) : "a peer";
