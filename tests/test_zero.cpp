@@ -541,22 +541,37 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard 
   }
 }
 
+namespace {
+
+// The backpressure scenarios' settings: `stage`, 2 gradient buffers in flight, a 30 s timeout.
+Config two_in_flight(ZeroStage stage, std::size_t bucket_bytes) {
+  Config cfg;
+  cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = bucket_bytes;
+  cfg.zero.stage = stage;
+  cfg.zero.max_buckets_in_flight = 2;
+  cfg.timeouts.collective = 30s;
+  return cfg;
+}
+
+// P parameters of `numel` laid end to end in `flat`, stepped by Adam inside the runtime.
+std::vector<Param> flat_with_adam(Runtime& rt, float* flat, int P, int numel) {
+  const auto h = test::register_flat(rt, flat, P, numel);
+  OptimizerConfig adam;
+  adam.kind = OptimizerConfig::Kind::adam;
+  rt.configure_optimizer(adam);
+  return h;
+}
+
+}  // namespace
+
 TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in random order with 2 buckets in flight") {
   const int n = 2, P = 24, numel = 1000;
   auto run = [&](int stage) {
     auto world = InProcessWorld::create(n, 30s);
     std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(P) * numel, 1.0f));
     test::require_all_ok(test::run_ranks(n, [&](int r) {
-      Config cfg;
-      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = 3 * numel * 4;  // 3 parameters a bucket
-      cfg.zero.stage = ZeroStage(stage);
-      cfg.zero.max_buckets_in_flight = 2;
-      cfg.timeouts.collective = 30s;
-      Runtime rt(world->communicator(r), cfg);
-      const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
-      OptimizerConfig adam;
-      adam.kind = OptimizerConfig::Kind::adam;
-      rt.configure_optimizer(adam);
+      Runtime rt(world->communicator(r), two_in_flight(ZeroStage(stage), 3 * numel * 4));  // 3 parameters a bucket
+      const auto h = flat_with_adam(rt, params[std::size_t(r)].data(), P, numel);
       std::mt19937 rng(77u + unsigned(r));
       for (int it = 0; it < 5; ++it) {
         rt.zero_grad();
@@ -598,18 +613,11 @@ TEST_CASE("stage 2 backpressure: a trainer held for a gradient buffer when its p
   std::chrono::steady_clock::duration held_for{};
   int buffers_taken = 0;
   test::run_ranks(n, [&](int r) {
-    Config cfg;
-    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;  // a bucket per parameter
+    auto cfg = two_in_flight(ZeroStage::gradients, numel * 4);  // a bucket per parameter
     cfg.buckets.last_cap_bytes = 0;
-    cfg.zero.stage = ZeroStage::gradients;
     cfg.zero.overlap = Overlap::interleaved;
-    cfg.zero.max_buckets_in_flight = 2;
-    cfg.timeouts.collective = 30s;
     Runtime rt(world->communicator(r), cfg);
-    const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
-    OptimizerConfig adam;
-    adam.kind = OptimizerConfig::Kind::adam;
-    rt.configure_optimizer(adam);
+    const auto h = flat_with_adam(rt, params[std::size_t(r)].data(), P, numel);
     rt.zero_grad();
     if (r == 1) {  // rank 1 never reports a gradient: rank 0's reductions wait for it, then it is lost
       std::this_thread::sleep_for(300ms);
