@@ -187,9 +187,12 @@ void fit_stage2_pool(BucketCaps& c, const std::vector<ParamSpec>& params, const 
   if (t.largest > per_slot || !caps_fit(params, order, s, c.first, 1, per_slot)) {
     // One parameter alone overfills a slot: pooling could hold more than stage 1's whole buckets.
     // Keep whole buckets (stage 1's memory) and reduce-scatter in place instead.
-    c.warning = "stage 2 keeps whole gradient buckets (as stage 1) for this model: parameter '" + t.big->name + "' (" + mib(t.largest) +
-                ") is larger than the in-flight budget allows per bucket (" + mib(c.budget) + " over " + std::to_string(slots) +
-                " buckets in flight), so holding buckets only while in flight could cost more than it saves";
+    // Bytes below a MiB: "0.00 MiB is larger than 0.01 MiB" said nothing on a small model.
+    auto amount = [](std::size_t bytes) { return bytes < (std::size_t{1} << 20) ? std::to_string(bytes) + " bytes" : mib(bytes); };
+    c.warning = "stage 2 keeps whole gradient buckets (as stage 1) for this model: parameter '" + t.big->name + "' (" + amount(t.largest) +
+                ", with its bucket's padding) does not fit what the in-flight budget allows a bucket (" + amount(per_slot) + ": " +
+                amount(c.budget) + " over " + std::to_string(slots) +
+                " buffers in flight), so holding buckets only while in flight could cost more than it saves";
     return;
   }
   c.pooled = true;
