@@ -63,14 +63,14 @@ void BucketBuffers::give_back(std::shared_ptr<std::byte> buf, std::size_t capaci
 std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit, std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   if (grad_[b]) return grad_[b];
-  const auto may_take = [&] { return held_grads_ < limit || grad_[b] || reducing_ == 0; };
-  if (pooled_ && limit > 0 && !may_take() && interrupted_) return nullptr;
-  if (pooled_ && limit > 0 && !released_.wait_for(lock, timeout, [&] { return may_take() || interrupted_; }))
+  const bool limited = pooled_ && limit > 0;
+  const auto may_take = [&] { return !limited || held_grads_ < limit || grad_[b] || reducing_ == 0; };
+  if (limited && !released_.wait_for(lock, timeout, [&] { return may_take() || interrupted_; }))  // unlimited: no clock read
     throw TimeoutError("no gradient bucket was freed within " + std::to_string(timeout.count()) + " ms while " +
                        std::to_string(held_grads_) + " bucket(s) were in flight (Config::zero.max_buckets_in_flight = " +
                        std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
                        "or raise max_buckets_in_flight.");
-  if (!grad_[b] && pooled_ && limit > 0 && !may_take()) return nullptr;  // interrupted
+  if (!may_take()) return nullptr;  // interrupted (Note [A failure ends the wait for a buffer])
   if (!grad_[b]) {
     grad_[b] = take(b, grad_cap_[b], true);
     ++held_grads_;
