@@ -219,9 +219,8 @@ std::uint32_t entries_at(const CommStreamState& s, std::uint32_t i) {
   return n;
 }
 
-// Issues every ready entry in schedule order. At an iteration's boundary (and once a comm hook's
-// last phase is out) the trainer's collectives go first: before the next iteration's entries.
-void pump(self_ptr self) {
+// Issues the ready entries from the schedule's position on, in order, until one is not ready.
+void issue_ready(self_ptr self) {
   auto& s = self->state;
   release_trainer_ops(self);
   while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
@@ -241,11 +240,34 @@ void pump(self_ptr self) {
     submit(self, e, std::move(issue));
     if (e.kind == ScheduledCollective::reduce && i == s.last_reduce_entry && s.shard) self->send(s.shard, msg::all_issued_atom::value);
   }
-  if (s.next == s.entries.size()) {  // the iteration's schedule is out: start over
-    s.next = 0;
-    ++s.iteration;
-    release_trainer_ops(self);
-  }
+}
+
+// The iteration's schedule is out: start over. True when the next iteration's first entry is
+// ready already (Note [Ready before the wrap]).
+bool wrap(self_ptr self) {
+  auto& s = self->state;
+  if (s.next != s.entries.size()) return false;
+  s.next = 0;
+  ++s.iteration;
+  release_trainer_ops(self);
+  return !s.entries.empty() && !s.blocked && s.ready[0];
+}
+
+// Issues every ready entry in schedule order. At an iteration's boundary (and once a comm hook's
+// last phase is out) the trainer's collectives go first: before the next iteration's entries.
+//
+// Note [Ready before the wrap]
+// With forward prefetch the next backward runs while this iteration's last syncs are still going
+// out, so the next iteration's first buckets can be ready before the schedule wraps: their `ready`
+// marks wait at its start. Once the last entry is out the pump goes round
+// again and issues them. It stopped at the wrap instead, so they waited for the next message to
+// this actor, and when none came (the trainer held by stage 2's backpressure until one of those
+// very buckets was reduced) that rank never issued its reduction: the others timed out naming it
+// (test_zero, "under random arrival orders ...", at world 3 with prefetch: 1 run in 2).
+void pump(self_ptr self) {
+  do {
+    issue_ready(self);
+  } while (wrap(self));
 }
 
 // Entry i may go out once every earlier one has.

@@ -246,7 +246,9 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
                      std::size_t fuse_syncs_bytes = Config{}.zero.fuse_syncs_bytes) {
   const int n = 3, P = 14, iters = 6;
   std::vector<int> sizes;
-  for (int i = 0; i < P; ++i) sizes.push_back(29 + 53 * i);
+  // Sizes that stage 2 can pool at 2 buckets in flight (with 29 + 53 i its plan fell back to
+  // whole buckets, so the backpressure below was never exercised).
+  for (int i = 0; i < P; ++i) sizes.push_back(200 + 10 * i + (i % 3) * 37);
   const int total = std::accumulate(sizes.begin(), sizes.end(), 0);
   JitterRun out;
   out.params.assign(n, std::vector<float>(std::size_t(total)));
