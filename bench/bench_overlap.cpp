@@ -95,11 +95,9 @@ int main(int argc, char** argv) {
   base.optimizer.kind = OptimizerConfig::Kind::adamw;
   base.optimizer.lr = 1e-3f;
   base.runtime.timeouts.collective = seconds(60);
-  base.runtime.zero.prefetch_syncs_in_backward = prefetch_early;
-  base.runtime.zero.max_buckets_in_flight = in_flight;
 
-  const std::vector<Mode> modes{{"none", Overlap::none, false, 0},
-                                {"after_backward", Overlap::after_backward, false, 0},
+  const std::vector<Mode> modes{{"none", Overlap::none, false, -1},
+                                {"after_backward", Overlap::after_backward, false, -1},
                                 {"interleaved", Overlap::interleaved, false, -1},
                                 {"interleaved lag 0", Overlap::interleaved, false, 0},
                                 {"interleaved lag 1", Overlap::interleaved, false, 1},
@@ -156,6 +154,8 @@ int main(int argc, char** argv) {
       o.runtime.zero.overlap = m.overlap;
       o.runtime.zero.forward_prefetch = m.prefetch;
       o.runtime.zero.interleave_lag = m.lag;
+      if (stage == 2) o.runtime.zero.max_buckets_in_flight = in_flight;  // stage 2's alone: other stages refuse it
+      if (m.prefetch) o.runtime.zero.prefetch_syncs_in_backward = prefetch_early;  // the others refuse it
       // A B A B: the instant-link baseline and every ratio, `reps` times over; medians.
       std::vector<double> computes;
       std::vector<std::vector<double>> iters_ms(ratios.size());

@@ -158,6 +158,7 @@ int main(int argc, char** argv) {
                                  {"zero.reduce_scatter", "--no-reduce-scatter"},
                                  {"zero.forward_prefetch", "--forward-prefetch"},
                                  {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"},
+                                 {"zero.interleave_lag", "--interleave-lag"},
                                  {"zero.max_buckets_in_flight", "--max-buckets-in-flight"},
                                  {"zero.fuse_syncs_bytes", "--fuse-syncs-bytes"},
                                  {"zero.clip_grad_norm", "--clip-grad-norm"},

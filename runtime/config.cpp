@@ -38,6 +38,12 @@ void Config::validate() const {
                                   " yet: an iteration's count of training ranks is taken while no parameter sync is in flight");
   if (zero.max_buckets_in_flight == 1)
     bad("zero.max_buckets_in_flight", "must be 0 (the memory budget's choice) or >= 2 (one bucket being written, one being reduced)");
+  // Only stage 2 gives buffers back between iterations; a limit elsewhere would limit nothing.
+  if (zero.max_buckets_in_flight != 0 && zero.stage != ZeroStage::gradients)
+    bad("zero.max_buckets_in_flight", "= " + std::to_string(zero.max_buckets_in_flight) +
+                                          " limits ZeRO-2's gradient buffers in flight, but " + name_of("zero.stage") + " = " +
+                                          std::to_string(int(zero.stage)) + " keeps every bucket's buffer for the whole run: "
+                                          "leave it at 0, or use stage 2");
   if (!(zero.clip_grad_norm >= 0.0f) || !std::isfinite(zero.clip_grad_norm))
     bad("zero.clip_grad_norm", "must be a finite number >= 0 (0 turns clipping off)");
   if (int(zero.partition) < 0 || int(zero.partition) > 2) bad("zero.partition", "must be param, bucket or flat");
@@ -80,6 +86,19 @@ void Config::validate() const {
         "must be -1 (auto), 0 or a bucket count, got " + std::to_string(zero.prefetch_syncs_in_backward));
   if (zero.interleave_lag < -1 || zero.interleave_lag > 64)
     bad("zero.interleave_lag", "must be -1 (auto) or 0 to 64, got " + std::to_string(zero.interleave_lag));
+  // A schedule setting for a mode that has no such schedule would silently do nothing.
+  if (zero.interleave_lag >= 0 && (zero.overlap != Overlap::interleaved || zero.stage == ZeroStage::ddp))
+    bad("zero.interleave_lag", "= " + std::to_string(zero.interleave_lag) + " places each parameter sync after a later bucket's reduction, "
+                               "which only interleaved overlap at ZeRO stage 1 or 2 does (" + name_of("zero.overlap") + " = " +
+                               overlap_name(zero.overlap) + ", " + name_of("zero.stage") + " = " + std::to_string(int(zero.stage)) +
+                               "): leave it at -1");
+  if (zero.prefetch_syncs_in_backward >= 0 && !zero.forward_prefetch)
+    bad("zero.prefetch_syncs_in_backward", "= " + std::to_string(zero.prefetch_syncs_in_backward) + " splits forward prefetch's syncs, but " +
+                                           name_of("zero.forward_prefetch") + " is off: leave it at -1");
+  if (zero.prefetch_syncs_in_backward > 0 && zero.overlap != Overlap::interleaved)
+    bad("zero.prefetch_syncs_in_backward", "= " + std::to_string(zero.prefetch_syncs_in_backward) + " sends syncs during backward, which only " +
+                                           name_of("zero.overlap") + " interleaved does (it is " + overlap_name(zero.overlap) +
+                                           "): every sync goes after backward; leave it at -1 or 0");
   if (timeouts.collective.count() <= 0) bad("timeouts.collective", "must be positive (default 10 min)");
   if (snapshot.every < 0) bad("snapshot.every", "must be >= 0, got " + std::to_string(snapshot.every));
   if (!snapshot.dir.empty() && snapshot.every == 0)

@@ -52,7 +52,7 @@ void check_rows(const std::string& program, const std::vector<Row>& rows) {
 // Files that are not what they claim, in a scratch folder.
 struct Fixtures {
   fs::path dir = fs::temp_directory_path() / ("sf_bad_input_" + std::to_string(::getpid()));
-  std::string empty, tiny, cut, bad_header, wrong_shape, ckpt_dir, cut_ckpt_dir, bad_json, not_list, neg_shape;
+  std::string empty, tiny, cut, bad_header, wrong_shape, ckpt_dir, cut_ckpt_dir, bad_json, not_list, neg_shape, small;
   Fixtures() {
     fs::create_directories(dir);
     auto write = [&](const std::string& name, const std::string& bytes) {
@@ -79,6 +79,8 @@ struct Fixtures {
     bad_json = write("bad.json", "[{\"name\": \"w\", \"shape\": [3,");
     not_list = write("not_list.json", "{\"params\": 3}");
     neg_shape = write("neg.json", "[{\"name\": \"w\", \"shape\": [-3]}]");
+    // Too small for stage 2 to pool at world 2: sharding saves 620 bytes, less than one buffer.
+    small = write("small.json", "[{\"name\": \"w\", \"shape\": [300]}, {\"name\": \"b\", \"shape\": [10]}]");
   }
   ~Fixtures() { fs::remove_all(dir); }
 };
@@ -119,9 +121,14 @@ TEST_CASE("mlp_train: every flag with an invalid value is refused, naming the fl
       {{"--timeout", "0"}, "--timeout"},
       {{"--zero-stage", "3"}, "--zero-stage must be 0, 1 or 2, got 3"},
       {{"--zero-stage", "-1"}, "--zero-stage must be 0, 1 or 2, got -1"},
+      {{"--zero-stage", "1", "--optimizer", "adamw", "--max-buckets-in-flight", "3"},
+       "--max-buckets-in-flight = 3 limits ZeRO-2's gradient buffers in flight, but --zero-stage = 1"},
       {{"--overlap", "sometimes"}, "overlap mode 'sometimes'"},
       {{"--partition", "rows"}, "partition 'rows'"},
-      {{"--interleave-lag", "-5"}, "interleave_lag"},
+      {{"--interleave-lag", "-5"}, "--interleave-lag must be -1 (auto) or 0 to 64, got -5"},
+      {{"--interleave-lag", "2", "--zero-stage", "1", "--optimizer", "adamw"}, "--interleave-lag = 2 places each parameter sync after"},
+      {{"--prefetch-syncs-in-backward", "2", "--zero-stage", "1", "--optimizer", "adamw"},
+       "--prefetch-syncs-in-backward = 2 splits forward prefetch's syncs, but --forward-prefetch is off"},
       {{"--clip-grad-norm", "-1"}, "--clip-grad-norm"},
       {{"--clip-grad-norm", "nan"}, "--clip-grad-norm"},
       {{"--accumulate", "0"}, "--accumulate"},
@@ -201,6 +208,10 @@ TEST_CASE("shardflow run and plan: invalid flags and malformed parameter lists a
                                           {{"plan", "--params", f.neg_shape, "--world-size", "2", "--zero-stage", "5"}, "--zero-stage"},
                                           {{"plan", "--params", f.neg_shape, "--world-size", "2", "--optimizer", "x"}, "--optimizer"},
                                           {{"plan", "--params", f.neg_shape, "--world-size", "2", "--bucket-cap-mb", "0"}, "--bucket-cap-mb"},
+                                          {{"plan", "--params", f.small, "--world-size", "2", "--zero-stage", "1", "--max-buckets-in-flight", "2"},
+                                           "--max-buckets-in-flight = 2 limits ZeRO-2's gradient buffers in flight, but stage 1 keeps"},
+                                          {{"plan", "--params", f.small, "--world-size", "2", "--zero-stage", "2", "--max-buckets-in-flight", "2"},
+                                           "--max-buckets-in-flight = 2 limits ZeRO-2's gradient buffers in flight, but stage 2 keeps whole"},
                                           {{"frobnicate"}, "frobnicate"},
                                       });
 }
@@ -217,6 +228,7 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"zero.overlap", [](Config& c) { c.zero.overlap = Overlap(9); }},
       {"precision.comm_dtype", [](Config& c) { c.precision.comm_dtype = DType(99); }},
       {"zero.max_buckets_in_flight", [](Config& c) { c.zero.max_buckets_in_flight = 1; }},
+      {"zero.max_buckets_in_flight", [](Config& c) { c.zero.stage = ZeroStage::optimizer_state, c.zero.max_buckets_in_flight = 4; }},
       {"zero.clip_grad_norm", [](Config& c) { c.zero.clip_grad_norm = -1; }},
       {"zero.clip_grad_norm", [nan](Config& c) { c.zero.clip_grad_norm = nan; }},
       {"zero.clip_norm_type", [](Config& c) { c.zero.clip_grad_norm = 1, c.zero.clip_norm_type = 3; }},
@@ -227,6 +239,12 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"buckets.first_cap_bytes", [](Config& c) { c.buckets.first_cap_bytes = 0; }},
       {"zero.prefetch_syncs_in_backward", [](Config& c) { c.zero.prefetch_syncs_in_backward = -2; }},
       {"zero.interleave_lag", [](Config& c) { c.zero.interleave_lag = 65; }},
+      {"zero.interleave_lag", [](Config& c) { c.zero.stage = ZeroStage::optimizer_state, c.zero.interleave_lag = 1; }},  // overlap none
+      {"zero.interleave_lag", [](Config& c) { c.zero.overlap = Overlap::interleaved, c.zero.interleave_lag = 1; }},  // stage 0: no syncs
+      {"zero.prefetch_syncs_in_backward", [](Config& c) { c.zero.prefetch_syncs_in_backward = 0; }},  // no prefetch
+      {"zero.prefetch_syncs_in_backward", [](Config& c) {
+         c.zero.stage = ZeroStage::optimizer_state, c.zero.forward_prefetch = true, c.zero.prefetch_syncs_in_backward = 3;  // overlap none
+       }},
       {"zero.fuse_syncs_bytes", [](Config& c) { c.zero.fuse_syncs_bytes = 1 << 20; }},  // stage 0: no syncs
       {"zero.fuse_syncs_bytes", [](Config& c) {
          c.zero.stage = ZeroStage::optimizer_state, c.zero.partition = Partition::param, c.zero.fuse_syncs_bytes = 1 << 20;
@@ -271,6 +289,34 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
 }
 
 // Note [Snapshots]
+TEST_CASE("a limit of stage 2's buffers in flight that the plan cannot honour is refused, naming it: a model too small to pool at world 2, and world 1") {
+  Config cfg;
+  cfg.zero.stage = ZeroStage::gradients;
+  cfg.zero.max_buckets_in_flight = 2;
+  cfg.setting_names = {{"zero.max_buckets_in_flight", "--max-buckets-in-flight"}};
+  for (int n : {1, 2}) {
+    CAPTURE(n);
+    auto world = InProcessWorld::create(n, 20s);
+    std::vector<std::string> said(static_cast<std::size_t>(n));
+    test::require_all_ok(test::run_ranks(n, [&](int r) {
+      std::vector<float> w(300, 0.5f), b(10, 0.5f);
+      Runtime rt(world->communicator(r), cfg);
+      const auto pw = rt.register_param({"w", {300}, DType::f32, Device::cpu(), w.data()});
+      rt.register_param({"b", {10}, DType::f32, Device::cpu(), b.data()});
+      try {
+        rt.configure_optimizer(OptimizerConfig{});  // the optimizer's state slots size the plan
+        rt.grad_ready(pw);
+      } catch (const UsageError& e) {
+        said[std::size_t(r)] = e.what();
+      }
+    }));
+    for (const auto& what : said) {
+      CHECK(what.find("--max-buckets-in-flight = 2 limits ZeRO-2's gradient buffers in flight") != std::string::npos);
+      CHECK(what.find(n == 1 ? "at world 1 nothing is sharded" : "parameter 'w'") != std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("snapshots misused: no resumed_step() before the first backward, no runtime optimizer, resumed_step() after training started — each named") {
   const auto dir = (std::filesystem::temp_directory_path() / ("shardflow_snapshots_" + std::to_string(::getpid()))).string();
   Config cfg;

@@ -264,7 +264,7 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
     cfg.zero.overlap = overlap;
     cfg.zero.partition = partition;
     cfg.zero.clip_grad_norm = clip ? 0.5f : 0.0f;
-    cfg.zero.max_buckets_in_flight = 2;  // the tightest backpressure (stage 2)
+    if (stage == 2) cfg.zero.max_buckets_in_flight = 2;  // the tightest backpressure (stage 2 alone has it)
     cfg.zero.forward_prefetch = prefetch;
     cfg.zero.fuse_syncs_bytes = fuse_syncs_bytes;
     std::shared_ptr<Communicator> comm = world->communicator(r);
@@ -512,7 +512,7 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard 
       cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = numel * 4;
       cfg.zero.stage = ZeroStage(stage);
       cfg.zero.overlap = overlap;
-      cfg.zero.max_buckets_in_flight = 2;
+      if (stage == 2) cfg.zero.max_buckets_in_flight = 2;  // stage 1 refuses it: it keeps every bucket
       Runtime rt(world->communicator(r), cfg);
       const auto h = test::register_flat(rt, params[std::size_t(r)].data(), P, numel);
       OptimizerConfig sgd;
@@ -545,12 +545,13 @@ TEST_CASE("stage 2 holds only the buckets in flight plus its 1/N gradient shard 
 
 namespace {
 
-// The backpressure scenarios' settings: `stage`, 2 gradient buffers in flight, a 30 s timeout.
+// The backpressure scenarios' settings: `stage`, 2 gradient buffers in flight (stage 2; the others
+// keep every bucket), a 30 s timeout.
 Config two_in_flight(ZeroStage stage, std::size_t bucket_bytes) {
   Config cfg;
   cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = bucket_bytes;
   cfg.zero.stage = stage;
-  cfg.zero.max_buckets_in_flight = 2;
+  if (stage == ZeroStage::gradients) cfg.zero.max_buckets_in_flight = 2;  // stage 1 refuses it
   cfg.timeouts.collective = 30s;
   return cfg;
 }

@@ -77,7 +77,9 @@ RunPlan make_plan(const PlanArgs& a) {
     const DType d = parse_dtype(a.param_dtype);
     for (auto& p : params) p.dtype = d;
   }
-  return make_run_plan(std::move(params), s);
+  auto plan = make_run_plan(std::move(params), s);
+  check_in_flight_honoured(plan.caps, a.in_flight, a.stage, "--max-buckets-in-flight");
+  return plan;
 }
 
 void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {

@@ -207,6 +207,16 @@ void fit_stage2_pool(BucketCaps& c, const std::vector<ParamSpec>& params, const 
 
 }  // namespace
 
+void check_in_flight_honoured(const BucketCaps& caps, std::size_t limit, int stage, const std::string& setting) {
+  if (limit == 0 || caps.pooled) return;
+  const std::string head = setting + " = " + std::to_string(limit) + " limits ZeRO-2's gradient buffers in flight, but ";
+  if (stage != int(ZeroStage::gradients))
+    throw UsageError(head + "stage " + std::to_string(stage) + " keeps every bucket's buffer for the whole run: leave it at 0, or use stage 2");
+  throw UsageError(head + (caps.warning.empty() ? std::string("at world 1 nothing is sharded, so stage 2 keeps every bucket's buffer")
+                                                : caps.warning) +
+                   ": leave it at 0 (stage 2 then keeps whole buckets, as stage 1 does)");
+}
+
 BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s) {
   BucketCaps c;
   const bool cap_set = s.cap_bytes != 0;

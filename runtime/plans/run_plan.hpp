@@ -104,6 +104,11 @@ int plan_twin_distance(const PlanSettings& s);
 // host away, as Shard decides it: Note [Syncs from the twin, two levels]).
 bool plan_syncs_from_twin(const PlanSettings& s);
 
+// UsageError, naming `setting`, when a limit of stage 2's gradient buffers in flight (`limit`, 0:
+// none set) is not what these caps do: another stage, or stage 2 keeping whole buckets (sharding
+// saves too little on the model, or nothing at world 1), holds every bucket's buffer, so the limit
+// would silently hold nothing back. Every rank makes the same caps and refuses at the same point.
+void check_in_flight_honoured(const BucketCaps& caps, std::size_t limit, int stage, const std::string& setting);
 // `order`: the gradient order the buckets will be made in (make_bucket_plan's).
 BucketCaps bucket_caps(const std::vector<ParamSpec>& params, const std::vector<std::uint32_t>& order, const PlanSettings& s);
 

@@ -71,6 +71,7 @@ void Runtime::Impl::ensure_finalized() {
 
 BucketPlan Runtime::Impl::make_plan(const std::vector<std::uint32_t>& order) {
   caps = bucket_caps(registry.params(), order, PlanSettings::from(cfg, world, groups ? groups->state_slots() : 0, groups != nullptr));
+  if (groups) check_in_flight_honoured(caps, cfg.zero.max_buckets_in_flight, int(cfg.zero.stage), cfg.name_of("zero.max_buckets_in_flight"));
   if (!caps.warning.empty() && rank == 0) log->info("{}", caps.warning);
   return caps.plan(registry.params(), order);
 }

@@ -128,7 +128,9 @@ struct ZeroConfig {
   // being written, one reduced), and the bucket caps shrink so that the buckets in flight take at
   // most what sharding the gradients saves: stage 2 never holds more than stage 1 (Note [Memory at
   // the ZeRO formula]). Raise it for trainers that write several buckets' gradients at once
-  // (threads); the budget then counts this many.
+  // (threads); the budget then counts this many. Refused, naming it, where nothing would be held
+  // back: another stage, or stage 2 keeping whole buckets (world 1, or a model so small that
+  // sharding its gradients saves less than the buffers in flight would take).
   std::size_t max_buckets_in_flight = 0;
   // Stages 1 and 2, flat partition: parameter syncs that follow each other in the schedule go out
   // as one all-gather while together they move at most this many bytes (Note [Fused syncs]): a
