@@ -80,6 +80,19 @@ void Config::validate() const {
   }
   if (zero.clip_grad_norm > 0.0f && zero.clip_norm_type != 2.0f && !std::isinf(zero.clip_norm_type))
     bad("zero.clip_norm_type", "must be 2 or infinity, got " + std::to_string(zero.clip_norm_type));
+  if (zero.clip_grad_norm == 0.0f && zero.clip_norm_type != ZeroConfig{}.clip_norm_type)
+    bad("zero.clip_norm_type", "= " + std::to_string(zero.clip_norm_type) + " says how to clip, but " + name_of("zero.clip_grad_norm") +
+                                   " = 0 turns clipping off: set the max norm too, or leave the type at 2");
+  if (!precision.dynamic_loss_scale) {
+    // Tuning of a loss scaler that is off would do nothing.
+    const PrecisionConfig d;
+    const std::pair<const char*, bool> tuned[] = {{"precision.init_scale", precision.init_scale != d.init_scale},
+                                                  {"precision.growth_factor", precision.growth_factor != d.growth_factor},
+                                                  {"precision.backoff_factor", precision.backoff_factor != d.backoff_factor},
+                                                  {"precision.growth_interval", precision.growth_interval != d.growth_interval}};
+    for (const auto& [path, set] : tuned)
+      if (set) bad(path, "tunes dynamic loss scaling, which " + name_of("precision.dynamic_loss_scale") + " = false turns off: turn it on, or leave this at its default");
+  }
   if (buckets.first_cap_bytes == 0) bad("buckets.first_cap_bytes", "must be > 0 (default 1 MiB)");
   if (zero.prefetch_syncs_in_backward < -1)
     bad("zero.prefetch_syncs_in_backward",
@@ -112,6 +125,13 @@ void Config::validate() const {
   if (snapshot.disk_every > 0 && snapshot.every > 0 && snapshot.disk_every % snapshot.every != 0)
     bad("snapshot.disk_every", "must be a multiple of " + name_of("snapshot.every") + " (" + std::to_string(snapshot.every) + "), got " +
                                    std::to_string(snapshot.disk_every) + ": only a snapshot's step can go to disk");
+  if (snapshot.dir.empty()) {
+    // What the snapshots keep, for a run that takes none.
+    const SnapshotConfig d;
+    if (snapshot.keep != d.keep) bad("snapshot.keep", "= " + std::to_string(snapshot.keep) + " is how many snapshots to keep, but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
+    if (snapshot.disk_every != d.disk_every) bad("snapshot.disk_every", "= " + std::to_string(snapshot.disk_every) + " sends snapshots to disk, but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
+    if (snapshot.memory != d.memory) bad("snapshot.memory", "asks for no snapshots in the launcher's memory, but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
+  }
 }
 
 std::string Config::name_of(const std::string& path) const {

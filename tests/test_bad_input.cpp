@@ -126,6 +126,7 @@ TEST_CASE("mlp_train: every flag with an invalid value is refused, naming the fl
       {{"--overlap", "sometimes"}, "overlap mode 'sometimes'"},
       {{"--partition", "rows"}, "partition 'rows'"},
       {{"--interleave-lag", "-5"}, "--interleave-lag must be -1 (auto) or 0 to 64, got -5"},
+      {{"--no-snapshot-memory"}, "--no-snapshot-memory asks for no snapshots in the launcher's memory, but --snapshot-dir is not set"},
       {{"--interleave-lag", "2", "--zero-stage", "1", "--optimizer", "adamw"}, "--interleave-lag = 2 places each parameter sync after"},
       {{"--prefetch-syncs-in-backward", "2", "--zero-stage", "1", "--optimizer", "adamw"},
        "--prefetch-syncs-in-backward = 2 splits forward prefetch's syncs, but --forward-prefetch is off"},
@@ -258,6 +259,13 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
       {"snapshot.keep", [](Config& c) { c.snapshot.dir = "/tmp/s", c.snapshot.every = 2, c.snapshot.keep = 0; }},
       {"snapshot.disk_every", [](Config& c) { c.snapshot.disk_every = -1; }},
       {"snapshot.disk_every", [](Config& c) { c.snapshot.dir = "/tmp/s", c.snapshot.every = 2, c.snapshot.disk_every = 3; }},
+      // Settings of a feature that is off: they would do nothing.
+      {"zero.clip_norm_type", [inf](Config& c) { c.zero.clip_norm_type = inf; }},
+      {"precision.growth_interval", [](Config& c) { c.precision.growth_interval = 10; }},
+      {"precision.init_scale", [](Config& c) { c.precision.init_scale = 1024; }},
+      {"snapshot.keep", [](Config& c) { c.snapshot.keep = 3; }},
+      {"snapshot.disk_every", [](Config& c) { c.snapshot.disk_every = 10; }},
+      {"snapshot.memory", [](Config& c) { c.snapshot.memory = false; }},
   };
   auto world = InProcessWorld::create(1);
   for (const auto& row : rows) {
