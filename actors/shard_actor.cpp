@@ -20,6 +20,18 @@ void reset(ShardActorState& s) {
   s.clip_coef = ClipCoef{};
 }
 
+void on_reduced(msg::shard_actor_t::stateful_pointer<ShardActorState> self, std::uint32_t b, const msg::Failure& failure);
+
+// This iteration is over: the next one starts with the reductions that came early (Note [The next
+// iteration's reductions]).
+void next_iteration(msg::shard_actor_t::stateful_pointer<ShardActorState> self) {
+  auto& s = self->state;
+  reset(s);
+  auto early = std::move(s.next_reduced);
+  s.next_reduced.clear();
+  for (const auto b : early) on_reduced(self, b, msg::Failure{});
+}
+
 // A turn of steps ends before the next step would take it past this (Note [One step per message]).
 constexpr Timeline::Time kStepTurnUs = 50;
 
@@ -158,7 +170,7 @@ void try_step(self_ptr self) {
     }
   }
   end_step_once(s);  // no buckets at all
-  if (s.nstepped == s.reduced.size() && !s.shard->syncs()) reset(s);
+  if (s.nstepped == s.reduced.size() && !s.shard->syncs()) next_iteration(self);
 }
 
 // The shard's own work failing (a CUDA error on a GPU shard) fails the iteration with a message
@@ -183,8 +195,21 @@ void exchanged(self_ptr self, const msg::Failure& failure, const Use& use) {
   });
 }
 
+// Note [The next iteration's reductions]
+// With forward prefetch the next backward may start while this iteration's last syncs are still
+// on their way, and a bucket's next reduction goes out once its own sync has landed. Over two
+// levels (Note [Lanes]) collectives complete out of order: the next iteration's reduction of a
+// bucket whose sync came early can land before another bucket's sync of this iteration. Taken at
+// once, it counted into this iteration (`reduced` was set already), the last sync's reset then
+// wiped it, and that bucket was never stepped: every rank stopped at its sync until the collective
+// timeout (2 hosts x 2 ranks, forward prefetch, a trainer that reports gradients without waiting
+// for every parameter first: 2 runs in 2). A reduction for a bucket this iteration has reduced
+// already is the next iteration's (one bucket actor sends both, in order), so it waits until the
+// iteration is over. Its step cannot come too early either way: the comm stream issued it after
+// this iteration's sync of the same bucket, which went out after that bucket's step.
 void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
   if (failure) return self->state.iteration->bucket_done(b, failure);
+  if (self->state.reduced[b]) return self->state.next_reduced.push_back(b);
   guarded(self, b, [&] {
     auto& s = self->state;
     s.shard->take_grad_shard(b);  // stage 2: keep only this rank's shard of it and give the buffer back
@@ -216,7 +241,7 @@ void on_synced(self_ptr self, std::uint32_t b, msg::Failure& failure) {
   if (!s.shard->fused(b)) --s.staging_in_flight;
   s.iteration->bucket_done(b, failure);
   if (++s.nsynced == s.reduced.size())
-    reset(s);
+    next_iteration(self);
   else
     guarded(self, b, [&] { try_step(self); });  // a staging buffer came back: a deferred step may go
 }

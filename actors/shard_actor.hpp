@@ -32,6 +32,9 @@ struct ShardActorState {
   std::size_t first_unstepped = 0;  // position in `order` before which every bucket is stepped
   ShardPhase phase = ShardPhase::stepping;
   bool all_issued = false;  // the comm stream issued the last reduction (after_backward may step)
+  // Note [The next iteration's reductions]: buckets of the next iteration reduced while this one's
+  // syncs are still landing, taken once this iteration is over.
+  std::vector<std::uint32_t> next_reduced;
   ClipCoef clip_coef;
   bool zero_on_done = false;  // forward prefetch: zero the bucket when done with it
   std::vector<std::uint32_t> order;  // the syncs' schedule order: a step goes to the reduced bucket first in it

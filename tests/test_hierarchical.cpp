@@ -13,6 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -355,4 +357,101 @@ TEST_CASE("2 hosts x 2 ranks, rank 3 never joins: the other ranks' all-reduce fa
     CHECK(e.find("unexpected") == std::string::npos);
     CHECK(seconds[std::size_t(r)] < 8.0);  // two 1 s timeouts, one after the other at most, and slack
   }
+}
+
+namespace {
+
+// Delays each completion by up to 2 ms on the communicator's own thread: wrapped around the lane
+// of the stages after the network, it holds the all-gathers back while the reductions behind them
+// go on (Note [Lanes]).
+class SlowGathers final : public test::ForwardingComm {
+ public:
+  SlowGathers(std::shared_ptr<Communicator> inner, unsigned seed) : ForwardingComm(std::move(inner)), rng_(seed) {}
+  std::string backend_name() const override { return "slow(" + inner_->backend_name() + ")"; }
+  void submit(CollectiveOp op, CollectiveDone done) override {
+    int delay;
+    {
+      std::lock_guard lock(mu_);
+      delay = std::uniform_int_distribution<int>(0, 2000)(rng_);
+    }
+    inner_->submit(std::move(op), [delay, done = std::move(done)](std::exception_ptr e) {
+      std::this_thread::sleep_for(std::chrono::microseconds(delay));
+      done(e);
+    });
+  }
+
+ private:
+  std::mutex mu_;
+  std::mt19937 rng_;
+};
+
+// World 4, 14 parameters in small buckets, SGD with momentum and forward prefetch, every sync alone; each
+// rank reports its gradients in its own random order right after wait(), waiting for nothing but
+// each bucket's own sync (no forward). `comm(r)`: rank r's communicator. Rank 0's parameters.
+std::vector<float> prefetch_without_forward(int stage, unsigned seed, const std::function<std::shared_ptr<Communicator>(int)>& comm) {
+  const int n = 4, P = 14, iters = 8;
+  std::vector<int> sizes;
+  for (int i = 0; i < P; ++i) sizes.push_back(200 + 10 * i + (i % 3) * 37);
+  const int total = std::accumulate(sizes.begin(), sizes.end(), 0);
+  std::vector<std::vector<float>> params(n, std::vector<float>(std::size_t(total)));
+  test::require_all_ok(test::run_ranks(n, [&](int r) {
+    auto& data = params[std::size_t(r)];
+    for (int i = 0; i < total; ++i) data[std::size_t(i)] = 0.01f * float(i % 17);
+    Config cfg;
+    cfg.buckets.first_cap_bytes = 1024;
+    cfg.buckets.cap_bytes = 3000;
+    cfg.zero.stage = ZeroStage(stage);
+    cfg.zero.overlap = Overlap::interleaved;
+    cfg.zero.forward_prefetch = true;
+    cfg.zero.fuse_syncs_bytes = 0;  // one group would land every sync at once
+    cfg.timeouts.collective = 10s;
+    Runtime rt(comm(r), cfg);
+    std::vector<Param> h;
+    for (int i = 0, off = 0; i < P; off += sizes[std::size_t(i)], ++i)
+      h.push_back(rt.register_param({"p" + std::to_string(i), {sizes[std::size_t(i)]}, DType::f32, Device::cpu(), data.data() + off}));
+    OptimizerConfig oc;
+    oc.kind = OptimizerConfig::Kind::sgd;
+    oc.momentum = 0.9f;  // state that a lost step would show (AdamW would amplify the levels' rounding where a mean is ~0)
+    oc.lr = 0.01f;
+    rt.configure_optimizer(oc);
+    std::mt19937 rng(seed * 7u + unsigned(r));
+    for (int it = 0; it < iters; ++it) {
+      rt.zero_grad();
+      std::vector<int> order(P);
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int i : order) {
+        float* g = rt.grad_f32(h[std::size_t(i)]);
+        for (int e = 0; e < sizes[std::size_t(i)]; ++e) g[e] = 0.01f * float((i * 7 + e * 3 + r * 5 + it) % 23) - 0.1f;
+        rt.grad_ready(h[std::size_t(i)]);
+      }
+      rt.wait();
+    }
+    rt.wait_all_params();
+  }));
+  for (int r = 1; r < n; ++r) CHECK(std::memcmp(params[std::size_t(r)].data(), params[0].data(), params[0].size() * 4) == 0);
+  return params[0];
+}
+
+}  // namespace
+
+TEST_CASE("2 hosts x 2 ranks, forward prefetch, the gathers held back: a bucket's next reduction that lands before another bucket's "
+          "sync counts in the next iteration, and training ends where 1 host x 4 ranks ends (Note [The next iteration's reductions])") {
+  for (int stage : {1, 2})
+    for (unsigned seed : {1u, 2u}) {
+      CAPTURE(stage);
+      CAPTURE(seed);
+      auto flat_world = InProcessWorld::create(4, 10s);
+      const auto flat = prefetch_without_forward(stage, seed, [&](int r) { return flat_world->communicator(r); });
+      std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
+      for (int h = 0; h < 2; ++h) inside.push_back(InProcessWorld::create(2, 10s));
+      for (int h = 0; h < 2; ++h) after.push_back(InProcessWorld::create(2, 10s));
+      for (int l = 0; l < 2; ++l) between.push_back(InProcessWorld::create(2, 10s));
+      const auto two_levels = prefetch_without_forward(stage, seed, [&](int r) {
+        const int h = r / 2, l = r % 2;
+        return make_hierarchical(inside[std::size_t(h)]->communicator(l), between[std::size_t(l)]->communicator(h),
+                                 std::make_shared<SlowGathers>(after[std::size_t(h)]->communicator(l), seed * 17 + unsigned(r)));
+      });
+      CHECK(test::rel_error(two_levels, flat) <= 1e-5);
+    }
 }
