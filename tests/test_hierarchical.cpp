@@ -385,10 +385,11 @@ class SlowGathers final : public test::ForwardingComm {
   std::mt19937 rng_;
 };
 
-// World 4, 14 parameters in small buckets, SGD with momentum and forward prefetch, every sync alone; each
+// World 4, 14 parameters in small buckets, SGD with momentum and forward prefetch, every sync alone
+// (`partition`: flat all-gathers, or param's broadcasts); each
 // rank reports its gradients in its own random order right after wait(), waiting for nothing but
 // each bucket's own sync (no forward). `comm(r)`: rank r's communicator. Rank 0's parameters.
-std::vector<float> prefetch_without_forward(int stage, unsigned seed, const std::function<std::shared_ptr<Communicator>(int)>& comm) {
+std::vector<float> prefetch_without_forward(int stage, Partition partition, unsigned seed, const std::function<std::shared_ptr<Communicator>(int)>& comm) {
   const int n = 4, P = 14, iters = 8;
   std::vector<int> sizes;
   for (int i = 0; i < P; ++i) sizes.push_back(200 + 10 * i + (i % 3) * 37);
@@ -403,6 +404,7 @@ std::vector<float> prefetch_without_forward(int stage, unsigned seed, const std:
     cfg.zero.stage = ZeroStage(stage);
     cfg.zero.overlap = Overlap::interleaved;
     cfg.zero.forward_prefetch = true;
+    cfg.zero.partition = partition;
     cfg.zero.fuse_syncs_bytes = 0;  // one group would land every sync at once
     cfg.timeouts.collective = 10s;
     Runtime rt(comm(r), cfg);
@@ -437,21 +439,23 @@ std::vector<float> prefetch_without_forward(int stage, unsigned seed, const std:
 
 TEST_CASE("2 hosts x 2 ranks, forward prefetch, the gathers held back: a bucket's next reduction that lands before another bucket's "
           "sync counts in the next iteration, and training ends where 1 host x 4 ranks ends (Note [The next iteration's reductions])") {
-  for (int stage : {1, 2})
-    for (unsigned seed : {1u, 2u}) {
-      CAPTURE(stage);
-      CAPTURE(seed);
-      auto flat_world = InProcessWorld::create(4, 10s);
-      const auto flat = prefetch_without_forward(stage, seed, [&](int r) { return flat_world->communicator(r); });
-      std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
-      for (int h = 0; h < 2; ++h) inside.push_back(InProcessWorld::create(2, 10s));
-      for (int h = 0; h < 2; ++h) after.push_back(InProcessWorld::create(2, 10s));
-      for (int l = 0; l < 2; ++l) between.push_back(InProcessWorld::create(2, 10s));
-      const auto two_levels = prefetch_without_forward(stage, seed, [&](int r) {
-        const int h = r / 2, l = r % 2;
-        return make_hierarchical(inside[std::size_t(h)]->communicator(l), between[std::size_t(l)]->communicator(h),
-                                 std::make_shared<SlowGathers>(after[std::size_t(h)]->communicator(l), seed * 17 + unsigned(r)));
-      });
-      CHECK(test::rel_error(two_levels, flat) <= 1e-5);
-    }
+  for (auto partition : {Partition::flat, Partition::param})  // all-gathers; all-reduces and broadcasts
+    for (int stage : {1, 2})
+      for (unsigned seed : {1u, 2u}) {
+        CAPTURE(partition_name(partition));
+        CAPTURE(stage);
+        CAPTURE(seed);
+        auto flat_world = InProcessWorld::create(4, 10s);
+        const auto flat = prefetch_without_forward(stage, partition, seed, [&](int r) { return flat_world->communicator(r); });
+        std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
+        for (int h = 0; h < 2; ++h) inside.push_back(InProcessWorld::create(2, 10s));
+        for (int h = 0; h < 2; ++h) after.push_back(InProcessWorld::create(2, 10s));
+        for (int l = 0; l < 2; ++l) between.push_back(InProcessWorld::create(2, 10s));
+        const auto two_levels = prefetch_without_forward(stage, partition, seed, [&](int r) {
+          const int h = r / 2, l = r % 2;
+          return make_hierarchical(inside[std::size_t(h)]->communicator(l), between[std::size_t(l)]->communicator(h),
+                                   std::make_shared<SlowGathers>(after[std::size_t(h)]->communicator(l), seed * 17 + unsigned(r)));
+        });
+        CHECK(test::rel_error(two_levels, flat) <= 1e-5);
+      }
 }
