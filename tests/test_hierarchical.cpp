@@ -20,6 +20,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "support/forwarding_comm.hpp"
+#include "support/jitter_comm.hpp"
 #include "runtime/plans/run_plan.hpp"
 #include "shardflow/hierarchical.hpp"
 #include "tests/support/collective_op.hpp"
@@ -361,30 +362,6 @@ TEST_CASE("2 hosts x 2 ranks, rank 3 never joins: the other ranks' all-reduce fa
 
 namespace {
 
-// Delays each completion by up to 2 ms on the communicator's own thread: wrapped around the lane
-// of the stages after the network, it holds the all-gathers back while the reductions behind them
-// go on (Note [Lanes]).
-class SlowGathers final : public test::ForwardingComm {
- public:
-  SlowGathers(std::shared_ptr<Communicator> inner, unsigned seed) : ForwardingComm(std::move(inner)), rng_(seed) {}
-  std::string backend_name() const override { return "slow(" + inner_->backend_name() + ")"; }
-  void submit(CollectiveOp op, CollectiveDone done) override {
-    int delay;
-    {
-      std::lock_guard lock(mu_);
-      delay = std::uniform_int_distribution<int>(0, 2000)(rng_);
-    }
-    inner_->submit(std::move(op), [delay, done = std::move(done)](std::exception_ptr e) {
-      std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      done(e);
-    });
-  }
-
- private:
-  std::mutex mu_;
-  std::mt19937 rng_;
-};
-
 // World 4, 14 parameters in small buckets, SGD with momentum and forward prefetch, every sync alone
 // (`partition`: flat all-gathers, or param's broadcasts); each
 // rank reports its gradients in its own random order right after wait(), waiting for nothing but
@@ -454,7 +431,7 @@ TEST_CASE("2 hosts x 2 ranks, forward prefetch, the gathers held back: a bucket'
         const auto two_levels = prefetch_without_forward(stage, partition, seed, [&](int r) {
           const int h = r / 2, l = r % 2;
           return make_hierarchical(inside[std::size_t(h)]->communicator(l), between[std::size_t(l)]->communicator(h),
-                                   std::make_shared<SlowGathers>(after[std::size_t(h)]->communicator(l), seed * 17 + unsigned(r)));
+                                   std::make_shared<test::JitterComm>(after[std::size_t(h)]->communicator(l), seed * 17 + unsigned(r), 2000));
         });
         CHECK(test::rel_error(two_levels, flat) <= 1e-5);
       }

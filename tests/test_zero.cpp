@@ -12,7 +12,7 @@
 #include <random>
 
 #include "examples/mlp/train.hpp"
-#include "support/forwarding_comm.hpp"
+#include "support/jitter_comm.hpp"
 #include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
@@ -214,29 +214,6 @@ TEST_CASE("optimizer state per rank: flat is total/N plus padding, param at most
 
 namespace {
 
-// Wraps a communicator and delays every completion by a random few hundred microseconds, so
-// messages between the actors arrive in ever different interleavings.
-class JitterComm final : public test::ForwardingComm {
- public:
-  JitterComm(std::shared_ptr<Communicator> inner, unsigned seed) : ForwardingComm(std::move(inner)), rng_(seed) {}
-  std::string backend_name() const override { return "jitter(" + inner_->backend_name() + ")"; }
-  void submit(CollectiveOp op, CollectiveDone done) override {
-    int delay;
-    {
-      std::lock_guard lock(mu_);
-      delay = std::uniform_int_distribution<int>(0, 400)(rng_);
-    }
-    inner_->submit(std::move(op), [delay, done = std::move(done)](std::exception_ptr e) {
-      std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      done(e);
-    });
-  }
-
- private:
-  std::mutex mu_;
-  std::mt19937 rng_;
-};
-
 struct JitterRun {
   std::vector<std::vector<float>> params;       // [rank]
   std::vector<std::vector<std::string>> issued;  // [rank]
@@ -268,7 +245,7 @@ JitterRun run_jitter(unsigned seed, Overlap overlap, Partition partition, int st
     cfg.zero.forward_prefetch = prefetch;
     cfg.zero.fuse_syncs_bytes = fuse_syncs_bytes;
     std::shared_ptr<Communicator> comm = world->communicator(r);
-    if (seed) comm = std::make_shared<JitterComm>(comm, seed * 31 + unsigned(r));
+    if (seed) comm = std::make_shared<test::JitterComm>(comm, seed * 31 + unsigned(r));
     Runtime rt(comm, cfg);
     std::vector<Param> h;
     int off = 0;
