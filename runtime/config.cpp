@@ -47,6 +47,9 @@ void Config::validate() const {
   if (!(zero.clip_grad_norm >= 0.0f) || !std::isfinite(zero.clip_grad_norm))
     bad("zero.clip_grad_norm", "must be a finite number >= 0 (0 turns clipping off)");
   if (int(zero.partition) < 0 || int(zero.partition) > 2) bad("zero.partition", "must be param, bucket or flat");
+  if (zero.stage == ZeroStage::ddp && zero.partition != Partition::flat)
+    bad("zero.partition", std::string("= ") + partition_name(zero.partition) + " says how ZeRO shards the optimizer state, but " +
+                              name_of("zero.stage") + " = 0 keeps all of it on every rank: leave it at flat (the default), or use stage 1 or 2");
   if (!zero.reduce_scatter && zero.stage == ZeroStage::gradients && zero.partition == Partition::flat)
     bad("zero.reduce_scatter", "= false does not work with ZeRO-2's flat partition, which keeps only the rank's shard of the "
                                "reduced gradients; use ZeRO-1 for all-reduced gradients");

@@ -226,6 +226,7 @@ TEST_CASE("Config and OptimizerConfig: every field with an invalid value is refu
   const std::vector<ConfigRow> rows = {
       {"zero.stage", [](Config& c) { c.zero.stage = ZeroStage(7); }},
       {"zero.partition", [](Config& c) { c.zero.partition = Partition(9); }},
+      {"zero.partition", [](Config& c) { c.zero.partition = Partition::param; }},  // stage 0 shards nothing
       {"zero.overlap", [](Config& c) { c.zero.overlap = Overlap(9); }},
       {"precision.comm_dtype", [](Config& c) { c.precision.comm_dtype = DType(99); }},
       {"zero.max_buckets_in_flight", [](Config& c) { c.zero.max_buckets_in_flight = 1; }},

@@ -79,6 +79,7 @@ mlp::TrainOptions with_rule(mlp::TrainOptions o, std::shared_ptr<const StepRule>
 TEST_CASE("a trainer's AdamW as a step rule equals the built-in AdamW bit for bit: stages 1 and 2, flat and param partitions, and the trainer-side Optimizer at stage 0") {
   for (int stage : {0, 1, 2})
     for (auto partition : {Partition::flat, Partition::param}) {
+      if (stage == 0 && partition != Partition::flat) continue;  // nothing is partitioned (refused)
       CAPTURE(stage);
       CAPTURE(partition_name(partition));
       auto o = base(stage, partition);

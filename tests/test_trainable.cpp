@@ -123,6 +123,7 @@ TEST_CASE("freeze half the model, train, unfreeze, train: frozen parameters bit-
   const auto want = reference(8);
   for (int stage : {0, 1, 2})
     for (auto partition : {Partition::param, Partition::bucket, Partition::flat}) {
+      if (stage == 0 && partition != Partition::flat) continue;  // nothing is partitioned (refused)
       CAPTURE(stage);
       CAPTURE(partition_name(partition));
       const auto cfg = at(stage, partition, stage == 1 && partition == Partition::flat);
