@@ -1,5 +1,7 @@
 // Config: parsing its enums, validating its values, and refusing settings that would do nothing.
 #include <cmath>
+#include <initializer_list>
+#include <string>
 
 #include "shardflow/config.hpp"
 #include "shardflow/errors.hpp"
@@ -30,6 +32,17 @@ const char* partition_name(Partition p) {
 
 void Config::validate() const {
   auto bad = [&](const std::string& path, const std::string& why) { throw UsageError(name_of(path) + " " + why); };
+  // A setting of a feature that is off would do nothing: each row's path, whether it was set, and
+  // what it would do; `off` says which feature is off.
+  struct Unused {
+    const char* path;
+    bool set;
+    std::string does;
+  };
+  auto refuse_unused = [&](std::initializer_list<Unused> rows, const std::string& off) {
+    for (const auto& r : rows)
+      if (r.set) bad(r.path, r.does + off);
+  };
   if (int(zero.stage) > 2) bad("zero.stage", "must be 0, 1 or 2, got " + std::to_string(int(zero.stage)));
   const auto wire = precision.comm_dtype;
   if (wire != DType::f32 && wire != DType::bf16 && wire != DType::f16) bad("precision.comm_dtype", "must be fp32, bf16 or fp16");
@@ -87,14 +100,12 @@ void Config::validate() const {
     bad("zero.clip_norm_type", "= " + std::to_string(zero.clip_norm_type) + " says how to clip, but " + name_of("zero.clip_grad_norm") +
                                    " = 0 turns clipping off: set the max norm too, or leave the type at 2");
   if (!precision.dynamic_loss_scale) {
-    // Tuning of a loss scaler that is off would do nothing.
     const PrecisionConfig d;
-    const std::pair<const char*, bool> tuned[] = {{"precision.init_scale", precision.init_scale != d.init_scale},
-                                                  {"precision.growth_factor", precision.growth_factor != d.growth_factor},
-                                                  {"precision.backoff_factor", precision.backoff_factor != d.backoff_factor},
-                                                  {"precision.growth_interval", precision.growth_interval != d.growth_interval}};
-    for (const auto& [path, set] : tuned)
-      if (set) bad(path, "tunes dynamic loss scaling, which " + name_of("precision.dynamic_loss_scale") + " = false turns off: turn it on, or leave this at its default");
+    refuse_unused({{"precision.init_scale", precision.init_scale != d.init_scale, "tunes dynamic loss scaling"},
+                   {"precision.growth_factor", precision.growth_factor != d.growth_factor, "tunes dynamic loss scaling"},
+                   {"precision.backoff_factor", precision.backoff_factor != d.backoff_factor, "tunes dynamic loss scaling"},
+                   {"precision.growth_interval", precision.growth_interval != d.growth_interval, "tunes dynamic loss scaling"}},
+                  ", which " + name_of("precision.dynamic_loss_scale") + " = false turns off: turn it on, or leave this at its default");
   }
   if (buckets.first_cap_bytes == 0) bad("buckets.first_cap_bytes", "must be > 0 (default 1 MiB)");
   if (zero.prefetch_syncs_in_backward < -1)
@@ -129,11 +140,11 @@ void Config::validate() const {
     bad("snapshot.disk_every", "must be a multiple of " + name_of("snapshot.every") + " (" + std::to_string(snapshot.every) + "), got " +
                                    std::to_string(snapshot.disk_every) + ": only a snapshot's step can go to disk");
   if (snapshot.dir.empty()) {
-    // What the snapshots keep, for a run that takes none.
     const SnapshotConfig d;
-    if (snapshot.keep != d.keep) bad("snapshot.keep", "= " + std::to_string(snapshot.keep) + " is how many snapshots to keep, but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
-    if (snapshot.disk_every != d.disk_every) bad("snapshot.disk_every", "= " + std::to_string(snapshot.disk_every) + " sends snapshots to disk, but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
-    if (snapshot.memory != d.memory) bad("snapshot.memory", "asks for no snapshots in the launcher's memory, but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
+    refuse_unused({{"snapshot.keep", snapshot.keep != d.keep, "= " + std::to_string(snapshot.keep) + " is how many snapshots to keep"},
+                   {"snapshot.disk_every", snapshot.disk_every != d.disk_every, "= " + std::to_string(snapshot.disk_every) + " sends snapshots to disk"},
+                   {"snapshot.memory", snapshot.memory != d.memory, "asks for no snapshots in the launcher's memory"}},
+                  ", but " + name_of("snapshot.dir") + " is not set: no snapshots are taken");
   }
 }
 
