@@ -15,6 +15,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "support/etcd_cluster.hpp"
@@ -402,6 +403,16 @@ void check_kept_process(const std::string& out, int r, int world) {
 
 bool says(const std::string& out, const std::string& what) { return out.find(what) != std::string::npos; }
 
+// The launcher's own lines of a node's output: what a failed check about rounds needs first (a
+// report that keeps only the start of a long log still shows them).
+std::string launcher_lines(const std::string& out) {
+  std::string lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("shardflow run: ", 0) == 0) lines += line + "\n";
+  return lines;
+}
+
 // The 8-step job healing itself across 2 nodes x `nproc` ranks under `flags`, node k's first
 // processes with faults[k] (empty: none): both nodes must succeed, and the parameters must equal
 // (within `tolerance`; 0: bit for bit) those of the same job uninterrupted on 1 node. Both nodes' output.
@@ -524,7 +535,8 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node
   // and at least 4 more after resuming from step 6's or 4's snapshot: its 15th comes after round 1.
   const auto out = heal_across_two_nodes("in_place_twice", 2, {"--max-restarts", "2", "--recovery", "in-place"},
                                          {"collective:1:kill:15", "collective:3:kill:13"});
-  INFO("node 0's output:\n" << out[0]);  // lazily, when a check below fails
+  INFO("the launchers' lines:\n" << launcher_lines(out[0]) << launcher_lines(out[1]));  // lazily, when a check below fails
+  INFO("node 0's output:\n" << out[0]);
   INFO("node 1's output:\n" << out[1]);
   CHECK(says(out[1], "recovering in place (round 1, 1 of 2 restarts): the other ranks keep running, rank(s) 3 start again"));
   CHECK(says(out[1], "recovered in place: every rank joined round 1"));

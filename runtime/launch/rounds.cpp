@@ -428,6 +428,21 @@ void Supervisor::say_copies(bool on) {
   }
 }
 
+// Every rank joined this node's round: it is over, said with how long it took.
+void Supervisor::round_over_here() {
+  const double s = std::chrono::duration<double>(clock::now() - round_->started).count();
+  char took[32];
+  std::snprintf(took, sizeof took, "%.2f", s);
+  if (round_->grow) {
+    say("grew in place: every rank joined round " + std::to_string(round_no_) + " at world " + std::to_string(generation_.world) + ", " +
+        took + " s after " + round_->lost);
+  } else {
+    say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
+    ++rounds_healed_;
+  }
+  round_.reset();
+}
+
 // Polled by supervise(): the round is over once every rank joined it; not over in time, the
 // generation ends (the survivors are stopped and, restarts left, every rank starts again).
 void Supervisor::check_round() {
@@ -439,22 +454,30 @@ void Supervisor::check_round() {
     end_round(std::string("the store could not be read (") + e.what() + ")");
     return;
   }
-  const double s = std::chrono::duration<double>(clock::now() - round_->started).count();
   if (joined >= generation_.world) {
-    char took[32];
-    std::snprintf(took, sizeof took, "%.2f", s);
-    if (round_->grow) {
-      say("grew in place: every rank joined round " + std::to_string(round_no_) + " at world " + std::to_string(generation_.world) + ", " +
-          took + " s after " + round_->lost);
-    } else {
-      say("recovered in place: every rank joined round " + std::to_string(round_no_) + " " + took + " s after the loss");
-      ++rounds_healed_;
-    }
-    round_.reset();
+    round_over_here();
   } else if (clock::now() - round_->timed_from > spec_.rdzv_timeout) {
     end_round(std::to_string(joined) + " of " + std::to_string(generation_.world) + " ranks joined round " + std::to_string(round_no_) +
               " within --rdzv-timeout");
+  } else {
+    round_->joined = joined;
   }
+}
+
+// This node's ranks are done with the round still open (supervise's last poll): joins made since
+// the poll before are counted (the ranks may finish within one poll of the last), and a round
+// left open is said with its count rather than passed over in silence. Neither its timeout nor a
+// store out of reach ends it here: with no rank left to stop, that would only fail the others.
+void Supervisor::check_round_at_end() {
+  if (!round_ || grow_round_ || first_failure_ || peer_failure_ || interrupted_) return;
+  try {
+    round_->joined = recovery_store().add(recovery_verdict::joined_key(restart_, round_no_), 0);
+  } catch (const Error&) {
+    // The store's host may be done too: the count of the last poll is said.
+  }
+  if (round_->joined >= generation_.world) return round_over_here();
+  say("round " + std::to_string(round_no_) + " was still open when this node's ranks ended: " + std::to_string(round_->joined) + " of " +
+      std::to_string(generation_.world) + " ranks had joined it");
 }
 
 // The round failed: the generation ends as a failure would end it without in-place recovery.

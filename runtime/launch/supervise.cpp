@@ -186,11 +186,15 @@ void Supervisor::supervise() {
     // before the word]): their node has none running meanwhile, and must not end.
     const bool running = any_running() || (held_word_ && !held_word_->again.empty());
     if (!running && pipes.empty()) {
+      check_round_at_end();
       learn_rounds();  // a round its ranks went through in the last 200 ms: said all the same
       return;
     }
     if (!running && !drain_until) drain_until = clock::now() + std::chrono::seconds(2);
-    if (drain_until && clock::now() >= *drain_until) break;  // a grandchild holds a pipe open: let it be
+    if (drain_until && clock::now() >= *drain_until) {  // a grandchild holds a pipe open: let it be
+      check_round_at_end();
+      break;
+    }
     int wait_ms = 200;
     if (stop_deadline_ && running) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*stop_deadline_ - clock::now()).count();

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <filesystem>
 #include <map>
@@ -113,6 +114,8 @@ class Supervisor {
   void check_held_word();
   void start_again(const std::vector<std::pair<int, int>>& again);
   void check_round();
+  void check_round_at_end();
+  void round_over_here();
   void end_round(const std::string& why);
   void fail_round();
 
@@ -151,6 +154,7 @@ class Supervisor {
     // --rdzv-timeout counts from here: the loss; a growing round's word (the ranks' next snapshot
     // before it may be far off, and check_grow_round keeps its own deadline until then).
     clock::time_point timed_from = started;
+    std::int64_t joined = 0;  // ranks that joined it, as of the last poll
   };
   std::optional<RecoveryRound> round_;  // the round of in-place recovery not yet over
   // A round run here whose word waits until every other node holds the newest snapshot whole:
