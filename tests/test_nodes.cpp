@@ -528,15 +528,18 @@ TEST_CASE("2 nodes x 1 rank, --recovery shrink: node 1's only rank killed in ste
 }
 
 // Note [Rounds across nodes]: rounds numbered in the store, counted against --max-restarts together
-TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node 1) lost in step 7, then rank 1 (node 0) three "
-          "reductions after the recovery -> round 1 run by node 1 and round 2 by node 0, 2 of 2 restarts, ranks 0 and 2 keep "
+TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node 1) lost in step 7, then rank 1 (node 0) in "
+          "the second step after the recovery -> round 1 run by node 1 and round 2 by node 0, 2 of 2 restarts, ranks 0 and 2 keep "
           "their processes through both, and the job ends where 1 node x 4 ranks ends, bit for bit") {
   // Rank 1 issues at most its 14th reduction (step 7's second) before rank 3's loss holds everyone,
-  // and at least 4 more after resuming from step 6's or 4's snapshot. Its 14th can go out before
-  // round 1 is over (killed there, in 4 of 4 runs here its loss could not join the open round), and
-  // its 15th came after it in every run: the 16th leaves one reduction to spare.
+  // and at least 4 more after resuming from step 6's or 4's snapshot. The two of the first step
+  // after it rejoined round 1 may go out before that round is over: no collective of round 1 need
+  // complete before them (killed at its 14th, its loss could not join the open round in 4 of 4
+  // runs). Those of the step after wait for the syncs before it, which every rank's group of round
+  // 1 took part in, and a rank counts itself joined before it can take part in one: its 17th is one
+  // of them, whether it issued 13 or 14 before.
   const auto out = heal_across_two_nodes("in_place_twice", 2, {"--max-restarts", "2", "--recovery", "in-place"},
-                                         {"collective:1:kill:16", "collective:3:kill:13"});
+                                         {"collective:1:kill:17", "collective:3:kill:13"});
   INFO("the launchers' lines:\n" << launcher_lines(out[0]) << launcher_lines(out[1]));  // lazily, when a check below fails
   INFO("node 0's output:\n" << out[0]);
   INFO("node 1's output:\n" << out[1]);
