@@ -34,7 +34,8 @@ msg::bucket_actor_t::behavior_type bucket_actor(msg::bucket_actor_t::stateful_po
       [=](msg::reduced_atom, std::uint32_t b, msg::Failure& failure) {
         auto& s = self->state;
         s.in_flight = false;  // the collective released the buffer
-        pass_on(b, std::move(failure));
+        // With a shard, the completion told it too (Note [Reduced, straight to the shard]).
+        if (!shard) iteration->bucket_done(b, failure);
       },
   };
 }

@@ -27,6 +27,16 @@ msg::Failure to_failure(const std::exception_ptr& e) {
   }
 }
 
+// Note [Reduced, straight to the shard]
+// A reduction's completion tells the shard actor itself. It went through the bucket actor, which
+// only passed it on: one more thread hand-over per bucket on the way from the link to the step,
+// the runtime's own cost that bench_overhead measures (100 buckets). The bucket actor still hears,
+// first, to clear its in-flight mark; its view is as before, so a trainer's report of the bucket's
+// next gradients finds it as it did. The shard still takes one bucket's reductions in order: the
+// next one goes out only after this iteration's sync of the bucket, which follows its step, which
+// follows the shard's message. A failure goes to both; the shard's is the one that counts (the
+// bucket actor passes nothing on when there is a shard).
+//
 // What the completion of entry e's op tells its actor. Completions run on the backend's stream
 // thread: they only send a message. Ops of one entry complete in order, so the last one's
 // completion stands for the entry; an earlier failure is reported at once (the iteration keeps
@@ -36,14 +46,17 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
                               std::shared_ptr<std::function<void()>> on_complete) {
   switch (e.kind) {
     case ScheduledCollective::reduce:
-      return [owner = s.owners[e.bucket], b = e.bucket, on_complete, last](std::exception_ptr x) {
+      // Note [Reduced, straight to the shard]
+      return [owner = s.owners[e.bucket], shard = s.shard, b = e.bucket, on_complete, last](std::exception_ptr x) {
         if (!last && !x) return;  // a hook's phase of several ops: the last one stands for them
         if (!x && on_complete && *on_complete) try {
             (*on_complete)();
           } catch (...) {
             x = std::current_exception();
           }
-        caf::anon_send(owner, msg::reduced_atom::value, b, to_failure(x));
+        auto failure = to_failure(x);
+        caf::anon_send(owner, msg::reduced_atom::value, b, failure);  // first: see the Note
+        if (shard) caf::anon_send(shard, msg::reduced_atom::value, b, std::move(failure));
       };
     case ScheduledCollective::norm:
       return [shard = s.shard](std::exception_ptr x) { caf::anon_send(shard, msg::norm_done_atom::value, to_failure(x)); };

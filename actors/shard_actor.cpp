@@ -204,9 +204,10 @@ void exchanged(self_ptr self, const msg::Failure& failure, const Use& use) {
 // wiped it, and that bucket was never stepped: every rank stopped at its sync until the collective
 // timeout (2 hosts x 2 ranks, forward prefetch, a trainer that reports gradients without waiting
 // for every parameter first: 2 runs in 2). A reduction for a bucket this iteration has reduced
-// already is the next iteration's (one bucket actor sends both, in order), so it waits until the
-// iteration is over. Its step cannot come too early either way: the comm stream issued it after
-// this iteration's sync of the same bucket, which went out after that bucket's step.
+// already is the next iteration's (a bucket's reductions come in order: Note [Reduced, straight to
+// the shard]), so it waits until the iteration is over. Its step cannot come too early either
+// way: the comm stream issued it after this iteration's sync of the same bucket, which went out
+// after that bucket's step.
 void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
   if (failure) return self->state.iteration->bucket_done(b, failure);
   if (self->state.reduced[b]) return self->state.next_reduced.push_back(b);
