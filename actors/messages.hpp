@@ -10,9 +10,11 @@
 //   bucket actor b --bucket_done(b, failure)--> IterationSignal  (a call, not a message: wait()
 //                                                            returns when every bucket is done)
 //
-// With the runtime's optimizer (ZeRO stage 0/1/2) the bucket actor hands reduced(b) to the rank's
-// shard actor instead, and the iteration goes on:
+// With the runtime's optimizer (ZeRO stage 0/1/2) the completion tells the rank's shard actor too,
+// right after the bucket actor (Note [Reduced, straight to the shard]); the bucket actor then
+// passes nothing on, and the iteration goes on:
 //
+//   Communicator completion --reduced(b, failure)--> shard actor
 //   shard actor --(steps bucket b's owned pieces when Config::zero.overlap allows)
 //   shard actor --step_done(b)--> comm stream     (stage >= 1: parameters packed for the sync)
 //   comm stream --bucket b's sync collective(s), in schedule order--> Communicator
