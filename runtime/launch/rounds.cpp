@@ -443,13 +443,17 @@ void Supervisor::round_over_here() {
   round_.reset();
 }
 
+// How many ranks joined this node's round so far (each counts itself in the store once its
+// round's group is made); throws what the store throws.
+std::int64_t Supervisor::joined_round() { return recovery_store().add(recovery_verdict::joined_key(restart_, round_no_), 0); }
+
 // Polled by supervise(): the round is over once every rank joined it; not over in time, the
 // generation ends (the survivors are stopped and, restarts left, every rank starts again).
 void Supervisor::check_round() {
   if (!round_ || grow_round_) return;
   std::int64_t joined = 0;
   try {
-    joined = recovery_store().add(recovery_verdict::joined_key(restart_, round_no_), 0);
+    joined = joined_round();
   } catch (const Error& e) {
     end_round(std::string("the store could not be read (") + e.what() + ")");
     return;
@@ -471,7 +475,7 @@ void Supervisor::check_round() {
 void Supervisor::check_round_at_end() {
   if (!round_ || grow_round_ || first_failure_ || peer_failure_ || interrupted_) return;
   try {
-    round_->joined = recovery_store().add(recovery_verdict::joined_key(restart_, round_no_), 0);
+    round_->joined = joined_round();
   } catch (const Error&) {
     // The store's host may be done too: the count of the last poll is said.
   }

@@ -115,6 +115,7 @@ class Supervisor {
   void start_again(const std::vector<std::pair<int, int>>& again);
   void check_round();
   void check_round_at_end();
+  std::int64_t joined_round();
   void round_over_here();
   void end_round(const std::string& why);
   void fail_round();
