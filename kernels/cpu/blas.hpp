@@ -18,7 +18,7 @@
 //     once). The suites failed because mlp::train generated its data before fixing the BLAS thread
 //     count, so the first run in a process saw other data than the next.
 // OpenBLAS's newer releases pick by features (BF16 -> Cooperlake, AVX-512 -> SkylakeX, AVX2 ->
-// Haswell) when they do not know the model; shardflow does the same at load, before any GEMM,
+// Haswell, or Zen on AMD) when they do not know the model; shardflow does the same at load, before any GEMM,
 // when OpenBLAS fell back to a pre-AVX kernel on a CPU with AVX2 or better and OPENBLAS_CORETYPE
 // is unset (SHARDFLOW_BLAS_KERNEL=keep keeps OpenBLAS's choice), and exports OPENBLAS_CORETYPE so
 // that child processes load the same kernel. `shardflow run`, which links no BLAS, has a child of
