@@ -1107,7 +1107,8 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
     check_params(two, one, 1e-5);  // world 4, then 2 to the end
     return;
   }
-  REQUIRE(survivor.read_until("asks to join: taking it in (round 2): the ranks go on at world 4 from their next snapshot in memory", 60s));
+  REQUIRE(survivor.read_until("asks to join: taking it in (round 2): the ranks go on at world 4 from their next snapshot in memory, its "
+                              "ranks taking their part of the state from the running ranks' memory", 60s));
   std::ofstream(go).put('1');
   REQUIRE_BOTH_NODES_OK(survivor, back);
   const std::string out = survivor.output();
@@ -1118,9 +1119,9 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
   CHECK(!says(out, "restarting every rank"));
   CHECK(out.find("started rank") == out.rfind("started rank"));  // the survivors' launcher: once, at the start
   // The survivors stay in their first processes; nobody goes back a step: every rank goes on after
-  // the step the survivors were at, from the snapshot they completed there (the first after the
-  // newcomer asked: 12 at the latest, after the hold), the newcomer's ranks from their own host's
-  // memory (its predecessor's copy).
+  // the step the survivors were at, where they completed a snapshot (the first after the newcomer
+  // asked: 12 at the latest, after the hold), the newcomer's ranks from the survivors' memory
+  // (Note [A join from memory]: no snapshot is copied to its host or read there).
   const auto at = out.find("the launcher takes a node into the job: snapshot of step ");
   REQUIRE(at != std::string::npos);
   const std::string step = std::to_string(std::atoi(out.c_str() + at + std::strlen("the launcher takes a node into the job: snapshot of step ")));
@@ -1130,6 +1131,7 @@ TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node
     CHECK(says(out, "rank " + std::to_string(r) + " (pid " + std::to_string(pid_of_rank(out, r)) + "): recovered in place as rank " +
                         std::to_string(r) + " of 4, going on after step " + step + "\n"));
   for (int r = 2 * lost; r < 2 * lost + 2; ++r)
-    CHECK(back.says("[shardflow] [rank " + std::to_string(r) + "] [info] resumed from the snapshot of step " + step + " in memory"));
+    CHECK(back.says("[shardflow] [rank " + std::to_string(r) + "] [info] a join: resumed after step " + step + " from the ranks' memory"));
+  CHECK(!back.says("resumed from the snapshot"));
   check_params(two, one, 1e-5);  // world 4, then 2, then 4 again: the same global batch in other orders
 }

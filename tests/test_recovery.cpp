@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -121,6 +122,22 @@ void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::
   }
   rt.wait_all_params();
 }
+
+// The memory a launcher offers the ranks' snapshots (snapshot_env::kMemory), here a directory the
+// test makes; its "regroup" file is the launcher's word that it takes a node in (Note [A node
+// joins live]).
+struct Env {
+  std::string memory;
+  explicit Env(std::string m) : memory(std::move(m)) {
+    std::filesystem::create_directories(memory);
+    ::setenv("SHARDFLOW_SNAPSHOT_MEMORY", memory.c_str(), 1);
+  }
+  ~Env() {
+    ::unsetenv("SHARDFLOW_SNAPSHOT_MEMORY");
+    std::filesystem::remove_all(memory);
+  }
+  std::string regroup() const { return (std::filesystem::path(memory) / "regroup").string(); }
+};
 
 std::string scratch(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() / ("shardflow_recovery_" + std::to_string(::getpid()) + "_" + name);
@@ -571,17 +588,6 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
           "back with the step — a node that joins live waits for that snapshot to complete (one iteration later, done again), "
           "without trainer state it leaves at the snapshot's own iteration — and a wrong step is refused by name") {
   constexpr int N = 2;
-  struct Env {
-    std::string memory;
-    explicit Env(std::string m) : memory(std::move(m)) {
-      std::filesystem::create_directories(memory);
-      ::setenv("SHARDFLOW_SNAPSHOT_MEMORY", memory.c_str(), 1);
-    }
-    ~Env() {
-      ::unsetenv("SHARDFLOW_SNAPSHOT_MEMORY");
-      std::filesystem::remove_all(memory);
-    }
-  };
   std::vector<Model> want(N);
   {
     auto world = InProcessWorld::create(N);
@@ -596,7 +602,7 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
     CAPTURE(carried);
     const Env env(scratch(carried ? "state_memory" : "no_state_memory"));
     const auto snaps = scratch(carried ? "state_disk" : "no_state_disk");
-    const std::string regroup = (std::filesystem::path(env.memory) / "regroup").string();
+    const std::string regroup = env.regroup();
     auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N)};
     std::vector<Model> got(N);
     std::vector<int> left_in(N, -1);
@@ -653,5 +659,81 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
       CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
     }
     std::filesystem::remove_all(snaps);
+  }
+}
+
+// Note [A join from memory] (runtime/checkpoint/twin_restore.cpp): at a join nobody is lost, so
+// the ranks keep their shards, and the newcomer gets its part from their memory. The reference is
+// the same join with the trainer's state in the snapshots, which loads the snapshot instead (one
+// iteration later, that iteration done again).
+TEST_CASE("a node joins from memory: world 2 -> 3 at ZeRO 1 and 2, the launcher takes a third rank in at snapshot 4 -> the two keep their "
+          "shards and a fresh Runtime gets its part of the moments and all the parameters from their memory, reading no snapshot, and the "
+          "three end bit for bit where the same join that loads the snapshot ends") {
+  constexpr int N = 2;
+  for (const int stage : {1, 2}) {
+    CAPTURE(stage);
+    std::vector<Model> got[2];
+    std::vector<std::string> newcomer_log[2];
+    for (const bool from_memory : {true, false}) {
+      CAPTURE(from_memory);
+      const Env env(scratch(from_memory ? "join_memory" : "join_snapshot"));
+      const auto snaps = scratch(from_memory ? "join_memory_disk" : "join_snapshot_disk");
+      auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N + 1)};
+      auto& models = got[from_memory];
+      models = std::vector<Model>(N + 1);
+      std::vector<std::uint64_t> resumed(N + 1, 0);
+      std::atomic<bool> asked{false};
+      test::require_all_ok(test::run_ranks(N + 1, [&](int r) {
+        auto cfg = config(snaps, stage);
+        cfg.snapshot.trainer_state = !from_memory;
+        if (r == N)  // the newcomer starts once the running ranks left their iteration for the round
+          while (!asked) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        Runtime rt((r == N ? rounds[1] : rounds[0])->communicator(r), cfg);
+        auto& m = models[std::size_t(r)];
+        const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
+        const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+        OptimizerConfig adamw;
+        adamw.kind = OptimizerConfig::Kind::adamw;
+        adamw.lr = 0.01f;
+        rt.configure_optimizer(adamw);
+        std::vector<float> ga(kA), gb(kB);
+        bool joined = r == N;
+        const std::uint64_t first = rt.resumed_step();
+        if (r == N) resumed[std::size_t(r)] = first;
+        for (int step = int(first); step < kSteps; ++step) {
+          try {
+            if (const auto w = rt.trainer_state_wanted()) rt.set_trainer_state(w, "after step " + std::to_string(w));
+            if (r == 0 && !joined && step == 3) std::ofstream(env.regroup()).put('1');  // the launcher asks at snapshot 4
+            rt.zero_grad();
+            step_both(rt, m, pa, pb, ga, gb, r, step);
+          } catch (const CommError&) {
+            REQUIRE(!joined);
+            joined = true;
+            if (r == 0) std::filesystem::remove(env.regroup());
+            asked = true;
+            resumed[std::size_t(r)] = rt.recover(rounds[1]->communicator(r));
+            step = int(resumed[std::size_t(r)]) - 1;
+          }
+        }
+        rt.wait_all_params();
+        if (r == N) newcomer_log[from_memory] = rt.collective_log();
+      }));
+      for (int r = 0; r <= N; ++r) {
+        CAPTURE(r);
+        CHECK(resumed[std::size_t(r)] == 4);
+      }
+      std::filesystem::remove_all(snaps);
+    }
+    const auto restored = [](const std::vector<std::string>& log) {
+      return std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("a join: restore state") != std::string::npos; });
+    };
+    CHECK(restored(newcomer_log[true]));
+    CHECK(!restored(newcomer_log[false]));
+    for (int r = 0; r <= N; ++r) {
+      CAPTURE(r);
+      CHECK(got[true][std::size_t(r)].w == got[false][std::size_t(r)].w);
+    }
+    // A join at world 3 really happened: the newcomer trained (its parameters moved from the start's).
+    CHECK(got[true][std::size_t(N)].w != Model().w);
   }
 }

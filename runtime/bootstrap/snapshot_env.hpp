@@ -28,6 +28,12 @@ constexpr const char* kRegroup = "regroup";
 // then can the launcher take a node in live (a trainer without snapshots, or with them on disk
 // only, never reaches a snapshot in memory to leave its iteration at).
 constexpr const char* kInUse = "snapshots-kept-here";
+// Written there with it where a node taken in live gets its state from the running ranks' memory
+// (Note [A join from memory], runtime/checkpoint/twin_restore.cpp): the node before it then sends
+// it only the snapshot's index, not the snapshot (which its ranks would not read). Not written
+// with Config::snapshot.trainer_state: such a join goes back to the snapshot, which the newcomer
+// must then hold.
+constexpr const char* kJoinFromMemory = "joins-from-memory";
 // Written there by a rank whose recover() refused to go on in place (Note [A round that did not
 // heal], runtime/launch/rounds.cpp): the round it joined healed nothing, so it does not count as
 // a restart, and every rank starts again instead of another round.

@@ -95,7 +95,7 @@ struct SnapshotState {
   // from the twins.
   std::int64_t step_offset = 0;
   TwinSalvage salvage;
-  bool from_twins = false;
+  bool from_memory = false;
   // With Config::snapshot.trainer_state too: the trainer's state after the last two steps, handed
   // over at each iteration's start (Note [The trainer's state with the twins], twin_restore.cpp).
   std::map<std::uint64_t, std::string> trainer_states;

@@ -127,7 +127,7 @@ Runtime::Impl::HeldValues Runtime::Impl::values_to_take(const PieceExchange& x, 
     op.send = mine.data();
     op.recv = sums.data();
     op.count = 4 * most;
-    op.tag = "twins: the checksums of the values each rank holds";
+    op.tag = "restore from memory: the checksums of the values each rank holds";
     run_now(op);
   }
   // This rank's verdict on every block, from its own parameters' bytes there (1: it takes it).
@@ -151,7 +151,7 @@ Runtime::Impl::HeldValues Runtime::Impl::values_to_take(const PieceExchange& x, 
     op.send = verdict.data();
     op.recv = verdicts.data();
     op.count = all;
-    op.tag = "twins: the values each rank takes";
+    op.tag = "restore from memory: the values each rank takes";
     run_now(op);
   }
   const auto stale = [&](int t, std::size_t k) { return verdicts[all * std::size_t(t) + k] != 0.0f; };

@@ -246,7 +246,12 @@ std::uint64_t Runtime::resumed_step() {
   }
   I.control_collective(CollectiveKind::broadcast, words, 5, "snapshot: the newest complete steps");
   const std::uint64_t on_disk = words[0] | (std::uint64_t(words[1]) << 32), in_memory = words[2] | (std::uint64_t(words[3]) << 32);
-  float missing[2] = {0.0f, 0.0f};  // ranks whose host cannot keep memory snapshots; ranks whose host lacks rank 0's newest
+  // Ranks whose host cannot keep memory snapshots; ranks whose host lacks rank 0's newest; ranks
+  // that kept their shard at a join (Note [A join from memory]: the newcomer kept nothing and
+  // learns it here).
+  float missing[3] = {0.0f, 0.0f, 0.0f};
+  const auto& kept = I.persistence->snapshots.salvage.shard;  // with a twin: Note [Going on from the twins]
+  missing[2] = kept && !kept->mirror() ? 1.0f : 0.0f;
   if (words[4]) {
     // Across nodes each host holds every rank's files once a restart assembled them: room for two
     // snapshots of the whole model.
@@ -256,11 +261,13 @@ std::uint64_t Runtime::resumed_step() {
     missing[0] = memory_room(I.rank, memory, 2 * need, I.cfg.name_of("snapshot.dir") + " '" + dir + "'", *I.log) ? 0.0f : 1.0f;
     missing[1] = in_memory != 0 && (missing[0] > 0 || !whole(snapshot_dir(memory, in_memory))) ? 1.0f : 0.0f;
   }
-  I.control_collective(CollectiveKind::allreduce, missing, 2, "snapshot: every host holds the newest in memory");
+  I.control_collective(CollectiveKind::allreduce, missing, 3, "snapshot: every host holds the newest in memory");
   const bool use_memory = words[4] && missing[0] == 0;
   if (use_memory) {
     I.persistence->snapshots.memory_dir = memory;
     std::ofstream(fs::path(memory) / snapshot_env::kInUse) << "the ranks keep their snapshots here\n";  // Note [A node joins live]
+    if (!I.cfg.snapshot.trainer_state)  // Note [A join from memory]
+      std::ofstream(fs::path(memory) / snapshot_env::kJoinFromMemory) << "a node taken in gets its state from the ranks' memory\n";
     const auto every = std::uint64_t(I.cfg.snapshot.every);
     I.persistence->snapshots.disk_every = I.cfg.snapshot.disk_every > 0 ? std::uint64_t(I.cfg.snapshot.disk_every) : 10 * every;
     // Note [Snapshots on the other host]: the launcher copies this host's files to the other node's memory.
@@ -270,12 +277,12 @@ std::uint64_t Runtime::resumed_step() {
       I.persistence->snapshots.host_index = I.rank != 0 && local && std::string(local) == "0";
     }
   }
+  const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
+  const std::uint64_t step = from_memory ? in_memory : on_disk;
+  if (const auto kept = I.restore_from_memory(step, missing[2] > 0)) return *kept;
   if (use_memory && in_memory != 0 && missing[1] > 0 && I.rank == 0)
     I.log->warn("snapshots: the snapshot of step {} in memory is not whole on every host ({} rank(s) lack files of it there): "
                 "resuming from the disk's newest instead", in_memory, int(missing[1]));
-  const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
-  const std::uint64_t step = from_memory ? in_memory : on_disk;
-  if (const auto twins = I.restore_from_twins(step)) return *twins;
   if (step == 0) {
     I.finish_initial_sync(false);
     I.persistence->snapshots.step_offset = 0 - (I.shard ? I.shard->steps() : 0);

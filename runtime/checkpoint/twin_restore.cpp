@@ -25,6 +25,28 @@
 //   migration]): each element one value and zeros, so exact too.
 // - Either way each element arrives as it left: the restored state is the old one bit for bit.
 //
+// Note [A join from memory]
+// A node taken in live (Note [A node joins live]) used to get the whole snapshot of the join's
+// step copied into its host's memory by its predecessor's launcher, and every rank then loaded
+// it: the newcomer's ranks could start only once the whole snapshot had crossed the link (every
+// rank's parameters and moments at the old world, 192 MiB for a 64 MiB model with AdamW, 1.6 s
+// at 1 Gbit/s), although at the new world they own only part of the moments. Nobody is lost at a
+// join, so every shard of the old round still exists, live, on its rank, at the join's step:
+// recover() keeps it (as it keeps a shard with a twin), and the restore above goes on from the
+// ranks' memory, each old rank its own provider. Each piece crosses once, to the rank that owns
+// it at the new world (the newcomer's part of the moments, and the parameters' values where a
+// rank's differ), and nothing is read from a file. The newcomer kept nothing and cannot tell on
+// its own that this is a join: every rank learns it from resumed_step()'s all-reduce, which
+// counts the ranks that kept a shard. The launcher then sends the newcomer only the snapshot's
+// index (runtime/launch/grow_round.cpp), so that a later round can still fetch the files from
+// the other hosts (SnapshotMirror::assemble); the ranks say they go on from memory by writing
+// snapshot_env::kJoinFromMemory next to their snapshots. With Config::snapshot.trainer_state
+// they do not: the join then waits for that snapshot's completion, an iteration after it (Note
+// [The trainer's state in a snapshot]), so the ranks' state is a step past it, and the trainer's
+// state of that step is held nowhere; such a join loads the snapshot, which its predecessor
+// seeds whole as before. If a rank of the old round was lost meanwhile, the restore says so and
+// the ranks load the snapshot.
+//
 // Note [The trainer's state with the twins]
 // With Config::snapshot.trainer_state the trainer's own state (an LR scheduler's counter) must go
 // back to the step the model goes on from (Note [The trainer's state in a snapshot]); the twins go
@@ -82,14 +104,14 @@ std::vector<Spans> gather_spans(const Spans& mine, int rank, int world, const st
     return all;
   };
   std::vector<std::uint32_t> n{std::uint32_t(mine.size())};
-  const auto counts = gather(n, 1, "twins: how many spans each rank holds");
+  const auto counts = gather(n, 1, "restore from memory: how many spans each rank holds");
   const std::size_t most = *std::max_element(counts.begin(), counts.end());
   std::vector<std::uint32_t> words(4 * most, 0u);
   for (std::size_t i = 0; i < mine.size(); ++i) {
     const std::uint64_t ends[2] = {mine[i].lo, mine[i].hi};
     for (int k = 0; k < 2; ++k) words[4 * i + 2 * k] = std::uint32_t(ends[k]), words[4 * i + 2 * k + 1] = std::uint32_t(ends[k] >> 32);
   }
-  const auto all = most ? gather(words, 4 * most, "twins: the spans each rank holds") : std::vector<std::uint32_t>{};
+  const auto all = most ? gather(words, 4 * most, "restore from memory: the spans each rank holds") : std::vector<std::uint32_t>{};
   std::vector<Spans> out(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r)
     for (std::size_t i = 0; i < counts[std::size_t(r)]; ++i) {
@@ -120,7 +142,7 @@ PieceExchange Runtime::Impl::twin_exchange(const Shard* old, int old_rank, const
   return state;
 }
 
-std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t snapshot_step) {
+std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t snapshot_step, bool kept_at_join) {
   auto& snap = persistence->snapshots;
   const auto kept = std::move(snap.salvage);
   snap.salvage = {};
@@ -128,7 +150,12 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   // A survivor left alone (world 1: a lost host of two) keeps no twin from now on, but the one it
   // kept holds the lost shard: it goes on from that, as any round does (its collectives are the
   // identity there).
-  if (!shard || !(shard->mirror() || (world == 1 && old && old->mirror()))) return std::nullopt;
+  if (!shard || !(shard->mirror() || (world == 1 && old && old->mirror()) || kept_at_join)) return std::nullopt;
+  // Note [A join from memory]: with the trainer's state in the snapshots the ranks are a step past
+  // the join's snapshot, whose trainer state only the snapshot holds.
+  if (kept_at_join && cfg.snapshot.trainer_state) return std::nullopt;
+  const bool twins = !kept_at_join;  // else every old rank its own provider
+  const std::string from = twins ? "twins: " : "a join: ";
   const auto run_or_alone = [&](const CollectiveOp& op) {
     if (world > 1) run_now(op);
   };
@@ -149,7 +176,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     op.send = w;
     op.recv = words.data();
     op.count = kWords;
-    op.tag = "twins: what each rank kept";
+    op.tag = from + "what each rank kept";
     run_or_alone(op);
   }
   std::vector<Said> said(static_cast<std::size_t>(world));
@@ -167,7 +194,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     if (s.old_world != old_world || s.offset != offset || s.old_rank >= old_world) return std::nullopt;  // not one old round
     // The census travels as fp32 words: exact up to 2^24 steps; past that, the snapshot.
     if (s.steps >= kExact || s.offset >= kExact || -s.offset >= kExact) {
-      if (rank == 0) log->warn("twins: a step count past 2^24 does not travel in the census; going back to the snapshot of step {}", snapshot_step);
+      if (rank == 0) log->warn("{}a step count past 2^24 does not travel in the census; going back to the snapshot of step {}", from, snapshot_step);
       return std::nullopt;
     }
     steps = steps < 0 ? s.steps : std::min(steps, s.steps);
@@ -184,7 +211,8 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       if (said[std::size_t(r)].old_rank >= 0 && said[std::size_t(r)].twin_of == x) provider[std::size_t(x)] = r;
     if (provider[std::size_t(x)] < 0) {
       if (rank == 0)
-        log->warn("twins: rank {} of the old round was lost with its twin; going back to the snapshot of step {}", x, snapshot_step);
+        log->warn("{}rank {} of the old round was lost{}; going back to the snapshot of step {}", from, x, twins ? " with its twin" : "",
+                  snapshot_step);
       return std::nullopt;
     }
     if (provider[std::size_t(x)] == rank) twin_gives.push_back(x);
@@ -198,7 +226,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       cannot = old->export_at(at, 0, 0, probe.data(), 0) ? 0.0f : 1.0f;
       if (!twin_gives.empty() && !old->mirror()->reachable(at)) cannot = 1.0f;
     }
-    control_collective(CollectiveKind::allreduce, &cannot, 1, "twins: every provider reaches the step");
+    control_collective(CollectiveKind::allreduce, &cannot, 1, from + "every provider reaches the step");
     return cannot;
   };
   float cannot = cannot_reach(steps);
@@ -207,14 +235,14 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   // discarded everywhere, as a step some rank had not finished is (the owners kept their pieces
   // from before it).
   if (cannot > 0.0f && steps > 0 && std::uint64_t(steps - 1 + offset) >= snapshot_step && cannot_reach(steps - 1) == 0.0f) {
-    if (rank == 0) log->info("twins: step {} stepped on every survivor, but its syncs to the twins were cut off; it is done again", steps + offset);
+    if (rank == 0) log->info("{}step {} stepped on every survivor, but its syncs to the twins were cut off; it is done again", from, steps + offset);
     --steps;
     cannot = 0.0f;
   }
   const std::uint64_t step = std::uint64_t(steps + offset);
   if (cannot > 0.0f) {
     if (rank == 0)
-      log->warn("twins: {} rank(s) cannot give their shards as they were after step {}; going back to the snapshot of step {}",
+      log->warn("{}{} rank(s) cannot give their shards as they were after step {}; going back to the snapshot of step {}", from,
                 int(cannot), step, snapshot_step);
     return std::nullopt;
   }
@@ -226,13 +254,13 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
         if (said[std::size_t(r)].old_rank >= 0 && h == std::int64_t(step)) state_from = r;
     if (state_from < 0) {
       if (rank == 0)
-        log->warn("twins: no survivor holds the trainer's state of step {} (set_trainer_state at the iteration's start); going back "
-                  "to the snapshot of step {}, which carries its own", step, snapshot_step);
+        log->warn("{}no survivor holds the trainer's state of step {} (set_trainer_state at the iteration's start); going back "
+                  "to the snapshot of step {}, which carries its own", from, step, snapshot_step);
       return std::nullopt;
     }
   }
   if (!twin_gives.empty() && !old->mirror()->reach(steps))  // reachable said it would
-    throw Error("twins: rank " + std::to_string(rank) + "'s twin cannot be brought to step " + std::to_string(step) + " after all");
+    throw Error(from + "rank " + std::to_string(rank) + "'s twin cannot be brought to step " + std::to_string(step) + " after all");
 
   // The old round's buckets first (rank 0's order, as the first survivor kept it), for the reason
   // a snapshot's are adopted (Note [No state moved before a load]): the next sums are then taken
@@ -245,10 +273,10 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
         for (const auto& e : bk.entries)
           if (i < order.size()) order[i++] = float(e.param);
     }
-    control_collective(CollectiveKind::broadcast, order.data(), order.size(), "twins: the old round's buckets", first_survivor);
+    control_collective(CollectiveKind::broadcast, order.data(), order.size(), from + "the old round's buckets", first_survivor);
     std::vector<std::uint32_t> params_in_order(order.begin(), order.end());
     if (!adopt_bucket_order(params_in_order))
-      log->warn("twins: the old round's buckets hold other parameters than this run trains; they are rebuilt after the first iteration");
+      log->warn("{}the old round's buckets hold other parameters than this run trains; they are rebuilt after the first iteration", from);
   }
   // The state and the values, window by window: each element once, to where it is needed (Note
   // [Pieces to their new owners]), or summed as a rebuild sums them (Note [State migration]) where
@@ -281,7 +309,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
         values_moved.needs[std::size_t(t)] = unite(values_moved.needs[std::size_t(t)], moments.needs[std::size_t(t)]);
     const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
     const auto sent = values * exchange_elements(moments, total, kStateWindow) + exchange_elements(values_moved, total, kStateWindow);
-    log->info("twins: the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", mib(double(sent)),
+    log->info("{}the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", from, mib(double(sent)),
               moments.unequal ? "" : " (the shifts padded to their longest pack)",
               mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
   }
@@ -291,7 +319,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
       window.assign(n, 0.0f);
       provide(slot, begin, window);
       if (slot == values) values_from_params(begin, window, from_params);
-      const std::string tag = "twins: restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
+      const std::string tag = from + "restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
       if (shifts) {
         exchange_window(slot < values ? moments : values_moved, begin, window, [&](const CollectiveOp& op) { run_now(op); }, tag);
       } else {
@@ -310,7 +338,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     }
   }
   // Frozen parameters and the counters every rank shares, from the first survivor.
-  if (world > 1) broadcast_params(first_survivor, "twins: frozen", /*frozen_only=*/true);
+  if (world > 1) broadcast_params(first_survivor, (from + "frozen").c_str(), /*frozen_only=*/true);
   std::vector<float> counters(2 + params.size(), 0.0f);
   if (rank == first_survivor) {
     const auto [scale, tracker] = old->loss_scale_at(steps);
@@ -318,15 +346,15 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
     const auto sat_out = old->skipped_at(steps);
     for (std::size_t p = 0; p < params.size(); ++p) counters[2 + p] = float(sat_out[p]);
   }
-  control_collective(CollectiveKind::broadcast, counters.data(), counters.size(), "twins: step counters", first_survivor);
+  control_collective(CollectiveKind::broadcast, counters.data(), counters.size(), from + "step counters", first_survivor);
   if (state_from >= 0) {
     std::string blob;
     if (rank == state_from) blob = kept.trainer_states.at(step);
     std::uint32_t size = std::uint32_t(blob.size());
-    control_collective(CollectiveKind::broadcast, &size, 1, "twins: the trainer's state, its size", state_from);
+    control_collective(CollectiveKind::broadcast, &size, 1, from + "the trainer's state, its size", state_from);
     std::vector<std::uint32_t> words((std::size_t(size) + 3) / 4, 0u);
     std::memcpy(words.data(), blob.data(), blob.size());
-    if (!words.empty()) control_collective(CollectiveKind::broadcast, words.data(), words.size(), "twins: the trainer's state", state_from);
+    if (!words.empty()) control_collective(CollectiveKind::broadcast, words.data(), words.size(), from + "the trainer's state", state_from);
     blob.assign(reinterpret_cast<const char*>(words.data()), size);
     snap.trainer_states[step] = blob;  // held again here, should this round fail before the next hand-over
     snap.loaded_trainer_state = std::move(blob);
@@ -340,11 +368,15 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_twins(std::uint64_t sna
   finish_initial_sync(true);
   snap.base = step;
   snap.step_offset = offset;
-  snap.from_twins = true;
+  snap.from_memory = true;
   int lost = 0;
   for (int x = 0; x < old_world; ++x) lost += said[std::size_t(provider[std::size_t(x)])].old_rank != x;
-  log->warn("twins: resumed after step {} from memory ({} of the old round's {} shard(s) from their twins), no step rolled back", step,
-            lost, old_world);
+  if (twins)
+    log->warn("twins: resumed after step {} from memory ({} of the old round's {} shard(s) from their twins), no step rolled back", step,
+              lost, old_world);
+  else
+    log->info("a join: resumed after step {} from the ranks' memory (the old round's {} shard(s) from their ranks), no file read", step,
+              old_world);
   return step;
 }
 

@@ -81,7 +81,8 @@ void Supervisor::look_for_joiners() {
     }
     ask_regroup(true);
     say(what + ": taking it in (round " + std::to_string(round_no_) + "): the ranks go on at world " +
-        std::to_string(int(members_.size() + 1) * spec_.nproc_per_node) + " from their next snapshot in memory, which its ranks load");
+        std::to_string(int(members_.size() + 1) * spec_.nproc_per_node) + " from their next snapshot in memory, " +
+        (joins_from_memory() ? "its ranks taking their part of the state from the running ranks' memory" : "which its ranks load"));
     return;  // one node a round
   }
 }
@@ -101,7 +102,8 @@ void Supervisor::check_grow_round() {
       std::sort(next.begin(), next.end());
       st.set(recovery_verdict::members_key(restart_, round_no_), recovery_verdict::format_nodes(next));
       ask_regroup(false);
-      take_in(gr.node, next, std::to_string(restart_) + " " + std::to_string(round_no_));
+      // " memory": the newcomer's launcher fetches no snapshot for its ranks (Note [A join from memory]).
+      take_in(gr.node, next, std::to_string(restart_) + " " + std::to_string(round_no_) + (joins_from_memory() ? " memory" : ""));
       gr.admitted = true;
       for (int k : members_)
         if (k != spec_.node_rank) gr.waiting.push_back(k);
@@ -125,11 +127,23 @@ void Supervisor::check_grow_round() {
 }
 
 // Step 3 on any node of the round: the newcomer is in this node's generation and its ring of copies.
+// Where its ranks get their state from the running ranks' memory (Note [A join from memory],
+// runtime/checkpoint/twin_restore.cpp), no snapshot has to be whole anywhere for the join: the
+// node before it sends it the newest snapshot's index only, and nobody fetches. A later round
+// that needs the files there fetches them then (gather_newest: the index names them).
 void Supervisor::take_in(int node, const std::vector<int>& next, const std::string& joined) {
   const std::vector<int> before = members_;
   watch_->admit(node, joined);
   members_ = next;
-  point_mirror(before, true);
+  const bool from_memory = joins_from_memory();
+  partial_copies_ |= from_memory;
+  point_mirror(before, !from_memory, from_memory);
+}
+
+bool Supervisor::joins_from_memory() const {
+  std::error_code ec;
+  const auto said = memory_file(snapshot_env::kJoinFromMemory);
+  return !said.empty() && std::filesystem::exists(said, ec);
 }
 
 void Supervisor::say_ready(int round) {

@@ -171,7 +171,10 @@ void Supervisor::run_generations(int port, const std::string& token, const sigse
     const int node = int(std::find(members_.begin(), members_.end(), spec_.node_rank) - members_.begin());
     const int world = spec_.nproc_per_node * int(members_.size());
     generation_ = {node, world, port, token, old};
-    point_mirror(before, restart_ > 0 || joined_live_);
+    // A node taken in from memory fetches nothing: its ranks read no snapshot (Note [A join from memory]).
+    const bool from_memory = joined_live_ && watch_->joined_from_memory();
+    partial_copies_ |= from_memory;
+    point_mirror(before, (restart_ > 0 || joined_live_) && !from_memory);
     before = members_;
     if (std::exchange(joined_live_, false)) say_ready(round_no_);  // Note [A node joins live], step 3
     for (int l = 0; l < spec_.nproc_per_node; ++l) {
@@ -233,8 +236,9 @@ void Supervisor::offer_mirrored_memory(const std::string& address, const std::st
 // in a lost host's round: Note [A lost host healed in place]) this host first fetches what it
 // lacks of its newest snapshot from the others (with more than two nodes at the snapshot's time
 // it holds only its own and its predecessor's files), so that it holds it whole. Both happen
-// before this node's ranks load it.
-void Supervisor::point_mirror(const std::vector<int>& before, bool fetch) {
+// before this node's ranks load it. With `index_only` (Note [A join from memory]) the node that
+// rejoined gets only that snapshot's index: its ranks read none of it.
+void Supervisor::point_mirror(const std::vector<int>& before, bool fetch, bool index_only) {
   mirror_label_.clear();
   if (!mirror_) return;
   const auto address = mirror_addresses();
@@ -243,7 +247,8 @@ void Supervisor::point_mirror(const std::vector<int>& before, bool fetch) {
   if (address.count(next)) mirror_label_ = watch_->label(next);
   if (fetch) gather_newest(address);
   const bool returned = next >= 0 && std::find(before.begin(), before.end(), next) == before.end();
-  mirror_->send_to(mirror_label_.empty() ? "" : address.at(next), mirror_label_, returned);
+  using Seed = SnapshotMirror::Seed;
+  mirror_->send_to(mirror_label_.empty() ? "" : address.at(next), mirror_label_, !returned ? Seed::none : index_only ? Seed::index : Seed::whole);
   say_copies(!mirror_label_.empty());
   if (returned && !mirror_label_.empty() && !mirror_->wait_seeded(spec_.heartbeat_timeout + std::chrono::seconds(60)))
     say("snapshot copies: the newest snapshot did not reach " + mirror_label_ + " in time; its ranks may resume from disk");

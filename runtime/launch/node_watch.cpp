@@ -229,11 +229,15 @@ void NodeWatch::wait_to_rejoin(clock::time_point deadline, const std::function<b
       }
       std::this_thread::sleep_for(milliseconds(50));
     }
-    // "G" from a restart's decision; "G R" from round R of generation G (Note [A node joins live]).
+    // "G" from a restart's decision; "G R" from round R of generation G (Note [A node joins live]),
+    // "G R memory" where its ranks get their state from the running ranks' (Note [A join from memory]).
     std::istringstream joined(main_->get(key("joined/" + me)));
     joined >> joined_at_;
-    if (joined >> joined_round_)
+    if (joined >> joined_round_) {
       members_ = recovery_verdict::parse_nodes(main_->get(recovery_verdict::members_key(joined_at_, joined_round_)));
+      std::string how;
+      joined_from_memory_ = joined >> how && how == "memory";
+    }
     else
       members_ = decided_nodes(main_->get(key("g" + std::to_string(joined_at_ - 1) + "/decision")));
   } catch (const CommError& e) {

@@ -145,6 +145,8 @@ class NodeWatch {
   // Note [A node joins live] (grow_round.cpp): the round of the running generation that took this
   // launcher in (0: a restart did, or it was there from the start).
   int joined_round() const { return joined_round_; }
+  // ... and its ranks get their state from the running ranks' memory (Note [A join from memory]).
+  bool joined_from_memory() const { return joined_from_memory_; }
   // The nodes outside this generation that asked to join (Note [Rejoining]).
   std::vector<int> asking_to_join();
   // The node is in this generation from now on, watched afresh. With `joined` (the launcher that
@@ -199,6 +201,7 @@ class NodeWatch {
   int generation_ = 0;
   int joined_at_ = 0;
   int joined_round_ = 0;
+  bool joined_from_memory_ = false;
   PeerTable peers_;                       // node 0's view of the others (Note [One owner for the peers' state])
   std::thread thread_;
 };

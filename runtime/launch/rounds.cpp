@@ -325,9 +325,11 @@ bool Supervisor::round_refused() {
 // its host lacks, and holds the word until every other node did the same and said it is ready
 // (learn_rounds). The survivors are waiting for the word in rejoin_process_group meanwhile, so no
 // newer snapshot can begin. With two nodes each host holds every file already, and ranks that keep no
-// snapshots in memory (snapshot_env::kInUse) have nothing to gather: nothing is held then.
+// snapshots in memory (snapshot_env::kInUse) have nothing to gather: nothing is held then. After
+// a join from memory (Note [A join from memory]) the newcomer's host may hold only the newest
+// snapshot's index, so two nodes gather too.
 bool Supervisor::gathers_copies() const {
-  return mirror_ && spec_.nnodes > 1 && members_.size() >= 3 && keeps_snapshots_in_memory();
+  return mirror_ && spec_.nnodes > 1 && (members_.size() >= 3 || partial_copies_) && keeps_snapshots_in_memory();
 }
 
 std::filesystem::path Supervisor::memory_file(const char* name) const {

@@ -184,9 +184,11 @@ SnapshotMirror::~SnapshotMirror() {
 
 std::string SnapshotMirror::address() const { return host_ + ":" + std::to_string(port_); }
 
-void SnapshotMirror::send_to(const std::string& peer, const std::string& label, bool seed) {
+void SnapshotMirror::send_to(const std::string& peer, const std::string& label, Seed seed) {
   std::lock_guard lock(mu_);
-  seed_ = seed && !peer.empty();
+  seed_ = seed != Seed::none && !peer.empty();
+  seed_index_ = seed == Seed::index;
+  if (!seed_index_) skip_through_ = 0;
   if (peer == peer_) return;
   peer_ = peer;
   peer_label_ = label;
@@ -380,7 +382,14 @@ bool SnapshotMirror::send_round() {
   }
   std::vector<std::string> todo;
   std::error_code ec;
-  if (seeding) todo = newest_snapshot();
+  if (seeding) {
+    todo = newest_snapshot();
+    std::lock_guard lock(mu_);
+    if (seed_index_ && !todo.empty()) {  // the index last: only it
+      skip_through_ = step_of(todo.back());
+      todo.erase(todo.begin(), todo.end() - 1);
+    }
+  }
   if (seeding && todo.empty()) {  // nothing to give the new peer
     std::lock_guard lock(mu_);
     seed_ = false;
@@ -390,6 +399,7 @@ bool SnapshotMirror::send_round() {
     for (const auto& step : fs::directory_iterator(memory_, ec)) {
       const auto dir = step.path().filename().string();
       if (dir.rfind("step-", 0) != 0) continue;
+      if (std::lock_guard lock(mu_); skip_through_ && step_of(dir + "/") <= skip_through_) continue;
       std::error_code ec2;
       for (const auto& f : fs::directory_iterator(step.path(), ec2)) {
         const std::string rel = dir + "/" + f.path().filename().string();

@@ -48,10 +48,14 @@ class SnapshotMirror {
 
   // "ip:port": what the other node connects to.
   std::string address() const;
+  // What a new peer gets first. whole (a node that rejoined, Note [Rejoining]): the newest snapshot
+  // here, every file and its index. index (a node taken in live whose ranks get their state from
+  // the running ranks' memory, Note [A join from memory]): that snapshot's index only, and none of
+  // the files here then is sent to it (a later round fetches them where it needs them: assemble).
+  enum class Seed { none, whole, index };
   // Where this host's shard files go ("ip:port" of the next node's mirror; empty: nowhere, the
-  // generation has one node). `label` names that node in messages. With `seed` (a node that
-  // rejoined, Note [Rejoining]) it first gets the newest snapshot here whole: every file and its index.
-  void send_to(const std::string& peer, const std::string& label, bool seed);
+  // generation has one node). `label` names that node in messages.
+  void send_to(const std::string& peer, const std::string& label, Seed seed);
   // Waits until that newest snapshot reached the new peer (true), or `limit` passed.
   bool wait_seeded(std::chrono::milliseconds limit);
   // Before a restart's ranks start: fetches from `peers` (their mirrors' addresses) every file of
@@ -85,7 +89,9 @@ class SnapshotMirror {
   int peer_fd_ = -1;                    // owned by the sender; others only shut it down
   std::string connected_to_;            // where peer_fd_ leads
   bool failing_ = false;                // a failure was reported; the next success says so
-  bool seed_ = false;                   // the new peer still needs the newest snapshot whole
+  bool seed_ = false;                   // the new peer still needs the newest snapshot (whole, or its index)
+  bool seed_index_ = false;             // ... its index only
+  std::uint64_t skip_through_ = 0;      // files of snapshots up to this step are not sent to this peer (Seed::index)
   std::condition_variable seeded_;
   std::vector<int> connections_;        // open receiving sockets (shut down by the destructor)
   std::vector<std::thread> receivers_;

@@ -61,7 +61,7 @@ class Supervisor {
   std::string store_name(const std::string& host, int port) const;
   net::SocketChoice socket_choice() const;
   void offer_mirrored_memory(const std::string& address, const std::string& token);
-  void point_mirror(const std::vector<int>& before, bool fetch);
+  void point_mirror(const std::vector<int>& before, bool fetch, bool index_only = false);
   std::map<int, std::string> mirror_addresses();  // the other members' copy ports
   void gather_newest(const std::map<int, std::string>& address);
   int torch_port(int store_port);
@@ -109,6 +109,7 @@ class Supervisor {
   std::filesystem::path memory_file(const char* name) const;
   bool take_memory_file(const char* name) const;  // removes it: whether it was there
   bool keeps_snapshots_in_memory() const;  // the ranks said so (snapshot_env::kInUse)
+  bool joins_from_memory() const;          // ... and that a node taken in live gets its state from theirs (kJoinFromMemory)
   bool gathers_copies() const;
   bool round_refused();
   void check_held_word();
@@ -182,6 +183,9 @@ class Supervisor {
   int grow_flag_round_ = 0;       // the newest growing round whose word this node passed to its ranks (a learner)
   std::vector<int> refused_joins_;  // nodes told once that they cannot join live
   bool joined_live_ = false;      // this launcher was taken into a running generation
+  // A node was taken in from memory (Note [A join from memory]): its host may hold only the index
+  // of the newest snapshot, so even at two nodes a lost rank's round gathers the copies first.
+  bool partial_copies_ = false;
   int left_out_in_round_ = 0;  // the newest round whose lost node this node took out (a learner)
   int gathered_in_round_ = 0;  // the newest lost rank's round for which this node gathered the newest snapshot (a learner)
   bool left_out_ = false;      // this node was the one found lost: the others went on without it

@@ -74,16 +74,19 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   auto kept = same_rank ? old.timeline : nullptr;
   auto subscribers = old.client.subscribers;
   void* stream = old.mem->stream;
-  old.log->warn("{}: rank {} of {} becomes rank {} of {}; the set-up ({} call(s)) is made again and the newest snapshot reloaded",
-                regrouping ? "a node joins" : "recovering in place", old.rank, old.world, comm->rank(), comm->world_size(), recipe.size());
+  old.log->warn("{}: rank {} of {} becomes rank {} of {}; the set-up ({} call(s)) is made again and {}",
+                regrouping ? "a node joins" : "recovering in place", old.rank, old.world, comm->rank(), comm->world_size(), recipe.size(),
+                regrouping || (old.shard && old.shard->mirror()) ? "the state taken up from the ranks' memory (else the newest snapshot)"
+                                                                  : "the newest snapshot reloaded");
   // The process's actor system outlives the swap: the trainer's actors run on it (and, asked
   // from actors, the helper running this call: Note [Recovering from actors], rank_actor.cpp),
   // and letting it go here would stop them, or wait for the very thread that waits.
   const auto actors = old.actors;
   // Note [Going on from the twins]: with mirrored shards the old shard is kept (stopped first, so
-  // that no step of its actor runs under what the next resumed_step() reads of it).
+  // that no step of its actor runs under what the next resumed_step() reads of it); at a join,
+  // where nobody was lost, without them too (Note [A join from memory]).
   TwinSalvage salvage;
-  if (old.shard && old.shard->mirror() && old.persistence) {
+  if (old.shard && (old.shard->mirror() || regrouping) && old.persistence) {
     if (old.shard_actor_h) {
       caf::scoped_actor self{old.actors->system()};
       self->send_exit(old.shard_actor_h, caf::exit_reason::user_shutdown);
@@ -106,7 +109,7 @@ std::uint64_t Runtime::recover(std::shared_ptr<Communicator> comm) {
   try {
     for (const auto& call : recipe) call(*this);
     const std::uint64_t step = resumed_step();
-    if (step == 0 && moved > 0 && !impl_->persistence->snapshots.from_twins) {
+    if (step == 0 && moved > 0 && !impl_->persistence->snapshots.from_memory) {
       // Note [A round that did not heal]: the launcher counts the round as no restart.
       if (const char* memory = std::getenv(snapshot_env::kMemory); memory && *memory)
         std::ofstream(std::filesystem::path(memory) / snapshot_env::kRefused) << who << "\n";

@@ -313,8 +313,10 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // ---- checkpoint/twin_restore.cpp: Note [Going on from the twins] -----------------------------
   // With mirrored shards: the step every rank goes on from, restored from what the survivors and
   // the twins kept, if that is newer than `snapshot_step` and every lost shard has a twin left;
-  // nullopt otherwise (the same answer on every rank), and the snapshot is loaded instead.
-  std::optional<std::uint64_t> restore_from_twins(std::uint64_t snapshot_step);
+  // nullopt otherwise (the same answer on every rank), and the snapshot is loaded instead. Without
+  // them, where some rank kept its shard at a join (`kept_at_join`, the same on every rank: Note
+  // [A join from memory]), from what the ranks of the old round kept, every one of them there.
+  std::optional<std::uint64_t> restore_from_memory(std::uint64_t snapshot_step, bool kept_at_join);
   // Who holds which pieces before a restore from the twins, who needs which moments after it:
   // Note [Pieces to their new owners].
   PieceExchange twin_exchange(const Shard* old, int old_rank, const std::vector<int>& twin_gives);

@@ -452,12 +452,13 @@ void Shard::loaded() {
 }
 
 bool Shard::export_at(std::int64_t steps, std::size_t slot, std::size_t begin, float* out, std::size_t n) const {
-  if (!mirror_ || (steps != steps_ && steps != steps_ - 1)) return false;
+  // Without a twin no undo is kept: only the state as it stands (Note [A join from memory]).
+  if (steps != steps_ && (!mirror_ || steps != steps_ - 1)) return false;
   std::fill(out, out + n, 0.0f);
   const bool values = slot == state_slots();
   for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
     // Stepped in the step after `steps` (this one's undo holds the pieces before it), or not yet.
-    const bool undo = undo_step_[b] == steps;
+    const bool undo = mirror_ && undo_step_[b] == steps;
     // Stepped since, and nothing kept from before (unless that step was skipped: nothing moved).
     if (!undo && steps != steps_ && !skipped_last_) return false;
     const bool master = !master_[b].empty();

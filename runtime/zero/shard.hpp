@@ -119,7 +119,7 @@ class Shard {
   // were before the step in flight, so that a failed step can be discarded here too. What this
   // shard held after `steps` optimizer steps (steps() or steps() - 1), slot by slot as
   // export_state has them, the values (slot migrate... state_slots()) whatever the masters: false
-  // if that is no longer here.
+  // if that is no longer here. Without a twin only steps() is (Note [A join from memory]).
   bool export_at(std::int64_t steps, std::size_t slot, std::size_t begin, float* out, std::size_t n) const;
   // The per-parameter sat-out counts and the loss scale after `steps` steps (as export_at).
   std::vector<std::int64_t> skipped_at(std::int64_t steps) const { return steps == steps_ ? skipped_ : before_.skipped; }
