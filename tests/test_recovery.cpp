@@ -72,6 +72,17 @@ struct Model {
   Model(const Model&) = delete;
 };
 
+// The two parameters one by one and AdamW: the set-up every rank makes (and recover() replays).
+std::pair<Param, Param> set_up(Runtime& rt, Model& m) {
+  const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
+  const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
+  OptimizerConfig adamw;
+  adamw.kind = OptimizerConfig::Kind::adamw;
+  adamw.lr = 0.01f;
+  rt.configure_optimizer(adamw);
+  return {pa, pb};
+}
+
 // One rank's training; with `recover_at` the ranks abandon step `recover_at` after reporting
 // parameter a only (its bucket's reduction may be under way) and recover onto `next`.
 void train_rank(int rank, const std::shared_ptr<Communicator>& comm, const std::string& snapshots, int stage, bool flat, Model& m,
@@ -614,12 +625,7 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
       cfg.snapshot.trainer_state = carried;
       Runtime rt(rounds[0]->communicator(r), cfg);
       auto& m = got[std::size_t(r)];
-      const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
-      const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
-      OptimizerConfig adamw;
-      adamw.kind = OptimizerConfig::Kind::adamw;
-      adamw.lr = 0.01f;
-      rt.configure_optimizer(adamw);
+      const auto [pa, pb] = set_up(rt, m);
       std::vector<float> ga(kA), gb(kB);
       std::size_t round = 0;
       for (int step = int(rt.resumed_step()); step < kSteps; ++step) {
@@ -690,12 +696,7 @@ TEST_CASE("a node joins from memory: world 2 -> 3 at ZeRO 1 and 2, the launcher 
           while (!asked) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         Runtime rt((r == N ? rounds[1] : rounds[0])->communicator(r), cfg);
         auto& m = models[std::size_t(r)];
-        const Param pa = rt.register_param({"a", {std::int64_t(kA)}, DType::f32, Device::cpu(), m.a.data()});
-        const Param pb = rt.register_param({"b", {std::int64_t(kB)}, DType::f32, Device::cpu(), m.b.data()});
-        OptimizerConfig adamw;
-        adamw.kind = OptimizerConfig::Kind::adamw;
-        adamw.lr = 0.01f;
-        rt.configure_optimizer(adamw);
+        const auto [pa, pb] = set_up(rt, m);
         std::vector<float> ga(kA), gb(kB);
         bool joined = r == N;
         const std::uint64_t first = rt.resumed_step();

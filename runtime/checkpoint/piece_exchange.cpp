@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <future>
 
 #include "shardflow/errors.hpp"
 
@@ -98,8 +99,8 @@ std::size_t length(const Spans& a) {
   return n;
 }
 
-void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<float>& window,
-                     const std::function<void(const CollectiveOp&)>& run, const std::string& tag) {
+WindowInFlight start_window(const PieceExchange& x, std::size_t begin, const std::vector<float>& window,
+                            const std::function<Communicator::Started(const CollectiveOp&)>& start, const std::string& tag) {
   const Window w = clipped(x, begin, window.size());
   const auto me = std::size_t(x.rank);
   // Every element a rank needs has a holder: a plan that misses one would leave zeros as state.
@@ -112,26 +113,61 @@ void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<floa
                   " element(s) of [" + std::to_string(begin) + ", " + std::to_string(begin + window.size()) +
                   ") that no rank holds (Note [Pieces to their new owners])");
   }
-  std::vector<float> out, in;
+  // Every pack is taken from what this rank holds, and every arrival goes where it holds nothing:
+  // the shifts of all distances can be in flight together.
+  WindowInFlight f;
+  f.begin = begin;
+  f.shifts.reserve(std::size_t(x.world));
   for (int d = 1; d < x.world; ++d) {
     const std::size_t count = shift_count(w, x.world, d);
     if (count == 0) continue;  // the same answer on every rank: nobody needs anything from d back
     const auto to = std::size_t((x.rank + d) % x.world), from = std::size_t((x.rank - d + x.world) % x.world);
-    const Spans sends = intersect(w.holds[me], w.needs[to]), takes = intersect(w.holds[from], w.needs[me]);
-    out.assign(x.unequal ? length(sends) : count, 0.0f);
-    in.resize(x.unequal ? length(takes) : count);
-    pack(sends, begin, window.data(), out.data());
+    auto& s = f.shifts.emplace_back();
+    const Spans sends = intersect(w.holds[me], w.needs[to]);
+    s.takes = intersect(w.holds[from], w.needs[me]);
+    s.out.assign(x.unequal ? length(sends) : count, 0.0f);
+    s.in.resize(x.unequal ? length(s.takes) : count);
+    pack(sends, begin, window.data(), s.out.data());
     CollectiveOp op;
     op.kind = CollectiveKind::shift;
-    op.send = out.data();
-    op.recv = in.data();
-    op.count = out.size();
-    if (x.unequal) op.recv_count = in.size();
+    op.send = s.out.data();
+    op.recv = s.in.data();
+    op.count = s.out.size();
+    if (x.unequal) op.recv_count = s.in.size();
     op.distance = d;
     op.tag = tag + " by " + std::to_string(d);
-    run(op);
-    unpack(takes, begin, in.data(), window.data());
+    s.started = start(op);
   }
+  return f;
+}
+
+void finish_window(WindowInFlight& f, std::vector<float>& window, const std::function<void(Communicator::Started&)>& wait) {
+  for (auto& s : f.shifts) {
+    wait(s.started);
+    unpack(s.takes, f.begin, s.in.data(), window.data());
+  }
+  f.shifts.clear();
+}
+
+void settle_window(WindowInFlight& f, const std::function<void(Communicator::Started&)>& wait) noexcept {
+  for (auto& s : f.shifts) try {
+      if (s.started.done.valid()) wait(s.started);
+    } catch (...) {
+      // the exception that unwinds is the caller's; this one only had to end
+    }
+  f.shifts.clear();
+}
+
+void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<float>& window,
+                     const std::function<void(const CollectiveOp&)>& run, const std::string& tag) {
+  // Each shift run at once, a future already done standing for it.
+  auto f = start_window(x, begin, window, [&](const CollectiveOp& op) {
+    std::promise<void> done;
+    run(op);
+    done.set_value();
+    return Communicator::Started{done.get_future(), op.tag};
+  }, tag);
+  finish_window(f, window, [](Communicator::Started& s) { s.done.get(); });
 }
 
 std::size_t exchange_elements(const PieceExchange& x, std::size_t total, std::size_t window) {

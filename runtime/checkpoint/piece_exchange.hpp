@@ -50,6 +50,25 @@ struct PieceExchange {
 // its `needs` there. `run` issues one collective and waits for it; `tag` names the ops.
 void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<float>& window,
                      const std::function<void(const CollectiveOp&)>& run, const std::string& tag);
+// The same in two halves, so that one window's shifts are in flight while the caller prepares the
+// next and finishes the one before (Note [Windows in flight], twin_restore.cpp): start_window
+// packs and starts every distance's shift (`start` submits one); finish_window waits for them and
+// writes what arrived into `window`, which must be the one start_window read. The packs and the
+// arrivals live in the WindowInFlight: it must outlive its shifts (settle_window waits for any
+// still in flight, ignoring their errors, before it can go on an error path).
+struct WindowInFlight {
+  struct Shift {
+    Spans takes;
+    std::vector<float> out, in;
+    Communicator::Started started;
+  };
+  std::size_t begin = 0;
+  std::vector<Shift> shifts;
+};
+WindowInFlight start_window(const PieceExchange& x, std::size_t begin, const std::vector<float>& window,
+                            const std::function<Communicator::Started(const CollectiveOp&)>& start, const std::string& tag);
+void finish_window(WindowInFlight& f, std::vector<float>& window, const std::function<void(Communicator::Started&)>& wait);
+void settle_window(WindowInFlight& f, const std::function<void(Communicator::Started&)>& wait) noexcept;
 // What exchange_window sends from this rank for the whole coordinate range, in elements (its packs,
 // or the padded shifts; windows of `window` elements): for logs and tests.
 std::size_t exchange_elements(const PieceExchange& x, std::size_t total, std::size_t window);

@@ -43,21 +43,29 @@ std::size_t wire_bytes(const CollectiveOp& op, int world) {
 std::shared_ptr<std::byte> Communicator::allocate(std::size_t bytes) { return alloc_zeroed(bytes); }
 
 void Communicator::run(CollectiveOp op, std::chrono::milliseconds timeout) {
+  auto started = start(std::move(op));
+  wait(started, timeout);
+}
+
+Communicator::Started Communicator::start(CollectiveOp op) {
   auto promise = std::make_shared<std::promise<void>>();
-  auto future = promise->get_future();
-  const std::string what = std::string(collective_name(op.kind)) + " '" + op.tag + "'";
+  Started started{promise->get_future(), std::string(collective_name(op.kind)) + " '" + op.tag + "'"};
   submit(std::move(op), [promise](std::exception_ptr e) {
     if (e)
       promise->set_exception(e);
     else
       promise->set_value();
   });
+  return started;
+}
+
+void Communicator::wait(Started& op, std::chrono::milliseconds timeout) {
   // The backend enforces the timeout itself and names the missing ranks; this bound only catches a
   // backend that never answers at all.
-  if (future.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready)
-    throw TimeoutError("rank " + std::to_string(rank()) + ": " + what + " on backend " + backend_name() +
+  if (op.done.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready)
+    throw TimeoutError("rank " + std::to_string(rank()) + ": " + op.what + " on backend " + backend_name() +
                        " did not complete within " + std::to_string(timeout.count()) + " ms");
-  future.get();
+  op.done.get();
 }
 
 }  // namespace shardflow

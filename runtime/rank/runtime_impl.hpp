@@ -163,6 +163,9 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // collectives (Runtime::collective) still on the comm stream complete first: the two paths
   // would otherwise reach the backend in a different order on different ranks.
   void run_now(const CollectiveOp& op);
+  // The same in two halves (comm->wait(started, cfg.timeouts.collective) ends it), for several in
+  // flight at once: the restore's windows (Note [Windows in flight], twin_restore.cpp).
+  Communicator::Started start_now(const CollectiveOp& op);
   struct TrainerOps {
     std::mutex mu;
     std::condition_variable cv;

@@ -181,6 +181,11 @@ void Runtime::Impl::migrate_state(Shard& from, Shard& to) {
 // handed-over pass is complete, so it follows the same syncs on every rank. The cost is the overlap
 // of those syncs with the next forward, on the iterations that issue a control word.
 void Runtime::Impl::run_now(const CollectiveOp& op) {
+  auto started = start_now(op);
+  comm->wait(started, cfg.timeouts.collective);
+}
+
+Communicator::Started Runtime::Impl::start_now(const CollectiveOp& op) {
   if (prefetching()) facade->wait_all_params();
   {
     std::unique_lock lock(trainer_ops->mu);
@@ -189,7 +194,7 @@ void Runtime::Impl::run_now(const CollectiveOp& op) {
                          "did not complete within Config::timeouts.collective");
   }
   collectives->record(op);
-  comm->run(op, cfg.timeouts.collective);
+  return comm->start(op);
 }
 
 CollectiveOp Runtime::Impl::control_op(CollectiveKind kind, void* words, std::size_t count, const std::string& tag, int root) {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 
@@ -123,6 +124,15 @@ class Communicator {
   // Convenience for non-actor callers (set-up, trainers): submit and wait, rethrowing failures.
   // The wait is bounded by `timeout` plus a grace period: the backend reports its own timeout first.
   void run(CollectiveOp op, std::chrono::milliseconds timeout);
+  // The same in two halves, for a caller that keeps several in flight (their buffers must outlive
+  // the wait): submitted now, in order with every other op of this communicator; and its end.
+  // `what` names the op in the timeout's message (collective_name and tag: started's).
+  struct Started {
+    std::future<void> done;
+    std::string what;
+  };
+  Started start(CollectiveOp op);
+  void wait(Started& op, std::chrono::milliseconds timeout);
 };
 
 // N ranks as threads of one process; each rank passes its own buffers. Create the world once and
