@@ -596,8 +596,9 @@ TEST_CASE("an actor trainer recovers in place through its rank actor: world 3 an
 // joins live]) is taken in once that snapshot completes. The launcher's word is the regroup file
 // in the snapshot memory, made here by the test.
 TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each iteration's start -> the index keeps it, and recover() gives it "
-          "back with the step — a node that joins live waits for that snapshot to complete (one iteration later, done again), "
-          "without trainer state it leaves at the snapshot's own iteration — and a wrong step is refused by name") {
+          "back with the step — a node that joins live at that snapshot waits for the state (the ranks leave the next iteration at its "
+          "start, once they handed it over), without trainer state they leave at the snapshot's own iteration — and a wrong step is "
+          "refused by name") {
   constexpr int N = 2;
   std::vector<Model> want(N);
   {
@@ -670,71 +671,91 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
 
 // Note [A join from memory] (runtime/checkpoint/twin_restore.cpp): at a join nobody is lost, so
 // the ranks keep their shards, and the newcomer gets its part from their memory. The reference is
-// the same join with the trainer's state in the snapshots, which loads the snapshot instead (one
-// iteration later, that iteration done again).
+// what a restart would do: every rank a fresh Runtime at world 3 that loads the join's snapshot.
 TEST_CASE("a node joins from memory: world 2 -> 3 at ZeRO 1 and 2, the launcher takes a third rank in at snapshot 4 -> the two keep their "
           "shards and a fresh Runtime gets its part of the moments and all the parameters from their memory, reading no snapshot, and the "
-          "three end bit for bit where the same join that loads the snapshot ends") {
+          "three end bit for bit where three fresh Runtimes that load the snapshot end — and with the trainer's state in the snapshots too, "
+          "the ranks leaving at the next iteration's start once they handed it over, and every rank given that state back") {
   constexpr int N = 2;
+  enum Way { loads = 0, from_memory = 1, with_trainer_state = 2 };
   for (const int stage : {1, 2}) {
     CAPTURE(stage);
-    std::vector<Model> got[2];
-    std::vector<std::string> newcomer_log[2];
-    for (const bool from_memory : {true, false}) {
-      CAPTURE(from_memory);
-      const Env env(scratch(from_memory ? "join_memory" : "join_snapshot"));
-      const auto snaps = scratch(from_memory ? "join_memory_disk" : "join_snapshot_disk");
+    std::vector<Model> got[3];
+    std::vector<std::string> newcomer_log[3];
+    for (const Way way : {loads, from_memory, with_trainer_state}) {
+      CAPTURE(int(way));
+      const Env env(scratch("join_" + std::to_string(int(way))));
+      const auto snaps = scratch("join_disk_" + std::to_string(int(way)));
       auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N + 1)};
-      auto& models = got[from_memory];
+      auto& models = got[way];
       models = std::vector<Model>(N + 1);
       std::vector<std::uint64_t> resumed(N + 1, 0);
+      std::vector<int> left_in(N, -1);
+      std::vector<std::optional<std::string>> state(N + 1);
       std::atomic<bool> asked{false};
       test::require_all_ok(test::run_ranks(N + 1, [&](int r) {
         auto cfg = config(snaps, stage);
-        cfg.snapshot.trainer_state = !from_memory;
+        cfg.snapshot.trainer_state = way == with_trainer_state;
         if (r == N)  // the newcomer starts once the running ranks left their iteration for the round
           while (!asked) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        Runtime rt((r == N ? rounds[1] : rounds[0])->communicator(r), cfg);
+        std::optional<Runtime> rt;
+        rt.emplace((r == N ? rounds[1] : rounds[0])->communicator(r), cfg);
         auto& m = models[std::size_t(r)];
-        const auto [pa, pb] = set_up(rt, m);
+        auto [pa, pb] = set_up(*rt, m);
         std::vector<float> ga(kA), gb(kB);
         bool joined = r == N;
-        const std::uint64_t first = rt.resumed_step();
-        if (r == N) resumed[std::size_t(r)] = first;
+        const std::uint64_t first = rt->resumed_step();
+        if (r == N) resumed[std::size_t(r)] = first, state[std::size_t(r)] = rt->trainer_state();
         for (int step = int(first); step < kSteps; ++step) {
           try {
-            if (const auto w = rt.trainer_state_wanted()) rt.set_trainer_state(w, "after step " + std::to_string(w));
+            if (const auto w = rt->trainer_state_wanted()) rt->set_trainer_state(w, "after step " + std::to_string(w));
             if (r == 0 && !joined && step == 3) std::ofstream(env.regroup()).put('1');  // the launcher asks at snapshot 4
-            rt.zero_grad();
-            step_both(rt, m, pa, pb, ga, gb, r, step);
+            rt->zero_grad();
+            step_both(*rt, m, pa, pb, ga, gb, r, step);
           } catch (const CommError&) {
             REQUIRE(!joined);
             joined = true;
+            left_in[std::size_t(r)] = step;
             if (r == 0) std::filesystem::remove(env.regroup());
             asked = true;
-            resumed[std::size_t(r)] = rt.recover(rounds[1]->communicator(r));
+            if (way == loads) {  // a restart's way: a fresh Runtime loads the newest snapshot
+              rt.reset();
+              rt.emplace(rounds[1]->communicator(r), cfg);
+              std::tie(pa, pb) = set_up(*rt, m);
+              resumed[std::size_t(r)] = rt->resumed_step();
+            } else {
+              resumed[std::size_t(r)] = rt->recover(rounds[1]->communicator(r));
+            }
+            state[std::size_t(r)] = rt->trainer_state();
             step = int(resumed[std::size_t(r)]) - 1;
           }
         }
-        rt.wait_all_params();
-        if (r == N) newcomer_log[from_memory] = rt.collective_log();
+        rt->wait_all_params();
+        if (r == N) newcomer_log[way] = rt->collective_log();
       }));
       for (int r = 0; r <= N; ++r) {
         CAPTURE(r);
         CHECK(resumed[std::size_t(r)] == 4);
+        // Snapshot 4 is staged at the end of the 4th iteration (index 3); with the trainer's state
+        // the ranks leave the 5th at its start, when they hand over the state of step 4.
+        if (r < N) CHECK(left_in[std::size_t(r)] == (way == with_trainer_state ? 4 : 3));
+        if (way == with_trainer_state) CHECK(state[std::size_t(r)] == std::optional<std::string>("after step 4"));
+        else CHECK(!state[std::size_t(r)]);
       }
       std::filesystem::remove_all(snaps);
     }
     const auto restored = [](const std::vector<std::string>& log) {
       return std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("a join: restore state") != std::string::npos; });
     };
-    CHECK(restored(newcomer_log[true]));
-    CHECK(!restored(newcomer_log[false]));
+    CHECK(!restored(newcomer_log[loads]));
+    CHECK(restored(newcomer_log[from_memory]));
+    CHECK(restored(newcomer_log[with_trainer_state]));
     for (int r = 0; r <= N; ++r) {
       CAPTURE(r);
-      CHECK(got[true][std::size_t(r)].w == got[false][std::size_t(r)].w);
+      CHECK(got[from_memory][std::size_t(r)].w == got[loads][std::size_t(r)].w);
+      CHECK(got[with_trainer_state][std::size_t(r)].w == got[loads][std::size_t(r)].w);
     }
     // A join at world 3 really happened: the newcomer trained (its parameters moved from the start's).
-    CHECK(got[true][std::size_t(N)].w != Model().w);
+    CHECK(got[from_memory][std::size_t(N)].w != Model().w);
   }
 }

@@ -568,10 +568,15 @@ void Runtime::set_trainer_state(std::uint64_t step, const std::string& state) {
                      " (trainer_state_wanted() says which)");
   }
   pending->awaits_trainer_state = false;
-  if (pending->index.empty()) return;  // a rank that writes no index
-  auto j = nlohmann::json::parse(pending->index);
-  j["trainer_state"] = {{"step", step}, {"hex", hex(state)}};
-  pending->index = j.dump(1);
+  if (!pending->index.empty()) {  // a rank that writes no index keeps none
+    auto j = nlohmann::json::parse(pending->index);
+    j["trainer_state"] = {{"step", step}, {"hex", hex(state)}};
+    pending->index = j.dump(1);
+  }
+  // Note [A join from memory]: a node joins at this snapshot. Its step's state, the trainer's
+  // included, is all there is now, on every rank: the join goes on from it, before this
+  // iteration does anything.
+  if (std::exchange(I.persistence->snapshots.regroup_at_completion, false)) I.regroup_with_trainer_state(step, state);
 }
 
 std::optional<std::string> Runtime::trainer_state() const { return impl_->persistence->snapshots.loaded_trainer_state; }

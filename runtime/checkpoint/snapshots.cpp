@@ -47,8 +47,9 @@
 // the snapshot completes no earlier than the end of that iteration in any case. A snapshot that
 // completes without it (wait_checkpoint() before the next iteration, the run's end) carries none,
 // and the trainer refuses to go on from it rather than guess (shardflow.torch says so, naming
-// the object). A node that joins live (Note [A node joins live]) waits for that completion too:
-// the iteration in between is done again in the next round.
+// the object). A node that joins live (Note [A node joins live]) at such a snapshot waits for the
+// trainer's state, and the ranks leave the next iteration as soon as they have handed it over
+// (Note [A join from memory]).
 #include <sys/statvfs.h>
 
 #include <algorithm>
@@ -266,8 +267,7 @@ std::uint64_t Runtime::resumed_step() {
   if (use_memory) {
     I.persistence->snapshots.memory_dir = memory;
     std::ofstream(fs::path(memory) / snapshot_env::kInUse) << "the ranks keep their snapshots here\n";  // Note [A node joins live]
-    if (!I.cfg.snapshot.trainer_state)  // Note [A join from memory]
-      std::ofstream(fs::path(memory) / snapshot_env::kJoinFromMemory) << "a node taken in gets its state from the ranks' memory\n";
+    std::ofstream(fs::path(memory) / snapshot_env::kJoinFromMemory) << "a node taken in gets its state from the ranks' memory\n";  // Note [A join from memory]
     const auto every = std::uint64_t(I.cfg.snapshot.every);
     I.persistence->snapshots.disk_every = I.cfg.snapshot.disk_every > 0 ? std::uint64_t(I.cfg.snapshot.disk_every) : 10 * every;
     // Note [Snapshots on the other host]: the launcher copies this host's files to the other node's memory.
@@ -363,13 +363,28 @@ void Runtime::Impl::snapshot_if_due() {
   // Note [A node joins live]: the launcher takes a node in. This snapshot completes now, on every
   // rank alike (rank 0's word came with the save's id), and the iteration ends in the error every
   // in-place trainer already answers with recover(rejoin_process_group(...)): the next round's
-  // world reloads this very snapshot, so no step is lost. A snapshot that waits for the trainer's
-  // state (Note [The trainer's state in a snapshot]) completes as any other, at a later iteration's
-  // end, and the regroup happens then: that iteration is done again in the next round.
+  // world goes on from this very step, so no step is lost. A snapshot that waits for the trainer's
+  // state (Note [The trainer's state in a snapshot]) completes once the trainer hands it over at the
+  // next iteration's start, and the regroup happens there (regroup_with_trainer_state); should it
+  // complete first (due at a later iteration's end), the regroup happens then, that iteration done
+  // again in the next round.
   if (std::exchange(I.persistence->saves.regroup_after_completion, false)) {
     snaps.regroup_at_completion = true;
     return;
   }
+  complete_snapshot();
+  regroup_at(step);
+}
+
+// Note [A join from memory], with the trainer's state: the trainer handed over the state of the
+// snapshot's step at this iteration's start, every rank alike (rank 0's word said the regroup
+// waits for it). The snapshot completes here and every rank keeps that state in memory, where the
+// restore's census finds it, so the join goes on from the ranks' memory at this very step, and
+// the iteration just begun is left before any of its work.
+void Runtime::Impl::regroup_with_trainer_state(std::uint64_t step, const std::string& state) {
+  auto& snaps = persistence->snapshots;
+  snaps.trainer_states[step] = state;
+  while (snaps.trainer_states.size() > 2) snaps.trainer_states.erase(snaps.trainer_states.begin());
   complete_snapshot();
   regroup_at(step);
 }

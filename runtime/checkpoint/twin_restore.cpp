@@ -40,12 +40,15 @@
 // counts the ranks that kept a shard. The launcher then sends the newcomer only the snapshot's
 // index (runtime/launch/grow_round.cpp), so that a later round can still fetch the files from
 // the other hosts (SnapshotMirror::assemble); the ranks say they go on from memory by writing
-// snapshot_env::kJoinFromMemory next to their snapshots. With Config::snapshot.trainer_state
-// they do not: the join then waits for that snapshot's completion, an iteration after it (Note
-// [The trainer's state in a snapshot]), so the ranks' state is a step past it, and the trainer's
-// state of that step is held nowhere; such a join loads the snapshot, which its predecessor
-// seeds whole as before. If a rank of the old round was lost meanwhile, the restore says so and
-// the ranks load the snapshot. What it costs: until the restore ends a running rank holds its old
+// snapshot_env::kJoinFromMemory next to their snapshots. With Config::snapshot.trainer_state the
+// join's snapshot waits for the trainer's state of its step, handed over at the next iteration's
+// start (Note [The trainer's state in a snapshot]); the ranks leave that iteration right there,
+// before any of its work, each keeping the state it was handed, so the census finds the
+// trainer's state of the step it goes on from, as with the twins (below). (Had the ranks gone on
+// to that iteration's end, as such a join once did, their shards would be a step past the
+// trainer's state, and only a load of the snapshot could bring the two together.) If a rank of
+// the old round was lost meanwhile, or no rank holds the trainer's state, the restore says so
+// and the ranks load the snapshot. What it costs: until the restore ends a running rank holds its old
 // shard beside the new one (at a join from world 1, the whole optimizer state once more), where
 // the load held only the new one.
 //
@@ -155,9 +158,6 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   // kept holds the lost shard: it goes on from that, as any round does (its collectives are the
   // identity there).
   if (!shard || !(shard->mirror() || (world == 1 && old && old->mirror()) || kept_at_join)) return std::nullopt;
-  // Note [A join from memory]: with the trainer's state in the snapshots the ranks are a step past
-  // the join's snapshot, whose trainer state only the snapshot holds.
-  if (kept_at_join && cfg.snapshot.trainer_state) return std::nullopt;
   const bool twins = !kept_at_join;  // else every old rank its own provider
   const std::string from = twins ? "twins: " : "a join: ";
   const auto run_or_alone = [&](const CollectiveOp& op) {

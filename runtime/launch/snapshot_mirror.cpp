@@ -186,9 +186,8 @@ std::string SnapshotMirror::address() const { return host_ + ":" + std::to_strin
 
 void SnapshotMirror::send_to(const std::string& peer, const std::string& label, Seed seed) {
   std::lock_guard lock(mu_);
-  seed_ = seed != Seed::none && !peer.empty();
-  seed_index_ = seed == Seed::index;
-  if (!seed_index_) skip_through_ = 0;
+  seed_ = peer.empty() ? Seed::none : seed;
+  if (seed_ != Seed::index) skip_through_ = 0;
   if (peer == peer_) return;
   peer_ = peer;
   peer_label_ = label;
@@ -197,7 +196,7 @@ void SnapshotMirror::send_to(const std::string& peer, const std::string& label, 
 
 bool SnapshotMirror::wait_seeded(std::chrono::milliseconds limit) {
   std::unique_lock lock(mu_);
-  return seeded_.wait_for(lock, limit, [&] { return !seed_ || stopping_; });
+  return seeded_.wait_for(lock, limit, [&] { return seed_ == Seed::none || stopping_; });
 }
 
 // "step-N" of the newest snapshot here that has its index; empty when none has.
@@ -378,21 +377,21 @@ bool SnapshotMirror::send_round() {
     std::lock_guard lock(mu_);
     peer = peer_;
     label = peer_label_;
-    seeding = seed_;
+    seeding = seed_ != Seed::none;
   }
   std::vector<std::string> todo;
   std::error_code ec;
   if (seeding) {
     todo = newest_snapshot();
     std::lock_guard lock(mu_);
-    if (seed_index_ && !todo.empty()) {  // the index last: only it
+    if (seed_ == Seed::index && !todo.empty()) {  // the index last: only it
       skip_through_ = step_of(todo.back());
       todo.erase(todo.begin(), todo.end() - 1);
     }
   }
   if (seeding && todo.empty()) {  // nothing to give the new peer
     std::lock_guard lock(mu_);
-    seed_ = false;
+    seed_ = Seed::none;
     seeded_.notify_all();
   }
   if (!peer.empty() && !seeding)
@@ -433,7 +432,7 @@ bool SnapshotMirror::send_round() {
   if (fd >= 0 && send_files(fd, todo, label, why)) {
     std::lock_guard lock(mu_);
     if (seeding && peer_ == peer) {
-      seed_ = false;
+      seed_ = Seed::none;
       seeded_.notify_all();
     }
     if (failing_) say_("snapshot copies to " + label + " go through again");

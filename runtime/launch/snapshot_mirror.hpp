@@ -89,8 +89,7 @@ class SnapshotMirror {
   int peer_fd_ = -1;                    // owned by the sender; others only shut it down
   std::string connected_to_;            // where peer_fd_ leads
   bool failing_ = false;                // a failure was reported; the next success says so
-  bool seed_ = false;                   // the new peer still needs the newest snapshot (whole, or its index)
-  bool seed_index_ = false;             // ... its index only
+  Seed seed_ = Seed::none;              // what the new peer still needs of the newest snapshot
   std::uint64_t skip_through_ = 0;      // files of snapshots up to this step are not sent to this peer (Seed::index)
   std::condition_variable seeded_;
   std::vector<int> connections_;        // open receiving sockets (shut down by the destructor)

@@ -309,6 +309,7 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   void snapshot_if_due();  // at the end of a synchronised iteration
   void complete_snapshot();  // the one in flight: every rank's files and its index written
   [[noreturn]] void regroup_at(std::uint64_t step);  // Note [A node joins live]: ends the iteration for the next round
+  [[noreturn]] void regroup_with_trainer_state(std::uint64_t step, const std::string& state);  // ... once the trainer's state is in
   // Before the first backward: with snapshots, resumed_step() must have run (UsageError otherwise).
   void check_resumed() const;
   // Before loading a snapshot: its saved run's buckets, through adopt_bucket_order.
