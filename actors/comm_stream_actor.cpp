@@ -87,7 +87,7 @@ CommStreamState::~CommStreamState() {
 
 namespace {
 
-using self_ptr = msg::comm_stream_actor_t::stateful_pointer<CommStreamState>;
+using comm_stream_self = msg::comm_stream_actor_t::stateful_pointer<CommStreamState>;
 
 // Where each entry of the schedule sits, by bucket and by kind.
 void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entries) {
@@ -117,7 +117,7 @@ void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entrie
 
 // A comm hook's phase (Note [Comm hooks]) ends in its `then`, run on the backend's stream thread
 // when the phase's last op completed: the next phase comes back here by message (hook_phase).
-CollectiveDone then_next_phase(self_ptr self, const ScheduledCollective& e, std::shared_ptr<std::function<bool(CollectiveIssue&)>> then,
+CollectiveDone then_next_phase(comm_stream_self self, const ScheduledCollective& e, std::shared_ptr<std::function<bool(CollectiveIssue&)>> then,
                                CollectiveDone finish) {
   return [me = msg::comm_stream_actor_t(caf::actor_cast<msg::comm_stream_actor_t>(self)), kind = std::uint8_t(e.kind), bucket = e.bucket, then,
           finish = std::move(finish)](std::exception_ptr x) {
@@ -155,7 +155,7 @@ CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, con
 
 // Submits one phase of entry e's collectives. A hook's reduction may take several phases; the
 // schedule issues nothing else until the last phase is out, so every rank's order stays the same.
-void submit(self_ptr self, const ScheduledCollective& e, CollectiveIssue issue) {
+void submit(comm_stream_self self, const ScheduledCollective& e, CollectiveIssue issue) {
   auto& s = self->state;
   auto& ops = issue.ops;
   auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
@@ -181,7 +181,7 @@ void submit(self_ptr self, const ScheduledCollective& e, CollectiveIssue issue) 
 
 // A trainer's collective (Runtime::collective) goes out between two iterations' schedules. It is
 // in the collective log, not in the runtime's link figures (Runtime::stats: the runtime's own).
-void release_trainer_ops(self_ptr self) {
+void release_trainer_ops(comm_stream_self self) {
   auto& s = self->state;
   if (s.next != 0 || s.blocked) return;
   std::vector<CommStreamState::TrainerOp> later;
@@ -233,7 +233,7 @@ std::uint32_t entries_at(const CommStreamState& s, std::uint32_t i) {
 }
 
 // Issues the ready entries from the schedule's position on, in order, until one is not ready.
-void issue_ready(self_ptr self) {
+void issue_ready(comm_stream_self self) {
   auto& s = self->state;
   release_trainer_ops(self);
   while (!s.blocked && s.next < s.entries.size() && s.ready[s.next]) {
@@ -257,7 +257,7 @@ void issue_ready(self_ptr self) {
 
 // The iteration's schedule is out: start over. True when the next iteration's first entry is
 // ready already (Note [Ready before the wrap]).
-bool wrap(self_ptr self) {
+bool wrap(comm_stream_self self) {
   auto& s = self->state;
   if (s.next != s.entries.size()) return false;
   s.next = 0;
@@ -277,21 +277,21 @@ bool wrap(self_ptr self) {
 // this actor, and when none came (the trainer held by stage 2's backpressure until one of those
 // very buckets was reduced) that rank never issued its reduction: the others timed out naming it
 // (test_zero, "under random arrival orders ...", at world 3 with prefetch: 1 run in 2).
-void pump(self_ptr self) {
+void pump(comm_stream_self self) {
   do {
     issue_ready(self);
   } while (wrap(self));
 }
 
 // Entry i may go out once every earlier one has.
-void mark_ready(self_ptr self, std::uint32_t i) {
+void mark_ready(comm_stream_self self, std::uint32_t i) {
   self->state.ready[i] = 1;
   pump(self);
 }
 
 // Every rank places it after the same entries: those of the iterations before `before`. One
 // whose iteration `before` is already going out on this rank came during a backward pass.
-void on_trainer_op(self_ptr self, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) {
+void on_trainer_op(comm_stream_self self, std::uint64_t before, CollectiveOp& op, CollectiveDone& done) {
   auto& s = self->state;
   if (before < s.iteration || (before == s.iteration && s.next != 0)) {
     done(std::make_exception_ptr(UsageError("rank " + std::to_string(s.comm->rank()) + ": Runtime::collective ('" + op.tag +
@@ -305,7 +305,7 @@ void on_trainer_op(self_ptr self, std::uint64_t before, CollectiveOp& op, Collec
 
 }  // namespace
 
-msg::comm_stream_actor_t::behavior_type comm_stream_actor(self_ptr self, std::shared_ptr<Communicator> comm,
+msg::comm_stream_actor_t::behavior_type comm_stream_actor(comm_stream_self self, std::shared_ptr<Communicator> comm,
                                                           std::vector<ScheduledCollective> entries, std::shared_ptr<CollectiveLog> log,
                                                           std::uint64_t first_iteration,
                                                           std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done,

@@ -40,7 +40,7 @@ msg::Failure shard_failure(const ShardActorState& s, std::uint32_t b, const std:
           "rank " + std::to_string(s.shard->shard_plan().rank) + ": optimizer shard, bucket " + std::to_string(b) + ": " + e.what()};
 }
 
-using self_ptr = msg::shard_actor_t::stateful_pointer<ShardActorState>;
+using shard_self = msg::shard_actor_t::stateful_pointer<ShardActorState>;
 
 // The trainer changed hyper-parameters between iterations: this iteration's snapshot, taken when
 // its first step goes (Note [Hyper-parameter snapshots]).
@@ -57,7 +57,7 @@ void take_snapshot(ShardActorState& s) {
 
 // Clipping: the global norm needs every reduced gradient, so no step goes before all reductions
 // are in and the norm's exchange is back. False while the steps must wait for it.
-bool norm_settled(self_ptr self) {
+bool norm_settled(shard_self self) {
   auto& s = self->state;
   if (s.phase == ShardPhase::norm_in_flight) return false;
   if (s.phase != ShardPhase::waiting_for_norm) return true;
@@ -118,7 +118,7 @@ void end_step_once(ShardActorState& s) {
 
 // Steps bucket b, then hands it to the comm stream for its sync (or, without syncs, it is done).
 // Returns when the step began and ended (the turn's accounting).
-std::pair<Timeline::Time, Timeline::Time> step_bucket(self_ptr self, std::uint32_t b) {
+std::pair<Timeline::Time, Timeline::Time> step_bucket(shard_self self, std::uint32_t b) {
   auto& s = self->state;
   Shard& sh = *s.shard;
   s.stepped[b] = 1;
@@ -155,7 +155,7 @@ std::pair<Timeline::Time, Timeline::Time> step_bucket(self_ptr self, std::uint32
 // mailbox is empty when this message is done and the thread takes the next actor's turn; a plain
 // send would be processed in the same turn. (One message per turn for every actor would do it too,
 // but cost 3x on the runtime's overhead: bench_overhead.)
-void try_step(self_ptr self) {
+void try_step(shard_self self) {
   auto& s = self->state;
   if (!norm_settled(self)) return;
   if (s.used_counts && !s.unused_known) return;  // Note [Unused parameters]
@@ -176,7 +176,7 @@ void try_step(self_ptr self) {
 // The shard's own work failing (a CUDA error on a GPU shard) fails the iteration with a message
 // that names the rank and the bucket, instead of killing the actor and leaving wait() to time out.
 template <class Work>
-void guarded(self_ptr self, std::uint32_t b, const Work& work) {
+void guarded(shard_self self, std::uint32_t b, const Work& work) {
   try {
     work();
   } catch (const std::exception& e) {
@@ -187,7 +187,7 @@ void guarded(self_ptr self, std::uint32_t b, const Work& work) {
 // An exchange every step waits for (the norm, the used counts) completed: its failure fails the
 // iteration; otherwise `use` takes its result and the steps may go.
 template <class Use>
-void exchanged(self_ptr self, const msg::Failure& failure, const Use& use) {
+void exchanged(shard_self self, const msg::Failure& failure, const Use& use) {
   if (failure) return self->state.iteration->bucket_done(0, failure);
   guarded(self, 0, [&] {
     use(self->state);
@@ -208,7 +208,7 @@ void exchanged(self_ptr self, const msg::Failure& failure, const Use& use) {
 // the shard]), so it waits until the iteration is over. Its step cannot come too early either
 // way: the comm stream issued it after this iteration's sync of the same bucket, which went out
 // after that bucket's step.
-void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
+void on_reduced(shard_self self, std::uint32_t b, const msg::Failure& failure) {
   if (failure) return self->state.iteration->bucket_done(b, failure);
   if (self->state.reduced[b]) return self->state.next_reduced.push_back(b);
   guarded(self, b, [&] {
@@ -224,7 +224,7 @@ void on_reduced(self_ptr self, std::uint32_t b, const msg::Failure& failure) {
 }
 
 // Bucket b's sync landed: other owners' updated parameters into the trainer's storage.
-void on_synced(self_ptr self, std::uint32_t b, msg::Failure& failure) {
+void on_synced(shard_self self, std::uint32_t b, msg::Failure& failure) {
   auto& s = self->state;
   if (!failure) try {
       const auto t0 = Timeline::now();
@@ -249,7 +249,7 @@ void on_synced(self_ptr self, std::uint32_t b, msg::Failure& failure) {
 
 }  // namespace
 
-msg::shard_actor_t::behavior_type shard_actor(self_ptr self, ShardActorArgs args) {
+msg::shard_actor_t::behavior_type shard_actor(shard_self self, ShardActorArgs args) {
   auto& st = self->state;
   st.used_counts = std::move(args.used_counts);
   st.timeline = std::move(args.timeline);

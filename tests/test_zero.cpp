@@ -67,6 +67,15 @@ void for_each_sharded(const mlp::TrainOptions& ref, Check check) {
       }
 }
 
+// Under a sanitizer each stage x overlap x partition x world cell of the two matrices below runs with
+// one of the two optimizers, not with both (their 80 s of TSan halved; the Release pass runs every
+// cell with each). `cell` counts a matrix's cells, the 4 worlds innermost: SGD and AdamW take turns
+// by world, the pairing flipped each block of 4, so every world and every stage x overlap x
+// partition still runs with both optimizers.
+bool skip_other_optimizers_cell(OptimizerConfig::Kind kind, int cell) {
+  return test::kSanitized && (cell + cell / 4 + (kind == OptimizerConfig::Kind::adamw ? 1 : 0)) % 2 != 0;
+}
+
 const char* kind_name(OptimizerConfig::Kind k) { return k == OptimizerConfig::Kind::sgd ? "sgd+momentum" : "adamw"; }
 
 }  // namespace
@@ -82,12 +91,14 @@ TEST_CASE("every stage x overlap x partition x world 1-4 x {SGD momentum, AdamW}
       if (pooled) ref_opts.sizes = even;
       ref_opts.optimizer_in_runtime = false;  // the trainer's own optimizer, no shardflow optimizer at all
       const auto reference = mlp::train(ref_opts);
+      int cell = 0;
       for (int stage : {0, 1, 2})
         for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved})
           for (auto partition : {Partition::param, Partition::bucket, Partition::flat})
             for (int world : {1, 2, 3, 4}) {
               if (stage == 0 && partition != Partition::flat) continue;  // nothing is partitioned
               if (pooled && stage != 2) continue;
+              if (skip_other_optimizers_cell(kind, cell++)) continue;
               auto o = base(kind);
               if (pooled) o.sizes = even;
               o.world_size = world;
@@ -699,11 +710,13 @@ TEST_CASE("forward prefetch: every stage x overlap x partition x world 1-4 x {SG
     auto ref_opts = base(kind);
     ref_opts.optimizer_in_runtime = false;
     const auto reference = mlp::train(ref_opts);
+    int cell = 0;
     for (int stage : {0, 1, 2})
       for (auto overlap : {Overlap::none, Overlap::after_backward, Overlap::interleaved})
         for (auto partition : {Partition::param, Partition::bucket, Partition::flat})
           for (int world : {1, 2, 3, 4}) {
             if (stage == 0 && partition != Partition::flat) continue;
+            if (skip_other_optimizers_cell(kind, cell++)) continue;
             auto o = base(kind);
             o.world_size = world;
             o.runtime.zero.stage = ZeroStage(stage);

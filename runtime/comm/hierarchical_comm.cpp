@@ -43,7 +43,7 @@
 namespace shardflow {
 namespace {
 
-enum Lane { in_host = 0, between_hosts = 1, out_host = 2 };
+enum CommLane { in_host = 0, between_hosts = 1, out_host = 2 };
 
 class HierarchicalComm final : public Communicator {
  public:
@@ -106,7 +106,7 @@ class HierarchicalComm final : public Communicator {
  private:
   struct Job;
   struct Stage {
-    Lane lane;
+    CommLane lane;
     CollectiveOp op;
     std::function<void(Job&)> after;  // on its success (a padded all-reduce: the copy back)
   };
@@ -120,7 +120,7 @@ class HierarchicalComm final : public Communicator {
   };
   using JobPtr = std::shared_ptr<Job>;
 
-  std::size_t lane(Lane l) const { return std::size_t(l == out_host ? lane_of_out_ : l); }
+  std::size_t lane(CommLane l) const { return std::size_t(l == out_host ? lane_of_out_ : l); }
 
   // Sends out every stage that is first in its lane and whose collective is ready for it, in lane
   // order. One thread sends at a time (a sub-communicator may complete inline, and its callback
@@ -179,7 +179,7 @@ class HierarchicalComm final : public Communicator {
   }
 
   // A sub-communicator's error names its own ranks; the same error, with which of ours they are.
-  std::exception_ptr in_our_ranks(std::exception_ptr e, Lane l) const {
+  std::exception_ptr in_our_ranks(std::exception_ptr e, CommLane l) const {
     const bool cross = l == between_hosts;
     const int host = comms_[between_hosts]->rank(), local = comms_[in_host]->rank();
     std::string ranks;
@@ -296,16 +296,16 @@ class HierarchicalComm final : public Communicator {
         return;
       }
       case CollectiveKind::barrier:
-        for (Lane l : {in_host, between_hosts, out_host})
+        for (CommLane l : {in_host, between_hosts, out_host})
           st.push_back({l, sub(job, CollectiveKind::barrier, nullptr, nullptr, 0, 1.0f, l == between_hosts ? "between hosts" : "inside the host"), {}});
         return;
     }
     throw UsageError("hierarchical communicator: unknown collective kind in '" + op.tag + "'");
   }
 
-  const std::array<std::shared_ptr<Communicator>, 3> comms_;  // by Lane; out_host may be in_host's
+  const std::array<std::shared_ptr<Communicator>, 3> comms_;  // by CommLane; out_host may be in_host's
   const int L_, H_;
-  const Lane lane_of_out_;
+  const CommLane lane_of_out_;
   std::mutex mu_;
   std::condition_variable idle_;
   int active_ = 0;  // stages sent whose callback has not finished

@@ -72,7 +72,7 @@ void Supervisor::look_for_joiners() {
     round_no_ = learned_round_ = claimed;
     const std::string what = watch_->label(k) + " asks to join";
     round_ = RecoveryRound{clock::now(), what, true};
-    grow_round_ = GrowRound{k, what, members_, false, {}, clock::now() + spec_.rdzv_timeout};
+    grow_round_ = GrowRound{k, what, members_, joins_from_memory(), false, {}, clock::now() + spec_.rdzv_timeout};
     try {
       recovery_store().set(recovery_verdict::grow_node_key(restart_, round_no_), std::to_string(k));
     } catch (const Error& e) {
@@ -82,7 +82,7 @@ void Supervisor::look_for_joiners() {
     ask_regroup(true);
     say(what + ": taking it in (round " + std::to_string(round_no_) + "): the ranks go on at world " +
         std::to_string(int(members_.size() + 1) * spec_.nproc_per_node) + " from their next snapshot in memory, " +
-        (joins_from_memory() ? "its ranks taking their part of the state from the running ranks' memory" : "which its ranks load"));
+        (grow_round_->from_memory ? "its ranks taking their part of the state from the running ranks' memory" : "which its ranks load"));
     return;  // one node a round
   }
 }
@@ -103,7 +103,7 @@ void Supervisor::check_grow_round() {
       st.set(recovery_verdict::members_key(restart_, round_no_), recovery_verdict::format_nodes(next));
       ask_regroup(false);
       // " memory": the newcomer's launcher fetches no snapshot for its ranks (Note [A join from memory]).
-      take_in(gr.node, next, std::to_string(restart_) + " " + std::to_string(round_no_) + (joins_from_memory() ? " memory" : ""));
+      take_in(gr.node, next, gr.from_memory, std::to_string(restart_) + " " + std::to_string(round_no_) + (gr.from_memory ? " memory" : ""));
       gr.admitted = true;
       for (int k : members_)
         if (k != spec_.node_rank) gr.waiting.push_back(k);
@@ -131,11 +131,10 @@ void Supervisor::check_grow_round() {
 // runtime/checkpoint/twin_restore.cpp), no snapshot has to be whole anywhere for the join: the
 // node before it sends it the newest snapshot's index only, and nobody fetches. A later round
 // that needs the files there fetches them then (gather_newest: the index names them).
-void Supervisor::take_in(int node, const std::vector<int>& next, const std::string& joined) {
+void Supervisor::take_in(int node, const std::vector<int>& next, bool from_memory, const std::string& joined) {
   const std::vector<int> before = members_;
   watch_->admit(node, joined);
   members_ = next;
-  const bool from_memory = joins_from_memory();
   partial_copies_ |= from_memory;
   point_mirror(before, !from_memory, from_memory);
 }

@@ -163,7 +163,8 @@ void Supervisor::learn_rounds() {
           if (grown_in_round_ != j && st.check({recovery_verdict::members_key(restart_, j)})) {
             grown_in_round_ = j;
             ask_regroup(false);
-            take_in(std::stoi(st.get(recovery_verdict::grow_node_key(restart_, j))), recovery_verdict::parse_nodes(st.get(recovery_verdict::members_key(restart_, j))));
+            take_in(std::stoi(st.get(recovery_verdict::grow_node_key(restart_, j))), recovery_verdict::parse_nodes(st.get(recovery_verdict::members_key(restart_, j))),
+                    joins_from_memory());
             say_ready(j);
           }
           return;

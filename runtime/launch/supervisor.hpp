@@ -128,7 +128,7 @@ class Supervisor {
   // ---- grow_round.cpp: a node taken into a running generation (Note [A node joins live])
   void look_for_joiners();
   void check_grow_round();
-  void take_in(int node, const std::vector<int>& next, const std::string& joined = "");
+  void take_in(int node, const std::vector<int>& next, bool from_memory, const std::string& joined = "");
   void say_ready(int round);
   void ask_regroup(bool on);
 
@@ -174,6 +174,7 @@ class Supervisor {
     int node;
     std::string what;
     std::vector<int> before;   // the nodes before it
+    bool from_memory;          // its ranks take their state from the running ranks' (joins_from_memory(), read once)
     bool admitted = false;     // every rank is in the round and the node was told to come
     std::vector<int> waiting;  // the nodes not ready yet, once admitted
     clock::time_point deadline;

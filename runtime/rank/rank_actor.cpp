@@ -82,7 +82,7 @@ struct RankActorState {
   bool waiting() const { return iteration || !params.empty() || !all.empty(); }
   static inline const char* name = "rank";
 };
-using self_ptr = rank_actor_impl::stateful_pointer<RankActorState>;
+using rank_self = rank_actor_impl::stateful_pointer<RankActorState>;
 
 caf::error error_of(std::exception_ptr e) {
   try {
@@ -95,7 +95,7 @@ caf::error error_of(std::exception_ptr e) {
 }
 
 // Every waiting request gets the error; the subscribers hear it once.
-void fail_waits(self_ptr self, const caf::error& e) {
+void fail_waits(rank_self self, const caf::error& e) {
   auto& st = self->state;
   if (st.iteration) st.iteration->rp.deliver(e);
   st.iteration.reset();
@@ -109,13 +109,13 @@ void fail_waits(self_ptr self, const caf::error& e) {
 // A message nobody answers failed (a bad grad_ready): the rank fails as a failed collective fails
 // it, so that the error reaches the trainer at its next request, the subscribers now, and the
 // peers through the abort instead of at their timeout.
-void fail_rank(self_ptr self, const std::exception& e) {
+void fail_rank(rank_self self, const std::exception& e) {
   RankActorAccess::impl(*self->state.rt).record_failure(std::current_exception(), e.what());
   fail_waits(self, to_error(e));
 }
 
 // Answers what the signal now allows.
-void look(self_ptr self) {
+void look(rank_self self) {
   auto& st = self->state;
   auto& rt = *st.rt;
   auto& I = RankActorAccess::impl(rt);
@@ -165,7 +165,7 @@ void look(self_ptr self) {
 // completion met some of it since look() read the signal: look again. (Sleeping then, with that
 // wait's part left out of the watch, would leave it to its deadline: the run's collective
 // timeout, ten minutes by default.)
-bool watch_waits(self_ptr self) {
+bool watch_waits(rank_self self) {
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
   IterationSignal::Watch w;
@@ -184,7 +184,7 @@ bool watch_waits(self_ptr self) {
 // buffers and the buckets' syncs land before the trainer's wait(), that was a wake-up of the rank
 // actor's thread for most buckets (bench_overhead, 100 buckets). The signal is the one read while
 // a wait held the trainer: once that wait is answered the trainer may re-plan and replace it.
-void check(self_ptr self) {
+void check(rank_self self) {
   // Between iterations the trainer may be re-planning (a new signal): nothing to read then.
   while (self->state.waiting()) {
     const auto signal = RankActorAccess::impl(*self->state.rt).signal;
@@ -197,13 +197,13 @@ void check(self_ptr self) {
   }
 }
 
-void arm_deadline(self_ptr self, std::uint64_t id) {
+void arm_deadline(rank_self self, std::uint64_t id) {
   const auto& I = RankActorAccess::impl(*self->state.rt);
   self->delayed_send(self, I.cfg.timeouts.collective + std::chrono::seconds(5), deadline_atom::value, id);
 }
 
 // params_ready: answered now when every parameter holds its update, else once its buckets land.
-void await_params(self_ptr self, const std::vector<Param>& ps, std::function<void()> answer,
+void await_params(rank_self self, const std::vector<Param>& ps, std::function<void()> answer,
                   std::function<void(const caf::error&)> fail) {
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
@@ -227,13 +227,13 @@ void await_params(self_ptr self, const std::vector<Param>& ps, std::function<voi
 
 // Notes this rank's thread: a blocking wait asked from a RankCall would wait for this very actor
 // (Impl::ask refuses it).
-void here(self_ptr self) {
+void here(rank_self self) {
   RankActorAccess::impl(*self->state.rt).client.thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
 }
 
 // A request answered by its return value: an error goes back to the asker.
 template <class Result, class F>
-Result answered(self_ptr self, F&& f) {
+Result answered(rank_self self, F&& f) {
   here(self);
   try {
     return f();
@@ -244,7 +244,7 @@ Result answered(self_ptr self, F&& f) {
 
 // A request answered later through `rp`: an error now is the promise's.
 template <class Promise, class F>
-Promise promised(self_ptr self, Promise rp, F&& f) {
+Promise promised(rank_self self, Promise rp, F&& f) {
   here(self);
   try {
     f(rp);
@@ -256,7 +256,7 @@ Promise promised(self_ptr self, Promise rp, F&& f) {
 
 // A message without an answer: its error fails the rank.
 template <class F>
-void unanswered(self_ptr self, F&& f) {
+void unanswered(rank_self self, F&& f) {
   here(self);
   try {
     f();
@@ -265,7 +265,7 @@ void unanswered(self_ptr self, F&& f) {
   }
 }
 
-caf::result<rank_api::call_atom> on_call(self_ptr self, rank_api::RankCall& f) {
+caf::result<rank_api::call_atom> on_call(rank_self self, rank_api::RankCall& f) {
   return answered<caf::result<rank_api::call_atom>>(self, [&] {
     if (!f) throw UsageError("rank_api::call_atom on rank " + std::to_string(RankActorAccess::impl(*self->state.rt).rank) + ": the RankCall is empty");
     f(*self->state.rt);
@@ -279,7 +279,7 @@ std::vector<GradSlot> grad_slots(Runtime& rt, const std::vector<Param>& ps) {
   return slots;
 }
 
-promise_of<rank_api::step_done_atom, std::uint64_t> on_iteration(self_ptr self) {
+promise_of<rank_api::step_done_atom, std::uint64_t> on_iteration(rank_self self) {
   here(self);
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
@@ -307,7 +307,7 @@ promise_of<rank_api::step_done_atom, std::uint64_t> on_iteration(self_ptr self) 
 }
 
 template <class Answer>
-promise_of<rank_api::params_ready_atom, Answer> on_params_ready(self_ptr self, const std::vector<Param>& ps, Answer answer) {
+promise_of<rank_api::params_ready_atom, Answer> on_params_ready(rank_self self, const std::vector<Param>& ps, Answer answer) {
   return promised(self, self->make_response_promise<rank_api::params_ready_atom, Answer>(), [&](auto rp) {
     await_params(
         self, ps, [rp, answer]() mutable { rp.deliver(rank_api::params_ready_atom::value, answer); },
@@ -315,7 +315,7 @@ promise_of<rank_api::params_ready_atom, Answer> on_params_ready(self_ptr self, c
   });
 }
 
-promise_of<rank_api::all_params_atom> on_all_params(self_ptr self) {
+promise_of<rank_api::all_params_atom> on_all_params(rank_self self) {
   return promised(self, self->make_response_promise<rank_api::all_params_atom>(), [&](auto rp) {
     auto& st = self->state;
     auto& I = RankActorAccess::impl(*st.rt);
@@ -332,7 +332,7 @@ promise_of<rank_api::all_params_atom> on_all_params(self_ptr self) {
   });
 }
 
-promise_of<rank_api::collective_atom, std::string> on_collective(self_ptr self, CollectiveOp& op) {
+promise_of<rank_api::collective_atom, std::string> on_collective(rank_self self, CollectiveOp& op) {
   auto& st = self->state;
   const auto id = st.next_id++;
   auto tag = op.tag;
@@ -344,7 +344,7 @@ promise_of<rank_api::collective_atom, std::string> on_collective(self_ptr self, 
   });
 }
 
-void on_collective_done(self_ptr self, std::uint64_t id, caf::error& e) {
+void on_collective_done(rank_self self, std::uint64_t id, caf::error& e) {
   auto& st = self->state;
   auto it = st.collectives.find(id);
   if (it == st.collectives.end()) return;
@@ -356,7 +356,7 @@ void on_collective_done(self_ptr self, std::uint64_t id, caf::error& e) {
 }
 
 using checkpoint_answer = caf::result<rank_api::checkpoint_done_atom, std::string, std::uint64_t>;
-checkpoint_answer on_checkpoint(self_ptr self) {
+checkpoint_answer on_checkpoint(rank_self self) {
   return answered<checkpoint_answer>(self, [&] {
     auto& I = RankActorAccess::impl(*self->state.rt);
     const auto pending = I.pending_checkpoint();
@@ -392,12 +392,12 @@ recovery_helper::behavior_type recover_once(recovery_helper::pointer self, Runti
   };
 }
 
-caf::delegated<rank_api::recovered_atom, std::uint64_t, std::int32_t, std::int32_t> on_recover(self_ptr self, rank_api::NextRound& next) {
+caf::delegated<rank_api::recovered_atom, std::uint64_t, std::int32_t, std::int32_t> on_recover(rank_self self, rank_api::NextRound& next) {
   auto helper = self->system().spawn<caf::detached>(recover_once, self->state.rt);
   return self->delegate(helper, rank_api::recover_atom::value, std::move(next));
 }
 
-void on_deadline(self_ptr self, std::uint64_t id) {
+void on_deadline(rank_self self, std::uint64_t id) {
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
   try {
@@ -412,7 +412,7 @@ void on_deadline(self_ptr self, std::uint64_t id) {
   }
 }
 
-rank_actor_impl::behavior_type rank_actor(self_ptr self, Runtime* rt) {
+rank_actor_impl::behavior_type rank_actor(rank_self self, Runtime* rt) {
   self->state.rt = rt;
   auto& I = RankActorAccess::impl(*rt);
   using namespace rank_api;

@@ -17,6 +17,14 @@
 
 namespace shardflow::test {
 
+// Built with AddressSanitizer or ThreadSanitizer (`make sanitize`): a matrix whose cells differ in
+// arithmetic, not in threads or memory, can run each cell once there (the Release pass runs them all).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 // Runs fn(rank) on `n` threads; returns each rank's exception (null if it returned normally).
 inline std::vector<std::exception_ptr> run_ranks(int n, const std::function<void(int)>& fn) {
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
