@@ -26,9 +26,12 @@ fi
 rm -rf "actor-framework-${version}"
 tar xzf "actor-framework_${version}.orig.tar.gz"
 # Debian's build_config.hpp (log level quiet, no runtime checks) is what these options generate:
-# the instrumented library is a drop-in for the installed headers.
+# the instrumented library is a drop-in for the installed headers. A unity build (16 files a
+# translation unit): the whole script took 94 s on 2 cores, about 166 s one file at a time
+# (2026-12-03, CI's 45 minutes).
 cmake -S "actor-framework-${version}" -B build -G Ninja -DCMAKE_BUILD_TYPE=Debug \
   -DCMAKE_CXX_FLAGS="-fsanitize=thread -O1 -g1 -w" -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=thread" \
+  -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=16 \
   -DCAF_NO_IO=yes -DCAF_NO_EXAMPLES=yes -DCAF_NO_UNIT_TESTS=yes -DCAF_NO_OPENCL=yes -DCAF_NO_OPENSSL=yes \
   -DCAF_NO_TOOLS=yes -DCAF_NO_PYTHON=yes -DCAF_NO_SUMMARY=yes -DCAF_NO_COMPILER_CHECK=yes > /dev/null
 diff <(sed -n '/#pragma once/,$p' build/libcaf_core/caf/detail/build_config.hpp) \
