@@ -106,12 +106,8 @@ synthetic::Result run_until(const synthetic::Options& o, Ok ok) {
 // mean nothing there (the order of collectives and the results are checked by the other suites,
 // which run under both; CI's sanitize-address once missed one of these promises by 5 %).
 bool timing_meaningful() {
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  MESSAGE("skipped under a sanitizer: a timing promise");
-  return false;
-#else
-  return true;
-#endif
+  if (test::kSanitized) MESSAGE("skipped under a sanitizer: a timing promise");
+  return !test::kSanitized;
 }
 
 }  // namespace

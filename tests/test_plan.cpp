@@ -574,11 +574,11 @@ TEST_CASE("peak resident memory of a whole run agrees: stage 2 <= stage 1 <= sta
   // mlp_train with 8 x Linear(1024, 1024) and AdamW (Psi = 8.4 M: 134 MB of model state per rank at
   // stage 0), 3 steps: the first rebuilds the buckets, so its state migration is in the peak. Each
   // run is a process of its own, as the OS counts peak RSS per process.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  // A sanitizer's shadow memory and quarantine are in every resident byte count: nothing to compare.
-  MESSAGE("skipped under a sanitizer: resident memory includes its shadow memory");
-  return;
-#endif
+  if (test::kSanitized) {
+    // A sanitizer's shadow memory and quarantine are in every resident byte count: nothing to compare.
+    MESSAGE("skipped under a sanitizer: resident memory includes its shadow memory");
+    return;
+  }
   const double psi = 8.0 * (1024 * 1024 + 1024), data = 4096.0 * (1024 + 1024) * 4;
   auto peak_mb = [](int world, int stage) {
     std::string cmd = std::string(MLP_TRAIN_PATH) + " --sizes 1024,1024,1024,1024,1024,1024,1024,1024,1024 --optimizer adamw --steps 3" +

@@ -17,8 +17,9 @@
 
 namespace shardflow::test {
 
-// Built with AddressSanitizer or ThreadSanitizer (`make sanitize`): a matrix whose cells differ in
-// arithmetic, not in threads or memory, can run each cell once there (the Release pass runs them all).
+// Built with AddressSanitizer or ThreadSanitizer (`make sanitize`): promises about time or resident
+// memory mean nothing there, and work that only repeats what a smaller case runs (a bigger buffer,
+// the same cell with the other optimizer) is left to the Release pass, which runs it all.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 inline constexpr bool kSanitized = true;
 #else
