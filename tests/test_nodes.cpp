@@ -103,6 +103,17 @@ std::vector<std::string> fault_in_first_generation(const std::string& fault, con
   return {"/bin/sh", "-c", cmd};
 }
 
+// Note [Each node scenario under one sanitizer]
+// The scenarios here are whole jobs of several launchers and their ranks, about 290 s a sanitizer
+// pass one at a time (2026-12-03), the longest chain of CI's passes. The Release pass runs them all;
+// the sanitizer passes split them: ThreadSanitizer takes those where the launchers' own threads
+// meet (heartbeats, a node lost or silent, rounds of in-place recovery and shrink, rejoins), and
+// AddressSanitizer + UBSan those that move state between nodes (two levels, snapshots and their
+// copies, restarts that resume them, the rendezvous' and sockets' parsing, the store on etcd).
+// A scenario left out of a pass is not listed there (doctest::skip), so ctest does not count it.
+const auto memory_pass = doctest::skip(test::kThreadSanitized);
+const auto thread_pass = doctest::skip(test::kAddressSanitized);
+
 pid_t pid_of_rank(const std::string& out, int rank) {
   const std::string needle = "rank " + std::to_string(rank) + " (pid ";
   const auto at = out.find(needle);
@@ -111,7 +122,7 @@ pid_t pid_of_rank(const std::string& out, int rank) {
 
 }  // namespace
 
-TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks, every stage and overlap mode") {
+TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, gloo between nodes), within 1e-5 of 1 node x 4 ranks, every stage and overlap mode" * memory_pass) {
   int port = 0;
   test::two_levels_match_one_host("test_nodes", [&](int node, int nnodes, int nproc, const std::vector<std::string>& prog) {
     if (node == 0) port = test::free_port();  // a fresh store for each job
@@ -119,7 +130,7 @@ TEST_CASE("2 nodes x 2 ranks, --backend auto -> two levels (shm inside a node, g
   }, env());
 }
 
-TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit — torchrun's --rdzv-endpoint") {
+TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x 4 ranks, bit for bit — torchrun's --rdzv-endpoint" * memory_pass) {
   const std::string one = scratch("one_node.safetensors"), two = scratch("two_nodes.safetensors");
   {
     Child job(node_cmd({0, 1, 4, test::free_port(), {}}, gloo_trainer({"--save", one})), env());
@@ -139,7 +150,7 @@ TEST_CASE("2 nodes x 2 ranks on one host over Gloo -> the parameters of 1 node x
   check_params(two, one);
 }
 
-TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within seconds, naming node 1 and the rank") {
+TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within seconds, naming node 1 and the rank" * thread_pass) {
   const int port = test::free_port();
   Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
@@ -161,7 +172,7 @@ TEST_CASE("a rank killed on node 1 -> node 0's launcher stops its own within sec
   CHECK(n1.says("FAILED: rank 1 (local rank 0, pid " + std::to_string(victim) + ") was killed by signal 9"));
 }
 
-TEST_CASE("node 1's launcher goes silent (stopped, like a host gone) -> node 0 names it lost within the heartbeat timeout + 5 s") {
+TEST_CASE("node 1's launcher goes silent (stopped, like a host gone) -> node 0 names it lost within the heartbeat timeout + 5 s" * thread_pass) {
   const int port = test::free_port();
   Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
@@ -177,7 +188,7 @@ TEST_CASE("node 1's launcher goes silent (stopped, like a host gone) -> node 0 n
   CHECK(n0.says("lost: no heartbeat for"));
 }
 
-TEST_CASE("node 0's launcher killed -> node 1 exits non-zero naming node 0") {
+TEST_CASE("node 0's launcher killed -> node 1 exits non-zero naming node 0" * thread_pass) {
   const int port = test::free_port();
   Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
@@ -193,7 +204,7 @@ TEST_CASE("node 0's launcher killed -> node 1 exits non-zero naming node 0") {
   CHECK(n1.says("unreachable"));
 }
 
-TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disagree, no token") {
+TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disagree, no token" * memory_pass) {
   const std::vector<std::string> brief{"/bin/sh", "-c", "sleep 2"};
   SUBCASE("node 1 of 3 never starts -> nodes 0 and 2 stop at the deadline naming it, no rank started") {
     const int port = test::free_port();
@@ -277,7 +288,7 @@ TEST_CASE("rendezvous: missing nodes, a node rank claimed twice, nodes that disa
   }
 }
 
-TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap) — a missing interface is named before any rank starts") {
+TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap) — a missing interface is named before any rank starts" * memory_pass) {
   SUBCASE("--iface lo") {
     Child job({test::kLauncher, "run", "--nproc-per-node", "2", "--iface", "lo", "--", "/bin/sh", "-c",
                "echo iface=$SHARDFLOW_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME"},
@@ -308,7 +319,7 @@ TEST_CASE("sockets: --iface reaches the ranks (and NCCL's bootstrap) — a missi
   }
 }
 
-TEST_CASE("socket address rules: explicit, interface, one host, the route to the master") {
+TEST_CASE("socket address rules: explicit, interface, one host, the route to the master" * memory_pass) {
   using net::choose_local_address;
   CHECK(choose_local_address({}, "127.0.0.1", true).address == "127.0.0.1");
   CHECK(choose_local_address({}, "127.0.0.1", false).address == "127.0.0.1");  // the route to a loopback master
@@ -349,7 +360,7 @@ std::map<std::string, std::string> env_info() {
 // Note [Restarting the worker group] across nodes, Note [Snapshots], Note [Snapshots on the other host]
 TEST_CASE("2 nodes x 2 ranks, --max-restarts 1, snapshots every 2 steps: rank 3 (node 1) killed in step 7 -> both nodes restart "
           "together, resume from step 4 (in memory, each host holding the other's copies — or on disk), and end where 1 node x 4 "
-          "ranks ends uninterrupted, bit for bit") {
+          "ranks ends uninterrupted, bit for bit" * memory_pass) {
   const std::string one = scratch("restart_one_node.safetensors"), two = scratch("restart_two_nodes.safetensors");
   const std::string snaps = scratch("restart_snapshots");
   std::filesystem::remove_all(snaps);
@@ -441,7 +452,7 @@ std::array<std::string, 2> heal_across_two_nodes(const std::string& tag, int npr
 // Note [Recovering in place], Note [Rounds across nodes]
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on node 1, or on node 0 (which serves the store) -> "
           "only its process starts again, on its node — the other three keep theirs, no node fails, and the job ends where 1 "
-          "node x 4 ranks ends uninterrupted, bit for bit") {
+          "node x 4 ranks ends uninterrupted, bit for bit" * thread_pass) {
   int killed = 3;
   SUBCASE("rank 3, node 1") {}
   SUBCASE("rank 1, node 0") { killed = 1; }
@@ -467,7 +478,7 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place: a rank killed in step 7 on no
 // Note [A round that did not heal]
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 1: rank 3 (node 1) killed in step 3, before any snapshot -> the "
           "survivors of both nodes refuse to go on from round 1, which then counts as no restart on either node: every rank "
-          "restarts once, and the job ends where 1 node x 4 ranks ends uninterrupted, bit for bit") {
+          "restarts once, and the job ends where 1 node x 4 ranks ends uninterrupted, bit for bit" * memory_pass) {
   // Two collectives a step at ZeRO-1: the 5th is in step 3, with no snapshot before step 100's.
   const std::string fault = "collective:3:kill:5";
   const auto out = heal_across_two_nodes("refused_round", 2, {"--max-restarts", "1", "--recovery", "in-place"}, {fault, fault}, 0.0,
@@ -480,7 +491,7 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 1: rank 3 (node
 // Note [Rounds across nodes], shrinking
 TEST_CASE("2 nodes x 2 ranks, --recovery shrink: a rank killed in step 7 on node 1, or on node 0 -> no process starts, the "
           "three survivors of both nodes go on at world 3 in their own processes, numbered afresh (the other node's launcher "
-          "learns its ranks' new numbers), and the job ends within float rounding of 1 node x 4 ranks") {
+          "learns its ranks' new numbers), and the job ends within float rounding of 1 node x 4 ranks" * thread_pass) {
   int killed = 3;
   std::string backend = "gloo";
   SUBCASE("rank 3, node 1") {}
@@ -517,7 +528,7 @@ TEST_CASE("2 nodes x 2 ranks, --recovery shrink: a rank killed in step 7 on node
 // Note [Rounds across nodes], shrinking: no node is emptied
 TEST_CASE("2 nodes x 1 rank, --recovery shrink: node 1's only rank killed in step 7 -> a shrink would leave node 1 without a "
           "rank, so its rank starts again in place instead, rank 0 keeps its process, and the job ends where 1 node x 2 ranks "
-          "ends, bit for bit") {
+          "ends, bit for bit" * thread_pass) {
   const std::string fault = "collective:1:kill:13";
   const auto out = heal_across_two_nodes("shrink_empty", 1, {"--max-restarts", "1", "--recovery", "shrink"}, {fault, fault});
   CHECK(says(out[1], "recovering in place (round 1, 1 of 1 restarts): the other ranks keep running, rank(s) 1 start again (a "
@@ -530,7 +541,7 @@ TEST_CASE("2 nodes x 1 rank, --recovery shrink: node 1's only rank killed in ste
 // Note [Rounds across nodes]: rounds numbered in the store, counted against --max-restarts together
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node 1) lost in step 7, then rank 1 (node 0) in "
           "the second step after the recovery -> round 1 run by node 1 and round 2 by node 0, 2 of 2 restarts, ranks 0 and 2 keep "
-          "their processes through both, and the job ends where 1 node x 4 ranks ends, bit for bit") {
+          "their processes through both, and the job ends where 1 node x 4 ranks ends, bit for bit" * memory_pass) {
   // Rank 1 issues at most its 14th reduction (step 7's second) before rank 3's loss holds everyone,
   // and at least 4 more after resuming from step 6's or 4's snapshot. The two of the first step
   // after it rejoined round 1 may go out before that round is over: no collective of round 1 need
@@ -555,7 +566,7 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 3 (node
 // Note [Rounds across nodes]: no split brain
 TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 1 (node 0) and rank 3 (node 1) killed at once -> one "
           "node holds the round, the other's loss cannot join it and fails the generation: every rank restarts, and the job "
-          "still ends where 1 node x 4 ranks ends, bit for bit") {
+          "still ends where 1 node x 4 ranks ends, bit for bit" * thread_pass) {
   const auto out = heal_across_two_nodes("in_place_both", 2, {"--max-restarts", "2", "--recovery", "in-place"},
                                          {"collective:1:kill:13", "collective:3:kill:13"});
   const bool zero_holds = says(out[0], "recovering in place (round 1");
@@ -569,7 +580,7 @@ TEST_CASE("2 nodes x 2 ranks, --recovery in-place --max-restarts 2: rank 1 (node
 }
 
 TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, not a rank) -> node 0 does not restart, and says why "
-          "— under --recovery shrink too, which heals a lost host in place only with --nnodes MIN:MAX") {
+          "— under --recovery shrink too, which heals a lost host in place only with --nnodes MIN:MAX" * thread_pass) {
   std::vector<std::string> flags{"--max-restarts", "3"};
   SUBCASE("restart") {}
   SUBCASE("--recovery shrink") { flags.insert(flags.end(), {"--recovery", "shrink"}); }  // Note [A lost host healed in place]
@@ -592,7 +603,7 @@ TEST_CASE("--max-restarts across nodes: node 1's launcher killed (a node lost, n
 
 // Note [Shrinking the world]
 TEST_CASE("--nnodes 1:2 --max-restarts 1: node 1 lost in step 7 (its launcher and ranks gone at once) -> node 0 goes on alone "
-          "after --rejoin-timeout, resumes the world-4 snapshot at world 2, and ends where 1 node x 4 ranks ends, to float rounding") {
+          "after --rejoin-timeout, resumes the world-4 snapshot at world 2, and ends where 1 node x 4 ranks ends, to float rounding" * thread_pass) {
   const std::string one = scratch("shrink_one_node.safetensors"), two = scratch("shrink_two_nodes.safetensors");
   const std::string snaps = scratch("shrink_snapshots");
   std::filesystem::remove_all(snaps);
@@ -658,7 +669,7 @@ char push_copy(const std::string& where, const std::string& token, const std::st
 }  // namespace
 
 TEST_CASE("two nodes: a launcher's copy port keeps a snapshot's shard file only from a sender with the job's token, and no "
-          "other name (no path out of its memory)") {
+          "other name (no path out of its memory)" * memory_pass) {
   const int port = test::free_port();
   Child n0(node_cmd({0, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
   Child n1(node_cmd({1, 2, 1, port, {}}, test::endless_gloo_trainer()), env());
@@ -716,7 +727,7 @@ std::vector<std::unique_ptr<Child>> ring_of_three(const std::vector<std::string>
 TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holding its own and its predecessor's files: rank 1 "
           "killed in step 7 -> every host fetches what it lacks before the restart, resumes from step 4 in memory, and ends where "
           "1 node x 3 ranks ends, bit for bit — node 2 lost instead (--nnodes 2:3) -> nodes 0 and 1 resume it at world 2 from memory "
-          "— the rank lost healed in place -> every host gathers it before the round's word, and the survivors resume it from memory") {
+          "— the rank lost healed in place -> every host gathers it before the round's word, and the survivors resume it from memory" * memory_pass) {
   const std::string one = scratch("ring_one_node.safetensors"), three = scratch("ring_three_nodes.safetensors");
   const std::string snaps = scratch("ring_snapshots");
   one_node_of(3, one);
@@ -759,7 +770,7 @@ TEST_CASE("3 nodes x 1 rank, snapshots every 2 steps in memory, each host holdin
 // Note [Rejoining]
 TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on alone — node 1's launcher started again waits, and "
           "the next restart (a rank of node 0 killed) takes it back in at world 4, from node 0's snapshot copied into its memory: "
-          "the run ends where 1 node x 4 ranks ends, to float rounding") {
+          "the run ends where 1 node x 4 ranks ends, to float rounding" * thread_pass) {
   const std::string one = scratch("rejoin_one_node.safetensors"), two = scratch("rejoin_two_nodes.safetensors");
   const std::string snaps = scratch("rejoin_snapshots"), go = scratch("rejoin_go");
   std::filesystem::remove_all(snaps);
@@ -797,7 +808,7 @@ TEST_CASE("--nnodes 1:2 --max-restarts 2: node 1 lost in step 7, node 0 goes on 
 }
 
 TEST_CASE("node 1 left out, its launcher started again, and no restart comes before the job ends -> the returning launcher "
-          "fails naming that — a second returning launcher for the same node is refused") {
+          "fails naming that — a second returning launcher for the same node is refused" * thread_pass) {
   const std::string snaps = scratch("rejoin_end_snapshots"), go = scratch("rejoin_end_go");
   std::filesystem::remove_all(snaps);
   std::filesystem::remove(go);
@@ -833,7 +844,7 @@ TEST_CASE("node 1 left out, its launcher started again, and no restart comes bef
   CHECK(twice.says("node rank 1 is already taken by host "));
 }
 
-TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside [1, MAX], or not a number: each named") {
+TEST_CASE("--nnodes MIN:MAX refused without --max-restarts, or with MIN outside [1, MAX], or not a number: each named" * memory_pass) {
   for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--nnodes", "1:2", "--node-rank", "0", "--token", "t"}, "give --max-restarts N too"},
            {{"--nnodes", "3:2", "--node-rank", "0", "--token", "t", "--max-restarts", "1"}, "MIN must be in [1, MAX]"},
@@ -873,7 +884,7 @@ bool start_etcd(std::optional<test::EtcdCluster>& etcd, const std::string& id, s
 }  // namespace
 
 TEST_CASE("2 nodes x 2 ranks with the store on etcd (--rdzv-backend etcd): no launcher serves a store, and the job ends with the "
-          "parameters of 1 node x 4 ranks, bit for bit") {
+          "parameters of 1 node x 4 ranks, bit for bit" * memory_pass) {
   if (!test::etcd_installed()) {
     MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
     return;
@@ -897,7 +908,7 @@ TEST_CASE("2 nodes x 2 ranks with the store on etcd (--rdzv-backend etcd): no la
 
 TEST_CASE("3 nodes x 1 rank, the store on etcd, --nnodes 2:3 --max-restarts 1: node 0's host lost in step 7 (its launcher and rank "
           "gone at once) -> node 1 decides, nodes 1 and 2 resume step 4's snapshot from memory at world 2 and end where 1 node x 3 "
-          "ranks ends, to float rounding") {
+          "ranks ends, to float rounding" * thread_pass) {
   if (!test::etcd_installed()) {
     MESSAGE("etcd-server / etcd-client are not installed (make deps): skipped");
     return;
@@ -927,7 +938,7 @@ TEST_CASE("3 nodes x 1 rank, the store on etcd, --nnodes 2:3 --max-restarts 1: n
 // Note [A lost host healed in place]
 TEST_CASE("--nnodes 1:2 --recovery shrink or in-place: a host lost in step 7 (its launcher and ranks gone at once) -> the other "
           "node's ranks keep their processes and go on at world 2 from the snapshot in its memory (the lost node's files were "
-          "copied there), nothing restarts, and the job ends where 1 node x 4 ranks ends, to float rounding") {
+          "copied there), nothing restarts, and the job ends where 1 node x 4 ranks ends, to float rounding" * memory_pass) {
   std::string recovery = "shrink";
   int lost = 1;
   SUBCASE("node 1 lost, shrink") {}
@@ -1014,7 +1025,7 @@ std::array<std::string, 2> lose_node_one_of_three(const std::string& tag, int np
 // Note [A lost host healed in place] with a ring of three
 TEST_CASE("3 nodes x 1 rank, --nnodes 2:3 --recovery shrink: node 1 lost in step 7 -> node 0 runs the round, node 2 learns it, "
           "both fetch the newest snapshot whole (node 1's file was on node 2 only) and go on at world 2 in their own processes, "
-          "numbered 0 and 1, and the job ends where 1 node x 3 ranks ends, to float rounding") {
+          "numbered 0 and 1, and the job ends where 1 node x 3 ranks ends, to float rounding" * thread_pass) {
   const auto [n0, n2] = lose_node_one_of_three("ring_lost", 1, "gloo", {"--max-restarts", "1", "--recovery", "shrink"}, 13);
   CHECK(says(n0, "node 1 (host "));
   CHECK(says(n0, "; recovering in place (round 1, 1 of 1 restarts): the ranks of the node(s) left keep running, at world 2 from now "
@@ -1033,7 +1044,7 @@ TEST_CASE("3 nodes x 1 rank, --nnodes 2:3 --recovery shrink: node 1 lost in step
 // Note [A lost host healed in place]: whole hosts left out keep two levels
 TEST_CASE("3 nodes x 2 ranks, --backend auto (two levels), --nnodes 2:3 --recovery in-place: node 1 lost in step 7 -> nodes 0 and 2 "
           "go on at world 4 over two levels in their own processes (node 2's ranks 4 and 5 become 2 and 3), and the job ends where 1 "
-          "node x 6 ranks ends, to float rounding") {
+          "node x 6 ranks ends, to float rounding" * memory_pass) {
   const auto [n0, n2] = lose_node_one_of_three("two_levels_lost", 2, "auto", {"--max-restarts", "1", "--recovery", "in-place"}, 13);
   CHECK(says(n0, "[rank 0] mlp_train: sizes 24,40,40,6, world 6 (hierarchical"));
   CHECK(says(n0, "recovered in place: every rank joined round 1"));
@@ -1046,7 +1057,7 @@ TEST_CASE("3 nodes x 2 ranks, --backend auto (two levels), --nnodes 2:3 --recove
 // Note [A node joins live]
 TEST_CASE("--nnodes 1:2 --recovery shrink: a host lost in step 7, the other node goes on alone in place — the lost node's launcher "
           "started again is taken in by the running ranks at their next snapshot in memory, without a restart and without a step "
-          "lost, and the job ends at world 4 where 1 node x 4 ranks ends, to float rounding") {
+          "lost, and the job ends at world 4 where 1 node x 4 ranks ends, to float rounding" * thread_pass) {
   int lost = 1;
   bool memory = true;
   std::optional<test::EtcdCluster> etcd;

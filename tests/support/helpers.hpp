@@ -20,11 +20,17 @@ namespace shardflow::test {
 // Built with AddressSanitizer or ThreadSanitizer (`make sanitize`): promises about time or resident
 // memory mean nothing there, and work that only repeats what a smaller case runs (a bigger buffer,
 // the same cell with the other optimizer) is left to the Release pass, which runs it all.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-inline constexpr bool kSanitized = true;
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kAddressSanitized = true;
 #else
-inline constexpr bool kSanitized = false;
+inline constexpr bool kAddressSanitized = false;
 #endif
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool kThreadSanitized = true;
+#else
+inline constexpr bool kThreadSanitized = false;
+#endif
+inline constexpr bool kSanitized = kAddressSanitized || kThreadSanitized;
 
 // Runs fn(rank) on `n` threads; returns each rank's exception (null if it returned normally).
 inline std::vector<std::exception_ptr> run_ranks(int n, const std::function<void(int)>& fn) {
