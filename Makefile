@@ -37,8 +37,9 @@ test: build
 
 # Every suite under AddressSanitizer + UndefinedBehaviorSanitizer, then under ThreadSanitizer, each
 # in its own build folder (CPU only: nvcc takes no sanitizer flags; without the libtorch client and
-# the two-netns-hosts suite, which cost CI minutes and add no code of ours the others do not run). Suppressions, each with its
-# reason, are in tools/sanitizers/. docs/hardening.md.
+# the two-netns-hosts suite, which cost CI minutes and add no code of ours the others do not run;
+# TSan without the suites that start no thread, and test_nodes' scenarios split between the two:
+# Note [CI's minutes]). Suppressions, each with its reason, are in tools/sanitizers/. docs/hardening.md.
 SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=Debug -DSHARDFLOW_CUDA=OFF -DSHARDFLOW_BUILD_BENCH=OFF -DSHARDFLOW_LIBTORCH=OFF
 SAN_DIR = $(CURDIR)/tools/sanitizers
 sanitize: sanitize-address sanitize-thread
