@@ -4,6 +4,7 @@
 // with its own communicator and mapping of the segment; test_launch runs them as processes.
 #include <doctest/doctest.h>
 
+#include "runtime/comm/peer_collective.hpp"
 #include "support/helpers.hpp"
 #include "shardflow/shm.hpp"
 #include "shardflow/store.hpp"
@@ -60,6 +61,26 @@ TEST_CASE("shm: ranks issuing different collectives fail alike, naming both ops"
     CHECK(test::message_of(errors[std::size_t(r)]).find("allreduce of 64 fp32") != std::string::npos);
     CHECK(test::message_of(errors[std::size_t(r)]).find("allreduce of 32 fp32") != std::string::npos);
   }
+}
+
+TEST_CASE("shm: a rank whose process died two ops behind is named dead, not a collective mismatch, and a live rank behind "
+          "still is one (Note [A dead rank's signature is not a mismatch])") {
+  // The signatures test_launch's shrink case met under TSan: rank 0 died after op #52, the
+  // others are at op #54.
+  auto sig = [](CollectiveKind kind, std::uint64_t count, std::uint64_t seq, const char* tag) {
+    CollectiveOp op = test::make(kind, nullptr, nullptr, count);
+    op.tag = tag;
+    return peer::OpSig::of(op, seq);
+  };
+  const peer::OpSig sigs[3] = {sig(CollectiveKind::broadcast, 2, 52, "sharded checkpoint: save id"),
+                               sig(CollectiveKind::reduce_scatter, 624, 54, "bucket 0"),
+                               sig(CollectiveKind::reduce_scatter, 624, 54, "bucket 0")};
+  REQUIRE(peer::mismatch(sigs, 3));  // what rank 1 reported
+  CHECK(peer::dead_behind(sigs, 3, 54, [](int r) { return r == 0; }) == 0);
+  CHECK(peer::dead_behind(sigs, 3, 54, [](int) { return false; }) == -1);   // alive: a real mismatch
+  CHECK(peer::dead_behind(sigs, 3, 54, [](int r) { return r == 2; }) == -1);  // dead at this op: the barrier's to see
+  const peer::OpSig agree[2] = {sigs[1], sigs[2]};
+  CHECK_FALSE(peer::mismatch(agree, 2));
 }
 
 TEST_CASE("shm: a rank that never submits -> the others time out naming it — an abort fails the peers at once") {

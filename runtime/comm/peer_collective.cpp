@@ -43,6 +43,12 @@ std::optional<std::string> mismatch(const OpSig* sigs, int n) {
   return std::nullopt;
 }
 
+int dead_behind(const OpSig* sigs, int n, std::uint64_t seq, const std::function<bool(int)>& dead) {
+  for (int r = 0; r < n; ++r)
+    if (sigs[r].seq != seq && dead(r)) return r;
+  return -1;
+}
+
 std::pair<std::size_t, std::size_t> chunk(std::size_t count, int n, int r) {
   auto edge = [&](int k) -> std::size_t {
     if (k >= n) return count;

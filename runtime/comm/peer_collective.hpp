@@ -38,6 +38,16 @@ struct OpSig {
 // a bad broadcast root. Every rank computes the same answer from the same signatures.
 std::optional<std::string> mismatch(const OpSig* sigs, int n);
 
+// Note [A dead rank's signature is not a mismatch]
+// The signatures are compared once the op's entry barrier is passed. A rank whose process died
+// left the signature of the last op it posted, behind the others', and if the barrier ever lets
+// the living through without it (it did once, under ThreadSanitizer: test_launch's shrink case,
+// docs/hardening.md) the comparison would call that a collective mismatch: the job blamed on the
+// trainer's code, and a rank that in-place recovery could have healed lost as an error. So before
+// the verdict of mismatch() the backend asks here for the first rank whose signature is not for
+// op `seq` and whose process is dead (`dead(r)`), -1 if none, and reports that rank's death.
+int dead_behind(const OpSig* sigs, int n, std::uint64_t seq, const std::function<bool(int)>& dead);
+
 // Rank r's chunk [lo, hi) of an all-reduce of `count` elements: boundaries on 16 elements (64 bytes
 // of fp32) so that no two ranks write the same cache line.
 std::pair<std::size_t, std::size_t> chunk(std::size_t count, int n, int r);

@@ -319,7 +319,7 @@ class ShmComm final : public Communicator {
       // Our own staging area is free since the last op's exit barrier.
       if (pieces && stage_send) stage_in(op, off, len, mine);
       sync();  // inputs are staged; for the first piece also the entry barrier of the op
-      if (p == 0) check_matching(parity);
+      if (p == 0) check_matching(parity, seq, what);
       if (!pieces) return;
       // Every rank's view of this piece: its registered buffer in place, or its staging area.
       for (int r = 0; r < n_; ++r) {
@@ -376,10 +376,22 @@ class ShmComm final : public Communicator {
     }
   }
 
-  void check_matching(std::size_t parity) {
+  template <class What>
+  void check_matching(std::size_t parity, std::uint64_t seq, const What& what) {
     std::vector<peer::OpSig> sigs(static_cast<std::size_t>(n_));
     for (int r = 0; r < n_; ++r) sigs[std::size_t(r)] = slots_[r].sig[parity];
     if (auto msg = peer::mismatch(sigs.data(), n_)) {
+      // Note [A dead rank's signature is not a mismatch]
+      const int gone = peer::dead_behind(sigs.data(), n_, seq, [&](int r) {
+        return r != rank_ && process_dead(slots_[r].pid.load(std::memory_order_acquire));
+      });
+      if (gone >= 0) {
+        const std::string died = what() + ": rank " + std::to_string(gone) + " (pid " +
+                                 std::to_string(slots_[gone].pid.load(std::memory_order_acquire)) +
+                                 ") died before it reached this collective";
+        abort_world(died);
+        throw CommError(died);
+      }
       abort_world(*msg);  // every rank reaches the same verdict; later ops fail at once
       throw MismatchError(*msg);
     }
