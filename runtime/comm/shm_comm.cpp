@@ -219,6 +219,15 @@ class ShmComm final : public Communicator {
     futex_wake_all(&header_->generation);
   }
 
+  // Rank r's process is gone: every rank hears it at once (abort), and this one raises it.
+  template <class What>
+  [[noreturn]] void fail_dead(const What& what, int r, std::int32_t pid) {
+    const std::string msg = what() + ": rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                            ") died before it reached this collective";
+    abort_world(msg);
+    throw CommError(msg);
+  }
+
   // Note [Shared-memory barrier]
   template <class What>
   void sync(const What& what) {
@@ -251,12 +260,7 @@ class ShmComm final : public Communicator {
         next_liveness = now + std::chrono::milliseconds(100);
         for (int r = 0; r < n_; ++r) {
           const auto pid = slots_[r].pid.load(std::memory_order_acquire);
-          if (slots_[r].arrived.load(std::memory_order_acquire) != gen + 1 && process_dead(pid)) {
-            const std::string msg = what() + ": rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
-                                    ") died before it reached this collective";
-            abort_world(msg);
-            throw CommError(msg);
-          }
+          if (slots_[r].arrived.load(std::memory_order_acquire) != gen + 1 && process_dead(pid)) fail_dead(what, r, pid);
         }
       }
       futex_wait(&h.generation, gen, std::min<clock::duration>(std::chrono::milliseconds(50), deadline - now));
@@ -385,13 +389,7 @@ class ShmComm final : public Communicator {
       const int gone = peer::dead_behind(sigs.data(), n_, seq, [&](int r) {
         return r != rank_ && process_dead(slots_[r].pid.load(std::memory_order_acquire));
       });
-      if (gone >= 0) {
-        const std::string died = what() + ": rank " + std::to_string(gone) + " (pid " +
-                                 std::to_string(slots_[gone].pid.load(std::memory_order_acquire)) +
-                                 ") died before it reached this collective";
-        abort_world(died);
-        throw CommError(died);
-      }
+      if (gone >= 0) fail_dead(what, gone, slots_[gone].pid.load(std::memory_order_acquire));
       abort_world(*msg);  // every rank reaches the same verdict; later ops fail at once
       throw MismatchError(*msg);
     }
