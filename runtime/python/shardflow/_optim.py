@@ -102,7 +102,7 @@ def _step(opt, closure=None):
     ddp = opt._shardflow_ddp()
     if closure is not None:
         _refuse("step(closure) is not supported: run the forward and backward, then step()")
-    ddp.step()
+    ddp._step()  # an LR scheduler's wrapper of opt.step counted it already
 
 
 def _zero_grad(opt, set_to_none=False):

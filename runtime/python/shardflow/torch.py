@@ -403,6 +403,14 @@ class DistributedDataParallel:
         """After loss.backward(): returns once the gradients are averaged over the ranks and, with
         the optimizer, the parameters stepped (and synced, unless forward_prefetch leaves the syncs
         to land during the next forward). The GIL is released while it waits."""
+        # An LR scheduler counts the optimizer's steps in the opt.step() it wraps, and warns on its
+        # first step() that it came before the optimizer's when that count is 0: a step taken
+        # through the model counts as the optimizer's (opt.step() itself comes through _step()).
+        if self._torch_optimizer is not None:
+            self._torch_optimizer._step_count = getattr(self._torch_optimizer, "_step_count", 0) + 1
+        self._step()
+
+    def _step(self):
         if self._clipped_step:  # torch's clip_grad_norm_ ended this pass already
             self._clipped_step = False
             return
