@@ -8,8 +8,10 @@ link hides entirely behind the longer, 0 when they add up. T_comm is the link mo
 the iteration's collectives (Note [Simulated link]: rs/ag (N-1)(alpha + B/(N beta)) per bucket),
 T_iter the run's median iteration. Every configuration once per round, --reps rounds (A B A B).
 Beside each, the run's own bound (median of stats' bound_ms, Note [The iteration's bound]: the
-shortest iteration any schedule could reach with that run's measured times), T_iter / bound, and
-the efficiency an iteration at that bound would have: the most the efficiency can be.
+shortest iteration any schedule could reach with that run's measured times), T_iter / bound (the
+median over the runs of each run's median of its iterations' own ratios, stats' over_bound; and
+the ratio of the two medians), and the efficiency an iteration at that bound would have: the most
+the efficiency can be.
 
     python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3] [--modes a,b] [--baseline OLD_BUILD]
                                   [--optimizer adamw|sgd]
@@ -42,7 +44,7 @@ def run(build, stage, flags, tmp, steps, optimizer):
         sys.exit("overlap_real: mlp_train failed:\n" + out.stdout)
     with open(stats) as f:
         median = json.load(f)["median"]
-        return median["iteration_ms"], median.get("bound_ms", 0.0)
+        return median["iteration_ms"], median.get("bound_ms", 0.0), median.get("over_bound", 0.0)
 
 
 def link_ms(stage, gbytes_per_s):
@@ -92,16 +94,19 @@ def main():
             print("\nlink/compute %.1f: link %.2f GB/s, T_comm %.2f ms" % (ratio, gbps, t_comm), flush=True)
             res = {}
             for m, v in runs.items():
-                t_iter = statistics.median(x for x, _ in v)
-                bound = statistics.median(b for _, b in v)
+                t_iter = statistics.median(x for x, _, _ in v)
+                bound = statistics.median(b for _, b, _ in v)
+                # Each run's median of its iterations' own T_iter / bound (stats' over_bound).
+                over = statistics.median(o for _, _, o in v)
                 eff = (t_comp + t_comm - t_iter) / min(t_comp, t_comm)
                 # The most the efficiency could be: an iteration at its own bound.
                 ceiling = (t_comp + t_comm - bound) / min(t_comp, t_comm) if bound > 0 else None
-                res[m] = {"runs_ms": [x for x, _ in v], "median_ms": t_iter, "efficiency": eff, "bound_ms": bound,
-                          "over_bound": t_iter / bound if bound > 0 else None, "efficiency_at_bound": ceiling}
-                print("  %-28s %7.2f ms  efficiency %.2f (%.2f at the bound)  bound %6.2f ms  T_iter/bound %.3f  (%s)" %
-                      (m, t_iter, eff, ceiling if ceiling is not None else float("nan"), bound,
-                       t_iter / bound if bound > 0 else float("nan"), ", ".join("%.2f" % x for x, _ in v)),
+                res[m] = {"runs_ms": [x for x, _, _ in v], "median_ms": t_iter, "efficiency": eff, "bound_ms": bound,
+                          "over_bound": over or None, "medians_over_bound": t_iter / bound if bound > 0 else None,
+                          "efficiency_at_bound": ceiling}
+                print("  %-28s %7.2f ms  efficiency %.2f (%.2f at the bound)  bound %6.2f ms  T_iter/bound %.3f (of the medians %.3f)  (%s)" %
+                      (m, t_iter, eff, ceiling if ceiling is not None else float("nan"), bound, over,
+                       t_iter / bound if bound > 0 else float("nan"), ", ".join("%.2f" % x for x, _, _ in v)),
                       flush=True)
             if args.baseline:
                 for m in modes:

@@ -39,6 +39,7 @@
 #include "shardflow/launch.hpp"
 #include "shardflow/libtorch.hpp"
 #include "shardflow/safetensors.hpp"
+#include "shardflow/sim.hpp"
 #include "snapshot_flags.hpp"
 #include "torch_params.hpp"
 
@@ -61,6 +62,7 @@ struct Args {
   std::uint64_t seed = 1;
   int syncs_in_backward = -1;
   bool prefetch = false, quiet = false;
+  SimLink sim;  // ranks as threads: the simulated link (--sim-gbytes-per-s), else shared memory
 };
 
 // Autoregressive sampling from rank 0's final model: the last --context tokens in, one character
@@ -285,6 +287,11 @@ int main(int argc, char** argv) {
                  "under a launcher: auto (shm on one host, two levels on several hosts of several ranks, else gloo) | shm | "
                  "gloo | hierarchical")
       ->capture_default_str();
+  app.add_option("--sim-gbytes-per-s", a.sim.gbytes_per_s,
+                 "ranks as threads: between them a simulated link of this rate, GB/s (Note [Simulated link]; the data still moves "
+                 "in memory, each collective completes when the link would have carried it)");
+  app.add_option("--sim-latency-us", a.sim.latency_us, "with --sim-gbytes-per-s: the link's latency per message step, microseconds")
+      ->capture_default_str();
   app.add_option("--device", a.device, "cpu | cuda | cuda:N: where the model, its buckets and shards live")->capture_default_str();
   app.add_option("--dtype", a.dtype, "fp32 | bf16 (bf16 parameters and activations, fp32 masters in the shards)")->capture_default_str();
   app.add_option("--world-size", a.world_size, "ranks as threads of this process (under a launcher: the launcher's)")->capture_default_str();
@@ -345,6 +352,8 @@ int main(int argc, char** argv) {
     const auto timeout = std::chrono::milliseconds(std::int64_t(a.timeout_s * 1000));
     std::vector<std::shared_ptr<Communicator>> comms;
     if (env.launched()) {
+      if (app.count("--sim-gbytes-per-s") || app.count("--sim-latency-us"))
+        throw UsageError("--sim-gbytes-per-s simulates the link between ranks as threads; under a launcher the ranks use the real one");
       if (app.count("--world-size") && a.world_size != env.world_size)
         throw UsageError("--world-size " + std::to_string(a.world_size) + " but the launcher started " + std::to_string(env.world_size) + " rank(s)");
       // A GPU per process: NCCL, unless --backend names another (which then refuses CUDA buckets by name).
@@ -352,7 +361,12 @@ int main(int argc, char** argv) {
     } else {
       if (app.count("--backend")) throw UsageError("--backend picks how processes talk; as threads the ranks share memory (start gpt_train with `shardflow run` for shm or gloo)");
       if (a.world_size < 1) throw UsageError("--world-size must be >= 1, got " + std::to_string(a.world_size));
-      auto world = cuda_index >= 0 ? InProcessWorld::create_on_device(a.world_size, cuda_index, timeout) : InProcessWorld::create(a.world_size, timeout);
+      const bool simulated = app.count("--sim-gbytes-per-s") > 0;
+      if (simulated && cuda_index >= 0) throw UsageError("--sim-gbytes-per-s simulates a link between CPU ranks; --device " + a.device + " shares one GPU");
+      if (!simulated && app.count("--sim-latency-us")) throw UsageError("--sim-latency-us describes the simulated link: add --sim-gbytes-per-s");
+      auto world = simulated         ? make_sim_world(a.world_size, a.sim, timeout)
+                   : cuda_index >= 0 ? InProcessWorld::create_on_device(a.world_size, cuda_index, timeout)
+                                     : InProcessWorld::create(a.world_size, timeout);
       for (int r = 0; r < a.world_size; ++r) comms.push_back(world->communicator(r));
     }
     const int world = comms.front()->world_size();

@@ -164,6 +164,43 @@ TEST_CASE("stats report the iteration's bound: at least the link's work, no more
   CHECK(ratio(inter) < ratio(none));
 }
 
+// Note [A window of another schedule]. Not a timing promise: which windows carry a bound, and
+// that each window's over_bound and the medians follow from the figures.
+TEST_CASE("forward prefetch, the split chosen by the runtime: the windows that hold two passes' syncs or none (where the waits change kind, where the runtime awaits a pass's syncs to choose again, and the one after) carry no bound — the others do, each with its own iteration / bound, and the median ratio is theirs") {
+  auto o = scenario(2, 2, Overlap::interleaved);
+  o.runtime.zero.forward_prefetch = true;  // the split chosen at iteration 1's end, again at 4's
+  o.iterations = 14;
+  const auto res = synthetic::run(o);
+  for (const auto& st : res.stats) {
+    std::vector<double> ratios, bounds;
+    for (const auto& s : st.steps) {
+      INFO("iteration " << s.iteration << ": " << s.iteration_ms << " ms, bound " << s.bound_ms << " ms, over_bound " << s.over_bound);
+      // Iterations 0 and 1 wait for every sync (the first; the one that observes forward's
+      // order), so window 2, the first whose wait returns early, holds no pass's syncs. Iteration
+      // 4's wait awaits its syncs before the split is chosen again (on the settled fifth): window
+      // 4 holds two passes' syncs and window 5 none.
+      const bool other_schedule = s.iteration == 2 || s.iteration == 4 || s.iteration == 5;
+      if (other_schedule) {
+        CHECK(s.bound_ms == 0);
+        CHECK(s.over_bound == 0);
+        continue;
+      }
+      REQUIRE(s.bound_ms > 0);
+      CHECK(s.over_bound == doctest::Approx(s.iteration_ms / s.bound_ms));
+      if (s.iteration >= 5) {
+        ratios.push_back(s.over_bound);
+        bounds.push_back(s.bound_ms);
+      }
+    }
+    REQUIRE(ratios.size() >= 7);
+    std::sort(ratios.begin(), ratios.end());
+    std::sort(bounds.begin(), bounds.end());
+    auto median = [](const std::vector<double>& v) { return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]); };
+    CHECK(st.median.over_bound == doctest::Approx(median(ratios)));
+    CHECK(st.median.bound_ms == doctest::Approx(median(bounds)));
+  }
+}
+
 // Under a sanitizer only what the modes guarantee is checked (none steps after every reduction,
 // after_backward after backward's end, neither inside backward, the link busy after backward's end
 // for the last reduction and every sync); what the link's timing makes happen besides (interleaved

@@ -30,6 +30,10 @@ struct PassState {
   std::atomic<Phase> phase{Phase::idle};
   bool in_pass() const { return phase.load(std::memory_order_acquire) != Phase::idle; }
   bool wait_prefetching = false;  // how the pending wait() started (begin_wait)
+  bool last_wait_prefetching = false;  // how the wait() before it did (Note [A window of another schedule])
+  // A prefetched pass's syncs were awaited before a choice was made again, in this iteration's
+  // window and in the last one's (Note [A window of another schedule]).
+  bool syncs_awaited = false, syncs_awaited_last = false;
   bool rebuilt = false;           // the buckets were rebuilt from the observed order
   std::uint64_t iterations = 0;   // synchronised iterations the trainer completed
   std::size_t done_in_backward = 0;  // buckets complete when finish_backward ran (stats)

@@ -148,7 +148,7 @@ double OverlapStats::window_bound_ms(Time lo, const std::vector<Time>& bucket_re
 }
 
 void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward,
-                                 const std::vector<Time>& bucket_ready) {
+                                 const std::vector<Time>& bucket_ready, bool with_bound) {
   std::lock_guard lock(mu_);
   const Time lo = window_start_ < 0 ? t : window_start_, hi = t;
   IterationStats s;
@@ -166,7 +166,10 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   s.buckets_done_in_backward = done_in_backward;
   s.bytes = bytes_;
   s.wire_bytes = wire_bytes_;
-  s.bound_ms = window_bound_ms(lo, bucket_ready, buckets);
+  if (with_bound) {  // a window of two passes' syncs (or none) tells nothing of one pass's
+    s.bound_ms = window_bound_ms(lo, bucket_ready, buckets);
+    if (s.bound_ms > 0) s.over_bound = s.iteration_ms / s.bound_ms;
+  }
   bytes_ = {};
   wire_bytes_ = 0;
   sync_us_ = reduce_us_ = 0;
@@ -209,7 +212,15 @@ RuntimeStats OverlapStats::snapshot() const {
   m.buckets_done_in_backward = std::size_t(med([](const IterationStats& s) { return s.buckets_done_in_backward; }));
   for (std::size_t k = 0; k < m.bytes.size(); ++k) m.bytes[k] = std::uint64_t(med([k](const IterationStats& s) { return s.bytes[k]; }));
   m.wire_bytes = std::uint64_t(med([](const IterationStats& s) { return s.wire_bytes; }));
-  m.bound_ms = med([](const IterationStats& s) { return s.bound_ms; });
+  // The bound's figures over the iterations that have one (Note [A window of another schedule]).
+  auto med_bounded = [&](auto field) {
+    std::vector<double> v;
+    for (std::size_t i = skip; i < steps_.size(); ++i)
+      if (steps_[i].bound_ms > 0) v.push_back(field(steps_[i]));
+    return median_of(std::move(v));
+  };
+  m.bound_ms = med_bounded([](const IterationStats& s) { return s.bound_ms; });
+  m.over_bound = med_bounded([](const IterationStats& s) { return s.over_bound; });
   return r;
 }
 
@@ -220,7 +231,8 @@ nlohmann::json to_json(const IterationStats& s) {
   return {{"iteration", s.iteration},       {"iteration_ms", s.iteration_ms}, {"compute_ms", s.compute_ms},
           {"link_ms", s.link_ms},           {"hidden_ms", s.hidden_ms},       {"exposed_ms", s.exposed_ms},
           {"optimizer_ms", s.optimizer_ms}, {"buckets", s.buckets},           {"buckets_done_in_backward", s.buckets_done_in_backward},
-          {"bytes", bytes},                 {"wire_bytes", s.wire_bytes},     {"bound_ms", s.bound_ms}};
+          {"bytes", bytes},                 {"wire_bytes", s.wire_bytes},     {"bound_ms", s.bound_ms},
+          {"over_bound", s.over_bound}};
 }
 }  // namespace
 

@@ -48,8 +48,10 @@ class OverlapStats {
   void touch(Time t);
   // A synchronised iteration ended at `t`; `done_in_backward` of `buckets` were complete when
   // backward finished; `bucket_ready[b]`: when bucket b's last gradient came in (its bound).
+  // `with_bound`: false where the window's collectives are not one pass's (Note [A window of
+  // another schedule]): its bound_ms stays 0.
   void end_iteration(Time t, std::uint64_t iteration, std::size_t buckets, std::size_t done_in_backward,
-                     const std::vector<Time>& bucket_ready = {});
+                     const std::vector<Time>& bucket_ready = {}, bool with_bound = true);
   RuntimeStats snapshot() const;
   IterationStats last() const {
     std::lock_guard lock(mu_);

@@ -20,6 +20,7 @@ void Runtime::Impl::forget_overlap_choices() {
 void Runtime::Impl::complete_prefetched_pass() {
   if (!prefetching()) return;
   await_iterations(passes_handed);
+  syncs_awaited = true;  // Note [A window of another schedule]
   if (shard) shard->join_compute();
 }
 

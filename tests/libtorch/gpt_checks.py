@@ -113,6 +113,9 @@ def main():
         gpt(exe, data, p("w2_twins.safetensors"), ["--world-size", "2", "--redundancy", "2", "--snapshot-dir", p("twin_snaps"),
                                                    "--snapshot-every", "5"])
         ok &= compare(p("w2_twins.safetensors"), p("w2_threads.safetensors"), "world 2 (threads) with twins (--redundancy 2) vs without", 0.0)
+        # The simulated link (--sim-gbytes-per-s) moves the data in memory as the threads do: the same bits.
+        gpt(exe, data, p("w2_sim.safetensors"), ["--world-size", "2", "--sim-gbytes-per-s", "0.5", "--sim-latency-us", "20"])
+        ok &= compare(p("w2_sim.safetensors"), p("w2_threads.safetensors"), "world 2 (threads) over a simulated link vs without", 0.0)
         for tag, extra in [("zero2_prefetch", ["--zero-stage", "2", "--forward-prefetch"]),
                            ("ddp_none", ["--zero-stage", "0", "--overlap", "none"])]:
             out = p(f"w2_{tag}.safetensors")

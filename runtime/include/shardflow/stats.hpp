@@ -41,8 +41,14 @@ struct IterationStats {
   // The shortest iteration any schedule could reach with this iteration's own times (Note [The
   // iteration's bound]): backward and each bucket's collectives as measured, forward split between
   // the buckets by their size, steps taken as free. iteration_ms / bound_ms is how far this run
-  // is from the best order of its plan; 0 where it was not measured (no gradient, an accumulation).
+  // is from the best order of its plan; 0 where it was not measured (no gradient, an accumulation,
+  // a window of two passes' syncs: Note [A window of another schedule]). In the median: over the
+  // iterations that have one.
   double bound_ms = 0;
+  // iteration_ms / bound_ms (0 without a bound). In the median: the median of the iterations'
+  // own ratios, the figure to hold against 1; the two medians above may come from different
+  // iterations (a run whose iterations alternate between two lengths).
+  double over_bound = 0;
 };
 struct RuntimeStats {
   std::vector<IterationStats> steps;  // the most recent iterations (up to 10,000)
