@@ -610,6 +610,32 @@ TEST_CASE("shardflow run --recovery in-place, world 3: rank 1 killed (kill -9) o
   }
 }
 
+// Note [A rank dead inside the barrier]
+TEST_CASE("shardflow run --recovery in-place, world 3 over shm: rank 1 killed inside a barrier, its arrival marked but not "
+          "counted -> ranks 0 and 2 name its death at once (not the 20 s collective timeout) and go on in place") {
+  const std::string out = scratch("barrier_kill.safetensors"), snaps = scratch("barrier_kill_snaps");
+  std::filesystem::remove_all(snaps);
+  auto args = mlp_args(1);
+  args.insert(args.begin(), kTrainer);
+  test::set_flag(args, "--steps", "8");
+  for (auto a : {"--backend", "shm", "--save", out.c_str(), "--snapshot-dir", snaps.c_str(), "--snapshot-every", "1"}) args.push_back(a);
+  // Rank 1's 150th barrier falls in step 7; its replacement (round 1) runs clean.
+  std::string cmd = "if [ \"$SHARDFLOW_RECOVERY_ROUND\" = 0 ]; then export SHARDFLOW_TEST_FAULT=barrier:1:kill:150; fi; exec";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  auto argv = launch(3, {"/bin/sh", "-c", cmd});
+  argv.insert(argv.begin() + 2, {"--max-restarts", "1", "--recovery", "in-place", "--heartbeat-timeout", "2"});
+  const std::string log = run_ok(argv);
+  INFO(log);
+  CHECK(log.find("shardflow test fault: rank 1 dies at barrier #150") != std::string::npos);
+  CHECK(log.find(") died before it reached this collective") != std::string::npos);
+  CHECK(log.find("did not arrive within") == std::string::npos);
+  // "recovered in place: every rank joined round 1 0.10 s after the loss"; the collective timeout is 20 s.
+  const std::string joined = "recovered in place: every rank joined round 1 ";
+  const auto at = log.find(joined);
+  REQUIRE(at != std::string::npos);
+  CHECK(std::atof(log.c_str() + at + joined.size()) < 10.0);
+}
+
 // Note [Going on from the twins]
 TEST_CASE("shardflow run --recovery in-place with --redundancy 2, world 3 (shm and gloo): rank 1 killed in step 7 -> its "
           "replacement gets its shard from its twin on rank 2 and the parameters from the survivors' memory, every rank goes on "

@@ -18,8 +18,18 @@
 // counter and bumps the generation; the others spin briefly, then sleep on the generation with a
 // futex (shared, not FUTEX_PRIVATE: the waiters are different processes) in slices of at most
 // 50 ms. Between slices a waiter checks the abort flag, its deadline (Config::timeouts.collective: naming the
-// ranks that have not arrived) and — every 100 ms — whether the missing ranks' processes still
+// ranks that have not arrived) and — every 100 ms — whether the other ranks' processes still
 // exist, so a rank killed with SIGKILL is reported within a fraction of a second, not at timeout.
+//
+// Note [A rank dead inside the barrier]
+// The liveness check asked only after the ranks that had not marked their arrival. A rank killed
+// between marking it and adding itself to the count, or the last to arrive killed between the
+// count and the generation's bump, looked arrived: the barrier could never complete, and the others
+// waited out the whole collective timeout (then a TimeoutError) instead of naming the death within
+// 100 ms, which in-place recovery needs to go on at once. While the generation has not moved, any
+// rank whose process is gone fails the barrier: one that arrived and died could not do the next op
+// either. A barrier that completed (its last rank bumped the generation, then exited at the end of
+// the job) is not mistaken for one: the generation is read again before failing.
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -42,6 +52,7 @@
 #include "runtime/comm/shm_names.hpp"
 #include "runtime/comm/shm_segment.hpp"
 #include "runtime/comm/stream_worker.hpp"
+#include "runtime/process/fault_injection.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/shm.hpp"
 #include "shardflow/store.hpp"
@@ -235,6 +246,7 @@ class ShmComm final : public Communicator {
     if (h.aborted.load(std::memory_order_acquire)) fail_aborted(what);
     const std::uint32_t gen = h.generation.load(std::memory_order_acquire);
     slots_[rank_].arrived.store(gen + 1, std::memory_order_relaxed);
+    if (test_fault::armed()) test_fault::reached("barrier");  // test_launch's kill between the two
     if (h.count.fetch_add(1, std::memory_order_acq_rel) + 1 == std::uint32_t(n_)) {
       h.count.store(0, std::memory_order_relaxed);
       h.generation.store(gen + 1, std::memory_order_release);
@@ -258,9 +270,9 @@ class ShmComm final : public Communicator {
       }
       if (now >= next_liveness) {
         next_liveness = now + std::chrono::milliseconds(100);
-        for (int r = 0; r < n_; ++r) {
+        for (int r = 0; r < n_; ++r) {  // Note [A rank dead inside the barrier]
           const auto pid = slots_[r].pid.load(std::memory_order_acquire);
-          if (slots_[r].arrived.load(std::memory_order_acquire) != gen + 1 && process_dead(pid)) fail_dead(what, r, pid);
+          if (r != rank_ && process_dead(pid) && h.generation.load(std::memory_order_acquire) == gen) fail_dead(what, r, pid);
         }
       }
       futex_wait(&h.generation, gen, std::min<clock::duration>(std::chrono::milliseconds(50), deadline - now));

@@ -6,8 +6,9 @@
 // line, and the rank pauses 0.5 s so that the cut lands in the phase named) the N-th time it
 // reaches PHASE: registration (Runtime::finalize), backward (a grad_ready), collective (a bucket's
 // reduction issued by the comm stream, once whatever the backend makes of it), sync (a parameter
-// sync issued there), checkpoint (a window of a consolidated save's state stream). It says so on
-// stderr first, so the soak driver knows when the fault happened. Unset (every real run): one
+// sync issued there), checkpoint (a window of a consolidated save's state stream), barrier (the
+// shm backend's, between marking this rank arrived and counting it: Note [A rank dead inside the
+// barrier]). It says so on stderr first, so the soak driver knows when the fault happened. Unset (every real run): one
 // getenv at first use, then a branch.
 #pragma once
 
