@@ -1,5 +1,5 @@
 """shardflow.torch taking a node in live (Note [A node joins live]), as a Python trainer writes it:
-the loop of check_recovery.py, nothing more:
+the loop of check_recovery.py (recovering_loop.py), nothing more:
 
     step = model.resumed_step()
     while step < STEPS:
@@ -28,13 +28,14 @@ import sys
 import threading
 import time
 
+import recovering_loop  # beside this file
+
 try:
     import torch
 except ImportError:
     sys.exit(77)
 
 STEPS, ROWS, HOLD = 16, 12, 10
-F = torch.nn.functional
 
 
 def batch(step, rank, world):
@@ -63,26 +64,7 @@ def rank_main(out, snapshots):
                                         snapshot_every=2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
     model.snapshot_with(scheduler=scheduler)
-    step = model.resumed_step()
-    print("rank %d (pid %d): starting at step %d, world %d, the scheduler at %d" %
-          (model.rank, os.getpid(), step, model.world_size, scheduler.last_epoch), flush=True)
-    while step < STEPS:
-        hold(step)
-        try:
-            model.zero_grad()
-            x, y = batch(step, model.rank, model.world_size)
-            F.mse_loss(model(x), y).backward()
-            model.step()
-            scheduler.step()
-            step += 1
-        except (sft.CommError, sft.TimeoutError) as e:
-            print("rank %d (pid %d): in step %d: %s; recovering" % (model.rank, os.getpid(), step, str(e).splitlines()[0]), flush=True)
-            step = model.recover()
-            print("rank %d (pid %d): recovered, going on from step %d at world %d, the scheduler at %d" %
-                  (model.rank, os.getpid(), step, model.world_size, scheduler.last_epoch), flush=True)
-    model.wait_all_params()
-    if scheduler.last_epoch != STEPS:
-        raise SystemExit("rank %d: the scheduler ended at step %d, the model at %d" % (model.rank, scheduler.last_epoch, STEPS))
+    recovering_loop.train(model, scheduler, batch, STEPS, before_step=hold)
     if model.rank == 0 and out != "-":
         torch.save({"params": {k: v.detach().clone() for k, v in net.named_parameters()}}, out)
     print("rank %d (pid %d): done" % (model.rank, os.getpid()), flush=True)

@@ -26,6 +26,8 @@ import shutil
 import subprocess
 import sys
 
+import recovering_loop  # beside this file
+
 try:
     import torch
 except ImportError:
@@ -68,24 +70,7 @@ def rank_main(out, snapshots, stage, redundancy):
         except ValueError as e:
             if "--recovery in-place" not in str(e):
                 raise SystemExit("rank %d: recover() without --recovery in-place: %r does not name the flag" % (model.rank, str(e)))
-    step = model.resumed_step()
-    recovered = 0
-    while step < STEPS:
-        try:
-            model.zero_grad()
-            x, y = batch(step, model.rank, model.world_size)
-            F.mse_loss(model(x), y).backward()
-            model.step()
-            scheduler.step()
-            step += 1
-        except (sft.CommError, sft.TimeoutError) as e:
-            print("rank %d (pid %d): a peer was lost in step %d (%s); recovering" % (model.rank, os.getpid(), step, str(e).splitlines()[0]), flush=True)
-            step = model.recover()
-            recovered += 1
-            print("rank %d (pid %d): recovered, going on from step %d at world %d" % (model.rank, os.getpid(), step, model.world_size), flush=True)
-    model.wait_all_params()
-    if scheduler.last_epoch != STEPS:
-        raise SystemExit("rank %d: the scheduler ended at step %d, the model at %d" % (model.rank, scheduler.last_epoch, STEPS))
+    recovered = recovering_loop.train(model, scheduler, batch, STEPS)
     if model.rank == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in net.named_parameters()}}, out)
     print("rank %d (pid %d): done, %d recovery(ies)" % (model.rank, os.getpid(), recovered), flush=True)
