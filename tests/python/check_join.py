@@ -1,12 +1,6 @@
 """shardflow.torch taking a node in live (Note [A node joins live]), as a Python trainer writes it:
-the loop of check_recovery.py (recovering_loop.py), nothing more:
-
-    step = model.resumed_step()
-    while step < STEPS:
-        try:
-            ...forward, loss.backward(), model.step(), scheduler.step()...; step += 1
-        except (sft.CommError, sft.TimeoutError):
-            step = model.recover()
+the loop of check_recovery.py (recovering_loop.py: resumed_step(), then each step in a try whose
+except (CommError, TimeoutError) calls model.recover()), nothing more.
 
 Driver: python3 check_join.py SHARDFLOW_CLI WORKDIR. Two launchers on this host, 2 nodes x 2 ranks,
 `--nnodes 1:2 --max-restarts 1 --recovery shrink`, ZeRO-2 with snapshots every 2 steps. Node 1's
