@@ -8,8 +8,8 @@
 // reduction issued by the comm stream, once whatever the backend makes of it), sync (a parameter
 // sync issued there), checkpoint (a window of a consolidated save's state stream), barrier (the
 // shm backend's, between marking this rank arrived and counting it: Note [A rank dead inside the
-// barrier]). It says so on stderr first, so the soak driver knows when the fault happened. Unset (every real run): one
-// getenv at first use, then a branch.
+// barrier]). It says so on stderr first, so the soak driver knows when the fault happened. Unset
+// (every real run): one getenv at first use, then a branch.
 #pragma once
 
 #include <signal.h>

@@ -60,12 +60,13 @@ void Runtime::Impl::send_to_bucket(std::uint32_t p, bool zero) {
 
 // Note [A window of another schedule]
 // With forward prefetch a wait() returns before this pass's syncs land, so an iteration's window
-// holds the previous pass's syncs (landed in its forward). Where the runtime waits for a pass's
-// syncs instead (the first iterations, and before a choice is made again on the settled fifth:
-// Note [Choosing on a settled iteration]), that window holds two passes' syncs and the next one
-// none, and their bounds counted the link twice or not at all (iteration 5 of the GPT at world 2
-// on a simulated 1 Gbit/s link: 361 ms against a bound of 730). Those windows get no bound, as one
-// with nothing measured.
+// holds the previous pass's syncs (landed in its forward): one pass's worth, as every steady window.
+// Where the waits change kind, a window holds none or two: the first wait that returns early,
+// after the first iterations' full ones, and the wait whose syncs the runtime awaits before it
+// chooses again on the settled fifth iteration (Note [Choosing on a settled iteration]) with the
+// one after it. Their bounds counted the link not at all or twice (the GPT at world 2 on a
+// simulated 1 Gbit/s link: a window of 361 ms against a bound of 730). Those windows get no bound,
+// as one with nothing measured.
 void Runtime::Impl::end_iteration() {
   const auto t = Timeline::now();
   auto& st = timeline->stats();
