@@ -116,6 +116,14 @@ def main():
         # The simulated link (--sim-gbytes-per-s) moves the data in memory as the threads do: the same bits.
         gpt(exe, data, p("w2_sim.safetensors"), ["--world-size", "2", "--sim-gbytes-per-s", "0.5", "--sim-latency-us", "20"])
         ok &= compare(p("w2_sim.safetensors"), p("w2_threads.safetensors"), "world 2 (threads) over a simulated link vs without", 0.0)
+        # What the simulated link cannot honour is refused, naming the flag, before any training.
+        for extra, named in [(["--world-size", "2", "--sim-latency-us", "5"], "add --sim-gbytes-per-s"),
+                             (["--world-size", "2", "--sim-gbytes-per-s", "0"], "bandwidth must be > 0")]:
+            res = subprocess.run([exe, "--data", data] + COMMON + ["--steps", "1"] + extra, capture_output=True, text=True, timeout=60)
+            said = res.stdout + res.stderr
+            good = res.returncode != 0 and named in said and "held-out loss" not in said
+            print(f"{'ok  ' if good else 'FAIL'} gpt_train {' '.join(extra)}: {said.strip().splitlines()[-1] if said.strip() else '(nothing)'}")
+            ok &= good
         for tag, extra in [("zero2_prefetch", ["--zero-stage", "2", "--forward-prefetch"]),
                            ("ddp_none", ["--zero-stage", "0", "--overlap", "none"])]:
             out = p(f"w2_{tag}.safetensors")
