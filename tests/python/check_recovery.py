@@ -1,12 +1,6 @@
 """shardflow.torch recovering in place (Note [Recovering in place]), as a Python trainer writes it:
-
-    model.snapshot_with(scheduler=scheduler)
-    step = model.resumed_step()
-    while step < STEPS:
-        try:
-            ...forward, loss.backward(), model.step(), scheduler.step()...; step += 1
-        except (sft.CommError, sft.TimeoutError):
-            step = model.recover()
+model.snapshot_with(scheduler=scheduler), then recovering_loop.py's loop (resumed_step(), each step
+in a try whose except (CommError, TimeoutError) calls model.recover()).
 
 Driver: python3 check_recovery.py SHARDFLOW_CLI WORKDIR. Under `shardflow run --nproc-per-node 3
 --max-restarts 1 --recovery in-place`, rank 1's first process is killed (kill -9) at its 13th
