@@ -4,8 +4,10 @@
 #include <caf/all.hpp>
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <set>
 #include <thread>
 
 #include "examples/actor_trainer/train.hpp"
@@ -47,6 +49,7 @@ void check_same(const mlp::TrainResult& got, const mlp::TrainResult& want) {
     CHECK(got.params.at(name).data == t.data);  // bit for bit
   }
   CHECK(got.losses == want.losses);
+  CHECK(got.grad_norms == want.grad_norms);  // with clipping: each step's own norm, on rank 0
   REQUIRE(got.buckets.size() == want.buckets.size());
   for (std::size_t b = 0; b < want.buckets.size(); ++b) CHECK(got.buckets[b].params == want.buckets[b].params);
 }
@@ -122,8 +125,9 @@ TEST_CASE("actor trainer, worlds 1-3, every ZeRO stage and overlap mode (and for
     }
 }
 
-TEST_CASE("actor trainer on a scheduler of one worker thread: world 3, ZeRO-2, interleaved, forward prefetch still finishes (no actor blocks)") {
+TEST_CASE("actor trainer on a scheduler of one worker thread: world 3, ZeRO-2, interleaved, forward prefetch and clipping still finishes (no actor blocks), each step's norm recorded") {
   auto opt = small_job(3, 2, Overlap::interleaved, true);
+  opt.runtime.zero.clip_grad_norm = 0.05f;  // Note [What the last step left, under prefetch]: the norm is read off the scheduler
   opt.runtime.actor_threads = 1;
   {
     // The process's actor system is made by the first Runtime alive: this one, with one worker.
@@ -135,7 +139,11 @@ TEST_CASE("actor trainer on a scheduler of one worker thread: world 3, ZeRO-2, i
   const auto got = actor_trainer::train(opt);
   CHECK(std::chrono::steady_clock::now() - started < 60s);
   opt.runtime.actor_threads = 0;
-  check_same(got, mlp::train(opt));
+  const auto want = mlp::train(opt);
+  check_same(got, want);
+  REQUIRE(want.grad_norms.size() == std::size_t(opt.steps));
+  CHECK(*std::max_element(want.grad_norms.begin(), want.grad_norms.end()) > opt.runtime.zero.clip_grad_norm);  // the clip engaged
+  CHECK(std::set<float>(want.grad_norms.begin(), want.grad_norms.end()).size() == want.grad_norms.size());
 }
 
 TEST_CASE("a rank that reports a gradient twice fails: its trainer actor's iteration request is answered with the UsageError naming the parameter, its peer's with an error, not a hang") {

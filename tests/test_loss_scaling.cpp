@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <vector>
 
+#include "shardflow/sim.hpp"
 #include "support/helpers.hpp"
 #include "support/per_param_optimizer.hpp"
 
@@ -25,7 +27,7 @@ OptimizerConfig adamw() { return test::adamw(0.01f, 0.1f); }
 
 }  // namespace
 
-TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips that step, the scale halves and grows back after 3 clean steps, the parameters as if the step was never tried — stages 0-2") {
+TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips that step, the scale halves and grows back after 3 clean steps, the parameters as if the step was never tried — stages 0-2, and with forward prefetch behind a slow link the scale, the skip, the norm and the step count read right after wait() are that step's") {
   std::vector<std::vector<float>> init(2, std::vector<float>(kNumel));
   for (std::size_t p = 0; p < 2; ++p)
     for (std::int64_t e = 0; e < kNumel; ++e) init[p][std::size_t(e)] = 0.5f - 0.01f * float(e) + float(p);
@@ -37,50 +39,74 @@ TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips 
       for (std::int64_t e = 0; e < kNumel; ++e) g.push_back((grad_at(0, it, p, e) + grad_at(1, it, p, e)) * 0.5f);
       ref.step(p, g);
     }
-  for (int stage : {0, 1, 2}) {
-    CAPTURE(stage);
-    auto w = InProcessWorld::create(kWorld, 30s);
-    Config cfg;
-    cfg.zero.stage = ZeroStage(stage);
-    cfg.zero.overlap = Overlap::interleaved;
-    cfg.precision.dynamic_loss_scale = true;
-    cfg.precision.init_scale = 1024.0f;
-    cfg.precision.growth_interval = 3;
-    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = kNumel * 4;
-    std::vector<std::vector<float>> scales(kWorld), final(kWorld);
-    std::vector<std::vector<char>> skipped(kWorld);
-    test::require_all_ok(test::run_ranks(kWorld, [&](int r) {
-      std::vector<float> flat(init[0]);
-      flat.insert(flat.end(), init[1].begin(), init[1].end());
-      Runtime rt(w->communicator(r), cfg);
-      const auto h = test::register_flat(rt, flat.data(), 2, kNumel);
-      rt.configure_optimizer(adamw());
-      std::vector<float> before;
-      for (int it = 0; it < kIterations; ++it) {
-        const float scale = rt.loss_scale();  // the trainer scales its loss: the gradients come out scaled
-        scales[std::size_t(r)].push_back(scale);
-        if (it == kInfAt) before = flat;
-        rt.zero_grad();
-        for (std::size_t p = 2; p-- > 0;) {
-          float* g = rt.grad_f32(h[p]);
-          for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e) * scale;
-          if (it == kInfAt && r == 1 && p == 0) g[3] = std::numeric_limits<float>::infinity();
-          rt.grad_ready(h[p]);
+  // Note [What the last step left, under prefetch]: with forward prefetch behind a slow link wait()
+  // returns before the pass has even been reduced; what the trainer reads of that step right after
+  // (the scale, whether it skipped, the norm, the step count) must still be that step's.
+  const std::vector<float> want_scales{1024, 1024, 1024, 512, 512, 512, 1024};
+  std::map<int, std::vector<float>> norms_at;  // stage -> rank 0's norms without prefetch
+  for (bool prefetch : {false, true})
+    for (int stage : {0, 1, 2}) {
+      if (prefetch && stage == 0) continue;  // nothing to prefetch: every rank steps every bucket
+      CAPTURE(prefetch);
+      CAPTURE(stage);
+      SimLink slow;
+      slow.latency_us = 3000.0;  // each collective lands well after wait() returned
+      auto w = prefetch ? make_sim_world(kWorld, slow, 30s) : InProcessWorld::create(kWorld, 30s);
+      Config cfg;
+      cfg.zero.stage = ZeroStage(stage);
+      cfg.zero.overlap = Overlap::interleaved;
+      cfg.zero.forward_prefetch = prefetch;
+      cfg.precision.dynamic_loss_scale = true;
+      cfg.precision.init_scale = 1024.0f;
+      cfg.precision.growth_interval = 3;
+      cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = kNumel * 4;
+      std::vector<std::vector<float>> scales(kWorld), final(kWorld), norms(kWorld);
+      std::vector<std::vector<char>> skipped(kWorld);
+      std::vector<std::vector<std::int64_t>> steps(kWorld);
+      test::require_all_ok(test::run_ranks(kWorld, [&](int r) {
+        std::vector<float> flat(init[0]);
+        flat.insert(flat.end(), init[1].begin(), init[1].end());
+        Runtime rt(w->communicator(r), cfg);
+        const auto h = test::register_flat(rt, flat.data(), 2, kNumel);
+        rt.configure_optimizer(adamw());
+        std::vector<float> before;
+        for (int it = 0; it < kIterations; ++it) {
+          const float scale = rt.loss_scale();  // the trainer scales its loss: the gradients come out scaled
+          scales[std::size_t(r)].push_back(scale);
+          for (const auto p : h) rt.wait_param(p);  // forward
+          if (it == kInfAt) before = flat;
+          rt.zero_grad();
+          for (std::size_t p = 2; p-- > 0;) {
+            float* g = rt.grad_f32(h[p]);
+            for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e) * scale;
+            if (it == kInfAt && r == 1 && p == 0) g[3] = std::numeric_limits<float>::infinity();
+            rt.grad_ready(h[p]);
+          }
+          rt.wait();
+          skipped[std::size_t(r)].push_back(rt.last_step_skipped());
+          norms[std::size_t(r)].push_back(rt.last_grad_norm());
+          steps[std::size_t(r)].push_back(rt.optimizer_steps());
+          if (it == kInfAt) {
+            rt.wait_all_params();
+            CHECK(flat == before);  // not a bit moved on any rank
+          }
         }
-        rt.wait();
-        skipped[std::size_t(r)].push_back(rt.last_step_skipped());
-        if (it == kInfAt) CHECK(flat == before);  // not a bit moved on any rank
+        rt.wait_all_params();
+        final[std::size_t(r)] = flat;
+      }));
+      if (!prefetch) norms_at[stage] = norms[0];
+      for (int r = 0; r < kWorld; ++r) {
+        CAPTURE(r);
+        CHECK(scales[std::size_t(r)] == want_scales);
+        CHECK(skipped[std::size_t(r)] == std::vector<char>{0, 0, 1, 0, 0, 0, 0});
+        CHECK(steps[std::size_t(r)] == std::vector<std::int64_t>{1, 2, 3, 4, 5, 6, 7});  // the skipped step counts as tried
+        CHECK(std::isinf(norms[std::size_t(r)][kInfAt]));
+        for (int it = 0; it < kIterations; ++it)
+          if (it != kInfAt) CHECK(norms[std::size_t(r)][std::size_t(it)] == doctest::Approx(norms_at[stage][std::size_t(it)]).epsilon(1e-6));
+        CHECK(std::vector<float>(final[std::size_t(r)].begin(), final[std::size_t(r)].begin() + kNumel) == ref.params()[0]);
+        CHECK(std::vector<float>(final[std::size_t(r)].begin() + kNumel, final[std::size_t(r)].end()) == ref.params()[1]);
       }
-      final[std::size_t(r)] = flat;
-    }));
-    for (int r = 0; r < kWorld; ++r) {
-      CAPTURE(r);
-      CHECK(scales[std::size_t(r)] == std::vector<float>{1024, 1024, 1024, 512, 512, 512, 1024});
-      CHECK(skipped[std::size_t(r)] == std::vector<char>{0, 0, 1, 0, 0, 0, 0});
-      CHECK(std::vector<float>(final[std::size_t(r)].begin(), final[std::size_t(r)].begin() + kNumel) == ref.params()[0]);
-      CHECK(std::vector<float>(final[std::size_t(r)].begin() + kNumel, final[std::size_t(r)].end()) == ref.params()[1]);
     }
-  }
 }
 
 TEST_CASE("loss scaling settings: bad values are named — without the runtime's optimizer it is refused at the first backward") {

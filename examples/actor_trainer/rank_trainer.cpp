@@ -19,6 +19,7 @@
 
 #include <cstdio>
 #include <limits>
+#include <memory>
 
 #include "examples/actor_trainer/actors.hpp"
 
@@ -167,6 +168,22 @@ void finish(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t s
           on_error);
 }
 
+// The step's global norm, into its slot. With forward prefetch iteration_atom is answered before
+// the step is taken and Runtime::last_grad_norm() waits for the norm (Note [What the last step
+// left, under prefetch]), a wait that must not hold a scheduler thread: it runs on the rank's own.
+void record_norm(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t slot) {
+  const auto round = self->state.round;
+  const auto at = result->grad_norms.size();
+  result->grad_norms.push_back(0.0f);
+  auto norm = std::make_shared<float>(0.0f);
+  self->request(ctx->runtime, caf::infinite, rank_api::call_atom::value, rank_api::RankCall{[norm](Runtime& rt) { *norm = rt.last_grad_norm(); }})
+      .then(
+          [=](rank_api::call_atom) {
+            if (round == self->state.round) result->grad_norms[at] = *norm;
+          },
+          [=](caf::error& e) { fail(self, ctx, result, slot, round, e); });
+}
+
 // The iteration is done: the step's loss (reduced every loss_every steps) and its report.
 void end_step(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t slot) {
   auto& st = self->state;
@@ -195,7 +212,7 @@ void end_step(Self self, RankContext* ctx, mlp::TrainResult* result, std::size_t
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - st.t0).count();
   if (ctx->rank == 0) {
-    if (opt.runtime.zero.clip_grad_norm > 0) result->grad_norms.push_back(ctx->rt->last_grad_norm());
+    if (opt.runtime.zero.clip_grad_norm > 0) record_norm(self, ctx, result, slot);
     result->step_ms.push_back(ms);
     st.held.push_back(mlp::StepReport{step, st.last_global, ms, ctx->rt->last_stats()});
   }

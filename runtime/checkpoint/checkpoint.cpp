@@ -453,6 +453,7 @@ void Runtime::load_checkpoint(const std::string& path) {
 }
 
 std::int64_t Runtime::optimizer_steps() const {
+  impl_->settle_last_step(Impl::LastStep::whole);  // Note [What the last step left, under prefetch]
   const auto& I = *impl_;
   return I.shard ? I.shard->steps() : 0;
 }

@@ -341,8 +341,9 @@ PYBIND11_MODULE(_C, m) {
         if (!s) return py::none();
         return py::bytes(*s);
       })
-      .def("optimizer_steps", [](libtorch::DataParallel& d) { return d.runtime().optimizer_steps(); })
-      .def("last_grad_norm", [](libtorch::DataParallel& d) { return d.runtime().last_grad_norm(); })
+      // Both may wait for the last step under forward prefetch (Note [What the last step left, under prefetch]).
+      .def("optimizer_steps", [](libtorch::DataParallel& d) { return d.runtime().optimizer_steps(); }, py::call_guard<py::gil_scoped_release>())
+      .def("last_grad_norm", [](libtorch::DataParallel& d) { return d.runtime().last_grad_norm(); }, py::call_guard<py::gil_scoped_release>())
       .def("stats_json", [](libtorch::DataParallel& d) { return d.runtime().stats().to_json(); })
       .def("memory_report", [](libtorch::DataParallel& d) { return d.runtime().memory_report().str(); })
       .def("rank", [](libtorch::DataParallel& d) { return d.runtime().rank(); })

@@ -487,7 +487,35 @@ std::vector<OwnedPiece> Runtime::owned() const {
 
 std::vector<std::string> Runtime::collective_log() const { return impl_->collectives->lines(); }
 
-float Runtime::last_grad_norm() const { return impl_->shard ? impl_->shard->last_norm() : 0.0f; }
+float Runtime::last_grad_norm() const {
+  impl_->settle_last_step(Impl::LastStep::norm);
+  return impl_->shard ? impl_->shard->last_norm() : 0.0f;
+}
+
+// Note [What the last step left, under prefetch]
+// With forward prefetch wait() returns once the pass is handed over, before it is reduced: the
+// shard actor computes the norm, steps each bucket and counts the step (Shard::end_step: the step
+// count, the skip, the loss scale's next value) while the next forward runs. What the trainer reads
+// of that step after wait() therefore waits for it here. Read at once it was the step before's,
+// silently, and a trainer that multiplied its next loss by that loss_scale() trained on gradients
+// unscaled by another scale (tests/test_loss_scaling.cpp; ThreadSanitizer found the race as a
+// read of the norm after wait() in test_hierarchical). The norm is settled before any bucket
+// steps, so the norm waits only for the bucket forward needs first, which forward waits for
+// anyway; the rest is counted at the last bucket's step, so it waits for every update, as
+// wait_all_params() does (read it after forward and that costs nothing). The wait blocks on the
+// signal, as the runtime's own waits between iterations do, with the same deadline and the same
+// errors naming what is pending. Without prefetch, or once the pass is complete, nothing waits.
+void Runtime::Impl::settle_last_step(LastStep what) {
+  if (!shard || !prefetching() || failure.failed()) return;
+  if (signal->all_done(passes_handed)) return;
+  if (what == LastStep::norm && !shard->exchanges_norm()) return;  // no norm is computed
+  const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
+  if (what == LastStep::whole) return blocked("wait (last step)", -1, [&] { await_iterations(passes_handed); });
+  const auto& order = sync_order();
+  const std::uint32_t b = order.empty() ? 0 : order.front();
+  const auto outcome = blocked("wait (last norm)", b, [&] { return signal->wait_bucket(b, passes_handed, deadline); });
+  check_outcome(outcome, passes_handed, "the gradient norm of iteration " + std::to_string(iterations - 1) + " (bucket " + std::to_string(b) + ")");
+}
 
 MemoryReport Runtime::memory_report() const {
   auto& I = *impl_;

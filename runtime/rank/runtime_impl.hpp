@@ -196,6 +196,10 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   void await_iterations(std::uint64_t target);
 
   void check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what);
+  // Under forward prefetch, waits until the last handed pass settled what the trainer reads of it:
+  // its gradient norm, or the whole step (Note [What the last step left, under prefetch]).
+  enum class LastStep { norm, whole };
+  void settle_last_step(LastStep what);
 
   void rebuild_from_observed_order();
   // A run resumed from a snapshot takes the buckets its saved run had rebuilt (`order`: the

@@ -48,8 +48,15 @@ void Runtime::configure_optimizer(std::vector<ParamGroup> groups) {
   I.install_plan(I.make_plan(reverse_registration_order(I.registry.params())), I.iterations);
 }
 
-float Runtime::loss_scale() const { return impl_->shard ? impl_->shard->loss_scale() : 1.0f; }
-bool Runtime::last_step_skipped() const { return impl_->shard && impl_->shard->last_skipped(); }
+// Note [What the last step left, under prefetch]: both are counted at the last step's end.
+float Runtime::loss_scale() const {
+  impl_->settle_last_step(Impl::LastStep::whole);
+  return impl_->shard ? impl_->shard->loss_scale() : 1.0f;
+}
+bool Runtime::last_step_skipped() const {
+  impl_->settle_last_step(Impl::LastStep::whole);
+  return impl_->shard && impl_->shard->last_skipped();
+}
 
 void Runtime::Impl::publish_groups(std::shared_ptr<OptimizerGroups> next, const char* what) {
   if (next->state_slots() != groups->state_slots())

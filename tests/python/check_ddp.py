@@ -17,7 +17,8 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
   accumulation by DDP's require_backward_grad_sync attribute = DDP's;
 - bad arguments are refused naming the argument, and a forward after backward without step(); an
   error in backward's hooks is a RuntimeError from loss.backward(); torch's clip_grad_norm_ where
-  .grad is not the averaged gradient (stages 1-2, or before step()) raises, naming clip_grad_norm=.
+  .grad is not the averaged gradient (stages 1-2, or before step()) raises, naming clip_grad_norm=;
+  with forward prefetch it still returns each step's own norm.
 Exit 77 (skipped) without python3-torch."""
 import os
 import sys
@@ -196,6 +197,20 @@ def resumed(rank, world, how, workdir):
     return m
 
 
+def clip_norms(rank, world, prefetch):
+    """What torch's clip_grad_norm_ returns at each step on a model that clips inside its step."""
+    ddp = sft.DistributedDataParallel(model(rank + 1), zero_stage=1, optimizer=("adamw", {"lr": LR}), clip_grad_norm=CLIP,
+                                      forward_prefetch=prefetch)
+    norms = []
+    for x, y in batches(rank, world):
+        ddp.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP).item())
+        ddp.step()
+    ddp.wait_all_params()
+    return norms
+
+
 def worst(got, want):
     return max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got.parameters(), want.parameters()))
 
@@ -318,6 +333,12 @@ def main():
         failed += 1
         print("rank %d: the model's own clip returned %r, its norm is %r" % (rank, norm, ddp.last_grad_norm))
     ddp.step()  # ended by the clip already: nothing left to do
+    # Note [What the last step left, under prefetch]: with forward prefetch the step's wait returns
+    # before the norm is in; the clip must still return this step's norm, not the step before's.
+    plain, prefetched = clip_norms(rank, world, False), clip_norms(rank, world, True)
+    if max(abs(a - b) / b for a, b in zip(prefetched, plain)) > 1e-5 or len(set(plain)) < 2:
+        failed += 1
+        print("rank %d: torch's clip under forward prefetch returned the norms %r, without it %r" % (rank, prefetched, plain))
     failed += refused(lambda: clip(ddp.parameters(), 1.0), ValueError, "outside the step's backward pass", "the clip again after step()")
     ddp = sft.DistributedDataParallel(model(0))
     F.mse_loss(ddp(x), y).backward()

@@ -156,7 +156,10 @@ class Runtime {
   // torch.optim's add_param_group: parameters no group named take its hyper-parameters; a
   // parameter trained in group 0 keeps its state. Returns the group's index.
   std::size_t add_param_group(const ParamGroup& group);
-  float last_grad_norm() const;  // the last iteration's global norm (clipping or loss scaling), unscaled
+  // The last iteration's global norm (clipping or loss scaling), unscaled. With forward prefetch
+  // it waits for that norm, and the three below for the last step's end (about what forward waits
+  // for anyway): wait() returned before the step was taken.
+  float last_grad_norm() const;
   // Config::precision.dynamic_loss_scale (Note [Loss scaling]): multiply the loss by this; whether
   // the last step was skipped for an inf or NaN on some rank (every rank skips alike).
   float loss_scale() const;
