@@ -1,12 +1,15 @@
 // Dynamic loss scaling (Note [Loss scaling]), as torch.cuda.amp.GradScaler does it: an inf on one
 // rank makes every rank skip the same step and halve the scale; clean steps grow it back; the
-// parameters follow the unscaled gradients as if no step had been attempted.
+// parameters follow the unscaled gradients as if no step had been attempted. And under forward
+// prefetch what the trainer reads of a step after wait() is that step's (Note [What the last step
+// left, under prefetch]).
 #include <doctest/doctest.h>
 
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "shardflow/sim.hpp"
@@ -107,6 +110,56 @@ TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips 
         CHECK(std::vector<float>(final[std::size_t(r)].begin() + kNumel, final[std::size_t(r)].end()) == ref.params()[1]);
       }
     }
+}
+
+TEST_CASE("forward prefetch, the peer gone before the step: reading the norm (or the scale) after wait() fails within the collective timeout, naming the missing rank, never a hang") {
+  for (const bool norm_first : {true, false}) {
+    CAPTURE(norm_first);
+    auto w = InProcessWorld::create(kWorld, 2s);
+    Config cfg;
+    cfg.timeouts.collective = 2s;
+    cfg.zero.stage = ZeroStage::optimizer_state;
+    cfg.zero.overlap = Overlap::interleaved;
+    cfg.zero.forward_prefetch = true;
+    cfg.zero.clip_grad_norm = 1.0f;
+    cfg.buckets.first_cap_bytes = cfg.buckets.cap_bytes = kNumel * 4;
+    std::string error = "none";
+    std::chrono::steady_clock::duration took{};
+    std::int64_t steps_after = -1;
+    const auto outcome = test::run_ranks(kWorld, [&](int r) {
+      std::vector<float> flat(2 * kNumel, 0.5f);
+      Runtime rt(w->communicator(r), cfg);
+      const auto h = test::register_flat(rt, flat.data(), 2, kNumel);
+      rt.configure_optimizer(adamw());
+      // Rank 1 leaves before the eighth backward (after the settled fifth iteration, where the
+      // runtime waits for a whole pass to choose the split again: Note [Choosing on a settled iteration]).
+      const int iterations = r == 1 ? 7 : 8;
+      for (int it = 0; it < iterations; ++it) {
+        for (const auto p : h) rt.wait_param(p);
+        rt.zero_grad();
+        for (std::size_t p = 2; p-- > 0;) {
+          float* g = rt.grad_f32(h[p]);
+          for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e);
+          rt.grad_ready(h[p]);
+        }
+        rt.wait();
+      }
+      if (r == 1) return rt.wait_all_params();
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        norm_first ? (void)rt.last_grad_norm() : (void)rt.loss_scale();
+      } catch (const Error& e) {
+        error = e.what();
+      }
+      took = std::chrono::steady_clock::now() - t0;
+      // The failed step is no step: what is read after the failure is the last step taken.
+      steps_after = rt.optimizer_steps();
+    });
+    for (const auto& e : outcome) CHECK(test::message_of(e) == "");
+    CHECK(error.find("rank(s) 1 did not arrive") != std::string::npos);
+    CHECK(took < 10s);
+    CHECK(steps_after == 7);
+  }
 }
 
 TEST_CASE("loss scaling settings: bad values are named — without the runtime's optimizer it is refused at the first backward") {

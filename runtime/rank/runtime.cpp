@@ -508,9 +508,9 @@ float Runtime::last_grad_norm() const {
 void Runtime::Impl::settle_last_step(LastStep what) {
   if (!shard || !prefetching() || failure.failed()) return;
   if (signal->all_done(passes_handed)) return;
-  if (what == LastStep::norm && !shard->exchanges_norm()) return;  // no norm is computed
-  const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
+  if (what == LastStep::norm && (!shard->exchanges_norm() || plan.buckets.empty())) return;  // no norm is computed
   if (what == LastStep::whole) return blocked("wait (last step)", -1, [&] { await_iterations(passes_handed); });
+  const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
   const auto& order = sync_order();
   const std::uint32_t b = order.empty() ? 0 : order.front();
   const auto outcome = blocked("wait (last norm)", b, [&] { return signal->wait_bucket(b, passes_handed, deadline); });
