@@ -18,7 +18,8 @@ ZeroRedundancyOptimizer(AdamW); after 10 steps every rank's parameters must equa
 - bad arguments are refused naming the argument, and a forward after backward without step(); an
   error in backward's hooks is a RuntimeError from loss.backward(); torch's clip_grad_norm_ where
   .grad is not the averaged gradient (stages 1-2, or before step()) raises, naming clip_grad_norm=;
-  with forward prefetch it still returns each step's own norm.
+  with forward prefetch it still returns each step's own norm; an enabled GradScaler on a model whose
+  optimizer steps inside shardflow is refused by name.
 Exit 77 (skipped) without python3-torch."""
 import os
 import sys
@@ -348,6 +349,20 @@ def main():
     clip(ddp.parameters(), 1.0)  # after step(): .grad is the averaged gradient, torch's clip is right
     failed += refused(lambda: sft.DistributedDataParallel(model(0), clip_grad_norm=1.0), ValueError, "there is none",
                       "clip_grad_norm= without optimizer=")
+    # Note [A loss scale that cannot be lost]: an enabled GradScaler on a model whose optimizer steps
+    # inside shardflow is refused by name (torch 1.13 disables it without CUDA: forced on here, the
+    # refusal comes before torch's CUDA code); a disabled one passes through.
+    m = model(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    ddp = sft.DistributedDataParallel(m, zero_stage=1, optimizer=opt)
+    scaler = torch.cuda.amp.GradScaler(enabled=False)
+    scaler.scale(F.mse_loss(ddp(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    scaler._enabled = True
+    failed += refused(lambda: scaler.scale(F.mse_loss(ddp(x), y)), ValueError, "GradScaler.scale", "an enabled GradScaler's scale()")
+    for name, call in (("GradScaler.unscale_", lambda: scaler.unscale_(opt)), ("GradScaler.step", lambda: scaler.step(opt))):
+        failed += refused(call, ValueError, name, "an enabled GradScaler's %s on shardflow's optimizer" % name)
     # torch.optim's own defaults passed along in the tuple form are accepted; another value is refused by name.
     sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=("adamw", {"lr": LR, "amsgrad": False, "foreach": None}))
     failed += refused(lambda: sft.DistributedDataParallel(model(0), zero_stage=1, optimizer=("adam", {"amsgrad": True})), ValueError,

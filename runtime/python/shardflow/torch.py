@@ -87,6 +87,44 @@ for _module in (torch.nn.utils, torch.nn.utils.clip_grad):
             setattr(_module, _name, _guard_clip(getattr(_module, _name), "torch.nn.utils." + _name))
 
 
+# Note [A loss scale that cannot be lost]
+# An enabled torch.cuda.amp.GradScaler multiplies the loss, and its unscale_() / step(optimizer)
+# divide the .grad the optimizer reads, skipping the step on an inf. A model whose optimizer steps
+# inside shardflow reads the reduced buckets instead, during and right after backward: it would step
+# the scaled gradients as they are, overflowed ones included, without a word. Loss scaling from
+# Python is not there yet (the C++ runtime's own, Config::precision.dynamic_loss_scale, is not
+# exposed), so an enabled scaler is refused by name at scale() while such a model is alive (before
+# the scaled backward reaches the runtime), and at unscale_() / step() on such a model's optimizer.
+# A disabled scaler (torch 1.13 turns itself off without CUDA) passes through, as does an enabled
+# one beside models whose .grad the user's own optimizer reads (zero_stage 0 without optimizer=).
+def _refuse_scaler(what):
+    raise UsageError("%s: an enabled torch.cuda.amp.GradScaler on a shardflow.torch model whose optimizer steps inside shardflow "
+                     "(optimizer=, or zero_stage 1-2): the step reads the reduced gradients, not .grad, so the loss scale would never "
+                     "be undone and overflowed steps would be taken. fp16 loss scaling from Python is not supported yet: train in bf16 "
+                     "(torch.autocast(dtype=torch.bfloat16)) without a scaler, or pass GradScaler(enabled=False)" % what)
+
+
+def _guard_scaler(torch_fn, name, takes_optimizer):
+    @functools.wraps(torch_fn)
+    def guarded(scaler, *args, **kwargs):
+        if scaler.is_enabled():
+            if takes_optimizer:
+                optimizer = args[0] if args else kwargs.get("optimizer")
+                ids = {id(p) for g in getattr(optimizer, "param_groups", ()) for p in (g.get("params", ()) if hasattr(g, "get") else ())}
+                if any(ids & ddp._param_ids and ddp._in_runtime for ddp in list(_live)):
+                    _refuse_scaler(name)
+            elif any(ddp._in_runtime for ddp in list(_live)):
+                _refuse_scaler(name)
+        return torch_fn(scaler, *args, **kwargs)
+    guarded._shardflow_guard = True
+    return guarded
+
+
+for _name, _takes_optimizer in (("scale", False), ("unscale_", True), ("step", True)):
+    if not getattr(getattr(torch.cuda.amp.GradScaler, _name), "_shardflow_guard", False):
+        setattr(torch.cuda.amp.GradScaler, _name,
+                _guard_scaler(getattr(torch.cuda.amp.GradScaler, _name), "GradScaler." + _name, _takes_optimizer))
+
 def init(timeout=300.0, backend="auto"):
     """Joins the job's ranks (`shardflow run`'s or torchrun's environment; alone, a world of 1).
     Returns (rank, world_size). `timeout`: seconds any wait on another rank may take."""
