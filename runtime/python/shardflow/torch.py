@@ -125,6 +125,7 @@ for _name, _takes_optimizer in (("scale", False), ("unscale_", True), ("step", T
         setattr(torch.cuda.amp.GradScaler, _name,
                 _guard_scaler(getattr(torch.cuda.amp.GradScaler, _name), "GradScaler." + _name, _takes_optimizer))
 
+
 def init(timeout=300.0, backend="auto"):
     """Joins the job's ranks (`shardflow run`'s or torchrun's environment; alone, a world of 1).
     Returns (rank, world_size). `timeout`: seconds any wait on another rank may take."""
