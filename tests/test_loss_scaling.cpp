@@ -28,6 +28,18 @@ float grad_at(int r, int it, std::size_t p, std::int64_t e) { return 0.0078125f 
 
 OptimizerConfig adamw() { return test::adamw(0.01f, 0.1f); }
 
+// Iteration `it`'s backward on rank r, gradients last parameter first, multiplied by the loss
+// scale; `inf`: one element of p0's gradient overflows.
+void backward(Runtime& rt, const std::vector<Param>& h, int r, int it, float scale, bool inf) {
+  rt.zero_grad();
+  for (std::size_t p = 2; p-- > 0;) {
+    float* g = rt.grad_f32(h[p]);
+    for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e) * scale;
+    if (inf && p == 0) g[3] = std::numeric_limits<float>::infinity();
+    rt.grad_ready(h[p]);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips that step, the scale halves and grows back after 3 clean steps, the parameters as if the step was never tried — stages 0-2, and with forward prefetch behind a slow link the scale, the skip, the norm and the step count read right after wait() are that step's") {
@@ -78,13 +90,7 @@ TEST_CASE("fp16 loss scaling, an inf on rank 1 at iteration 2: every rank skips 
           scales[std::size_t(r)].push_back(scale);
           for (const auto p : h) rt.wait_param(p);  // forward
           if (it == kInfAt) before = flat;
-          rt.zero_grad();
-          for (std::size_t p = 2; p-- > 0;) {
-            float* g = rt.grad_f32(h[p]);
-            for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e) * scale;
-            if (it == kInfAt && r == 1 && p == 0) g[3] = std::numeric_limits<float>::infinity();
-            rt.grad_ready(h[p]);
-          }
+          backward(rt, h, r, it, scale, it == kInfAt && r == 1);
           rt.wait();
           skipped[std::size_t(r)].push_back(rt.last_step_skipped());
           norms[std::size_t(r)].push_back(rt.last_grad_norm());
@@ -136,12 +142,7 @@ TEST_CASE("forward prefetch, the peer gone before the step: reading the norm (or
       const int iterations = r == 1 ? 7 : 8;
       for (int it = 0; it < iterations; ++it) {
         for (const auto p : h) rt.wait_param(p);
-        rt.zero_grad();
-        for (std::size_t p = 2; p-- > 0;) {
-          float* g = rt.grad_f32(h[p]);
-          for (std::int64_t e = 0; e < kNumel; ++e) g[e] = grad_at(r, it, p, e);
-          rt.grad_ready(h[p]);
-        }
+        backward(rt, h, r, it, 1.0f, false);
         rt.wait();
       }
       if (r == 1) return rt.wait_all_params();

@@ -16,9 +16,7 @@ std::byte* Runtime::Impl::grad_ptr(std::uint32_t p) {
 
 std::shared_ptr<std::byte> Runtime::Impl::bucket_grad(std::uint32_t b) {
   if (prefetching()) {
-    const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
-    const auto outcome = blocked("wait for bucket (last iteration)", b, [&] { return signal->wait_bucket(b, passes_handed, deadline); });
-    check_outcome(outcome, passes_handed, "bucket " + std::to_string(b) + " of the last iteration");
+    await_bucket(b, "wait for bucket (last iteration)", [&] { return "bucket " + std::to_string(b) + " of the last iteration"; });
     if (shard) shard->join_bucket(b);  // zeroed on the shard's stream (Note [Shard streams])
   }
   const bool limit = bufs->pooled() && require_sync.load(std::memory_order_relaxed);

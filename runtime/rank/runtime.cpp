@@ -391,9 +391,7 @@ void Runtime::wait_param(Param p) {
   if (b == ~0u) return;
   auto& I = *impl_;
   if (!I.client.on_rank_thread()) return I.client.ask<rank_api::params_ready_atom, Param>("wait_param()", rank_api::params_ready_atom::value, p);
-  const auto deadline = std::chrono::steady_clock::now() + I.cfg.timeouts.collective + std::chrono::seconds(5);
-  const auto outcome = I.blocked("wait_param", b, [&] { return I.signal->wait_bucket(b, I.passes_handed, deadline); });
-  I.check_outcome(outcome, I.passes_handed, "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")");
+  I.await_bucket(b, "wait_param", [&] { return "the update of parameter '" + I.name_of(p.index) + "' (bucket " + std::to_string(b) + ")"; });
   if (I.shard) I.shard->join_bucket(b);
 }
 
@@ -510,11 +508,9 @@ void Runtime::Impl::settle_last_step(LastStep what) {
   if (signal->all_done(passes_handed)) return;
   if (what == LastStep::norm && (!shard->exchanges_norm() || plan.buckets.empty())) return;  // no norm is computed
   if (what == LastStep::whole) return blocked("wait (last step)", -1, [&] { await_iterations(passes_handed); });
-  const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
   const auto& order = sync_order();
   const std::uint32_t b = order.empty() ? 0 : order.front();
-  const auto outcome = blocked("wait (last norm)", b, [&] { return signal->wait_bucket(b, passes_handed, deadline); });
-  check_outcome(outcome, passes_handed, "the gradient norm of iteration " + std::to_string(iterations - 1) + " (bucket " + std::to_string(b) + ")");
+  await_bucket(b, "wait (last norm)", [&] { return "the gradient norm of iteration " + std::to_string(iterations - 1) + " (bucket " + std::to_string(b) + ")"; });
 }
 
 MemoryReport Runtime::memory_report() const {

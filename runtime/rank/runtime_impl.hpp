@@ -20,6 +20,7 @@
 // needs of a feature is one of the named calls declared below under the feature's name.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -196,6 +197,15 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   void await_iterations(std::uint64_t target);
 
   void check_outcome(IterationSignal::Outcome outcome, std::uint64_t target, const std::string& what);
+  // Blocks until bucket b of the last handed pass is done (the collective timeout + 5 s), a span
+  // `span` on the compute lane; a failure or the deadline throws, naming describe() (built only
+  // then: bucket_grad waits here for every gradient under forward prefetch).
+  template <class Describe>
+  void await_bucket(std::uint32_t b, const char* span, const Describe& describe) {
+    const auto deadline = std::chrono::steady_clock::now() + cfg.timeouts.collective + std::chrono::seconds(5);
+    const auto outcome = blocked(span, b, [&] { return signal->wait_bucket(b, passes_handed, deadline); });
+    if (outcome != IterationSignal::Outcome::complete) check_outcome(outcome, passes_handed, describe());
+  }
   // Under forward prefetch, waits until the last handed pass settled what the trainer reads of it:
   // its gradient norm, or the whole step (Note [What the last step left, under prefetch]).
   enum class LastStep { norm, whole };
