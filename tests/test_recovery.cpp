@@ -150,6 +150,15 @@ struct Env {
   std::string regroup() const { return (std::filesystem::path(memory) / "regroup").string(); }
 };
 
+// The restore's windows for a scope: SHARDFLOW_TEST_RESTORE_WINDOW elements (Note [Windows in
+// flight]), or the default's with nullptr.
+struct RestoreWindows {
+  explicit RestoreWindows(const char* elements) {
+    if (elements) ::setenv("SHARDFLOW_TEST_RESTORE_WINDOW", elements, 1);
+  }
+  ~RestoreWindows() { ::unsetenv("SHARDFLOW_TEST_RESTORE_WINDOW"); }
+};
+
 std::string scratch(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() / ("shardflow_recovery_" + std::to_string(::getpid()) + "_" + name);
   std::filesystem::remove_all(dir);
@@ -675,16 +684,19 @@ TEST_CASE("the trainer's state in a snapshot: world 2, handed over at each itera
 TEST_CASE("a node joins from memory: world 2 -> 3 at ZeRO 1 and 2, the launcher takes a third rank in at snapshot 4 -> the two keep their "
           "shards and a fresh Runtime gets its part of the moments and all the parameters from their memory, reading no snapshot, and the "
           "three end bit for bit where three fresh Runtimes that load the snapshot end — and with the trainer's state in the snapshots too, "
-          "the ranks leaving at the next iteration's start once they handed it over, and every rank given that state back") {
+          "the ranks leaving at the next iteration's start once they handed it over, and every rank given that state back — and in windows "
+          "of 16 elements, eight in flight") {
   constexpr int N = 2;
-  enum Way { loads = 0, from_memory = 1, with_trainer_state = 2 };
+  enum Way { loads = 0, from_memory = 1, with_trainer_state = 2, small_windows = 3 };
   for (const int stage : {1, 2}) {
     CAPTURE(stage);
-    std::vector<Model> got[3];
-    std::vector<std::string> newcomer_log[3];
-    for (const Way way : {loads, from_memory, with_trainer_state}) {
+    std::vector<Model> got[4];
+    std::vector<std::string> newcomer_log[4];
+    for (const Way way : {loads, from_memory, with_trainer_state, small_windows}) {
       CAPTURE(int(way));
       const Env env(scratch("join_" + std::to_string(int(way))));
+      // Note [Windows in flight]: a model this small crosses in one window unless they are smaller.
+      const RestoreWindows windows(way == small_windows ? "16" : nullptr);
       const auto snaps = scratch("join_disk_" + std::to_string(int(way)));
       auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N + 1)};
       auto& models = got[way];
@@ -744,16 +756,19 @@ TEST_CASE("a node joins from memory: world 2 -> 3 at ZeRO 1 and 2, the launcher 
       }
       std::filesystem::remove_all(snaps);
     }
-    const auto restored = [](const std::vector<std::string>& log) {
-      return std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("a join: restore state") != std::string::npos; });
+    const auto windows = [](const std::vector<std::string>& log) {
+      return std::count_if(log.begin(), log.end(), [](const std::string& c) { return c.find("a join: restore state") != std::string::npos; });
     };
-    CHECK(!restored(newcomer_log[loads]));
-    CHECK(restored(newcomer_log[from_memory]));
-    CHECK(restored(newcomer_log[with_trainer_state]));
+    CHECK(windows(newcomer_log[loads]) == 0);
+    CHECK(windows(newcomer_log[from_memory]) > 0);
+    CHECK(windows(newcomer_log[with_trainer_state]) > 0);
+    // Each slot of kA + kB = 337 elements in 22 windows: many more than the eight in flight.
+    CHECK(windows(newcomer_log[small_windows]) > 3 * 8);
     for (int r = 0; r <= N; ++r) {
       CAPTURE(r);
       CHECK(got[from_memory][std::size_t(r)].w == got[loads][std::size_t(r)].w);
       CHECK(got[with_trainer_state][std::size_t(r)].w == got[loads][std::size_t(r)].w);
+      CHECK(got[small_windows][std::size_t(r)].w == got[loads][std::size_t(r)].w);
     }
     // A join at world 3 really happened: the newcomer trained (its parameters moved from the start's).
     CHECK(got[from_memory][std::size_t(N)].w != Model().w);

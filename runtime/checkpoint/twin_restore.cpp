@@ -66,6 +66,7 @@
 // every rank goes back to the snapshot, which carries its own: never a model at one step and a
 // schedule at another.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -93,6 +94,16 @@ struct Said {
   std::int64_t held[2] = {-1, -1};  // the steps whose trainer state it holds (-1: none)
 };
 constexpr std::size_t kWords = 7;
+
+// The restore's windows (Note [Windows in flight]).
+constexpr std::size_t kWindow = std::size_t{1} << 19;  // elements: 2 MiB of fp32
+constexpr std::size_t kWindowsInFlight = 8;
+// Test hook (tests/test_recovery.cpp): SHARDFLOW_TEST_RESTORE_WINDOW=N makes the windows N elements,
+// so that a test's small model crosses in many windows, several of them in flight.
+std::size_t restore_window() {
+  const char* n = std::getenv("SHARDFLOW_TEST_RESTORE_WINDOW");
+  return n && std::atol(n) > 0 ? std::size_t(std::atol(n)) : kWindow;
+}
 constexpr std::int64_t kExact = std::int64_t(1) << 24;  // integers an fp32 word carries exactly
 
 // Every rank's spans, from each rank's own (Note [Pieces to their new owners]): the number of
@@ -286,6 +297,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   // [Pieces to their new owners]), or summed as a rebuild sums them (Note [State migration]) where
   // the backend cannot shift by every distance (two levels move whole hosts).
   const std::size_t total = shard->total_elements(), values = shard->state_slots();
+  const std::size_t window_elements = restore_window();  // Note [Windows in flight], below
   const auto& params = registry.params();
   std::vector<float> part;
   bool shifts = world > 1;
@@ -312,16 +324,21 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
       for (int t = 0; t < world; ++t)
         values_moved.needs[std::size_t(t)] = unite(values_moved.needs[std::size_t(t)], moments.needs[std::size_t(t)]);
     const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
-    const auto sent = values * exchange_elements(moments, total, kStateWindow) + exchange_elements(values_moved, total, kStateWindow);
+    const auto sent = values * exchange_elements(moments, total, window_elements) + exchange_elements(values_moved, total, window_elements);
     log->info("{}the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", from, mib(double(sent)),
               moments.unequal ? "" : " (the shifts padded to their longest pack)",
               mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
   }
-  // Note [Windows in flight]: the next window is made (its pieces copied out of the old shard and
-  // packed) while the one before crosses the link, and the one before that is written into the
-  // new shard meanwhile; one window at a time left the link idle for every copy (a join at 1
-  // Gbit/s moved 128 MiB at 95 MB/s that way). Every rank starts the windows' collectives in the
-  // same order, and two windows never share a coordinate, so what one writes no other reads.
+  // Note [Windows in flight]: the windows are small and several cross at once. Each is made (its
+  // pieces copied out of the old shard and packed) while those before it cross the link, and
+  // written into the new shard once it arrived, while those after it cross. One window of 16 MiB
+  // at a time left the link idle for every copy (a join at 1 Gbit/s moved 128 MiB at 95 MB/s that
+  // way); two of 16 MiB still lost a window's time at each end of the stream and a gap between
+  // windows (the backend runs one collective after another, each posting its receive only when it
+  // starts). kWindowsInFlight windows of kWindow elements (16 MiB in flight, half of what the two
+  // held) moved the same 128 MiB in 1.24-1.27 s against 1.65-1.68 s (bench/RESULTS.md, "A node
+  // joins live"). Every rank starts the windows' collectives in the same order, and two windows
+  // never share a coordinate, so what one writes no other reads.
   struct Pending {
     std::size_t slot = 0, begin = 0;
     std::vector<float> window;
@@ -340,10 +357,10 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   };
   try {
     for (std::size_t slot = 0; slot <= values; ++slot) {
-      for (std::size_t begin = 0; begin < total; begin += kStateWindow) {
+      for (std::size_t begin = 0; begin < total; begin += window_elements) {
         Pending& p = in_flight.emplace_back();
         p.slot = slot, p.begin = begin;
-        p.window.assign(std::min(kStateWindow, total - begin), 0.0f);
+        p.window.assign(std::min(window_elements, total - begin), 0.0f);
         provide(slot, begin, p.window);
         if (slot == values) values_from_params(begin, p.window, from_params);
         const std::string tag = from + "restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
@@ -358,7 +375,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
           op.tag = tag;
           p.summed = start_now(op);
         }
-        if (in_flight.size() > 1) {
+        if (in_flight.size() >= kWindowsInFlight) {
           finish(in_flight.front());
           in_flight.pop_front();
         }
