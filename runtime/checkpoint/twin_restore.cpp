@@ -94,6 +94,7 @@ struct Said {
   std::int64_t held[2] = {-1, -1};  // the steps whose trainer state it holds (-1: none)
 };
 constexpr std::size_t kWords = 7;
+constexpr std::int64_t kExact = std::int64_t(1) << 24;  // integers an fp32 word carries exactly
 
 // The restore's windows (Note [Windows in flight]).
 constexpr std::size_t kWindow = std::size_t{1} << 19;  // elements: 2 MiB of fp32
@@ -104,7 +105,6 @@ std::size_t restore_window() {
   const char* n = std::getenv("SHARDFLOW_TEST_RESTORE_WINDOW");
   return n && std::atol(n) > 0 ? std::size_t(std::atol(n)) : kWindow;
 }
-constexpr std::int64_t kExact = std::int64_t(1) << 24;  // integers an fp32 word carries exactly
 
 // Every rank's spans, from each rank's own (Note [Pieces to their new owners]): the number of
 // spans, then the spans as 32-bit halves of their ends, padded to the most any rank has. The
@@ -334,11 +334,12 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   // written into the new shard once it arrived, while those after it cross. One window of 16 MiB
   // at a time left the link idle for every copy (a join at 1 Gbit/s moved 128 MiB at 95 MB/s that
   // way); two of 16 MiB still lost a window's time at each end of the stream and a gap between
-  // windows (the backend runs one collective after another, each posting its receive only when it
-  // starts). kWindowsInFlight windows of kWindow elements (16 MiB in flight, half of what the two
-  // held) moved the same 128 MiB in 1.24-1.27 s against 1.65-1.68 s (bench/RESULTS.md, "A node
-  // joins live"). Every rank starts the windows' collectives in the same order, and two windows
-  // never share a coordinate, so what one writes no other reads.
+  // windows (the comm stream runs one collective after another, so a window's shift starts only
+  // once the one before ended on both sides). kWindowsInFlight windows of kWindow elements (16
+  // MiB in flight, half of what the two held) moved the same 128 MiB in 1.24-1.27 s against
+  // 1.65-1.68 s (bench/RESULTS.md, "A node joins live"). Every rank starts the windows'
+  // collectives in the same order, and two windows never share a coordinate, so what one writes
+  // no other reads.
   struct Pending {
     std::size_t slot = 0, begin = 0;
     std::vector<float> window;
