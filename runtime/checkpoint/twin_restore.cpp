@@ -66,6 +66,7 @@
 // every rank goes back to the snapshot, which carries its own: never a model at one step and a
 // schedule at another.
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -100,10 +101,16 @@ constexpr std::int64_t kExact = std::int64_t(1) << 24;  // integers an fp32 word
 constexpr std::size_t kWindow = std::size_t{1} << 19;  // elements: 2 MiB of fp32
 constexpr std::size_t kWindowsInFlight = 8;
 // Test hook (tests/test_recovery.cpp): SHARDFLOW_TEST_RESTORE_WINDOW=N makes the windows N elements,
-// so that a test's small model crosses in many windows, several of them in flight.
+// so that a test's small model crosses in many windows, several of them in flight. A value that is
+// not a positive count is refused, not taken for the default.
 std::size_t restore_window() {
-  const char* n = std::getenv("SHARDFLOW_TEST_RESTORE_WINDOW");
-  return n && std::atol(n) > 0 ? std::size_t(std::atol(n)) : kWindow;
+  const char* v = std::getenv("SHARDFLOW_TEST_RESTORE_WINDOW");
+  if (!v) return kWindow;
+  std::size_t n = 0;
+  const auto [end, ec] = std::from_chars(v, v + std::strlen(v), n);
+  if (ec != std::errc{} || *end != '\0' || n == 0)
+    throw UsageError(std::string("SHARDFLOW_TEST_RESTORE_WINDOW = '") + v + "': must be a positive count of elements");
+  return n;
 }
 
 // Every rank's spans, from each rank's own (Note [Pieces to their new owners]): the number of
