@@ -22,6 +22,7 @@
 #include "support/forwarding_comm.hpp"
 #include "support/jitter_comm.hpp"
 #include "runtime/plans/run_plan.hpp"
+#include "runtime/comm/scratch_pool.hpp"
 #include "shardflow/hierarchical.hpp"
 #include "tests/support/collective_op.hpp"
 
@@ -435,4 +436,27 @@ TEST_CASE("2 hosts x 2 ranks, forward prefetch, the gathers held back: a bucket'
         });
         CHECK(test::rel_error(two_levels, flat) <= 1e-5);
       }
+}
+
+TEST_CASE("the scratch between the levels is kept (Note [Scratch kept between collectives]): a block given back serves the next request it covers (the smallest that does), the pool keeps its largest blocks, and a block outlives its pool") {
+  auto pool = std::make_unique<ScratchPool>(2);
+  std::byte* big = nullptr;
+  std::byte* mid = nullptr;
+  {
+    auto a = pool->take(std::size_t{3} << 20), b = pool->take(std::size_t{1} << 20), c = pool->take(1000);
+    big = a.get();
+    mid = b.get();
+    CHECK(a.get() != b.get());
+    a.get()[(std::size_t{3} << 20) - 1] = std::byte{7};
+  }  // all three back; the smallest (1000 bytes) is dropped, two are kept
+  auto again = pool->take(std::size_t{1} << 20);
+  CHECK(again.get() == mid);  // the smallest block that covers it, not the largest
+  auto next = pool->take(std::size_t{2} << 20);
+  CHECK(next.get() == big);
+  CHECK(next.get()[(std::size_t{3} << 20) - 1] == std::byte{7});  // reused as it was left: callers zero what they read
+  auto fresh = pool->take(100);  // nothing free covers it now
+  CHECK(fresh.get() != big);
+  CHECK(fresh.get() != mid);
+  pool.reset();
+  next.get()[0] = std::byte{1};  // still mapped: it is freed when its last owner lets go
 }

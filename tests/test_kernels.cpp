@@ -3,7 +3,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
+#include "kernels/cpu/host_memory.hpp"
 #include "kernels/cpu/linear.hpp"
 #include "kernels/cpu/optim.hpp"
 #include "shardflow/optimizer.hpp"
@@ -264,4 +267,33 @@ TEST_CASE("fp16 conversions agree bit for bit with the compiler's _Float16: ever
   }
   INFO(checked << " floats checked");
   CHECK(bad == 0);
+}
+
+TEST_CASE("host blocks of a huge page or more start on a 2 MiB boundary, read as zeros and are advised onto transparent huge pages (Note [Huge pages for large blocks]), and SHARDFLOW_HUGE_PAGES takes 0 or 1 and refuses anything else by name") {
+  const std::size_t n = (std::size_t{5} << 20) + 100;  // not a whole number of pages
+  const auto block = shardflow::alloc_zeroed(n);
+  const auto at = reinterpret_cast<std::uintptr_t>(block.get());
+  const bool wanted = shardflow::huge_pages_setting(std::getenv("SHARDFLOW_HUGE_PAGES"));
+  if (wanted) CHECK(at % (std::uintptr_t{2} << 20) == 0);
+  std::size_t nonzero = 0;
+  for (std::size_t i = 0; i < n; i += 4093) nonzero += block.get()[i] != std::byte{0};
+  CHECK(nonzero == 0);
+  block.get()[n - 1] = std::byte{1};  // the whole length is writable
+  // The kernel's view of the mapping: its VmFlags carry "hg" once advised (with THP built in).
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line, flags;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) inside = lo <= at && at < hi;
+    else if (inside && line.rfind("VmFlags:", 0) == 0) flags = line;
+  }
+  REQUIRE_FALSE(flags.empty());
+  if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) CHECK((flags.find(" hg") != std::string::npos) == wanted);
+  const auto small = shardflow::alloc_zeroed(100);
+  CHECK(reinterpret_cast<std::uintptr_t>(small.get()) % 64 == 0);
+  CHECK(shardflow::huge_pages_setting(nullptr));
+  CHECK(shardflow::huge_pages_setting("1"));
+  CHECK_FALSE(shardflow::huge_pages_setting("0"));
+  CHECK_THROWS_WITH_AS(shardflow::huge_pages_setting("yes"), doctest::Contains("SHARDFLOW_HUGE_PAGES='yes'"), shardflow::UsageError);
 }

@@ -9,4 +9,8 @@ namespace shardflow {
 
 std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes);
 
+// SHARDFLOW_HUGE_PAGES's value (null: not set) -> whether blocks of 2 MiB or more are advised onto
+// transparent huge pages (Note [Huge pages for large blocks]); anything but 0 or 1 raises, naming it.
+bool huge_pages_setting(const char* value);
+
 }  // namespace shardflow

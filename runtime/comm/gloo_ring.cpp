@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/cpu/elementwise.hpp"
+#include "kernels/cpu/host_memory.hpp"
 #include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
 
@@ -49,6 +50,15 @@ void GlooRing::wait_send(gloo::transport::UnboundBuffer& b, const char* op, int 
     throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": a send to rank " + std::to_string(to) + " was aborted");
 }
 
+std::byte* GlooRing::scratch(std::size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    scratch_.reset();  // the old block goes back before the larger one is mapped
+    scratch_ = alloc_zeroed(bytes);
+    scratch_bytes_ = bytes;
+  }
+  return scratch_.get();
+}
+
 void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag) {
   const std::size_t es = dtype_size(dtype);
   const std::size_t block = count * es;
@@ -66,8 +76,8 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
   // connection (posted after the sends, they arrived a whole block late and the ring ran at half
   // its speed in one direction).
   const int steps = world_ - 1;
-  scratch_.resize(std::size_t(steps) * block);
-  auto partial = context_->createUnboundBuffer(scratch_.data(), scratch_.size());
+  std::byte* const scratch = this->scratch(std::size_t(steps) * block);
+  auto partial = context_->createUnboundBuffer(scratch, std::size_t(steps) * block);
   for (int s = 0; s < steps; ++s)
     for (std::size_t k = 0; k < seg.count; ++k) partial->recv(left, slot, std::size_t(s) * block + seg.offset(k), seg.bytes(k));
   // Step 0 passes this rank's own values of block rank - 1.
@@ -77,7 +87,7 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
 
   std::size_t sent = 0;
   for (int s = 0; s < steps; ++s) {
-    std::byte* base = scratch_.data() + std::size_t(s) * block;
+    std::byte* base = scratch + std::size_t(s) * block;
     const bool last = s == steps - 1;
     const std::byte* mine = local + ring_block(rank_ - 2 - s, world_) * block;  // the last step: block rank
     for (std::size_t k = 0; k < seg.count; ++k) {

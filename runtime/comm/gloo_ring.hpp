@@ -53,7 +53,12 @@ class GlooRing {
   std::shared_ptr<gloo::Context> context_;
   std::chrono::milliseconds timeout_;
   int rank_, world_;
-  std::vector<std::byte> scratch_;  // reduce_scatter: world - 1 blocks, step s receives into block s
+  // reduce_scatter: world - 1 blocks, step s receives into block s. Kept from one call to the next
+  // and grown, never shrunk; it comes from alloc_zeroed, so a new context's first reduce-scatter
+  // faults its pages in 2 MiB at a time (Note [Huge pages for large blocks]).
+  std::byte* scratch(std::size_t bytes);
+  std::shared_ptr<std::byte> scratch_;
+  std::size_t scratch_bytes_ = 0;
 };
 
 }  // namespace shardflow

@@ -36,6 +36,7 @@
 #include <mutex>
 #include <vector>
 
+#include "runtime/comm/scratch_pool.hpp"
 #include "shardflow/errors.hpp"
 #include "shardflow/hierarchical.hpp"
 #include "shardflow/types.hpp"
@@ -113,7 +114,7 @@ class HierarchicalComm final : public Communicator {
   struct Job {
     CollectiveOp op;
     CollectiveDone done;
-    std::vector<std::byte> a, b;  // scratch
+    std::shared_ptr<std::byte> a, b;  // scratch from scratch_ (Note [Scratch kept between collectives])
     std::vector<Stage> stages;
     std::size_t next = 0;  // the stage that may go out: the ones before it completed
     bool failed = false;
@@ -225,20 +226,22 @@ class HierarchicalComm final : public Communicator {
     switch (op.kind) {
       case CollectiveKind::allreduce: {
         const std::size_t n = op.count, c = (n + L - 1) / L;
-        job.b.assign(c * es, std::byte{0});
+        job.b = scratch_.take(c * es);  // the local reduce-scatter writes all of it
         const void* from = op.send;
         void* into = op.recv;
         if (n % L != 0) {  // padded to L blocks of c
-          job.a.assign(c * L * es, std::byte{0});
-          if (n) std::memcpy(job.a.data(), op.send, n * es);
-          from = into = job.a.data();
+          job.a = scratch_.take(c * L * es);
+          if (n) std::memcpy(job.a.get(), op.send, n * es);
+          // Only the n come back; the padding sums on its own, as zeros rather than a reused block's bits.
+          std::memset(job.a.get() + n * es, 0, (c * L - n) * es);
+          from = into = job.a.get();
         }
-        st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, from, job.b.data(), c, 1.0f, "inside the host"), {}});
-        st.push_back({between_hosts, sub(job, CollectiveKind::allreduce, job.b.data(), job.b.data(), c, op.scale, "between hosts"), {}});
-        st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data(), into, c, 1.0f, "inside the host"), {}});
+        st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, from, job.b.get(), c, 1.0f, "inside the host"), {}});
+        st.push_back({between_hosts, sub(job, CollectiveKind::allreduce, job.b.get(), job.b.get(), c, op.scale, "between hosts"), {}});
+        st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.get(), into, c, 1.0f, "inside the host"), {}});
         if (n % L != 0)
           st.back().after = [](Job& j) {
-            if (j.op.count) std::memcpy(j.op.recv, j.a.data(), j.op.count * dtype_size(j.op.dtype));
+            if (j.op.count) std::memcpy(j.op.recv, j.a.get(), j.op.count * dtype_size(j.op.dtype));
           };
         return;
       }
@@ -247,11 +250,11 @@ class HierarchicalComm final : public Communicator {
         // inside its host, into b[g]; H of them fill b, and the cross reduce-scatter of b leaves
         // rank (h, l) block h * L + l summed everywhere. No block moves but by the collectives.
         const std::size_t c = op.count * es;
-        job.b.resize(H * c);
+        job.b = scratch_.take(H * c);  // the local reduce-scatters write all of it
         const auto* in = static_cast<const std::byte*>(op.send);
         for (std::size_t g = 0; g < H; ++g)
-          st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, in + g * L * c, job.b.data() + g * c, op.count, 1.0f, "inside the host"), {}});
-        st.push_back({between_hosts, sub(job, CollectiveKind::reduce_scatter, job.b.data(), op.recv, op.count, op.scale, "between hosts"), {}});
+          st.push_back({in_host, sub(job, CollectiveKind::reduce_scatter, in + g * L * c, job.b.get() + g * c, op.count, 1.0f, "inside the host"), {}});
+        st.push_back({between_hosts, sub(job, CollectiveKind::reduce_scatter, job.b.get(), op.recv, op.count, op.scale, "between hosts"), {}});
         return;
       }
       case CollectiveKind::allgather: {
@@ -265,10 +268,10 @@ class HierarchicalComm final : public Communicator {
             st.push_back({out_host, sub(job, CollectiveKind::allgather, out + (g * L + l) * c, out + g * L * c, op.count, 1.0f, "inside the host"), {}});
           return;
         }
-        job.b.resize(H * c);
-        st.push_back({between_hosts, sub(job, CollectiveKind::allgather, op.send, job.b.data(), op.count, 1.0f, "between hosts"), {}});
+        job.b = scratch_.take(H * c);  // the cross all-gather writes all of it
+        st.push_back({between_hosts, sub(job, CollectiveKind::allgather, op.send, job.b.get(), op.count, 1.0f, "between hosts"), {}});
         for (std::size_t g = 0; g < H; ++g)
-          st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.data() + g * c, out + g * L * c, op.count, 1.0f, "inside the host"), {}});
+          st.push_back({out_host, sub(job, CollectiveKind::allgather, job.b.get() + g * c, out + g * L * c, op.count, 1.0f, "inside the host"), {}});
         return;
       }
       case CollectiveKind::broadcast: {
@@ -311,6 +314,7 @@ class HierarchicalComm final : public Communicator {
   int active_ = 0;  // stages sent whose callback has not finished
   std::array<std::deque<std::pair<JobPtr, std::size_t>>, 3> lanes_;  // (collective, stage) in the order they go out
   bool pumping_ = false, again_ = false;
+  mutable ScratchPool scratch_;  // plan() takes the jobs' scratch from it; it has its own lock
 };
 
 }  // namespace
