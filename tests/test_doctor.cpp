@@ -38,7 +38,7 @@ Doctor doctor(const std::string& env, const std::string& args = "") {
 }
 
 // The environment of a bare machine: nothing the checks read.
-const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLOO_SOCKET_IFNAME -u SHARDFLOW_SOCKET_IFNAME -u SHARDFLOW_SOCKET_ADDR";
+const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLOO_SOCKET_IFNAME -u SHARDFLOW_SOCKET_IFNAME -u SHARDFLOW_SOCKET_ADDR -u SHARDFLOW_HUGE_PAGES";
 
 }  // namespace
 
@@ -46,7 +46,7 @@ TEST_CASE("shardflow doctor on this machine with a bare environment: every check
   const auto d = doctor(bare);
   CHECK(d.status == 0);
   for (const char* name : {"cpu", "openblas", "blas reproducibility", "libshardflow", "gpus", "python module", "/dev/shm", "open files",
-                           "locked memory", "network"}) {
+                           "locked memory", "huge pages", "network"}) {
     INFO(name);
     REQUIRE(d.checks.contains(name));
     CHECK(d.checks[name]["status"] != "FAIL");
@@ -56,6 +56,20 @@ TEST_CASE("shardflow doctor on this machine with a bare environment: every check
   const auto best = shardflow::kernels::blas::kernel().best_for_cpu;
   CHECK(d.checks["openblas"]["detail"].get<std::string>().find("kernel " + best) != std::string::npos);
   CHECK(d.checks["openblas"]["status"] == "ok");
+}
+
+TEST_CASE("doctor's huge pages: the kernel's setting and a first write's cost, SHARDFLOW_HUGE_PAGES=0 said (a warning where a first write is dear) and a malformed value a failure naming it") {
+  const auto on = doctor(bare).checks;
+  const std::string detail = on["huge pages"]["detail"];
+  CHECK(detail.find("transparent huge pages: ") == 0);
+  CHECK(detail.find("a first write costs ") != std::string::npos);
+  const auto off = doctor(bare + " SHARDFLOW_HUGE_PAGES=0").checks["huge pages"];
+  CHECK(off["detail"].get<std::string>().find("SHARDFLOW_HUGE_PAGES=0: the runtime keeps 4 KiB pages") != std::string::npos);
+  if (off["status"] == "warn") CHECK(off["fix"] == "unset SHARDFLOW_HUGE_PAGES");
+  const auto bad = doctor(bare + " SHARDFLOW_HUGE_PAGES=yes");
+  CHECK(bad.status == 1);
+  CHECK(bad.checks["huge pages"]["status"] == "FAIL");
+  CHECK(bad.checks["huge pages"]["detail"].get<std::string>().find("SHARDFLOW_HUGE_PAGES='yes'") != std::string::npos);
 }
 
 TEST_CASE("the reproducibility probe catches Prescott (bits move with the thread count, names OPENBLAS_CORETYPE) and stays quiet on Sandybridge") {

@@ -4,11 +4,13 @@
 #include <ifaddrs.h>
 #include <link.h>
 #include <net/if.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +18,7 @@
 #include <thread>
 
 #include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/host_memory.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "shardflow/shm.hpp"
 
@@ -255,6 +258,53 @@ Check check_locked_memory() {
   if (!unlimited && rl.rlim_cur < (rlim_t(64) << 20) && gpus > 0) {
     c.status = Status::warn;
     c.fix = "ulimit -l unlimited (memlock in /etc/security/limits.conf) for GPU jobs";
+  }
+  return c;
+}
+
+// Milliseconds a MiB to write a fresh block of `bytes` for the first time, one byte a page.
+double first_touch_ms_per_mib(const std::shared_ptr<std::byte>& block, std::size_t bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  volatile std::byte* p = block.get();
+  for (std::size_t i = 0; i < bytes; i += 4096) p[i] = std::byte{1};
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / double(bytes >> 20);
+}
+
+Check check_huge_pages() {
+  Check c{"huge pages"};
+  // The kernel's setting reads "always [madvise] never": the bracketed one is in force.
+  std::string mode = "not built in";
+  if (std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled"); in) {
+    std::string all;
+    std::getline(in, all);
+    const auto open = all.find('['), close = all.find(']');
+    if (open != std::string::npos && close > open) mode = all.substr(open + 1, close - open - 1);
+  }
+  bool wanted = true;
+  try {
+    wanted = huge_pages_setting(std::getenv("SHARDFLOW_HUGE_PAGES"));
+  } catch (const std::exception& e) {
+    c.status = Status::fail;
+    c.detail = e.what();
+    c.fix = "set SHARDFLOW_HUGE_PAGES to 1 or 0, or unset it";
+    return c;
+  }
+  // What a first write costs here, 4 KiB pages against the runtime's own blocks (Note [Huge pages
+  // for large blocks]): every bucket, shard and restored slot pays it once, a recovery's new
+  // round on the training's path.
+  constexpr std::size_t kBytes = std::size_t{32} << 20;
+  char buf[160];
+  void* m = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const double small = m == MAP_FAILED ? 0.0 : first_touch_ms_per_mib(std::shared_ptr<std::byte>(static_cast<std::byte*>(m), [](std::byte*) {}), kBytes);
+  if (m != MAP_FAILED) ::munmap(m, kBytes);
+  const double ours = first_touch_ms_per_mib(alloc_zeroed(kBytes), kBytes);
+  std::snprintf(buf, sizeof buf, "; a first write costs %.3f ms a MiB on 4 KiB pages, %.3f on the runtime's large blocks", small, ours);
+  c.detail = "transparent huge pages: " + mode + (wanted ? "" : " (SHARDFLOW_HUGE_PAGES=0: the runtime keeps 4 KiB pages)") + buf;
+  // A recovery's new round writes its shards afresh; at 1 ms a MiB, 1 GiB of state is a second more.
+  if ((mode == "never" || mode == "not built in" || !wanted) && small > 0.5) {
+    c.status = Status::warn;
+    c.fix = wanted ? "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root): the runtime advises its large blocks onto huge pages"
+                   : "unset SHARDFLOW_HUGE_PAGES";
   }
   return c;
 }

@@ -38,6 +38,8 @@ Check check_python();
 Check check_shm(const JobShape& job);
 Check check_open_files(const JobShape& job);
 Check check_locked_memory();
+// Transparent huge pages and what a first write to fresh memory costs here (Note [Huge pages for large blocks]).
+Check check_huge_pages();
 Check check_network();
 
 }  // namespace shardflow::cli
