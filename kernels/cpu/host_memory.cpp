@@ -20,7 +20,7 @@ constexpr std::size_t kPage = 4096;
 
 // Note [Huge pages for large blocks]
 // A fresh page costs a fault when it is first written. On a virtual machine each 4 KiB fault is
-// dear (9.6 us on the CI's VM: 2.4 ms a MiB, 620 ms for 256 MiB), and every large block of the
+// dear (9.6 us on the 2-core VM this was measured on: 2.4 ms a MiB, 620 ms for 256 MiB), and every large block of the
 // runtime is written first on the training's path: an optimizer slot and the twins' undo copies
 // in the first step (313 ms of a 16 MiB shard's step at world 4, against 8 ms once warm), a
 // restored slot as the restore's windows land, each bucket's staging in its first collective.

@@ -263,9 +263,9 @@ Check check_locked_memory() {
 }
 
 // Milliseconds a MiB to write a fresh block of `bytes` for the first time, one byte a page.
-double first_touch_ms_per_mib(const std::shared_ptr<std::byte>& block, std::size_t bytes) {
+double first_touch_ms_per_mib(std::byte* block, std::size_t bytes) {
   const auto t0 = std::chrono::steady_clock::now();
-  volatile std::byte* p = block.get();
+  volatile std::byte* p = block;
   for (std::size_t i = 0; i < bytes; i += 4096) p[i] = std::byte{1};
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / double(bytes >> 20);
 }
@@ -295,9 +295,9 @@ Check check_huge_pages() {
   constexpr std::size_t kBytes = std::size_t{32} << 20;
   char buf[160];
   void* m = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  const double small = m == MAP_FAILED ? 0.0 : first_touch_ms_per_mib(std::shared_ptr<std::byte>(static_cast<std::byte*>(m), [](std::byte*) {}), kBytes);
+  const double small = m == MAP_FAILED ? 0.0 : first_touch_ms_per_mib(static_cast<std::byte*>(m), kBytes);
   if (m != MAP_FAILED) ::munmap(m, kBytes);
-  const double ours = first_touch_ms_per_mib(alloc_zeroed(kBytes), kBytes);
+  const double ours = first_touch_ms_per_mib(alloc_zeroed(kBytes).get(), kBytes);
   std::snprintf(buf, sizeof buf, "; a first write costs %.3f ms a MiB on 4 KiB pages, %.3f on the runtime's large blocks", small, ours);
   c.detail = "transparent huge pages: " + mode + (wanted ? "" : " (SHARDFLOW_HUGE_PAGES=0: the runtime keeps 4 KiB pages)") + buf;
   // A recovery's new round writes its shards afresh; at 1 ms a MiB, 1 GiB of state is a second more.

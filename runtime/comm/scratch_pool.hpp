@@ -18,8 +18,10 @@ namespace shardflow {
 // reduce-scatter at 2 hosts) is above glibc's largest mmap threshold: every collective mapped it,
 // zeroed it page by page and gave it back, 8,192 faults of 4 KiB at 9.6 us each on the CI's VM.
 // Blocks now come from this pool and go back to it when their collective is done; the pool keeps
-// the few largest, so a steady run allocates nothing. Blocks are not zeroed on reuse: the caller
-// zeroes what it reads before it writes.
+// the few largest, so a steady run allocates nothing. What it keeps is what the collectives held at
+// their busiest (at most `keep` blocks idle), now held between them too; like the collectives'
+// scratch before, it is the communicator's and not in `memory_report()`. Blocks are not zeroed on
+// reuse: the caller zeroes what it reads before it writes.
 class ScratchPool {
  public:
   explicit ScratchPool(std::size_t keep = 4) : state_(std::make_shared<State>()) { state_->keep = keep; }
