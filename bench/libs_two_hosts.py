@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -46,12 +45,8 @@ def main():
                 with tempfile.TemporaryDirectory() as tmp:
                     stats = os.path.join(tmp, "stats.json")
                     prog = th.mlp_cmd(build, sizes, a.steps, 2 * a.ranks_per_host, flags, stats)
-                    env = dict(th.ENV, LD_LIBRARY_PATH=lib)
-                    procs = [subprocess.Popen(th.launcher(build, h, n, 2, a.ranks_per_host, prog), env=env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True) for h, n in (("a", 0), ("b", 1))]
-                    outs = [p.communicate(timeout=900)[0] for p in procs]
-                    if any(p.returncode for p in procs):
-                        sys.exit("libs_two_hosts: the run with %s failed:\n%s" % (lib, "\n".join(outs)))
+                    th.run_both([th.launcher(build, h, n, 2, a.ranks_per_host, prog) for h, n in (("a", 0), ("b", 1))],
+                                "the run with " + lib, env=dict(th.ENV, LD_LIBRARY_PATH=lib))
                     with open(stats) as f:
                         ms = json.load(f)["median"]["iteration_ms"]
                     runs[lib].append(ms)

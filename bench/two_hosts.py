@@ -232,8 +232,8 @@ def mlp_cmd(build, sizes, steps, world, flags, stats):
             "--timeout", "300", *flags]
 
 
-def run_both(argvs, what):
-    procs = [subprocess.Popen(a, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for a in argvs]
+def run_both(argvs, what, env=None):
+    procs = [subprocess.Popen(a, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for a in argvs]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     if any(p.returncode != 0 for p in procs):
         sys.exit("two_hosts: %s failed:\n%s" % (what, "\n".join(outs)))

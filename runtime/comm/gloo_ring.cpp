@@ -8,7 +8,6 @@
 #include <string>
 
 #include "kernels/cpu/elementwise.hpp"
-#include "kernels/cpu/host_memory.hpp"
 #include "shardflow/communicator.hpp"
 #include "shardflow/errors.hpp"
 
@@ -50,15 +49,6 @@ void GlooRing::wait_send(gloo::transport::UnboundBuffer& b, const char* op, int 
     throw CommError("gloo rank " + std::to_string(rank_) + ": " + op + ": a send to rank " + std::to_string(to) + " was aborted");
 }
 
-std::byte* GlooRing::scratch(std::size_t bytes) {
-  if (bytes > scratch_bytes_) {
-    scratch_.reset();  // the old block goes back before the larger one is mapped
-    scratch_ = alloc_zeroed(bytes);
-    scratch_bytes_ = bytes;
-  }
-  return scratch_.get();
-}
-
 void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, float scale, std::uint32_t tag) {
   const std::size_t es = dtype_size(dtype);
   const std::size_t block = count * es;
@@ -76,7 +66,8 @@ void GlooRing::reduce_scatter(const void* send, void* recv, std::size_t count, D
   // connection (posted after the sends, they arrived a whole block late and the ring ran at half
   // its speed in one direction).
   const int steps = world_ - 1;
-  std::byte* const scratch = this->scratch(std::size_t(steps) * block);
+  const auto held = scratch_.take(std::size_t(steps) * block);  // back to the pool when this call returns
+  std::byte* const scratch = held.get();
   auto partial = context_->createUnboundBuffer(scratch, std::size_t(steps) * block);
   for (int s = 0; s < steps; ++s)
     for (std::size_t k = 0; k < seg.count; ++k) partial->recv(left, slot, std::size_t(s) * block + seg.offset(k), seg.bytes(k));

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "runtime/comm/scratch_pool.hpp"
 #include "shardflow/types.hpp"
 
 namespace shardflow {
@@ -53,12 +54,11 @@ class GlooRing {
   std::shared_ptr<gloo::Context> context_;
   std::chrono::milliseconds timeout_;
   int rank_, world_;
-  // reduce_scatter: world - 1 blocks, step s receives into block s. Kept from one call to the next
-  // and grown, never shrunk; it comes from alloc_zeroed, so a new context's first reduce-scatter
-  // faults its pages in 2 MiB at a time (Note [Huge pages for large blocks]).
-  std::byte* scratch(std::size_t bytes);
-  std::shared_ptr<std::byte> scratch_;
-  std::size_t scratch_bytes_ = 0;
+  // reduce_scatter: world - 1 blocks, step s receives into block s. The largest is kept from one
+  // call to the next (Note [Scratch kept between collectives]); it comes from alloc_zeroed, so a
+  // new context's first reduce-scatter faults its pages in 2 MiB at a time (Note [Huge pages for
+  // large blocks]).
+  ScratchPool scratch_{1};
 };
 
 }  // namespace shardflow

@@ -17,7 +17,9 @@ namespace shardflow {
 // or two per collective. Allocated per collective, a block of 32 MiB or more (a 64 MiB bucket's
 // reduce-scatter at 2 hosts) is above glibc's largest mmap threshold: every collective mapped it,
 // zeroed it page by page and gave it back, 8,192 faults of 4 KiB at 9.6 us each on the CI's VM.
-// Blocks now come from this pool and go back to it when their collective is done; the pool keeps
+// Blocks now come from this pool and go back to it when their collective is done (Gloo's ring keeps
+// its reduce-scatter scratch in a pool of one the same way, so a new context's first call is the
+// only one that maps); the pool keeps
 // the few largest, so a steady run allocates nothing. What it keeps is what the collectives held at
 // their busiest (at most `keep` blocks idle), now held between them too; like the collectives'
 // scratch before, it is the communicator's and not in `memory_report()`. Blocks are not zeroed on
