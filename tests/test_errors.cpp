@@ -2,8 +2,11 @@
 // silently wrong numbers.
 #include <doctest/doctest.h>
 
+#include <atomic>
+
 #include "examples/mlp/model.hpp"
 #include "examples/mlp/train.hpp"
+#include "support/forwarding_comm.hpp"
 #include "support/helpers.hpp"
 
 using namespace shardflow;
@@ -20,6 +23,22 @@ struct TwoParams {
     a = rt.register_param({"layers.0.weight", {2, 10}, DType::f32, Device::cpu(), data.data()});
     b = rt.register_param({"layers.0.bias", {10}, DType::f32, Device::cpu(), data.data() + 20});
   }
+};
+
+// A backend that loses one op without a word: the `lose`-th bucket op (counted from 0) is taken and
+// never completed, nor failed, nor timed out. Every rank loses the same op, so the ops after it
+// still pair up.
+class LosingComm : public test::ForwardingComm {
+ public:
+  LosingComm(std::shared_ptr<Communicator> inner, int lose) : ForwardingComm(std::move(inner)), lose_(lose) {}
+  void submit(CollectiveOp op, CollectiveDone done) override {
+    if (op.tag.rfind("bucket", 0) == 0 && seen_++ == lose_) return;
+    inner_->submit(std::move(op), std::move(done));
+  }
+
+ private:
+  int lose_;
+  std::atomic<int> seen_{0};
 };
 
 }  // namespace
@@ -152,6 +171,44 @@ TEST_CASE("a rank that stops taking part: the others fail within the timeout, na
     CHECK(contains(msg, "rank(s) 2"));
   }
   CHECK((test::is<TimeoutError>(errors[0]) || test::is<TimeoutError>(errors[1])));
+}
+
+TEST_CASE("a collective that never ends and a backend that never says so: wait() fails at the collective timeout + 5 s, naming the iteration and the bucket, after any number of waits answered") {
+  // Note [One deadline in flight]: the one deadline message goes out with the first wait and falls
+  // due while the sixth waits; it must be sent again for the sixth's own due, not end the watch.
+  auto world = InProcessWorld::create(2, 300ms);
+  std::vector<TwoParams> models(2);
+  std::vector<std::chrono::steady_clock::time_point> began(2), failed(2);
+  auto errors = test::run_ranks(2, [&](int r) {
+    Config cfg;
+    cfg.timeouts.collective = 300ms;
+    Runtime rt(std::make_shared<LosingComm>(world->communicator(r), 5), cfg);
+    models[std::size_t(r)].add(rt);
+    rt.finalize();
+    for (int it = 0;; ++it) {
+      if (it == 5) began[std::size_t(r)] = std::chrono::steady_clock::now();
+      rt.grad_ready(models[std::size_t(r)].b);
+      rt.grad_ready(models[std::size_t(r)].a);
+      try {
+        rt.wait();
+      } catch (...) {
+        failed[std::size_t(r)] = std::chrono::steady_clock::now();
+        throw;
+      }
+      REQUIRE(it < 5);
+      std::this_thread::sleep_for(300ms);  // the sixth wait begins 1.5 s after the first
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(errors[std::size_t(r)]);
+    const auto msg = test::message_of(errors[std::size_t(r)]);
+    CAPTURE(msg);
+    CHECK(test::is<TimeoutError>(errors[std::size_t(r)]));
+    CHECK(contains(msg, "rank " + std::to_string(r) + ": iteration 5 did not complete within 300 ms; bucket(s) still pending: 0"));
+    const auto waited = failed[std::size_t(r)] - began[std::size_t(r)];
+    CHECK(waited >= 5200ms);  // its own due (300 ms + 5 s), not the first wait's
+    CHECK(waited < 7500ms);
+  }
 }
 
 TEST_CASE("misuse of the iteration protocol") {

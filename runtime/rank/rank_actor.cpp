@@ -8,7 +8,7 @@
 //   - all_params: until every update landed.
 // The signal tells this actor of each completion (a poke, IterationSignal's on_done); every wait
 // has a deadline (Config::timeouts.collective + 5 s) after which it is answered with the
-// TimeoutError naming the buckets still pending.
+// TimeoutError naming the buckets still pending (Note [One deadline in flight]).
 //
 // The actor is detached (a thread of its own), for two reasons. What it runs between iterations
 // includes small blocking collectives (the bucket rebuild's broadcast, a snapshot's verdicts,
@@ -21,9 +21,11 @@
 #include <caf/all.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "runtime/rank/runtime_impl.hpp"
@@ -38,10 +40,11 @@ namespace {
 
 using poke_atom = caf::atom_constant<caf::atom("sf_poke")>;
 using deadline_atom = caf::atom_constant<caf::atom("sf_dline")>;
+using steady = std::chrono::steady_clock;
 using collective_done_atom = caf::atom_constant<caf::atom("sf_cdone")>;
 
 // The public interface and the messages only the runtime sends it.
-using rank_actor_impl = rank_api::actor::extend<caf::reacts_to<poke_atom>, caf::reacts_to<deadline_atom, std::uint64_t>,
+using rank_actor_impl = rank_api::actor::extend<caf::reacts_to<poke_atom>, caf::reacts_to<deadline_atom>,
                                                 caf::reacts_to<collective_done_atom, std::uint64_t, caf::error>>;
 
 template <class... Ts>
@@ -49,10 +52,11 @@ using promise_of = caf::typed_response_promise<Ts...>;
 
 struct RankActorState {
   Runtime* rt = nullptr;
-  std::uint64_t next_id = 0;  // names a wait for its deadline
+  std::uint64_t next_id = 0;  // names a trainer's collective for its completion
+  bool deadline_armed = false;  // Note [One deadline in flight]
   struct IterationWait {
     promise_of<rank_api::step_done_atom, std::uint64_t> rp;
-    std::uint64_t id;
+    steady::time_point due;
     Timeline::Time t0;
   };
   std::optional<IterationWait> iteration;
@@ -60,7 +64,7 @@ struct RankActorState {
   struct ParamWait {
     std::vector<std::uint32_t> buckets;  // still to land
     std::uint64_t target;
-    std::uint64_t id;
+    steady::time_point due;
     Timeline::Time t0;
     std::string what;  // for the timeout's message
     std::function<void()> answer;
@@ -70,7 +74,7 @@ struct RankActorState {
   struct AllWait {
     promise_of<rank_api::all_params_atom> rp;
     std::uint64_t target;
-    std::uint64_t id;
+    steady::time_point due;
     Timeline::Time t0;
   };
   std::vector<AllWait> all;
@@ -197,9 +201,19 @@ void check(rank_self self) {
   }
 }
 
-void arm_deadline(rank_self self, std::uint64_t id) {
-  const auto& I = RankActorAccess::impl(*self->state.rt);
-  self->delayed_send(self, I.cfg.timeouts.collective + std::chrono::seconds(5), deadline_atom::value, id);
+// Note [One deadline in flight]
+// Every wait is answered with a TimeoutError once it has waited the collective timeout and 5 s
+// more. Each wait used to send itself a delayed message for that: CAF's clock thread then woke for
+// every wait (a wake-up and a sleep a step, on a 2-core machine beside the compute) and held every
+// message until it fell due, answered or not: at the default 10-minute timeout, 600,000 of them
+// for a job of 1 ms steps. Now a wait notes when it falls due, and at most one deadline message is
+// in flight, for the earliest due of the waits pending when it was sent; when it comes, the waits
+// due fail and it is sent again for the earliest of those left, if any.
+steady::time_point arm_deadline(rank_self self) {
+  auto& st = self->state;
+  const auto limit = RankActorAccess::impl(*st.rt).cfg.timeouts.collective + std::chrono::seconds(5);
+  if (!std::exchange(st.deadline_armed, true)) self->delayed_send(self, limit, deadline_atom::value);
+  return steady::now() + limit;
 }
 
 // params_ready: answered now when every parameter holds its update, else once its buckets land.
@@ -217,9 +231,8 @@ void await_params(rank_self self, const std::vector<Param>& ps, std::function<vo
     buckets.push_back(b);
   }
   if (buckets.empty()) return answer();
-  const auto id = st.next_id++;
-  st.params.push_back(RankActorState::ParamWait{std::move(buckets), I.passes_handed, id, t0, std::move(what), std::move(answer), std::move(fail)});
-  arm_deadline(self, id);
+  st.params.push_back(RankActorState::ParamWait{std::move(buckets), I.passes_handed, arm_deadline(self), t0, std::move(what),
+                                                std::move(answer), std::move(fail)});
   check(self);
 }
 
@@ -299,9 +312,7 @@ promise_of<rank_api::step_done_atom, std::uint64_t> on_iteration(rank_self self)
     rp.deliver(to_error(e));
     return rp;
   }
-  const auto id = st.next_id++;
-  st.iteration = RankActorState::IterationWait{rp, id, t0};
-  arm_deadline(self, id);
+  st.iteration = RankActorState::IterationWait{rp, arm_deadline(self), t0};
   check(self);
   return rp;
 }
@@ -325,9 +336,7 @@ promise_of<rank_api::all_params_atom> on_all_params(rank_self self) {
       rp.deliver(rank_api::all_params_atom::value);
       return;
     }
-    const auto id = st.next_id++;
-    st.all.push_back(RankActorState::AllWait{rp, I.passes_handed, id, Timeline::now()});
-    arm_deadline(self, id);
+    st.all.push_back(RankActorState::AllWait{rp, I.passes_handed, arm_deadline(self), Timeline::now()});
     check(self);
   });
 }
@@ -397,19 +406,33 @@ caf::delegated<rank_api::recovered_atom, std::uint64_t, std::int32_t, std::int32
   return self->delegate(helper, rank_api::recover_atom::value, std::move(next));
 }
 
-void on_deadline(rank_self self, std::uint64_t id) {
+// Note [One deadline in flight]: the waits due now fail; the earliest of the others gets the next.
+void on_deadline(rank_self self) {
   auto& st = self->state;
   auto& I = RankActorAccess::impl(*st.rt);
+  st.deadline_armed = false;
+  const auto now = steady::now();
+  std::optional<steady::time_point> next;
+  const auto due = [&](steady::time_point d) {
+    if (d <= now) return true;
+    next = next ? std::min(*next, d) : d;
+    return false;
+  };
   try {
-    if (st.iteration && st.iteration->id == id)
+    if (st.iteration && due(st.iteration->due))
       I.pass_timed_out(I.wait_prefetching ? I.passes_handed - 1 : I.passes_handed, "iteration " + std::to_string(I.iterations));
     for (const auto& w : st.params)
-      if (w.id == id) I.pass_timed_out(w.target, w.what);
+      if (due(w.due)) I.pass_timed_out(w.target, w.what);
     for (const auto& w : st.all)
-      if (w.id == id) I.pass_timed_out(w.target, "the parameters' updates (wait_all_params)");
+      if (due(w.due)) I.pass_timed_out(w.target, "the parameters' updates (wait_all_params)");
   } catch (const std::exception& e) {
     fail_waits(self, to_error(e));
+    return;
   }
+  if (!next) return;
+  st.deadline_armed = true;
+  // Rounded up: a message a microsecond early would find the wait not yet due and send another.
+  self->delayed_send(self, std::chrono::ceil<std::chrono::microseconds>(*next - now), deadline_atom::value);
 }
 
 rank_actor_impl::behavior_type rank_actor(rank_self self, Runtime* rt) {
@@ -451,7 +474,7 @@ rank_actor_impl::behavior_type rank_actor(rank_self self, Runtime* rt) {
       [=, &I](subscribe_atom, caf::actor& who, std::uint8_t mask) { I.client.subscribers->subscribe(std::move(who), mask); },
       [=, &I](unsubscribe_atom, caf::actor& who) { I.client.subscribers->unsubscribe(who); },
       [=](poke_atom) { check(self); },
-      [=](deadline_atom, std::uint64_t id) { on_deadline(self, id); },
+      [=](deadline_atom) { on_deadline(self); },
   };
 }
 
