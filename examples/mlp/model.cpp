@@ -19,10 +19,14 @@ Loss parse_loss(const std::string& name) {
 
 const char* loss_name(Loss loss) { return loss == Loss::mse ? "mse" : "cross-entropy"; }
 
-Model::Model(std::vector<int> sizes, Loss loss) : sizes_(std::move(sizes)), loss_(loss) {
-  if (sizes_.size() < 2) throw UsageError("--sizes needs at least two numbers (input and output width)");
-  for (int s : sizes_)
+void Model::check_sizes(const std::vector<int>& sizes) {
+  if (sizes.size() < 2) throw UsageError("--sizes needs at least two numbers (input and output width)");
+  for (int s : sizes)
     if (s <= 0) throw UsageError("--sizes: every width must be positive");
+}
+
+Model::Model(std::vector<int> sizes, Loss loss) : sizes_(std::move(sizes)), loss_(loss) {
+  check_sizes(sizes_);
   for (std::size_t i = 0; i + 1 < sizes_.size(); ++i) {
     Layer l;
     l.in = sizes_[i];

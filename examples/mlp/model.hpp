@@ -56,6 +56,8 @@ class Model {
   void backward(const float* y, double loss_denominator, const GradSlot& grads, const GradReady& ready);
 
   static std::string param_name(int layer, bool bias);
+  // Refuses widths no model can have, allocating nothing (the constructor checks the same).
+  static void check_sizes(const std::vector<int>& sizes);
 
   // The fraction of `rows` rows whose largest output is at the index of their largest y (top-1
   // accuracy with one-hot labels). Forward only, in batches: no activations kept for backward.
