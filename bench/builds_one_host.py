@@ -24,17 +24,18 @@ import tempfile
 ROW = re.compile(r"^\|\s*(.+?)\s*\|$")
 
 
-def table_rows(text, key_cols, value_col):
-    """{row key: ms} from a markdown table printed by bench_ddp / bench_zero."""
-    out = {}
+def table_rows(text, key_cols, value_cols):
+    """[(row key, [ms of each value column])] from a markdown table printed by bench_ddp / bench_zero
+    (cells "median / p90": the median)."""
+    out = []
     for line in text.splitlines():
         m = ROW.match(line.strip())
         if not m:
             continue
         cells = [c.strip() for c in m.group(1).split("|")]
-        if len(cells) <= value_col or not re.match(r"^[0-9.]+ /", cells[value_col]):
+        if len(cells) <= max(value_cols) or not all(re.match(r"^[0-9.]+ /", cells[v]) for v in value_cols):
             continue
-        out[" ".join(cells[k] for k in key_cols)] = float(cells[value_col].split("/")[0])
+        out.append((" ".join(cells[k] for k in key_cols), [float(cells[v].split("/")[0]) for v in value_cols]))
     return out
 
 
@@ -48,20 +49,15 @@ def run(cmd, env=None):
 def bench_ddp(build):
     text = run([os.path.join(build, "bench/bench_ddp"), "--steps", "80"])
     out = {}
-    for line in text.splitlines():
-        m = ROW.match(line.strip())
-        if not m:
-            continue
-        c = [x.strip() for x in m.group(1).split("|")]
-        if len(c) >= 5 and re.match(r"^[0-9.]+ /", c[4]):
-            out[f"bench_ddp {c[0]} {c[1]} world 1"] = float(c[3].split("/")[0])
-            out[f"bench_ddp {c[0]} {c[1]} world 2"] = float(c[4].split("/")[0])
+    for key, (world1, world2) in table_rows(text, [0, 1], [3, 4]):
+        out[f"bench_ddp {key} world 1"] = world1
+        out[f"bench_ddp {key} world 2"] = world2
     return out
 
 
 def bench_zero(build):
     text = run([os.path.join(build, "bench/bench_zero"), "--bucket-mb", "2", "--steps", "60"])
-    return {"bench_zero " + k: v for k, v in table_rows(text, [0, 1, 2, 3], 5).items()}
+    return {"bench_zero " + k: v[0] for k, v in table_rows(text, [0, 1, 2, 3], [5])}
 
 
 def bench_overlap(build, stage, ratios, label_ratios):
