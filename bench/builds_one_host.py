@@ -129,18 +129,18 @@ def main():
     builds = a.builds.split(",")
     if len(builds) != 2:
         sys.exit("builds_one_host: --builds takes two folders")
-    rounds = {b: [] for b in builds}
+    rounds = [[], []]  # by position: the same folder twice measures the noise
     for i in range(a.rounds):
         for k, b in enumerate(builds):
-            rounds[b].append(one_round(b, k == 0, a))
+            rounds[k].append(one_round(b, k == 0, a))
             print(f"round {i + 1}: {b} done", file=sys.stderr, flush=True)
-    keys = list(rounds[builds[0]][0].keys())
+    keys = list(rounds[0][0].keys())
     print(f"| row | {builds[0]} (rounds) | median | {builds[1]} (rounds) | median | second / first |")
     print("|---|---|---|---|---|---|")
     result = []
     for k in keys:
-        va = [r[k] for r in rounds[builds[0]] if k in r]
-        vb = [r[k] for r in rounds[builds[1]] if k in r]
+        va = [r[k] for r in rounds[0] if k in r]
+        vb = [r[k] for r in rounds[1] if k in r]
         if not va or not vb:
             continue
         ma, mb = statistics.median(va), statistics.median(vb)
