@@ -2,6 +2,7 @@
 // against finite differences, 16-bit rounding, the reduction kernel's aliasing, safetensors files.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -269,6 +270,38 @@ TEST_CASE("fp16 conversions agree bit for bit with the compiler's _Float16: ever
   CHECK(bad == 0);
 }
 
+namespace {
+
+// The kernel's view of the mapping holding `at`: its VmFlags line from /proc/self/smaps, which
+// carries "hg" once the range is advised onto huge pages (with THP built in).
+std::string vm_flags_at(std::uintptr_t at) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line, flags;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) inside = lo <= at && at < hi;
+    else if (inside && line.rfind("VmFlags:", 0) == 0) flags = line;
+  }
+  return flags;
+}
+
+}  // namespace
+
+TEST_CASE("a trainer's own large buffer, reserved and advised before its first write, has its 2 MiB-aligned part on transparent huge pages, as the runtime's blocks do") {
+  std::vector<float> weight;
+  const std::size_t n = std::size_t{3} << 20;  // 12 MiB of fp32, as glibc maps it (not 2 MiB-aligned)
+  weight.reserve(n);
+  shardflow::advise_huge_pages(weight.data(), n * sizeof(float));
+  weight.assign(n, 0.0f);
+  const auto inside = (reinterpret_cast<std::uintptr_t>(weight.data()) + (std::uintptr_t{4} << 20)) & ~((std::uintptr_t{2} << 20) - 1);
+  const auto flags = vm_flags_at(inside);
+  REQUIRE_FALSE(flags.empty());
+  const bool wanted = shardflow::huge_pages_setting(std::getenv("SHARDFLOW_HUGE_PAGES"));
+  if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) CHECK((flags.find(" hg") != std::string::npos) == wanted);
+  CHECK(std::all_of(weight.begin(), weight.end(), [](float v) { return v == 0.0f; }));
+}
+
 TEST_CASE("host blocks of a huge page or more start on a 2 MiB boundary, read as zeros and are advised onto transparent huge pages (Note [Huge pages for large blocks]), and SHARDFLOW_HUGE_PAGES takes 0 or 1 and refuses anything else by name") {
   const std::size_t n = (std::size_t{5} << 20) + 100;  // not a whole number of pages
   const auto block = shardflow::alloc_zeroed(n);
@@ -279,15 +312,7 @@ TEST_CASE("host blocks of a huge page or more start on a 2 MiB boundary, read as
   for (std::size_t i = 0; i < n; i += 4093) nonzero += block.get()[i] != std::byte{0};
   CHECK(nonzero == 0);
   block.get()[n - 1] = std::byte{1};  // the whole length is writable
-  // The kernel's view of the mapping: its VmFlags carry "hg" once advised (with THP built in).
-  std::ifstream smaps("/proc/self/smaps");
-  std::string line, flags;
-  bool inside = false;
-  while (std::getline(smaps, line)) {
-    unsigned long lo = 0, hi = 0;
-    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) inside = lo <= at && at < hi;
-    else if (inside && line.rfind("VmFlags:", 0) == 0) flags = line;
-  }
+  const auto flags = vm_flags_at(at);
   REQUIRE_FALSE(flags.empty());
   if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) CHECK((flags.find(" hg") != std::string::npos) == wanted);
   const auto small = shardflow::alloc_zeroed(100);

@@ -6,6 +6,7 @@
 
 #include "examples/mlp/rng.hpp"
 #include "kernels/cpu/elementwise.hpp"
+#include "kernels/cpu/host_memory.hpp"
 #include "kernels/cpu/linear.hpp"
 #include "shardflow/errors.hpp"
 
@@ -31,7 +32,13 @@ Model::Model(std::vector<int> sizes, Loss loss) : sizes_(std::move(sizes)), loss
     Layer l;
     l.in = sizes_[i];
     l.out = sizes_[i + 1];
-    l.weight.assign(std::size_t(l.in) * l.out, 0.0f);
+    // On huge pages where it is large, as the runtime's own blocks are (Note [Huge pages for large
+    // blocks]): written first here, in 4 KiB faults it took 0.15 s for a 4096 x 4096 layer on a VM,
+    // on every rank's start, a replacement's and a joiner's included.
+    const std::size_t n = std::size_t(l.in) * l.out;
+    l.weight.reserve(n);
+    advise_huge_pages(l.weight.data(), n * sizeof(float));
+    l.weight.assign(n, 0.0f);
     l.bias.assign(std::size_t(l.out), 0.0f);
     layers_.push_back(std::move(l));
   }

@@ -48,7 +48,7 @@ std::shared_ptr<std::byte> map_zeroed(std::size_t bytes) {
     if (aligned > base) ::munmap(base, std::size_t(aligned - base));
     if (auto* end = aligned + length; end < base + span) ::munmap(end, std::size_t(base + span - end));
     base = aligned;
-    ::madvise(base, length, MADV_HUGEPAGE);  // advice: refused (EINVAL without THP) changes nothing
+    advise_huge_pages(base, length);
   }
   return std::shared_ptr<std::byte>(base, [length](std::byte* q) { ::munmap(q, length); });
 }
@@ -59,6 +59,13 @@ bool huge_pages_setting(const char* value) {
   if (!value || std::strcmp(value, "1") == 0) return true;
   if (std::strcmp(value, "0") == 0) return false;
   throw UsageError(std::string("SHARDFLOW_HUGE_PAGES='") + value + "': 1 (large blocks on transparent huge pages, the default) or 0 (4 KiB pages)");
+}
+
+void advise_huge_pages(void* p, std::size_t bytes) {
+  if (!huge_pages_wanted()) return;
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  const auto lo = (at + kHugePage - 1) / kHugePage * kHugePage, hi = (at + bytes) / kHugePage * kHugePage;
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice: refused (EINVAL without THP) changes nothing
 }
 
 std::shared_ptr<std::byte> alloc_zeroed(std::size_t bytes) {
