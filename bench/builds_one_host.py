@@ -21,6 +21,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import shardflow_mlp_runs as runs  # noqa: E402  the rows of torch_ddp_reference.py's shardflow side
+
 ROW = re.compile(r"^\|\s*(.+?)\s*\|$")
 
 
@@ -80,19 +83,6 @@ def bench_overlap(build, stage, ratios, label_ratios):
     return out
 
 
-def mlp_shm(build, sizes, stage):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as d:
-        stats = os.path.join(d, "s.json")
-        steps = "200" if sizes[0] < 1024 else "40"
-        run([os.path.join(build, "bin/shardflow"), "run", "--nproc-per-node", "2", "--no-prefix", "--",
-             os.path.join(build, "examples/mlp_train"), "--sizes", ",".join(map(str, sizes)), "--steps", steps,
-             "--global-batch", "64", "--optimizer", "adam", "--lr", "1e-3", "--quiet", "--stats-json", stats,
-             "--zero-stage", str(stage), "--overlap", "interleaved" if stage else "none", "--backend", "shm"], env)
-        with open(stats) as f:
-            return json.load(f)["median"]["iteration_ms"]
-
-
 def one_round(build, first, a):
     out = {}
     if "ddp" in a.only:
@@ -104,9 +94,9 @@ def one_round(build, first, a):
         for stage in a.overlap_stages:
             out.update(bench_overlap(build, stage, [r * (scale if stage == 1 else 1.0) for r in a.ratios], a.ratios))
     if "shm" in a.only:
-        for name, sizes in (("4 x Linear(256,256)", [256] * 5), ("8 x Linear(1024,1024)", [1024] * 9)):
+        for name, sizes in runs.MODELS.items():
             for stage in (0, 1, 2):
-                out[f"mlp_train shm world 2 {name} ZeRO-{stage}"] = mlp_shm(build, sizes, stage)
+                out[f"mlp_train shm world 2 {name} ZeRO-{stage}"] = runs.shardflow_world2(build, sizes, runs.steps_for(sizes), stage)
     return out
 
 

@@ -14,20 +14,15 @@ all-reduce the trainer adds). Needs Debian's python3-torch (optional; nothing in
 tests depends on it).
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
+from shardflow_mlp_runs import BATCH, MODELS, shardflow_world1, shardflow_world2, steps_for
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-MODELS = {"4 x Linear(256,256)": [256] * 5, "8 x Linear(1024,1024)": [1024] * 9}
-BATCH = 32  # rows per rank
 
 
 def make(sizes):
@@ -86,41 +81,6 @@ def torch_world2(sizes, steps, zero):
     return ms
 
 
-def mlp_args(build, sizes, steps, world, stage, stats):
-    return [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join(map(str, sizes)), "--steps", str(steps),
-            "--global-batch", str(BATCH * world), "--optimizer", "adam", "--lr", "1e-3", "--quiet", "--stats-json", stats,
-            "--zero-stage", str(stage), "--overlap", "interleaved" if stage else "none"]
-
-
-def iteration_ms(stats):
-    with open(stats) as f:
-        return json.load(f)["median"]["iteration_ms"]
-
-
-def shardflow_world1(build, sizes, steps, copies=1):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as d:
-        procs = []
-        for c in range(copies):  # copies > 1: independent processes at once (the floor)
-            stats = os.path.join(d, f"s{c}.json")
-            procs.append((subprocess.Popen(mlp_args(build, sizes, steps, 1, 0, stats), env=env, stdout=subprocess.DEVNULL), stats))
-        for p, _ in procs:
-            if p.wait() != 0:
-                sys.exit("torch_ddp_reference: mlp_train failed")
-        return statistics.mean(iteration_ms(s) for _, s in procs)
-
-
-def shardflow_world2(build, sizes, steps, stage):
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory() as d:
-        stats = os.path.join(d, "s.json")
-        cmd = [os.path.join(build, "bin/shardflow"), "run", "--nproc-per-node", "2", "--no-prefix", "--"] + \
-            mlp_args(build, sizes, steps, 2, stage, stats) + ["--backend", "shm"]
-        if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
-            sys.exit("torch_ddp_reference: shardflow run failed")
-        return iteration_ms(stats)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
@@ -128,7 +88,7 @@ def main():
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {a.reps} rounds A B A B, medians; ms per step")
     for name, sizes in MODELS.items():
-        steps = 200 if sizes[0] < 1024 else 40
+        steps = steps_for(sizes)
         configs = [
             ("torch world 1", lambda: torch_world1(sizes, steps)),
             ("torch DDP world 2", lambda: torch_world2(sizes, steps, False)),
