@@ -115,6 +115,9 @@ def main():
     if unknown:
         sys.exit(f"builds_one_host: --only: unknown bench(es) {', '.join(sorted(unknown))}; expected ddp, zero, overlap, shm")
     a.overlap_stages = [int(x) for x in a.overlap_stages.split(",")]
+    if a.stage1_ratio_scale != 1.0 and ("overlap" not in a.only or 1 not in a.overlap_stages):
+        sys.exit("builds_one_host: --stage1-ratio-scale rescales bench_overlap's stage 1, which this run does not measure "
+                 "(--only / --overlap-stages)")
     a.ratios = [float(x) for x in a.ratios.split(",")]
     builds = a.builds.split(",")
     if len(builds) != 2:
