@@ -4,7 +4,9 @@
 # libraries it and the CUDA test binaries load (CAF, Gloo, spdlog, OpenBLAS, ...; not glibc,
 # libstdc++, CUDA or NCCL, which the machine has), CLI11's headers, the CUDA suites, mlp_train with
 # its GPU module, bench_optim_cuda and the fortunes corpus. scripts/gpu/run.sh uses it there.
-#   scripts/gpu/pack.sh [BUILD_DIR]        (default build/; built with CUDA, `make build`)
+# OLD_BUILD, another tree's build (its targets shardflow and shardflow_cli at least), is installed
+# beside it in .gpu/old/ for run.sh's `ab` step: both libraries' GPT steps alternated on one GPU.
+#   scripts/gpu/pack.sh [BUILD_DIR [OLD_BUILD]]   (default build/; built with CUDA, `make build`)
 set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -13,6 +15,10 @@ rm -rf .gpu
 mkdir -p .gpu/lib .gpu/bin .gpu/include .gpu/data
 cmake --install "$build" --prefix .gpu/prefix >/dev/null
 rm -rf .gpu/prefix/lib/python3*  # the module is built there, for that machine's Python and torch
+if [ -n "${2:-}" ]; then
+  cmake --install "$2" --prefix .gpu/old/prefix >/dev/null
+  rm -rf .gpu/old/prefix/lib/python3*
+fi
 bins="$build/tests/test_cuda $build/tests/test_cuda_comm $build/examples/mlp_train $build/examples/libshardflow_mlp_cuda.so $build/bench/bench_optim_cuda"
 cp $bins .gpu/bin/
 for f in .gpu/prefix/lib/libshardflow.so $bins; do ldd "$f"; done | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |

@@ -4,8 +4,11 @@
 # runs: builds shardflow.torch and gpt_train against the machine's torch (tools/torch_build), then
 # checks and measures. Everything it prints goes to $OUT/run.log; JSONs and traces to
 # $OUT/results.tar.gz.
-#   scripts/gpu/run.sh [all | build | check | bench | bench-fp32 | bench-bf16 | gpt | threads | suites] ...
-#   (default: all, in that order; bench is both bench-fp32 and bench-bf16)
+#   scripts/gpu/run.sh [all | build | check | bench | bench-fp32 | bench-bf16 | gpt | threads | suites | ab] ...
+#   (default: all, in that order; bench is both bench-fp32 and bench-bf16; ab only when named, and
+#   only where pack.sh was given an OLD_BUILD: AB_ROUNDS (3) rounds of AB_PRECISIONS ("bf16 fp32";
+#   fp32 in the first two rounds only), AB_STEPS (25) steps a process, then a torch.profiler trace of
+#   this library's bf16 steps unless AB_PROFILE=0)
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -37,7 +40,18 @@ if want build; then
   timeout 300 cmake -S tools/torch_build -B build-torch -G Ninja -Dshardflow_DIR="$root/.gpu/prefix/lib/cmake/shardflow" -DTorch_DIR="$torch_dir" \
     -Dpybind11_DIR="$pybind" -DPython_EXECUTABLE="$(command -v python3)" -DCLI11_INCLUDE_DIR="$root/.gpu/include" -DSHARDFLOW_TEXT="$data" \
     -DCMAKE_CUDA_ARCHITECTURES=90 2>&1 | grep -v -E '^-- (Looking|Performing|Detecting|Check)' | tail -25
+  configure() {  # $1: the build folder, $2: the installed prefix it builds against
+    timeout 300 cmake -S tools/torch_build -B "$1" -G Ninja -Dshardflow_DIR="$2/lib/cmake/shardflow" -DTorch_DIR="$torch_dir" \
+      -Dpybind11_DIR="$pybind" -DPython_EXECUTABLE="$(command -v python3)" -DCLI11_INCLUDE_DIR="$root/.gpu/include" -DSHARDFLOW_TEXT="$data" \
+      -DCMAKE_CUDA_ARCHITECTURES=90 2>&1 | grep -v -E '^-- (Looking|Performing|Detecting|Check)' | tail -25
+  }
+  configure build-torch "$root/.gpu/prefix"
+  [ -d .gpu/old/prefix ] && configure build-torch-old "$root/.gpu/old/prefix" >/dev/null
+  old_build=
+  [ -d .gpu/old/prefix ] && { timeout 400 cmake --build build-torch-old -j 8 >/tmp/sf/build-old.log 2>&1 & old_build=$!; }
   timeout 400 cmake --build build-torch -j 16 2>&1 | grep -E 'error|Error|warning: |Linking' | head -60
+  [ -n "$old_build" ] && wait "$old_build"  # a bare wait would wait for the tee above too
+  [ -d .gpu/old/prefix ] && { grep -E 'error|Error' /tmp/sf/build-old.log | head -20; ls -la build-torch-old/python/shardflow/_C*; }
   ls -la build-torch/gpt_train build-torch/python/shardflow/ 2>&1
 fi
 
@@ -83,6 +97,33 @@ if want suites; then
   stamp "suites: test_cuda, test_cuda_comm (built on the VM)"
   timeout 150 .gpu/bin/test_cuda 2>&1 | tail -4
   timeout 300 .gpu/bin/test_cuda_comm 2>&1 | tail -6
+fi
+
+# Processes alternated, old library then this one, each with PyTorch side by side in the same
+# process: the ratio to PyTorch per process, and old against new across processes (A B A B).
+if [[ " $steps " == *" ab "* && -d .gpu/old/prefix ]]; then
+  libs="/tmp/sf/lib:$(dirname "$nccl"):$(dirname "$cudart")"
+  for b in old new; do
+    [ $b = old ] && pre=.gpu/old/prefix py=build-torch-old/python || pre=.gpu/prefix py=build-torch/python
+    echo "$b: $(LD_LIBRARY_PATH=$root/$pre/lib:$libs PYTHONPATH=$root/$py python3 -c 'import shardflow.torch; print(*sorted({l.split()[-1] for l in open("/proc/self/maps") if "libshardflow.so" in l}))')"
+  done
+  for r in $(seq "${AB_ROUNDS:-3}"); do
+    for prec in ${AB_PRECISIONS:-bf16 fp32}; do
+      [ $prec = fp32 ] && [ $r = 3 ] && continue
+      for b in old new; do
+        [ $b = old ] && pre=.gpu/old/prefix py=build-torch-old/python || pre=.gpu/prefix py=build-torch/python
+        flag=; [ $prec = bf16 ] && flag=--bf16
+        stamp "ab: round $r, $prec, the $b library"
+        LD_LIBRARY_PATH=$root/$pre/lib:$libs PYTHONPATH=$root/$py timeout 150 python3 bench/gpu_gpt.py --data "$data" $flag --rounds 1 \
+          --steps ${AB_STEPS:-25} --warmup 5 --out /tmp/sf/results/ab_${prec}_${b}_r$r.json | tail -3
+      done
+    done
+  done
+  if want bench-bf16 || [ "${AB_PROFILE:-1}" = 0 ]; then :; else
+    stamp "ab: a torch.profiler trace of this library's bf16 steps"
+    timeout 120 python3 bench/gpu_gpt.py --data "$data" --bf16 --rounds 1 --steps 8 --configs torch,zero1 --out /tmp/sf/results/profile_run.json \
+      --profile /tmp/sf/results/profile_bf16 | tail -2
+  fi
 fi
 
 stamp "results"
