@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "runtime/comm/peer_collective.hpp"
+#include "runtime/comm/shm_segment.hpp"
 #include "support/helpers.hpp"
 #include "shardflow/shm.hpp"
 #include "shardflow/store.hpp"
@@ -116,6 +117,39 @@ TEST_CASE("shm: a rank that never submits -> the others time out naming it — a
     CHECK(test::message_of(error).find("the trainer on rank 1 hit a NaN") != std::string::npos);
     CHECK(std::chrono::steady_clock::now() - t0 < 5s);
   }
+}
+
+// Note [Leaving the barrier]: rank 1 has marked its arrival at a barrier op but not yet counted
+// itself (held there by the test's hook) when ranks 0 and 2 give up at their deadline. Counting
+// itself last must not complete the barrier over their abandoned arrivals: it fails as they did.
+TEST_CASE("shm: world 3, two ranks time out of a barrier while the third is about to count itself -> it fails too, "
+          "naming them, instead of passing alone") {
+  ShmWorld w(3, 1 << 16, 300ms);
+  std::atomic<int> gave_up{0};
+  shm::set_barrier_hook_for_tests([&](int rank) {
+    if (rank != 1) return;
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (gave_up.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  });
+  auto errors = test::run_ranks(3, [&](int r) {
+    try {
+      w.comms[std::size_t(r)]->run(test::make(CollectiveKind::barrier, nullptr, nullptr, 0), 20s);
+    } catch (...) {
+      if (r != 1) ++gave_up;
+      throw;
+    }
+  });
+  shm::set_barrier_hook_for_tests({});
+  CHECK(gave_up.load() == 2);
+  // The first to reach its deadline times out and aborts the world; the other may hear the abort.
+  REQUIRE(errors[0]);
+  REQUIRE(errors[2]);
+  CHECK((test::is<TimeoutError>(errors[0]) || test::is<TimeoutError>(errors[2])));
+  REQUIRE_MESSAGE(errors[1], "rank 1 passed a barrier that ranks 0 and 2 had failed");
+  CHECK(test::is<CommError>(errors[1]));
+  const auto msg = test::message_of(errors[1]);
+  INFO(msg);
+  CHECK(msg.find("rank(s) 0, 2 gave up on this barrier") != std::string::npos);
 }
 
 TEST_CASE("shm: a rank started with another world size is refused, naming both sizes") {

@@ -30,6 +30,23 @@
 // rank whose process is gone fails the barrier: one that arrived and died could not do the next op
 // either. A barrier that completed (its last rank bumped the generation, then exited at the end of
 // the job) is not mistaken for one: the generation is read again before failing.
+//
+// Note [Leaving the barrier]
+// A rank that gives up waiting (a dead peer, its deadline, an abort) used to leave its arrival in
+// the count. A rank that had passed the abort check just before then came, counted itself last and
+// completed the generation: through a barrier every other rank failed, into the op's data phase
+// over buffers their runtimes were already taking back (and a barrier op returned success on it
+// alone). The first test_launch shrink run under TSan of 2026-12-02 saw a rank get two ops ahead of
+// a dead one that way. Now a rank that gives up takes its mark back first and then reads the
+// count; the last arriver, after counting itself, reads every rank's mark before it completes
+// (each side's write before its read, sequentially consistent: at least one sees the other's).
+//  - The last arriver sees a mark taken back: it fails the barrier (abort, CommError naming the
+//    ranks that left) instead of completing it.
+//  - The leaver sees the count full (or already reset): the last arriver may have read its mark
+//    before it was taken back and is completing. It waits for the generation to move (then it goes
+//    on, the barrier passed) or for the abort (then it fails), briefly bounded.
+//  - Otherwise the last arriver has not counted itself yet and will see the mark taken back.
+// A rank killed after marking keeps its mark: it did arrive, and the next barrier names its death.
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -245,9 +262,17 @@ class ShmComm final : public Communicator {
     Header& h = *header_;
     if (h.aborted.load(std::memory_order_acquire)) fail_aborted(what);
     const std::uint32_t gen = h.generation.load(std::memory_order_acquire);
-    slots_[rank_].arrived.store(gen + 1, std::memory_order_relaxed);
+    slots_[rank_].arrived.store(gen + 1, std::memory_order_seq_cst);
     if (test_fault::armed()) test_fault::reached("barrier");  // test_launch's kill between the two
-    if (h.count.fetch_add(1, std::memory_order_acq_rel) + 1 == std::uint32_t(n_)) {
+    shm::barrier_hook(rank_);
+    if (h.count.fetch_add(1, std::memory_order_seq_cst) + 1 == std::uint32_t(n_)) {
+      // Note [Leaving the barrier]: complete it only if nobody took their mark back.
+      const std::string left = missing(gen);
+      if (!left.empty()) {
+        const std::string msg = what() + ": rank(s) " + left + " gave up on this barrier before it completed";
+        abort_world(msg);
+        throw CommError(msg);
+      }
       h.count.store(0, std::memory_order_relaxed);
       h.generation.store(gen + 1, std::memory_order_release);
       futex_wake_all(&h.generation);
@@ -260,11 +285,15 @@ class ShmComm final : public Communicator {
     auto next_liveness = start + std::chrono::milliseconds(100);
     const auto deadline = start + timeout_;
     while (h.generation.load(std::memory_order_acquire) == gen) {
-      if (h.aborted.load(std::memory_order_acquire)) fail_aborted(what);
+      if (h.aborted.load(std::memory_order_acquire)) {
+        if (leave(gen)) return;
+        fail_aborted(what);
+      }
       const auto now = clock::now();
       if (now >= deadline) {
         const std::string msg = what() + ": rank(s) " + missing(gen) + " did not arrive within " +
                                 std::to_string(timeout_.count()) + " ms (Config::timeouts.collective)";
+        if (leave(gen)) return;
         abort_world("rank " + std::to_string(rank_) + " timed out: " + msg);
         throw TimeoutError(msg);
       }
@@ -272,17 +301,39 @@ class ShmComm final : public Communicator {
         next_liveness = now + std::chrono::milliseconds(100);
         for (int r = 0; r < n_; ++r) {  // Note [A rank dead inside the barrier]
           const auto pid = slots_[r].pid.load(std::memory_order_acquire);
-          if (r != rank_ && process_dead(pid) && h.generation.load(std::memory_order_acquire) == gen) fail_dead(what, r, pid);
+          if (r != rank_ && process_dead(pid) && h.generation.load(std::memory_order_acquire) == gen) {
+            if (leave(gen)) return;
+            fail_dead(what, r, pid);
+          }
         }
       }
       futex_wait(&h.generation, gen, std::min<clock::duration>(std::chrono::milliseconds(50), deadline - now));
     }
   }
 
+  // Note [Leaving the barrier]: this rank gives up on generation `gen`. True: the barrier completed
+  // after all (go on); false: it did not and never will with this rank's arrival (fail).
+  bool leave(std::uint32_t gen) {
+    Header& h = *header_;
+    slots_[rank_].arrived.store(gen, std::memory_order_seq_cst);
+    const std::uint32_t count = h.count.load(std::memory_order_seq_cst);
+    if (h.generation.load(std::memory_order_seq_cst) != gen) return true;
+    if (count != 0 && count < std::uint32_t(n_)) return false;
+    // The last arriver counted itself and is deciding: it bumps the generation or aborts within
+    // microseconds (a bound in case it died in between).
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (std::chrono::steady_clock::now() < until) {
+      if (h.generation.load(std::memory_order_acquire) != gen) return true;
+      if (h.aborted.load(std::memory_order_acquire)) return false;
+      std::this_thread::yield();
+    }
+    return h.generation.load(std::memory_order_acquire) != gen;
+  }
+
   std::string missing(std::uint32_t gen) const {
     std::string out;
     for (int r = 0; r < n_; ++r)
-      if (slots_[r].arrived.load(std::memory_order_acquire) != gen + 1) out += (out.empty() ? "" : ", ") + std::to_string(r);
+      if (slots_[r].arrived.load(std::memory_order_seq_cst) != gen + 1) out += (out.empty() ? "" : ", ") + std::to_string(r);
     return out;
   }
 

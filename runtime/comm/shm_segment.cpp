@@ -83,4 +83,22 @@ void sweep_stale_segments() {
   remove_segments_if([](long pid) { return ::kill(pid_t(pid), 0) == -1 && errno == ESRCH; });
 }
 
+namespace {
+std::atomic<bool> hook_set{false};
+std::function<void(int)>& hook_fn() {
+  static std::function<void(int)> f;
+  return f;
+}
+}  // namespace
+
+void set_barrier_hook_for_tests(std::function<void(int rank)> hook) {
+  hook_set.store(false);
+  hook_fn() = std::move(hook);
+  hook_set.store(bool(hook_fn()));
+}
+
+void barrier_hook(int rank) {
+  if (hook_set.load(std::memory_order_acquire)) hook_fn()(rank);
+}
+
 }  // namespace shardflow::shm

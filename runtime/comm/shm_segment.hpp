@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace shardflow::shm {
@@ -37,6 +38,11 @@ bool process_dead(std::int32_t pid);
 
 // This host's name and boot id: ranks that disagree are not on one host (and cannot share memory).
 std::string host_identity();
+
+// Tests only: the shm barrier calls `hook(rank)` between marking the rank arrived and counting it
+// (Note [Leaving the barrier]); an empty one removes it. Set it while no collective runs.
+void set_barrier_hook_for_tests(std::function<void(int rank)> hook);
+void barrier_hook(int rank);  // the barrier's call: one atomic load when no hook is set
 
 // Removes segments of earlier jobs whose owner process is gone (a job killed with SIGKILL cannot
 // unlink its registered buffers). Names: shardflow-<pid of rank 0>-<random>[-r<rank>-<serial>].
