@@ -47,6 +47,8 @@
 //    on, the barrier passed) or for the abort (then it fails), briefly bounded.
 //  - Otherwise the last arriver has not counted itself yet and will see the mark taken back.
 // A rank killed after marking keeps its mark: it did arrive, and the next barrier names its death.
+// Whatever else put arrivals in the count, a generation completes only when every rank's mark
+// names it: a rank dead ops behind has no mark there.
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
