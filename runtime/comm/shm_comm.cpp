@@ -36,10 +36,11 @@
 // the count. A rank that had passed the abort check just before then came, counted itself last and
 // completed the generation: through a barrier every other rank failed, into the op's data phase
 // over buffers their runtimes were already taking back (and a barrier op returned success on it
-// alone). The first test_launch shrink run under TSan of 2026-12-02 saw a rank get two ops ahead of
-// a dead one that way. Now a rank that gives up takes its mark back first and then reads the
-// count; the last arriver, after counting itself, reads every rank's mark before it completes
-// (each side's write before its read, sequentially consistent: at least one sees the other's).
+// alone). (The first test_launch shrink run under TSan of 2026-12-02 saw a rank two ops ahead of a
+// dead one; how it got there is not known.) Now a rank that gives up takes its mark back first
+// and then reads the count; the last arriver, after counting itself, reads every rank's mark
+// before it completes (each side's write before its read, sequentially consistent: at least one
+// sees the other's).
 //  - The last arriver sees a mark taken back: it fails the barrier (abort, CommError naming the
 //    ranks that left) instead of completing it.
 //  - The leaver sees the count full (or already reset): the last arriver may have read its mark

@@ -37,9 +37,6 @@ if want build; then
   stamp "build: tools/torch_build against this torch"
   torch_dir=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch
   pybind=$(python3 -m pybind11 --cmakedir)
-  timeout 300 cmake -S tools/torch_build -B build-torch -G Ninja -Dshardflow_DIR="$root/.gpu/prefix/lib/cmake/shardflow" -DTorch_DIR="$torch_dir" \
-    -Dpybind11_DIR="$pybind" -DPython_EXECUTABLE="$(command -v python3)" -DCLI11_INCLUDE_DIR="$root/.gpu/include" -DSHARDFLOW_TEXT="$data" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 2>&1 | grep -v -E '^-- (Looking|Performing|Detecting|Check)' | tail -25
   configure() {  # $1: the build folder, $2: the installed prefix it builds against
     timeout 300 cmake -S tools/torch_build -B "$1" -G Ninja -Dshardflow_DIR="$2/lib/cmake/shardflow" -DTorch_DIR="$torch_dir" \
       -Dpybind11_DIR="$pybind" -DPython_EXECUTABLE="$(command -v python3)" -DCLI11_INCLUDE_DIR="$root/.gpu/include" -DSHARDFLOW_TEXT="$data" \
