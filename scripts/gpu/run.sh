@@ -6,9 +6,9 @@
 # $OUT/results.tar.gz.
 #   scripts/gpu/run.sh [all | build | check | bench | bench-fp32 | bench-bf16 | gpt | threads | suites | ab] ...
 #   (default: all, in that order; bench is both bench-fp32 and bench-bf16; ab only when named, and
-#   only where pack.sh was given an OLD_BUILD: AB_ROUNDS (3) rounds of AB_PRECISIONS ("bf16 fp32";
-#   fp32 in the first two rounds only), AB_STEPS (25) steps a process, then a torch.profiler trace of
-#   this library's bf16 steps unless AB_PROFILE=0)
+#   it needs pack.sh to have been given an OLD_BUILD: AB_ROUNDS (3) rounds of AB_PRECISIONS ("bf16
+#   fp32"), AB_STEPS (25) steps a process, then a torch.profiler trace of this library's bf16 steps
+#   unless AB_PROFILE=0)
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -16,6 +16,20 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/sf/results
 exec > >(tee -a "$OUT/run.log") 2>&1
 steps=${*:-all}
+for w in $steps; do
+  case $w in all | build | check | bench | bench-fp32 | bench-bf16 | gpt | threads | suites | ab) ;;
+    *) echo "run.sh: unknown step '$w' (all, build, check, bench, bench-fp32, bench-bf16, gpt, threads, suites, ab)"; exit 2 ;;
+  esac
+done
+if [[ " $steps " == *" ab "* ]]; then  # refused before the device time goes into the build
+  [ -d .gpu/old/prefix ] || { echo "run.sh: ab needs a second library: scripts/gpu/pack.sh BUILD OLD_BUILD"; exit 2; }
+  for prec in ${AB_PRECISIONS:-bf16 fp32}; do
+    [[ $prec == bf16 || $prec == fp32 ]] || { echo "run.sh: AB_PRECISIONS: '$prec' is neither bf16 nor fp32"; exit 2; }
+  done
+  [[ ${AB_ROUNDS:-3} =~ ^[1-9][0-9]*$ && ${AB_STEPS:-25} =~ ^[1-9][0-9]*$ ]] ||
+    { echo "run.sh: AB_ROUNDS and AB_STEPS are positive counts (got '${AB_ROUNDS:-}', '${AB_STEPS:-}')"; exit 2; }
+  [[ ${AB_PROFILE:-1} == 0 || ${AB_PROFILE:-1} == 1 ]] || { echo "run.sh: AB_PROFILE is 0 or 1 (got '$AB_PROFILE')"; exit 2; }
+fi
 want() { for w in "$@"; do [[ " $steps " == *" all "* || " $steps " == *" $w "* ]] && return 0; done; return 1; }
 stamp() { echo; echo "=== $(date +%T) $*"; }
 
@@ -98,25 +112,27 @@ fi
 
 # Processes alternated, old library then this one, each with PyTorch side by side in the same
 # process: the ratio to PyTorch per process, and old against new across processes (A B A B).
-if [[ " $steps " == *" ab "* && -d .gpu/old/prefix ]]; then
+if [[ " $steps " == *" ab "* ]]; then
   libs="/tmp/sf/lib:$(dirname "$nccl"):$(dirname "$cudart")"
+  with_lib() {  # $1: old or new; the rest: a command run against that library and its module
+    local pre=.gpu/prefix py=build-torch/python
+    [ "$1" = old ] && pre=.gpu/old/prefix py=build-torch-old/python
+    LD_LIBRARY_PATH=$root/$pre/lib:$libs PYTHONPATH=$root/$py "${@:2}"
+  }
   for b in old new; do
-    [ $b = old ] && pre=.gpu/old/prefix py=build-torch-old/python || pre=.gpu/prefix py=build-torch/python
-    echo "$b: $(LD_LIBRARY_PATH=$root/$pre/lib:$libs PYTHONPATH=$root/$py python3 -c 'import shardflow.torch; print(*sorted({l.split()[-1] for l in open("/proc/self/maps") if "libshardflow.so" in l}))')"
+    echo "$b: $(with_lib $b python3 -c 'import shardflow.torch; print(*sorted({l.split()[-1] for l in open("/proc/self/maps") if "libshardflow.so" in l}))')"
   done
   for r in $(seq "${AB_ROUNDS:-3}"); do
     for prec in ${AB_PRECISIONS:-bf16 fp32}; do
-      [ $prec = fp32 ] && [ $r = 3 ] && continue
+      flag=; [ $prec = bf16 ] && flag=--bf16
       for b in old new; do
-        [ $b = old ] && pre=.gpu/old/prefix py=build-torch-old/python || pre=.gpu/prefix py=build-torch/python
-        flag=; [ $prec = bf16 ] && flag=--bf16
         stamp "ab: round $r, $prec, the $b library"
-        LD_LIBRARY_PATH=$root/$pre/lib:$libs PYTHONPATH=$root/$py timeout 150 python3 bench/gpu_gpt.py --data "$data" $flag --rounds 1 \
-          --steps ${AB_STEPS:-25} --warmup 5 --out /tmp/sf/results/ab_${prec}_${b}_r$r.json | tail -3
+        with_lib $b timeout 150 python3 bench/gpu_gpt.py --data "$data" $flag --rounds 1 --steps "${AB_STEPS:-25}" --warmup 5 \
+          --out /tmp/sf/results/ab_${prec}_${b}_r$r.json | tail -3
       done
     done
   done
-  if want bench-bf16 || [ "${AB_PROFILE:-1}" = 0 ]; then :; else
+  if [ "${AB_PROFILE:-1}" = 1 ] && ! want bench-bf16; then  # bench-bf16 writes its own profile
     stamp "ab: a torch.profiler trace of this library's bf16 steps"
     timeout 120 python3 bench/gpu_gpt.py --data "$data" --bf16 --rounds 1 --steps 8 --configs torch,zero1 --out /tmp/sf/results/profile_run.json \
       --profile /tmp/sf/results/profile_bf16 | tail -2
