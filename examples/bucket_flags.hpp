@@ -29,8 +29,8 @@ struct BucketFlags {
         ->capture_default_str();
     app.add_option("--bucket-mb", cap_mb, "bucket cap, MiB, used as given (default: 25, shrunk so that a small model gets --min-buckets)");
     app.add_option("--min-buckets", min_buckets,
-                   "shrink the bucket cap until the model has this many buckets (default: 4 with the default cap, none with "
-                   "--bucket-mb; 0: never)")
+                   "shrink the bucket cap until the model has this many buckets (default with the default cap: 4, or 16 at "
+                   "ZeRO stage 1 or 2 over more than one rank; none with --bucket-mb; 0: never)")
         ->check(CLI::Range(0, 1 << 20));
   }
 

@@ -94,8 +94,8 @@ void add_plan_options(CLI::App& cmd, PlanArgs& args, bool required) {
   cmd.add_option("--bucket-cap-mb", args.cap_mb,
                  "bucket cap, MiB, used as given (default: 25, shrunk so that a small model gets --min-buckets buckets)");
   cmd.add_option("--min-buckets", args.min_buckets,
-                 "shrink the cap so that the model gets at least this many buckets (default: 4 with the default cap, "
-                 "none with --bucket-cap-mb; 0: never)")
+                 "shrink the cap so that the model gets at least this many buckets (default with the default cap: 4, or "
+                 "16 at ZeRO stage 1 or 2 over more than one rank; none with --bucket-cap-mb; 0: never)")
       ->check(CLI::Range(0, 1 << 20));
   cmd.add_option("--zero-stage", args.stage, "0, 1 or 2")->capture_default_str();
   cmd.add_option("--partition", args.partition, "param | bucket | flat")->capture_default_str();

@@ -91,9 +91,21 @@ TrainableBytes trainable_bytes(const std::vector<ParamSpec>& params) {
 // min_buckets x cap the cap follows the model instead. Smaller buckets cost a collective's latency
 // each, which the first bucket's cap bounds from below. A cap the user set is theirs (as PyTorch's
 // bucket_cap_mb): it shrinks only if they also set min_buckets.
+//
+// ZeRO's chain per bucket is longer than DDP's: a reduction, a step, then a sync, which with
+// interleaved overlap waits for later reductions too, and with forward prefetch the next forward
+// waits for a whole bucket's sync before its first layer in that bucket. What stands between
+// backward's end and the next forward is then a few buckets' collectives, not one; it shrinks with
+// the bucket, so sharded stages get 16 buckets at least where DDP gets 4. The GPT of examples/gpt
+// (40.9 MiB, world 2 on a simulated 1 Gbit/s link, ZeRO-1 interleaved): 4 gave 6 buckets and
+// 110-126 ms of the link exposed an iteration, 16 gave 14 and about half that (bench/RESULTS.md,
+// "Buckets for ZeRO"); stage 2's in-flight budget gave it 13 already. A collective's latency a
+// bucket more is what it costs (two of them, tens of microseconds each on a network).
+std::size_t default_min_buckets(const PlanSettings& s) { return sharded(s) ? kDefaultMinBucketsSharded : kDefaultMinBuckets; }
+
 void apply_min_buckets(BucketCaps& c, std::size_t total, const PlanSettings& s) {
   const bool cap_set = s.cap_bytes != 0;
-  const std::size_t min_buckets = s.min_buckets.value_or(cap_set ? 0 : kDefaultMinBuckets);
+  const std::size_t min_buckets = s.min_buckets.value_or(cap_set ? 0 : default_min_buckets(s));
   if (min_buckets == 0 || std::max(c.first, total / min_buckets) >= c.cap) return;
   c.cap = std::max(c.first, total / min_buckets);
   c.cap_rule = "min_buckets " + std::to_string(min_buckets) + ": " + mib(total) + " trainable / " + std::to_string(min_buckets) +

@@ -42,9 +42,12 @@ const char* partition_name(Partition p);
 
 // How gradients are grouped for reduction.
 // The bucket cap when none is set (PyTorch's DDP default), and the buckets a small model gets
-// at least under it (BucketConfig::min_buckets).
+// at least under it (BucketConfig::min_buckets): with DDP, and with ZeRO stages 1 and 2 at a world
+// above 1, whose reduction, step and sync form a longer chain per bucket (Note [Buckets for small
+// models]).
 inline constexpr std::size_t kDefaultBucketCapBytes = std::size_t{25} << 20;
 inline constexpr std::size_t kDefaultMinBuckets = 4;
+inline constexpr std::size_t kDefaultMinBucketsSharded = 16;
 
 struct BucketConfig {
   // Buckets are formed walking parameters in reverse registration order (backward produces the
@@ -64,8 +67,9 @@ struct BucketConfig {
   // overlaps: the reductions wait for the whole backward and the parameter syncs for the whole
   // step. So the default cap shrinks to the trainable bytes / min_buckets, never below
   // first_cap_bytes (Note [Buckets for small models]; 8 x Linear(512, 512) over a 1 Gbit/s link,
-  // ZeRO-1: 84 -> 77 ms). Unset (default): 4 with the default cap, none with a cap you set; set,
-  // it applies to either (0: never shrink).
+  // ZeRO-1: 84 -> 77 ms). Unset (default): with the default cap 4, or 16 where ZeRO stage 1 or 2
+  // shards over more than one rank; none with a cap you set. Set, it applies to either (0: never
+  // shrink).
   std::optional<std::size_t> min_buckets;
   // Gradients live inside the flat bucket buffers (no copy into / out of the bucket). Trainers
   // write gradients where Runtime::grad() points. Off: the trainer owns gradient storage
