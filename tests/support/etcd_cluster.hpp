@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -29,28 +31,11 @@ class EtcdCluster {
   // ("/usr/sbin/ip netns exec NS": a member inside a network-namespace host).
   EtcdCluster(int members, const std::string& token, bool auth = true, std::string host = "127.0.0.1", std::string wrap = "")
       : host_(std::move(host)), wrap_(std::move(wrap)) {
-    dir_ = std::filesystem::temp_directory_path() / ("sf-etcd-" + std::to_string(::getpid()) + "-" + std::to_string(free_port()));
-    std::filesystem::create_directories(dir_);
-    std::string cluster;
-    for (int m = 0; m < members; ++m) {
-      client_.push_back(free_port());
-      peer_.push_back(free_port());
-      cluster += (m ? "," : "") + name(m) + "=http://" + host_ + ":" + std::to_string(peer_[m]);
-    }
-    for (int m = 0; m < members; ++m) {
-      const std::string c = "http://" + host_ + ":" + std::to_string(client_[m]), p = "http://" + host_ + ":" + std::to_string(peer_[m]);
-      // Elections in 0.5 s rather than 1 s: the fail-over scenarios wait for one.
-      const std::string cmd = "exec " + wrap_ + " /usr/bin/etcd --name " + name(m) + " --data-dir " + (dir_ / name(m)).string() + " --listen-client-urls " + c +
-                              " --advertise-client-urls " + c + " --listen-peer-urls " + p + " --initial-advertise-peer-urls " + p +
-                              " --initial-cluster " + cluster + " --initial-cluster-state new --initial-cluster-token " + dir_.filename().string() +
-                              " --heartbeat-interval 50 --election-timeout 500 > " + (dir_ / (name(m) + ".log")).string() + " 2>&1";
-      members_.push_back(std::make_unique<Child>(std::vector<std::string>{"/bin/sh", "-c", cmd}));
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (!ctl("endpoint health")) {
-      if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("etcd did not become healthy: see " + dir_.string());
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+    // A port free when picked can be another process's by the time etcd binds it (the kernel
+    // hands the same ephemeral range to outgoing connections; a clean clone's `make test` lost a
+    // case to "bind: address already in use"). Such a start is made again on new ports.
+    for (int attempt = 1; !start(members); ++attempt)
+      if (attempt == 5) throw std::runtime_error("etcd could not bind its ports in 5 tries: see " + dir_.string());
     if (auth) {
       for (const std::string& c : std::vector<std::string>{"user add root:root-password", "user grant-role root root", "role add shardflow-job",
                                    "role grant-permission shardflow-job --prefix=true readwrite /shardflow/", "user add shardflow:" + token,
@@ -75,6 +60,49 @@ class EtcdCluster {
 
  private:
   static std::string name(int m) { return "m" + std::to_string(m); }
+
+  // Starts the members on ports picked now and waits until they answer: false (members stopped,
+  // their directory gone) when one found its port taken; throws for any other failure.
+  bool start(int members) {
+    members_.clear();
+    client_.clear();
+    peer_.clear();
+    if (!dir_.empty()) {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir_, ignored);
+    }
+    dir_ = std::filesystem::temp_directory_path() / ("sf-etcd-" + std::to_string(::getpid()) + "-" + std::to_string(free_port()));
+    std::filesystem::create_directories(dir_);
+    std::string cluster;
+    for (int m = 0; m < members; ++m) {
+      client_.push_back(free_port());
+      peer_.push_back(free_port());
+      cluster += (m ? "," : "") + name(m) + "=http://" + host_ + ":" + std::to_string(peer_[m]);
+    }
+    for (int m = 0; m < members; ++m) {
+      const std::string c = "http://" + host_ + ":" + std::to_string(client_[m]), p = "http://" + host_ + ":" + std::to_string(peer_[m]);
+      // Elections in 0.5 s rather than 1 s: the fail-over scenarios wait for one.
+      const std::string cmd = "exec " + wrap_ + " /usr/bin/etcd --name " + name(m) + " --data-dir " + (dir_ / name(m)).string() + " --listen-client-urls " + c +
+                              " --advertise-client-urls " + c + " --listen-peer-urls " + p + " --initial-advertise-peer-urls " + p +
+                              " --initial-cluster " + cluster + " --initial-cluster-state new --initial-cluster-token " + dir_.filename().string() +
+                              " --heartbeat-interval 50 --election-timeout 500 > " + log(m).string() + " 2>&1";
+      members_.push_back(std::make_unique<Child>(std::vector<std::string>{"/bin/sh", "-c", cmd}));
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!ctl("endpoint health")) {
+      for (int m = 0; m < members; ++m)
+        if (log_says(m, "address already in use")) return false;
+      if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("etcd did not become healthy: see " + dir_.string());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return true;
+  }
+  std::filesystem::path log(int m) const { return dir_ / (name(m) + ".log"); }
+  bool log_says(int m, const std::string& what) const {
+    std::ifstream in(log(m));
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return text.find(what) != std::string::npos;
+  }
   bool ctl(const std::string& args) const {
     std::string eps;
     for (const auto& e : endpoints()) eps += (eps.empty() ? "" : ",") + e;
