@@ -376,6 +376,28 @@ TEST_CASE("a bucket cap the user sets is used as given: 8 x Linear(1024, 1024) a
   CHECK(run(unset, 1, 0, Partition::flat).buckets.size() == 5);
 }
 
+TEST_CASE("left to the default cap, ZeRO stages 1 and 2 over 2 ranks cut a small model into 16 buckets' worth where DDP and a world of 1 cut it into 4, the runtime builds what the plan says, and a min_buckets set is used as given") {
+  std::vector<std::int64_t> widths(33, 512);  // 32 x Linear(512, 512): 32 MiB, a layer 1 MiB
+  const Model m{"32 x Linear(512, 512), the default cap", mlp(widths), 1 << 20, 0, 0};
+  const RunPlan ddp = plan_of(m, 2, 0, Partition::flat), zero1 = plan_of(m, 2, 1, Partition::flat), zero2 = plan_of(m, 2, 2, Partition::flat),
+                alone = plan_of(m, 1, 1, Partition::flat);
+  CHECK(ddp.caps.cap_rule.find("min_buckets 4:") != std::string::npos);
+  CHECK(alone.caps.cap_rule.find("min_buckets 4:") != std::string::npos);
+  CHECK(zero1.caps.cap_rule.find("min_buckets 16:") != std::string::npos);
+  CHECK(zero2.caps.cap_rule.find("min_buckets 16:") != std::string::npos);
+  CHECK(ddp.buckets.buckets.size() == alone.buckets.buckets.size());
+  CHECK(ddp.buckets.buckets.size() <= 6);
+  CHECK(zero1.buckets.buckets.size() >= 16);
+  CHECK(zero2.buckets.buckets.size() >= 16);
+  CHECK(run(m, 2, 1, Partition::flat).buckets.size() == zero1.buckets.buckets.size());
+  PlanSettings s;
+  s.world = 2;
+  s.stage = ZeroStage::optimizer_state;
+  s.last_cap_bytes = 0;
+  s.min_buckets = 4;
+  CHECK(make_run_plan(m.params, s).buckets.buckets.size() == ddp.buckets.buckets.size());
+}
+
 TEST_CASE("a small last bucket: the layers forward needs first get a bucket of their own, in the plan and in the runtime — 0 gives PyTorch's layout") {
   // 8 x Linear(1024, 1024) at 25 MiB, walked in reverse registration order (weight after bias):
   // from the walk's end, layers.0.weight (4 MiB) passes the 1 MiB last cap alone, so it leaves the
