@@ -61,8 +61,9 @@ class EtcdCluster {
  private:
   static std::string name(int m) { return "m" + std::to_string(m); }
 
-  // Starts the members on ports picked now and waits until they answer: false (members stopped,
-  // their directory gone) when one found its port taken; throws for any other failure.
+  // Starts the members on ports picked now and waits until they answer: false (the members
+  // stopped; the next start removes their directory) when one found its port taken; throws for
+  // any other failure.
   bool start(int members) {
     members_.clear();
     client_.clear();
@@ -91,7 +92,10 @@ class EtcdCluster {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (!ctl("endpoint health")) {
       for (int m = 0; m < members; ++m)
-        if (log_says(m, "address already in use")) return false;
+        if (log_says(m, "address already in use")) {
+          members_.clear();  // SIGKILL: the others are up on ports a new start does not use
+          return false;
+        }
       if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("etcd did not become healthy: see " + dir_.string());
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }

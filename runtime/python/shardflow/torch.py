@@ -236,9 +236,10 @@ class DistributedDataParallel:
     an optimizer). forward_prefetch: step() returns before the parameter syncs land, and each
     submodule's forward waits for its own parameters (stages 1-2). bucket_cap_mb: the gradient
     buckets' size in MiB, used as given, as DDP's (None: 25, shrunk so that a small model still gets
-    four buckets to overlap, sixteen at zero_stage 1 or 2 over several ranks). optimizer: a torch.optim.SGD, Adam or AdamW (its groups and hyper-parameters
-    become shardflow's, and it drives the run: opt.step(), opt.zero_grad(), opt.param_groups[i]["lr"]
-    and lr schedulers on it), or ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]): steps
+    four buckets to overlap, sixteen at zero_stage 1 or 2 over several ranks). optimizer: a
+    torch.optim.SGD, Adam or AdamW (its groups and hyper-parameters become shardflow's, and it
+    drives the run: opt.step(), opt.zero_grad(), opt.param_groups[i]["lr"] and lr schedulers on
+    it), or ("sgd" | "adam" | "adamw", {"lr": ..., ...}[, param groups]): steps
     inside shardflow; None (zero_stage 0 only) leaves the averaged gradients in .grad for a
     torch.optim optimizer. uneven_inputs: ranks may run out of data at different steps (train
     inside `with model.join():`). find_unused_parameters, static_graph, broadcast_buffers: as
