@@ -43,11 +43,7 @@ class EtcdCluster {
         if (!ctl(c)) throw std::runtime_error("etcdctl " + c + " failed");
     }
   }
-  ~EtcdCluster() {
-    members_.clear();  // SIGKILL
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
-  }
+  ~EtcdCluster() { tear_down(); }
 
   std::vector<std::string> endpoints() const {
     std::vector<std::string> out;
@@ -65,13 +61,9 @@ class EtcdCluster {
   // stopped; the next start removes their directory) when one found its port taken; throws for
   // any other failure.
   bool start(int members) {
-    members_.clear();
+    tear_down();
     client_.clear();
     peer_.clear();
-    if (!dir_.empty()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(dir_, ignored);
-    }
     dir_ = std::filesystem::temp_directory_path() / ("sf-etcd-" + std::to_string(::getpid()) + "-" + std::to_string(free_port()));
     std::filesystem::create_directories(dir_);
     std::string cluster;
@@ -100,6 +92,12 @@ class EtcdCluster {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return true;
+  }
+  // The members SIGKILLed, their directory gone (a start made again, the end).
+  void tear_down() {
+    members_.clear();
+    std::error_code ignored;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ignored);
   }
   std::filesystem::path log(int m) const { return dir_ / (name(m) + ".log"); }
   bool log_says(int m, const std::string& what) const {
