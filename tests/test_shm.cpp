@@ -126,8 +126,8 @@ TEST_CASE("shm: world 3, two ranks time out of a barrier while the third is abou
           "naming them, instead of passing alone") {
   ShmWorld w(3, 1 << 16, 300ms);
   std::atomic<int> gave_up{0};
-  shm::set_barrier_hook_for_tests([&](int rank) {
-    if (rank != 1) return;
+  shm::set_barrier_hook_for_tests([&](int rank, shm::BarrierPoint at) {
+    if (rank != 1 || at != shm::BarrierPoint::counting) return;
     const auto until = std::chrono::steady_clock::now() + 10s;
     while (gave_up.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
   });
@@ -150,6 +150,46 @@ TEST_CASE("shm: world 3, two ranks time out of a barrier while the third is abou
   const auto msg = test::message_of(errors[1]);
   INFO(msg);
   CHECK(msg.find("rank(s) 0, 2 gave up on this barrier") != std::string::npos);
+}
+
+// Note [Naming the late ranks]: ranks 0 and 1 wait for rank 2, which never comes. Rank 1 counts
+// itself 150 ms after rank 0, so rank 0's deadline comes first; the test's hook holds rank 0 just
+// after it took its mark back until rank 1 has reached its own deadline. Rank 1 must still name
+// rank 2 alone as not arrived, and rank 0 as a rank that came and gave up (a clean clone's
+// `make test` met "rank(s) 0, 2 did not arrive" when two deadlines fell that close by chance).
+TEST_CASE("shm: world 3, two ranks time out waiting for the third one after the other -> both name only the third as "
+          "not arrived") {
+  ShmWorld w(3, 1 << 16, 300ms);
+  std::atomic<bool> rank1_failed{false};
+  std::atomic<bool> rank0_held{false};
+  shm::set_barrier_hook_for_tests([&](int rank, shm::BarrierPoint at) {
+    if (rank == 1 && at == shm::BarrierPoint::counting) std::this_thread::sleep_for(150ms);
+    if (rank != 0 || at != shm::BarrierPoint::leaving) return;
+    rank0_held = !rank1_failed.load();
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (!rank1_failed.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  });
+  auto errors = test::run_ranks(2, [&](int r) {
+    try {
+      w.comms[std::size_t(r)]->run(test::make(CollectiveKind::barrier, nullptr, nullptr, 0), 20s);
+    } catch (...) {
+      if (r == 1) rank1_failed = true;
+      throw;
+    }
+  });
+  shm::set_barrier_hook_for_tests({});
+  REQUIRE_MESSAGE(rank0_held.load(), "rank 0 was meant to give up first");
+  std::string msg[2];
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[std::size_t(r)]);
+    CHECK(test::is<TimeoutError>(errors[std::size_t(r)]));
+    msg[r] = test::message_of(errors[std::size_t(r)]);
+    INFO(msg[r]);
+    CHECK(msg[r].find("rank(s) 2 did not arrive within 300 ms") != std::string::npos);
+  }
+  INFO(msg[1]);
+  CHECK(msg[1].find("; rank(s) 0 arrived and gave up already") != std::string::npos);
 }
 
 TEST_CASE("shm: a rank started with another world size is refused, naming both sizes") {

@@ -93,6 +93,7 @@ constexpr int kMaxRanks = 512;
 struct alignas(64) RankSlot {
   std::atomic<std::int32_t> pid;
   std::atomic<std::uint32_t> arrived;  // the barrier generation this rank last reached
+  std::atomic<std::uint32_t> left;     // that generation + 1, once this rank gave up on it
   // Indexed by op number parity: a rank that finished op k may write op k+1's signature while a
   // slower peer still compares op k's (a barrier op has no exit barrier).
   peer::OpSig sig[2];
@@ -267,7 +268,7 @@ class ShmComm final : public Communicator {
     const std::uint32_t gen = h.generation.load(std::memory_order_acquire);
     slots_[rank_].arrived.store(gen + 1, std::memory_order_seq_cst);
     if (test_fault::armed()) test_fault::reached("barrier");  // test_launch's kill between the two
-    shm::barrier_hook(rank_);
+    shm::barrier_hook(rank_, shm::BarrierPoint::counting);
     if (h.count.fetch_add(1, std::memory_order_seq_cst) + 1 == std::uint32_t(n_)) {
       // Note [Leaving the barrier]: complete it only if nobody took their mark back.
       const std::string left = missing(gen);
@@ -294,8 +295,7 @@ class ShmComm final : public Communicator {
       }
       const auto now = clock::now();
       if (now >= deadline) {
-        const std::string msg = what() + ": rank(s) " + missing(gen) + " did not arrive within " +
-                                std::to_string(timeout_.count()) + " ms (Config::timeouts.collective)";
+        const std::string msg = what() + ": " + late(gen);
         if (leave(gen)) return;
         abort_world("rank " + std::to_string(rank_) + " timed out: " + msg);
         throw TimeoutError(msg);
@@ -318,7 +318,9 @@ class ShmComm final : public Communicator {
   // after all (go on); false: it did not and never will with this rank's arrival (fail).
   bool leave(std::uint32_t gen) {
     Header& h = *header_;
+    slots_[rank_].left.store(gen + 1, std::memory_order_seq_cst);  // before the mark: see late()
     slots_[rank_].arrived.store(gen, std::memory_order_seq_cst);
+    shm::barrier_hook(rank_, shm::BarrierPoint::leaving);
     const std::uint32_t count = h.count.load(std::memory_order_seq_cst);
     if (h.generation.load(std::memory_order_seq_cst) != gen) return true;
     if (count != 0 && count < std::uint32_t(n_)) return false;
@@ -338,6 +340,24 @@ class ShmComm final : public Communicator {
     for (int r = 0; r < n_; ++r)
       if (slots_[r].arrived.load(std::memory_order_seq_cst) != gen + 1) out += (out.empty() ? "" : ", ") + std::to_string(r);
     return out;
+  }
+
+  // Note [Naming the late ranks]: the deadline's message. A rank whose own deadline came a moment
+  // earlier (ranks' deadlines differ by their arrival) has taken its mark back by now; missing()
+  // alone named it beside the rank that never came, blaming a rank that had waited too (a clean
+  // clone's `make test` saw "rank(s) 0, 2" where only 2 was absent). A rank that left says so in
+  // its slot before it takes the mark back, so a mark found missing is read with its reason.
+  std::string late(std::uint32_t gen) const {
+    std::string absent, gave_up;
+    for (int r = 0; r < n_; ++r) {
+      if (slots_[r].arrived.load(std::memory_order_seq_cst) == gen + 1) continue;
+      std::string& list = slots_[r].left.load(std::memory_order_seq_cst) == gen + 1 ? gave_up : absent;
+      list += (list.empty() ? "" : ", ") + std::to_string(r);
+    }
+    const std::string within = std::to_string(timeout_.count()) + " ms (Config::timeouts.collective)";
+    if (absent.empty()) return "rank(s) " + gave_up + " arrived but gave up before the barrier completed within " + within;
+    return "rank(s) " + absent + " did not arrive within " + within +
+           (gave_up.empty() ? "" : "; rank(s) " + gave_up + " arrived and gave up already");
   }
 
   std::string buffer_name(int rank, std::int64_t serial) const {

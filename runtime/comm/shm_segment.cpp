@@ -85,20 +85,20 @@ void sweep_stale_segments() {
 
 namespace {
 std::atomic<bool> hook_set{false};
-std::function<void(int)>& hook_fn() {
-  static std::function<void(int)> f;
+std::function<void(int, BarrierPoint)>& hook_fn() {
+  static std::function<void(int, BarrierPoint)> f;
   return f;
 }
 }  // namespace
 
-void set_barrier_hook_for_tests(std::function<void(int rank)> hook) {
+void set_barrier_hook_for_tests(std::function<void(int rank, BarrierPoint at)> hook) {
   hook_set.store(false);
   hook_fn() = std::move(hook);
   hook_set.store(bool(hook_fn()));
 }
 
-void barrier_hook(int rank) {
-  if (hook_set.load(std::memory_order_acquire)) hook_fn()(rank);
+void barrier_hook(int rank, BarrierPoint at) {
+  if (hook_set.load(std::memory_order_acquire)) hook_fn()(rank, at);
 }
 
 }  // namespace shardflow::shm

@@ -39,10 +39,12 @@ bool process_dead(std::int32_t pid);
 // This host's name and boot id: ranks that disagree are not on one host (and cannot share memory).
 std::string host_identity();
 
-// Tests only: the shm barrier calls `hook(rank)` between marking the rank arrived and counting it
-// (Note [Leaving the barrier]); an empty one removes it. Set it while no collective runs.
-void set_barrier_hook_for_tests(std::function<void(int rank)> hook);
-void barrier_hook(int rank);  // the barrier's call: one atomic load when no hook is set
+// Tests only: the shm barrier calls `hook(rank, at)` between marking the rank arrived and counting
+// it (counting), and between a rank taking its mark back and failing the barrier (leaving) (Note
+// [Leaving the barrier]); an empty one removes it. Set it while no collective runs.
+enum class BarrierPoint { counting, leaving };
+void set_barrier_hook_for_tests(std::function<void(int rank, BarrierPoint at)> hook);
+void barrier_hook(int rank, BarrierPoint at);  // the barrier's call: one atomic load when no hook is set
 
 // Removes segments of earlier jobs whose owner process is gone (a job killed with SIGKILL cannot
 // unlink its registered buffers). Names: shardflow-<pid of rank 0>-<random>[-r<rank>-<serial>].
