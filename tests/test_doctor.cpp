@@ -38,7 +38,8 @@ Doctor doctor(const std::string& env, const std::string& args = "") {
 }
 
 // The environment of a bare machine: nothing the checks read.
-const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLOO_SOCKET_IFNAME -u SHARDFLOW_SOCKET_IFNAME -u SHARDFLOW_SOCKET_ADDR -u SHARDFLOW_HUGE_PAGES";
+const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLOO_SOCKET_IFNAME -u SHARDFLOW_SOCKET_IFNAME -u SHARDFLOW_SOCKET_ADDR -u SHARDFLOW_HUGE_PAGES "
+                          "-u SHARDFLOW_KEEP_FREED_MEMORY -u GLIBC_TUNABLES -u MALLOC_MMAP_THRESHOLD_ -u MALLOC_TRIM_THRESHOLD_";
 
 }  // namespace
 
@@ -46,7 +47,7 @@ TEST_CASE("shardflow doctor on this machine with a bare environment: every check
   const auto d = doctor(bare);
   CHECK(d.status == 0);
   for (const char* name : {"cpu", "openblas", "blas reproducibility", "libshardflow", "gpus", "python module", "/dev/shm", "open files",
-                           "locked memory", "huge pages", "network"}) {
+                           "locked memory", "huge pages", "freed memory", "network"}) {
     INFO(name);
     REQUIRE(d.checks.contains(name));
     CHECK(d.checks[name]["status"] != "FAIL");
@@ -70,6 +71,17 @@ TEST_CASE("doctor's huge pages: the kernel's setting and a first write's cost, S
   CHECK(bad.status == 1);
   CHECK(bad.checks["huge pages"]["status"] == "FAIL");
   CHECK(bad.checks["huge pages"]["detail"].get<std::string>().find("SHARDFLOW_HUGE_PAGES='yes'") != std::string::npos);
+}
+
+TEST_CASE("doctor's freed memory: kept for reuse on a bare machine, left to malloc where SHARDFLOW_KEEP_FREED_MEMORY=0 or glibc's own "
+          "setting says so, and a malformed switch a failure naming it (Note [Keeping the trainer's freed memory])") {
+  CHECK(doctor(bare).checks["freed memory"]["detail"] == "kept for reuse by a Runtime here: glibc malloc's mmap threshold 32 MiB, trim threshold 2 GiB");
+  CHECK(doctor(bare + " SHARDFLOW_KEEP_FREED_MEMORY=0").checks["freed memory"]["detail"] == "left to malloc: SHARDFLOW_KEEP_FREED_MEMORY=0");
+  CHECK(doctor(bare + " MALLOC_TRIM_THRESHOLD_=0").checks["freed memory"]["detail"] == "left to malloc: MALLOC_TRIM_THRESHOLD_ is set");
+  const auto bad = doctor(bare + " SHARDFLOW_KEEP_FREED_MEMORY=yes");
+  CHECK(bad.status == 1);
+  CHECK(bad.checks["freed memory"]["status"] == "FAIL");
+  CHECK(bad.checks["freed memory"]["detail"].get<std::string>().find("got 'yes'") != std::string::npos);
 }
 
 TEST_CASE("the reproducibility probe catches Prescott (bits move with the thread count, names OPENBLAS_CORETYPE) and stays quiet on Sandybridge") {

@@ -5,6 +5,7 @@
 // `none`).
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -13,6 +14,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "examples/synthetic/trainer.hpp"
+#include "runtime/process/freed_memory.hpp"
 #include "support/helpers.hpp"
 #include "shardflow/sim.hpp"
 
@@ -456,4 +458,59 @@ TEST_CASE("an unwritable trace path is an error at start, naming the path") {
   Config cfg;
   cfg.trace.path = "/nonexistent-dir/trace.json";
   CHECK_THROWS_WITH_AS(Runtime(world->communicator(0), cfg), doctest::Contains("/nonexistent-dir/trace.json"), UsageError);
+}
+
+// Note [Keeping the trainer's freed memory]: a tensor the size of an activation, freed and asked
+// for again, is served from the heap (no mapping of its own) and the heap is not trimmed under it,
+// so the next forward does not fault its pages in again.
+TEST_CASE("a Runtime keeps the trainer's freed memory for reuse: a 16 MiB block freed comes back from the heap, not a new mapping") {
+  if (std::getenv("SHARDFLOW_KEEP_FREED_MEMORY") || std::getenv("GLIBC_TUNABLES") || std::getenv("MALLOC_MMAP_THRESHOLD_") ||
+      std::getenv("MALLOC_TRIM_THRESHOLD_"))
+    return;  // the environment chose for this process (the cases below cover those choices)
+  auto world = InProcessWorld::create(1);
+  Runtime rt(world->communicator(0));
+  const auto& kept = keep_freed_memory(true);
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer's allocator stands in for glibc's and refuses its settings: the runtime
+  // says so instead of claiming them. (ThreadSanitizer's lets glibc take them, unused, and
+  // glibc's figures below stay still either way.)
+  CHECK_FALSE(kept.keep);
+  CHECK(kept.why == "glibc's mallopt refused the thresholds");
+  return;
+#endif
+  REQUIRE(kept.keep);
+  constexpr std::size_t bytes = std::size_t{16} << 20;
+  const auto mapped_before = mallinfo2().hblkhd;
+  char* raw = static_cast<char*>(std::malloc(bytes));
+  REQUIRE(raw != nullptr);
+  volatile char* block = raw;
+  for (std::size_t i = 0; i < bytes; i += 4096) block[i] = 1;  // its pages in, as a tensor's
+  CHECK(mallinfo2().hblkhd == mapped_before);                 // from the heap, not a mapping
+  const auto heap_in_use = mallinfo2().arena;
+  std::free(raw);
+  CHECK(mallinfo2().arena == heap_in_use);  // not trimmed: the next forward finds it there
+}
+
+TEST_CASE("freed memory is left to malloc where the user chose (the Config, SHARDFLOW_KEEP_FREED_MEMORY=0, glibc's own settings), "
+          "and a switch other than 0 or 1 is refused by name") {
+  CHECK(choose_freed_memory(true, nullptr, nullptr, nullptr, nullptr).keep);
+  CHECK(choose_freed_memory(true, "1", "glibc.malloc.tcache_count=0", nullptr, nullptr).keep);
+  auto left = [](FreedMemoryChoice c, const std::string& why) {
+    CHECK_FALSE(c.keep);
+    CHECK(c.why.find(why) != std::string::npos);
+  };
+  left(choose_freed_memory(false, nullptr, nullptr, nullptr, nullptr), "Config::keep_freed_memory = false");
+  left(choose_freed_memory(true, "0", nullptr, nullptr, nullptr), "SHARDFLOW_KEEP_FREED_MEMORY=0");
+  left(choose_freed_memory(true, nullptr, "glibc.malloc.check=0:glibc.malloc.trim_threshold=0", nullptr, nullptr),
+       "GLIBC_TUNABLES sets glibc.malloc.trim_threshold");
+  left(choose_freed_memory(true, nullptr, "glibc.malloc.mmap_threshold=65536", nullptr, nullptr), "glibc.malloc.mmap_threshold");
+  left(choose_freed_memory(true, nullptr, nullptr, "131072", nullptr), "MALLOC_MMAP_THRESHOLD_");
+  left(choose_freed_memory(true, nullptr, nullptr, nullptr, "0"), "MALLOC_TRIM_THRESHOLD_");
+  try {
+    (void)choose_freed_memory(true, "yes", nullptr, nullptr, nullptr);
+    FAIL("no error");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()).find("SHARDFLOW_KEEP_FREED_MEMORY must be 0") != std::string::npos);
+    CHECK(std::string(e.what()).find("got 'yes'") != std::string::npos);
+  }
 }

@@ -20,6 +20,7 @@
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/host_memory.hpp"
 #include "runtime/bootstrap/net_address.hpp"
+#include "runtime/process/freed_memory.hpp"
 #include "shardflow/shm.hpp"
 
 namespace shardflow::cli {
@@ -305,6 +306,20 @@ Check check_huge_pages() {
     c.status = Status::warn;
     c.fix = wanted ? "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root): the runtime advises its large blocks onto huge pages"
                    : "unset SHARDFLOW_HUGE_PAGES";
+  }
+  return c;
+}
+
+Check check_freed_memory() {
+  Check c{"freed memory"};
+  try {
+    const auto choice = choose_freed_memory(true, std::getenv("SHARDFLOW_KEEP_FREED_MEMORY"), std::getenv("GLIBC_TUNABLES"),
+                                            std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"));
+    c.detail = std::string(choice.keep ? "kept for reuse by a Runtime here: " : "left to malloc: ") + choice.why;
+  } catch (const std::exception& e) {
+    c.status = Status::fail;
+    c.detail = e.what();
+    c.fix = "set SHARDFLOW_KEEP_FREED_MEMORY to 1 or 0, or unset it";
   }
   return c;
 }

@@ -40,6 +40,9 @@ Check check_open_files(const JobShape& job);
 Check check_locked_memory();
 // Transparent huge pages and what a first write to fresh memory costs here (Note [Huge pages for large blocks]).
 Check check_huge_pages();
+// Whether a Runtime here keeps the trainer's freed memory for reuse, or what leaves it to malloc
+// (Note [Keeping the trainer's freed memory]).
+Check check_freed_memory();
 Check check_network();
 
 }  // namespace shardflow::cli

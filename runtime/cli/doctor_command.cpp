@@ -45,7 +45,7 @@ int run_doctor(const DoctorArgs& a) {
   }
   std::vector<Check> checks = {check_cpu(), check_openblas(), check_blas_probe()};
   for (auto& c : check_library()) checks.push_back(std::move(c));
-  for (auto c : {check_python(), check_shm(job), check_open_files(job), check_locked_memory(), check_huge_pages(), check_network()}) checks.push_back(std::move(c));
+  for (auto c : {check_python(), check_shm(job), check_open_files(job), check_locked_memory(), check_huge_pages(), check_freed_memory(), check_network()}) checks.push_back(std::move(c));
   bool failed = false;
   for (const auto& c : checks) failed |= c.status == Check::Status::fail;
   if (a.json) {

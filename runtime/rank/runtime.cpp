@@ -4,6 +4,7 @@
 #include <caf/all.hpp>
 
 #include "runtime/process/fault_injection.hpp"
+#include "runtime/process/freed_memory.hpp"
 #include "runtime/rank/rank_actor.hpp"
 #include "runtime/rank/runtime_impl.hpp"
 #include "shardflow/launch.hpp"
@@ -31,6 +32,8 @@ void Runtime::Impl::begin(Runtime& rt, std::shared_ptr<Communicator> c, std::sha
   I.rank = I.comm->rank();
   I.world = I.comm->world_size();
   I.log = rank_logger(I.rank);
+  if (const auto& kept = keep_freed_memory(I.cfg.keep_freed_memory); I.rank == 0)
+    I.log->info("freed memory {} (Note [Keeping the trainer's freed memory]): {}", kept.keep ? "kept for reuse" : "left to malloc", kept.why);
   I.actors = ProcessActorSystem::acquire(I.cfg.actor_threads);
   I.facade = &rt;
   if (kept) {

@@ -271,6 +271,12 @@ struct Config {
   // Runtime's rank actor (shardflow/actor.hpp) has a thread of its own, so one worker is enough
   // for any number of ranks and a trainer's own actors.
   unsigned actor_threads = 0;
+  // The first Runtime of a process has glibc's malloc keep freed blocks for reuse (mmap threshold
+  // 32 MiB, trim threshold 2 GiB) instead of giving them back to the kernel, so that each forward
+  // does not page its tensors in again: Note [Keeping the trainer's freed memory]
+  // (runtime/process/freed_memory.hpp). false, or SHARDFLOW_KEEP_FREED_MEMORY=0, leaves malloc as
+  // it is; so do glibc malloc settings of the user's own in the environment.
+  bool keep_freed_memory = true;
 
   // How this program's users spell settings, for error messages: the setting's path in Config
   // ("zero.overlap") -> what they type (a CLI maps it to "--overlap"). A setting not in it is
