@@ -489,6 +489,15 @@ TEST_CASE("a Runtime keeps the trainer's freed memory for reuse: a 16 MiB block 
   const auto heap_in_use = mallinfo2().arena;
   std::free(raw);
   CHECK(mallinfo2().arena == heap_in_use);  // not trimmed: the next forward finds it there
+  // The setting is the process's: a later Runtime that asks otherwise is refused, not ignored.
+  Config off;
+  off.keep_freed_memory = false;
+  try {
+    Runtime other(world->communicator(0), off);
+    FAIL("no error");
+  } catch (const UsageError& e) {
+    CHECK(std::string(e.what()).find("Config::keep_freed_memory = false cannot be honoured: it is process-wide") != std::string::npos);
+  }
 }
 
 TEST_CASE("freed memory is left to malloc where the user chose (the Config, SHARDFLOW_KEEP_FREED_MEMORY=0, glibc's own settings), "

@@ -37,8 +37,10 @@ FreedMemoryChoice choose_freed_memory(bool configured, const char* switch_env, c
 
 const FreedMemoryChoice& keep_freed_memory(bool configured) {
   static FreedMemoryChoice choice;
+  static bool first_configured = true;
   static std::once_flag once;
   std::call_once(once, [&] {
+    first_configured = configured;
     choice = choose_freed_memory(configured, std::getenv("SHARDFLOW_KEEP_FREED_MEMORY"), std::getenv("GLIBC_TUNABLES"),
                                  std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"));
 #if defined(__GLIBC__)
@@ -47,6 +49,13 @@ const FreedMemoryChoice& keep_freed_memory(bool configured) {
       choice = {false, "glibc's mallopt refused the thresholds"};
 #endif
   });
+  // malloc's settings are the process's: a later Runtime cannot have its own, and must not
+  // believe it has.
+  if (configured != first_configured)
+    throw UsageError(std::string("Config::keep_freed_memory = ") + (configured ? "true" : "false") +
+                     " cannot be honoured: it is process-wide, and this process's first Runtime asked for " +
+                     (first_configured ? "true" : "false") + " (freed memory " + (choice.keep ? "kept for reuse" : "left to malloc") +
+                     ": " + choice.why + ")");
   return choice;
 }
 

@@ -37,7 +37,8 @@ FreedMemoryChoice choose_freed_memory(bool configured, const char* switch_env, c
                                       const char* mmap_threshold_env, const char* trim_threshold_env);
 
 // The first call of the process decides (from the environment) and applies; later calls return
-// that first choice. The Runtime's constructor calls it.
+// that first choice, or throw UsageError naming Config::keep_freed_memory when they ask for the
+// other value (the setting is the process's). The Runtime's constructor calls it.
 const FreedMemoryChoice& keep_freed_memory(bool configured);
 
 }  // namespace shardflow

@@ -19,6 +19,11 @@ std::atomic<std::uint32_t> next_owner_id{1};
 Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std::make_unique<Impl>()) {
   if (!comm) throw UsageError("Runtime: communicator is null");
   config.validate();
+  // Before anything starts: a setting this process cannot honour fails here (Note [Keeping the
+  // trainer's freed memory]).
+  const auto& kept = keep_freed_memory(config.keep_freed_memory);
+  if (comm->rank() == 0)
+    rank_logger(0)->info("freed memory {} (Note [Keeping the trainer's freed memory]): {}", kept.keep ? "kept for reuse" : "left to malloc", kept.why);
   auto& I = *impl_;
   I.cfg = config;
   I.owner = next_owner_id.fetch_add(1);
@@ -32,8 +37,6 @@ void Runtime::Impl::begin(Runtime& rt, std::shared_ptr<Communicator> c, std::sha
   I.rank = I.comm->rank();
   I.world = I.comm->world_size();
   I.log = rank_logger(I.rank);
-  if (const auto& kept = keep_freed_memory(I.cfg.keep_freed_memory); I.rank == 0)
-    I.log->info("freed memory {} (Note [Keeping the trainer's freed memory]): {}", kept.keep ? "kept for reuse" : "left to malloc", kept.why);
   I.actors = ProcessActorSystem::acquire(I.cfg.actor_threads);
   I.facade = &rt;
   if (kept) {
