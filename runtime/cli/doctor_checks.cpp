@@ -313,8 +313,7 @@ Check check_huge_pages() {
 Check check_freed_memory() {
   Check c{"freed memory"};
   try {
-    const auto choice = choose_freed_memory(true, std::getenv("SHARDFLOW_KEEP_FREED_MEMORY"), std::getenv("GLIBC_TUNABLES"),
-                                            std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"));
+    const auto choice = choose_freed_memory_from_env(true);
     c.detail = std::string(choice.keep ? "kept for reuse by a Runtime here: " : "left to malloc: ") + choice.why;
   } catch (const std::exception& e) {
     c.status = Status::fail;

@@ -35,14 +35,18 @@ FreedMemoryChoice choose_freed_memory(bool configured, const char* switch_env, c
 #endif
 }
 
+FreedMemoryChoice choose_freed_memory_from_env(bool configured) {
+  return choose_freed_memory(configured, std::getenv("SHARDFLOW_KEEP_FREED_MEMORY"), std::getenv("GLIBC_TUNABLES"),
+                             std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"));
+}
+
 const FreedMemoryChoice& keep_freed_memory(bool configured) {
   static FreedMemoryChoice choice;
   static bool first_configured = true;
   static std::once_flag once;
   std::call_once(once, [&] {
     first_configured = configured;
-    choice = choose_freed_memory(configured, std::getenv("SHARDFLOW_KEEP_FREED_MEMORY"), std::getenv("GLIBC_TUNABLES"),
-                                 std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"));
+    choice = choose_freed_memory_from_env(configured);
 #if defined(__GLIBC__)
     // Each setting fixes its value (glibc stops raising the mmap threshold on its own).
     if (choice.keep && (mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1 || mallopt(M_TRIM_THRESHOLD, kTrimThreshold) != 1))

@@ -36,6 +36,9 @@ struct FreedMemoryChoice {
 FreedMemoryChoice choose_freed_memory(bool configured, const char* switch_env, const char* glibc_tunables,
                                       const char* mmap_threshold_env, const char* trim_threshold_env);
 
+// choose_freed_memory with this process's environment (the Runtime's choice, and doctor's report).
+FreedMemoryChoice choose_freed_memory_from_env(bool configured);
+
 // The first call of the process decides (from the environment) and applies; later calls return
 // that first choice, or throw UsageError naming Config::keep_freed_memory when they ask for the
 // other value (the setting is the process's). The Runtime's constructor calls it.
