@@ -156,6 +156,10 @@ TEST_CASE("mlp_train: every flag with an invalid value is refused, naming the fl
     if (r.argv.front() != "--sizes") r.argv.insert(r.argv.end(), {"--sizes", "8,4,2"});
   }
   check_rows(MLP_TRAIN_PATH, rows);
+  // The runtime's own environment settings are read when the Runtime starts, not at first use.
+  check_rows("/usr/bin/env", {{{"SHARDFLOW_CPU_VECTORS=sse9", MLP_TRAIN_PATH, "--sizes", "8,4,2", "--quiet"}, "SHARDFLOW_CPU_VECTORS='sse9'"},
+                              {{"SHARDFLOW_HUGE_PAGES=yes", MLP_TRAIN_PATH, "--sizes", "8,4,2", "--quiet"}, "SHARDFLOW_HUGE_PAGES='yes'"},
+                              {{"SHARDFLOW_KEEP_FREED_MEMORY=maybe", MLP_TRAIN_PATH, "--sizes", "8,4,2", "--quiet"}, "SHARDFLOW_KEEP_FREED_MEMORY"}});
 }
 
 TEST_CASE("mlp_train: file inputs missing, empty, truncated or malformed are refused, naming the file") {

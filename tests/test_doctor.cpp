@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/vector_isa.hpp"
 
 namespace {
 
@@ -39,14 +40,14 @@ Doctor doctor(const std::string& env, const std::string& args = "") {
 
 // The environment of a bare machine: nothing the checks read.
 const std::string bare = "-u OPENBLAS_CORETYPE -u SHARDFLOW_BLAS_REPLACED -u GLOO_SOCKET_IFNAME -u SHARDFLOW_SOCKET_IFNAME -u SHARDFLOW_SOCKET_ADDR -u SHARDFLOW_HUGE_PAGES "
-                          "-u SHARDFLOW_KEEP_FREED_MEMORY -u GLIBC_TUNABLES -u MALLOC_MMAP_THRESHOLD_ -u MALLOC_TRIM_THRESHOLD_";
+                          "-u SHARDFLOW_KEEP_FREED_MEMORY -u SHARDFLOW_CPU_VECTORS -u GLIBC_TUNABLES -u MALLOC_MMAP_THRESHOLD_ -u MALLOC_TRIM_THRESHOLD_";
 
 }  // namespace
 
 TEST_CASE("shardflow doctor on this machine with a bare environment: every check named, none fails, exit 0 — the BLAS kernel is no pre-AVX fallback") {
   const auto d = doctor(bare);
   CHECK(d.status == 0);
-  for (const char* name : {"cpu", "openblas", "blas reproducibility", "libshardflow", "gpus", "python module", "/dev/shm", "open files",
+  for (const char* name : {"cpu", "openblas", "blas reproducibility", "vector loops", "libshardflow", "gpus", "python module", "/dev/shm", "open files",
                            "locked memory", "huge pages", "freed memory", "network"}) {
     INFO(name);
     REQUIRE(d.checks.contains(name));
@@ -57,6 +58,20 @@ TEST_CASE("shardflow doctor on this machine with a bare environment: every check
   const auto best = shardflow::kernels::blas::kernel().best_for_cpu;
   CHECK(d.checks["openblas"]["detail"].get<std::string>().find("kernel " + best) != std::string::npos);
   CHECK(d.checks["openblas"]["status"] == "ok");
+}
+
+TEST_CASE("doctor's vector loops: AVX2's where the CPU has it, SHARDFLOW_CPU_VECTORS=baseline a warning there, a malformed value a failure "
+          "naming it (Note [Vector loops, the same bits])") {
+  const bool avx2 = shardflow::kernels::cpu_has_avx2();
+  const auto on = doctor(bare).checks["vector loops"];
+  CHECK(on["status"] == "ok");
+  CHECK(on["detail"].get<std::string>().find(avx2 ? "run avx2 loops (the CPU has AVX2)" : "run baseline loops (the CPU has no AVX2)") != std::string::npos);
+  const auto base = doctor(bare + " SHARDFLOW_CPU_VECTORS=baseline").checks["vector loops"];
+  CHECK(base["detail"].get<std::string>().find("run baseline loops (SHARDFLOW_CPU_VECTORS)") != std::string::npos);
+  CHECK(base["status"] == (avx2 ? "warn" : "ok"));
+  const auto bad = doctor(bare + " SHARDFLOW_CPU_VECTORS=sse9");
+  CHECK(bad.checks["vector loops"]["status"] == "FAIL");
+  CHECK(bad.checks["vector loops"]["detail"].get<std::string>().find("SHARDFLOW_CPU_VECTORS='sse9'") != std::string::npos);
 }
 
 TEST_CASE("doctor's huge pages: the kernel's setting and a first write's cost, SHARDFLOW_HUGE_PAGES=0 said (a warning where a first write is dear) and a malformed value a failure naming it") {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <vector>
 #include <fstream>
 
@@ -18,6 +19,7 @@
 #include "kernels/cpu/host_memory.hpp"
 #include "kernels/cpu/linear.hpp"
 #include "kernels/cpu/optim.hpp"
+#include "kernels/cpu/vector_isa.hpp"
 #include "shardflow/optimizer.hpp"
 #include "shardflow/safetensors.hpp"
 
@@ -92,6 +94,104 @@ TEST_CASE("Adam from kept buffers into others = Adam in place, bit for bit, in e
     CHECK(std::memcmp(m.data(), m0.data(), n * 4) == 0);
     CHECK(std::memcmp(v.data(), v0.data(), n * 4) == 0);
   }
+}
+
+namespace {
+
+// Values over the whole float range a step meets: zeros, subnormals, tiny and large magnitudes,
+// both signs (non-negative for Adam's second moment).
+std::vector<float> spread(std::size_t n, std::uint32_t seed, bool non_negative) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> exponent(-140, 12);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::vector<float> x(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    x[i] = i % 17 == 0 ? 0.0f : std::ldexp(mantissa(rng), exponent(rng));
+    if (!non_negative && rng() % 2) x[i] = -x[i];
+  }
+  return x;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Runs `step` with the baseline loops and again with AVX2's, restoring the process's choice.
+template <typename Step>
+void on_each_path(Step step) {
+  const VectorIsa before = vector_isa();
+  use_vector_isa(VectorIsa::baseline);
+  step(VectorIsa::baseline);
+  use_vector_isa(VectorIsa::avx2);
+  step(VectorIsa::avx2);
+  use_vector_isa(before);
+}
+
+}  // namespace
+
+// Note [Vector loops, the same bits]
+TEST_CASE("the optimizer steps give the baseline's bits on AVX2's loops: Adam in each weight-decay mode, in place and from kept "
+          "buffers, and SGD plain, with momentum, nesterov and weight decay, at sizes that leave a remainder") {
+  if (!cpu_has_avx2()) {
+    MESSAGE("this CPU has no AVX2: one path only");
+    return;
+  }
+  for (const std::size_t n : {std::size_t(1), std::size_t(7), std::size_t(37), std::size_t(4099)}) {
+    CAPTURE(n);
+    const auto p = spread(n, 1, false), g = spread(n, 2, false), m = spread(n, 3, false), v = spread(n, 4, true);
+    for (int mode = 0; mode < 3; ++mode) {
+      CAPTURE(mode);
+      AdamHyper h;
+      h.lr = 0.01f;
+      h.weight_decay = mode == 0 ? 0.0f : 0.1f;
+      h.decoupled_weight_decay = mode == 2;
+      for (const bool from : {false, true}) {
+        CAPTURE(from);
+        std::vector<float> out[2][3];
+        on_each_path([&](VectorIsa isa) {
+          auto& [p1, m1, v1] = out[int(isa)];
+          if (from) {
+            p1.assign(n, 0.0f), m1.assign(n, 0.0f), v1.assign(n, 0.0f);
+            adam_step(p1.data(), g.data(), m1.data(), v1.data(), n, h, 3, p.data(), m.data(), v.data());
+          } else {
+            p1 = p, m1 = m, v1 = v;
+            adam_step(p1.data(), g.data(), m1.data(), v1.data(), n, h, 3);
+          }
+        });
+        for (int k = 0; k < 3; ++k) CHECK(same_bits(out[0][k], out[1][k]));
+      }
+    }
+    for (int mode = 0; mode < 4; ++mode) {
+      CAPTURE(mode);
+      SgdHyper h;
+      h.lr = 0.05f;
+      h.momentum = mode == 0 ? 0.0f : 0.9f;
+      h.dampening = mode == 1 ? 0.1f : 0.0f;
+      h.nesterov = mode == 2;
+      h.weight_decay = mode == 3 ? 1e-3f : 0.0f;
+      for (const bool first : {true, false}) {
+        std::vector<float> out[2][2];
+        on_each_path([&](VectorIsa isa) {
+          auto& [p1, b1] = out[int(isa)];
+          p1 = p, b1 = m;
+          sgd_step(p1.data(), g.data(), b1.data(), n, h, first);
+        });
+        CHECK(same_bits(out[0][0], out[1][0]));
+        CHECK(same_bits(out[0][1], out[1][1]));
+      }
+    }
+  }
+}
+
+TEST_CASE("SHARDFLOW_CPU_VECTORS takes auto, baseline or avx2, and refuses anything else, or AVX2 on a CPU without it, by name") {
+  CHECK(vector_isa_setting(nullptr, true) == VectorIsa::avx2);
+  CHECK(vector_isa_setting(nullptr, false) == VectorIsa::baseline);
+  CHECK(vector_isa_setting("auto", true) == VectorIsa::avx2);
+  CHECK(vector_isa_setting("baseline", true) == VectorIsa::baseline);
+  CHECK(vector_isa_setting("avx2", true) == VectorIsa::avx2);
+  CHECK_THROWS_WITH_AS(vector_isa_setting("avx2", false), doctest::Contains("this CPU has no AVX2"), UsageError);
+  CHECK_THROWS_WITH_AS(vector_isa_setting("avx512", true), doctest::Contains("SHARDFLOW_CPU_VECTORS='avx512'"), UsageError);
+  CHECK_THROWS_WITH_AS(vector_isa_setting("", true), doctest::Contains("SHARDFLOW_CPU_VECTORS=''"), UsageError);
 }
 
 TEST_CASE("Optimizer defaults are torch's: AdamW decays by 0.01, Adam and SGD do not") {

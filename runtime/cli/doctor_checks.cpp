@@ -19,6 +19,7 @@
 
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/host_memory.hpp"
+#include "kernels/cpu/vector_isa.hpp"
 #include "runtime/bootstrap/net_address.hpp"
 #include "runtime/process/freed_memory.hpp"
 #include "shardflow/shm.hpp"
@@ -100,6 +101,27 @@ Check check_openblas() {
     c.status = Status::warn;
     c.fix = "GEMMs run on a pre-AVX kernel, about 2x slower here: unset OPENBLAS_CORETYPE (shardflow then picks " + k.best_for_cpu +
             ") or set it to " + k.best_for_cpu;
+  }
+  return c;
+}
+
+// Note [Vector loops, the same bits]: which loops the optimizer steps run, and why.
+Check check_vector_loops() {
+  Check c{"vector loops"};
+  const bool avx2 = kernels::cpu_has_avx2();
+  try {
+    const auto isa = kernels::vector_isa_setting(std::getenv("SHARDFLOW_CPU_VECTORS"), avx2);
+    c.detail = std::string("the optimizer steps run ") + kernels::name(isa) + " loops (" +
+               (std::getenv("SHARDFLOW_CPU_VECTORS") ? "SHARDFLOW_CPU_VECTORS" : avx2 ? "the CPU has AVX2" : "the CPU has no AVX2") +
+               "); every path gives the same bits";
+    if (isa == kernels::VectorIsa::baseline && avx2) {
+      c.status = Status::warn;
+      c.fix = "the steps take about 1.7x as long on SSE2's loops: unset SHARDFLOW_CPU_VECTORS";
+    }
+  } catch (const std::exception& e) {
+    c.status = Status::fail;
+    c.detail = e.what();
+    c.fix = "set SHARDFLOW_CPU_VECTORS to auto, baseline or avx2, or unset it";
   }
   return c;
 }

@@ -31,6 +31,7 @@ struct JobShape {
 Check check_cpu();
 Check check_openblas();
 Check check_blas_probe();
+Check check_vector_loops();
 // libshardflow and its libraries (CAF, Gloo, spdlog, OpenBLAS, CUDA, NCCL) load, with their versions;
 // then the GPUs the CUDA runtime sees.
 std::vector<Check> check_library();

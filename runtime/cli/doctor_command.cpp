@@ -43,7 +43,7 @@ int run_doctor(const DoctorArgs& a) {
     std::fprintf(stderr, "shardflow doctor: error: %s\n", e.what());
     return 2;
   }
-  std::vector<Check> checks = {check_cpu(), check_openblas(), check_blas_probe()};
+  std::vector<Check> checks = {check_cpu(), check_openblas(), check_blas_probe(), check_vector_loops()};
   for (auto& c : check_library()) checks.push_back(std::move(c));
   for (auto c : {check_python(), check_shm(job), check_open_files(job), check_locked_memory(), check_huge_pages(), check_freed_memory(), check_network()}) checks.push_back(std::move(c));
   bool failed = false;

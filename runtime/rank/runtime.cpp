@@ -3,6 +3,7 @@
 // actors (actors/messages.hpp), which this file only spawns and feeds.
 #include <caf/all.hpp>
 
+#include "kernels/cpu/vector_isa.hpp"
 #include "runtime/process/fault_injection.hpp"
 #include "runtime/process/freed_memory.hpp"
 #include "runtime/rank/rank_actor.hpp"
@@ -24,6 +25,9 @@ Runtime::Runtime(std::shared_ptr<Communicator> comm, Config config) : impl_(std:
   const auto& kept = keep_freed_memory(config.keep_freed_memory);
   if (comm->rank() == 0)
     rank_logger(0)->info("freed memory {} (Note [Keeping the trainer's freed memory]): {}", kept.keep ? "kept for reuse" : "left to malloc", kept.why);
+  // A malformed SHARDFLOW_CPU_VECTORS fails here, not in the first step (Note [Vector loops, the same bits]).
+  const auto loops = kernels::vector_isa();
+  if (comm->rank() == 0) rank_logger(0)->debug("the optimizer steps run {} loops", kernels::name(loops));
   auto& I = *impl_;
   I.cfg = config;
   I.owner = next_owner_id.fetch_add(1);
