@@ -112,6 +112,7 @@ void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entrie
   st.owners.resize(buckets);
   st.collectives.resize(buckets);
   st.ready.assign(entries.size(), 0);
+  st.ready_at.assign(entries.size(), -1);
   st.entries = std::move(entries);
 }
 
@@ -136,7 +137,7 @@ CollectiveDone then_next_phase(comm_stream_self self, const ScheduledCollective&
 }
 
 // Note [Timeline]: the link figures (and the span, when tracing) end when completion is heard of.
-CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, const CollectiveOp& op, CollectiveDone inner) {
+CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, const CollectiveOp& op, Timeline::Time ready, CollectiveDone inner) {
   CollectiveOp what;  // the op's description, without its buffers
   what.kind = op.kind;
   what.dtype = op.dtype;
@@ -147,15 +148,16 @@ CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, con
   const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
   const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
   return [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration), t0 = Timeline::now(),
-          inner = std::move(inner)](std::exception_ptr x) {
-    log->completed(what, world, cat, bucket, it, t0);
+          ready, inner = std::move(inner)](std::exception_ptr x) {
+    log->completed(what, world, cat, bucket, it, t0, ready);
     inner(x);
   };
 }
 
 // Submits one phase of entry e's collectives. A hook's reduction may take several phases; the
 // schedule issues nothing else until the last phase is out, so every rank's order stays the same.
-void submit(comm_stream_self self, const ScheduledCollective& e, CollectiveIssue issue) {
+// `ready`: when the entry was marked ready (-1: a later phase of a comm hook's reduction).
+void submit(comm_stream_self self, const ScheduledCollective& e, CollectiveIssue issue, Timeline::Time ready = -1) {
   auto& s = self->state;
   auto& ops = issue.ops;
   auto on_complete = std::make_shared<std::function<void()>>(std::move(issue.on_complete));
@@ -173,7 +175,7 @@ void submit(comm_stream_self self, const ScheduledCollective& e, CollectiveIssue
     s.logger->debug("issue {} '{}': {} x {}", collective_name(op.kind), op.tag, op.count, dtype_name(op.dtype));
     CollectiveDone done = completion_for(s, e, k + 1 == ops.size(), on_complete);
     if (then && k + 1 == ops.size()) done = then_next_phase(self, e, then, std::move(done));
-    done = timed(s, e, op, std::move(done));
+    done = timed(s, e, op, ready, std::move(done));
     test_fault::issuing(op.tag);
     s.comm->submit(std::move(op), std::move(done));
   }
@@ -250,7 +252,7 @@ void issue_ready(comm_stream_self self) {
           CommError("rank " + std::to_string(s.comm->rank()) + ": preparing " + entry_name(e) + "'s collective: " + x.what())));
       continue;
     }
-    submit(self, e, std::move(issue));
+    submit(self, e, std::move(issue), s.ready_at[i]);
     if (e.kind == ScheduledCollective::reduce && i == s.last_reduce_entry && s.shard) self->send(s.shard, msg::all_issued_atom::value);
   }
 }
@@ -286,6 +288,7 @@ void pump(comm_stream_self self) {
 // Entry i may go out once every earlier one has.
 void mark_ready(comm_stream_self self, std::uint32_t i) {
   self->state.ready[i] = 1;
+  self->state.ready_at[i] = Timeline::now();
   pump(self);
 }
 

@@ -21,6 +21,7 @@ struct CommStreamState {
   std::shared_ptr<Communicator> comm;
   std::vector<ScheduledCollective> entries;  // the iteration's order (collective_order)
   std::vector<char> ready;
+  std::vector<Timeline::Time> ready_at;  // when each entry was marked ready (Note [The step chain, its turn aside])
   // What each bucket puts on the link, given with its readiness; the norm exchange's ops with norm_ready.
   std::vector<std::shared_ptr<const BucketCollectives>> collectives;
   CollectiveIssue norm;

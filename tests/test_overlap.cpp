@@ -142,6 +142,28 @@ TEST_CASE("world 2 and 3, stages 1 and 2, interleaved: every bucket but the last
     }
 }
 
+// Note [The step chain, its turn aside]
+TEST_CASE("interleaved, a rank late in the first backward (its peers' first reductions wait for it): the lag chosen on that "
+          "iteration is chosen again on the settled fifth, and every bucket but the last is done inside backward") {
+  if (!timing_meaningful()) return;
+  for (int world : {2, 3})
+    for (int stage : {1, 2}) {
+      auto o = scenario(world, stage, Overlap::interleaved);
+      o.first_backward_late = duration_cast<microseconds>(2 * (synthetic::reduce_time(o) + synthetic::sync_time(o)));
+      const auto res = run_until(o, [&](const synthetic::Result& x) {
+        for (const auto& st : x.stats)
+          if (st.median.buckets_done_in_backward != 3) return false;
+        return true;
+      });
+      for (int r = 0; r < world; ++r) {
+        const auto& m = res.stats[std::size_t(r)].median;
+        INFO("world " << world << ", stage " << stage << ", rank " << r << ": done in backward " << m.buckets_done_in_backward << ", exposed "
+                      << m.exposed_ms << " ms");
+        CHECK(m.buckets_done_in_backward == 3);
+      }
+    }
+}
+
 TEST_CASE("stats report the iteration's bound: at least the link's work, no more than the measured iteration, and interleaved comes closer to it than none") {
   if (!timing_meaningful()) return;
   auto ratio = [](const synthetic::Result& x) {

@@ -113,6 +113,7 @@ Result run(Options opt) {
               // part of the modelled time, so grad_ready comes when the model says (writing after
               // the deadline put each reduction ~0.15 ms late and took a core from the runtime).
               due += share(opt.backward_total, opt.params[l].second);
+              if (it == 0 && r == opt.world - 1) due += opt.first_backward_late;
               const auto t0 = Clock::now();
               float* g = rt.grad_f32(layer[l]);  // stage 2: may wait for a bucket buffer (backpressure)
               due += Clock::now() - t0;

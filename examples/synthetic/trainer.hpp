@@ -32,6 +32,9 @@ struct Options {
   // After every wait(), a loss all-reduce of the trainer's own (Runtime::collective), read after
   // the next wait(), as a trainer that logs every step does.
   bool log_loss = false;
+  // The last rank's first backward: each layer this much later, as a rank that starts late (its
+  // peers' first reductions wait for it on the link).
+  std::chrono::microseconds first_backward_late{0};
 };
 
 // Parameters from a text file: one "name numel" per line, '#' comments (bench/gpt2_124m.params).

@@ -27,11 +27,13 @@ class CollectiveLog {
   void set_timeline(std::shared_ptr<Timeline> t) { timeline_ = std::move(t); }
   bool tracing() const { return timeline_ && timeline_->tracing(); }
   // `op`: the collective's description (its buffers are not read; the tag only when tracing).
+  // `ready`: when it could have gone out, its turn in the schedule aside (-1: unknown).
   void completed(const CollectiveOp& op, int world, const char* cat, std::int64_t bucket, std::int64_t iteration,
-                 Timeline::Time begin) const {
+                 Timeline::Time begin, Timeline::Time ready = -1) const {
     if (!timeline_) return;
     timeline_->collective([&] { return std::string(collective_name(op.kind)) + " " + op.tag; }, cat, int(op.kind),
-                          collective_bytes(op, world), wire_bytes(op, world), begin, Timeline::now(), SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1});
+                          collective_bytes(op, world), wire_bytes(op, world), begin, Timeline::now(),
+                          SpanArgs{bucket, -1, dtype_name(op.dtype), iteration, -1, ready});
   }
   std::vector<std::string> lines() const {
     std::lock_guard lock(mu_);

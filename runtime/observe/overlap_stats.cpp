@@ -46,7 +46,17 @@ double median_of(std::vector<double> v) {
 
 }  // namespace
 
-void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, std::size_t wire, bool sync, std::int64_t bucket, Time issued) {
+// Note [The step chain, its turn aside]
+// The interleave lag is chosen from the step chain: a bucket's reduction's completion to its sync.
+// Measured to the sync's issue, it held the sync's wait for its turn as well: at lag L a sync goes
+// out only after the reduction of bucket b + L, so the chain measured on the fifth iteration, the
+// one the lag is chosen again on, grew by up to L gradients' time, and chose a lag again. One
+// outlier on the first iteration (the ranks' first reductions, waiting for each other: 5 ms a
+// bucket against 0.8 steady) then stuck (test_overlap, world 3 at stage 2: lag 5, then chains of
+// 13, 9 and 4 ms, lag 2 for good, in 1 run of 5 on a busy 2-core VM). So the chain ends when the
+// comm stream was told the sync was ready, whenever its turn came.
+void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, std::size_t wire, bool sync, std::int64_t bucket, Time issued,
+                        Time ready) {
   std::lock_guard lock(mu_);
   link_.push_back({begin, end});
   (sync ? sync_us_ : reduce_us_) += end - begin;
@@ -56,15 +66,17 @@ void OverlapStats::link(Time begin, Time end, int kind, std::size_t bytes, std::
   const auto b = std::size_t(bucket);
   if (b >= reduce_done_.size()) {
     reduce_done_.resize(b + 1, -1);
-    sync_issued_.resize(b + 1, -1);
+    sync_ready_.resize(b + 1, -1);
     reduce_link_us_.resize(b + 1, 0);
     sync_link_us_.resize(b + 1, 0);
   }
   (sync ? sync_link_us_ : reduce_link_us_)[b] += end - begin;
-  if (sync)
-    sync_issued_[b] = sync_issued_[b] < 0 ? issued : std::min(sync_issued_[b], issued);  // its first op
-  else
+  if (sync) {
+    const Time could = ready >= 0 ? std::min(ready, issued) : issued;
+    sync_ready_[b] = sync_ready_[b] < 0 ? could : std::min(sync_ready_[b], could);  // its first op
+  } else {
     reduce_done_[b] = std::max(reduce_done_[b], end);  // its last op
+  }
 }
 
 void OverlapStats::blocked(Time begin, Time end) {
@@ -99,7 +111,7 @@ OverlapStats::Open OverlapStats::open_window() const {
   o.sync_ms = double(sync_us_) / 1e3;
   o.step_chain_ms.assign(reduce_done_.size(), -1.0);
   for (std::size_t b = 0; b < reduce_done_.size(); ++b)
-    if (reduce_done_[b] >= 0 && sync_issued_[b] >= 0) o.step_chain_ms[b] = double(sync_issued_[b] - reduce_done_[b]) / 1e3;
+    if (reduce_done_[b] >= 0 && sync_ready_[b] >= 0) o.step_chain_ms[b] = double(sync_ready_[b] - reduce_done_[b]) / 1e3;
   return o;
 }
 
@@ -175,7 +187,7 @@ void OverlapStats::end_iteration(Time t, std::uint64_t iteration, std::size_t bu
   sync_us_ = reduce_us_ = 0;
   first_grad_ = backward_end_ = -1;
   reduce_done_.clear();
-  sync_issued_.clear();
+  sync_ready_.clear();
   reduce_link_us_.clear();
   sync_link_us_.clear();
   // Intervals still running past the window's end count in the next one.

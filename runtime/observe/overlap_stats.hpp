@@ -26,7 +26,8 @@ class OverlapStats {
   // of them on this rank's link: wire_bytes); a
   // parameter sync or a reduction (norm exchanges count as reductions). For bucket `bucket` (-1:
   // none), also when it was issued (Note [Choosing the interleave lag]).
-  void link(Time begin, Time end, int kind, std::size_t bytes, std::size_t wire, bool sync, std::int64_t bucket, Time issued);
+  // `ready`: when it could have gone out, its turn aside (-1: unknown; `issued` stands in).
+  void link(Time begin, Time end, int kind, std::size_t bytes, std::size_t wire, bool sync, std::int64_t bucket, Time issued, Time ready = -1);
   // The first gradient of a synchronised pass (forward and zero_grad ended), and finish_backward.
   void backward_started(Time t);
   void backward_ended(Time t);
@@ -34,8 +35,9 @@ class OverlapStats {
   // parameter syncs (forward prefetch sizes its split from these: Note [Forward prefetch]).
   struct Open {
     double backward_ms = 0, reduce_ms = 0, sync_ms = 0;
-    // Per bucket: from its reduction's completion to its sync's issue (the hops and the step
-    // between them), -1 where either is missing. Note [Choosing the interleave lag].
+    // Per bucket: from its reduction's completion to the moment its sync could go out (the hops
+    // and the step between them), -1 where either is missing. Note [Choosing the interleave lag],
+    // Note [The step chain, its turn aside].
     std::vector<double> step_chain_ms;
   };
   Open open_window() const;
@@ -66,7 +68,7 @@ class OverlapStats {
   Time window_start_ = -1, first_grad_ = -1, backward_end_ = -1;
   Time sync_us_ = 0, reduce_us_ = 0;
   std::vector<Interval> link_, blocked_, optimizer_;
-  std::vector<Time> reduce_done_, sync_issued_;  // per bucket in this window, -1: not yet
+  std::vector<Time> reduce_done_, sync_ready_;  // per bucket in this window, -1: not yet
   std::vector<Time> reduce_link_us_, sync_link_us_;  // per bucket in this window: its time on the link
   double window_bound_ms(Time lo, const std::vector<Time>& bucket_ready, std::size_t buckets) const;
   std::array<std::uint64_t, 5> bytes_{};

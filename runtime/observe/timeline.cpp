@@ -164,7 +164,7 @@ void Timeline::collective(const std::function<std::string()>& name, const char* 
     if (begin > completed) begin = completed;
     comm_free_ = completed;
   }
-  stats_.link(begin, completed, kind, bytes, wire, std::strcmp(cat, "sync") == 0, args.bucket, issued);
+  stats_.link(begin, completed, kind, bytes, wire, std::strcmp(cat, "sync") == 0, args.bucket, issued, args.ready_us);
   if (!tracing()) return;
   args.issued_us = issued;
   args.bytes = std::int64_t(bytes);

@@ -38,6 +38,7 @@ struct SpanArgs {
   const char* dtype = nullptr;
   std::int64_t iteration = -1;
   std::int64_t issued_us = -1;  // collectives: when the runtime issued it
+  std::int64_t ready_us = -1;   // collectives: when it could have gone out, its turn aside (a sync: its step done)
 };
 
 class Timeline {

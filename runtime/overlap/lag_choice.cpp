@@ -26,6 +26,13 @@ void Runtime::Impl::choose_interleave_lag() {
   const std::size_t max_lag = bufs->pooled() ? std::max<std::size_t>(1, caps.grads_in_flight) : 64;
   std::uint32_t chosen = std::uint32_t(shardflow::choose_interleave_lag(ready, B ? open.reduce_ms / double(B) : 0,
                                                                         B ? open.sync_ms / double(B) : 0, open.step_chain_ms, max_lag));
+  if (log->should_log(spdlog::level::debug)) {
+    std::string chain, grads;
+    for (const auto c : open.step_chain_ms) chain += " " + std::to_string(c);
+    for (const auto t : ready) grads += " " + std::to_string(t);
+    log->debug("interleave lag from: reduce {:.3f} ms, sync {:.3f} ms a bucket; step chains (ms){}; gradients (us){}", B ? open.reduce_ms / double(B) : 0,
+               B ? open.sync_ms / double(B) : 0, chain, grads);
+  }
   control_collective(CollectiveKind::broadcast, &chosen, 1, "interleave lag");  // rank 0's choice: every rank issues the same order
   log->info("interleaved overlap: each bucket's parameter sync goes after the reduction of the bucket {} later{}{}", chosen,
             chosen ? " (the step and its hops take longer than the gradients leave between reductions)" : "",
