@@ -80,7 +80,8 @@ int main(int argc, char** argv) {
   std::vector<std::vector<double>> ms(rows.size() * 2);
   for (int r = 0; r < rounds; ++r)
     for (std::size_t i = 0; i < rows.size(); ++i)
-      for (int a = 0; a < 2; ++a) {
+      for (int k = 0; k < 2; ++k) {
+        const int a = (k + r) % 2;  // which path goes first alternates with the round
         use_vector_isa(paths[a]);
         rows[i].step(0);  // warm
         const auto t0 = Clock::now();
