@@ -67,6 +67,19 @@ TEST_CASE("Adam with a constant gradient moves lr per step (bias correction), Ad
   CHECK(q == doctest::Approx(1.0 * (1 - 0.1 * 0.1) - 0.1).epsilon(1e-6));
 }
 
+namespace {
+
+// Adam's three weight-decay modes: none, L2 (Adam's own), decoupled (AdamW).
+AdamHyper adam_in_mode(int mode) {
+  AdamHyper h;
+  h.lr = 0.01f;
+  h.weight_decay = mode == 0 ? 0.0f : 0.1f;
+  h.decoupled_weight_decay = mode == 2;
+  return h;
+}
+
+}  // namespace
+
 TEST_CASE("Adam from kept buffers into others = Adam in place, bit for bit, in each weight-decay mode, and the kept buffers untouched") {
   const std::size_t n = 1037;  // not a multiple of any vector width
   std::vector<float> p(n), g(n), m(n), v(n);
@@ -78,10 +91,7 @@ TEST_CASE("Adam from kept buffers into others = Adam in place, bit for bit, in e
   }
   for (int mode = 0; mode < 3; ++mode) {
     CAPTURE(mode);
-    AdamHyper h;
-    h.lr = 0.01f;
-    h.weight_decay = mode == 0 ? 0.0f : 0.1f;
-    h.decoupled_weight_decay = mode == 2;
+    const AdamHyper h = adam_in_mode(mode);
     auto p1 = p, m1 = m, v1 = v;
     adam_step(p1.data(), g.data(), m1.data(), v1.data(), n, h, 7);
     std::vector<float> p2(n, -1.0f), m2(n, -1.0f), v2(n, -1.0f);
@@ -141,10 +151,7 @@ TEST_CASE("the optimizer steps give the baseline's bits on AVX2's loops: Adam in
     const auto p = spread(n, 1, false), g = spread(n, 2, false), m = spread(n, 3, false), v = spread(n, 4, true);
     for (int mode = 0; mode < 3; ++mode) {
       CAPTURE(mode);
-      AdamHyper h;
-      h.lr = 0.01f;
-      h.weight_decay = mode == 0 ? 0.0f : 0.1f;
-      h.decoupled_weight_decay = mode == 2;
+      const AdamHyper h = adam_in_mode(mode);
       for (const bool from : {false, true}) {
         CAPTURE(from);
         std::vector<float> out[2][3];

@@ -89,30 +89,24 @@ template <bool kL2, bool kDecoupled>
                                   bc2_sqrt);
 }
 
-// The two loops of one weight-decay mode, for each instruction set.
-template <bool kL2, bool kDecoupled>
+// One weight-decay mode's loop, in place or from kept buffers, for each instruction set.
+template <bool kL2, bool kDecoupled, bool kFrom>
 struct AdamLoop {
   template <typename... A>
+  [[gnu::always_inline]] static void body(A... a) {
+    if constexpr (kFrom)
+      adam_loop_from<kL2, kDecoupled>(a...);
+    else
+      adam_loop<kL2, kDecoupled>(a...);
+  }
+  template <typename... A>
   static void baseline(A... a) {
-    adam_loop<kL2, kDecoupled>(a...);
+    body(a...);
   }
 #ifdef SHARDFLOW_AVX2_LOOPS
   template <typename... A>
   SHARDFLOW_TARGET_AVX2 static void avx2(A... a) {
-    adam_loop<kL2, kDecoupled>(a...);
-  }
-#endif
-};
-template <bool kL2, bool kDecoupled>
-struct AdamLoopFrom {
-  template <typename... A>
-  static void baseline(A... a) {
-    adam_loop_from<kL2, kDecoupled>(a...);
-  }
-#ifdef SHARDFLOW_AVX2_LOOPS
-  template <typename... A>
-  SHARDFLOW_TARGET_AVX2 static void avx2(A... a) {
-    adam_loop_from<kL2, kDecoupled>(a...);
+    body(a...);
   }
 #endif
 };
@@ -121,10 +115,10 @@ template <bool kL2, bool kDecoupled>
 void adam_mode(float* p, const float* g, float* m, float* v, std::size_t n, const float* p_in, const float* m_in, const float* v_in,
                float b1, float b2, float eps, float wd, float decay, float step_size, float bc2_sqrt) {
   if (p_in)  // out of place: all three read from their own buffers
-    run_loop<AdamLoopFrom<kL2, kDecoupled>>(p, g, m, v, p_in, m_in, v_in, n, b1, b2, 1.0f - b1, 1.0f - b2, eps, wd, decay, step_size,
-                                            bc2_sqrt);
+    run_loop<AdamLoop<kL2, kDecoupled, true>>(p, g, m, v, p_in, m_in, v_in, n, b1, b2, 1.0f - b1, 1.0f - b2, eps, wd, decay, step_size,
+                                              bc2_sqrt);
   else
-    run_loop<AdamLoop<kL2, kDecoupled>>(p, g, m, v, n, b1, b2, 1.0f - b1, 1.0f - b2, eps, wd, decay, step_size, bc2_sqrt);
+    run_loop<AdamLoop<kL2, kDecoupled, false>>(p, g, m, v, n, b1, b2, 1.0f - b1, 1.0f - b2, eps, wd, decay, step_size, bc2_sqrt);
 }
 
 }  // namespace
