@@ -61,8 +61,9 @@ namespace {
 // because a loop whose inputs may alias its outputs in any way does not vectorise (GCC gives up
 // on the run-time overlap checks of seven pointers: the step took twice as long).
 template <bool kL2, bool kDecoupled>
-[[gnu::always_inline]] inline void adam_element(float& p_out, float& m_out, float& v_out, float param, float grad, float m_in, float v_in, float b1, float b2,
-                         float one_b1, float one_b2, float eps, float wd, float decay, float step_size, float bc2_sqrt) {
+[[gnu::always_inline]] inline void adam_element(float& p_out, float& m_out, float& v_out, float param, float grad, float m_in, float v_in,
+                                                float b1, float b2, float one_b1, float one_b2, float eps, float wd, float decay,
+                                                float step_size, float bc2_sqrt) {
   if constexpr (kDecoupled) param = param * decay;
   if constexpr (kL2) grad = grad + wd * param;
   const float mi = m_in * b1 + grad * one_b1;
@@ -74,16 +75,17 @@ template <bool kL2, bool kDecoupled>
 }
 
 template <bool kL2, bool kDecoupled>
-[[gnu::always_inline]] inline void adam_loop(float* p, const float* g, float* m, float* v, std::size_t n, float b1, float b2, float one_b1, float one_b2, float eps,
-               float wd, float decay, float step_size, float bc2_sqrt) {
+[[gnu::always_inline]] inline void adam_loop(float* p, const float* g, float* m, float* v, std::size_t n, float b1, float b2, float one_b1,
+                                             float one_b2, float eps, float wd, float decay, float step_size, float bc2_sqrt) {
   for (std::size_t i = 0; i < n; ++i)
     adam_element<kL2, kDecoupled>(p[i], m[i], v[i], p[i], g[i], m[i], v[i], b1, b2, one_b1, one_b2, eps, wd, decay, step_size, bc2_sqrt);
 }
 
 template <bool kL2, bool kDecoupled>
-[[gnu::always_inline]] inline void adam_loop_from(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, const float* __restrict p_in,
-                    const float* __restrict m_in, const float* __restrict v_in, std::size_t n, float b1, float b2, float one_b1,
-                    float one_b2, float eps, float wd, float decay, float step_size, float bc2_sqrt) {
+[[gnu::always_inline]] inline void adam_loop_from(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+                                                  const float* __restrict p_in, const float* __restrict m_in, const float* __restrict v_in,
+                                                  std::size_t n, float b1, float b2, float one_b1, float one_b2, float eps, float wd,
+                                                  float decay, float step_size, float bc2_sqrt) {
   for (std::size_t i = 0; i < n; ++i)
     adam_element<kL2, kDecoupled>(p[i], m[i], v[i], p_in[i], g[i], m_in[i], v_in[i], b1, b2, one_b1, one_b2, eps, wd, decay, step_size,
                                   bc2_sqrt);
