@@ -109,10 +109,11 @@ Check check_openblas() {
 Check check_vector_loops() {
   Check c{"vector loops"};
   const bool avx2 = kernels::cpu_has_avx2();
+  const char* asked = std::getenv("SHARDFLOW_CPU_VECTORS");
   try {
-    const auto isa = kernels::vector_isa_setting(std::getenv("SHARDFLOW_CPU_VECTORS"), avx2);
+    const auto isa = kernels::vector_isa_setting(asked, avx2);
     c.detail = std::string("the optimizer steps run ") + kernels::name(isa) + " loops (" +
-               (std::getenv("SHARDFLOW_CPU_VECTORS") ? "SHARDFLOW_CPU_VECTORS" : avx2 ? "the CPU has AVX2" : "the CPU has no AVX2") +
+               (asked ? "SHARDFLOW_CPU_VECTORS" : avx2 ? "the CPU has AVX2" : "the CPU has no AVX2") +
                "); every path gives the same bits";
     if (isa == kernels::VectorIsa::baseline && avx2) {
       c.status = Status::warn;
