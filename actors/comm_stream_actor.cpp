@@ -67,6 +67,12 @@ CollectiveDone completion_for(const CommStreamState& s, const ScheduledCollectiv
         if (kind == ScheduledCollective::unused && shard) caf::anon_send(shard, msg::unused_known_atom::value, to_failure(x));
         done(kind, to_failure(x));
       };
+    case ScheduledCollective::sync:
+      if (s.twin_gathers)  // Note [Syncs from the twin, two levels]: the twin steps, then the gather
+        return [shard = s.shard, b = e.bucket, last](std::exception_ptr x) {
+          if (last || x) caf::anon_send(shard, msg::twin_shifted_atom::value, b, to_failure(x));
+        };
+      [[fallthrough]];
     default:
       if (s.fused && s.fused->fusion.fused(e.bucket))
         return [shard = s.shard, g = s.fused->fusion.group_of[e.bucket], last](std::exception_ptr x) {
@@ -96,6 +102,8 @@ void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entrie
     if (e.kind == ScheduledCollective::reduce) ++buckets;
   st.reduce_entry.assign(buckets, 0);
   st.sync_entry.assign(buckets, ~0u);
+  st.gather_entry.assign(buckets, ~0u);
+  st.twin_gathers = false;
   for (std::uint32_t i = 0; i < entries.size(); ++i) {
     const auto& e = entries[i];
     if (e.kind == ScheduledCollective::reduce) {
@@ -103,6 +111,9 @@ void index_schedule(CommStreamState& st, std::vector<ScheduledCollective> entrie
       st.last_reduce_entry = i;
     } else if (e.kind == ScheduledCollective::sync) {
       st.sync_entry[e.bucket] = i;
+    } else if (e.kind == ScheduledCollective::gather) {
+      st.gather_entry[e.bucket] = i;
+      st.twin_gathers = true;
     } else if (e.kind == ScheduledCollective::buffers || e.kind == ScheduledCollective::unused) {
       st.handed_entry[e.kind] = i;
     } else {
@@ -145,8 +156,9 @@ CollectiveDone timed(const CommStreamState& s, const ScheduledCollective& e, con
   what.distance = op.distance;  // a shift's: one by a multiple of the world puts nothing on the link (wire_bytes)
   what.recv_count = op.recv_count;
   if (s.log->tracing()) what.tag = op.tag;
-  const char* cat = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
-  const std::int64_t bucket = e.kind == ScheduledCollective::reduce || e.kind == ScheduledCollective::sync ? std::int64_t(e.bucket) : -1;
+  const bool syncs = e.kind == ScheduledCollective::sync || e.kind == ScheduledCollective::gather;
+  const char* cat = syncs || e.kind == ScheduledCollective::buffers ? "sync" : "reduce";  // the used counts: a reduction
+  const std::int64_t bucket = e.kind == ScheduledCollective::reduce || syncs ? std::int64_t(e.bucket) : -1;
   return [log = s.log, what = std::move(what), world = s.comm->world_size(), cat, bucket, it = std::int64_t(s.iteration), t0 = Timeline::now(),
           ready, inner = std::move(inner)](std::exception_ptr x) {
     log->completed(what, world, cat, bucket, it, t0, ready);
@@ -217,6 +229,7 @@ CollectiveIssue prepare(CommStreamState& s, const ScheduledCollective& e) {
         return s.collectives[e.bucket]->group_sync(g, s.last_packed[g]);
       }
       return s.collectives[e.bucket]->sync();
+    case ScheduledCollective::gather: return s.collectives[e.bucket]->twin_gather();
     case ScheduledCollective::buffers:
     case ScheduledCollective::unused: return std::move(s.handed[e.kind]);
     default: return std::move(s.norm);
@@ -337,6 +350,7 @@ msg::comm_stream_actor_t::behavior_type comm_stream_actor(comm_stream_self self,
         if (s.fused && s.fused->fusion.fused(b)) s.last_packed[s.fused->fusion.group_of[b]] = b;
         mark_ready(self, s.sync_entry[b]);
       },
+      [=](msg::twin_packed_atom, std::uint32_t b) { mark_ready(self, self->state.gather_entry[b]); },
       [=](msg::norm_ready_atom, CollectiveIssue& exchange) {
         self->state.norm = std::move(exchange);
         mark_ready(self, self->state.norm_entry);

@@ -31,7 +31,10 @@ struct CommStreamState {
   std::map<ScheduledCollective::Kind, CollectiveIssue> handed;
   std::map<ScheduledCollective::Kind, std::uint32_t> handed_entry;
   std::function<void(ScheduledCollective::Kind, const msg::Failure&)> handed_done;
-  std::vector<std::uint32_t> reduce_entry, sync_entry;  // by bucket
+  std::vector<std::uint32_t> reduce_entry, sync_entry, gather_entry;  // by bucket
+  // Note [Syncs from the twin, two levels]: the syncs are shifts to the twins, each followed by its
+  // gather inside the hosts (the schedule has gather entries).
+  bool twin_gathers = false;
   std::uint32_t norm_entry = ~0u, last_reduce_entry = 0;
   std::vector<msg::bucket_actor_t> owners;  // the bucket actor to tell when its reduction completes
   msg::shard_actor_t shard;                 // the shard actor, when the runtime runs the optimizer

@@ -84,6 +84,10 @@ using trainer_op_atom = caf::atom_constant<caf::atom("trainer_op")>;
 // A comm hook's phase completed (Note [Comm hooks]): the next phase's collectives, or (false) the
 // reduction is done and the schedule may go on.
 using hook_phase_atom = caf::atom_constant<caf::atom("hook_phase")>;
+// Note [Syncs from the twin, two levels]: a bucket's shift to the twin landed (comm stream to
+// shard), and the twin's values are in the staging beside the rank's own (shard to comm stream).
+using twin_shifted_atom = caf::atom_constant<caf::atom("twin_shftd")>;
+using twin_packed_atom = caf::atom_constant<caf::atom("twin_pckd")>;
 using step_next_atom = caf::atom_constant<caf::atom("step_next")>;  // shard actor to itself
 using set_peer_atom = caf::atom_constant<caf::atom("set_peer")>;
 using set_groups_atom = caf::atom_constant<caf::atom("set_groups")>;
@@ -96,7 +100,7 @@ using shard_actor_t = caf::typed_actor<
     caf::reacts_to<set_groups_atom, std::uint64_t, std::shared_ptr<const OptimizerGroups>>,
     caf::reacts_to<reduced_atom, std::uint32_t, Failure>, caf::reacts_to<step_next_atom>, caf::reacts_to<all_issued_atom>,
     caf::reacts_to<norm_done_atom, Failure>, caf::reacts_to<broadcast_done_atom, std::uint32_t, Failure>,
-    caf::reacts_to<group_synced_atom, std::uint32_t, Failure>,
+    caf::reacts_to<group_synced_atom, std::uint32_t, Failure>, caf::reacts_to<twin_shifted_atom, std::uint32_t, Failure>,
     caf::reacts_to<unused_known_atom, Failure>>;
 
 using bucket_actor_t =
@@ -107,7 +111,8 @@ using bucket_actor_t =
 using comm_stream_actor_t = caf::typed_actor<
     caf::reacts_to<set_peer_atom, shard_actor_t>,
     caf::reacts_to<bucket_ready_atom, std::uint32_t, std::shared_ptr<const BucketCollectives>, bucket_actor_t>,
-    caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<norm_ready_atom, CollectiveIssue>,
+    caf::reacts_to<step_done_atom, std::uint32_t>, caf::reacts_to<twin_packed_atom, std::uint32_t>,
+    caf::reacts_to<norm_ready_atom, CollectiveIssue>,
     caf::reacts_to<handed_over_atom, std::uint8_t, CollectiveIssue>,
     caf::reacts_to<trainer_op_atom, std::uint64_t, CollectiveOp, CollectiveDone>,
     caf::reacts_to<hook_phase_atom, std::uint8_t, std::uint32_t, bool, CollectiveIssue>>;

@@ -126,7 +126,8 @@ std::pair<Timeline::Time, Timeline::Time> step_bucket(shard_self self, std::uint
   const auto t0 = Timeline::now();
   if (!sh.skipping()) sh.step(b, s.clip_coef);  // Note [Loss scaling]: an inf somewhere: no rank steps
   end_step_once(s);
-  if (sh.syncs() && !sh.syncs_from_twin()) sh.pack(b);  // Note [Syncs from the twin]: nothing to send
+  // Note [Syncs from the twin]: nothing to send, or (two levels) packed once the shift is out.
+  if (sh.syncs() && !sh.shifts_in_sync()) sh.pack(b);
   const auto t1 = Timeline::now();
   s.timeline->stats().optimizer(t0, t1);
   if (s.timeline->tracing())
@@ -216,10 +217,29 @@ void on_reduced(shard_self self, std::uint32_t b, const msg::Failure& failure) {
     s.shard->take_grad_shard(b);  // stage 2: keep only this rank's shard of it and give the buffer back
     // Note [Mirrored shards]: the twin takes the slice before this bucket's step can end the step
     // (Note [Syncs from the twin]: it comes with the sync instead).
-    if (!s.shard->syncs_from_twin()) s.shard->mirror_arrived(b);
+    if (!s.shard->shifts_in_sync()) s.shard->mirror_arrived(b);
     s.reduced[b] = 1;
     ++s.nreduced;
     try_step(self);
+  });
+}
+
+// The step a sync belongs to: end_step may have counted it already.
+std::int64_t synced_step(const ShardActorState& s) { return s.shard->steps() - (s.phase == ShardPhase::stepped ? 1 : 0); }
+
+// Note [Syncs from the twin, two levels]: bucket b's shift to the twin landed. The twin steps it
+// into the staging beside this rank's block, and the gather inside the host may go.
+void on_twin_shifted(shard_self self, std::uint32_t b, const msg::Failure& failure) {
+  if (failure) return self->state.iteration->bucket_done(b, failure);
+  guarded(self, b, [&] {
+    auto& s = self->state;
+    const auto t0 = Timeline::now();
+    s.shard->twin_shifted(b, synced_step(s));
+    const auto t1 = Timeline::now();
+    s.timeline->stats().optimizer(t0, t1);
+    if (s.timeline->tracing())
+      s.timeline->span("twin's step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1, SpanArgs{std::int64_t(b), -1, nullptr, synced_step(s), -1});
+    self->send(s.comm, msg::twin_packed_atom::value, b);
   });
 }
 
@@ -228,8 +248,8 @@ void on_synced(shard_self self, std::uint32_t b, msg::Failure& failure) {
   auto& s = self->state;
   if (!failure) try {
       const auto t0 = Timeline::now();
-      if (s.shard->syncs_from_twin())  // the step this sync belongs to: end_step may have counted it already
-        s.shard->twin_synced(b, s.shard->steps() - (s.phase == ShardPhase::stepped ? 1 : 0));
+      if (s.shard->syncs_from_twin())
+        s.shard->twin_synced(b, synced_step(s));
       else
         s.shard->unpack(b);
       if (s.timeline->tracing())
@@ -289,6 +309,7 @@ msg::shard_actor_t::behavior_type shard_actor(shard_self self, ShardActorArgs ar
         });
       },
       [=](msg::broadcast_done_atom, std::uint32_t b, msg::Failure& failure) { on_synced(self, b, failure); },
+      [=](msg::twin_shifted_atom, std::uint32_t b, msg::Failure& failure) { on_twin_shifted(self, b, failure); },
       [=](msg::group_synced_atom, std::uint32_t g, msg::Failure& failure) {
         for (const auto b : self->state.shard->fused_syncs()->fusion.groups[g].members) {
           auto f = failure;

@@ -254,7 +254,8 @@ TEST_CASE("2 hosts x 2 ranks, twins a host away (redundancy 2), stages 1 and 2, 
       for (bool prefetch : {false, true}) {
         const bool lanes = !(stage == 1 && prefetch);  // the gathers inside the host on their own lane, or on the reductions'
         CAPTURE(stage);
-        CAPTURE(dtype_name(wire));
+        const std::string wire_name = dtype_name(wire);
+        CAPTURE(wire_name);
         CAPTURE(prefetch);
         CAPTURE(lanes);
         auto opt = small_mlp(stage, Overlap::interleaved, 5);

@@ -17,6 +17,7 @@
 
 #include "support/helpers.hpp"
 #include "shardflow/comm_hook.hpp"
+#include "shardflow/hierarchical.hpp"
 #include "runtime/checkpoint/piece_exchange.hpp"
 #include "runtime/zero/mirror_shard.hpp"
 #include "runtime/zero/shard.hpp"
@@ -309,7 +310,8 @@ struct Outcome {
   std::uint64_t resumed = 0;
   std::optional<std::string> trainer_state;  // what resumed_step() or recover() gave back
   std::vector<float> after_recovery;
-  std::vector<std::string> log;
+  std::vector<std::string> log;         // the new round's collectives
+  std::vector<std::string> log_before;  // the round's abandoned
 };
 
 Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg, Model& m, Plan plan) {
@@ -344,6 +346,7 @@ Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg
       rt.wait();
     } catch (const Error&) {
       if (!plan.next) throw;
+      out.log_before = rt.collective_log();
       out.resumed = rt.recover(std::exchange(plan.next, nullptr));
       out.trainer_state = rt.trainer_state();
       out.after_recovery = m.w;
@@ -361,6 +364,24 @@ std::string scratch(const std::string& name) {
   std::filesystem::remove_all(dir);
   return dir.string();
 }
+
+// Note [Syncs from the twin, two levels]: 2 hosts x 2 ranks as threads over two levels of
+// in-process worlds (inside each host, its stages after the network, each local index across the
+// hosts), as test_hierarchical builds them.
+struct TwoLevels {
+  std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
+  TwoLevels() {
+    for (int k = 0; k < 2; ++k) {
+      inside.push_back(InProcessWorld::create(2, 20s));
+      after.push_back(InProcessWorld::create(2, 20s));
+      between.push_back(InProcessWorld::create(2, 20s));
+    }
+  }
+  std::shared_ptr<Communicator> communicator(int r) const {
+    const auto h = std::size_t(r / 2), l = std::size_t(r % 2);
+    return make_hierarchical(inside[h]->communicator(int(l)), between[l]->communicator(int(h)), after[h]->communicator(int(l)));
+  }
+};
 
 // Runs `n` ranks as threads, rank r with plans[r]; rethrows the first failure.
 std::vector<Outcome> run_world(int n, const std::function<std::shared_ptr<Communicator>(int)>& comm, const Config& cfg,
@@ -438,6 +459,44 @@ TEST_CASE("twins, world 3, stages 1 and 2: every rank abandons step 8 half repor
       CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
       const auto& log = out[std::size_t(r)].log;
       CHECK(std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("twins: restore state") != std::string::npos; }));
+    }
+    std::filesystem::remove_all(snaps);
+  }
+}
+
+TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2: every rank abandons step 8 half reported, between its "
+          "shifts to the twins and the gathers inside the hosts, and recovers onto a new round -> it goes on after step 7 from the twins, and "
+          "ends bit for bit where an uninterrupted run ends") {
+  constexpr int N = 4;
+  for (int stage : {1, 2}) {
+    CAPTURE(stage);
+    auto cfg = [&](const std::string& snaps) {
+      auto c = recovering(snaps, stage);
+      c.zero.twin_distance = 2;  // a host away: the twins give the other host's blocks
+      return c;
+    };
+    std::vector<Model> want(N), got(N);
+    {
+      const TwoLevels world;
+      const auto snaps = scratch("ref2x2");
+      run_world(N, [&](int r) { return world.communicator(r); }, cfg(snaps), want, std::vector<Plan>(N));
+      std::filesystem::remove_all(snaps);
+    }
+    const TwoLevels first, second;
+    const auto snaps = scratch("rec2x2");
+    std::vector<Plan> plans(N);
+    for (int r = 0; r < N; ++r) plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = second.communicator(r);
+    const auto out = run_world(N, [&](int r) { return first.communicator(r); }, cfg(snaps), got, plans);
+    for (int r = 0; r < N; ++r) {
+      CAPTURE(r);
+      CHECK(out[std::size_t(r)].resumed == 7);
+      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
+      const auto& log = out[std::size_t(r)].log;
+      CHECK(std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("twins: restore state") != std::string::npos; }));
+      // The path under test: each sync the shift to the twin, then the gather inside the host.
+      const auto& before = out[std::size_t(r)].log_before;
+      CHECK(std::any_of(before.begin(), before.end(), [](const std::string& c) { return c.find("(the shift to the twin)") != std::string::npos; }));
+      CHECK(std::any_of(before.begin(), before.end(), [](const std::string& c) { return c.find("inside the host, after the twin's step") != std::string::npos; }));
     }
     std::filesystem::remove_all(snaps);
   }

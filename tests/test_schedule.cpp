@@ -22,6 +22,7 @@ std::string spelled(const std::vector<ScheduledCollective>& order) {
          : c.kind == ScheduledCollective::norm    ? std::string("N")
          : c.kind == ScheduledCollective::buffers ? std::string("B")
          : c.kind == ScheduledCollective::unused  ? std::string("U")
+         : c.kind == ScheduledCollective::gather  ? "G" + std::to_string(c.bucket)
                                                   : "S" + std::to_string(c.bucket);
   }
   return s;
@@ -108,6 +109,27 @@ TEST_CASE("forward prefetch: an early sync goes after its own bucket's reduction
         CHECK(syncs == p.sync_order);
       }
   } while (std::next_permutation(forward.begin(), forward.end()));
+}
+
+TEST_CASE("twins a host away over two levels: each sync is the shift to the twin and its gather inside the hosts follows the next "
+          "sync, wherever the syncs go, so the first layers' shift is not behind every other bucket's") {
+  auto s = spec(4, true, false, true, 1);
+  s.twin_gathers = true;
+  CHECK(spelled(collective_order(s)) == "R0 R1 S0 R2 S1 G0 R3 S2 G1 S3 G2 G3");
+  s.sync_order = {0, 1, 3, 2};  // forward prefetch: two early, then forward's order
+  s.interleaved_syncs = 2;
+  CHECK(spelled(collective_order(s)) == "R0 R1 S0 R2 S1 G0 R3 S3 G1 S2 G3 G2");
+  s.interleaved_syncs = 0;
+  s.sync_order = {3, 2, 1, 0};
+  CHECK(spelled(collective_order(s)) == "R0 R1 R2 R3 S3 S2 G3 S1 G2 S0 G1 G0");
+  auto one = spec(1, true, false, true, 0);
+  one.twin_gathers = true;
+  CHECK(spelled(collective_order(one)) == "R0 S0 G0");
+  auto clipped = spec(3, true, true, true, 0);
+  clipped.twin_gathers = true;
+  CHECK(spelled(collective_order(clipped)) == "R0 R1 R2 N S0 S1 G0 S2 G1 G2");
+  clipped.twin_gathers = false;
+  CHECK(spelled(collective_order(clipped)) == "R0 R1 R2 N S0 S1 S2");  // no gathers without twins
 }
 
 TEST_CASE("every bucket is reduced once and synced once, whatever the settings") {

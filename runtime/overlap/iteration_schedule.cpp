@@ -23,9 +23,11 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   spec.lag = in_forward_order ? std::max<std::size_t>(1, overlap->lag.lag) : overlap->lag.lag;
   spec.sync_order = overlap->prefetch.sync_order;
   spec.interleaved_syncs = in_forward_order ? overlap->prefetch.early : spec.buckets;
+  // Note [Syncs from the twin, two levels]: the sync shifts to the twin, the gather follows.
+  spec.twin_gathers = spec.syncs && shard->twin_in_host();
   // Note [Syncs in batches]: what each sync would move where it could fuse (the buckets
-  // fuse_syncs may group), 0 where it syncs alone.
-  if (spec.syncs && cfg.zero.fuse_syncs_bytes > 0) {
+  // fuse_syncs may group), 0 where it syncs alone. Syncs the twins give never fuse.
+  if (spec.syncs && cfg.zero.fuse_syncs_bytes > 0 && !shard->syncs_from_twin() && !shard->twin_in_host()) {
     spec.fuse_bytes = cfg.zero.fuse_syncs_bytes;
     for (std::size_t b = 0; b < spec.buckets; ++b)
       spec.sync_bytes.push_back(fusable_bytes(shard->shard_plan(), b, shard->sync_dtype(b), spec.fuse_bytes));

@@ -1,6 +1,7 @@
 #include "runtime/plans/collective_schedule.hpp"
 
 #include <algorithm>
+#include <optional>
 
 namespace shardflow {
 namespace {
@@ -28,6 +29,18 @@ std::size_t batch_end(const ScheduleSpec& s, std::size_t k, std::size_t limit) {
   return e;
 }
 
+// S(b), and where the syncs are shifts to the twins, the gather of the sync before it (`gather`,
+// then b's): G(b) can go only once b's shift landed and the twin stepped, and the next shift
+// keeps the link busy meanwhile (right after S(b) the link idled 1.5-2.5 ms a bucket on 2 cores).
+// A gather holds its staging buffer one sync longer; stage 2 allows two in flight at least
+// (kStagingInFlight), so the next bucket can still step and its shift go out.
+void push_sync(const ScheduleSpec& s, std::uint32_t b, std::vector<ScheduledCollective>& out, std::optional<std::uint32_t>& gather) {
+  out.push_back({ScheduledCollective::sync, b});
+  if (!s.twin_gathers) return;
+  if (gather) out.push_back({ScheduledCollective::gather, *gather});
+  gather = b;
+}
+
 }  // namespace
 
 std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
@@ -39,6 +52,7 @@ std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
   const bool interleave = s.syncs && s.interleave && !hold;
   const std::size_t interleaved = interleave ? std::min(s.interleaved_syncs, B) : 0;
   std::size_t synced = 0;
+  std::optional<std::uint32_t> gather;  // the sync whose gather is still to place
   for (std::uint32_t b = 0; b < B; ++b) {
     out.push_back({ScheduledCollective::reduce, b});
     if (b + 1 == B) after_last_reduction(s, out);
@@ -55,11 +69,12 @@ std::vector<ScheduledCollective> collective_order(const ScheduleSpec& s) {
       std::size_t place = 0;
       for (std::size_t j = synced; j <= last; ++j) place = std::max<std::size_t>(place, std::min<std::size_t>(sync_bucket(s, j) + s.lag, B - 1));
       if (place > b) break;
-      for (; synced <= last; ++synced) out.push_back({ScheduledCollective::sync, sync_bucket(s, synced)});
+      for (; synced <= last; ++synced) push_sync(s, sync_bucket(s, synced), out, gather);
     }
   }
   if (s.syncs)
-    for (; synced < B; ++synced) out.push_back({ScheduledCollective::sync, sync_bucket(s, synced)});
+    for (; synced < B; ++synced) push_sync(s, sync_bucket(s, synced), out, gather);
+  if (gather) out.push_back({ScheduledCollective::gather, *gather});
   return out;
 }
 

@@ -21,6 +21,8 @@
 // With forward prefetch the syncs the next forward needs first go last: K of them (Note [Forward
 // prefetch]) interleave with the reductions, each S(x) after R(x + lag) (Note [An early sync after
 // its own reduction]), the rest follow the last reduction in forward order.
+// Over two levels with the twins a host away, G(b), the gather inside the hosts of what the twin
+// stepped from the slice S(b) shifted to it, follows the sync after S(b) (or S(b), the last).
 // The buffers' broadcast (B, Note [Rank 0's state everywhere]) goes right after the last
 // reduction, whatever follows it: R0 .. R(B-1) B [N] S... With find_unused_parameters the all-reduce
 // of how many ranks used each parameter (U, Note [Unused parameters]) goes there too, before B;
@@ -42,7 +44,9 @@ namespace shardflow {
 // One step of a rank's collective schedule. Every rank builds the same schedule from the same plan,
 // so issuing strictly in schedule order keeps the ranks' collectives in the same order.
 struct ScheduledCollective {
-  enum Kind : std::uint8_t { reduce, norm, sync, buffers, unused };
+  // gather: the all-gather inside the hosts that follows a sync which was the shift to the twin
+  // (Note [Syncs from the twin, two levels]).
+  enum Kind : std::uint8_t { reduce, norm, sync, buffers, unused, gather };
   Kind kind = reduce;
   std::uint32_t bucket = 0;  // 0 for the norm exchange, the buffers' broadcast and the used counts
   bool operator==(const ScheduledCollective&) const = default;
@@ -64,6 +68,9 @@ struct ScheduleSpec {
   // bucket's sync moves (0: it cannot fuse). Empty or 0: every sync placed alone.
   std::vector<std::size_t> sync_bytes;
   std::size_t fuse_bytes = 0;
+  // Note [Syncs from the twin, two levels]: each sync S(b) is the shift to the twin, and its
+  // gather inside the hosts G(b) follows the next sync: ... S(a) S(b) G(a) S(c) G(b) ...
+  bool twin_gathers = false;
 };
 
 std::vector<ScheduledCollective> collective_order(const ScheduleSpec& spec);

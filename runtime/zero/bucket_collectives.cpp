@@ -134,7 +134,7 @@ CollectiveIssue BucketCollectives::reduction(std::uint64_t iteration) const {
   CollectiveOp shift;
   // Note [Mirrored shards]: the reduced slice, as it landed, to the twin `distance` ranks on (Note
   // [Syncs from the twin]: in the sync's place instead).
-  if (mirror && rs && !sh->syncs_from_twin()) shift = twin_shift(recv, static_cast<std::byte*>(op.recv), "mirror bucket " + std::to_string(b));
+  if (mirror && rs && !sh->shifts_in_sync()) shift = twin_shift(recv, static_cast<std::byte*>(op.recv), "mirror bucket " + std::to_string(b));
   issue.ops.push_back(std::move(op));
   if (shift.kind == CollectiveKind::shift) issue.ops.push_back(std::move(shift));
   return issue;
@@ -157,7 +157,7 @@ CollectiveOp BucketCollectives::twin_shift(std::shared_ptr<std::byte> slice_owne
 // Note [Syncs from the twin]: the reduced slice where the reduction left it, untouched since: the
 // owner's step read it and packed nothing, and the next reduction of this bucket comes after
 // forward took its parameters, so after this shift landed.
-CollectiveIssue BucketCollectives::sync_from_twin() const {
+CollectiveIssue BucketCollectives::shift_as_sync() const {
   const auto& bs = shard_->shard_plan().buckets[b_];
   std::shared_ptr<std::byte> owner;
   std::byte* slice = nullptr;
@@ -177,41 +177,50 @@ CollectiveIssue BucketCollectives::sync_from_twin() const {
 }
 
 CollectiveIssue BucketCollectives::sync() const {
-  if (shard_->syncs_from_twin()) return sync_from_twin();
+  if (shard_->shifts_in_sync()) return shift_as_sync();
   const auto b = b_;
   const auto& bs = shard_->shard_plan().buckets[b];
-  const DType dtype = shard_->sync_dtype(b);
   CollectiveIssue issue;
-  auto staging_buf = bufs_->staging(b);  // taken by the step's pack
-  std::byte* staging = staging_buf.get();
-  const std::size_t es = dtype_size(dtype);
-  auto op_for = [&](CollectiveKind kind, std::size_t count, std::string tag) {
-    CollectiveOp op;
-    op.kind = kind;
-    op.dtype = dtype;
-    op.count = count;
-    op.tag = std::move(tag);
-    op.wait_event = shard_->pack_event(b);
-    op.keep_alive = staging_buf;
-    return op;
-  };
   if (bs.flat) {
-    auto op = op_for(CollectiveKind::allgather, bs.slice, "sync bucket " + std::to_string(b));
-    op.send = staging + std::size_t(rank_) * bs.slice * es;
-    op.recv = staging;
-    op.in_host = shard_->twin_in_host();  // Note [Syncs from the twin, two levels]
-    issue.ops.push_back(std::move(op));
+    issue.ops.push_back(staged_op(CollectiveKind::allgather, bs.slice, "sync bucket " + std::to_string(b)));
+    auto& op = issue.ops.back();
+    op.send = static_cast<std::byte*>(op.recv) + std::size_t(rank_) * bs.slice * dtype_size(op.dtype);
     return issue;
   }
   for (int k = 0; k < world_; ++k) {
     if (bs.packed[std::size_t(k)] == 0) continue;
-    auto op = op_for(CollectiveKind::broadcast, bs.packed[std::size_t(k)],
-                     "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k));
-    op.send = op.recv = staging + bs.packed_start[std::size_t(k)] * es;
+    auto op = staged_op(CollectiveKind::broadcast, bs.packed[std::size_t(k)], "sync bucket " + std::to_string(b) + " from rank " + std::to_string(k));
+    op.send = op.recv = static_cast<std::byte*>(op.recv) + bs.packed_start[std::size_t(k)] * dtype_size(op.dtype);
     op.root = k;
     issue.ops.push_back(std::move(op));
   }
   return issue;
+}
+
+// Note [Syncs from the twin, two levels]: every rank's staging holds its own block and its twin's
+// (the source's, a host away), so the gather runs inside each host alone.
+CollectiveIssue BucketCollectives::twin_gather() const {
+  const auto& bs = shard_->shard_plan().buckets[b_];
+  CollectiveIssue issue;
+  issue.ops.push_back(staged_op(CollectiveKind::allgather, bs.slice, "sync bucket " + std::to_string(b_) + " (inside the host, after the twin's step)"));
+  auto& op = issue.ops.back();
+  op.send = static_cast<std::byte*>(op.recv) + std::size_t(rank_) * bs.slice * dtype_size(op.dtype);
+  op.in_host = true;
+  return issue;
+}
+
+// An op on the bucket's staging (recv at its start), taken by the step's pack, after the pack.
+CollectiveOp BucketCollectives::staged_op(CollectiveKind kind, std::size_t count, std::string tag) const {
+  auto staging = bufs_->staging(b_);
+  CollectiveOp op;
+  op.kind = kind;
+  op.dtype = shard_->sync_dtype(b_);
+  op.count = count;
+  op.tag = std::move(tag);
+  op.wait_event = shard_->pack_event(b_);
+  op.recv = staging.get();
+  op.keep_alive = std::move(staging);
+  return op;
 }
 
 CollectiveIssue BucketCollectives::group_sync(std::uint32_t g, std::uint32_t last_packed) const {

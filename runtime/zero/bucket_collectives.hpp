@@ -59,9 +59,13 @@ class BucketCollectives {
   // synchronised iteration being issued.
   CollectiveIssue reduction(std::uint64_t iteration) const;
   // The updated parameters from their owners: an all-gather of the packed slices (flat partition)
-  // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2). At world 2
-  // with twins, the shift of the reduced slice to the twin instead (Note [Syncs from the twin]).
+  // or one broadcast per owning rank. Only with a sharded optimizer (ZeRO 1 and 2). With twins at
+  // world 2, or a host away over two levels, the shift of the reduced slice to the twin instead
+  // (Note [Syncs from the twin]; Note [Syncs from the twin, two levels]).
   CollectiveIssue sync() const;
+  // Note [Syncs from the twin, two levels]: after the shift, the all-gather inside the hosts of
+  // the slices the owners and the twins packed.
+  CollectiveIssue twin_gather() const;
   // This bucket leads fused group g (Note [Fused syncs]): one all-gather of every member's slices
   // in the group's buffer, after `last_packed`'s pack (the member packed last: the shard's packs
   // follow each other on its stream).
@@ -69,9 +73,10 @@ class BucketCollectives {
 
  private:
   // Note [Mirrored shards]: the shift of this bucket's reduced slice (`slice`, kept alive by its
-  // owner) to the twin; sync_from_twin: that shift as the bucket's sync (Note [Syncs from the twin]).
+  // owner) to the twin; shift_as_sync: that shift as the bucket's sync (Note [Syncs from the twin]).
   CollectiveOp twin_shift(std::shared_ptr<std::byte> slice_owner, std::byte* slice, std::string tag) const;
-  CollectiveIssue sync_from_twin() const;
+  CollectiveIssue shift_as_sync() const;
+  CollectiveOp staged_op(CollectiveKind kind, std::size_t count, std::string tag) const;
   std::uint32_t b_;
   std::size_t numel_;
   DType dtype_;

@@ -73,7 +73,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     syncs_from_twin_ = twins_give_syncs(shard_.world);
     const int W = shard_.world;
     twin_in_host_ = !syncs_from_twin_ && gathers_in_host >= 2 && W == 2 * gathers_in_host && ((distance % W) + W) % W == gathers_in_host;
-    if (syncs_from_twin_ || twin_in_host_) mirror_->feeds_syncs(/*after_step=*/syncs_from_twin_);
+    if (shifts_in_sync()) mirror_->feeds_syncs(/*after_step=*/true);
   }
   if (!migrating) masters_from_params();
   if (ops_->on_gpu() && groups_ && groups_->groups.front().kind == OptimizerConfig::Kind::custom)
@@ -320,23 +320,34 @@ void Shard::pack(std::size_t b) {
     ops_->cast(sync_dtype(b), st + at * dtype_size(sync_dtype(b)), plan_.buckets[b].dtype,
                param_bytes(piece.param) + piece.param_off * es, piece.len);
   }
-  if (twin_in_host_) pack_twin(b, staging);
   ops_->record(slot(pack_slot, b));
 }
 
 // Note [Syncs from the twin, two levels]
 // Over two levels at two hosts of L ranks, with the twin a host away (distance L, the default
 // under a launcher), rank (h, l)'s twin mirrors (1 - h, l): the one rank whose block the
-// all-gather's stage between the hosts would bring it. The twin's slice already came with the
-// reduction (Note [Mirrored shards]), so when the owner steps, the twin steps once more into
-// the buffers it keeps ahead (MirrorShard::values_after, as at world 2) and its values go into
-// the staging where the source's block goes, rounded as the source's pack rounds them. The sync
-// is then the all-gather inside each host alone (CollectiveOp::in_host): the network carries the
-// reduce-scatter and the shift, ZeRO's own bytes between the hosts, where the twins used to add
-// the shift to them (the 1024x8 MLP at 2 x 2 over 1 Gbit/s: 1.12-1.23x the step without twins,
-// from 1.45-1.47x; bench/RESULTS.md). Unlike world 2 the shift stays with the reduction: the
-// sync inside a host must follow the twin's step, which follows the shift, in the same order on
-// every rank, and the comm stream issues a bucket's collectives as one.
+// all-gather's stage between the hosts would bring it. So the bucket's sync is the shift of the
+// reduced slice to the twin, as at world 2 (Note [Syncs from the twin]); once it landed the twin
+// steps once more into the buffers it keeps ahead (MirrorShard::values_after) and its values go
+// into the staging where the source's block goes, beside the owner's own block (pack), rounded
+// as the source's pack rounds them. Then the gather inside each host alone (CollectiveOp::in_host;
+// the schedule's G(b), right after S(b)): the network carries the reduce-scatter and the shift,
+// ZeRO's own bytes between the hosts, where the twins used to add the shift to them (the 1024x8
+// MLP at 2 x 2 over 1 Gbit/s: 1.12-1.23x the step without twins, from 1.45-1.47x).
+// The shift went with the reduction until 2026-12-05. Then the last bucket's shift, the one the
+// next forward needs first, was the last of every bucket's reduce-scatter and shift on the link:
+// forward waited for all of them, where without twins it waits for the reduce-scatters and the
+// first all-gathers and computes under the rest (bench/RESULTS.md, "The twins' shifts in the
+// syncs' place").
+// The rank's own block is packed here too, not after its step: without pooling the staging is the
+// bucket itself, whose slice the shift has just sent.
+void Shard::twin_shifted(std::size_t b, std::int64_t step) {
+  mirror_->arrived(b, step);
+  pack(b);
+  pack_twin(b, buffers_->staging(b).get());
+  ops_->record(slot(pack_slot, b));
+}
+
 void Shard::pack_twin(std::size_t b, std::byte* staging) {
   const DType wire = sync_dtype(b);
   const auto source = std::size_t(mirror_->source());

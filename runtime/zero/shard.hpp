@@ -109,9 +109,13 @@ class Shard {
   // twin_synced takes it and writes the source's values of that step into the parameters.
   bool syncs_from_twin() const { return syncs_from_twin_; }
   void twin_synced(std::size_t b, std::int64_t step);
-  // Note [Syncs from the twin, two levels]: over two levels at two hosts the twin's values go into
-  // the bucket's staging beside the rank's own (pack), and the sync gathers inside the host only.
+  // Note [Syncs from the twin, two levels]: over two levels at two hosts the sync is the shift to
+  // the twin; once it landed (step `step`'s), twin_shifted steps the twin and puts its values into
+  // the bucket's staging beside the rank's own (pack), and the gather runs inside the host only.
   bool twin_in_host() const { return twin_in_host_; }
+  void twin_shifted(std::size_t b, std::int64_t step);
+  // Either way the shift to the twin is the bucket's sync, not a part of its reduction.
+  bool shifts_in_sync() const { return syncs_from_twin_ || twin_in_host_; }
   // The state was replaced (loaded, or migrated from the shard this one replaces): a twin that
   // keeps values the source steps in place takes them from the parameters just loaded.
   void loaded();
