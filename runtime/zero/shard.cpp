@@ -331,14 +331,15 @@ void Shard::pack(std::size_t b) {
 // steps once more into the buffers it keeps ahead (MirrorShard::values_after) and its values go
 // into the staging where the source's block goes, beside the owner's own block (pack), rounded
 // as the source's pack rounds them. Then the gather inside each host alone (CollectiveOp::in_host;
-// the schedule's G(b), right after S(b)): the network carries the reduce-scatter and the shift,
-// ZeRO's own bytes between the hosts, where the twins used to add the shift to them (the 1024x8
-// MLP at 2 x 2 over 1 Gbit/s: 1.12-1.23x the step without twins, from 1.45-1.47x).
+// the schedule's G(b), one sync after S(b): Note [Collective schedule]). The network carries the
+// reduce-scatter and the shift, ZeRO's own bytes between the hosts, where the twins used to add
+// the shift to them (1.45-1.47x the step without twins, the 1024x8 MLP at 2 x 2 over 1 Gbit/s).
 // The shift went with the reduction until 2026-12-05. Then the last bucket's shift, the one the
 // next forward needs first, was the last of every bucket's reduce-scatter and shift on the link:
 // forward waited for all of them, where without twins it waits for the reduce-scatters and the
-// first all-gathers and computes under the rest (bench/RESULTS.md, "The twins' shifts in the
-// syncs' place").
+// first all-gathers and computes under the rest. In its sync's place: 0.98x (ZeRO-1) and 1.02x
+// (ZeRO-2) the step without twins, from 1.12x and 1.14x (bench/RESULTS.md, "The twins' shifts in
+// the syncs' place").
 // The rank's own block is packed here too, not after its step: without pooling the staging is the
 // bucket itself, whose slice the shift has just sent.
 void Shard::twin_shifted(std::size_t b, std::int64_t step) {
