@@ -157,7 +157,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--kill-at", type=int, default=61, help="rank 1's collective that kills it (2 a step at ZeRO-1)")
-    ap.add_argument("--backend", default="shm")
+    ap.add_argument("--backend", help="mlp_train's --backend: shm on one host, gloo across two (default); auto at 2 ranks a host "
+                    "gives the two levels (shm inside a host, Gloo between)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--data-file", action="store_true", help="the trainer reads 256 rows of data from a file (see above)")
     ap.add_argument("--two-hosts", action="store_true", help="rank 0 and rank 1 on two network-namespace hosts (root), over Gloo")
@@ -183,8 +184,11 @@ def main():
         ap.error("--redundancy both compares the two in one --recovery mode, with mlp_train")
     if a.actor_trainer and a.recovery == "all":
         ap.error("--actor-trainer compares the two trainers in one --recovery mode")
+    if a.backend is None:
+        a.backend = "gloo" if a.two_hosts else "shm"
+    if a.two_hosts and a.backend == "shm":
+        ap.error("--two-hosts: the hosts share no memory; --backend gloo, or auto for two levels at --per-host 2")
     if a.two_hosts:
-        a.backend = "gloo"
         two_hosts.sh("up", two_hosts.NAME)
         if a.rate != "off":
             two_hosts.sh("rate", two_hosts.NAME, a.rate)

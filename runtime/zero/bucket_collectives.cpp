@@ -155,8 +155,9 @@ CollectiveOp BucketCollectives::twin_shift(std::shared_ptr<std::byte> slice_owne
 }
 
 // Note [Syncs from the twin]: the reduced slice where the reduction left it, untouched since: the
-// owner's step read it and packed nothing, and the next reduction of this bucket comes after
-// forward took its parameters, so after this shift landed.
+// owner's step read it and packed nothing (over two levels it packs once this shift has landed:
+// Shard::twin_shifted), and the next reduction of this bucket comes after forward took its
+// parameters, so after this shift landed.
 CollectiveIssue BucketCollectives::shift_as_sync() const {
   const auto& bs = shard_->shard_plan().buckets[b_];
   std::shared_ptr<std::byte> owner;
