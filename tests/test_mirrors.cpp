@@ -435,70 +435,79 @@ TEST_CASE("the twin's host under every launcher: shardflow run and torchrun (LOC
   }
 }
 
+namespace {
+
+using Ranks = std::function<std::shared_ptr<Communicator>(int)>;  // a world's ranks' communicators
+
+// Every one of `n` ranks abandons step 8 half reported and recovers onto a new round: the
+// outcomes, and in `want` / `got` each rank's model at the end of an uninterrupted run / this one.
+// `world()` makes a fresh world; `cfg(snapshots)` the ranks' Config.
+std::vector<Outcome> all_recover(int n, const std::function<Ranks()>& world, const std::function<Config(const std::string&)>& cfg,
+                                 std::vector<Model>& want, std::vector<Model>& got) {
+  want.assign(std::size_t(n), Model{});
+  got.assign(std::size_t(n), Model{});
+  {
+    const auto snaps = scratch("ref");
+    run_world(n, world(), cfg(snaps), want, std::vector<Plan>(static_cast<std::size_t>(n)));
+    std::filesystem::remove_all(snaps);
+  }
+  const Ranks first = world(), second = world();
+  const auto snaps = scratch("rec");
+  std::vector<Plan> plans(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = second(r);
+  auto out = run_world(n, first, cfg(snaps), got, plans);
+  std::filesystem::remove_all(snaps);
+  return out;
+}
+
+bool logged(const std::vector<std::string>& log, const std::string& what) {
+  return std::any_of(log.begin(), log.end(), [&](const std::string& c) { return c.find(what) != std::string::npos; });
+}
+
+// Every rank went on after step 7 from the twins and ended where the uninterrupted run ended.
+void went_on_from_twins(const std::vector<Outcome>& out, const std::vector<Model>& want, const std::vector<Model>& got) {
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    CAPTURE(r);
+    CHECK(out[r].resumed == 7);
+    CHECK(got[r].w == want[r].w);
+    CHECK(logged(out[r].log, "twins: restore state"));
+  }
+}
+
+}  // namespace
+
 TEST_CASE("twins, world 3, stages 1 and 2: every rank abandons step 8 half reported and recovers onto a new round -> it goes on after step 7 "
           "(the half step discarded, no completed step rolled back, no snapshot read, where snapshots alone would give step 6), and ends bit for "
           "bit where an uninterrupted run ends") {
-  constexpr int N = 3;
   for (int stage : {1, 2}) {
     CAPTURE(stage);
-    std::vector<Model> want(N), got(N);
-    {
-      auto world = InProcessWorld::create(N);
-      const auto snaps = scratch("ref");
-      run_world(N, [&](int r) { return world->communicator(r); }, recovering(snaps, stage), want, std::vector<Plan>(N));
-      std::filesystem::remove_all(snaps);
-    }
-    auto first = InProcessWorld::create(N), second = InProcessWorld::create(N);
-    const auto snaps = scratch("rec");
-    std::vector<Plan> plans(N);
-    for (int r = 0; r < N; ++r) plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = second->communicator(r);
-    const auto out = run_world(N, [&](int r) { return first->communicator(r); }, recovering(snaps, stage), got, plans);
-    for (int r = 0; r < N; ++r) {
-      CAPTURE(r);
-      CHECK(out[std::size_t(r)].resumed == 7);
-      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
-      const auto& log = out[std::size_t(r)].log;
-      CHECK(std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("twins: restore state") != std::string::npos; }));
-    }
-    std::filesystem::remove_all(snaps);
+    std::vector<Model> want, got;
+    const auto out = all_recover(
+        3, [] { return Ranks([w = InProcessWorld::create(3)](int r) { return w->communicator(r); }); },
+        [&](const std::string& snaps) { return recovering(snaps, stage); }, want, got);
+    went_on_from_twins(out, want, got);
   }
 }
 
 TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2: every rank abandons step 8 half reported, between its "
           "shifts to the twins and the gathers inside the hosts, and recovers onto a new round -> it goes on after step 7 from the twins, and "
           "ends bit for bit where an uninterrupted run ends") {
-  constexpr int N = 4;
   for (int stage : {1, 2}) {
     CAPTURE(stage);
-    auto cfg = [&](const std::string& snaps) {
-      auto c = recovering(snaps, stage);
-      c.zero.twin_distance = 2;  // a host away: the twins give the other host's blocks
-      return c;
-    };
-    std::vector<Model> want(N), got(N);
-    {
-      const TwoLevels world;
-      const auto snaps = scratch("ref2x2");
-      run_world(N, [&](int r) { return world.communicator(r); }, cfg(snaps), want, std::vector<Plan>(N));
-      std::filesystem::remove_all(snaps);
+    std::vector<Model> want, got;
+    const auto out = all_recover(
+        4, [] { return Ranks([w = std::make_shared<TwoLevels>()](int r) { return w->communicator(r); }); },
+        [&](const std::string& snaps) {
+          auto c = recovering(snaps, stage);
+          c.zero.twin_distance = 2;  // a host away: the twins give the other host's blocks
+          return c;
+        },
+        want, got);
+    went_on_from_twins(out, want, got);
+    for (const auto& o : out) {  // the path under test: each sync the shift to the twin, then the gather inside the host
+      CHECK(logged(o.log_before, "(the shift to the twin)"));
+      CHECK(logged(o.log_before, "inside the host, after the twin's step"));
     }
-    const TwoLevels first, second;
-    const auto snaps = scratch("rec2x2");
-    std::vector<Plan> plans(N);
-    for (int r = 0; r < N; ++r) plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = second.communicator(r);
-    const auto out = run_world(N, [&](int r) { return first.communicator(r); }, cfg(snaps), got, plans);
-    for (int r = 0; r < N; ++r) {
-      CAPTURE(r);
-      CHECK(out[std::size_t(r)].resumed == 7);
-      CHECK(got[std::size_t(r)].w == want[std::size_t(r)].w);
-      const auto& log = out[std::size_t(r)].log;
-      CHECK(std::any_of(log.begin(), log.end(), [](const std::string& c) { return c.find("twins: restore state") != std::string::npos; }));
-      // The path under test: each sync the shift to the twin, then the gather inside the host.
-      const auto& before = out[std::size_t(r)].log_before;
-      CHECK(std::any_of(before.begin(), before.end(), [](const std::string& c) { return c.find("(the shift to the twin)") != std::string::npos; }));
-      CHECK(std::any_of(before.begin(), before.end(), [](const std::string& c) { return c.find("inside the host, after the twin's step") != std::string::npos; }));
-    }
-    std::filesystem::remove_all(snaps);
   }
 }
 
