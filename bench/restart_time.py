@@ -90,6 +90,8 @@ def one_run(a, snaps, data, recovery="restart", program="mlp_train", redundancy=
                "--snapshot-dir", snaps, "--snapshot-every", str(a.every), "--log-every", "1", "--timeout", "30"]
     if data:
         trainer += ["--data", data]
+    if a.trace_dir:  # each rank's Chrome trace (a replaced rank's is the replacement's)
+        trainer += ["--trace", os.path.join(a.trace_dir, "trace.json")]
     if redundancy == 2:
         trainer += ["--redundancy", "2"]
     victim = 2 * a.per_host - 1 if a.lose == "host" else 1  # host b's last rank, or rank 1
@@ -171,6 +173,7 @@ def main():
                     help="shardflow run --recovery; all: the three alternated run by run")
     ap.add_argument("--redundancy", choices=["1", "2", "both"], default="1",
                     help="mlp_train's --redundancy (Note [Going on from the twins]); both: 1 and 2 alternated run by run in one --recovery mode")
+    ap.add_argument("--trace-dir", help="mlp_train --trace into this folder (world-writable; one file a rank)")
     ap.add_argument("--log", help="append every run's output to this file, each line with its time (s) from the run's first")
     ap.add_argument("--actor-trainer", action="store_true",
                     help="with one --recovery mode: mlp_train and actor_trainer (its rank trainer recovering through the rank actor, "
