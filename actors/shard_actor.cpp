@@ -233,12 +233,13 @@ void on_twin_shifted(shard_self self, std::uint32_t b, const msg::Failure& failu
   if (failure) return self->state.iteration->bucket_done(b, failure);
   guarded(self, b, [&] {
     auto& s = self->state;
+    const auto step = synced_step(s);
     const auto t0 = Timeline::now();
-    s.shard->twin_shifted(b, synced_step(s));
+    s.shard->twin_shifted(b, step);
     const auto t1 = Timeline::now();
     s.timeline->stats().optimizer(t0, t1);
     if (s.timeline->tracing())
-      s.timeline->span("twin's step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1, SpanArgs{std::int64_t(b), -1, nullptr, synced_step(s), -1});
+      s.timeline->span("twin's step bucket " + std::to_string(b), "step", Lane::optimizer, t0, t1, SpanArgs{std::int64_t(b), -1, nullptr, step, -1});
     self->send(s.comm, msg::twin_packed_atom::value, b);
   });
 }

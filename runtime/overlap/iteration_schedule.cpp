@@ -27,7 +27,7 @@ std::vector<ScheduledCollective> Runtime::Impl::build_schedule() const {
   spec.twin_gathers = spec.syncs && shard->twin_in_host();
   // Note [Syncs in batches]: what each sync would move where it could fuse (the buckets
   // fuse_syncs may group), 0 where it syncs alone. Syncs the twins give never fuse.
-  if (spec.syncs && cfg.zero.fuse_syncs_bytes > 0 && !shard->syncs_from_twin() && !shard->twin_in_host()) {
+  if (spec.syncs && cfg.zero.fuse_syncs_bytes > 0 && !shard->shifts_in_sync()) {
     spec.fuse_bytes = cfg.zero.fuse_syncs_bytes;
     for (std::size_t b = 0; b < spec.buckets; ++b)
       spec.sync_bytes.push_back(fusable_bytes(shard->shard_plan(), b, shard->sync_dtype(b), spec.fuse_bytes));

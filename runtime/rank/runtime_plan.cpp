@@ -239,7 +239,7 @@ std::shared_ptr<const FusedSyncs> Runtime::Impl::fuse_small_syncs(const std::vec
   if (bytes && !shard->fusion_buffer()) shard->set_fusion_buffer(allocator()(bytes), bytes);
   auto f = std::make_shared<FusedSyncs>();
   // Note [Syncs from the twin]: each bucket's sync is then its own shift; nothing is gathered.
-  if (!shard->syncs_from_twin() && !shard->twin_in_host()) f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
+  if (!shard->shifts_in_sync()) f->fusion = fuse_syncs(schedule, shard->shard_plan(), wire, cfg.zero.fuse_syncs_bytes);
   if (f->fusion.groups.empty()) {
     shard->set_fused_syncs(nullptr);
     return nullptr;

@@ -309,6 +309,11 @@ std::size_t Shard::sync_at(std::size_t b, std::size_t k, const ShardPiece& piece
 }
 
 void Shard::pack(std::size_t b) {
+  pack_own(b);
+  ops_->record(slot(pack_slot, b));
+}
+
+std::byte* Shard::pack_own(std::size_t b) {
   const auto& s = shard_.buckets[b];
   const auto r = std::size_t(shard_.rank);
   const std::size_t es = esize(b);
@@ -320,7 +325,7 @@ void Shard::pack(std::size_t b) {
     ops_->cast(sync_dtype(b), st + at * dtype_size(sync_dtype(b)), plan_.buckets[b].dtype,
                param_bytes(piece.param) + piece.param_off * es, piece.len);
   }
-  ops_->record(slot(pack_slot, b));
+  return staging;
 }
 
 // Note [Syncs from the twin, two levels]
@@ -344,8 +349,7 @@ void Shard::pack(std::size_t b) {
 // bucket itself, whose slice the shift has just sent.
 void Shard::twin_shifted(std::size_t b, std::int64_t step) {
   mirror_->arrived(b, step);
-  pack(b);
-  pack_twin(b, buffers_->staging(b).get());
+  pack_twin(b, pack_own(b));
   ops_->record(slot(pack_slot, b));
 }
 

@@ -219,6 +219,7 @@ class Shard {
   // bucket b, piece by piece; pack_twin puts them where the source's block goes in the staging.
   void twin_values(std::size_t b, const std::function<void(const ShardPiece&, const float*)>& put);
   void pack_twin(std::size_t b, std::byte* staging);  // Note [Syncs from the twin, two levels]
+  std::byte* pack_own(std::size_t b);                  // pack's casts, without the event; the staging
   const std::vector<Floats>& slot_buffers(std::size_t slot) const;  // migrated state slot -> buffers
   std::vector<Floats>& slot_buffers(std::size_t slot) {
     return const_cast<std::vector<Floats>&>(static_cast<const Shard*>(this)->slot_buffers(slot));
