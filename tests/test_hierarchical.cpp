@@ -15,6 +15,7 @@
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -87,7 +88,7 @@ mlp::TrainOptions small_mlp(int stage, Overlap overlap, int steps) {
 
 }  // namespace
 
-TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or not: every collective gives what the flat world gives (exact sums of small integers), a shift moves by whole hosts") {
+TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or not: every collective gives what the flat world gives (exact sums of small integers), a shift moves by whole hosts or inside each host") {
   for (auto [hosts, local] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}})
   for (bool lanes : {true, false}) {
     CAPTURE(hosts);
@@ -130,6 +131,17 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or
         comm.run(op, 20s);
         for (float v : out) b += v != float(((r - hops * local) % W + W) % W);
       }
+      // inside the hosts (CollectiveOp::in_host): from local index l - d of the same host, by 1
+      // and by L + 1 (the same shift: the distance is taken mod the ranks a host)
+      b += comm.in_host_ranks() != local;
+      for (const int d : {1, local + 1, -1}) {
+        std::vector<float> in(4, float(r)), out(4, -1.0f);
+        auto op = make(CollectiveKind::shift, in.data(), out.data(), 4);
+        op.distance = d;
+        op.in_host = true;
+        comm.run(op, 20s);
+        for (float v : out) b += v != float(r / local * local + ((r % local - d) % local + local) % local);
+      }
       std::vector<float> in(4), out(4);
       auto op = make(CollectiveKind::shift, in.data(), out.data(), 4);
       op.distance = 1;
@@ -141,6 +153,36 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or
       }
     }, lanes);
     for (int r = 0; r < W; ++r) CHECK(bad[std::size_t(r)] == 0);
+  }
+}
+
+TEST_CASE("a shift inside the hosts (CollectiveOp::in_host) on a backend of one level -> refused by name on every rank, nothing moved: it would "
+          "move other blocks than asked") {
+  auto world = InProcessWorld::create(4, 5s);
+  std::vector<std::exception_ptr> errors(4);
+  std::vector<std::thread> threads;
+  std::vector<std::vector<float>> out(4, std::vector<float>(3, -1.0f));
+  for (int r = 0; r < 4; ++r)
+    threads.emplace_back([&, r] {
+      auto comm = world->communicator(r);
+      CHECK(comm->in_host_ranks() == 0);
+      std::vector<float> in(3, float(r));
+      auto op = make(CollectiveKind::shift, in.data(), out[std::size_t(r)].data(), 3);
+      op.distance = 1;
+      op.in_host = true;
+      op.tag = "restore window 2";
+      try {
+        comm->run(op, 5s);
+      } catch (...) {
+        errors[std::size_t(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[std::size_t(r)]);
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(errors[std::size_t(r)]), doctest::Contains("shift 'restore window 2' sets in_host"), UsageError);
+    CHECK(out[std::size_t(r)] == std::vector<float>(3, -1.0f));
   }
 }
 

@@ -301,6 +301,7 @@ struct Plan {
   bool dies = false;                           // ... by this rank's end (its Runtime goes)
   std::shared_ptr<Communicator> next;          // the round to recover onto
   bool hands_state = true;                     // with Config::snapshot.trainer_state: hands it over
+  bool scribbles = false;                      // before recover(), a's first 40 values changed where others own them, as syncs leave them
 };
 
 // What a scheduler's state would be after `step`: the trainer's state the tests hand over.
@@ -326,8 +327,13 @@ Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg
   int step = int(rt.resumed_step());
   if (step > 0) out.resumed = std::uint64_t(step), out.trainer_state = rt.trainer_state();
   if (!plan.load.empty()) rt.load_checkpoint(plan.load), step = plan.from;
+  std::vector<bool> own(40, false);  // with plan.scribbles: which of a's first 40 values this rank's shard holds
   for (; step < plan.to; ++step) {
     try {
+      if (plan.scribbles && plan.lose_at && step == *plan.lose_at)
+        for (const auto& [key, t] : rt.shard_state_dict().tensors)
+          if (key.rfind("optim.a.exp_avg@", 0) == 0)
+            for (std::size_t i = std::stoul(key.substr(key.find('@') + 1)), e = i + t.numel(); i < std::min<std::size_t>(e, 40); ++i) own[i] = true;
       if (cfg.snapshot.trainer_state && plan.hands_state)
         if (const auto w = rt.trainer_state_wanted()) rt.set_trainer_state(w, schedule_after(w));
       rt.zero_grad();
@@ -347,6 +353,8 @@ Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg
     } catch (const Error&) {
       if (!plan.next) throw;
       out.log_before = rt.collective_log();
+      if (plan.scribbles)  // the pieces of a's first 40 values that other ranks own, as their syncs would have left them
+        for (std::size_t i = 0; i < 40; ++i) m.w[i] += own[i] ? 0.0f : 1.0f;
       out.resumed = rt.recover(std::exchange(plan.next, nullptr));
       out.trainer_state = rt.trainer_state();
       out.after_recovery = m.w;
@@ -464,13 +472,17 @@ bool logged(const std::vector<std::string>& log, const std::string& what) {
   return std::any_of(log.begin(), log.end(), [&](const std::string& c) { return c.find(what) != std::string::npos; });
 }
 
-// Every rank went on after step 7 from the twins and ended where the uninterrupted run ended.
+// Every rank went on after step 7 from the twins, moving none of the moments, and ended where the
+// uninterrupted run ended.
 void went_on_from_twins(const std::vector<Outcome>& out, const std::vector<Model>& want, const std::vector<Model>& got) {
   for (std::size_t r = 0; r < out.size(); ++r) {
     CAPTURE(r);
     CHECK(out[r].resumed == 7);
     CHECK(got[r].w == want[r].w);
-    CHECK(logged(out[r].log, "twins: restore state"));
+    // Every rank kept its shard and its twin (Note [Twins kept in place]): none of the moments moved.
+    CHECK(logged(out[r].log, "allgather restore from memory: the spans each rank keeps of its twin"));
+    CHECK_FALSE(logged(out[r].log, "twins: restore state 0"));
+    CHECK_FALSE(logged(out[r].log, "twins: restore state 1"));
   }
 }
 
@@ -629,6 +641,73 @@ TEST_CASE("twins, world 3, stage 1: rank 2 is lost in step 8 and a fresh process
   std::filesystem::remove_all(snaps);
 }
 
+TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2: rank 1 is lost in step 8 and a fresh process takes its place "
+          "-> the moments go by whole hosts from the twins, the replacement's values from its host-mate inside the host (Note [Pieces over "
+          "two levels]), none of the moments summed, values that every survivor got wrong summed in their windows alone, and all four "
+          "end bit for bit where an uninterrupted run ends") {
+  const test::RestoreWindows windows("32");  // 11 windows a slot: the values of parameter b are never stale, so never summed
+  for (int stage : {1, 2}) {
+    CAPTURE(stage);
+    auto cfg = [&](const std::string& snaps) {
+      auto c = recovering(snaps, stage);
+      c.zero.twin_distance = 2;
+      return c;
+    };
+    std::vector<Model> want(4), got(5);
+    {
+      const auto snaps = scratch("ref");
+      run_world(4, [w = std::make_shared<TwoLevels>()](int r) { return w->communicator(r); }, cfg(snaps), want, std::vector<Plan>(4));
+      std::filesystem::remove_all(snaps);
+    }
+    const auto first = std::make_shared<TwoLevels>(), second = std::make_shared<TwoLevels>();
+    const auto snaps = scratch("replaced2x2");
+    std::vector<Plan> plans(5);
+    for (int r = 0; r < 4; ++r) {
+      plans[std::size_t(r)].lose_at = 7, plans[std::size_t(r)].next = r == 1 ? nullptr : second->communicator(r);
+      plans[std::size_t(r)].scribbles = r != 1;  // then a piece's holder alone has its values right
+    }
+    plans[1].dies = true;
+    std::vector<Outcome> out(5);
+    test::require_all_ok(test::run_ranks(5, [&](int t) {
+      if (t < 4) {
+        out[std::size_t(t)] = run_rank(t, first->communicator(t), cfg(snaps), got[std::size_t(t)], plans[std::size_t(t)]);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // thread 4: rank 1 of the next round
+      out[4] = run_rank(1, second->communicator(1), cfg(snaps), got[4], Plan{});
+    }));
+    for (int t : {0, 2, 3, 4}) {
+      CAPTURE(t);
+      CHECK(out[std::size_t(t)].resumed == 7);
+      CHECK(got[std::size_t(t)].w == want[std::size_t(t == 4 ? 1 : t)].w);
+    }
+    for (int t : {0, 2, 3}) {
+      CAPTURE(t);
+      const auto& log = out[std::size_t(t)].log;
+      // The moments a host away, on lane 1 alone: rank 3 gives rank 1 its shard and its twin's.
+      // Lane 0's ranks keep their twins (Note [Twins kept in place]) and pad nothing.
+      std::size_t moments_sent = 0;
+      for (const std::string& line : log)
+        if (line.rfind("shift twins: restore state ", 0) == 0 && line.find(" by 2 ") != std::string::npos &&
+            (line[27] == '0' || line[27] == '1')) {
+          const auto end = line.rfind(' '), begin = line.rfind(' ', end - 1);
+          moments_sent += std::stoul(line.substr(begin + 1, end - begin - 1));
+        }
+      if (t == 3)
+        CHECK(moments_sent > 0);
+      else
+        CHECK(moments_sent == 0);
+      CHECK(logged(log, "allgather restore from memory: the spans each rank keeps of its twin"));
+      CHECK(logged(log, "shift twins: restore state 2 from element 320 by 1 inside the host "));  // b's values
+      CHECK(logged(log, "allreduce twins: restore state 2 from element 0 "));  // the values every survivor got wrong
+      CHECK_FALSE(logged(log, "allreduce twins: restore state 2 from element 320 "));
+      CHECK_FALSE(logged(log, "allreduce twins: restore state 0"));
+      CHECK_FALSE(logged(log, "allreduce twins: restore state 1"));
+    }
+    std::filesystem::remove_all(snaps);
+  }
+}
+
 TEST_CASE("twins with the trainer's state (Config::snapshot.trainer_state), world 3, stage 1: every rank abandons step 8 -> recover() gives "
           "back the state the trainer handed over after step 7 with the model after step 7, and a trainer that never hands it over -> no "
           "survivor holds it, so every rank goes back to the newest complete snapshot (step 4 or 6: the one of step 6 waited for that "
@@ -665,59 +744,82 @@ TEST_CASE("twins with the trainer's state (Config::snapshot.trainer_state), worl
   }
 }
 
+namespace {
+
+// Note [Pieces to their new owners]: a random exchange over `total` elements of world 4, runs of
+// 1-16 elements, each with one holder, needed by each rank with odds 1/2 where `may_need(holder,
+// rank)`.
+PieceExchange random_exchange(std::size_t total, const std::function<bool(int, int)>& may_need) {
+  constexpr int W = 4;
+  std::uint32_t seed = 7;
+  const auto draw = [&] { return seed = seed * 1664525u + 1013904223u, seed >> 8; };
+  PieceExchange x{0, W, std::vector<Spans>(W), std::vector<Spans>(W)};
+  for (std::size_t e = 0; e < total; ++e) {
+    const std::size_t len = std::min<std::size_t>(1 + draw() % 16, total - e);
+    const auto h = std::size_t(draw() % W);
+    x.holds[h] = unite(x.holds[h], Spans{{e, e + len}});
+    for (int t = 0; t < W; ++t)
+      if (draw() % 2 && may_need(int(h), t)) x.needs[std::size_t(t)] = unite(x.needs[std::size_t(t)], Spans{{e, e + len}});
+    e += len - 1;
+  }
+  return x;
+}
+
+float piece_value(std::size_t e) { return 0.5f + float(e); }
+
+// Runs `shape` over a fresh world from `world()`, window by window: each rank's window after the
+// exchange in `got`, the elements each rank's shifts sent in `moved`; the ranks' errors.
+std::vector<std::exception_ptr> run_exchange(const PieceExchange& shape, const std::function<Ranks()>& world, std::size_t total,
+                                             std::size_t window, std::vector<std::vector<float>>& got, std::vector<std::size_t>& moved) {
+  const int W = shape.world;
+  const Ranks ranks = world();
+  got.assign(std::size_t(W), std::vector<float>(total, -1.0f));
+  moved.assign(std::size_t(W), 0);
+  return test::run_ranks(W, [&](int r) {
+    auto me = shape;
+    me.rank = r;
+    auto comm = ranks(r);
+    for (std::size_t begin = 0; begin < total; begin += window) {
+      std::vector<float> w(window, -1.0f);
+      for (const auto& s : clip(me.holds[std::size_t(r)], begin, begin + window))
+        for (std::size_t e = s.lo; e < s.hi; ++e) w[e - begin] = piece_value(e);
+      exchange_window(me, begin, w, [&](const CollectiveOp& op) {
+        CHECK(op.kind == CollectiveKind::shift);
+        moved[std::size_t(r)] += op.count;
+        comm->run(op, 10s);
+      }, "test exchange");
+      std::copy(w.begin(), w.end(), got[std::size_t(r)].begin() + std::ptrdiff_t(begin));
+    }
+  });
+}
+
+// The elements each rank needs that its window does not hold after the exchange (0: all arrived).
+std::vector<std::size_t> wrong_pieces(const PieceExchange& x, const std::vector<std::vector<float>>& got) {
+  std::vector<std::size_t> wrong(x.needs.size(), 0);
+  for (std::size_t t = 0; t < x.needs.size(); ++t)
+    for (const auto& s : x.needs[t])
+      for (std::size_t e = s.lo; e < s.hi; ++e) wrong[t] += got[t][e] != piece_value(e);
+  return wrong;
+}
+
+}  // namespace
+
 // Note [Pieces to their new owners]: what a restore from the twins moves.
 TEST_CASE("the restore's exchange, world 4, windows of 100 over 1000 elements: each rank holds a random quarter and needs a random "
           "half -> each gets every element it needs, from the shifts' padded packs only (none summed), and an element nobody "
           "holds stops every rank before any shift, naming the rank that needs it") {
   constexpr int W = 4;
   constexpr std::size_t total = 1000, window = 100;
-  std::uint32_t seed = 7;
-  const auto draw = [&] { return seed = seed * 1664525u + 1013904223u, seed >> 8; };
-  PieceExchange x{0, W, std::vector<Spans>(W), std::vector<Spans>(W)};
-  for (std::size_t e = 0; e < total; ++e) {  // runs of 1-16 elements, each with one holder
-    const std::size_t len = std::min<std::size_t>(1 + draw() % 16, total - e);
-    const auto h = std::size_t(draw() % W);
-    x.holds[h] = unite(x.holds[h], Spans{{e, e + len}});
-    for (int t = 0; t < W; ++t)
-      if (draw() % 2) x.needs[std::size_t(t)] = unite(x.needs[std::size_t(t)], Spans{{e, e + len}});
-    e += len - 1;
-  }
+  const auto x = random_exchange(total, [](int, int) { return true; });
   std::size_t held = 0;
   for (const auto& h : x.holds) held += length(h);
   REQUIRE(held == total);
-  const auto value = [](std::size_t e) { return 0.5f + float(e); };
-  std::vector<std::size_t> moved;
-  const auto run_exchange = [&](const PieceExchange& shape, std::vector<std::vector<float>>& got) {
-    auto world = InProcessWorld::create(W, 10s);
-    got.assign(W, std::vector<float>(total, -1.0f));
-    moved.assign(W, 0);
-    const auto errors = test::run_ranks(W, [&](int r) {
-      auto me = shape;
-      me.rank = r;
-      auto comm = world->communicator(r);
-      for (std::size_t begin = 0; begin < total; begin += window) {
-        std::vector<float> w(window, -1.0f);
-        for (const auto& s : clip(me.holds[std::size_t(r)], begin, begin + window))
-          for (std::size_t e = s.lo; e < s.hi; ++e) w[e - begin] = value(e);
-        exchange_window(me, begin, w, [&](const CollectiveOp& op) {
-          CHECK(op.kind == CollectiveKind::shift);
-          moved[std::size_t(r)] += op.count;
-          comm->run(op, 10s);
-        }, "test exchange");
-        std::copy(w.begin(), w.end(), got[std::size_t(r)].begin() + std::ptrdiff_t(begin));
-      }
-    });
-    return errors;
-  };
+  const auto flat = [] { return Ranks([w = InProcessWorld::create(W, 10s)](int r) { return w->communicator(r); }); };
   std::vector<std::vector<float>> got;
-  test::require_all_ok(run_exchange(x, got));
+  std::vector<std::size_t> moved;
+  test::require_all_ok(run_exchange(x, flat, total, window, got, moved));
   for (int r = 0; r < W; ++r) CHECK(moved[std::size_t(r)] == exchange_elements(x, total, window));
-  for (int t = 0; t < W; ++t) {
-    std::size_t wrong = 0;
-    for (const auto& s : x.needs[std::size_t(t)])
-      for (std::size_t e = s.lo; e < s.hi; ++e) wrong += got[std::size_t(t)][e] != value(e);
-    CHECK_MESSAGE(wrong == 0, "rank ", t);
-  }
+  CHECK(wrong_pieces(x, got) == std::vector<std::size_t>(W, 0));
   // What crossed: at most what an all-reduce of the windows would put on each link, 2 (W - 1) / W.
   CHECK(exchange_elements(x, total, window) < 2 * (W - 1) * total / W);
   // Rank 1's first run held by nobody, and needed by rank 2.
@@ -725,10 +827,52 @@ TEST_CASE("the restore's exchange, world 4, windows of 100 over 1000 elements: e
   const Span gone = missing.holds[1].front();
   missing.holds[1].erase(missing.holds[1].begin());
   missing.needs[2] = unite(missing.needs[2], Spans{gone});
-  const auto errors = run_exchange(missing, got);
+  const auto errors = run_exchange(missing, flat, total, window, got, moved);
   for (int r = 0; r < W; ++r) {
     CHECK(moved[std::size_t(r)] == 0);
     REQUIRE(errors[std::size_t(r)]);
     CHECK_THROWS_WITH_AS(std::rethrow_exception(errors[std::size_t(r)]), doctest::Contains("rank 2 needs"), Error);
+  }
+}
+
+TEST_CASE("the restore's exchange over two levels, 2 hosts x 2 ranks (Note [Pieces over two levels]): each rank needs a random half of what "
+          "ranks of its host or its local index hold -> each gets all of it by shifts inside the hosts and by whole hosts, and a piece needed "
+          "on another host and local index makes its window alone unroutable, and the exchange refuses that window on every rank by name") {
+  constexpr int W = 4;
+  constexpr std::size_t total = 1000, window = 100;
+  CHECK(subtract(Spans{{0, 10}, {20, 30}}, Spans{{5, 22}, {25, 26}}) == Spans{{0, 5}, {22, 25}, {26, 30}});
+  CHECK(subtract(Spans{{0, 10}}, Spans{}) == Spans{{0, 10}});
+  CHECK(subtract(Spans{{0, 10}, {12, 14}}, Spans{{0, 14}}).empty());
+  const auto near = [](int h, int t) { return h / 2 == t / 2 || h % 2 == t % 2; };
+  auto x = random_exchange(total, near);
+  x.host_ranks = 2;
+  for (int h = 0; h < W; ++h)
+    for (int t = 0; t < W; ++t) CHECK(reaches(x, h, t) == near(h, t));
+  for (std::size_t begin = 0; begin < total; begin += window) CHECK(routable(x, begin, window));
+  const auto two_levels = [] { return Ranks([w = std::make_shared<TwoLevels>()](int r) { return w->communicator(r); }); };
+  std::vector<std::vector<float>> got;
+  std::vector<std::size_t> moved;
+  test::require_all_ok(run_exchange(x, two_levels, total, window, got, moved));
+  for (int r = 0; r < W; ++r) {  // each pack padded to the longest of its host's or its lane's, not the world's
+    auto me = x;
+    me.rank = r;
+    CHECK(moved[std::size_t(r)] == exchange_elements(me, total, window));
+  }
+  CHECK(wrong_pieces(x, got) == std::vector<std::size_t>(W, 0));
+  // Rank 3 (host 1, local index 1) needs an element of rank 0's (host 0, index 0) in [300, 400).
+  auto far = x;
+  REQUIRE(!clip(far.holds[0], 300, 400).empty());
+  const Span piece = clip(far.holds[0], 300, 400).front();
+  far.needs[3] = unite(far.needs[3], Spans{{piece.lo, piece.lo + 1}});
+  for (std::size_t begin = 0; begin < total; begin += window) CHECK(routable(far, begin, window) == (begin != 300));
+  // Summed instead, as the restore does: what it counts for that window is an all-reduce's.
+  const std::size_t in_window = exchange_elements(x, 400, window) - exchange_elements(x, 300, window);
+  CHECK(exchange_elements(far, total, window) == exchange_elements(x, total, window) - in_window + 2 * window * (W - 1) / W);
+  const auto errors = run_exchange(far, two_levels, total, window, got, moved);
+  for (int r = 0; r < W; ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[std::size_t(r)]);
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(errors[std::size_t(r)]), doctest::Contains("[300, 400)"), Error);
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(errors[std::size_t(r)]), doctest::Contains("Note [Pieces over two levels]"), Error);
   }
 }

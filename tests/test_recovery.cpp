@@ -150,15 +150,6 @@ struct Env {
   std::string regroup() const { return (std::filesystem::path(memory) / "regroup").string(); }
 };
 
-// The restore's windows for a scope: SHARDFLOW_TEST_RESTORE_WINDOW elements (Note [Windows in
-// flight]), or the default's with nullptr.
-struct RestoreWindows {
-  explicit RestoreWindows(const char* elements) {
-    if (elements) ::setenv("SHARDFLOW_TEST_RESTORE_WINDOW", elements, 1);
-  }
-  ~RestoreWindows() { ::unsetenv("SHARDFLOW_TEST_RESTORE_WINDOW"); }
-};
-
 std::string scratch(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() / ("shardflow_recovery_" + std::to_string(::getpid()) + "_" + name);
   std::filesystem::remove_all(dir);
@@ -696,7 +687,7 @@ TEST_CASE("a node joins from memory: world 2 -> 3 at ZeRO 1 and 2, the launcher 
       CAPTURE(int(way));
       const Env env(scratch("join_" + std::to_string(int(way))));
       // Note [Windows in flight]: a model this small crosses in one window unless they are smaller.
-      const RestoreWindows windows(way == small_windows ? "16" : nullptr);
+      const test::RestoreWindows windows(way == small_windows ? "16" : nullptr);
       const auto snaps = scratch("join_disk_" + std::to_string(int(way)));
       auto rounds = std::vector<std::shared_ptr<InProcessWorld>>{InProcessWorld::create(N), InProcessWorld::create(N + 1)};
       auto& models = got[way];

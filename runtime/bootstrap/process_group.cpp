@@ -35,7 +35,7 @@ class GroupComm final : public Communicator {
   bool supports(Device d) const override { return inner_->supports(d); }
   bool shifts_by(int distance) const override { return inner_->shifts_by(distance); }
   bool shifts_unequal() const override { return inner_->shifts_unequal(); }
-  int gathers_in_host() const override { return inner_->gathers_in_host(); }
+  int in_host_ranks() const override { return inner_->in_host_ranks(); }
   std::shared_ptr<std::byte> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
   void submit(CollectiveOp op, CollectiveDone done) override { inner_->submit(std::move(op), std::move(done)); }
   void abort(const std::string& reason) override { inner_->abort(reason); }

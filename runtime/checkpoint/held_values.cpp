@@ -15,12 +15,14 @@
 // owner and its twin still take their pieces of those (the caller adds them).
 // Where every trainable parameter is fp32 its bytes are the values as the restore writes them, so
 // a rank whose parameters hold a block already can give it instead of the block's holder: the
-// one on the takers' host, else the least loaded. A replacement then takes its values from a
-// survivor on its own host, not across the link from the host that keeps the lost shard's twin.
+// one that a shift reaches (Note [Pieces over two levels]), then the one on the takers' host, else
+// the least loaded. A replacement then takes its values from a survivor on its own host, not
+// across the link from the host that keeps the lost shard's twin.
 #include <isa-l/crc64.h>
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 #include "kernels/cpu/elementwise.hpp"
 #include "runtime/checkpoint/piece_exchange.hpp"
@@ -162,16 +164,21 @@ Runtime::Impl::HeldValues Runtime::Impl::values_to_take(const PieceExchange& x, 
   // values then, as the restore writes them), a rank whose parameters hold it already and that is
   // nearer the ranks taking it (on their host), else less loaded: a replacement takes its values
   // from a survivor beside it rather than across the link from the twin's host.
-  const int L = ranks_per_host(world);  // 0: not known, the ranks taken as one host
+  const int L = x.host_ranks > 0 ? x.host_ranks : ranks_per_host(world);  // 0: not known, the ranks taken as one host
   const auto host = [&](int r) { return L > 0 ? r / L : 0; };
   std::vector<std::size_t> load(static_cast<std::size_t>(world), 0);
   for (int r = 0, k = 0; r < world; ++r)
     for (const auto& b : blocks[std::size_t(r)]) {
       int giver = r;
-      const auto score = [&](int c) {  // (takers on other hosts, elements given so far)
-        int far = 0;
-        for (int t = 0; t < world; ++t) far += stale(t, std::size_t(k)) && host(t) != host(c);
-        return std::pair{far, load[std::size_t(c)]};
+      // (takers no shift reaches from it, takers on other hosts, elements given so far): over
+      // two levels a block that every shift reaches is not summed (Note [Pieces over two levels]).
+      const auto score = [&](int c) {
+        int far = 0, unreached = 0;
+        for (int t = 0; t < world; ++t) {
+          far += stale(t, std::size_t(k)) && host(t) != host(c);
+          unreached += stale(t, std::size_t(k)) && !reaches(x, c, t);
+        }
+        return std::tuple{unreached, far, load[std::size_t(c)]};
       };
       bool taken = false;
       for (int t = 0; t < world; ++t) taken = taken || stale(t, std::size_t(k));

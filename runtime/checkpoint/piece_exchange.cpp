@@ -49,15 +49,78 @@ Window clipped(const PieceExchange& x, std::size_t begin, std::size_t n) {
   return w;
 }
 
-// The pack every rank sends at distance d: as long as the longest (the same on every rank).
-std::size_t shift_count(const Window& w, int world, int d) {
+// One shift of the exchange: by `distance` ranks, or inside each host (Note [Pieces over two levels]).
+struct Route {
+  int distance = 0;
+  bool in_host = false;
+};
+
+std::vector<Route> routes(const PieceExchange& x) {
+  std::vector<Route> out;
+  const int L = x.host_ranks;
+  if (L <= 0) {
+    for (int d = 1; d < x.world; ++d) out.push_back({d, false});
+    return out;
+  }
+  if (x.world % L != 0)
+    throw Error("piece exchange: " + std::to_string(L) + " ranks a host do not divide the world of " + std::to_string(x.world));
+  for (int d = 1; d < L; ++d) out.push_back({d, true});
+  for (int d = L; d < x.world; d += L) out.push_back({d, false});
+  return out;
+}
+
+// Where rank r's pack goes, and where its arrival comes from.
+int to_of(const PieceExchange& x, const Route& s, int r) {
+  if (!s.in_host) return (r + s.distance) % x.world;
+  const int L = x.host_ranks;
+  return r / L * L + (r % L + s.distance) % L;
+}
+int from_of(const PieceExchange& x, const Route& s, int r) {
+  if (!s.in_host) return (r - s.distance + x.world) % x.world;
+  const int L = x.host_ranks;
+  return r / L * L + (r % L - s.distance + L) % L;
+}
+
+// Whether ranks a and b take part in one sub-collective of a route: over two levels, one host's
+// shift inside it, or one local index's lane for a shift by whole hosts; on one level, the world.
+bool one_group(const PieceExchange& x, const Route& s, int a, int b) {
+  const int L = x.host_ranks;
+  return L <= 0 || (s.in_host ? a / L == b / L : a % L == b % L);
+}
+
+// The pack `rank` sends on a route, padded to the longest of its group's (the same for every rank
+// of it, its source and its destination included): each sub-collective pads only to its own.
+// Over two levels a lane whose ranks keep what they need sends less than one that carries a lost
+// rank's state (Note [Twins kept in place], twin_restore.cpp).
+std::size_t shift_count(const Window& w, const PieceExchange& x, const Route& s, int rank) {
   std::size_t most = 0;
-  for (int r = 0; r < world; ++r)
-    most = std::max(most, length(intersect(w.holds[std::size_t(r)], w.needs[std::size_t((r + d) % world)])));
+  for (int r = 0; r < x.world; ++r)
+    if (one_group(x, s, r, rank)) most = std::max(most, length(intersect(w.holds[std::size_t(r)], w.needs[std::size_t(to_of(x, s, r))])));
   return most;
 }
 
+// Whether any rank sends on a route (the same answer on every rank).
+bool used(const Window& w, const PieceExchange& x, const Route& s) {
+  for (int r = 0; r < x.world; ++r)
+    if (!intersect(w.holds[std::size_t(r)], w.needs[std::size_t(to_of(x, s, r))]).empty()) return true;
+  return false;
+}
+
+bool routable(const PieceExchange& x, const Window& w) {
+  for (int r = 0; r < x.world; ++r)
+    for (int t = 0; t < x.world; ++t)
+      if (!reaches(x, r, t) && !intersect(w.holds[std::size_t(r)], w.needs[std::size_t(t)]).empty()) return false;
+  return true;
+}
+
 }  // namespace
+
+bool reaches(const PieceExchange& x, int from, int to) {
+  const int L = x.host_ranks;
+  return from == to || L <= 0 || from / L == to / L || from % L == to % L;
+}
+
+bool routable(const PieceExchange& x, std::size_t begin, std::size_t n) { return routable(x, clipped(x, begin, n)); }
 
 Spans owned_spans(const ShardPlan& sp, const std::vector<std::size_t>& param_base, int rank) {
   Spans s;
@@ -82,6 +145,21 @@ Spans intersect(const Spans& a, const Spans& b) {
     const std::size_t lo = std::max(a[i].lo, b[j].lo), hi = std::min(a[i].hi, b[j].hi);
     if (lo < hi) out.push_back({lo, hi});
     (a[i].hi < b[j].hi) ? ++i : ++j;
+  }
+  return out;
+}
+
+Spans subtract(const Spans& a, const Spans& b) {
+  Spans out;
+  std::size_t j = 0;
+  for (const auto& x : a) {
+    std::size_t lo = x.lo;
+    while (j < b.size() && b[j].hi <= lo) ++j;
+    for (std::size_t k = j; k < b.size() && b[k].lo < x.hi; ++k) {
+      if (b[k].lo > lo) out.push_back({lo, b[k].lo});
+      lo = std::max(lo, b[k].hi);
+    }
+    if (lo < x.hi) out.push_back({lo, x.hi});
   }
   return out;
 }
@@ -113,15 +191,20 @@ WindowInFlight start_window(const PieceExchange& x, std::size_t begin, const std
                   " element(s) of [" + std::to_string(begin) + ", " + std::to_string(begin + window.size()) +
                   ") that no rank holds (Note [Pieces to their new owners])");
   }
+  if (!routable(x, w))
+    throw Error(tag + ": a piece of [" + std::to_string(begin) + ", " + std::to_string(begin + window.size()) +
+                ") goes to a rank of another host and local index than its holder's, which no shift over two levels reaches "
+                "(Note [Pieces over two levels])");
   // Every pack is taken from what this rank holds, and every arrival goes where it holds nothing:
-  // the shifts of all distances can be in flight together.
+  // the shifts of all routes can be in flight together.
   WindowInFlight f;
   f.begin = begin;
-  f.shifts.reserve(std::size_t(x.world));
-  for (int d = 1; d < x.world; ++d) {
-    const std::size_t count = shift_count(w, x.world, d);
-    if (count == 0) continue;  // the same answer on every rank: nobody needs anything from d back
-    const auto to = std::size_t((x.rank + d) % x.world), from = std::size_t((x.rank - d + x.world) % x.world);
+  const auto all = routes(x);
+  f.shifts.reserve(all.size());
+  for (const Route& route : all) {
+    if (!used(w, x, route)) continue;  // the same answer on every rank: nobody needs anything on this route
+    const std::size_t count = shift_count(w, x, route, x.rank);
+    const auto to = std::size_t(to_of(x, route, x.rank)), from = std::size_t(from_of(x, route, x.rank));
     auto& s = f.shifts.emplace_back();
     const Spans sends = intersect(w.holds[me], w.needs[to]);
     s.takes = intersect(w.holds[from], w.needs[me]);
@@ -134,8 +217,9 @@ WindowInFlight start_window(const PieceExchange& x, std::size_t begin, const std
     op.recv = s.in.data();
     op.count = s.out.size();
     if (x.unequal) op.recv_count = s.in.size();
-    op.distance = d;
-    op.tag = tag + " by " + std::to_string(d);
+    op.distance = route.distance;
+    op.in_host = route.in_host;
+    op.tag = tag + " by " + std::to_string(route.distance) + (route.in_host ? " inside the host" : "");
     s.started = start(op);
   }
   return f;
@@ -173,9 +257,14 @@ void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<floa
 std::size_t exchange_elements(const PieceExchange& x, std::size_t total, std::size_t window) {
   std::size_t n = 0;
   for (std::size_t begin = 0; begin < total; begin += window) {
-    const Window w = clipped(x, begin, std::min(window, total - begin));
-    for (int d = 1; d < x.world; ++d)
-      n += x.unequal ? length(intersect(w.holds[std::size_t(x.rank)], w.needs[std::size_t((x.rank + d) % x.world)])) : shift_count(w, x.world, d);
+    const std::size_t size = std::min(window, total - begin);
+    const Window w = clipped(x, begin, size);
+    if (!routable(x, w)) {  // summed (Note [Pieces over two levels])
+      n += 2 * size * std::size_t(x.world - 1) / std::size_t(x.world);
+      continue;
+    }
+    for (const Route& route : routes(x))
+      n += x.unequal ? length(intersect(w.holds[std::size_t(x.rank)], w.needs[std::size_t(to_of(x, route, x.rank))])) : shift_count(w, x, route, x.rank);
   }
   return n;
 }

@@ -23,6 +23,7 @@ using Spans = std::vector<Span>;
 Spans owned_spans(const ShardPlan& sp, const std::vector<std::size_t>& param_base, int rank);
 Spans unite(const Spans& a, const Spans& b);
 Spans intersect(const Spans& a, const Spans& b);
+Spans subtract(const Spans& a, const Spans& b);  // what a covers and b does not
 Spans clip(const Spans& a, std::size_t lo, std::size_t hi);
 std::size_t length(const Spans& a);
 
@@ -37,15 +38,34 @@ std::size_t length(const Spans& a);
 // issues the same ops in the same order, so the collectives stay ordered). Where the backend
 // shifts unequal counts (Gloo: CollectiveOp::recv_count) each pack goes as it is; elsewhere a
 // shift moves one count per rank, so each is padded to the longest pack at its distance (a copy
-// in memory there, not a link): every rank computes the counts from the same spans. What a rank holds is written where it is; what arrives is written
-// into the same window at coordinates the rank does not hold, so the packs still to go are not
-// overwritten. A needed element that no rank holds is an error, never a zero taken for state.
+// in memory there, not a link; over two levels the longest of its sub-collective's ranks, Note
+// [Pieces over two levels]): every rank computes the counts from the same spans. What a rank
+// holds is written where it is; what arrives is written into the same window at coordinates the
+// rank does not hold, so the packs still to go are not overwritten. A needed element that no rank holds is an error, never a zero taken for state.
 struct PieceExchange {
   int rank = 0, world = 1;
   std::vector<Spans> holds;  // [rank] what its window holds before the exchange (disjoint across ranks)
   std::vector<Spans> needs;  // [rank] what its window must hold after it
   bool unequal = false;      // the backend shifts unequal counts (Communicator::shifts_unequal): no padding
+  int host_ranks = 0;        // > 0: two levels of that many ranks a host (Note [Pieces over two levels])
 };
+
+// Note [Pieces over two levels]
+// Two levels (Note [Two-level collectives]) shift only by whole hosts, along each local index's
+// lane, and inside each host (CollectiveOp::in_host). So there a piece goes in one shift only to
+// a rank of its holder's host or of its holder's local index, and the exchange's shifts are the
+// L - 1 inside the hosts and the H - 1 by whole hosts. The restore's common case fits: a lost
+// rank replaced at the same world takes the moments from the twins, whole hosts away, and the
+// values from a rank of its own host (Note [Values the ranks hold already] prefers one that a
+// shift reaches). A window with a piece that no shift carries (a block every rank's parameters
+// got wrong, held by its owner alone and needed on another host and lane) is not exchanged:
+// start_window refuses it, and the restore sums that window instead (twin_restore.cpp). Shifts
+// by any distance, as a hop inside the host and one between the hosts, were tried: the relay
+// does not know its source's count, so every pack was padded to the longest (bench/RESULTS.md).
+// Whether a piece goes from rank `from` to rank `to` in one of x's shifts.
+bool reaches(const PieceExchange& x, int from, int to);
+// Whether every piece of [begin, begin + n) that a rank needs and does not hold goes in one shift.
+bool routable(const PieceExchange& x, std::size_t begin, std::size_t n);
 // `window` holds this rank's `holds` in [begin, begin + window.size()); afterwards it also holds
 // its `needs` there. `run` issues one collective and waits for it; `tag` names the ops.
 void exchange_window(const PieceExchange& x, std::size_t begin, std::vector<float>& window,
@@ -70,7 +90,8 @@ WindowInFlight start_window(const PieceExchange& x, std::size_t begin, const std
 void finish_window(WindowInFlight& f, std::vector<float>& window, const std::function<void(Communicator::Started&)>& wait);
 void settle_window(WindowInFlight& f, const std::function<void(Communicator::Started&)>& wait) noexcept;
 // What exchange_window sends from this rank for the whole coordinate range, in elements (its packs,
-// or the padded shifts; windows of `window` elements): for logs and tests.
+// or the padded shifts; windows of `window` elements; a window that is not routable() as its
+// all-reduce puts on a ring's link, 2 (W - 1) / W of it): for logs and tests.
 std::size_t exchange_elements(const PieceExchange& x, std::size_t total, std::size_t window);
 
 }  // namespace shardflow

@@ -21,9 +21,19 @@
 //   shard takes its own pieces (and its twin's), and every rank writes all parameters from the
 //   values as the owners' step writes them (rounded to a 16-bit storage or wire), so no parameter
 //   sync follows; frozen parameters come from the first survivor. Over two levels, which shift
-//   only whole hosts, the windows are summed instead, as a rebuild sums them (Note [State
-//   migration]): each element one value and zeros, so exact too.
+//   only inside the hosts and by whole hosts, the pieces take those shifts (Note [Pieces over
+//   two levels]), and a window with a piece that neither carries is summed instead, as a rebuild
+//   sums them (Note [State migration]): each element one value and zeros, so exact too.
 // - Either way each element arrives as it left: the restored state is the old one bit for bit.
+//
+// Note [Twins kept in place]
+// A survivor's old twin holds its source's moments at the step gone on from, once reach() has
+// applied the slice it held. Where the new round's twin on that rank mirrors the very same
+// pieces (the same plan and distance: a lost rank replaced at the same world), they do not cross
+// again: the rank gives the spans it keeps (all-gathered, so every rank leaves them out of its
+// needs), and copies them from the old twin into its windows, where nothing arrives. A window
+// that is summed takes them from the sum as before. At 2 hosts x 2 ranks with one rank replaced
+// that is a quarter of the model's moments fewer into each host.
 //
 // Note [A join from memory]
 // A node taken in live (Note [A node joins live]) used to get the whole snapshot of the join's
@@ -116,27 +126,28 @@ std::size_t restore_window() {
 // Every rank's spans, from each rank's own (Note [Pieces to their new owners]): the number of
 // spans, then the spans as 32-bit halves of their ends, padded to the most any rank has. The
 // words travel as an all-gather's copies, never summed, so any bit pattern arrives as it left.
-std::vector<Spans> gather_spans(const Spans& mine, int rank, int world, const std::function<void(const CollectiveOp&)>& run) {
-  const auto gather = [&](std::vector<std::uint32_t>& send, std::size_t count, const char* what) {
+std::vector<Spans> gather_spans(const Spans& mine, int rank, int world, const std::function<void(const CollectiveOp&)>& run,
+                                const std::string& what = "holds") {
+  const auto gather = [&](std::vector<std::uint32_t>& send, std::size_t count, const std::string& tag) {
     std::vector<std::uint32_t> all(count * std::size_t(world));
     CollectiveOp op;
     op.kind = CollectiveKind::allgather;
     op.send = send.data();
     op.recv = all.data();
     op.count = count;
-    op.tag = what;
+    op.tag = tag;
     run(op);
     return all;
   };
   std::vector<std::uint32_t> n{std::uint32_t(mine.size())};
-  const auto counts = gather(n, 1, "restore from memory: how many spans each rank holds");
+  const auto counts = gather(n, 1, "restore from memory: how many spans each rank " + what);
   const std::size_t most = *std::max_element(counts.begin(), counts.end());
   std::vector<std::uint32_t> words(4 * most, 0u);
   for (std::size_t i = 0; i < mine.size(); ++i) {
     const std::uint64_t ends[2] = {mine[i].lo, mine[i].hi};
     for (int k = 0; k < 2; ++k) words[4 * i + 2 * k] = std::uint32_t(ends[k]), words[4 * i + 2 * k + 1] = std::uint32_t(ends[k] >> 32);
   }
-  const auto all = most ? gather(words, 4 * most, "restore from memory: the spans each rank holds") : std::vector<std::uint32_t>{};
+  const auto all = most ? gather(words, 4 * most, "restore from memory: the spans each rank " + what) : std::vector<std::uint32_t>{};
   std::vector<Spans> out(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r)
     for (std::size_t i = 0; i < counts[std::size_t(r)]; ++i) {
@@ -150,18 +161,27 @@ std::vector<Spans> gather_spans(const Spans& mine, int rank, int world, const st
 
 // Who holds what before the restore, and who needs which moments after it: the new owner and the
 // new owner's twin. (The values: values_to_take, from the same holders.)
-PieceExchange Runtime::Impl::twin_exchange(const Shard* old, int old_rank, const std::vector<int>& twin_gives) {
+PieceExchange Runtime::Impl::twin_exchange(Shard* old, int old_rank, const std::vector<int>& twin_gives, std::int64_t steps, Spans& kept) {
   Spans mine;
   if (old) {
     mine = owned_spans(old->shard_plan(), old->param_base(), old_rank);
     for (const int x : twin_gives) mine = unite(mine, owned_spans(old->shard_plan(), old->param_base(), x));
   }
-  PieceExchange state{rank, world, gather_spans(mine, rank, world, [&](const CollectiveOp& op) { run_now(op); }), {}, comm->shifts_unequal()};
+  const auto run = [&](const CollectiveOp& op) { run_now(op); };
+  PieceExchange state{rank, world, gather_spans(mine, rank, world, run), {}, comm->shifts_unequal()};
   const auto& sp = shard->shard_plan();
   const auto& base = shard->param_base();
+  const auto* twin = shard->mirror();
+  // Note [Twins kept in place]: the old twin's pieces where the new twin wants the same ones.
+  kept.clear();
+  if (old && old->mirror() && twin) {
+    const Spans want = owned_spans(sp, base, shift_source(rank, world, twin->distance()));
+    if (owned_spans(old->shard_plan(), old->param_base(), old->mirror()->source()) == want && old->mirror()->reach(steps)) kept = want;
+  }
+  const auto keeps = gather_spans(kept, rank, world, run, "keeps of its twin");
   for (int t = 0; t < world; ++t) {
     Spans need = owned_spans(sp, base, t);
-    if (const auto* twin = shard->mirror()) need = unite(need, owned_spans(sp, base, shift_source(t, world, twin->distance())));
+    if (twin) need = unite(need, subtract(owned_spans(sp, base, shift_source(t, world, twin->distance())), keeps[std::size_t(t)]));
     state.needs.push_back(std::move(need));
   }
   return state;
@@ -301,14 +321,18 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
       log->warn("{}the old round's buckets hold other parameters than this run trains; they are rebuilt after the first iteration", from);
   }
   // The state and the values, window by window: each element once, to where it is needed (Note
-  // [Pieces to their new owners]), or summed as a rebuild sums them (Note [State migration]) where
-  // the backend cannot shift by every distance (two levels move whole hosts).
+  // [Pieces to their new owners]; over two levels inside the hosts and by whole hosts, Note
+  // [Pieces over two levels]), or summed as a rebuild sums them (Note [State migration]) where
+  // the backend has neither, or a window holds a piece that no shift of two levels carries.
   const std::size_t total = shard->total_elements(), values = shard->state_slots();
   const std::size_t window_elements = restore_window();  // Note [Windows in flight], below
   const auto& params = registry.params();
   std::vector<float> part;
-  bool shifts = world > 1;
-  for (int d = 1; d < world && shifts; ++d) shifts = comm->shifts_by(d);
+  bool by_every = true;
+  for (int d = 1; d < world && by_every; ++d) by_every = comm->shifts_by(d);
+  const int L = comm->in_host_ranks();
+  const int host_ranks = !by_every && L > 1 && world % L == 0 && comm->shifts_by(L) ? L : 0;
+  const bool shifts = world > 1 && (by_every || host_ranks > 0);
   const auto provide = [&](std::size_t slot, std::size_t begin, std::vector<float>& into) {  // what this rank holds, zeros elsewhere
     if (!old) return;
     old->export_at(steps, slot, begin, into.data(), into.size());
@@ -319,21 +343,32 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   };
   PieceExchange moments, values_moved;  // Note [Pieces to their new owners]
   Spans from_params;                     // values this rank gives from its parameters (Note [Values the ranks hold already])
+  Spans twin_kept;  // Note [Twins kept in place]
   if (shifts) {
-    moments = twin_exchange(old, kept.rank, twin_gives);
+    moments = twin_exchange(kept.shard.get(), kept.rank, twin_gives, steps, twin_kept);
+    moments.host_ranks = host_ranks;
     // Note [Values the ranks hold already]: the values only where a rank's parameters differ; the
     // fp32 masters of 16-bit parameters to their new owner and its twin whatever they hold.
     const bool masters = shard->migrate_slots() > values;
     auto held = values_to_take(moments, [&](std::size_t begin, std::vector<float>& w) { provide(values, begin, w); }, !masters);
-    values_moved = PieceExchange{rank, world, std::move(held.holds), std::move(held.needs), moments.unequal};
+    values_moved = PieceExchange{rank, world, std::move(held.holds), std::move(held.needs), moments.unequal, host_ranks};
     from_params = std::move(held.from_params);
     if (masters)
       for (int t = 0; t < world; ++t)
         values_moved.needs[std::size_t(t)] = unite(values_moved.needs[std::size_t(t)], moments.needs[std::size_t(t)]);
     const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
     const auto sent = values * exchange_elements(moments, total, window_elements) + exchange_elements(values_moved, total, window_elements);
-    log->info("{}the state moves each piece once: this rank sends {:.1f} MiB{}, where summing it sends {:.1f} MiB", from, mib(double(sent)),
+    std::size_t summed = 0;  // windows that no shift of two levels carries whole (Note [Pieces over two levels])
+    for (std::size_t begin = 0; begin < total; begin += window_elements) {
+      const std::size_t n = std::min(window_elements, total - begin);
+      summed += values * !routable(moments, begin, n) + !routable(values_moved, begin, n);
+    }
+    log->info("{}the state moves each piece once{}: this rank sends {:.1f} MiB{}{}, where summing it sends {:.1f} MiB", from,
+              host_ranks ? " (inside the hosts and by whole hosts)" : "", mib(double(sent)),
               moments.unequal ? "" : " (the shifts padded to their longest pack)",
+              summed ? ", " + std::to_string(summed) + " window(s) of " + std::to_string((values + 1) * ((total + window_elements - 1) / window_elements)) +
+                           " summed, a piece of each going to another host and local index"
+                     : std::string(),
               mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
   }
   // Note [Windows in flight]: the windows are small and several cross at once. Each is made (its
@@ -350,18 +385,19 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   struct Pending {
     std::size_t slot = 0, begin = 0;
     std::vector<float> window;
-    WindowInFlight shifted;             // with shifts
-    std::optional<Communicator::Started> summed;  // without (two levels): the window's all-reduce
+    bool whole = true;                  // the window ends whole on every rank: summed, or world 1
+    WindowInFlight shifted;             // by shifts
+    std::optional<Communicator::Started> summed;  // else, at world > 1: the window's all-reduce
   };
   std::deque<Pending> in_flight;
   const auto wait = [&](Communicator::Started& s) { comm->wait(s, cfg.timeouts.collective); };
   const auto finish = [&](Pending& p) {
-    if (shifts) finish_window(p.shifted, p.window, wait);
-    else if (p.summed) wait(*p.summed);
+    if (p.summed) wait(*p.summed);
+    else finish_window(p.shifted, p.window, wait);
     if (p.slot < values || shard->migrate_slots() > values) shard->import_state(p.slot, p.begin, p.window);
     // The parameters in the window, as the owner's step leaves the trainer's storage: those this
     // rank took, or all of them after a sum.
-    if (p.slot == values) write_values(p.begin, p.window, shifts ? values_moved.needs[std::size_t(rank)] : Spans{{0, total}});
+    if (p.slot == values) write_values(p.begin, p.window, p.whole ? Spans{{0, total}} : values_moved.needs[std::size_t(rank)]);
   };
   try {
     for (std::size_t slot = 0; slot <= values; ++slot) {
@@ -369,12 +405,22 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
         Pending& p = in_flight.emplace_back();
         p.slot = slot, p.begin = begin;
         p.window.assign(std::min(window_elements, total - begin), 0.0f);
+        const PieceExchange& x = slot < values ? moments : values_moved;
+        p.whole = !shifts || !routable(x, begin, p.window.size());
+        // A sum takes each element from one rank, zeros elsewhere: the holders' alone.
         provide(slot, begin, p.window);
-        if (slot == values) values_from_params(begin, p.window, from_params);
+        if (slot == values && !p.whole) values_from_params(begin, p.window, from_params);
+        // The old twin's pieces where the new one takes them (Note [Twins kept in place]): moments,
+        // and fp32 masters, which the twin imports too.
+        if ((slot < values || shard->migrate_slots() > values) && !p.whole && !twin_kept.empty()) {
+          part.resize(p.window.size());
+          old->mirror()->export_state(slot, begin, part.data(), part.size());
+          for (const auto& k : clip(twin_kept, begin, begin + part.size()))
+            std::copy(part.begin() + std::ptrdiff_t(k.lo - begin), part.begin() + std::ptrdiff_t(k.hi - begin), p.window.begin() + std::ptrdiff_t(k.lo - begin));
+        }
         const std::string tag = from + "restore state " + std::to_string(slot) + " from element " + std::to_string(begin);
-        if (shifts) {
-          p.shifted = start_window(slot < values ? moments : values_moved, begin, p.window, [&](const CollectiveOp& op) { return start_now(op); },
-                                   tag);
+        if (!p.whole) {
+          p.shifted = start_window(x, begin, p.window, [&](const CollectiveOp& op) { return start_now(op); }, tag);
         } else if (world > 1) {
           CollectiveOp op;
           op.kind = CollectiveKind::allreduce;

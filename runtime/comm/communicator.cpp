@@ -16,12 +16,15 @@ int shift_source(int rank, int world, int distance) {
   return ((rank - d) % world + world) % world;
 }
 
-void check_shift(const CollectiveOp& op, const std::string& who, bool unequal) {
+void check_shift(const CollectiveOp& op, const std::string& who, bool unequal, bool in_host) {
   if (op.kind != CollectiveKind::shift) {
     if (op.recv_count != CollectiveOp::kSameCount)
       throw UsageError(who + ": " + collective_name(op.kind) + " '" + op.tag + "' sets recv_count, which only a shift takes");
     return;
   }
+  if (op.in_host && !in_host)
+    throw UsageError(who + ": shift '" + op.tag + "' sets in_host, a shift inside each host, which only a backend of two levels runs " +
+                     "(Communicator::in_host_ranks)");
   if ((op.count || shift_recv_count(op)) && op.send == op.recv)
     throw UsageError(who + ": shift '" + op.tag + "' has one buffer as its send and its recv; a shift is not in place (Note [Shift])");
   if (!unequal && shift_recv_count(op) != op.count)

@@ -11,6 +11,8 @@
 //   all-gather of c:       cross all-gather (the blocks of index l from every host), then one
 //                          local all-gather per host's group, straight into rank order;
 //   broadcast from (h, l): local broadcast on host h, then cross broadcast from host h;
+//   shift by k L:          a cross shift by k on each lane (whole hosts); with in_host, a local
+//                          shift inside each host instead, nothing on the network;
 //   barrier:               local, cross, local.
 // The sums are the same numbers added in another order than the flat ring's: equal to rounding.
 //
@@ -78,7 +80,7 @@ class HierarchicalComm final : public Communicator {
            " between hosts)";
   }
   bool shifts_by(int distance) const override { return distance % L_ == 0; }  // Note [Shift]: by whole hosts
-  int gathers_in_host() const override { return L_; }
+  int in_host_ranks() const override { return L_; }
   bool supports(Device d) const override {
     return d.kind == Device::Kind::cpu && comms_[in_host]->supports(d) && comms_[between_hosts]->supports(d);
   }
@@ -222,7 +224,7 @@ class HierarchicalComm final : public Communicator {
     const auto& op = job.op;
     const std::size_t es = dtype_size(op.dtype), H = std::size_t(H_), L = std::size_t(L_);
     auto& st = job.stages;
-    check_shift(op, "hierarchical rank " + std::to_string(rank()));
+    check_shift(op, "hierarchical rank " + std::to_string(rank()), /*unequal=*/false, /*in_host=*/true);
     switch (op.kind) {
       case CollectiveKind::allreduce: {
         const std::size_t n = op.count, c = (n + L - 1) / L;
@@ -288,6 +290,11 @@ class HierarchicalComm final : public Communicator {
         return;
       }
       case CollectiveKind::shift: {
+        if (op.in_host) {  // rank (h, l)'s block to (h, l + distance mod L): one shift inside host h
+          st.push_back({in_host, sub(job, CollectiveKind::shift, op.send, op.recv, op.count, 1.0f, "inside the host"), {}});
+          st.back().op.distance = op.distance;
+          return;
+        }
         // Rank (h, l)'s block to (h + distance / L, l): one shift of the hosts on lane l. A
         // distance L does not divide would carry some ranks' blocks one host further than
         // others', which no uniform stage of either level moves.

@@ -336,8 +336,9 @@ struct Runtime::Impl : RankContext, PassState, InstalledPlan {
   // [A join from memory]), from what the ranks of the old round kept, every one of them there.
   std::optional<std::uint64_t> restore_from_memory(std::uint64_t snapshot_step, bool kept_at_join);
   // Who holds which pieces before a restore from the twins, who needs which moments after it:
-  // Note [Pieces to their new owners].
-  PieceExchange twin_exchange(const Shard* old, int old_rank, const std::vector<int>& twin_gives);
+  // Note [Pieces to their new owners]; in `kept`, the pieces this rank's old twin gives its new
+  // one in place, brought to `steps` (Note [Twins kept in place]).
+  PieceExchange twin_exchange(Shard* old, int old_rank, const std::vector<int>& twin_gives, std::int64_t steps, Spans& kept);
   // Note [Values the ranks hold already] (held_values.cpp): for every rank, the blocks of what
   // `values` holds that its parameters do not already hold as the restore writes them, from each
   // holder's window of values (`provide`); and that writing, the owners' step's way, of `where`.

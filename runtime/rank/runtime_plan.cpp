@@ -99,7 +99,7 @@ void Runtime::Impl::install_plan(BucketPlan next, std::uint64_t first_iteration,
       bytes.push_back(shard_plan.buckets[b].padded * dtype_size(next.buckets[b].dtype));
     next_bufs = std::make_shared<BucketBuffers>(std::move(bytes), caps.pooled, allocator(), zeroer());
     next_shard = std::make_shared<Shard>(int(cfg.zero.stage), cfg, registry.params(), next, std::move(shard_plan), groups,
-                                         next_bufs, mem, /*migrating=*/migrate, comm->gathers_in_host());
+                                         next_bufs, mem, /*migrating=*/migrate, comm->in_host_ranks());
   } else {
     std::vector<std::size_t> bytes;
     for (const auto& b : next.buckets) bytes.push_back(b.bytes());

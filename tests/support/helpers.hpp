@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <algorithm>
 #include <functional>
@@ -33,6 +34,15 @@ inline constexpr bool kThreadSanitized = false;
 inline constexpr bool kSanitized = kAddressSanitized || kThreadSanitized;
 
 // Runs fn(rank) on `n` threads; returns each rank's exception (null if it returned normally).
+// The restore's windows for a scope: SHARDFLOW_TEST_RESTORE_WINDOW elements (Note [Windows in
+// flight], twin_restore.cpp), or the default's with nullptr.
+struct RestoreWindows {
+  explicit RestoreWindows(const char* elements) {
+    if (elements) ::setenv("SHARDFLOW_TEST_RESTORE_WINDOW", elements, 1);
+  }
+  ~RestoreWindows() { ::unsetenv("SHARDFLOW_TEST_RESTORE_WINDOW"); }
+};
+
 inline std::vector<std::exception_ptr> run_ranks(int n, const std::function<void(int)>& fn) {
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;

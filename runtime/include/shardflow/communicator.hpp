@@ -53,10 +53,13 @@ struct CollectiveOp {
   // from the `count` it sends (the source's `count` must be this). kSameCount: `count`.
   static constexpr std::size_t kSameCount = ~std::size_t{0};
   std::size_t recv_count = kSameCount;
-  // allgather, on a backend whose gathers_in_host() is nonzero: every rank's recv already holds
+  // allgather, on a backend whose in_host_ranks() is nonzero: every rank's recv already holds
   // the block of its own local index from every host, and only the gathers inside each host run
   // (Note [Syncs from the twin, two levels]). Elsewhere it is ignored: the whole all-gather runs
   // from `send`, which gives the same bytes.
+  // shift, on such a backend only: a shift inside each host (Note [Shift]), local rank l's send
+  // to local rank (l + distance) mod L of the same host, nothing between the hosts. Elsewhere
+  // refused: it would move other blocks than asked.
   bool in_host = false;
 };
 
@@ -73,7 +76,8 @@ int shift_source(int rank, int world, int distance);
 // A shift whose send is its recv, or one that receives another count than it sends on a backend
 // that cannot (`unequal`: it can), or a recv_count on another kind of op: UsageError naming `who`
 // and the op (every backend checks every op).
-void check_shift(const CollectiveOp& op, const std::string& who, bool unequal = false);
+// A shift inside the hosts (CollectiveOp::in_host) where `in_host` is false: refused too.
+void check_shift(const CollectiveOp& op, const std::string& who, bool unequal = false, bool in_host = false);
 // The elements a shift receives on this rank.
 inline std::size_t shift_recv_count(const CollectiveOp& op) { return op.recv_count == CollectiveOp::kSameCount ? op.count : op.recv_count; }
 
@@ -114,9 +118,9 @@ class Communicator {
   // so that nothing is padded on its link; the others pad (a copy in memory for the in-process
   // and shm backends).
   virtual bool shifts_unequal() const { return false; }
-  // The ranks a host when an all-gather can run inside the hosts alone (CollectiveOp::in_host):
-  // two levels. 0: every all-gather is the whole world's.
-  virtual int gathers_in_host() const { return 0; }
+  // The ranks a host when an all-gather or a shift can run inside the hosts alone
+  // (CollectiveOp::in_host): two levels. 0: every collective is the whole world's.
+  virtual int in_host_ranks() const { return 0; }
   // This rank gives up (a usage error, a failed peer): pending and future collectives of every
   // rank fail promptly with `reason` instead of waiting for the timeout.
   virtual void abort(const std::string& reason) = 0;
