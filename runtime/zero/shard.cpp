@@ -12,7 +12,7 @@ namespace shardflow {
 
 Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
              std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
-             std::shared_ptr<const MemoryOps> mem, bool migrating, int gathers_in_host)
+             std::shared_ptr<const MemoryOps> mem, bool migrating, int in_host_ranks)
     : stage_(stage),
       clip_max_(cfg.zero.clip_grad_norm),
       clip_type_(cfg.zero.clip_norm_type),
@@ -72,7 +72,7 @@ Shard::Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, Bucket
     undo_step_.assign(B, -1);
     syncs_from_twin_ = twins_give_syncs(shard_.world);
     const int W = shard_.world;
-    twin_in_host_ = !syncs_from_twin_ && gathers_in_host >= 2 && W == 2 * gathers_in_host && ((distance % W) + W) % W == gathers_in_host;
+    twin_in_host_ = !syncs_from_twin_ && in_host_ranks >= 2 && W == 2 * in_host_ranks && ((distance % W) + W) % W == in_host_ranks;
     if (shifts_in_sync()) mirror_->feeds_syncs(/*after_step=*/true);
   }
   if (!migrating) masters_from_params();

@@ -45,7 +45,7 @@ class Shard {
   // (allocate_slot + import_state), so that both shards' state never exists in full at once.
   Shard(int stage, const Config& cfg, std::vector<ParamSpec> params, BucketPlan plan, ShardPlan shard,
         std::shared_ptr<OptimizerGroups> groups, std::shared_ptr<BucketBuffers> buffers,
-        std::shared_ptr<const MemoryOps> mem, bool migrating = false, int gathers_in_host = 0);
+        std::shared_ptr<const MemoryOps> mem, bool migrating = false, int in_host_ranks = 0);
 
   const BucketPlan& plan() const { return plan_; }
   const ShardPlan& shard_plan() const { return shard_; }
