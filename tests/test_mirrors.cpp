@@ -687,9 +687,9 @@ TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2:
       // The moments a host away, on lane 1 alone: rank 3 gives rank 1 its shard and its twin's.
       // Lane 0's ranks keep their twins (Note [Twins kept in place]) and pad nothing.
       std::size_t moments_sent = 0;
+      const std::string shifted = "shift twins: restore state ";  // then the slot: 0 and 1 the moments, 2 the values
       for (const std::string& line : log)
-        if (line.rfind("shift twins: restore state ", 0) == 0 && line.find(" by 2 ") != std::string::npos &&
-            (line[27] == '0' || line[27] == '1')) {
+        if (line.rfind(shifted, 0) == 0 && line.find(" by 2 ") != std::string::npos && (line[shifted.size()] == '0' || line[shifted.size()] == '1')) {
           const auto end = line.rfind(' '), begin = line.rfind(' ', end - 1);
           moments_sent += std::stoul(line.substr(begin + 1, end - begin - 1));
         }
