@@ -344,6 +344,10 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
   PieceExchange moments, values_moved;  // Note [Pieces to their new owners]
   Spans from_params;                     // values this rank gives from its parameters (Note [Values the ranks hold already])
   Spans twin_kept;  // Note [Twins kept in place]
+  // [window] summed, not shifted: the moments' windows (every slot's alike) and the values'. Every
+  // window at world 1 or without shifts; over two levels those with a piece no shift reaches.
+  const std::size_t windows = (total + window_elements - 1) / window_elements;
+  std::vector<char> moments_whole(windows, 1), values_whole(windows, 1);
   if (shifts) {
     moments = twin_exchange(kept.shard.get(), kept.rank, twin_gives, steps, twin_kept);
     moments.host_ranks = host_ranks;
@@ -359,14 +363,16 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
     const auto mib = [](double elements) { return elements * sizeof(float) / double(1 << 20); };
     const auto sent = values * exchange_elements(moments, total, window_elements) + exchange_elements(values_moved, total, window_elements);
     std::size_t summed = 0;  // windows that no shift of two levels carries whole (Note [Pieces over two levels])
-    for (std::size_t begin = 0; begin < total; begin += window_elements) {
+    for (std::size_t k = 0, begin = 0; k < windows; ++k, begin += window_elements) {
       const std::size_t n = std::min(window_elements, total - begin);
-      summed += values * !routable(moments, begin, n) + !routable(values_moved, begin, n);
+      moments_whole[k] = !routable(moments, begin, n);
+      values_whole[k] = !routable(values_moved, begin, n);
+      summed += values * std::size_t(moments_whole[k]) + std::size_t(values_whole[k]);
     }
     log->info("{}the state moves each piece once{}: this rank sends {:.1f} MiB{}{}, where summing it sends {:.1f} MiB", from,
               host_ranks ? " (inside the hosts and by whole hosts)" : "", mib(double(sent)),
               moments.unequal ? "" : " (the shifts padded to their longest pack)",
-              summed ? ", " + std::to_string(summed) + " window(s) of " + std::to_string((values + 1) * ((total + window_elements - 1) / window_elements)) +
+              summed ? ", " + std::to_string(summed) + " window(s) of " + std::to_string((values + 1) * windows) +
                            " summed, a piece of each going to another host and local index"
                      : std::string(),
               mib(double((values + 1) * total) * 2.0 * double(world - 1) / double(world)));
@@ -406,7 +412,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
         p.slot = slot, p.begin = begin;
         p.window.assign(std::min(window_elements, total - begin), 0.0f);
         const PieceExchange& x = slot < values ? moments : values_moved;
-        p.whole = !shifts || !routable(x, begin, p.window.size());
+        p.whole = (slot < values ? moments_whole : values_whole)[begin / window_elements] != 0;
         // A sum takes each element from one rank, zeros elsewhere: the holders' alone.
         provide(slot, begin, p.window);
         if (slot == values && !p.whole) values_from_params(begin, p.window, from_params);
