@@ -156,6 +156,31 @@ TEST_CASE("2x2, 3x2 and 2x3 hosts x ranks, with the gathers on their own lane or
   }
 }
 
+TEST_CASE("CollectiveOp::in_host on an all-reduce, over two levels and on one -> refused by name, nothing summed: only an all-gather or a "
+          "shift takes it") {
+  const auto refused = [](Communicator& comm) {
+    std::vector<float> x(4, 1.0f);
+    auto op = make(CollectiveKind::allreduce, x.data(), x.data(), 4);
+    op.in_host = true;
+    op.tag = "loss";
+    try {
+      comm.run(op, 5s);
+      return false;
+    } catch (const UsageError& e) {
+      return std::string(e.what()).find("allreduce 'loss' sets in_host") != std::string::npos && x == std::vector<float>(4, 1.0f);
+    }
+  };
+  std::vector<int> ok(4, 0);
+  on_hosts(2, 2, [&](Communicator& comm, int r) { ok[std::size_t(r)] = refused(comm); });
+  CHECK(ok == std::vector<int>(4, 1));
+  auto world = InProcessWorld::create(2, 5s);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) threads.emplace_back([&, r] { ok[std::size_t(r)] = refused(*world->communicator(r)); });
+  for (auto& t : threads) t.join();
+  CHECK(ok[0] == 1);
+  CHECK(ok[1] == 1);
+}
+
 TEST_CASE("a shift inside the hosts (CollectiveOp::in_host) on a backend of one level -> refused by name on every rank, nothing moved: it would "
           "move other blocks than asked") {
   auto world = InProcessWorld::create(4, 5s);

@@ -20,6 +20,8 @@ void check_shift(const CollectiveOp& op, const std::string& who, bool unequal, b
   if (op.kind != CollectiveKind::shift) {
     if (op.recv_count != CollectiveOp::kSameCount)
       throw UsageError(who + ": " + collective_name(op.kind) + " '" + op.tag + "' sets recv_count, which only a shift takes");
+    if (op.in_host && op.kind != CollectiveKind::allgather)
+      throw UsageError(who + ": " + collective_name(op.kind) + " '" + op.tag + "' sets in_host, which only an all-gather or a shift takes");
     return;
   }
   if (op.in_host && !in_host)

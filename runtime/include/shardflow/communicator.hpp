@@ -59,7 +59,7 @@ struct CollectiveOp {
   // from `send`, which gives the same bytes.
   // shift, on such a backend only: a shift inside each host (Note [Shift]), local rank l's send
   // to local rank (l + distance) mod L of the same host, nothing between the hosts. Elsewhere
-  // refused: it would move other blocks than asked.
+  // refused: it would move other blocks than asked. Any other kind: refused.
   bool in_host = false;
 };
 
@@ -76,7 +76,8 @@ int shift_source(int rank, int world, int distance);
 // A shift whose send is its recv, or one that receives another count than it sends on a backend
 // that cannot (`unequal`: it can), or a recv_count on another kind of op: UsageError naming `who`
 // and the op (every backend checks every op).
-// A shift inside the hosts (CollectiveOp::in_host) where `in_host` is false: refused too.
+// A shift inside the hosts (CollectiveOp::in_host) where `in_host` is false, or in_host on a kind
+// other than a shift or an all-gather: refused too.
 void check_shift(const CollectiveOp& op, const std::string& who, bool unequal = false, bool in_host = false);
 // The elements a shift receives on this rank.
 inline std::size_t shift_recv_count(const CollectiveOp& op) { return op.recv_count == CollectiveOp::kSameCount ? op.count : op.recv_count; }
