@@ -3,6 +3,16 @@
 // its failures: mismatched ops, a rank that never comes, an abort. Ranks are threads here, each
 // with its own communicator and mapping of the segment; test_launch runs them as processes.
 #include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include "runtime/comm/peer_collective.hpp"
 #include "runtime/comm/shm_segment.hpp"
@@ -209,4 +219,99 @@ TEST_CASE("shm: a rank started with another world size is refused, naming both s
   });
   REQUIRE(errors[1]);
   CHECK(test::message_of(errors[1]).find("rank 1 was started with world size 3, rank 0 with 2") != std::string::npos);
+}
+
+namespace {
+
+// Whether every page of [p, p + bytes) is in this process's page table (/proc/self/pagemap's
+// "present" bit), as opposed to reserved in /dev/shm and faulted in on first touch.
+std::size_t pages_mapped(const void* p, std::size_t bytes) {
+  const std::size_t page = std::size_t(::sysconf(_SC_PAGESIZE)), first = reinterpret_cast<std::uintptr_t>(p) / page;
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY);
+  REQUIRE(fd >= 0);
+  std::size_t present = 0;
+  for (std::size_t i = 0; i < bytes / page; ++i) {
+    std::uint64_t entry = 0;
+    REQUIRE(::pread(fd, &entry, sizeof entry, off_t((first + i) * sizeof entry)) == ssize_t(sizeof entry));
+    present += (entry >> 63) & 1;
+  }
+  ::close(fd);
+  return present;
+}
+
+bool kernel_at_least(int major, int minor) {
+  utsname u{};
+  ::uname(&u);
+  int a = 0, b = 0;
+  std::sscanf(u.release, "%d.%d", &a, &b);
+  return a > major || (a == major && b >= minor);
+}
+
+}  // namespace
+
+TEST_CASE("shm: a rank's own buffer is mapped whole when it is allocated, a peer maps only what it touches") {
+  // Note [Shared pages reserved and prefaulted]: the owner's buckets are written whole each step.
+  if (!kernel_at_least(5, 14)) {
+    MESSAGE("skipped: MADV_POPULATE_WRITE needs Linux 5.14");
+    return;
+  }
+  ShmWorld w(2, 4096);
+  constexpr std::size_t kBytes = std::size_t{8} << 20;
+  const auto mine = w.comms[0]->allocate(kBytes);
+  CHECK(pages_mapped(mine.get(), kBytes) == kBytes / std::size_t(::sysconf(_SC_PAGESIZE)));
+  // A peer's view of it (opened by name, as its stream thread does on first use) starts empty.
+  const shm::Segment peer("/" + std::string("shardflow-test-peer-") + std::to_string(::getpid()), true, kBytes);
+  CHECK(pages_mapped(peer.base(), kBytes) == 0);
+  const_cast<shm::Segment&>(peer).unlink();
+}
+
+TEST_CASE("shm: a /dev/shm too small for a rank's buckets -> the allocation fails naming /dev/shm, the segment and what it "
+          "needs, where it used to kill the rank with SIGBUS at its first write") {
+  // A private mount namespace with a 16 MiB /dev/shm, in a child process (the suite's own mounts
+  // stay as they are); root only, as the namespace needs it.
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(out[0]);
+    std::string said = "no error";
+    int code = 0;
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=16m") != 0) {
+      said = std::string("skip: ") + std::strerror(errno);
+      code = 2;
+    } else {
+      try {
+        ShmWorld w(1, 4096);
+        const auto fits = w.comms[0]->allocate(std::size_t{4} << 20);  // 4 of the 16 MiB: fine
+        const auto too_large = w.comms[0]->allocate(std::size_t{32} << 20);
+      } catch (const CommError& e) {
+        said = e.what();
+        code = 1;
+      } catch (const std::exception& e) {
+        said = std::string("another error: ") + e.what();
+      }
+    }
+    (void)!::write(out[1], said.data(), said.size());
+    ::_exit(code);
+  }
+  ::close(out[1]);
+  std::string said;
+  char buf[512];
+  for (ssize_t n; (n = ::read(out[0], buf, sizeof buf)) > 0;) said.append(buf, std::size_t(n));
+  ::close(out[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));  // not killed by SIGBUS
+  if (WEXITSTATUS(status) == 2) {
+    MESSAGE("skipped: a private /dev/shm needs root (" << said << ")");
+    return;
+  }
+  INFO(said);
+  CHECK(WEXITSTATUS(status) == 1);
+  CHECK(said.find("shm: /dev/shm cannot hold '/shardflow-") != std::string::npos);
+  CHECK(said.find("(32 MiB, ") != std::string::npos);
+  CHECK(said.find("free of 16 MiB in /dev/shm") != std::string::npos);
+  CHECK(said.find("Docker: --shm-size") != std::string::npos);
 }

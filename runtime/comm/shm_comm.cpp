@@ -182,7 +182,8 @@ class ShmComm final : public Communicator {
   // Note [Registered buffers]
   std::shared_ptr<std::byte> allocate(std::size_t bytes) override {
     const std::int64_t serial = next_serial_++;
-    auto seg = std::make_shared<Segment>(buffer_name(rank_, serial), true, round_up(bytes, 64));
+    // Prefaulted: the owner writes its whole bucket every step (Note [Shared pages reserved and prefaulted]).
+    auto seg = std::make_shared<Segment>(buffer_name(rank_, serial), true, round_up(bytes, 64), /*prefault=*/true);
     auto* base = reinterpret_cast<std::byte*>(seg->base());
     registry_->add(base, {serial, seg->bytes()});
     return std::shared_ptr<std::byte>(base, [seg, registry = registry_](std::byte* p) mutable {

@@ -11,11 +11,13 @@
 
 namespace shardflow::shm {
 
-// A mapped POSIX shared-memory segment: created (sized, O_EXCL) or opened; unmapped when destroyed,
-// unlinked only when asked (the other ranks may still map it).
+// A mapped POSIX shared-memory segment: created (sized, O_EXCL, its pages reserved in /dev/shm) or
+// opened; unmapped when destroyed, unlinked only when asked (the other ranks may still map it).
+// `prefault`: every page mapped into this process now, in one call (Note [Shared pages reserved
+// and prefaulted]), for a segment this process writes whole.
 class Segment {
  public:
-  Segment(const std::string& name, bool create, std::size_t bytes);
+  Segment(const std::string& name, bool create, std::size_t bytes, bool prefault = false);
   ~Segment();
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
