@@ -8,6 +8,7 @@
 #include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "shardflow/gloo.hpp"
+#include "shardflow/hierarchical.hpp"
 #include "shardflow/store.hpp"
 
 using namespace shardflow;
@@ -188,4 +189,56 @@ TEST_CASE("gloo: a rank that never connects makes the others fail within the tim
   CHECK(std::chrono::steady_clock::now() - t0 < 10s);
   o.rank = 2;
   CHECK_THROWS_WITH_AS(make_gloo_communicator(o), doctest::Contains("outside world size"), UsageError);
+}
+
+// Note [Pieces to their new owners], over two levels: a shift by whole hosts runs on Gloo's lanes
+// and takes each rank's own count, so a restore sends no padding across the link; a shift inside
+// the hosts stays padded (in-process here, shared memory in a job) and an unequal one is refused.
+TEST_CASE("two levels with Gloo between the hosts, 2 hosts x 2 ranks: a shift by whole hosts with unequal counts moves each rank's "
+          "own count (rank 1 sends nothing, rank 3 receives nothing), an unequal shift inside the hosts is refused by name on every rank") {
+  TcpStoreServer server(store_opts());
+  constexpr int H = 2, L = 2;
+  std::vector<std::vector<std::shared_ptr<Communicator>>> lanes;  // [l][h]
+  for (int l = 0; l < L; ++l) lanes.push_back(gloo_world(server, H, "lane" + std::to_string(l) + "/"));
+  std::vector<std::shared_ptr<InProcessWorld>> hosts;
+  for (int h = 0; h < H; ++h) hosts.push_back(InProcessWorld::create(L, 30s));
+  // Rank r sends count(r) elements to rank r + 2 (a host away, its own local index).
+  const auto count = [](int r) { return r == 1 ? std::size_t{0} : std::size_t(r + 1) * 50000 + 3; };
+  const auto value = [](int r, std::size_t i) { return float(r * 1000 + int(i % 991)); };
+  std::vector<std::size_t> bad(H * L, 0);
+  std::vector<std::exception_ptr> refused(H * L);
+  test::require_all_ok(test::run_ranks(H * L, [&](int r) {
+    const int h = r / L, l = r % L;
+    auto comm = make_hierarchical(hosts[std::size_t(h)]->communicator(l), lanes[std::size_t(l)][std::size_t(h)]);
+    CHECK(comm->shifts_unequal());
+    CHECK_FALSE(comm->shifts_unequal(/*in_host=*/true));
+    const int from = (r - L + H * L) % (H * L);
+    std::vector<float> out(count(r)), in(count(from), -1.0f);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = value(r, i);
+    auto op = make(CollectiveKind::shift, out.data(), in.data(), out.size());
+    op.recv_count = in.size();
+    op.distance = L;
+    op.tag = "restore window 0 by 2";
+    comm->run(op, 30s);
+    for (std::size_t i = 0; i < in.size(); ++i) bad[std::size_t(r)] += in[i] != value(from, i);
+    std::vector<float> a(4, 1.0f), b(5, -1.0f);
+    auto inside = make(CollectiveKind::shift, a.data(), b.data(), a.size());
+    inside.recv_count = b.size();
+    inside.distance = 1;
+    inside.in_host = true;
+    inside.tag = "restore window 0 by 1 inside the host";
+    try {
+      comm->run(inside, 30s);
+    } catch (...) {
+      refused[std::size_t(r)] = std::current_exception();
+    }
+    CHECK(b == std::vector<float>(5, -1.0f));
+  }));
+  for (int r = 0; r < H * L; ++r) {
+    CAPTURE(r);
+    CHECK(bad[std::size_t(r)] == 0);
+    REQUIRE(refused[std::size_t(r)]);
+    CHECK(test::message_of(refused[std::size_t(r)]).find("shift 'restore window 0 by 1 inside the host' sends 4 element(s) and receives 5") !=
+          std::string::npos);
+  }
 }

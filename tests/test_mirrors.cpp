@@ -17,7 +17,9 @@
 
 #include "support/helpers.hpp"
 #include "shardflow/comm_hook.hpp"
+#include "shardflow/gloo.hpp"
 #include "shardflow/hierarchical.hpp"
+#include "shardflow/store.hpp"
 #include "runtime/checkpoint/piece_exchange.hpp"
 #include "runtime/zero/mirror_shard.hpp"
 #include "runtime/zero/shard.hpp"
@@ -325,7 +327,7 @@ Outcome run_rank(int rank, std::shared_ptr<Communicator> comm, const Config& cfg
   adamw.lr = 0.01f;
   rt.configure_optimizer(adamw);
   int step = int(rt.resumed_step());
-  if (step > 0) out.resumed = std::uint64_t(step), out.trainer_state = rt.trainer_state();
+  if (step > 0) out.resumed = std::uint64_t(step), out.trainer_state = rt.trainer_state(), out.log = rt.collective_log();  // a replacement's restore
   if (!plan.load.empty()) rt.load_checkpoint(plan.load), step = plan.from;
   std::vector<bool> own(40, false);  // with plan.scribbles: which of a's first 40 values this rank's shard holds
   for (; step < plan.to; ++step) {
@@ -376,18 +378,28 @@ std::string scratch(const std::string& name) {
 // Note [Syncs from the twin, two levels]: 2 hosts x 2 ranks as threads over two levels of
 // in-process worlds (inside each host, its stages after the network, each local index across the
 // hosts), as test_hierarchical builds them.
+// With `gloo`: each local index's lane between the hosts is a Gloo world over loopback, as in a
+// job, which shifts unequal counts (Communicator::shifts_unequal).
 struct TwoLevels {
   std::vector<std::shared_ptr<InProcessWorld>> inside, after, between;
-  TwoLevels() {
+  std::vector<std::vector<std::shared_ptr<Communicator>>> gloo_lanes;  // [l][h]
+  explicit TwoLevels(TcpStoreServer* gloo = nullptr, const std::string& prefix = "") {
     for (int k = 0; k < 2; ++k) {
       inside.push_back(InProcessWorld::create(2, 20s));
       after.push_back(InProcessWorld::create(2, 20s));
       between.push_back(InProcessWorld::create(2, 20s));
+      if (gloo) {
+        GlooOptions o;
+        o.key_prefix = prefix + "lane" + std::to_string(k) + "/";
+        o.timeout = 20s;
+        gloo_lanes.push_back(test::store_world(2, gloo->port(), o, make_gloo_communicator));
+      }
     }
   }
   std::shared_ptr<Communicator> communicator(int r) const {
     const auto h = std::size_t(r / 2), l = std::size_t(r % 2);
-    return make_hierarchical(inside[h]->communicator(int(l)), between[l]->communicator(int(h)), after[h]->communicator(int(l)));
+    return make_hierarchical(inside[h]->communicator(int(l)), gloo_lanes.empty() ? between[l]->communicator(int(h)) : gloo_lanes[l][h],
+                             after[h]->communicator(int(l)));
   }
 };
 
@@ -641,13 +653,25 @@ TEST_CASE("twins, world 3, stage 1: rank 2 is lost in step 8 and a fresh process
   std::filesystem::remove_all(snaps);
 }
 
-TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2: rank 1 is lost in step 8 and a fresh process takes its place "
-          "-> the moments go by whole hosts from the twins, the replacement's values from its host-mate inside the host (Note [Pieces over "
-          "two levels]), none of the moments summed, values that every survivor got wrong summed in their windows alone, and all four "
-          "end bit for bit where an uninterrupted run ends") {
+TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2, the lanes between the hosts in-process or Gloo: rank 1 "
+          "is lost in step 8 and a fresh process takes its place -> the moments go by whole hosts from the twins, the replacement's values "
+          "from its host-mate inside the host (Note [Pieces over two levels]), none of the moments summed, values that every survivor got "
+          "wrong summed in their windows alone, over Gloo no padding between the hosts, and all four end bit for bit where an "
+          "uninterrupted run ends") {
   const test::RestoreWindows windows("32");  // 11 windows a slot: the values of parameter b are never stale, so never summed
+  TcpStoreServer store([] {
+    StoreServerOptions o;
+    o.token = "t";
+    return o;
+  }());
+  for (const bool gloo : {false, true})
   for (int stage : {1, 2}) {
+    CAPTURE(gloo);
     CAPTURE(stage);
+    int round = 0;
+    const auto lanes = [&] {
+      return std::make_shared<TwoLevels>(gloo ? &store : nullptr, "s" + std::to_string(stage) + "r" + std::to_string(round++) + "/");
+    };
     auto cfg = [&](const std::string& snaps) {
       auto c = recovering(snaps, stage);
       c.zero.twin_distance = 2;
@@ -656,10 +680,10 @@ TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2:
     std::vector<Model> want(4), got(5);
     {
       const auto snaps = scratch("ref");
-      run_world(4, [w = std::make_shared<TwoLevels>()](int r) { return w->communicator(r); }, cfg(snaps), want, std::vector<Plan>(4));
+      run_world(4, [w = lanes()](int r) { return w->communicator(r); }, cfg(snaps), want, std::vector<Plan>(4));
       std::filesystem::remove_all(snaps);
     }
-    const auto first = std::make_shared<TwoLevels>(), second = std::make_shared<TwoLevels>();
+    const auto first = lanes(), second = lanes();
     const auto snaps = scratch("replaced2x2");
     std::vector<Plan> plans(5);
     for (int r = 0; r < 4; ++r) {
@@ -681,22 +705,33 @@ TEST_CASE("twins a host away, 2 hosts x 2 ranks over two levels, stages 1 and 2:
       CHECK(out[std::size_t(t)].resumed == 7);
       CHECK(got[std::size_t(t)].w == want[std::size_t(t == 4 ? 1 : t)].w);
     }
+    // What a rank's shifts by whole hosts sent of the moments (slots 0 and 1; 2 is the values).
+    const auto moments_sent = [](const std::vector<std::string>& log) {
+      std::size_t sent = 0;
+      const std::string shifted = "shift twins: restore state ";
+      for (const std::string& line : log)
+        if (line.rfind(shifted, 0) == 0 && line.find(" by 2 ") != std::string::npos && (line[shifted.size()] == '0' || line[shifted.size()] == '1')) {
+          const auto end = line.rfind(' '), begin = line.rfind(' ', end - 1);
+          sent += std::stoul(line.substr(begin + 1, end - begin - 1));
+        }
+      return sent;
+    };
+    // The replacement has nothing to give its lane's other rank: over Gloo it sends nothing; over
+    // a lane that shifts equal counts only, as much padding as rank 3 sends it moments.
+    const std::size_t from_3 = moments_sent(out[3].log);
+    if (gloo)
+      CHECK(moments_sent(out[4].log) == 0);
+    else
+      CHECK(moments_sent(out[4].log) == from_3);
     for (int t : {0, 2, 3}) {
       CAPTURE(t);
       const auto& log = out[std::size_t(t)].log;
       // The moments a host away, on lane 1 alone: rank 3 gives rank 1 its shard and its twin's.
       // Lane 0's ranks keep their twins (Note [Twins kept in place]) and pad nothing.
-      std::size_t moments_sent = 0;
-      const std::string shifted = "shift twins: restore state ";  // then the slot: 0 and 1 the moments, 2 the values
-      for (const std::string& line : log)
-        if (line.rfind(shifted, 0) == 0 && line.find(" by 2 ") != std::string::npos && (line[shifted.size()] == '0' || line[shifted.size()] == '1')) {
-          const auto end = line.rfind(' '), begin = line.rfind(' ', end - 1);
-          moments_sent += std::stoul(line.substr(begin + 1, end - begin - 1));
-        }
       if (t == 3)
-        CHECK(moments_sent > 0);
+        CHECK(moments_sent(log) > 0);
       else
-        CHECK(moments_sent == 0);
+        CHECK(moments_sent(log) == 0);
       CHECK(logged(log, "allgather restore from memory: the spans each rank keeps of its twin"));
       CHECK(logged(log, "shift twins: restore state 2 from element 320 by 1 inside the host "));  // b's values
       CHECK(logged(log, "allreduce twins: restore state 2 from element 0 "));  // the values every survivor got wrong

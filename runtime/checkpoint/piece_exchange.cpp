@@ -69,6 +69,9 @@ std::vector<Route> routes(const PieceExchange& x) {
   return out;
 }
 
+// Whether a route's shift takes each rank's own count (Communicator::shifts_unequal): nothing padded.
+bool unequal(const PieceExchange& x, const Route& s) { return s.in_host ? x.unequal_in_host : x.unequal; }
+
 // Where rank r's pack goes, and where its arrival comes from.
 int to_of(const PieceExchange& x, const Route& s, int r) {
   if (!s.in_host) return (r + s.distance) % x.world;
@@ -208,15 +211,16 @@ WindowInFlight start_window(const PieceExchange& x, std::size_t begin, const std
     auto& s = f.shifts.emplace_back();
     const Spans sends = intersect(w.holds[me], w.needs[to]);
     s.takes = intersect(w.holds[from], w.needs[me]);
-    s.out.assign(x.unequal ? length(sends) : count, 0.0f);
-    s.in.resize(x.unequal ? length(s.takes) : count);
+    const bool exact = unequal(x, route);
+    s.out.assign(exact ? length(sends) : count, 0.0f);
+    s.in.resize(exact ? length(s.takes) : count);
     pack(sends, begin, window.data(), s.out.data());
     CollectiveOp op;
     op.kind = CollectiveKind::shift;
     op.send = s.out.data();
     op.recv = s.in.data();
     op.count = s.out.size();
-    if (x.unequal) op.recv_count = s.in.size();
+    if (exact) op.recv_count = s.in.size();
     op.distance = route.distance;
     op.in_host = route.in_host;
     op.tag = tag + " by " + std::to_string(route.distance) + (route.in_host ? " inside the host" : "");
@@ -264,7 +268,8 @@ std::size_t exchange_elements(const PieceExchange& x, std::size_t total, std::si
       continue;
     }
     for (const Route& route : routes(x))
-      n += x.unequal ? length(intersect(w.holds[std::size_t(x.rank)], w.needs[std::size_t(to_of(x, route, x.rank))])) : shift_count(w, x, route, x.rank);
+      n += unequal(x, route) ? length(intersect(w.holds[std::size_t(x.rank)], w.needs[std::size_t(to_of(x, route, x.rank))]))
+                             : shift_count(w, x, route, x.rank);
   }
   return n;
 }

@@ -38,8 +38,10 @@ std::size_t length(const Spans& a);
 // issues the same ops in the same order, so the collectives stay ordered). Where the backend
 // shifts unequal counts (Gloo: CollectiveOp::recv_count) each pack goes as it is; elsewhere a
 // shift moves one count per rank, so each is padded to the longest pack at its distance (a copy
-// in memory there, not a link; over two levels the longest of its sub-collective's ranks, Note
-// [Pieces over two levels]): every rank computes the counts from the same spans. What a rank
+// in memory there, not a link; over two levels the longest of its sub-collective's ranks, and only
+// inside the hosts: the shifts by whole hosts run on Gloo's lanes, which take each rank's own
+// count, so no padding crosses the link; Note [Pieces over two levels]): every rank computes the
+// counts from the same spans. What a rank
 // holds is written where it is; what arrives is written into the same window at coordinates the
 // rank does not hold, so the packs still to go are not overwritten. A needed element that no
 // rank holds is an error, never a zero taken for state.
@@ -49,6 +51,7 @@ struct PieceExchange {
   std::vector<Spans> needs;  // [rank] what its window must hold after it
   bool unequal = false;      // the backend shifts unequal counts (Communicator::shifts_unequal): no padding
   int host_ranks = 0;        // > 0: two levels of that many ranks a host (Note [Pieces over two levels])
+  bool unequal_in_host = false;  // the same for the shifts inside the hosts (two levels: shared memory pads)
 };
 
 // Note [Pieces over two levels]

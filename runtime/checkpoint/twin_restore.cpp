@@ -169,6 +169,7 @@ PieceExchange Runtime::Impl::twin_exchange(Shard* old, int old_rank, const std::
   }
   const auto run = [&](const CollectiveOp& op) { run_now(op); };
   PieceExchange state{rank, world, gather_spans(mine, rank, world, run), {}, comm->shifts_unequal()};
+  state.unequal_in_host = comm->shifts_unequal(/*in_host=*/true);
   const auto& sp = shard->shard_plan();
   const auto& base = shard->param_base();
   const auto* twin = shard->mirror();
@@ -355,7 +356,7 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
     // fp32 masters of 16-bit parameters to their new owner and its twin whatever they hold.
     const bool masters = shard->migrate_slots() > values;
     auto held = values_to_take(moments, [&](std::size_t begin, std::vector<float>& w) { provide(values, begin, w); }, !masters);
-    values_moved = PieceExchange{rank, world, std::move(held.holds), std::move(held.needs), moments.unequal, host_ranks};
+    values_moved = PieceExchange{rank, world, std::move(held.holds), std::move(held.needs), moments.unequal, host_ranks, moments.unequal_in_host};
     from_params = std::move(held.from_params);
     if (masters)
       for (int t = 0; t < world; ++t)
@@ -371,7 +372,9 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
     }
     log->info("{}the state moves each piece once{}: this rank sends {:.1f} MiB{}{}, where summing it sends {:.1f} MiB", from,
               host_ranks ? " (inside the hosts and by whole hosts)" : "", mib(double(sent)),
-              moments.unequal ? "" : " (the shifts padded to their longest pack)",
+              !moments.unequal                            ? " (the shifts padded to their longest pack)"
+              : host_ranks && !moments.unequal_in_host    ? " (the shifts inside the hosts padded to their longest pack)"
+                                                          : "",
               summed ? ", " + std::to_string(summed) + " window(s) of " + std::to_string((values + 1) * windows) +
                            " summed, a piece of each going to another host and local index"
                      : std::string(),

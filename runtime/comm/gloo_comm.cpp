@@ -96,7 +96,8 @@ class GlooComm final : public Communicator {
   int world_size() const override { return world_; }
   std::string backend_name() const override { return "gloo"; }
   bool supports(Device d) const override { return d.kind == Device::Kind::cpu; }
-  bool shifts_unequal() const override { return true; }  // GlooRing::shift posts each side's own count
+  // GlooRing::shift posts each side's own count; a shift inside the hosts is not Gloo's to run.
+  bool shifts_unequal(bool in_host) const override { return !in_host; }
   void submit(CollectiveOp op, CollectiveDone done) override { stream_.push(std::move(op), std::move(done)); }
   // Gloo cannot interrupt a collective in progress; later ones fail at once. Peers learn of a dead
   // process from its closed connections, so an abort closes this rank's connections too: a peer

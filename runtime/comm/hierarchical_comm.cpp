@@ -81,6 +81,11 @@ class HierarchicalComm final : public Communicator {
   }
   bool shifts_by(int distance) const override { return distance % L_ == 0; }  // Note [Shift]: by whole hosts
   int in_host_ranks() const override { return L_; }
+  // A shift by whole hosts is one shift on each lane and takes what the lanes' backend takes (Gloo:
+  // unequal counts, so nothing padded crosses the link); one inside the hosts, the in-host one's.
+  bool shifts_unequal(bool inside) const override {
+    return comms_[inside ? in_host : between_hosts]->shifts_unequal(false);
+  }
   bool supports(Device d) const override {
     return d.kind == Device::Kind::cpu && comms_[in_host]->supports(d) && comms_[between_hosts]->supports(d);
   }
@@ -224,7 +229,7 @@ class HierarchicalComm final : public Communicator {
     const auto& op = job.op;
     const std::size_t es = dtype_size(op.dtype), H = std::size_t(H_), L = std::size_t(L_);
     auto& st = job.stages;
-    check_shift(op, "hierarchical rank " + std::to_string(rank()), /*unequal=*/false, /*in_host=*/true);
+    check_shift(op, "hierarchical rank " + std::to_string(rank()), /*unequal=*/shifts_unequal(op.in_host), /*in_host=*/true);
     switch (op.kind) {
       case CollectiveKind::allreduce: {
         const std::size_t n = op.count, c = (n + L - 1) / L;
@@ -293,6 +298,7 @@ class HierarchicalComm final : public Communicator {
         if (op.in_host) {  // rank (h, l)'s block to (h, l + distance mod L): one shift inside host h
           st.push_back({in_host, sub(job, CollectiveKind::shift, op.send, op.recv, op.count, 1.0f, "inside the host"), {}});
           st.back().op.distance = op.distance;
+          st.back().op.recv_count = op.recv_count;
           return;
         }
         // Rank (h, l)'s block to (h + distance / L, l): one shift of the hosts on lane l. A
@@ -303,6 +309,7 @@ class HierarchicalComm final : public Communicator {
                            std::to_string(L_) + " ranks a host) a shift moves by whole hosts, a multiple of " + std::to_string(L_));
         st.push_back({between_hosts, sub(job, CollectiveKind::shift, op.send, op.recv, op.count, 1.0f, "between hosts"), {}});
         st.back().op.distance = op.distance / L_;
+        st.back().op.recv_count = op.recv_count;
         return;
       }
       case CollectiveKind::barrier:

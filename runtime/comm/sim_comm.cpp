@@ -119,7 +119,7 @@ class SimComm final : public Communicator {
   std::string backend_name() const override { return "sim(" + inner_->backend_name() + ")"; }
   bool supports(Device d) const override { return inner_->supports(d); }
   bool shifts_by(int distance) const override { return inner_->shifts_by(distance); }
-  bool shifts_unequal() const override { return inner_->shifts_unequal(); }
+  bool shifts_unequal(bool in_host) const override { return inner_->shifts_unequal(in_host); }
   int in_host_ranks() const override { return inner_->in_host_ranks(); }
   std::shared_ptr<std::byte> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
   void abort(const std::string& reason) override { inner_->abort(reason); }

@@ -17,7 +17,7 @@ class ForwardingComm : public Communicator {
   std::string backend_name() const override { return inner_->backend_name(); }
   bool supports(Device d) const override { return inner_->supports(d); }
   bool shifts_by(int distance) const override { return inner_->shifts_by(distance); }
-  bool shifts_unequal() const override { return inner_->shifts_unequal(); }
+  bool shifts_unequal(bool in_host) const override { return inner_->shifts_unequal(in_host); }
   int in_host_ranks() const override { return inner_->in_host_ranks(); }
   void abort(const std::string& reason) override { inner_->abort(reason); }
 

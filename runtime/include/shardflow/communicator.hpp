@@ -49,7 +49,7 @@ struct CollectiveOp {
   // host has already finished writing). Only needs to stay valid until submit() returns.
   void* wait_event = nullptr;
   int distance = 0;  // shift: how many ranks on each rank's data moves (any integer, taken mod world)
-  // shift, on a backend that shifts_unequal(): the elements this rank receives when they differ
+  // shift, on a backend that shifts_unequal(op.in_host): the elements this rank receives when they differ
   // from the `count` it sends (the source's `count` must be this). kSameCount: `count`.
   static constexpr std::size_t kSameCount = ~std::size_t{0};
   std::size_t recv_count = kSameCount;
@@ -117,8 +117,13 @@ class Communicator {
   }
   // Whether a shift may receive another count than it sends (CollectiveOp::recv_count): Gloo can,
   // so that nothing is padded on its link; the others pad (a copy in memory for the in-process
-  // and shm backends).
-  virtual bool shifts_unequal() const { return false; }
+  // and shm backends). `in_host`: a shift inside each host (CollectiveOp::in_host). Two levels
+  // answer for each of their levels: Gloo's lanes move the shifts by whole hosts, unequal, and
+  // shared memory the shifts inside a host, padded.
+  virtual bool shifts_unequal(bool in_host = false) const {
+    (void)in_host;
+    return false;
+  }
   // The ranks a host when an all-gather or a shift can run inside the hosts alone
   // (CollectiveOp::in_host): two levels. 0: every collective is the whole world's.
   virtual int in_host_ranks() const { return 0; }
