@@ -41,10 +41,9 @@ std::size_t length(const Spans& a);
 // in memory there, not a link; over two levels the longest of its sub-collective's ranks, and only
 // inside the hosts: the shifts by whole hosts run on Gloo's lanes, which take each rank's own
 // count, so no padding crosses the link; Note [Pieces over two levels]): every rank computes the
-// counts from the same spans. What a rank
-// holds is written where it is; what arrives is written into the same window at coordinates the
-// rank does not hold, so the packs still to go are not overwritten. A needed element that no
-// rank holds is an error, never a zero taken for state.
+// counts from the same spans. What a rank holds is written where it is; what arrives is written
+// into the same window at coordinates the rank does not hold, so the packs still to go are not
+// overwritten. A needed element that no rank holds is an error, never a zero taken for state.
 struct PieceExchange {
   int rank = 0, world = 1;
   std::vector<Spans> holds;  // [rank] what its window holds before the exchange (disjoint across ranks)

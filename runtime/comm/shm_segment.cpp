@@ -35,15 +35,16 @@ std::string errno_text() { return std::strerror(errno); }
 //   fails there, as a CommError naming it, what it needs and what /dev/shm has free.
 // - Prefaulted where this process writes it whole. Reserving a page does not map it: each
 //   process still faults every 4 KiB page into its own page table on first touch. On the project's
-//   virtual machine that costs 3.6-4.1 ms a MiB (a shared page cannot be a transparent huge page
+//   virtual machine that costs 2.8-4.1 ms a MiB (a shared page cannot be a transparent huge page
 //   while /sys/kernel/mm/transparent_hugepage/shmem_enabled is `never`, the common default), and
 //   a rank's buckets over two levels are all of its gradients: the first step of a job, and of
 //   every round after an in-place recovery, paid it on every rank at once (1.36-1.76 s against a
 //   0.68 s step at 2 hosts x 2 ranks with 64 MiB). MADV_POPULATE_WRITE maps the whole range in
-//   one call, 1.6-2.2 ms a MiB there. Only the owner's buffers are prefaulted: the owner writes
-//   every byte of its buckets each step, while a peer touches only the slices its collectives
-//   read (2/N of each at N ranks on one host), so mapping a peer's whole segment would cost more
-//   than it saves. A kernel without the advice (before 5.14) faults the pages in as before.
+//   one call, 1.5-2.2 ms a MiB there (bench/RESULTS.md, "Shared pages reserved and prefaulted").
+//   Only the owner's buffers are prefaulted: the owner writes every byte of its buckets each
+//   step, while a peer touches only the slices its collectives read (2/N of each at N ranks on
+//   one host), so mapping a peer's whole segment would cost more than it saves. A kernel without
+//   the advice (before 5.14) faults the pages in as before.
 namespace {
 
 #ifndef MADV_POPULATE_WRITE
