@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 #include "runtime/comm/peer_collective.hpp"
 #include "runtime/comm/shm_segment.hpp"
@@ -229,13 +230,13 @@ std::size_t pages_mapped(const void* p, std::size_t bytes) {
   const std::size_t page = std::size_t(::sysconf(_SC_PAGESIZE)), first = reinterpret_cast<std::uintptr_t>(p) / page;
   const int fd = ::open("/proc/self/pagemap", O_RDONLY);
   REQUIRE(fd >= 0);
-  std::size_t present = 0;
-  for (std::size_t i = 0; i < bytes / page; ++i) {
-    std::uint64_t entry = 0;
-    REQUIRE(::pread(fd, &entry, sizeof entry, off_t((first + i) * sizeof entry)) == ssize_t(sizeof entry));
-    present += (entry >> 63) & 1;
-  }
+  std::vector<std::uint64_t> entries(bytes / page);  // one a page, read at once
+  const auto want = ssize_t(entries.size() * sizeof(std::uint64_t));
+  const ssize_t got = ::pread(fd, entries.data(), std::size_t(want), off_t(first * sizeof(std::uint64_t)));
   ::close(fd);
+  REQUIRE(got == want);
+  std::size_t present = 0;
+  for (const auto entry : entries) present += (entry >> 63) & 1;
   return present;
 }
 

@@ -414,8 +414,9 @@ std::optional<std::uint64_t> Runtime::Impl::restore_from_memory(std::uint64_t sn
         Pending& p = in_flight.emplace_back();
         p.slot = slot, p.begin = begin;
         p.window.assign(std::min(window_elements, total - begin), 0.0f);
-        const PieceExchange& x = slot < values ? moments : values_moved;
-        p.whole = (slot < values ? moments_whole : values_whole)[begin / window_elements] != 0;
+        const bool moment = slot < values;
+        const PieceExchange& x = moment ? moments : values_moved;
+        p.whole = (moment ? moments_whole : values_whole)[begin / window_elements] != 0;
         // A sum takes each element from one rank, zeros elsewhere: the holders' alone.
         provide(slot, begin, p.window);
         if (slot == values && !p.whole) values_from_params(begin, p.window, from_params);
