@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "runtime/plans/prefetch_model.hpp"
+#include "runtime/plans/run_plan.hpp"
 
 using namespace shardflow;
 
@@ -108,4 +109,31 @@ TEST_CASE("stage 2's buffers in flight: a sync in backward holds a reduction and
   CHECK(best.iteration_ms == doctest::Approx(15.9));
   // With no sync in backward the buffers wait for nothing the link did not: same iteration.
   CHECK(steady_iteration_ms(t, 0) == doctest::Approx(steady_iteration_ms(layers(8, 0.6, 1.2), 0)));
+}
+
+TEST_CASE("stage 2's buffers in flight, refilled: a trainer that had to wait goes on when a quarter of them are free, and "
+          "writes that many buckets without waiting again") {
+  // 10 buckets, 8 gradient buffers (a refill of 2: Note [Backpressure in refills]). Buckets 0-7
+  // are written at 0.1 ms steps, faster than the 1 ms reductions; bucket 8 finds every buffer held
+  // at 0.8 ms and waits for two reductions (R0 at 1.1, R1 at 2.1), not one: the trainer's clock
+  // is 1.3 ms late from there. Bucket 9 then takes the second freed buffer without a wait, and
+  // its gradient, 19 ms of backward later (at 20.0 on backward's own clock), comes at 21.3; its
+  // reduction ends the iteration at 22.3 (no syncs' time, no forward). Woken at each release, it
+  // would have waited twice, 0.3 ms for R0 at bucket 8 and 0.9 for R1 at bucket 9: 1.2 ms late
+  // (22.2).
+  PrefetchTimes t;
+  for (std::uint32_t b = 0; b < 10; ++b) {
+    t.forward_order.push_back(9 - b);
+    t.forward_ms.push_back(0.0);
+    t.gradient_ms.push_back(b == 9 ? 20.0 : 0.1 * double(b + 1));
+    t.reduce_ms.push_back(1.0);
+    t.sync_ms.push_back(0.0);
+  }
+  t.grads_in_flight = 8;
+  CHECK(steady_iteration_ms(t, 0) == doctest::Approx(22.3));
+  // Two buffers refill one at a time (the default's few large buckets): bucket 2 waits for R0
+  // (1.1) alone, bucket 3 for R1 (2.1), ..., bucket 9 for R7 (8.1), its gradient 20.0 - 0.9 later.
+  t.grads_in_flight = 2;
+  CHECK(backpressure_refill(2) == 1);
+  CHECK(steady_iteration_ms(t, 0) == doctest::Approx(8.1 + 19.1 + 1.0));
 }

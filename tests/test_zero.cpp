@@ -13,6 +13,7 @@
 
 #include "examples/mlp/train.hpp"
 #include "support/jitter_comm.hpp"
+#include "runtime/core/bucket_buffers.hpp"
 #include "support/helpers.hpp"
 #include "kernels/cpu/dtype.hpp"
 #include "kernels/cpu/elementwise.hpp"
@@ -590,6 +591,52 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
   const auto stage2 = run(2);
   CHECK(std::chrono::steady_clock::now() - t0 < 20s);
   CHECK(test::rel_error(stage2, run(1)) <= 1e-6);
+}
+
+// Note [Backpressure in refills], on the pool itself: 8 gradient buffers of 10 buckets in flight,
+// every one of them being reduced, a refill of 2.
+TEST_CASE("stage 2 backpressure in refills: a trainer that had to wait for a buffer goes on when two are free, not at the "
+          "first release, and takes the second one without waiting again") {
+  BucketBuffers bufs(std::vector<std::size_t>(10, 256), /*pooled=*/true, {});
+  for (std::size_t b = 0; b < 8; ++b) {
+    REQUIRE(bufs.grad(b, 8, 5s, 2));
+    bufs.mark_reducing(b);
+  }
+  std::atomic<bool> went_on{false};
+  std::thread trainer([&] {
+    CHECK(bufs.grad(8, 8, 5s, 2));
+    went_on = true;
+  });
+  std::this_thread::sleep_for(50ms);
+  CHECK_FALSE(went_on.load());
+  bufs.release_grad(0);  // 7 held: one free is not the refill
+  std::this_thread::sleep_for(100ms);
+  CHECK_FALSE(went_on.load());  // it went on here when each release woke it
+  bufs.release_grad(1);
+  trainer.join();
+  CHECK(went_on.load());
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(bufs.grad(9, 8, 5s, 2));  // the refill's second buffer: 8 held again, no wait
+  CHECK(std::chrono::steady_clock::now() - t0 < 1s);
+}
+
+TEST_CASE("stage 2 backpressure in refills: when no reduction is left on its way, a waiting trainer goes on at once, short of "
+          "the refill (gradients that arrive out of bucket order never deadlock)") {
+  BucketBuffers bufs(std::vector<std::size_t>(10, 256), /*pooled=*/true, {});
+  for (std::size_t b = 0; b < 8; ++b) REQUIRE(bufs.grad(b, 8, 5s, 2));
+  bufs.mark_reducing(0);  // the other seven are still being written: only bucket 0 will be released
+  std::atomic<bool> went_on{false};
+  std::thread trainer([&] {
+    CHECK(bufs.grad(8, 8, 5s, 2));
+    went_on = true;
+  });
+  std::this_thread::sleep_for(50ms);
+  CHECK_FALSE(went_on.load());
+  const auto t0 = std::chrono::steady_clock::now();
+  bufs.release_grad(0);  // 7 held, above the refill's 6, but none reducing: nothing else can come
+  trainer.join();
+  CHECK(went_on.load());
+  CHECK(std::chrono::steady_clock::now() - t0 < 2s);  // the 5 s timeout would throw instead
 }
 
 // Note [A failure ends the wait for a buffer]

@@ -60,16 +60,37 @@ void BucketBuffers::give_back(std::shared_ptr<std::byte> buf, std::size_t capaci
   if (buf) free_.push_back(Free{std::move(buf), capacity});
 }
 
-std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit, std::chrono::milliseconds timeout) {
+// Note [Backpressure in refills]
+// Stage 2's trainer waits for a free gradient buffer when `limit` are held and one is being
+// reduced. Woken at each release, a trainer that runs ahead of the link (small buckets, or a
+// link slower than backward) went back to sleep after one bucket, and each release while it
+// waited woke it whether or not it could go on: a thread switch a bucket at the limit (bench_
+// overhead's 100 buckets of 10 KiB with 36 buffers: the trainer slept 8.6 times an iteration,
+// 5.9 since; RESULTS.md, "Backpressure in refills"). So a wait, once it has to happen, lasts
+// until a quarter of the limit is free (at least one buffer), and the releases before that wake
+// no one; the trainer then writes that many buckets without stopping. The link loses nothing: the other three quarters are still queued for it
+// while the trainer sleeps. Limits under 8 (the default's few large buckets) refill one at a
+// time, as before. The escape is unchanged: when no reduction is left on its way, nothing more
+// can be released, and the waiter goes on at once (no deadlock however gradients arrive). The
+// replay of the schedule models the same refill (Note [Backpressure in the replay]).
+std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit, std::chrono::milliseconds timeout, std::size_t refill) {
   std::unique_lock lock(mu_);
   if (grad_[b]) return grad_[b];
   const bool limited = pooled_ && limit > 0;
   const auto may_take = [&] { return !limited || held_grads_ < limit || grad_[b] || reducing_ == 0; };
-  if (limited && !released_.wait_for(lock, timeout, [&] { return may_take() || interrupted_; }))  // unlimited: no clock read
-    throw TimeoutError("no gradient bucket was freed within " + std::to_string(timeout.count()) + " ms while " +
-                       std::to_string(held_grads_) + " bucket(s) were in flight (Config::zero.max_buckets_in_flight = " +
-                       std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
-                       "or raise max_buckets_in_flight.");
+  if (limited && !may_take()) {
+    // Every waiter resumes at the same count: the limit less the refill (Note [Backpressure in refills]).
+    resume_at_ = limit - std::clamp<std::size_t>(refill, 1, limit);
+    const auto may_resume = [&] { return held_grads_ <= resume_at_ || grad_[b] || reducing_ == 0 || interrupted_; };
+    ++waiting_;
+    const bool resumed = released_.wait_for(lock, timeout, may_resume);
+    --waiting_;
+    if (!resumed)
+      throw TimeoutError("no gradient bucket was freed within " + std::to_string(timeout.count()) + " ms while " +
+                         std::to_string(held_grads_) + " bucket(s) were in flight (Config::zero.max_buckets_in_flight = " +
+                         std::to_string(limit) + "). Report each gradient with grad_ready() as soon as it is written, "
+                         "or raise max_buckets_in_flight.");
+  }
   if (!may_take()) return nullptr;  // interrupted (Note [A failure ends the wait for a buffer])
   if (!grad_[b]) {
     grad_[b] = take(b, grad_cap_[b], true);
@@ -94,7 +115,7 @@ void BucketBuffers::release_grad(std::size_t b) {
     is_reducing_[b] = 0;
     --reducing_;
   }
-  released_.notify_all();
+  if (waiting_ && (held_grads_ <= resume_at_ || reducing_ == 0)) released_.notify_all();
 }
 
 void BucketBuffers::mark_reducing(std::size_t b) {

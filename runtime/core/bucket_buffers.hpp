@@ -38,10 +38,12 @@ class BucketBuffers {
   // marked reducing (backpressure: gradient memory stays near "buckets in flight + 1/N" however far
   // backward runs ahead of the reductions). When every held bucket is still being written, no
   // release can come, so it takes a buffer beyond the limit instead of waiting: gradients that
-  // arrive in an order unrelated to the buckets never deadlock. TimeoutError after `timeout`; null,
-  // at once, for a wait the iteration's failure cut short (interrupt()).
+  // arrive in an order unrelated to the buckets never deadlock. A wait, once it has to happen,
+  // lasts until `refill` buffers are free (or no reduction is left on its way), not one: Note
+  // [Backpressure in refills]. TimeoutError after `timeout`; null, at once, for a wait the
+  // iteration's failure cut short (interrupt()).
   std::shared_ptr<std::byte> grad(std::size_t b, std::size_t limit = 0,
-                                  std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+                                  std::chrono::milliseconds timeout = std::chrono::milliseconds::zero(), std::size_t refill = 1);
   // Bucket b's gradient buffer if it holds one now, else null; never takes one or waits.
   std::shared_ptr<std::byte> held_grad(std::size_t b) const;
   void release_grad(std::size_t b);  // pooled only; no-op otherwise
@@ -83,6 +85,9 @@ class BucketBuffers {
   std::vector<Free> free_;
   std::size_t allocated_ = 0, peak_ = 0;
   std::size_t held_grads_ = 0, reducing_ = 0;
+  // Callers waiting in grad(), and the held count at which they may go on (Note [Backpressure in
+  // refills]): a release wakes them only then, not at every buffer.
+  std::size_t waiting_ = 0, resume_at_ = 0;
   std::vector<char> is_reducing_;
   bool interrupted_ = false;
   std::condition_variable released_;

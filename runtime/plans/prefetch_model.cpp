@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "runtime/plans/collective_schedule.hpp"
+#include "runtime/plans/run_plan.hpp"
 
 namespace shardflow {
 
@@ -40,6 +41,7 @@ double steady_iteration_ms(const PrefetchTimes& t, std::size_t early) {
   spec.interleaved_syncs = early;
   const auto entries = collective_order(spec);
   const std::size_t G = t.grads_in_flight;
+  const std::size_t refill = backpressure_refill(G);
   // Iterations until the link's backlog settles (forward waits for the syncs, so it cannot grow
   // without bound), then the mean of the last few.
   constexpr int kIterations = 30, kCounted = 10;
@@ -52,14 +54,20 @@ double steady_iteration_ms(const PrefetchTimes& t, std::size_t early) {
     for (std::size_t i = 0; i < B; ++i) now = std::max(now, available[t.forward_order[i]]) + t.forward_ms[i];
     // Backward's gradients in bucket order, each delayed by the waits for a free buffer before it
     // (Note [Backpressure in the replay]); a reduction needs only the gradients up to its own.
+    // A wait lasts until `refill` buffers are free, and the buckets those free go on without one
+    // (Note [Backpressure in refills]).
     double held = 0, backward_end = now;
-    std::size_t produced = 0;
+    std::size_t produced = 0, free_until = 0;
     auto produce_up_to = [&](std::size_t last) {
       for (; produced <= last; ++produced) {
         const std::size_t b = produced;
-        if (G && b >= G) {
+        if (G && b >= G && b >= free_until) {
           const double begins = now + (b ? t.gradient_ms[b - 1] : 0.0) + held;
-          held += std::max(0.0, reduced[b - G] - begins);
+          if (reduced[b - G] > begins) {
+            const double freed = *std::max_element(reduced.begin() + std::ptrdiff_t(b - G), reduced.begin() + std::ptrdiff_t(b - G + refill));
+            held += freed - begins;
+            free_until = b + refill;
+          }
         }
         backward_end = std::max(backward_end, grad[b] = now + t.gradient_ms[b] + held);
       }

@@ -19,7 +19,8 @@
 // Stage 2 holds a few gradient buffers at once (BucketCaps::grads_in_flight); backward waits for a
 // free one. The measured gradient times leave those waits out (the trainer's own clock), so the
 // replay puts them back for each K: bucket b's backward starts no earlier than the reduction of
-// b - grads_in_flight ends. A sync sent in backward delays the reductions behind it and so, at
+// b - grads_in_flight ends, and where it waits, it waits for as many as the refill frees (Note
+// [Backpressure in refills]). A sync sent in backward delays the reductions behind it and so, at
 // stage 2, backward itself; without this the replay saw only the link's idle time between
 // reductions and sent 9 of 17 syncs into backward where none was best.
 #pragma once

@@ -53,6 +53,10 @@ constexpr std::size_t pool_buffers(std::size_t grads_in_flight, std::size_t stag
   return grads_in_flight + 1 + staging_in_flight;
 }
 
+// How many gradient buffers must be free before a trainer that waited for one goes on (Note
+// [Backpressure in refills], runtime/core/bucket_buffers.cpp): a quarter of those in flight.
+constexpr std::size_t backpressure_refill(std::size_t grads_in_flight) { return grads_in_flight / 4 > 1 ? grads_in_flight / 4 : 1; }
+
 struct PlanSettings {
   int world = 1;
   ZeroStage stage = ZeroStage::ddp;

@@ -25,7 +25,7 @@ std::shared_ptr<std::byte> Runtime::Impl::bucket_grad(std::uint32_t b) {
   // two clock reads of a timed wait (a tenth of stage 2's per-bucket cost with 10 gradients a
   // bucket on bench_overhead).
   if (auto held = bufs->held_grad(b)) return held;
-  auto buf = blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, caps.grads_in_flight, cfg.timeouts.collective); });
+  auto buf = blocked("backpressure (buckets in flight)", b, [&] { return bufs->grad(b, caps.grads_in_flight, cfg.timeouts.collective, backpressure_refill(caps.grads_in_flight)); });
   // Note [A failure ends the wait for a buffer]: the iteration failed while this one waited.
   if (!buf) check_outcome(IterationSignal::Outcome::failed, passes_handed, "bucket " + std::to_string(b) + "'s gradient buffer");
   return buf;
