@@ -336,6 +336,15 @@ TEST_CASE("stage 2's budget beyond the least pool goes a quarter to staging buff
   CHECK(plan.caps.staging_in_flight == 13);
   CHECK(plan.caps.grads_in_flight == 36);
   CHECK(pool_buffers(plan.caps.grads_in_flight, plan.caps.staging_in_flight) * 10240 <= plan.caps.budget);
+  // What `shardflow plan` shows of it: the counts, and the refill a held-back backward waits for
+  // (Note [Backpressure in refills]: a quarter of 36).
+  CHECK(plan.describe().find("stage 2's pool: 36 gradient bucket(s) and 13 sync(s) in flight within 0.49 MiB, refilled 9 at a time") !=
+        std::string::npos);
+  const auto pool = nlohmann::json::parse(plan.to_json())["pool"];
+  CHECK(pool["grads_in_flight"] == 36);
+  CHECK(pool["staging_in_flight"] == 13);
+  CHECK(pool["refill"] == 9);
+  CHECK(pool["budget"] == 100 * 10240 / 2);
   // The plan's memory counts the staging buffers, and the runtime holds no more.
   const Measured got = run(m, 2, 2, Partition::flat);
   CHECK(got.memory[0].grads <= plan.memory[0].grads);

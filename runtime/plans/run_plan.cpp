@@ -402,6 +402,11 @@ std::string RunPlan::to_json() const {
   j["partition"] = partition_name(settings.partition);
   j["bucket_caps"] = {{"first", caps.first}, {"first_rule", caps.first_rule}, {"cap", caps.cap}, {"cap_rule", caps.cap_rule},
                       {"last", caps.last},   {"last_rule", caps.last_rule},   {"pooled", caps.pooled}};
+  if (caps.pooled)
+    j["pool"] = {{"budget", caps.budget},
+                 {"grads_in_flight", caps.grads_in_flight},
+                 {"staging_in_flight", caps.staging_in_flight},
+                 {"refill", backpressure_refill(caps.grads_in_flight)}};
   if (!caps.warning.empty()) j["warning"] = caps.warning;
   auto buckets_j = nlohmann::ordered_json::array();
   for (const auto& b : buckets.buckets) {
@@ -427,6 +432,13 @@ std::string RunPlan::describe() const {
                   partition_name(settings.partition) + " partition, " + std::to_string(params.size()) + " parameters in " +
                   std::to_string(buckets.buckets.size()) + " bucket(s) (caps: first " + mib(caps.first) + ", " + caps.first_rule +
                   "; then " + mib(caps.cap) + ", " + caps.cap_rule + "; last " + (caps.last ? mib(caps.last) + ", " : "") + caps.last_rule + ")\n";
+  if (caps.pooled) {
+    // Note [Pooled buckets (ZeRO-2)], Note [Staging in flight], Note [Backpressure in refills]
+    const std::size_t refill = backpressure_refill(caps.grads_in_flight);
+    s += "stage 2's pool: " + std::to_string(caps.grads_in_flight) + " gradient bucket(s) and " + std::to_string(caps.staging_in_flight) +
+         " sync(s) in flight within " + mib(caps.budget) + ", refilled " + std::to_string(refill) + " at a time (backward held for a buffer "
+         "goes on once that many are free)\n";
+  }
   if (!caps.warning.empty()) s += "note: " + caps.warning + "\n";
   s += "\nbuckets, in reduce order:\n";
   for (const auto& b : buckets.buckets) {
