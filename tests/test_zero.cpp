@@ -593,25 +593,38 @@ TEST_CASE("stage 2 backpressure never deadlocks: 4 threads report gradients in r
   CHECK(test::rel_error(stage2, run(1)) <= 1e-6);
 }
 
-// Note [Backpressure in refills], on the pool itself: 8 gradient buffers of 10 buckets in flight,
-// every one of them being reduced, a refill of 2.
+namespace {
+
+// Note [Backpressure in refills], on the pool itself: 10 buckets, at most 8 gradient buffers in
+// flight, a refill of 2. A trainer thread asks for bucket 8 while 8 are held; returns once it
+// waits (went_on stays false until it got its buffer).
+std::thread trainer_held_at_eight(BucketBuffers& bufs, std::atomic<bool>& went_on) {
+  std::thread trainer([&] {
+    CHECK(bufs.grad(8, 8, 5s, 2));
+    went_on = true;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (bufs.waiting() == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  CHECK(bufs.waiting() == 1);
+  CHECK_FALSE(went_on.load());
+  return trainer;
+}
+
+}  // namespace
+
 TEST_CASE("stage 2 backpressure in refills: a trainer that had to wait for a buffer goes on when two are free, not at the "
           "first release, and takes the second one without waiting again") {
   BucketBuffers bufs(std::vector<std::size_t>(10, 256), /*pooled=*/true, {});
   for (std::size_t b = 0; b < 8; ++b) {
     REQUIRE(bufs.grad(b, 8, 5s, 2));
-    bufs.mark_reducing(b);
+    bufs.mark_reducing(b);  // every one of them on its way to release
   }
   std::atomic<bool> went_on{false};
-  std::thread trainer([&] {
-    CHECK(bufs.grad(8, 8, 5s, 2));
-    went_on = true;
-  });
-  std::this_thread::sleep_for(50ms);
-  CHECK_FALSE(went_on.load());
+  auto trainer = trainer_held_at_eight(bufs, went_on);
   bufs.release_grad(0);  // 7 held: one free is not the refill
   std::this_thread::sleep_for(100ms);
   CHECK_FALSE(went_on.load());  // it went on here when each release woke it
+  CHECK(bufs.waiting() == 1);
   bufs.release_grad(1);
   trainer.join();
   CHECK(went_on.load());
@@ -626,12 +639,7 @@ TEST_CASE("stage 2 backpressure in refills: when no reduction is left on its way
   for (std::size_t b = 0; b < 8; ++b) REQUIRE(bufs.grad(b, 8, 5s, 2));
   bufs.mark_reducing(0);  // the other seven are still being written: only bucket 0 will be released
   std::atomic<bool> went_on{false};
-  std::thread trainer([&] {
-    CHECK(bufs.grad(8, 8, 5s, 2));
-    went_on = true;
-  });
-  std::this_thread::sleep_for(50ms);
-  CHECK_FALSE(went_on.load());
+  auto trainer = trainer_held_at_eight(bufs, went_on);
   const auto t0 = std::chrono::steady_clock::now();
   bufs.release_grad(0);  // 7 held, above the refill's 6, but none reducing: nothing else can come
   trainer.join();

@@ -127,6 +127,11 @@ void BucketBuffers::mark_reducing(std::size_t b) {
   }
 }
 
+std::size_t BucketBuffers::waiting() const {
+  std::lock_guard lock(mu_);
+  return waiting_;
+}
+
 // Note [A failure ends the wait for a buffer]
 // Backpressure waits for a reduction in flight to release its buffer. When the iteration fails (a
 // peer lost, an abort), those reductions fail instead and release nothing, so the wait lasted the

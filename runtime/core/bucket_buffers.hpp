@@ -50,6 +50,7 @@ class BucketBuffers {
   // b's reduction will be issued with no further trainer action (b and every earlier bucket are
   // complete): its release is on its way, so waiting for a buffer is safe.
   void mark_reducing(std::size_t b);
+  std::size_t waiting() const;  // callers waiting in grad() now (for tests and diagnostics)
   // The iteration failed (Note [A failure ends the wait for a buffer]): the reductions in flight
   // will never release their buffers, so every caller waiting in grad() returns null now, and so
   // does any later one that would wait, until release_all().
