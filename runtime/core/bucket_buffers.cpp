@@ -68,9 +68,9 @@ void BucketBuffers::give_back(std::shared_ptr<std::byte> buf, std::size_t capaci
 // overhead's 100 buckets of 10 KiB with 36 buffers: the trainer slept 8.6 times an iteration,
 // 5.9 since; RESULTS.md, "Backpressure in refills"). So a wait, once it has to happen, lasts
 // until a quarter of the limit is free (at least one buffer), and the releases before that wake
-// no one; the trainer then writes that many buckets without stopping. The link loses nothing: the other three quarters are still queued for it
-// while the trainer sleeps. Limits under 8 (the default's few large buckets) refill one at a
-// time, as before. The escape is unchanged: when no reduction is left on its way, nothing more
+// no one; the trainer then writes that many buckets without stopping. The link loses nothing:
+// the reductions of the other held buckets are still ahead of it while the trainer sleeps.
+// Limits under 8 (the default's few large buckets) refill one at a time, as before. The escape is unchanged: when no reduction is left on its way, nothing more
 // can be released, and the waiter goes on at once (no deadlock however gradients arrive). The
 // replay of the schedule models the same refill (Note [Backpressure in the replay]).
 std::shared_ptr<std::byte> BucketBuffers::grad(std::size_t b, std::size_t limit, std::chrono::milliseconds timeout, std::size_t refill) {

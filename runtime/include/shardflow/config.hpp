@@ -128,7 +128,8 @@ struct ZeroConfig {
   int prefetch_syncs_in_backward = -1;
   // Stage 2 holds a bucket's gradient buffer only from its first gradient until its reduction is
   // in the rank's shard. At most this many are held at once in a synchronised pass: asking for a
-  // gradient of a further bucket (Runtime::grad) waits until one is reduced. 0 (default): 2 (one
+  // gradient of a further bucket (Runtime::grad) waits until a quarter of them (at least one) are
+  // reduced (Note [Backpressure in refills]; `shardflow plan` shows the counts). 0 (default): 2 (one
   // being written, one reduced), and the bucket caps shrink so that the buckets in flight take at
   // most what sharding the gradients saves: stage 2 never holds more than stage 1 (Note [Memory at
   // the ZeRO formula]). Raise it for trainers that write several buckets' gradients at once
