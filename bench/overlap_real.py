@@ -14,7 +14,10 @@ the ratio of the two medians), and the efficiency an iteration at that bound wou
 the efficiency can be.
 
     python3 bench/overlap_real.py --build build [--stage 2] [--ratios 1,2] [--reps 3] [--modes a,b] [--baseline OLD_BUILD]
-                                  [--optimizer adamw|sgd]
+                                  [--optimizer adamw|sgd] [--skew]
+
+--skew traces each run and prints how long the link stood idle while one rank's collective waited
+for the other rank's (bench/trace_skew.py): a wait each rank's own bound cannot see.
 
 --baseline runs every mode on a second build too, in the same rounds (A B A B), on the link solved
 from --build's compute time, and prints both with their ratio new/old.
@@ -27,24 +30,32 @@ import subprocess
 import sys
 import tempfile
 
+from trace_skew import waits_for_other_ranks
+
 LAYERS, WIDTH, WORLD, BATCH = 16, 512, 2, 64
 LATENCY_US = 10.0
 MODES = {"none": ["--overlap", "none"], "after_backward": ["--overlap", "after_backward"],
          "interleaved": ["--overlap", "interleaved"], "interleaved + prefetch": ["--overlap", "interleaved", "--forward-prefetch"]}
 
 
-def run(build, stage, flags, tmp, steps, optimizer):
+def run(build, stage, flags, tmp, steps, optimizer, skew=False):
     stats = os.path.join(tmp, "stats.json")
+    trace = os.path.join(tmp, "trace.json")
     cmd = [os.path.join(build, "examples/mlp_train"), "--sizes", ",".join([str(WIDTH)] * (LAYERS + 1)), "--steps", str(steps),
            "--global-batch", str(BATCH), "--world-size", str(WORLD), "--optimizer", optimizer, "--lr", "1e-3",
            "--zero-stage", str(stage), "--first-bucket-mb", "1", "--bucket-mb", "1", "--stats-json", stats, *flags]
+    if skew:
+        cmd += ["--trace", trace]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     if out.returncode != 0:
         sys.exit("overlap_real: mlp_train failed:\n" + out.stdout)
     with open(stats) as f:
         median = json.load(f)["median"]
-        return median["iteration_ms"], median.get("bound_ms", 0.0), median.get("over_bound", 0.0)
+    # The link's idle time while one rank waited for the other, median over the iterations
+    # (bench/trace_skew.py): what a rank's own bound cannot see.
+    waited = statistics.median(idle for _, idle in waits_for_other_ranks(trace)) if skew else None
+    return median["iteration_ms"], median.get("bound_ms", 0.0), median.get("over_bound", 0.0), waited
 
 
 def link_ms(stage, gbytes_per_s):
@@ -69,6 +80,8 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--baseline", help="a second build (the tree before a change) run in the same rounds")
     ap.add_argument("--optimizer", default="adamw", help="mlp_train's --optimizer (sgd: a step that costs almost nothing)")
+    ap.add_argument("--skew", action="store_true",
+                    help="trace each run and report the link's idle time while one rank waited for the other (bench/trace_skew.py)")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     modes = {m: MODES[m] for m in args.modes.split(",")}
@@ -90,24 +103,30 @@ def main():
             for _ in range(args.reps):
                 for m, flags in modes.items():
                     for b, path in builds.items():
-                        runs[b + m].append(run(path, args.stage, sim + flags, tmp, args.steps, args.optimizer))
+                        runs[b + m].append(run(path, args.stage, sim + flags, tmp, args.steps, args.optimizer, args.skew))
             print("\nlink/compute %.1f: link %.2f GB/s, T_comm %.2f ms" % (ratio, gbps, t_comm), flush=True)
             res = {}
             for m, v in runs.items():
-                t_iter = statistics.median(x for x, _, _ in v)
-                bound = statistics.median(b for _, b, _ in v)
+                t_iter = statistics.median(x for x, _, _, _ in v)
+                bound = statistics.median(b for _, b, _, _ in v)
                 # Each run's median of its iterations' own T_iter / bound (stats' over_bound).
-                over = statistics.median(o for _, _, o in v)
+                over = statistics.median(o for _, _, o, _ in v)
+                waited = statistics.median(w for _, _, _, w in v) if args.skew else None
                 eff = (t_comp + t_comm - t_iter) / min(t_comp, t_comm)
                 # The most the efficiency could be: an iteration at its own bound.
                 ceiling = (t_comp + t_comm - bound) / min(t_comp, t_comm) if bound > 0 else None
-                res[m] = {"runs_ms": [x for x, _, _ in v], "median_ms": t_iter, "efficiency": eff, "bound_ms": bound,
+                res[m] = {"runs_ms": [x for x, _, _, _ in v], "median_ms": t_iter, "efficiency": eff, "bound_ms": bound,
                           "over_bound": over or None, "medians_over_bound": t_iter / bound if bound > 0 else None,
                           "efficiency_at_bound": ceiling}
+                if args.skew:
+                    res[m]["link_idle_for_other_rank_ms"] = waited
                 print("  %-28s %7.2f ms  efficiency %.2f (%.2f at the bound)  bound %6.2f ms  T_iter/bound %.3f (of the medians %.3f)  (%s)" %
                       (m, t_iter, eff, ceiling if ceiling is not None else float("nan"), bound, over,
-                       t_iter / bound if bound > 0 else float("nan"), ", ".join("%.2f" % x for x, _, _ in v)),
+                       t_iter / bound if bound > 0 else float("nan"), ", ".join("%.2f" % x for x, _, _, _ in v)),
                       flush=True)
+                if args.skew:
+                    print("  %-28s link idle while one rank waited for the other: %.2f ms an iteration (medians; %s); T_iter - bound %.2f ms" %
+                          ("", waited, ", ".join("%.2f" % w for _, _, _, w in v), t_iter - bound), flush=True)
             if args.baseline:
                 for m in modes:
                     print("  new/old %-20s %.3f" % (m, res["new " + m]["median_ms"] / res["old " + m]["median_ms"]), flush=True)
