@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """How long the link stood idle because one rank's collective waited for the other's, per iteration,
-from a timeline trace of a world run as threads in one process (mlp_train --world-size N --trace
-t.json: every rank's spans on one clock).
+from the timeline traces of every rank on one machine: one file of a world run as threads in one
+process (mlp_train --world-size N --trace t.json), or a file per rank (trace.rank0.json, ...: the
+processes of bench/two_hosts.py's network-namespace hosts), whose times are the same monotonic
+clock.
 
 A collective moves nothing until every rank has issued it. Each rank's bound on its iteration (Note
 [The iteration's bound]) is computed from its own times, so a reduction that waited for a later
@@ -12,6 +14,7 @@ iteration. (Checked on the 16 x Linear(512, 512) run of bench/overlap_real.py: f
 on, with the link free, a collective took its simulated time, 0.65 ms median.)
 
     python3 bench/trace_skew.py t.json [--skip 5]
+    python3 bench/trace_skew.py trace.rank0.json trace.rank1.json
 """
 import argparse
 import json
@@ -22,11 +25,14 @@ def spans(events, pid, tid):
     return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") == tid), key=lambda e: e["ts"])
 
 
-def waits_for_other_ranks(path, skip=5):
-    """[(iteration ms, link ms idle while a rank waited for another)] for rank 0's iterations after the first `skip`."""
-    with open(path) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+def waits_for_other_ranks(paths, skip=5):
+    """[(iteration ms, link ms idle while a rank waited for another)] for the first rank's iterations
+    after the first `skip`. `paths`: one trace file or several (one per rank)."""
+    events = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        with open(path) as f:
+            trace = json.load(f)
+        events += trace["traceEvents"] if isinstance(trace, dict) else trace
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
     # The trace's lanes (Timeline's Lane): 2 the comm stream, 6 the iteration.
     iterations = spans(events, ranks[0], 6)
@@ -54,10 +60,10 @@ def waits_for_other_ranks(path, skip=5):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
+    ap.add_argument("traces", nargs="+", help="one trace holding every rank, or one per rank")
     ap.add_argument("--skip", type=int, default=5, help="iterations left out at the start (warm-up, the lag's and prefetch's choices)")
     args = ap.parse_args()
-    rows = waits_for_other_ranks(args.trace, args.skip)
+    rows = waits_for_other_ranks(args.traces, args.skip)
     for ms, idle in rows:
         print("iteration %7.2f ms  link idle while a rank waited for another %6.2f ms" % (ms, idle))
     print("median: iteration %.2f ms, link idle while a rank waited for another %.2f ms (%d iterations)" %
