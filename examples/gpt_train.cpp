@@ -61,6 +61,7 @@ struct Args {
   int redundancy = 1, twin_distance = 0;
   std::uint64_t seed = 1;
   int syncs_in_backward = -1;
+  std::size_t max_buckets_in_flight = 0;
   int interleave_lag = -1;
   bool prefetch = false, quiet = false;
   SimLink sim;  // ranks as threads: the simulated link (--sim-gbytes-per-s), else shared memory
@@ -134,6 +135,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   cfg.zero.partition = parse_partition(a.partition);
   cfg.zero.forward_prefetch = a.prefetch;
   cfg.zero.prefetch_syncs_in_backward = a.syncs_in_backward;
+  cfg.zero.max_buckets_in_flight = a.max_buckets_in_flight;
   cfg.zero.interleave_lag = a.interleave_lag;
   cfg.zero.clip_grad_norm = a.clip;
   a.buckets.apply(cfg.buckets);
@@ -141,6 +143,7 @@ void train_rank(const Args& a, std::shared_ptr<Communicator> comm, const gpt::Co
   cfg.trace.path = a.trace;
   cfg.setting_names = {{"zero.stage", "--zero-stage"},         {"zero.overlap", "--overlap"},
                        {"zero.partition", "--partition"},      {"zero.forward_prefetch", "--forward-prefetch"}, {"zero.prefetch_syncs_in_backward", "--prefetch-syncs-in-backward"}, {"zero.interleave_lag", "--interleave-lag"},
+                       {"zero.max_buckets_in_flight", "--max-buckets-in-flight"},
                        {"zero.clip_grad_norm", "--clip-grad-norm"}, {"buckets.cap_bytes", "--bucket-mb"},
                        {"buckets.first_cap_bytes", "--first-bucket-mb"}, {"buckets.last_cap_bytes", "--last-bucket-mb"}, {"buckets.min_buckets", "--min-buckets"}, {"timeouts.collective", "--timeout"}};
   cfg.snapshot = a.snapshot;
@@ -281,6 +284,9 @@ int main(int argc, char** argv) {
   app.add_flag("--forward-prefetch", a.prefetch, "parameter syncs land during the next forward, waited for block by block");
   app.add_option("--prefetch-syncs-in-backward", a.syncs_in_backward,
                  "with --forward-prefetch: parameter syncs sent during backward (-1: chosen from the second step)")
+      ->capture_default_str();
+  app.add_option("--max-buckets-in-flight", a.max_buckets_in_flight,
+                 "ZeRO-2: gradient buffers held at once (0: as many as the memory budget holds; more makes the buckets smaller within it)")
       ->capture_default_str();
   app.add_option("--interleave-lag", a.interleave_lag,
                  "interleaved: bucket b's sync goes after the reduction of bucket b+lag (0: as soon as stepped; -1: chosen from what "

@@ -117,8 +117,10 @@ def main():
         gpt(exe, data, p("w2_sim.safetensors"), ["--world-size", "2", "--sim-gbytes-per-s", "0.5", "--sim-latency-us", "20"])
         ok &= compare(p("w2_sim.safetensors"), p("w2_threads.safetensors"), "world 2 (threads) over a simulated link vs without", 0.0)
         # What the simulated link cannot honour is refused, naming the flag, before any training.
+        # ... and so is a setting the run would not follow: buckets in flight outside stage 2.
         for extra, named in [(["--world-size", "2", "--sim-latency-us", "5"], "add --sim-gbytes-per-s"),
-                             (["--world-size", "2", "--sim-gbytes-per-s", "0"], "bandwidth must be > 0")]:
+                             (["--world-size", "2", "--sim-gbytes-per-s", "0"], "bandwidth must be > 0"),
+                             (["--world-size", "2", "--zero-stage", "1", "--max-buckets-in-flight", "4"], "--max-buckets-in-flight")]:
             res = subprocess.run([exe, "--data", data] + COMMON + ["--steps", "1"] + extra, capture_output=True, text=True, timeout=60)
             said = res.stdout + res.stderr
             good = res.returncode != 0 and named in said and "held-out loss" not in said
