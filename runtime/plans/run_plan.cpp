@@ -395,6 +395,13 @@ nlohmann::ordered_json network_json(const NetworkPlan& n) {
 
 }  // namespace
 
+// Note [Pooled buckets (ZeRO-2)], Note [Staging in flight], Note [Backpressure in refills]
+std::string BucketCaps::pool_line() const {
+  return "stage 2's pool: " + std::to_string(grads_in_flight) + " gradient bucket(s) and " + std::to_string(staging_in_flight) +
+         " sync(s) in flight within " + mib(budget) + ", refilled " + std::to_string(backpressure_refill(grads_in_flight)) +
+         " at a time (backward held for a buffer goes on once that many are free)";
+}
+
 std::string RunPlan::to_json() const {
   nlohmann::ordered_json j;
   j["world_size"] = settings.world;
@@ -432,13 +439,7 @@ std::string RunPlan::describe() const {
                   partition_name(settings.partition) + " partition, " + std::to_string(params.size()) + " parameters in " +
                   std::to_string(buckets.buckets.size()) + " bucket(s) (caps: first " + mib(caps.first) + ", " + caps.first_rule +
                   "; then " + mib(caps.cap) + ", " + caps.cap_rule + "; last " + (caps.last ? mib(caps.last) + ", " : "") + caps.last_rule + ")\n";
-  if (caps.pooled) {
-    // Note [Pooled buckets (ZeRO-2)], Note [Staging in flight], Note [Backpressure in refills]
-    const std::size_t refill = backpressure_refill(caps.grads_in_flight);
-    s += "stage 2's pool: " + std::to_string(caps.grads_in_flight) + " gradient bucket(s) and " + std::to_string(caps.staging_in_flight) +
-         " sync(s) in flight within " + mib(caps.budget) + ", refilled " + std::to_string(refill) + " at a time (backward held for a buffer "
-         "goes on once that many are free)\n";
-  }
+  if (caps.pooled) s += caps.pool_line() + "\n";
   if (!caps.warning.empty()) s += "note: " + caps.warning + "\n";
   s += "\nbuckets, in reduce order:\n";
   for (const auto& b : buckets.buckets) {

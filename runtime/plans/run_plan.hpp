@@ -98,6 +98,9 @@ struct BucketCaps {
   std::size_t staging_in_flight = kStagingInFlight;  // stepped buckets whose sync has not landed (pooled)
   std::size_t budget = 0;           // stage 2: bytes the buckets in flight may take
   std::string warning;              // stage 2 over its budget: which parameter, and what to do
+  // Pooled: the pool in one line, as `shardflow plan` and the runtime's log give it ("stage 2's
+  // pool: 36 gradient bucket(s) and 13 sync(s) in flight within 0.49 MiB, refilled 9 at a time ...").
+  std::string pool_line() const;
 };
 // The twin distance these settings give (twin_distance as the runtime resolves it under a launcher
 // that runs the hosts' ranks), 0 when no rank keeps a twin (redundancy 1, world 1, no sharded

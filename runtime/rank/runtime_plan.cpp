@@ -73,9 +73,7 @@ BucketPlan Runtime::Impl::make_plan(const std::vector<std::uint32_t>& order) {
   caps = bucket_caps(registry.params(), order, PlanSettings::from(cfg, world, groups ? groups->state_slots() : 0, groups != nullptr));
   if (groups) check_in_flight_honoured(caps, cfg.zero.max_buckets_in_flight, int(cfg.zero.stage), cfg.name_of("zero.max_buckets_in_flight"));
   if (!caps.warning.empty() && rank == 0) log->info("{}", caps.warning);
-  if (caps.pooled && rank == 0)  // Note [Staging in flight], Note [Backpressure in refills]
-    log->info("stage 2's pool: {} gradient bucket(s) and {} sync(s) in flight within {:.2f} MiB, refilled {} at a time", caps.grads_in_flight,
-              caps.staging_in_flight, double(caps.budget) / 1048576.0, backpressure_refill(caps.grads_in_flight));
+  if (caps.pooled && rank == 0) log->info("{}", caps.pool_line());
   return caps.plan(registry.params(), order);
 }
 
