@@ -647,6 +647,73 @@ TEST_CASE("stage 2 backpressure in refills: when no reduction is left on its way
   CHECK(std::chrono::steady_clock::now() - t0 < 2s);  // the 5 s timeout would throw instead
 }
 
+namespace {
+
+bool all_zero(const std::shared_ptr<std::byte>& buf, std::size_t bytes) {
+  return std::all_of(buf.get(), buf.get() + bytes, [](std::byte x) { return x == std::byte{0}; });
+}
+
+}  // namespace
+
+// Note [Zeroed on the way back]
+TEST_CASE("stage 2's pool: a gradient buffer the shard cleared on its way back is taken as it is (the trainer clears "
+          "nothing) and one that came back uncleared (a staging buffer's) is cleared as it is taken for gradients") {
+  int cleared_by_taker = 0;
+  BucketBuffers bufs(std::vector<std::size_t>(2, 256), /*pooled=*/true, {}, [&](std::byte* p, std::size_t n) {
+    ++cleared_by_taker;
+    std::memset(p, 0, n);
+  });
+  const BucketBuffers::Zero shard_clears = [](std::byte* p, std::size_t n) { std::memset(p, 0x00, n); };
+  auto g = bufs.grad(0);  // a new buffer comes zeroed from the allocator
+  REQUIRE(g);
+  CHECK(cleared_by_taker == 0);
+  std::memset(g.get(), 0x5a, 256);  // backward's gradients
+  const std::byte* const first = g.get();
+  g.reset();
+  bufs.release_grad(0, shard_clears);
+  auto again = bufs.grad(1);
+  CHECK(again.get() == first);  // the same buffer, from the pool
+  CHECK(cleared_by_taker == 0);  // taken as it is: the memset left the trainer's path
+  CHECK(all_zero(again, 256));
+  std::memset(again.get(), 0x5a, 256);
+  again.reset();
+  bufs.release_grad(1, shard_clears);
+
+  auto staging = bufs.acquire_staging(0);  // the pack overwrites it: no clearing either way
+  CHECK(cleared_by_taker == 0);
+  std::memset(staging.get(), 0x3c, 256);
+  staging.reset();
+  bufs.release_staging(0);  // back uncleared
+  auto after_staging = bufs.grad(0);
+  CHECK(cleared_by_taker == 1);
+  CHECK(all_zero(after_staging, 256));
+}
+
+TEST_CASE("stage 2's pool: of two free buffers of one size gradients take the one cleared on its way back and a staging "
+          "buffer the other (no clearing wasted on a buffer about to be overwritten)") {
+  int cleared_by_taker = 0;
+  BucketBuffers bufs(std::vector<std::size_t>(3, 256), /*pooled=*/true, {}, [&](std::byte* p, std::size_t n) {
+    ++cleared_by_taker;
+    std::memset(p, 0, n);
+  });
+  auto a = bufs.grad(0);
+  auto st = bufs.acquire_staging(1);
+  const std::byte* const cleared = a.get();
+  const std::byte* const dirty = st.get();
+  std::memset(a.get(), 0x5a, 256);
+  std::memset(st.get(), 0x3c, 256);
+  a.reset();
+  st.reset();
+  bufs.release_staging(1);  // first in the free list: uncleared
+  bufs.release_grad(0, [](std::byte* p, std::size_t n) { std::memset(p, 0, n); });
+  auto g = bufs.grad(2);
+  CHECK(g.get() == cleared);
+  CHECK(cleared_by_taker == 0);
+  auto s = bufs.acquire_staging(0);
+  CHECK(s.get() == dirty);
+  CHECK(cleared_by_taker == 0);
+}
+
 // Note [A failure ends the wait for a buffer]
 TEST_CASE("stage 2 backpressure: a trainer held for a gradient buffer when its peer is lost hears of the failure at once, naming "
           "it, not at the collective timeout — every buffer in flight, their reductions never complete") {

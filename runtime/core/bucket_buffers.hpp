@@ -46,7 +46,10 @@ class BucketBuffers {
                                   std::chrono::milliseconds timeout = std::chrono::milliseconds::zero(), std::size_t refill = 1);
   // Bucket b's gradient buffer if it holds one now, else null; never takes one or waits.
   std::shared_ptr<std::byte> held_grad(std::size_t b) const;
-  void release_grad(std::size_t b);  // pooled only; no-op otherwise
+  // Pooled only (no-op otherwise): bucket b's reduction has landed, its buffer goes back. With
+  // `zero` (the shard's, on its own thread or stream), the buffer is cleared on its way back, whole,
+  // and the trainer that takes it next skips the clearing: Note [Zeroed on the way back].
+  void release_grad(std::size_t b, const Zero& zero = {});
   // b's reduction will be issued with no further trainer action (b and every earlier bucket are
   // complete): its release is on its way, so waiting for a buffer is safe.
   void mark_reducing(std::size_t b);
@@ -69,12 +72,15 @@ class BucketBuffers {
  private:
   // Best fit from the free list, else a new buffer of exactly the bucket's size (buckets differ a
   // lot: one slot size for all would make a pool of small buckets cost the largest one each).
+  // `zero`: the taker needs a zeroed buffer (a gradient accumulator); it prefers one cleared on its
+  // way back, and the others prefer one that was not (a staging buffer overwrites it anyway).
   std::shared_ptr<std::byte> take(std::size_t b, std::size_t& capacity, bool zero);  // mu_ held
-  void give_back(std::shared_ptr<std::byte> buf, std::size_t capacity);    // mu_ held
+  void give_back(std::shared_ptr<std::byte> buf, std::size_t capacity, bool zeroed = false);  // mu_ held
 
   struct Free {
     std::shared_ptr<std::byte> buf;
     std::size_t capacity;
+    bool zeroed;  // every byte of it zero (cleared on its way back, or never written)
   };
   const bool pooled_;
   Allocate allocate_;
