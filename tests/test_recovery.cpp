@@ -225,6 +225,34 @@ TEST_CASE("world 3, ZeRO 0/1/2, parameters one by one or one flat buffer, forwar
   }
 }
 
+// Note [Snapshots of a timeline left behind]
+TEST_CASE("a snapshot of a timeline left behind: the hosts' memory holds step 6's file without its index (a rank lost while "
+          "the snapshot was written or copied) -> the ranks start from what is complete and the host's first rank removes step 6 "
+          "(its copies to the other host stop with it) while a snapshot with its index stays") {
+  namespace fs = std::filesystem;
+  constexpr int N = 2;
+  const Env env(scratch("left_behind"));
+  const auto snaps = scratch("left_behind_disk");
+  const fs::path memory(env.memory);
+  fs::create_directories(memory / "step-6");
+  std::ofstream(memory / "step-6" / "ckpt-0a1b2c3d-rank0-of-2.safetensors") << "written before the loss";
+  // Indexed, but not whole here (its file is elsewhere): not loaded, and not removed either.
+  fs::create_directories(memory / "step-9");
+  std::ofstream(memory / "step-9" / "index.json") << R"({"files": ["ckpt-ffffffff-rank0-of-2.safetensors"]})";
+  auto world = InProcessWorld::create(N);
+  std::vector<std::uint64_t> resumed(N, 99);
+  std::vector<Model> m(N);
+  test::require_all_ok(test::run_ranks(N, [&](int r) {
+    Runtime rt(world->communicator(r), config(snaps, 1));
+    set_up(rt, m[std::size_t(r)]);
+    resumed[std::size_t(r)] = rt.resumed_step();
+  }));
+  CHECK(resumed == std::vector<std::uint64_t>(N, 0));
+  CHECK_FALSE(fs::exists(memory / "step-6"));
+  CHECK(fs::exists(memory / "step-9" / "index.json"));
+  fs::remove_all(snaps);
+}
+
 TEST_CASE("recovering in place misused: a null communicator, no snapshots, a set-up changed after training started, "
           "rejoining outside `shardflow run --recovery in-place`, a bad SHARDFLOW_RECOVERY — each named") {
   float w[4] = {1, 2, 3, 4}, v[2] = {5, 6};

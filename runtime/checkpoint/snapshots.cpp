@@ -109,6 +109,19 @@ std::uint64_t newest_complete(const std::string& dir) {
   return newest;
 }
 
+void remove_snapshot(const std::string& dir, std::uint64_t step, spdlog::logger& log) {
+  // Up to three tries: the launcher's mirror may still be marking a file of the snapshot as
+  // copied, or receiving one into it, while it goes (remove_all then meets "Directory not empty");
+  // the mirror skips what vanished.
+  std::error_code ec;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    ec.clear();
+    fs::remove_all(snapshot_dir(dir, step), ec);
+    if (!ec) break;
+  }
+  if (ec) log.warn("snapshots: could not remove {}: {}", snapshot_dir(dir, step), ec.message());
+}
+
 // Rank 0, after a snapshot completed: everything older than the newest `keep` complete ones goes.
 void prune(const std::string& dir, int keep, spdlog::logger& log) {
   const auto found = snapshots_in(dir);
@@ -119,17 +132,33 @@ void prune(const std::string& dir, int keep, spdlog::logger& log) {
   const std::uint64_t oldest_kept = complete[complete.size() - std::size_t(keep)];
   for (const auto& [step, done] : found) {
     if (step >= oldest_kept) break;
-    // Up to three tries: the launcher's mirror may still be marking a file of an old snapshot as
-    // copied, or receiving one into it, while it goes (remove_all then meets "Directory not
-    // empty"); the mirror skips what vanished.
-    std::error_code ec;
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      ec.clear();
-      fs::remove_all(snapshot_dir(dir, step), ec);
-      if (!ec) break;
-    }
-    if (ec) log.warn("snapshots: could not remove {}: {}", snapshot_dir(dir, step), ec.message());
+    remove_snapshot(dir, step, log);
   }
+}
+
+// Note [Snapshots of a timeline left behind]
+// A rank lost while its step's snapshot was being written or copied leaves that snapshot without
+// its index in the hosts' memory: never to be loaded, since the ranks go back to an older one and
+// do its step again, writing it anew under new names. Its files were still going to the other
+// host, though: the launcher's mirror sends every file not yet copied (Note [Snapshots on the
+// other host]), and a 96 MiB file of the 64 MiB MLP took the link's whole rate for 1.3 s after the
+// recovery, the first step after it at 1.2-1.5 s against 0.63 steady (2 hosts x 1 rank, 1 Gbit/s,
+// bench/restart_time.py, whose kill falls right after a snapshot). So once the ranks have chosen
+// the step they resume from, each host's first rank removes from its host's memory every
+// snapshot newer than it that has no index; the mirror stops a file that was removed while it
+// was on its way (SnapshotMirror::send_files). A snapshot with its index stays: it is complete,
+// and a newer complete one than the step chosen is one the ranks could not load on every host.
+void drop_left_behind(const std::string& memory, std::uint64_t resumed, spdlog::logger& log) {
+  std::vector<std::uint64_t> dropped;
+  for (const auto& [step, done] : snapshots_in(memory))
+    if (step > resumed && !done) {
+      remove_snapshot(memory, step, log);
+      dropped.push_back(step);
+    }
+  if (!dropped.empty())
+    log.info("snapshots: {} snapshot(s) newer than step {} without their index dropped from this host's memory (from step {}), "
+             "and their copies to the other host with them",
+             dropped.size(), resumed, dropped.front());
 }
 
 // A snapshot this host can load by itself: its index, and every file the index names.
@@ -280,6 +309,10 @@ std::uint64_t Runtime::resumed_step() {
   const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
   const std::uint64_t step = from_memory ? in_memory : on_disk;
   if (const auto kept = I.restore_from_memory(step, missing[2] > 0)) return *kept;
+  if (use_memory) {  // Note [Snapshots of a timeline left behind]: each host's first rank
+    const char* local = std::getenv("LOCAL_RANK");
+    if (local ? std::string(local) == "0" : I.rank == 0) drop_left_behind(memory, step, *I.log);
+  }
   if (use_memory && in_memory != 0 && missing[1] > 0 && I.rank == 0)
     I.log->warn("snapshots: the snapshot of step {} in memory is not whole on every host ({} rank(s) lack files of it there): "
                 "resuming from the disk's newest instead", in_memory, int(missing[1]));

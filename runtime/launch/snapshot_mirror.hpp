@@ -70,7 +70,8 @@ class SnapshotMirror {
   bool serve_file(int fd, const std::string& rel);
   void send_loop();
   bool send_round();
-  bool send_files(int fd, const std::vector<std::string>& rels, const std::string& label, std::string& why);
+  // `removed`: a file was removed while on its way (Note [Snapshots of a timeline left behind]).
+  bool send_files(int fd, const std::vector<std::string>& rels, const std::string& label, std::string& why, bool& removed);
   int connect_to(const std::string& peer, std::string& why);
   void drop_connection();
   std::vector<std::string> newest_snapshot() const;
