@@ -115,10 +115,11 @@ std::shared_ptr<std::byte> BucketBuffers::held_grad(std::size_t b) const {
 // inside backward: 39 us a 1 MiB bucket on a Sapphire Rapids VM, 0.66 ms of the 16 x 512 MLP's
 // 16.9 ms iteration (link/compute 1, stage 2, prefetch), and it was counted as a wait (the time
 // in grad() is the trainer held up), so the iteration's bound left it out of backward and the
-// trace called it backpressure. The shard clears the buffer instead when its reduction has landed
-// (Shard::take_grad_shard, on the shard's thread, or on its stream with the compute stream
-// fenced after it on a GPU), outside the pool's lock, and the trainer takes it as it is. A buffer
-// that comes back uncleared (a staging buffer) is still cleared when taken for gradients.
+// trace called it backpressure. On the CPU the shard clears the buffer instead when its reduction
+// has landed (Shard::take_grad_shard, on the shard's thread), outside the pool's lock, and the
+// trainer takes it as it is. A buffer that comes back uncleared (a staging buffer; any buffer of a
+// GPU shard, whose clearing as it is taken is an async memset on the compute stream) is still
+// cleared when taken for gradients.
 void BucketBuffers::release_grad(std::size_t b, const Zero& zero) {
   if (!pooled_) return;
   if (zero) {

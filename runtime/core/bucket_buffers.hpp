@@ -47,7 +47,7 @@ class BucketBuffers {
   // Bucket b's gradient buffer if it holds one now, else null; never takes one or waits.
   std::shared_ptr<std::byte> held_grad(std::size_t b) const;
   // Pooled only (no-op otherwise): bucket b's reduction has landed, its buffer goes back. With
-  // `zero` (the shard's, on its own thread or stream), the buffer is cleared on its way back, whole,
+  // `zero` (the shard's, on its own thread), the buffer is cleared on its way back, whole,
   // and the trainer that takes it next skips the clearing: Note [Zeroed on the way back].
   void release_grad(std::size_t b, const Zero& zero = {});
   // b's reduction will be issued with no further trainer action (b and every earlier bucket are

@@ -289,14 +289,15 @@ void Shard::take_grad_shard(std::size_t b) {
     const std::size_t es = esize(b);
     for (const auto& piece : shard_.buckets[b].pieces[std::size_t(shard_.rank)])
       ops_->copy(dst + piece.packed_off * es, g + piece.bucket_off * es, piece.len * es);
-  }
-  // Cleared here, not by the trainer that takes it next (Note [Zeroed on the way back]); on a GPU
-  // after the copy above, on the shard's stream. The trainer may write its next gradients into the
-  // buffer as soon as the pool has it back, so the compute stream waits for both.
-  buffers_->release_grad(b, [this](std::byte* buf, std::size_t bytes) {
-    ops_->zero(buf, bytes);
+    // The trainer may write its next gradients into this buffer as soon as the pool has it back.
     ops_->fence_compute(actor_fence());
-  });
+  }
+  // Note [Zeroed on the way back]: on the CPU cleared here, not by the trainer that takes it next.
+  // On a GPU the taker's clearing is an async memset on the compute stream that costs it next to
+  // nothing, and clearing it here would make the compute stream wait for the shard's stream (the
+  // steps enqueued on it) at every bucket.
+  if (ops_->on_gpu()) return buffers_->release_grad(b);
+  buffers_->release_grad(b, [this](std::byte* buf, std::size_t bytes) { ops_->zero(buf, bytes); });
 }
 
 void Shard::zero_bucket(std::size_t b) { ops_->zero(buffers_->grad(b).get(), buffers_->bytes(b)); }
