@@ -75,3 +75,34 @@ TEST_CASE("snapshot copies: a file removed while it is on its way to the other h
   fs::remove_all(a);
   fs::remove_all(b);
 }
+
+// Note [No copies behind the newest complete snapshot]
+TEST_CASE("snapshot copies: a file of a snapshot older than the newest complete one here (a prune took its marker first) is "
+          "not sent and a newer snapshot's file is") {
+  const auto a = scratch("older_a"), b = scratch("older_b");
+  std::mutex mu;
+  std::vector<std::string> said;
+  auto say = [&](const std::string& line) {
+    std::lock_guard lock(mu);
+    said.push_back(line);
+  };
+  const std::string older = "step-10/ckpt-0a1b2c3d-rank0-of-2.safetensors", complete = "step-20/ckpt-1a2b3c4d-rank0-of-2.safetensors",
+                    newer = "step-30/ckpt-2a3b4c5d-rank0-of-2.safetensors";
+  shard_file(a / older, 4096);  // its marker already gone: a prune on its way through step-10
+  shard_file(a / complete, 4096);
+  std::ofstream(a / (complete + ".mirrored")).put('\n');
+  std::ofstream(a / "step-20" / "index.json") << R"({"files": ["ckpt-1a2b3c4d-rank0-of-2.safetensors"]})";
+  shard_file(a / newer, 4096);
+  SnapshotMirror from(a.string(), "127.0.0.1", "token", say), to(b.string(), "127.0.0.1", "token", say);
+  from.send_to(to.address(), "node 1", SnapshotMirror::Seed::none);
+  REQUIRE(within(20s, [&] { return fs::exists(b / newer) && fs::exists(a / (newer + ".mirrored")); }));
+  std::this_thread::sleep_for(100ms);  // five more of the sender's looks
+  CHECK_FALSE(fs::exists(b / "step-10"));
+  CHECK_FALSE(fs::exists(a / (older + ".mirrored")));
+  {
+    std::lock_guard lock(mu);
+    CHECK(said.empty());
+  }
+  fs::remove_all(a);
+  fs::remove_all(b);
+}

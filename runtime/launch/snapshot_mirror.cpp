@@ -404,10 +404,19 @@ bool SnapshotMirror::send_round() {
     seed_ = Seed::none;
     seeded_.notify_all();
   }
+  // Note [No copies behind the newest complete snapshot]: a file of an older snapshot without its
+  // marker is one a prune is removing (its marker went first: remove_all's order) or one of a
+  // snapshot that never completed; its copy would be of no use, and the other host, pruning too,
+  // failed to keep it ("cannot keep ... No such file or directory", then "failed; retrying", in
+  // a job where nothing had failed). The older complete snapshots that a prune keeps have every
+  // file copied already (a snapshot completes only then).
+  const std::string complete_dir = peer.empty() || seeding ? std::string() : newest_indexed();
+  const std::uint64_t complete = complete_dir.empty() ? 0 : step_of(complete_dir + "/");
   if (!peer.empty() && !seeding)
     for (const auto& step : fs::directory_iterator(memory_, ec)) {
       const auto dir = step.path().filename().string();
       if (dir.rfind("step-", 0) != 0) continue;
+      if (step_of(dir + "/") < complete) continue;
       if (std::lock_guard lock(mu_); skip_through_ && step_of(dir + "/") <= skip_through_) continue;
       std::error_code ec2;
       for (const auto& f : fs::directory_iterator(step.path(), ec2)) {
