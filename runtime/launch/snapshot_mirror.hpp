@@ -22,6 +22,9 @@
 //   predecessor's: before a restart's ranks start, each launcher fetches what its host lacks of
 //   its newest snapshot from the others (assemble), so that the ranks load it from memory.
 // - A node that rejoins (Note [Rejoining]) first gets its predecessor's newest snapshot whole.
+// - Nothing older than the newest complete snapshot here is sent (Note [No copies behind the newest
+//   complete snapshot]), and a file removed while on its way stops there (Note [Snapshots of a
+//   timeline left behind], runtime/checkpoint/snapshots.cpp).
 // The link is shared with training: the copy costs what its bytes cost on the wire
 // (bench/RESULTS.md).
 #pragma once
