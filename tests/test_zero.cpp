@@ -8,6 +8,7 @@
 #include <string>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 
@@ -653,16 +654,23 @@ bool all_zero(const std::shared_ptr<std::byte>& buf, std::size_t bytes) {
   return std::all_of(buf.get(), buf.get() + bytes, [](std::byte x) { return x == std::byte{0}; });
 }
 
+// A pool of `buckets` buffers of 256 bytes whose taker's clearing counts into `cleared`.
+std::unique_ptr<BucketBuffers> counted_pool(std::size_t buckets, int& cleared) {
+  return std::make_unique<BucketBuffers>(std::vector<std::size_t>(buckets, 256), /*pooled=*/true, BucketBuffers::Allocate{},
+                                         [&cleared](std::byte* p, std::size_t n) {
+                                           ++cleared;
+                                           std::memset(p, 0, n);
+                                         });
+}
+
 }  // namespace
 
 // Note [Zeroed on the way back]
 TEST_CASE("stage 2's pool: a gradient buffer the shard cleared on its way back is taken as it is (the trainer clears "
           "nothing) and one that came back uncleared (a staging buffer's) is cleared as it is taken for gradients") {
   int cleared_by_taker = 0;
-  BucketBuffers bufs(std::vector<std::size_t>(2, 256), /*pooled=*/true, {}, [&](std::byte* p, std::size_t n) {
-    ++cleared_by_taker;
-    std::memset(p, 0, n);
-  });
+  auto pool = counted_pool(2, cleared_by_taker);
+  auto& bufs = *pool;
   const BucketBuffers::Zero shard_clears = [](std::byte* p, std::size_t n) { std::memset(p, 0x00, n); };
   auto g = bufs.grad(0);  // a new buffer comes zeroed from the allocator
   REQUIRE(g);
@@ -692,10 +700,8 @@ TEST_CASE("stage 2's pool: a gradient buffer the shard cleared on its way back i
 TEST_CASE("stage 2's pool: of two free buffers of one size gradients take the one cleared on its way back and a staging "
           "buffer the other (no clearing wasted on a buffer about to be overwritten)") {
   int cleared_by_taker = 0;
-  BucketBuffers bufs(std::vector<std::size_t>(3, 256), /*pooled=*/true, {}, [&](std::byte* p, std::size_t n) {
-    ++cleared_by_taker;
-    std::memset(p, 0, n);
-  });
+  auto pool = counted_pool(3, cleared_by_taker);
+  auto& bufs = *pool;
   auto a = bufs.grad(0);
   auto st = bufs.acquire_staging(1);
   const std::byte* const cleared = a.get();
