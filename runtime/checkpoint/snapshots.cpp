@@ -142,7 +142,7 @@ void prune(const std::string& dir, int keep, spdlog::logger& log) {
 // do its step again, writing it anew under new names. Its files were still going to the other
 // host, though: the launcher's mirror sends every file not yet copied (Note [Snapshots on the
 // other host]), and a 96 MiB file of the 64 MiB MLP took the link's whole rate for 1.3 s after the
-// recovery, the first step after it at 1.2-1.5 s against 0.63 steady (2 hosts x 1 rank, 1 Gbit/s,
+// recovery, the first step after it at 1.1-1.2 s against 0.63 steady (2 hosts x 1 rank, 1 Gbit/s,
 // bench/restart_time.py, whose kill falls right after a snapshot). So once the ranks have chosen
 // the step they resume from, each host's first rank removes from its host's memory every
 // snapshot newer than it that has no index; the mirror stops a file that was removed while it
