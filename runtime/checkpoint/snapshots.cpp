@@ -293,6 +293,10 @@ std::uint64_t Runtime::resumed_step() {
   }
   I.control_collective(CollectiveKind::allreduce, missing, 3, "snapshot: every host holds the newest in memory");
   const bool use_memory = words[4] && missing[0] == 0;
+  // The first rank of this host (the one rank without a launcher's LOCAL_RANK: rank 0): it writes
+  // the index into the host's memory and drops what a lost round left there.
+  const char* local = std::getenv("LOCAL_RANK");
+  const bool host_first = local ? std::string(local) == "0" : I.rank == 0;
   if (use_memory) {
     I.persistence->snapshots.memory_dir = memory;
     std::ofstream(fs::path(memory) / snapshot_env::kInUse) << "the ranks keep their snapshots here\n";  // Note [A node joins live]
@@ -302,17 +306,13 @@ std::uint64_t Runtime::resumed_step() {
     // Note [Snapshots on the other host]: the launcher copies this host's files to the other node's memory.
     if (const char* m = std::getenv(snapshot_env::kMirror); m && *m) {
       I.persistence->snapshots.mirror = m;
-      const char* local = std::getenv("LOCAL_RANK");
-      I.persistence->snapshots.host_index = I.rank != 0 && local && std::string(local) == "0";
+      I.persistence->snapshots.host_index = I.rank != 0 && host_first;
     }
   }
   const bool from_memory = use_memory && in_memory != 0 && missing[1] == 0 && in_memory >= on_disk;
   const std::uint64_t step = from_memory ? in_memory : on_disk;
   if (const auto kept = I.restore_from_memory(step, missing[2] > 0)) return *kept;
-  if (use_memory) {  // Note [Snapshots of a timeline left behind]: each host's first rank
-    const char* local = std::getenv("LOCAL_RANK");
-    if (local ? std::string(local) == "0" : I.rank == 0) drop_left_behind(memory, step, *I.log);
-  }
+  if (use_memory && host_first) drop_left_behind(memory, step, *I.log);  // Note [Snapshots of a timeline left behind]
   if (use_memory && in_memory != 0 && missing[1] > 0 && I.rank == 0)
     I.log->warn("snapshots: the snapshot of step {} in memory is not whole on every host ({} rank(s) lack files of it there): "
                 "resuming from the disk's newest instead", in_memory, int(missing[1]));

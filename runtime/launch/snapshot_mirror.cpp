@@ -410,15 +410,15 @@ bool SnapshotMirror::send_round() {
   // failed to keep it ("cannot keep ... No such file or directory", then "failed; retrying", in
   // a job where nothing had failed). The older complete snapshots that a prune keeps have every
   // file copied already (a snapshot completes only then).
-  const std::string complete_dir = peer.empty() || seeding ? std::string() : newest_indexed();
-  const std::uint64_t complete = complete_dir.empty() ? 0 : step_of(complete_dir + "/");
-  if (!peer.empty() && !seeding)
+  if (!peer.empty() && !seeding) {
+    std::uint64_t complete = 0;  // the newest snapshot here with its index, seen in the same pass
     for (const auto& step : fs::directory_iterator(memory_, ec)) {
       const auto dir = step.path().filename().string();
       if (dir.rfind("step-", 0) != 0) continue;
-      if (step_of(dir + "/") < complete) continue;
-      if (std::lock_guard lock(mu_); skip_through_ && step_of(dir + "/") <= skip_through_) continue;
+      const std::uint64_t n = step_of(dir + "/");
       std::error_code ec2;
+      if (fs::exists(step.path() / "index.json", ec2)) complete = std::max(complete, n);
+      if (std::lock_guard lock(mu_); skip_through_ && n <= skip_through_) continue;
       for (const auto& f : fs::directory_iterator(step.path(), ec2)) {
         const std::string rel = dir + "/" + f.path().filename().string();
         if (valid_path(rel) && snapshot_env::is_shard_file(f.path().filename().string()) &&
@@ -426,6 +426,8 @@ bool SnapshotMirror::send_round() {
           todo.push_back(rel);
       }
     }
+    std::erase_if(todo, [&](const std::string& rel) { return step_of(rel) < complete; });
+  }
   if (todo.empty()) return false;
   if (!seeding)
     std::stable_sort(todo.begin(), todo.end(), [](const std::string& a, const std::string& b) { return step_of(a) < step_of(b); });
